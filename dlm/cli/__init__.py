@@ -1,0 +1,60 @@
+"""The `dlm` command-line app: parse arguments, call the library, render the result.
+
+Each workflow lives in its own module with a `register(app)` function. User errors (`UserError`)
+become one red `error: ...` line and exit code 2; `--debug` shows their traceback too.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from dlm import __version__
+from dlm.cli import config_cmd
+from dlm.cli.common import err_console
+from dlm.errors import UserError
+
+app = typer.Typer(
+    name="dlm",
+    help="Masked discrete diffusion language models: tokenize, pack, train, evaluate, export, sample.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dlm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for user errors too.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+for _module in (config_cmd,):
+    _module.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+
+    try:
+        app(args=argv, prog_name="dlm", standalone_mode=True)
+    except UserError as exc:
+        if _state["debug"]:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,43 @@
+"""What every subcommand shares: consoles, JSON output and the `--set` / `--json` options."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="Experiment config (TOML).", show_default=False)
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override a config field, e.g. --set training.learning_rate=1e-3 (repeatable).",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+]
+
+
+def wants_json(flag: bool) -> bool:
+    """JSON when asked, or when stdout is not a terminal a person is watching."""
+
+    return flag or not sys.stdout.isatty()
+
+
+def print_json(payload: Any) -> None:
+    """One JSON document on stdout (paths and other objects rendered as strings)."""
+
+    sys.stdout.write(json.dumps(payload, default=str) + "\n")
+    sys.stdout.flush()

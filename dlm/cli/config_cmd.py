@@ -1,0 +1,55 @@
+"""`dlm config show` and `dlm config docs`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json
+from dlm.config import config_reference_markdown, load_config
+
+config_app = typer.Typer(help="Inspect configs and the configuration reference.", no_args_is_help=True)
+
+
+@config_app.command("show")
+def show(
+    config: Annotated[Path, typer.Argument(help="Experiment config (TOML or a run's config.json).")],
+    overrides: SetOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Print the resolved config: file values, then overrides, then defaults for the rest."""
+
+    experiment = load_config(config, overrides)
+    if as_json:
+        print_json(experiment.to_dict())
+        return
+    from rich.table import Table
+
+    for section, values in experiment.to_dict().items():
+        table = Table(title=f"[{section}]", title_justify="left", show_header=False, box=None)
+        for key, value in values.items():
+            table.add_row(f"[cyan]{key}[/]", repr(value) if isinstance(value, str) else str(value))
+        console.print(table)
+
+
+@config_app.command("docs")
+def docs(
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
+    ] = None,
+) -> None:
+    """Generate the configuration reference (docs/configuration.md) from the schema."""
+
+    text = config_reference_markdown()
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    temporary = output.with_name(output.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(output)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(config_app, name="config")

@@ -1,0 +1,341 @@
+"""Typed experiment configuration: pydantic models, TOML loading and `--set` overrides.
+
+One `ExperimentConfig` holds a `ModelConfig` (what the network is) and a `TrainingConfig` (how it is
+trained). Every field is bounded; cross-field rules live in validators that name the field and the
+fix, and `load_config` turns pydantic's errors into one readable `UserError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dlm.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class FieldProblem(ValueError):
+    """A cross-field rule broken by one field, with the fix a user should apply."""
+
+    def __init__(self, field: str, message: str, fix: str):
+        self.field, self.problem, self.fix = field, message, fix
+        super().__init__(f"{field}: {message}; fix: {fix}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Strict):
+    """The network: a bidirectional pre-norm transformer with rotary positions and a tied head."""
+
+    vocab_size: int = Field(8192, ge=4, le=1 << 24, description="Tokens in the tokenizer, special tokens included.")
+    mask_token_id: int = Field(1, ge=0, description="Id of the mask (absorbing-state) token.")
+    max_seq_len: int = Field(256, ge=2, le=1 << 17, description="Tokens per training sequence (packed block length).")
+    d_model: int = Field(384, ge=8, le=65536, description="Width of the residual stream.")
+    n_layers: int = Field(6, ge=1, le=512, description="Number of transformer blocks.")
+    n_heads: int = Field(6, ge=1, le=1024, description="Attention heads; d_model / n_heads is the head dimension.")
+    ffn_hidden_size: int | None = Field(
+        None, ge=8, description="SwiGLU hidden width; default 8/3 x d_model rounded up to a multiple of 64."
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="Base of the rotary position embedding frequencies.")
+    norm_eps: float = Field(1e-6, gt=0, lt=1, description="Epsilon of the RMSNorm layers.")
+    init_std: float = Field(0.02, gt=0, le=1, description="Standard deviation of the weight initialisation.")
+    pad_vocab_multiple: int = Field(
+        128, ge=1, le=4096, description="Embedding rows are padded to this multiple for fast matmuls (padding is never predicted)."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block in the backward pass: less memory, about 30% more compute."
+    )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return -(-(8 * self.d_model // 3) // 64) * 64
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise FieldProblem(
+                "n_heads",
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})",
+                "choose n_heads that divides d_model",
+            )
+        if self.head_dim % 2:
+            raise FieldProblem(
+                "n_heads",
+                f"head dimension d_model / n_heads = {self.head_dim} is odd; rotary embeddings need it even",
+                "choose n_heads so that d_model / n_heads is even (64 or 128 is fastest on GPUs)",
+            )
+        if self.mask_token_id >= self.vocab_size:
+            raise FieldProblem(
+                "mask_token_id",
+                f"{self.mask_token_id} is not below vocab_size ({self.vocab_size})",
+                "use the id printed by `dlm tokenizer train`",
+            )
+        return self
+
+
+class TrainingConfig(_Strict):
+    """Data, optimisation, noise, logging and checkpointing of one training run."""
+
+    tokenizer: Path = Field(Path("tokenizer.json"), description="tokenizer.json written by `dlm tokenizer train`.")
+    train_data: Path = Field(Path("data/train.bin"), description="Packed training tokens written by `dlm pack`.")
+    val_data: Path | None = Field(None, description="Packed validation tokens; none disables validation.")
+    output_dir: Path = Field(Path("runs/default"), description="Run directory: config, metrics and checkpoints.")
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."
+    )
+    precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Autocast dtype; auto = bfloat16 on CUDA when supported, else float32."
+    )
+    seed: int = Field(1337, ge=0, lt=2**63, description="Seed for weights, data order and diffusion noise.")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="adamw (torch) or adamw8bit (bitsandbytes, the `gpu` extra)."
+    )
+    optimizer_embedding_32bit: bool = Field(
+        True, description="adamw8bit: keep 32-bit optimizer state for the tied embedding / head."
+    )
+    optimizer_min_8bit_size: int = Field(
+        4096, ge=0, description="adamw8bit: tensors with fewer elements keep 32-bit state."
+    )
+    learning_rate: float = Field(3e-4, gt=0, le=1, description="Peak learning rate after warmup.")
+    min_learning_rate: float = Field(3e-5, ge=0, le=1, description="Floor of the cosine decay.")
+    warmup_steps: int = Field(100, ge=0, description="Linear warmup length in optimizer steps.")
+    max_steps: int = Field(1000, ge=1, description="Total optimizer steps of the run.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW decay on weights with 2 or more dims.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, le=1e-2, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    batch_size: int = Field(32, ge=1, description="Sequences per micro-batch (per process).")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    mask_eps: float = Field(1e-3, gt=0, lt=1, description="Smallest diffusion time (mask probability).")
+    num_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes.")
+    log_interval: int = Field(10, ge=1, description="Optimizer steps between training log events.")
+    eval_interval: int = Field(100, ge=1, description="Optimizer steps between validations.")
+    eval_batches: int = Field(8, ge=1, description="Validation batches, one fixed noise level each.")
+    save_interval: int = Field(500, ge=1, description="Optimizer steps between checkpoints.")
+    keep_last_checkpoints: int = Field(3, ge=0, description="Numbered checkpoints to keep; 0 keeps all.")
+    save_inference_checkpoint: bool = Field(True, description="Also write a compact bf16 inference-latest.pt.")
+    require_fused_attention: bool = Field(
+        False, description="Fail instead of falling back to the quadratic-memory math attention (CUDA)."
+    )
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the model; auto = on for CUDA, off on CPU / MPS."
+    )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1, description="Keep an exponential moving average of the weights (e.g. 0.999)."
+    )
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-process wrapping under torchrun.")
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainingConfig:
+        if self.warmup_steps >= self.max_steps:
+            raise FieldProblem(
+                "warmup_steps",
+                f"{self.warmup_steps} is not below max_steps ({self.max_steps})",
+                "shorten the warmup or train longer",
+            )
+        if self.min_learning_rate > self.learning_rate:
+            raise FieldProblem(
+                "min_learning_rate",
+                f"{self.min_learning_rate} is above learning_rate ({self.learning_rate})",
+                "set min_learning_rate <= learning_rate",
+            )
+        if self.precision == "float16" and self.device == "cpu":
+            raise FieldProblem(
+                "precision",
+                "float16 training is not supported on the CPU",
+                "use float32 or bfloat16 on the CPU",
+            )
+        if self.require_fused_attention and self.device in ("cpu", "mps"):
+            raise FieldProblem(
+                "require_fused_attention",
+                f"fused attention kernels exist only on CUDA, device is {self.device}",
+                "set require_fused_attention = false or train on a CUDA device",
+            )
+        return self
+
+
+class ExperimentConfig(_Strict):
+    """A complete experiment: the model and how to train it."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def with_absolute_paths(self) -> ExperimentConfig:
+        """A copy whose file paths no longer depend on the working directory (for run dirs)."""
+
+        training = self.training
+        updates: dict[str, Any] = {
+            name: Path(getattr(training, name)).expanduser().resolve()
+            for name in ("tokenizer", "train_data", "output_dir")
+        }
+        if training.val_data is not None:
+            updates["val_data"] = Path(training.val_data).expanduser().resolve()
+        return self.model_copy(update={"training": training.model_copy(update=updates)})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | Path = "<checkpoint>") -> ExperimentConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise UserError(format_validation_error(exc), path=source) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: the dotted field path, what is wrong, and how to fix it."""
+
+    lines = []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"])
+        problem = (error.get("ctx") or {}).get("error")
+        if isinstance(problem, FieldProblem):
+            field = f"{location}.{problem.field}" if location else problem.field
+            lines.append(f"{field}: {problem.problem}; fix: {problem.fix}")
+            continue
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            fix = "remove it or check its spelling (`dlm config show` lists every field)"
+            lines.append(f"{location}: unknown field; fix: {fix}")
+            continue
+        got = error.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{location}: {message}{shown}; fix: set {location} to a valid value")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _field_allows_none(section: type[BaseModel], name: str) -> bool:
+    annotation = section.model_fields[name].annotation
+    return "None" in str(annotation)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Path) -> dict[str, Any]:
+    """Apply `section.field=value` strings; pydantic later coerces each value to the field's type."""
+
+    sections: dict[str, type[BaseModel]] = {"model": ModelConfig, "training": TrainingConfig}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section_name, dot, field = key.strip().partition(".")
+        if not sep or not dot:
+            raise UserError(
+                f"override {item!r} is not of the form section.field=value",
+                fix="for example --set training.learning_rate=1e-3",
+            )
+        section = sections.get(section_name)
+        if section is None or field not in section.model_fields:
+            raise UserError(
+                f"override {item!r} names no config field",
+                path=source,
+                fix="`dlm config show CONFIG` lists every field",
+            )
+        value = value.strip()
+        parsed: Any = value
+        if value.lower() in ("none", "null") and _field_allows_none(section, field):
+            parsed = None
+        data.setdefault(section_name, {})[field] = parsed
+    return data
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise UserError("config file not found", path=path, fix="check the path passed to --config")
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"not valid TOML: {exc}", path=path) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read config: {exc}", path=path) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a TOML (or run-directory JSON) config, apply overrides and validate it."""
+
+    path = Path(path)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError("config file not found", path=path) from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"not valid JSON: {exc}", path=path) from None
+    else:
+        data = _read_toml(path)
+    data = apply_overrides(data, list(overrides or []), path)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc), path=path) from None
+
+
+def _bounds(info: Any) -> str:
+    parts = []
+    for item in info.metadata:
+        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("pattern", "matches")):
+            value = getattr(item, attr, None)
+            if value is not None:
+                parts.append(f"{symbol} {value}")
+    return ", ".join(parts)
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("pathlib.", "")
+    return text.replace("<class '", "").replace("'>", "")
+
+
+def config_reference_markdown() -> str:
+    """The configuration reference, generated from the schema (docs/configuration.md)."""
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `dlm/config.py` by `dlm config docs`; a test fails when this file is stale.",
+        "Config files are TOML with a `[model]` and a `[training]` table. Any command that takes",
+        "`--config` also takes repeated `--set section.field=value` overrides, parsed with the",
+        "field's own type (`none` clears an optional field). Relative paths are relative to the",
+        "working directory; the run directory keeps the resolved config as `config.json`.",
+        "",
+    ]
+    for name, section in (("model", ModelConfig), ("training", TrainingConfig)):
+        lines += [f"## `[{name}]`", "", (section.__doc__ or "").strip(), ""]
+        lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
+        for field, info in section.model_fields.items():
+            default = info.default if info.default is not None else "none"
+            lines.append(
+                f"| `{field}` | `{_type_name(info.annotation)}` | `{default}` | {_bounds(info)} "
+                f"| {info.description or ''} |"
+            )
+        lines.append("")
+    lines += [
+        "## Cross-field rules",
+        "",
+        "- `model.d_model` divisible by `model.n_heads`, with an even head dimension (rotary embeddings).",
+        "- `model.mask_token_id` < `model.vocab_size`.",
+        "- `training.warmup_steps` < `training.max_steps`; `training.min_learning_rate` <= `training.learning_rate`.",
+        "- `training.precision = \"float16\"` is refused on the CPU; `require_fused_attention` needs CUDA.",
+        "- `dlm validate` additionally checks the tokenizer and data files against the model fields.",
+        "",
+    ]
+    return "\n".join(lines)
