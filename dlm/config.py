@@ -50,7 +50,7 @@ class ModelConfig(_Strict):
     norm_eps: float = Field(1e-6, gt=0, lt=1, description="Epsilon of the RMSNorm layers.")
     init_std: float = Field(0.02, gt=0, le=1, description="Standard deviation of the weight initialisation.")
     pad_vocab_multiple: int = Field(
-        128, ge=1, le=4096, description="Embedding rows are padded to this multiple for fast matmuls (padding is never predicted)."
+        128, ge=1, le=4096, description="Pad embedding rows to this multiple (padding is never predicted)."
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in the backward pass: less memory, about 30% more compute."
@@ -302,7 +302,8 @@ def _bounds(info: Any) -> str:
 
 def _type_name(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "").replace("pathlib.", "")
-    return text.replace("<class '", "").replace("'>", "")
+    # A literal "|" would split the Markdown table cell.
+    return text.replace("<class '", "").replace("'>", "").replace(" | ", " or ")
 
 
 def config_reference_markdown() -> str:

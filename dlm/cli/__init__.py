@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from dlm import __version__
-from dlm.cli import config_cmd
+from dlm.cli import config_cmd, data_cmd, eval_cmd, sample_cmd, train_cmd
 from dlm.cli.common import err_console
 from dlm.errors import UserError
 
@@ -44,7 +44,7 @@ def _root(
     _state["debug"] = debug
 
 
-for _module in (config_cmd,):
+for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, sample_cmd):
     _module.register(app)
 
 

@@ -1,0 +1,59 @@
+"""CLI conventions shared by every command: help, version, user errors, JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dlm import __version__
+from dlm.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def run_dlm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dlm", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def test_help_lists_every_workflow() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("config", "tokenizer", "pack", "validate", "train", "resume", "eval", "bench",
+                    "export", "sample", "demo"):
+        assert command in result.output, command
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_bad_config_exits_2_with_one_error_line_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nbatch_size = 0\n", encoding="utf-8")
+    result = run_dlm("config", "show", str(bad))
+    assert result.returncode == 2
+    assert result.stderr.startswith("error:")
+    assert "training.batch_size" in result.stderr and str(bad) in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = run_dlm("--debug", "config", "show", str(tmp_path / "absent.toml"))
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_config_show_json_applies_overrides() -> None:
+    result = runner.invoke(
+        app, ["config", "show", str(ROOT / "configs" / "tiny.toml"), "--set", "training.seed=7", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["training"]["seed"] == 7 and data["model"]["d_model"] == 64
