@@ -1,0 +1,237 @@
+"""`dlm tokenizer train`, `dlm pack` and `dlm validate`: parse, call the library, render.
+
+The library modules load lazily inside each command so that `dlm pack` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+
+if TYPE_CHECKING:
+    from dlm.data import PackSummary
+
+tokenizer_app = typer.Typer(help="Train byte-level BPE tokenizers.", no_args_is_help=True)
+
+
+class DecodeErrors(str, Enum):
+    strict = "strict"
+    replace = "replace"
+
+
+InputsArgument = Annotated[
+    list[str],
+    typer.Argument(help="Text files, directories (recursive) or globs: .txt, .md, .jsonl, and .gz of those."),
+]
+TextFieldOption = Annotated[str, typer.Option("--text-field", help="JSON field holding the text of .jsonl lines.")]
+ErrorsOption = Annotated[
+    DecodeErrors,
+    typer.Option("--errors", help="Bytes that are not UTF-8: stop with the offset, or replace with U+FFFD."),
+]
+OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace existing output files.")]
+
+
+class _ProgressView:
+    """A rich progress bar on a terminal; otherwise a JSON line at most once a second."""
+
+    def __init__(self, description: str, as_json: bool):
+        self.description, self.as_json = description, as_json
+        self.started = time.perf_counter()
+        self.last_line = 0.0
+        self.finished = False
+        self.bar: Any = None
+
+    def __enter__(self) -> _ProgressView:
+        if not self.as_json:
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TextColumn("{task.fields[rates]}"),
+                console=console,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(self.description, total=None, rates="")
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int, total: int, tokens: int | None = None) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else None
+        if self.bar is not None:
+            text = f"{rate / 1e6:.2f} MB/s"
+            if tokens is not None:
+                text += f"  {tokens / elapsed:,.0f} tok/s"
+            text += f"  ETA {eta:.0f}s" if eta is not None else ""
+            self.bar.update(self.task, completed=done, total=total, rates=text)
+        elif now - self.last_line >= 1.0 or (done >= total and not self.finished):
+            self.last_line, self.finished = now, done >= total
+            line = {"event": "progress", "bytes": done, "total_bytes": total, "mb_per_s": rate / 1e6}
+            if tokens is not None:
+                line.update(tokens=tokens, tokens_per_s=tokens / elapsed)
+            line["eta_s"] = eta
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    inputs: InputsArgument,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", "-n", help="Total vocabulary, special tokens included.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="tokenizer.json to write.")],
+    text_field: TextFieldOption = "text",
+    errors: ErrorsOption = DecodeErrors.strict,
+    overwrite: OverwriteOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Train a byte-level BPE tokenizer with dlm's special tokens, streaming the corpus."""
+
+    from dlm.tokenizer import train_tokenizer
+
+    json_mode = wants_json(as_json)
+    with _ProgressView("reading", json_mode) as view:
+        summary = train_tokenizer(
+            inputs,
+            vocab_size,
+            output,
+            text_field=text_field,
+            errors=errors.value,
+            progress=view.update,
+            overwrite=overwrite,
+        )
+    if json_mode:
+        print_json({"event": "summary", **vars(summary)})
+        return
+    ids = ", ".join(f"{name} {index}" for name, index in summary.special_token_ids.items())
+    console.print(
+        f"wrote [bold]{escape(str(summary.path))}[/]: vocab size {summary.vocab_size}, special ids {ids}",
+        highlight=False,
+    )
+    console.print(
+        f"read {summary.files} files, {summary.documents} documents, "
+        f"{summary.input_bytes / 1e6:.1f} MB in {summary.seconds:.1f}s",
+        highlight=False,
+    )
+    if summary.replaced_characters:
+        console.print(f"[yellow]replaced {summary.replaced_characters} invalid UTF-8 sequences[/]")
+    console.print("paste into the \\[model] table of your config:", highlight=False)
+    for line in summary.config_lines:
+        console.print(f"  {line}", highlight=False)
+
+
+def pack(
+    inputs: InputsArgument,
+    tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="tokenizer.json to encode with.")],
+    seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per block (model.max_seq_len).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train/val .bin/.json.")],
+    val_fraction: Annotated[
+        float, typer.Option("--val-fraction", help="Share of whole documents held out for validation.")
+    ] = 0.0,
+    val_input: Annotated[
+        list[str] | None,
+        typer.Option("--val-input", help="Validation inputs (repeatable), instead of --val-fraction."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the --val-fraction split.")] = 0,
+    text_field: TextFieldOption = "text",
+    errors: ErrorsOption = DecodeErrors.strict,
+    overwrite: OverwriteOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks."""
+
+    from dlm.data import pack_corpus
+
+    json_mode = wants_json(as_json)
+    with _ProgressView("packing", json_mode) as view:
+        summary = pack_corpus(
+            inputs,
+            tokenizer,
+            seq_len,
+            output,
+            val_fraction=val_fraction,
+            val_inputs=val_input or [],
+            seed=seed,
+            text_field=text_field,
+            errors=errors.value,
+            overwrite=overwrite,
+            progress=view.update,
+        )
+    if json_mode:
+        splits = {name: vars(split) for name, split in summary.splits.items()}
+        print_json({"event": "summary", **vars(summary), "splits": splits})
+    else:
+        _render_pack(summary)
+
+
+def _render_pack(summary: PackSummary) -> None:
+    from rich.table import Table
+
+    table = Table("split", "blocks", "tokens", "dropped", "documents", "text MB", title=escape(str(summary.output)))
+    for name, split in summary.splits.items():
+        table.add_row(
+            name,
+            f"{split.num_blocks:,}",
+            f"{split.num_tokens:,}",
+            f"{split.dropped_tokens:,}",
+            f"{split.documents:,}",
+            f"{split.text_bytes / 1e6:.2f}",
+        )
+    console.print(table)
+    tokens = sum(split.num_tokens + split.dropped_tokens for split in summary.splits.values())
+    text_bytes = sum(split.text_bytes for split in summary.splits.values())
+    console.print(
+        f"{text_bytes / 1e6:.1f} MB of text in {summary.seconds:.1f}s "
+        f"({text_bytes / 1e6 / summary.seconds:.2f} MB/s, {tokens / summary.seconds:,.0f} tok/s), "
+        f"{summary.dtype} tokens, vocab {summary.vocab_size}",
+        highlight=False,
+    )
+    if summary.replaced_characters:
+        console.print(f"[yellow]replaced {summary.replaced_characters} invalid UTF-8 sequences[/]")
+    if "val" not in summary.splits:
+        console.print("no validation split: pass --val-fraction or --val-input to make one")
+
+
+def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
+    """Check a config against its tokenizer, data and output directory; exit 2 on any failure."""
+
+    from dlm.validate import validate_config_file
+
+    _, results = validate_config_file(config, overrides)
+    passed = all(result.passed for result in results)
+    if wants_json(as_json):
+        print_json({"passed": passed, "checks": [result.to_dict() for result in results]})
+    else:
+        from rich.table import Column, Table
+
+        table = Table(Column("check", no_wrap=True), "result", "detail", "fix", title=escape(str(config)))
+        for result in results:
+            mark = "[green]passed[/]" if result.passed else "[bold red]failed[/]"
+            table.add_row(result.name, mark, escape(result.detail), escape(result.fix))
+        console.print(table)
+    if not passed:
+        raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tokenizer_app, name="tokenizer")
+    app.command("pack")(pack)
+    app.command("validate")(validate)

@@ -1,0 +1,95 @@
+"""Shared fixtures: a tiny tokenizer and a tiny packed dataset (built once per session), and a
+way to run the real CLI entry point in-process."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dlm.assets import shakespeare_files
+from dlm.data import pack_corpus
+from dlm.tokenizer import train_tokenizer
+
+TINY_VOCAB_SIZE = 512  # configs/tiny.toml: model.vocab_size
+TINY_SEQ_LEN = 64  # configs/tiny.toml: model.max_seq_len
+
+
+def tiny_train_files() -> list[Path]:
+    return shakespeare_files("train")[:4]
+
+
+def tiny_val_files() -> list[Path]:
+    return shakespeare_files("val")[:1]
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus() -> dict[str, list[Path]]:
+    """The bundled files behind the tiny fixtures: 4 training works (~0.2 MB) and Hamlet."""
+
+    return {"train": tiny_train_files(), "val": tiny_val_files()}
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 512-token byte-level BPE (ids: eos 0, mask 1, pad 2) trained on `tiny_train_files()`."""
+
+    path = tmp_path_factory.mktemp("tiny-tokenizer") / "tokenizer.json"
+    train_tokenizer(tiny_train_files(), TINY_VOCAB_SIZE, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_path: Path) -> Path:
+    """tokenizer.json, train.bin/json (4 works) and val.bin/json (Hamlet) at seq_len 64."""
+
+    output = tmp_path_factory.mktemp("tiny-data")
+    pack_corpus(
+        tiny_train_files(),
+        tiny_tokenizer_path,
+        TINY_SEQ_LEN,
+        output,
+        val_inputs=tiny_val_files(),
+        overwrite=True,
+    )
+    return output
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    def assert_refused(self, *fragments: str) -> None:
+        """A user error: exit 2, one `error:` line holding every fragment, and no traceback."""
+
+        assert self.exit_code == 2, (self.stdout, self.stderr)
+        lines = self.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), self.stderr
+        assert "Traceback" not in self.stderr + self.stdout
+        for fragment in fragments:
+            assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """Run `dlm ARGS...` through `dlm.cli.main`, the console-script entry point, in-process."""
+
+    from dlm.cli import main
+
+    def run(*args: str | Path) -> CliResult:
+        capsys.readouterr()
+        try:
+            main([str(arg) for arg in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush()
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
