@@ -1,0 +1,194 @@
+"""Absorbing-state masked diffusion: noise schedule, time sampling, corruption and the ELBO loss.
+
+Forward process (linear schedule, as MDLM / SMDM / LLaDA): at time t in [eps, 1] every token is
+independently replaced by the mask token with probability t. The reverse model predicts the clean
+token at masked positions, and the negative ELBO per token of a sequence x of length L is
+
+    NLL(x) <= E_{t ~ U[0, 1]} [ (1 / t) * sum over masked positions i of -log p(x_i | x_t) ] / L
+
+so the training loss is the one-sample estimate of that expectation: cross-entropy at the masked
+positions, each divided by its sequence's mask probability, summed and divided by B x L.
+
+Noise must be reproducible whatever the number of processes: each micro-batch draws its times and
+masks from a generator seeded by (seed, global micro-batch index), and the stratification offset
+of an optimizer step from (seed, step); global RNG state is never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_SEED_DOMAIN = 0x646C6D  # "dlm": keeps our seeds apart from other SeedSequence users
+_OFFSET_TAG = 0x6F6666  # "off": separates step offsets from micro-batch generators
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """One draw of the forward process for a batch."""
+
+    noisy_tokens: Tensor  # [B, L] long: clean tokens with masked positions set to the mask id
+    mask: Tensor  # [B, L] bool: True where the token was masked
+    mask_probability: Tensor  # [B] float32: each sequence's time t, clamped to [eps, 1]
+
+
+@dataclass(frozen=True)
+class DiffusionLoss:
+    """The ELBO loss of one batch and its diagnostics; all tensors, so reading them needs no sync."""
+
+    loss: Tensor  # 0-dim: negative ELBO estimate per token (nats), the training objective
+    masked_accuracy: Tensor  # 0-dim: fraction of masked tokens whose argmax is the clean token
+    masked_tokens: Tensor  # 0-dim long: number of masked positions N
+    per_sequence_nll: Tensor  # [B]: each sequence's one-sample ELBO estimate per token
+
+
+def corrupt_tokens(
+    clean: Tensor,
+    mask_token_id: int,
+    mask_probability: Tensor,
+    eps: float,
+    generator: torch.Generator | None = None,
+) -> Corruption:
+    """Mask each token of sequence b independently with probability mask_probability[b]."""
+
+    batch = clean.shape[0]
+    probability = mask_probability.to(device=clean.device, dtype=torch.float32).expand(batch)
+    # t -> 0 would make the 1 / t loss weight explode for a nearly clean sequence.
+    probability = probability.clamp(eps, 1.0)
+    draws = torch.rand(clean.shape, generator=generator, device=clean.device)
+    mask = draws < probability[:, None]
+    return Corruption(clean.masked_fill(mask, mask_token_id), mask, probability)
+
+
+def stratified_times(offset: float | Tensor, slot_indices: Tensor, total_slots: int, eps: float) -> Tensor:
+    """Times eps + (1 - eps) * ((offset + slot / total_slots) mod 1) for the given slots.
+
+    The total_slots times of one offset form an evenly spaced grid over [eps, 1] shifted by the
+    random offset: each has the uniform marginal the ELBO needs, yet together they cover every
+    noise level, which lowers the variance of the step's gradient (antithetic sampling).
+    """
+
+    unit = (offset + slot_indices.to(torch.float32) / total_slots) % 1.0
+    return eps + (1.0 - eps) * unit
+
+
+def accumulation_mask_probabilities(
+    batch_size: int,
+    micro_batch_index: int,
+    gradient_accumulation_steps: int,
+    offset: float | Tensor,
+    eps: float,
+    device: torch.device | str,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Tensor:
+    """The [batch_size] times of one micro-batch, stratified over a whole optimizer step.
+
+    An optimizer step has batch_size x gradient_accumulation_steps x world_size slots; rank r's
+    micro-batch m takes the batch_size consecutive slots starting at (m x world_size + r) x
+    batch_size. So 2 ranks with accumulation A see exactly the times of 1 rank with 2A.
+    """
+
+    if not 0 <= micro_batch_index < gradient_accumulation_steps:
+        raise ValueError(f"micro_batch_index {micro_batch_index} outside [0, {gradient_accumulation_steps})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    total_slots = batch_size * gradient_accumulation_steps * world_size
+    start = (micro_batch_index * world_size + rank) * batch_size
+    slots = torch.arange(start, start + batch_size, device=device)
+    return stratified_times(offset, slots, total_slots, eps)
+
+
+def noise_seed(seed: int, *indices: int) -> int:
+    """A 63-bit seed mixed from (seed, *indices), identical on every run, machine and version.
+
+    Each value is split into two 32-bit words and the count goes first, because SeedSequence
+    alone treats (s, 0) like (s,) and a 64-bit seed like two small indices.
+    """
+
+    values = (seed, *indices)
+    if any(not 0 <= value < 2**64 for value in values):
+        raise ValueError(f"seed and indices must lie in [0, 2**64), got {values}")
+    words = [_SEED_DOMAIN, len(values)]
+    for value in values:
+        words += [value & 0xFFFFFFFF, value >> 32]
+    low, high = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    return (int(high) << 32 | int(low)) & (2**63 - 1)
+
+
+def noise_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` whose stream depends only on (seed, global micro-batch index)."""
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed(noise_seed(seed, index))
+    return generator
+
+
+def step_time_offset(seed: int, step: int) -> float:
+    """The stratification offset in [0, 1) of optimizer step `step`."""
+
+    # 53 bits fill a double's mantissa exactly, so the result can never round up to 1.0.
+    return (noise_seed(seed, step, _OFFSET_TAG) >> 10) / 2.0**53
+
+
+def diffusion_cross_entropy(logits: Tensor, clean: Tensor, corruption: Corruption) -> DiffusionLoss:
+    """The MDLM / SMDM ELBO loss from logits [N, V] at the N masked positions (row-major order).
+
+    loss = sum_i CE_i / t_b(i) / (B x L). Cross-entropy runs in float32 even under autocast:
+    bf16 log-probabilities of an 8K+ vocabulary are too coarse for a loss that is then summed.
+    """
+
+    batch, length = clean.shape
+    mask, count = corruption.mask, logits.shape[0]
+    # clean[mask] would wait for the GPU to finish the forward pass (its size lives on the device);
+    # N is already known from the logits, so targets and rows are gathered without a host sync.
+    flat_mask = mask.flatten()
+    slot = torch.where(flat_mask, flat_mask.cumsum(0) - 1, count)  # unmasked tokens -> spare slot N
+    targets = clean.new_empty(count + 1).scatter_(0, slot, clean.flatten())[:count]
+    masked_per_sequence = mask.sum(dim=1)
+    rows = torch.repeat_interleave(torch.arange(batch, device=clean.device), masked_per_sequence, output_size=count)
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")  # [N]
+    weighted = ce / corruption.mask_probability[rows]
+    loss = weighted.sum() / (batch * length)
+    per_sequence = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted).sum(dim=1) / length
+    masked_tokens = masked_per_sequence.sum()
+    correct = (logits.argmax(dim=-1) == targets).sum()
+    accuracy = correct.float() / masked_tokens.clamp(min=1).float()
+    return DiffusionLoss(loss, accuracy, masked_tokens, per_sequence)
+
+
+@torch.no_grad()
+def elbo_nll(
+    logits_fn: Callable[[Tensor, Tensor], Tensor],
+    clean: Tensor,
+    mask_token_id: int,
+    num_samples: int,
+    eps: float,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Monte Carlo negative ELBO per token of each sequence, and its standard error, both [B].
+
+    `logits_fn(noisy_tokens, mask)` returns logits at the masked positions ([N, V]). Each sequence
+    gets one random offset u0 and the K antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1).
+    """
+
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+    offsets = torch.rand(clean.shape[0], generator=generator, device=clean.device)
+    samples = []
+    for k in range(num_samples):
+        times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
+        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator)
+        logits = logits_fn(corruption.noisy_tokens, corruption.mask)
+        samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
+    stacked = torch.stack(samples)  # [K, B]
+    if num_samples == 1:
+        return stacked[0], torch.full_like(stacked[0], float("nan"))
+    # Standard error as if the K samples were independent. Antithetic (evenly spread) times are
+    # negatively correlated, so the true error of the mean is smaller: this bound is conservative.
+    return stacked.mean(dim=0), stacked.std(dim=0) / num_samples**0.5

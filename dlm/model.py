@@ -1,0 +1,198 @@
+"""The denoiser: a bidirectional pre-norm transformer with rotary positions and a tied head.
+
+A masked diffusion model sees a sequence in which some tokens are replaced by the mask token and
+predicts the original token at every masked position. Unlike a GPT it attends in both directions
+and, as in MDLM and LLaDA, it gets no time input: the fraction of masks in the input tells it the
+noise level. Everything here is a pure `nn.Module`; optimizers, devices, precision and parallelism
+belong to the caller.
+
+    tokens [B, L] -> embedding -> n_layers x Block -> RMSNorm -> (gather) -> tied head -> logits
+
+Each Block is `x + attention(norm(x))` then `x + swiglu(norm(x))`. Rotary embeddings are not
+optional: on Shakespeare a bidirectional model with learned absolute positions stalled at the
+unigram level, while the same network with rotary positions trained well.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (cheaper than LayerNorm, as good)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if hasattr(F, "rms_norm"):  # fused kernel, torch >= 2.4
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation angles, [seq_len, head_dim / 2], float32 on the CPU.
+
+    Angles are formed in float64: position x frequency reaches ~1e5 radians for long contexts,
+    where float32 would already be off by a hundredth of a radian.
+    """
+
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i + D/2}) of x [B, L, H, D] by position-dependent angles.
+
+    Computed in float32 (the tables' dtype) and cast back, so bf16 activations do not lose the
+    phase information that distinguishes distant positions.
+    """
+
+    half = x.shape[-1] // 2
+    x1, x2 = x.float().split(half, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Bidirectional multi-head self-attention; one fused QKV matmul, SDPA picks the kernel."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, length, width = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)  # each [B, L, H, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # [B, H, L, D] views; is_causal=False lets flash / memory-efficient kernels serve
+        # full bidirectional attention without materialising an L x L mask.
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
+        return self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.ffn_size, bias=False)
+        self.down = nn.Linear(config.ffn_size, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: the residual stream itself is never normalised."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attention = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DiffusionTransformer(nn.Module):
+    """Predicts the clean token at every (or every selected) position of a partly masked sequence."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # Rows beyond vocab_size only round the matrix up to a fast matmul shape; they are zero,
+        # never indexed (token ids < vocab_size) and sliced off the logits, so they stay zero.
+        self.token_embedding = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        # Non-persistent: derived from the config, so checkpoints hold weights only.
+        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight and rebuild the rotary tables (also after `to_empty()`)."""
+
+        std = self.config.init_std
+        # Each block adds two outputs to the residual stream; scaling their projections keeps
+        # the stream's variance independent of depth at initialisation (GPT-2).
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+        for block in self.blocks:
+            block.attention.out.weight.normal_(0.0, residual_std)
+            block.mlp.down.weight.normal_(0.0, residual_std)
+        self.token_embedding.weight[self.config.vocab_size :].zero_()
+        cos, sin = rotary_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: Tensor, output_positions: Tensor | None = None) -> Tensor:
+        """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`."""
+
+        length = tokens.shape[1]
+        if length > self.config.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:length].float(), self.rope_sin[:length].float()
+        x = self.token_embedding(tokens)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
+        x = self.norm(x)
+        if output_positions is not None:
+            if output_positions.dtype != torch.bool:
+                raise TypeError(f"output_positions must be a boolean mask, got {output_positions.dtype}")
+            # Gather before the head: the vocabulary matmul, the largest of a small model, is
+            # then paid only at masked positions. The gather's size depends on the data, so it
+            # sits after every block, outside the part torch.compile wants as one graph.
+            x = x[output_positions]
+        # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
+        return F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+
+    @property
+    def num_parameters(self) -> int:
+        """Number of distinct trainable values (the tied embedding / head counted once)."""
+
+        return sum(p.numel() for p in self.parameters())  # parameters() already deduplicates
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention scores."""
+
+        return 6 * self.num_parameters + 12 * self.config.n_layers * self.config.d_model * seq_len
+
+
+def format_parameter_count(n: int) -> str:
+    """Human-readable count: 512.0K, 110.9M, 1.28B (billions get one more digit)."""
+
+    if n < 1000:
+        return str(n)
+    for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1)):
+        text = f"{n / scale:.{digits}f}"
+        # Round first, then pick the unit, so 999_960 prints as 1.0M rather than 1000.0K.
+        if float(text) >= 1.0:
+            return f"{text}{suffix}"
+    return f"{n / 1e3:.1f}K"
