@@ -1,0 +1,353 @@
+"""Where and how the math runs: devices, precision, seeding, RNG capture, CUDA backends, peaks.
+
+Everything here is a small, stateless helper that the training loop, the benchmark and the
+evaluator share, so that a device name, a precision or a peak FLOP/s figure is decided in exactly
+one place. Functions that touch CUDA are guarded: on a machine without it they either do nothing
+(synchronize, memory) or refuse with a `UserError` naming the config field to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import sys
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from dlm.errors import UserError
+
+Precision = Literal["float32", "bfloat16", "float16"]
+PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeding and RNG state
+# ---------------------------------------------------------------------------------------------
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """Seed python, numpy, torch and the accelerator's generator."""
+
+    random.seed(seed)
+    # numpy's legacy global generator only takes 32-bit seeds; fold larger ones instead of failing.
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    if device.type == "mps" and hasattr(torch.mps, "manual_seed"):
+        # The MPS runtime starts lazily and its initialisation can overwrite a seed set before the
+        # first allocation, so materialise it first.
+        torch.empty((), device="mps")
+        torch.mps.synchronize()
+        torch.mps.manual_seed(seed)
+
+
+def capture_rng_state(device: torch.device) -> dict[str, Any]:
+    """Every global generator's state as tensors, ints, floats and strings only.
+
+    The result survives `torch.save` + `torch.load(weights_only=True)`: python's tuple state and
+    numpy's array state are unpacked into plain fields instead of being pickled as objects.
+    """
+
+    version, mt_words, gauss_next = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(mt_words, dtype=torch.int64),
+            "gauss_next": None if gauss_next is None else float(gauss_next),
+        },
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64).copy()),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    if device.type == "mps" and hasattr(torch.mps, "get_rng_state"):
+        state["mps"] = torch.mps.get_rng_state().cpu()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what `capture_rng_state` recorded (accelerator states only where present)."""
+
+    python = state["python"]
+    words = tuple(int(w) for w in python["state"].tolist())
+    random.setstate((int(python["version"]), words, python["gauss_next"]))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["name"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            int(numpy_state["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["cached_gaussian"]),
+        )
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if "mps" in state and _mps_available() and hasattr(torch.mps, "set_rng_state"):
+        torch.mps.set_rng_state(state["mps"].cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# Device, precision, compile
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(requested: str) -> torch.device:
+    """`auto` picks cuda, then mps, then cpu; an explicit but unavailable device is refused."""
+
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        raise UserError(
+            f"training.device: unknown device {requested!r}",
+            fix="use auto, cpu, mps, cuda or cuda:N",
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                "training.device: CUDA was requested but no CUDA device is available",
+                fix='set training.device = "auto" or "cpu", or install a CUDA build of torch',
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UserError(
+                f"training.device: {requested} does not exist ({count} CUDA device(s) visible)",
+                fix=f"use cuda:0 .. cuda:{count - 1}",
+            )
+    elif device.type == "mps":
+        if not _mps_available():
+            raise UserError(
+                "training.device: MPS was requested but is unavailable",
+                fix='set training.device = "auto" or "cpu"',
+            )
+    elif device.type != "cpu":
+        raise UserError(
+            f"training.device: unsupported device type {device.type!r}",
+            fix="use auto, cpu, mps, cuda or cuda:N",
+        )
+    return device
+
+
+def resolve_precision(requested: str, device: torch.device) -> Precision:
+    """`auto` is bfloat16 on CUDA when supported (else float16) and float32 elsewhere."""
+
+    if requested == "auto":
+        if device.type == "cuda":
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # float32 is the dependable default on CPU and Apple silicon.
+        return "float32"
+    if requested not in PRECISIONS:
+        raise UserError(
+            f"training.precision: unknown precision {requested!r}",
+            fix="use auto, float32, bfloat16 or float16",
+        )
+    if requested == "float16" and device.type == "cpu":
+        raise UserError(
+            "training.precision: float16 training is not supported on the CPU",
+            fix="use float32 or bfloat16 on the CPU",
+        )
+    return requested  # type: ignore[return-value]
+
+
+def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """Mixed-precision autocast for bf16 / fp16; float32 runs without autocast."""
+
+    if precision == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
+
+
+def resolve_compile(setting: bool | str, device: torch.device) -> bool:
+    """`auto` compiles on CUDA only: CPU / MPS compile times rarely pay back on short runs."""
+
+    if setting == "auto":
+        wanted = device.type == "cuda"
+    elif isinstance(setting, bool):
+        wanted = setting
+    else:
+        raise UserError(f'training.compile: {setting!r} is not true, false or "auto"')
+    if wanted and not _dynamo_supported():
+        if setting == "auto":
+            return False
+        raise UserError(
+            "training.compile: torch.compile is not supported on this Python / platform",
+            fix="set training.compile = false",
+        )
+    return wanted
+
+
+def _dynamo_supported() -> bool:
+    try:
+        import torch._dynamo
+
+        return bool(torch._dynamo.is_dynamo_supported())
+    except Exception:  # an unsupported interpreter can fail inside the import itself
+        return False
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work (timing needs it; CPU work is already synchronous)."""
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA backends
+# ---------------------------------------------------------------------------------------------
+
+
+def configure_cuda_backends(device: torch.device, require_fused_attention: bool) -> None:
+    """TF32 matmuls and fused SDPA kernels on; optionally forbid the math attention fallback."""
+
+    if device.type != "cuda":
+        if require_fused_attention:
+            raise UserError(
+                f"training.require_fused_attention: fused attention kernels exist only on CUDA, the device is {device}",
+                fix="set training.require_fused_attention = false or train on a CUDA device",
+            )
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_flash_sdp(True)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    # With math disabled an unsupported shape fails fast instead of silently materialising an
+    # L x L attention matrix. Set it in both directions so one call in a process (a bench sweep)
+    # cannot leak its choice into the next.
+    torch.backends.cuda.enable_math_sdp(not require_fused_attention)
+
+
+def enabled_sdpa_backends() -> dict[str, bool]:
+    """Which CUDA scaled-dot-product-attention backends torch may currently choose from."""
+
+    flags = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math": torch.backends.cuda.math_sdp_enabled(),
+    }
+    if hasattr(torch.backends.cuda, "cudnn_sdp_enabled"):
+        flags["cudnn"] = torch.backends.cuda.cudnn_sdp_enabled()
+    return flags
+
+
+def sdpa_backend_name(device: torch.device) -> str:
+    """A short human description of the attention kernels in use, for dashboards and bench."""
+
+    if device.type != "cuda":
+        return f"{device.type} native"
+    flags = enabled_sdpa_backends()
+    fused = [name for name, on in flags.items() if on and name != "math"]
+    text = ", ".join(fused) if fused else "no fused kernel"
+    return text + (" + math fallback" if flags["math"] else " (math disabled)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak FLOP/s: the one table the dashboard, bench and MFU use
+# ---------------------------------------------------------------------------------------------
+
+# Dense (no sparsity) datasheet tensor-core TFLOP/s: bf16 and fp16 with fp32 accumulation, and
+# TF32 for float32 matmuls. Patterns are matched against torch.cuda.get_device_name() in order,
+# so variants come before their family ("H100 PCIe" before "H100"). Word boundaries keep "A10"
+# from matching "A100" / "A10G" and "H200" from matching "GH200". None = no such tensor cores.
+_PEAK_TFLOPS: tuple[tuple[str, dict[str, float | None]], ...] = (
+    (r"\bGH200\b", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    (r"\bH200 NVL\b", {"bfloat16": 835.5, "float16": 835.5, "float32": 417.5}),
+    (r"\bH200\b", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    (r"\bH100 PCIe\b", {"bfloat16": 756.5, "float16": 756.5, "float32": 378.0}),
+    (r"\bH100 NVL\b", {"bfloat16": 835.5, "float16": 835.5, "float32": 417.5}),
+    (r"\bH100\b", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    (r"\bA100\b", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    (r"\bA30\b", {"bfloat16": 165.0, "float16": 165.0, "float32": 82.0}),
+    (r"\bA10\b", {"bfloat16": 125.0, "float16": 125.0, "float32": 62.5}),
+    (r"\bL40S\b", {"bfloat16": 362.05, "float16": 362.05, "float32": 183.0}),
+    (r"\bL40\b", {"bfloat16": 181.05, "float16": 181.05, "float32": 90.5}),
+    (r"\bL4\b", {"bfloat16": 121.0, "float16": 121.0, "float32": 60.0}),
+    (r"\bRTX 4090\b", {"bfloat16": 165.2, "float16": 165.2, "float32": 82.6}),
+    (r"\bRTX 3090\b(?! Ti)", {"bfloat16": 71.0, "float16": 71.0, "float32": 35.6}),
+    (r"\bV100S\b", {"bfloat16": None, "float16": 130.0, "float32": None}),
+    (r"\bV100-PCIE\b", {"bfloat16": None, "float16": 112.0, "float32": None}),
+    (r"\bV100-SXM", {"bfloat16": None, "float16": 125.0, "float32": None}),
+    (r"\bT4\b", {"bfloat16": None, "float16": 65.0, "float32": None}),
+)
+
+
+def peak_flops_for_name(device_name: str, precision: str) -> float | None:
+    """Datasheet peak FLOP/s of a GPU by its reported name; None when not known for sure."""
+
+    for pattern, table in _PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            tflops = table.get(precision)
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s of `device` at `precision`; None for CPUs, MPS and unknown GPUs ("n/a")."""
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device), precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+_GIB = float(1 << 30)
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Allocated / reserved / peak-allocated accelerator memory in GiB (zeros off CUDA)."""
+
+    if device.type != "cuda":
+        return {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}
+    return {
+        "allocated_gib": torch.cuda.memory_allocated(device) / _GIB,
+        "reserved_gib": torch.cuda.memory_reserved(device) / _GIB,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (bench measures each configuration separately)."""
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_rss_gib() -> float | None:
+    """Peak resident memory of this process in GiB; None where the OS does not report it."""
+
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    scale = 1.0 if sys.platform == "darwin" else 1024.0
+    return peak * scale / _GIB

@@ -1,0 +1,223 @@
+"""Device, precision, seeding, RNG capture, CUDA backends, the peak FLOP/s table and memory."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dlm import runtime
+from dlm.errors import UserError
+
+CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _draw() -> tuple[list[float], list[float], torch.Tensor, float, float]:
+    # gauss / normal draws exercise the cached-gaussian fields of python's and numpy's states.
+    return (
+        [random.random() for _ in range(3)],
+        np.random.rand(3).tolist(),
+        torch.rand(3),
+        random.gauss(0.0, 1.0),
+        float(np.random.normal()),
+    )
+
+
+def _assert_same_draws(a: tuple, b: tuple) -> None:
+    assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3] and a[4] == b[4]
+    assert torch.equal(a[2], b[2])
+
+
+def test_seed_everything_repeats_every_generator() -> None:
+    runtime.seed_everything(123, CPU)
+    first = _draw()
+    runtime.seed_everything(123, CPU)
+    _assert_same_draws(first, _draw())
+    runtime.seed_everything(124, CPU)
+    assert _draw()[0] != first[0]
+
+
+def test_seed_everything_accepts_seeds_beyond_32_bits() -> None:
+    runtime.seed_everything(2**40 + 5, CPU)
+    first = _draw()
+    runtime.seed_everything(2**40 + 5, CPU)
+    _assert_same_draws(first, _draw())
+
+
+def test_rng_state_survives_weights_only_round_trip() -> None:
+    runtime.seed_everything(7, CPU)
+    # Leave a cached gaussian behind in python and numpy so those fields are non-trivial.
+    random.gauss(0.0, 1.0)
+    np.random.normal()
+    state = runtime.capture_rng_state(CPU)
+    expected = _draw()
+    buffer = io.BytesIO()
+    torch.save({"rng": state}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["rng"]
+    _draw()  # move every generator on, so restoring has real work to do
+    runtime.restore_rng_state(loaded)
+    _assert_same_draws(expected, _draw())
+
+
+def test_resolve_device_auto_prefers_cuda_then_mps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime, "_mps_available", lambda: False)
+    assert runtime.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(runtime, "_mps_available", lambda: True)
+    assert runtime.resolve_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime.resolve_device("auto") == torch.device("cuda")
+
+
+def test_resolve_device_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runtime.resolve_device("cpu") == CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime, "_mps_available", lambda: False)
+    with pytest.raises(UserError, match=r"training\.device: CUDA was requested"):
+        runtime.resolve_device("cuda")
+    with pytest.raises(UserError, match="MPS was requested"):
+        runtime.resolve_device("mps")
+    with pytest.raises(UserError, match="unknown device"):
+        runtime.resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert runtime.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(UserError, match=r"cuda:2 does not exist \(2 CUDA"):
+        runtime.resolve_device("cuda:2")
+
+
+def test_resolve_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runtime.resolve_precision("auto", CPU) == "float32"
+    assert runtime.resolve_precision("auto", torch.device("mps")) == "float32"
+    assert runtime.resolve_precision("bfloat16", CPU) == "bfloat16"
+    with pytest.raises(UserError, match=r"training\.precision: float16 .* CPU"):
+        runtime.resolve_precision("float16", CPU)
+    with pytest.raises(UserError, match="unknown precision"):
+        runtime.resolve_precision("int8", CPU)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert runtime.resolve_precision("auto", cuda) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert runtime.resolve_precision("auto", cuda) == "float16"
+    assert runtime.resolve_precision("float16", cuda) == "float16"
+
+
+def test_autocast_context_sets_matmul_dtype() -> None:
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with runtime.autocast_context(CPU, "float32"):
+        assert (a @ b).dtype == torch.float32
+    with runtime.autocast_context(CPU, "bfloat16"):
+        assert (a @ b).dtype == torch.bfloat16
+
+
+def test_resolve_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_dynamo_supported", lambda: True)
+    assert runtime.resolve_compile("auto", torch.device("cuda")) is True
+    assert runtime.resolve_compile("auto", CPU) is False
+    assert runtime.resolve_compile("auto", torch.device("mps")) is False
+    assert runtime.resolve_compile(True, CPU) is True
+    assert runtime.resolve_compile(False, torch.device("cuda")) is False
+    with pytest.raises(UserError, match=r"training\.compile"):
+        runtime.resolve_compile("yes", CPU)
+    monkeypatch.setattr(runtime, "_dynamo_supported", lambda: False)
+    assert runtime.resolve_compile("auto", torch.device("cuda")) is False
+    with pytest.raises(UserError, match="not supported"):
+        runtime.resolve_compile(True, CPU)
+
+
+def test_require_fused_attention_is_refused_off_cuda() -> None:
+    before = runtime.enabled_sdpa_backends()
+    with pytest.raises(UserError, match="require_fused_attention"):
+        runtime.configure_cuda_backends(CPU, require_fused_attention=True)
+    runtime.configure_cuda_backends(CPU, require_fused_attention=False)
+    # Off CUDA nothing global may change.
+    assert runtime.enabled_sdpa_backends() == before
+    assert runtime.sdpa_backend_name(CPU) == "cpu native"
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops"),
+    [
+        ("NVIDIA H200", "bfloat16", 989.4),
+        ("NVIDIA H200 NVL", "bfloat16", 835.5),
+        ("NVIDIA GH200 480GB", "bfloat16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "float32", 494.7),
+        ("NVIDIA H100 PCIe", "float16", 756.5),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "float32", 156.0),
+        ("NVIDIA A10", "bfloat16", 125.0),
+        ("NVIDIA L40S", "bfloat16", 362.05),
+        ("NVIDIA L4", "bfloat16", 121.0),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", 165.2),
+        ("NVIDIA GeForce RTX 3090", "float16", 71.0),
+        ("Tesla V100-SXM2-16GB", "float16", 125.0),
+        ("Tesla V100-PCIE-32GB", "float16", 112.0),
+    ],
+)
+def test_peak_flops_known_gpus(name: str, precision: str, tflops: float) -> None:
+    assert runtime.peak_flops_for_name(name, precision) == pytest.approx(tflops * 1e12)
+
+
+@pytest.mark.parametrize(
+    ("name", "precision"),
+    [
+        ("NVIDIA A10G", "bfloat16"),  # a cut-down A10 with its own figures: unknown, not A10's
+        ("NVIDIA GeForce RTX 3090 Ti", "bfloat16"),
+        ("Tesla V100-SXM2-16GB", "bfloat16"),  # no bf16 tensor cores
+        ("Some Future GPU", "bfloat16"),
+    ],
+)
+def test_peak_flops_unknown_is_none(name: str, precision: str) -> None:
+    assert runtime.peak_flops_for_name(name, precision) is None
+
+
+def test_peak_flops_is_none_off_cuda() -> None:
+    assert runtime.peak_flops(CPU, "float32") is None
+    assert runtime.peak_flops(torch.device("mps"), "bfloat16") is None
+
+
+def test_memory_stats_off_cuda_and_peak_rss() -> None:
+    stats = runtime.memory_stats(CPU)
+    assert stats == {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}
+    runtime.reset_peak_memory(CPU)
+    rss = runtime.peak_rss_gib()
+    # A process that imported torch holds well over 50 MiB and (here) far less than 1 TiB.
+    assert rss is not None and 0.05 < rss < 1024
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_backends_rng_memory_and_peak() -> None:
+    cuda = torch.device("cuda")
+    runtime.configure_cuda_backends(cuda, require_fused_attention=True)
+    flags = runtime.enabled_sdpa_backends()
+    assert flags["flash"] and flags["mem_efficient"] and not flags["math"]
+    assert "math disabled" in runtime.sdpa_backend_name(cuda)
+    runtime.configure_cuda_backends(cuda, require_fused_attention=False)
+    assert runtime.enabled_sdpa_backends()["math"]
+    assert torch.backends.cuda.matmul.allow_tf32
+
+    runtime.seed_everything(3, cuda)
+    state = runtime.capture_rng_state(cuda)
+    expected = torch.rand(4, device=cuda)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    torch.rand(4, device=cuda)
+    runtime.restore_rng_state(torch.load(buffer, weights_only=True))
+    assert torch.equal(torch.rand(4, device=cuda), expected)
+
+    runtime.reset_peak_memory(cuda)
+    block = torch.empty(64 << 20, dtype=torch.uint8, device=cuda)
+    runtime.synchronize(cuda)
+    stats = runtime.memory_stats(cuda)
+    assert stats["peak_allocated_gib"] >= 64 / 1024 and stats["reserved_gib"] >= stats["allocated_gib"]
+    del block
+    name = torch.cuda.get_device_name(cuda)
+    assert runtime.peak_flops(cuda, "bfloat16") == runtime.peak_flops_for_name(name, "bfloat16")
