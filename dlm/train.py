@@ -1,0 +1,449 @@
+"""The training loop. It emits events (plain dicts) to a sink and never prints.
+
+Behaviour kept from the reference loop: seeding, device and precision resolution, CUDA backend setup
+with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
+diffusion times across gradient accumulation, warmup + cosine LR, gradient clipping, a GradScaler for
+float16, fixed-noise validation, atomic checkpoints with retention, a hard-linked `latest.pt` and a
+compact bf16 inference checkpoint.
+
+Beyond it: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
+index) and the data order is a pure function of (seed, batch index), so a resumed run is
+bit-identical to an uninterrupted one and independent of world size; metrics stay on the device
+between log steps (no host sync per step); Ctrl-C / SIGTERM finish the step and save; a non-finite
+loss stops the run before a bad model can become `latest.pt`; one run per directory (lock file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from dlm import __version__
+from dlm.checkpoint import (
+    TRAINING_FORMAT,
+    RunLock,
+    check_output_dir,
+    load_checkpoint,
+    save_inference_checkpoint,
+    save_training_checkpoint,
+)
+from dlm.config import ExperimentConfig
+from dlm.dashboard import Event, JsonLinesFileSink, Sink, fan_out
+from dlm.data import DeterministicBatchSampler, load_packed_dataset
+from dlm.distributed import DistributedContext, current_context
+from dlm.errors import UserError
+from dlm.evaluate import fixed_noise_validation
+from dlm.model import DiffusionTransformer, format_parameter_count
+from dlm.optim import learning_rate
+from dlm.runtime import (
+    capture_rng_state,
+    configure_cuda_backends,
+    memory_stats,
+    peak_flops,
+    resolve_compile,
+    resolve_device,
+    resolve_precision,
+    restore_rng_state,
+)
+from dlm.tokenizer import tokenizer_sha256
+from dlm.train_step import LogWindow, RunCounters, TrainingStep
+from dlm.validate import ensure_valid
+
+
+@dataclass
+class TrainResult:
+    """How a call to `train` ended."""
+
+    status: str  # complete | paused | interrupted
+    step: int
+    checkpoint: Path
+    run_dir: Path
+    exit_code: int = 0
+
+
+class NonFiniteLossError(UserError):
+    """The loss or gradient norm became NaN / inf; the last good checkpoint is kept."""
+
+
+class StopSignals:
+    """Turns SIGINT / SIGTERM into a flag checked after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.signal_number: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame: object) -> None:
+        if self.signal_number is not None:  # a second Ctrl-C: the user means it
+            signal.default_int_handler(number, frame)
+        self.signal_number = number
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signal_number or 0)
+
+
+class Trainer:
+    """Owns the model, optimizer, data and counters of one run on one process."""
+
+    def __init__(
+        self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink
+    ):
+        self.experiment, self.config = experiment, experiment.training
+        self.device, self.precision, self.world, self.sink = device, precision, world, sink
+        self.step = TrainingStep(experiment, device, precision, world)
+        self.model, self.optimizer = self.step.model, self.step.optimizer
+        self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
+        self.val_dataset = (
+            load_packed_dataset(self.config.val_data, experiment.model.max_seq_len)
+            if self.config.val_data is not None
+            else None
+        )
+        self.data_generator = torch.Generator().manual_seed(self.config.seed)
+        self.tokenizer_sha256 = tokenizer_sha256(self.config.tokenizer)
+        self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
+        self.peak_flops = peak_flops(device, precision)
+        self.checkpoint_path: Path | None = None
+
+    @property
+    def counters(self) -> RunCounters:
+        return self.step.counters
+
+    # ----------------------------------------------------------------------------- state
+    def load(self, path: Path) -> None:
+        """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
+
+        checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
+        check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self._apply_optimizer_hyperparameters()
+        self.step.scaler.load_state_dict(checkpoint.get("scaler") or {})
+        if self.step.ema is not None and checkpoint.get("ema") is not None:
+            self.step.ema.load_state_dict(checkpoint["ema"])
+        self.data_generator.set_state(checkpoint["data_generator_state"])
+        restore_rng_state(checkpoint["rng_state"])
+        self.step.counters = RunCounters(
+            step=int(checkpoint["step"]),
+            tokens_seen=int(checkpoint["tokens_seen"]),
+            micro_batches_seen=int(checkpoint["micro_batches_seen"]),
+        )
+        self.checkpoint_path = Path(path)
+
+    def _apply_optimizer_hyperparameters(self) -> None:
+        # Decay, betas and eps come from the current config (as the reference does on resume).
+        decays = (self.config.weight_decay, 0.0)
+        for group, decay in zip(self.optimizer.param_groups, decays, strict=False):
+            group["weight_decay"] = decay
+            group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
+            group["eps"] = self.config.adam_eps
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "format": TRAINING_FORMAT,
+            "dlm_version": __version__,
+            "step": self.counters.step,
+            "tokens_seen": self.counters.tokens_seen,
+            "micro_batches_seen": self.counters.micro_batches_seen,
+            "world_size": self.world.world_size,
+            "config": self.experiment.to_dict(),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "rng_state": capture_rng_state(self.device),
+            "data_generator_state": self.data_generator.get_state(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.step.scaler.state_dict(),
+            "ema": None if self.step.ema is None else self.step.ema.state_dict(),
+        }
+
+    def save(self) -> Path:
+        path = save_training_checkpoint(
+            self.config.output_dir, self.state(), self.counters.step, self.config.keep_last_checkpoints
+        )
+        if self.config.save_inference_checkpoint:
+            # The compact checkpoint holds the weights evaluation should use: the EMA when there is one.
+            ema = self.step.ema
+            metadata = {
+                "step": self.counters.step,
+                "tokens_seen": self.counters.tokens_seen,
+                "config": self.experiment.to_dict(),
+                "tokenizer_sha256": self.tokenizer_sha256,
+                "weights": "ema" if ema is not None else "live",
+            }
+            with ema.applied(self.model) if ema is not None else contextlib.nullcontext():
+                save_inference_checkpoint(self.config.output_dir, self.model.state_dict(), metadata)
+        self.checkpoint_path = path
+        self.sink({"event": "checkpoint", "step": self.counters.step, "path": str(path)})
+        return path
+
+    # ----------------------------------------------------------------------------- data
+    def train_batches(self) -> Iterator[Tensor]:
+        world = self.world
+        if self.counters.micro_batches_seen % world.world_size:
+            raise UserError(
+                f"the checkpoint consumed {self.counters.micro_batches_seen} micro-batches, which "
+                f"{world.world_size} processes cannot split evenly",
+                fix="resume with the world size the run was saved with",
+            )
+        sampler = DeterministicBatchSampler(
+            len(self.train_dataset),
+            self.config.batch_size,
+            seed=self.config.seed,
+            start_batch=self.counters.micro_batches_seen // world.world_size,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
+        loader = DataLoader(
+            self.train_dataset,
+            batch_sampler=sampler,
+            num_workers=self.config.num_workers,
+            pin_memory=self.device.type == "cuda",
+            generator=self.data_generator,
+        )
+        return iter(loader)
+
+    def validate(self) -> dict[str, float]:
+        assert self.val_dataset is not None
+        # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
+        loader = DataLoader(self.val_dataset, batch_size=self.config.batch_size, shuffle=False,
+                            generator=torch.Generator().manual_seed(0))
+        metrics = fixed_noise_validation(
+            self.model, loader, self.device, self.precision, self.config.mask_eps, self.config.eval_batches
+        )
+        self.sink({"event": "validation", "step": self.counters.step, **metrics})
+        return metrics
+
+    def raise_if_diverged(self, window: LogWindow) -> None:
+        bad_step = int(window.first_bad_step)
+        if bad_step >= 0:
+            kept = self.checkpoint_path or "none was written yet"
+            raise NonFiniteLossError(
+                f"the loss or gradient norm became non-finite at step {bad_step}; training stopped and "
+                f"the last good checkpoint is kept: {kept}",
+                fix="lower training.learning_rate, raise warmup_steps or use bfloat16 instead of float16",
+            )
+
+    def log(self, window: LogWindow) -> None:
+        self.raise_if_diverged(window)
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        tokens_per_second = window.tokens / elapsed
+        steps_left = self.config.max_steps - self.counters.step
+        counts = window.bucket_count.tolist()
+        sums = window.bucket_loss.tolist()
+        buckets = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+        event: Event = {
+            "event": "train",
+            "step": self.counters.step,
+            "max_steps": self.config.max_steps,
+            "loss": float(window.loss) / window.steps,
+            "masked_accuracy": float(window.accuracy) / window.steps,
+            "learning_rate": learning_rate(self.counters.step - 1, self.config),
+            "grad_norm": float(window.grad_norm) / window.steps,
+            "tokens_seen": self.counters.tokens_seen,
+            "tokens_per_second": tokens_per_second,
+            "mfu": (
+                self.flops_per_token * tokens_per_second / (self.peak_flops * self.world.world_size)
+                if self.peak_flops
+                else None
+            ),
+            "eta_seconds": steps_left * elapsed / window.steps,
+            "loss_by_t": buckets,
+            **memory_stats(self.device),
+        }
+        self.sink(event)
+        window.reset()
+
+    # ----------------------------------------------------------------------------- run
+    def run(self, end_step: int, deadline: float | None, stop: StopSignals) -> TrainResult:
+        config = self.config
+        if self.counters.step >= end_step:
+            raise UserError(
+                f"the checkpoint is already at step {self.counters.step} of max_steps {config.max_steps}",
+                fix="raise training.max_steps to continue training",
+            )
+        self.step.prepare()
+        batches = self.train_batches()
+        window = LogWindow(self.device)
+        status = "complete"
+        while self.counters.step < end_step:
+            self.step.optimizer_step(batches, window)
+            step = self.counters.step
+            if step % config.log_interval == 0 or step == end_step:
+                self.log(window)
+            if self.val_dataset is not None and step % config.eval_interval == 0:
+                self.validate()
+            if step % config.save_interval == 0:
+                self.raise_if_diverged(window)
+                self.world.barrier()
+                if self.world.is_main:
+                    self.save()
+            if stop.signal_number is not None:
+                status = "interrupted"
+                break
+            if deadline is not None and time.monotonic() >= deadline and step < end_step:
+                status = "paused"
+                break
+        if status == "complete" and self.counters.step < config.max_steps:
+            status = "paused"
+        self.raise_if_diverged(window)
+        if window.steps:
+            self.log(window)
+        if self.checkpoint_path is None or self.counters.step % config.save_interval:
+            self.world.barrier()
+            if self.world.is_main:
+                self.save()
+        assert self.checkpoint_path is not None
+        return TrainResult(
+            status=status,
+            step=self.counters.step,
+            checkpoint=self.checkpoint_path,
+            run_dir=config.output_dir,
+            exit_code=stop.exit_code if status == "interrupted" else 0,
+        )
+
+    def start_event(self, resumed_from: Path | None) -> Event:
+        config, world = self.config, self.world
+        tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
+        tokens_per_step *= self.experiment.model.max_seq_len
+        return {
+            "event": "start",
+            "run_dir": str(config.output_dir),
+            "device": str(self.device),
+            "precision": self.precision,
+            "parameters": self.model.num_parameters,
+            "parameters_human": format_parameter_count(self.model.num_parameters),
+            "optimizer": config.optimizer,
+            "compile": resolve_compile(config.compile, self.device),
+            "activation_checkpointing": self.experiment.model.activation_checkpointing,
+            "fused_attention_required": config.require_fused_attention,
+            "world_size": world.world_size,
+            "global_batch": config.batch_size * config.gradient_accumulation_steps * world.world_size,
+            "tokens_per_step": tokens_per_step,
+            "training_blocks": len(self.train_dataset),
+            "start_step": self.counters.step,
+            "max_steps": config.max_steps,
+            "resumed_from": None if resumed_from is None else str(resumed_from),
+            "dlm_version": __version__,
+        }
+
+
+def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, tokenizer_hash: str, path: Path) -> None:
+    """Refuse to continue a run with a different model, optimizer or tokenizer (reference rules)."""
+
+    saved = ExperimentConfig.from_dict(checkpoint["config"], source=path)
+    if saved.model != experiment.model:
+        changed = sorted(
+            name
+            for name in type(saved.model).model_fields
+            if getattr(saved.model, name) != getattr(experiment.model, name)
+        )
+        raise UserError(
+            f"the model config differs from the checkpoint's in {', '.join(changed)}",
+            path=path,
+            fix="resume with the run's own config.json, or start a new run in another output_dir",
+        )
+    now, then = experiment.training, saved.training
+    names = ["optimizer"]
+    if now.optimizer == "adamw8bit":
+        names += ["optimizer_min_8bit_size", "optimizer_embedding_32bit"]
+    for name in names:
+        if getattr(now, name) != getattr(then, name):
+            raise UserError(
+                f"training.{name} is {getattr(now, name)!r} but the checkpoint used {getattr(then, name)!r}",
+                path=path,
+                fix="keep the optimizer settings of the run you resume",
+            )
+    if checkpoint.get("tokenizer_sha256") != tokenizer_hash:
+        raise UserError(
+            "the checkpoint was trained with a different tokenizer file",
+            path=path,
+            fix=f"use the tokenizer the run was trained with ({then.tokenizer})",
+        )
+
+
+def _free_space_needed(experiment: ExperimentConfig) -> int:
+    """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
+
+    with torch.device("meta"):
+        parameters = DiffusionTransformer(experiment.model).num_parameters
+    return parameters * 4 * 3 * 2
+
+
+def train(
+    experiment: ExperimentConfig,
+    *,
+    resume: str | Path | None = None,
+    max_run_steps: int | None = None,
+    max_run_seconds: float | None = None,
+    sink: Sink | None = None,
+) -> TrainResult:
+    """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl."""
+
+    if max_run_steps is not None and max_run_steps <= 0:
+        raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
+    experiment = experiment.with_absolute_paths()
+    config = experiment.training
+    world = current_context(experiment)
+    device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
+    precision = resolve_precision(config.precision, device)
+    configure_cuda_backends(device, config.require_fused_attention)
+    ensure_valid(experiment)
+    run_dir = config.output_dir
+    if world.is_main:
+        check_output_dir(run_dir, _free_space_needed(experiment))
+    world.barrier()
+    lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
+    with lock, StopSignals() as stop, contextlib.ExitStack() as cleanup:
+        sinks: list[Callable[[Event], None]] = []
+        if world.is_main:
+            metrics = JsonLinesFileSink(run_dir / "metrics.jsonl")
+            cleanup.callback(metrics.close)
+            sinks = [metrics] + ([sink] if sink is not None else [])
+        trainer = Trainer(experiment, device, precision, world, fan_out(sinks))
+        if resume is not None:
+            trainer.load(Path(resume))
+        if world.is_main:
+            _write_config(run_dir, experiment)
+        trainer.sink(trainer.start_event(None if resume is None else Path(resume)))
+        end_step = config.max_steps
+        if max_run_steps is not None:
+            end_step = min(end_step, trainer.counters.step + max_run_steps)
+        deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
+        result = trainer.run(end_step, deadline, stop)
+        trainer.sink(
+            {
+                "event": result.status,
+                "step": result.step,
+                "checkpoint": str(result.checkpoint),
+                "resume_command": f"dlm resume {run_dir}" if result.status != "complete" else None,
+            }
+        )
+        return result
+
+
+def _write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
+    import json
+
+    temporary = run_dir / f".config.json.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(experiment.to_dict(), indent=2) + "\n", encoding="utf-8")
+    temporary.replace(run_dir / "config.json")

@@ -1,0 +1,153 @@
+"""One optimizer step of masked-diffusion training, shared by `dlm train` and `dlm bench`.
+
+`TrainingStep` owns the model, optimizer, grad scaler and EMA, and runs gradient accumulation over
+micro-batches. Noise is a pure function of (seed, global micro-batch index) and the diffusion times
+of one optimizer step are stratified over all its micro-batches on all processes. Metrics stay on
+the device in a `LogWindow` until someone asks for them, so the step never waits on the host.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dlm.config import ExperimentConfig
+from dlm.diffusion import (
+    accumulation_mask_probabilities,
+    corrupt_tokens,
+    diffusion_cross_entropy,
+    noise_generator,
+    step_time_offset,
+)
+from dlm.distributed import DistributedContext, wrap_model
+from dlm.model import DiffusionTransformer
+from dlm.optim import ModelEMA, build_optimizer, learning_rate
+from dlm.runtime import autocast_context, resolve_compile, seed_everything
+
+NOISE_BUCKETS = 10  # loss is also reported per tenth of the diffusion time t
+
+
+@dataclass
+class RunCounters:
+    """Where the run stands; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0  # over all processes
+    micro_batches_seen: int = 0  # over all processes
+
+
+@dataclass
+class LogWindow:
+    """Metrics accumulated on the device between two log events (no host sync per step)."""
+
+    device: torch.device
+    loss: Tensor = field(init=False)
+    accuracy: Tensor = field(init=False)
+    grad_norm: Tensor = field(init=False)
+    bucket_loss: Tensor = field(init=False)
+    bucket_count: Tensor = field(init=False)
+    first_bad_step: Tensor = field(init=False)
+    steps: int = 0
+    tokens: int = 0
+    started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.first_bad_step = torch.full((), -1, device=self.device, dtype=torch.long)
+        self.reset()
+
+    def reset(self) -> None:
+        zeros = {"device": self.device, "dtype": torch.float32}
+        self.loss, self.accuracy, self.grad_norm = (torch.zeros((), **zeros) for _ in range(3))
+        self.bucket_loss = torch.zeros(NOISE_BUCKETS, **zeros)
+        self.bucket_count = torch.zeros(NOISE_BUCKETS, **zeros)
+        self.steps, self.tokens, self.started = 0, 0, time.perf_counter()
+
+
+class TrainingStep:
+    """Model, optimizer and the arithmetic of one optimizer step on one process."""
+
+    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
+        self.experiment, self.config = experiment, experiment.training
+        self.device, self.precision, self.world = device, precision, world
+        self.counters = RunCounters()
+        seed_everything(self.config.seed, device)
+        self.model = DiffusionTransformer(experiment.model).to(device)
+        self.optimizer = build_optimizer(self.model, self.config, device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
+        self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
+        self.step_model: nn.Module = self.model  # compiled / DDP-wrapped view, see `prepare`
+
+    def prepare(self) -> None:
+        """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
+
+        compile_model = resolve_compile(self.config.compile, self.device)
+        self.step_model = wrap_model(self.model, self.world, self.config.parallelism, compile_model)
+        self.model.train()
+
+    def micro_batch(self, clean: Tensor, micro_index: int, offset: float, window: LogWindow) -> None:
+        """Forward and backward of one micro-batch; its noise depends only on its global index."""
+
+        config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
+        global_index = (self.counters.step * steps + micro_index) * world.world_size + world.rank
+        generator = noise_generator(config.seed, global_index, self.device)
+        probability = accumulation_mask_probabilities(
+            clean.shape[0],
+            micro_index,
+            steps,
+            offset,
+            config.mask_eps,
+            self.device,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
+        corruption = corrupt_tokens(
+            clean, self.experiment.model.mask_token_id, probability, config.mask_eps, generator=generator
+        )
+        with autocast_context(self.device, self.precision):
+            logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask)
+        output = diffusion_cross_entropy(logits, clean, corruption)
+        self.scaler.scale(output.loss / steps).backward()
+
+        window.loss += output.loss.detach() / steps
+        window.accuracy += output.masked_accuracy.detach() / steps
+        bucket = (corruption.mask_probability * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
+        window.bucket_loss.index_add_(0, bucket, output.per_sequence_nll.detach().float())
+        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.mask_probability))
+
+    def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
+        config = self.config
+        step = self.counters.step
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        self.optimizer.zero_grad(set_to_none=True)
+        offset = step_time_offset(config.seed, step)
+        loss_before = window.loss.clone()
+        for micro_index in range(config.gradient_accumulation_steps):
+            clean = next(batches).to(self.device, non_blocking=True)
+            last = micro_index == config.gradient_accumulation_steps - 1
+            with self.world.gradient_sync(self.step_model, enabled=last):
+                self.micro_batch(clean, micro_index, offset, window)
+            self.counters.micro_batches_seen += self.world.world_size
+            self.counters.tokens_seen += clean.numel() * self.world.world_size
+            window.tokens += clean.numel() * self.world.world_size
+        self.scaler.unscale_(self.optimizer)
+        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        # float16 overflow is expected now and then (the scaler skips that step); elsewhere a
+        # non-finite gradient norm means the run has diverged.
+        bad = ~torch.isfinite(window.loss - loss_before)
+        if not self.scaler.is_enabled():
+            bad |= ~torch.isfinite(grad_norm)
+        window.first_bad_step.copy_(torch.where(bad & (window.first_bad_step < 0), step + 1, window.first_bad_step))
+        window.grad_norm += grad_norm.detach().float()
+        window.steps += 1
+        self.counters.step += 1
