@@ -1,0 +1,432 @@
+"""Evaluation: fixed-noise validation, Monte Carlo ELBO likelihood, bits per byte, loss by noise level.
+
+`fixed_noise_validation` is what the training loop reports at every `eval_interval`: batch i of the
+validation set is corrupted at the fixed mask probability eps + (1 - eps) * (i + 0.5) / n, with masks
+drawn from a generator seeded 0, so the same checkpoint and data always give the same numbers and
+the whole noise range is covered even with few batches. It never touches the global RNG.
+
+`evaluate_model` (behind `dlm eval`) adds the figures that compare models:
+
+- the negative ELBO per token, a bound on the true NLL, estimated per sequence from K antithetic
+  diffusion times (`dlm.diffusion.elbo_nll`), with its standard error, and exp(NLL), a bound on
+  perplexity;
+- bits per byte, NLL x tokens / (text bytes x ln 2): the figure that compares across tokenizers;
+- the loss in 10 buckets of the noise level t (how hard denoising is at each level).
+
+All noise comes from generators seeded by (seed, pass, batch index): the same checkpoint and data
+give the same report on every run, and the global RNG is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dlm.corpus import temporary_path
+from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
+from dlm.errors import UserError
+from dlm.runtime import autocast_context
+
+EVAL_FORMAT = "dlm-eval-v1"
+NOISE_BUCKETS = 10  # as the training dashboard's loss_by_t: bucket j holds t in [j / 10, (j + 1) / 10)
+# Each pass draws from its own generator stream, so adding a pass never shifts another's noise.
+_ELBO_PASS, _BUCKET_PASS = 1, 2
+
+
+def fixed_noise_level(batch_index: int, num_batches: int, mask_eps: float) -> float:
+    """The mask probability of validation batch `batch_index` out of `num_batches`."""
+
+    return mask_eps + (1.0 - mask_eps) * (batch_index + 0.5) / num_batches
+
+
+@torch.no_grad()
+def fixed_noise_validation(
+    model: nn.Module,
+    batches: Iterable[Tensor],
+    device: torch.device,
+    precision: str,
+    mask_eps: float,
+    max_batches: int,
+) -> dict[str, float]:
+    """Masked cross-entropy (ELBO weighted) and masked accuracy at fixed noise levels."""
+
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    mask_token_id = model.config.mask_token_id
+    # Sums stay on the device (no host sync per batch); MPS has no float64, so float32 there.
+    accumulate = torch.float32 if device.type == "mps" else torch.float64
+    loss_sum = torch.zeros((), device=device, dtype=accumulate)
+    correct = torch.zeros((), device=device, dtype=accumulate)
+    masked = torch.zeros((), device=device, dtype=accumulate)
+    count = 0
+    try:
+        for batch_index, clean in enumerate(batches):
+            if batch_index >= max_batches:
+                break
+            clean = clean.to(device, non_blocking=True)
+            level = fixed_noise_level(batch_index, max_batches, mask_eps)
+            probability = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
+            corruption = corrupt_tokens(clean, mask_token_id, probability, mask_eps, generator=generator)
+            with autocast_context(device, precision):
+                logits = model(corruption.noisy_tokens, output_positions=corruption.mask)
+            output = diffusion_cross_entropy(logits, clean, corruption)
+            loss_sum += output.loss.to(accumulate)
+            correct += output.masked_accuracy.to(accumulate) * output.masked_tokens
+            masked += output.masked_tokens
+            count += 1
+    finally:
+        model.train(was_training)
+    if count == 0:
+        return {"loss": float("nan"), "masked_accuracy": float("nan"), "batches": 0}
+    return {
+        "loss": float(loss_sum / count),
+        "masked_accuracy": float(correct / masked.clamp(min=1)),
+        "batches": count,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The full evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NoiseBucket:
+    """The loss of the sequences whose diffusion time t fell in [t_low, t_high)."""
+
+    t_low: float
+    t_high: float
+    sequences: int
+    loss: float | None  # ELBO-weighted loss per token (as training's loss_by_t), nats
+    masked_ce: float | None  # plain cross-entropy per masked token, nats
+
+
+@dataclass
+class EvalReport:
+    """Everything `dlm eval` reports; `to_dict()` is its JSON form (`eval.json`)."""
+
+    sequences: int
+    tokens: int
+    batches: int
+    batch_size: int
+    mc_samples: int
+    mask_eps: float
+    precision: str
+    device: str
+    fixed_noise_loss: float
+    fixed_noise_accuracy: float
+    nll: float  # negative ELBO per token (nats): an upper bound on the model's NLL
+    nll_stderr: float | None  # over sequences and Monte Carlo samples together
+    nll_mc_stderr: float | None  # Monte Carlo part only: how much a larger K would still move nll
+    perplexity_bound: float
+    bits_per_byte: float | None
+    bits_per_byte_stderr: float | None
+    text_bytes: float | None  # text bytes of the evaluated share of the data
+    loss_by_t: list[NoiseBucket] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict)  # model and data it came from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": EVAL_FORMAT, **_finite_or_none(asdict(self))}
+
+
+def _finite_or_none(value: Any) -> Any:
+    """NaN and inf become None: JSON has no spelling for them."""
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(item) for item in value]
+    return value
+
+
+def _batches(dataset: Any, batch_size: int, count: int) -> Iterator[Tensor]:
+    """The first `count` batches in order (the last may be short), as the training validation
+    reads them. Indexing directly, not through a DataLoader: its iterator draws a base seed from
+    the global RNG."""
+
+    end = min(len(dataset), count * batch_size)
+    for start in range(0, end, batch_size):
+        yield torch.stack([torch.as_tensor(dataset[i]) for i in range(start, min(start + batch_size, end))])
+
+
+def _logits_fn(model: nn.Module, device: torch.device, precision: str) -> Callable[[Tensor, Tensor], Tensor]:
+    def logits(noisy_tokens: Tensor, mask: Tensor) -> Tensor:
+        with autocast_context(device, precision):
+            return model(noisy_tokens, output_positions=mask)
+
+    return logits
+
+
+def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(noise_seed(seed, pass_id, batch_index))
+
+
+@torch.no_grad()
+def _elbo_pass(
+    model: nn.Module,
+    batches: Iterable[Tensor],
+    device: torch.device,
+    precision: str,
+    mask_eps: float,
+    mc_samples: int,
+    seed: int,
+) -> tuple[Tensor, Tensor]:
+    """Per-sequence Monte Carlo NLL per token and its standard error, both [S] float64."""
+
+    logits = _logits_fn(model, device, precision)
+    means, errors = [], []
+    for index, clean in enumerate(batches):
+        generator = _pass_generator(seed, _ELBO_PASS, index, device)
+        mean, error = elbo_nll(logits, clean.to(device), model.config.mask_token_id, mc_samples, mask_eps, generator)
+        means.append(mean.cpu().double())  # float64 on the host (MPS has none)
+        errors.append(error.cpu().double())
+    return torch.cat(means), torch.cat(errors)
+
+
+@torch.no_grad()
+def _bucket_pass(
+    model: nn.Module,
+    batches: Iterable[Tensor],
+    device: torch.device,
+    precision: str,
+    mask_eps: float,
+    batch_size: int,
+    seed: int,
+) -> list[NoiseBucket]:
+    """One corruption per sequence, sequence s in bucket s mod 10 at a uniform t within it."""
+
+    logits_fn = _logits_fn(model, device, precision)
+    edges = [j / NOISE_BUCKETS for j in range(NOISE_BUCKETS + 1)]  # exact decimals in the report
+    low = torch.tensor(edges[:-1], dtype=torch.float64).clamp(min=mask_eps)
+    high = torch.tensor(edges[1:], dtype=torch.float64)
+    totals = torch.zeros(4, NOISE_BUCKETS, dtype=torch.float64)  # loss, ce, masked, sequences
+    for index, clean in enumerate(batches):
+        clean = clean.to(device)
+        generator = _pass_generator(seed, _BUCKET_PASS, index, device)
+        bucket = (torch.arange(clean.shape[0]) + index * batch_size) % NOISE_BUCKETS
+        unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
+        times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
+        corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator)
+        output = diffusion_cross_entropy(logits_fn(corruption.noisy_tokens, corruption.mask), clean, corruption)
+        nll = output.per_sequence_nll.cpu().double()
+        masked = corruption.mask.sum(dim=1).cpu().double()
+        # per_sequence_nll = sum(CE / t) / L, so the plain CE sum is nll x L x t.
+        ce = nll * clean.shape[1] * corruption.mask_probability.cpu().double()
+        for row, values in enumerate((nll, ce, masked, torch.ones_like(nll))):
+            totals[row].index_add_(0, bucket, values)
+    loss, ce, masked, count = totals
+    return [
+        NoiseBucket(
+            t_low=float(low[j]),
+            t_high=float(high[j]),
+            sequences=int(count[j]),
+            loss=float(loss[j] / count[j]) if count[j] else None,
+            masked_ce=float(ce[j] / masked[j]) if masked[j] else None,
+        )
+        for j in range(NOISE_BUCKETS)
+    ]
+
+
+def evaluated_text_bytes(metadata: Mapping[str, Any] | None, tokens: int) -> tuple[float | None, str | None]:
+    """Text bytes behind `tokens` evaluated tokens, from the pack metadata, or (None, why not).
+
+    `text_bytes` counts every document of the split, the tail cut off the last block included, so
+    the bytes per token are text_bytes / (num_tokens + dropped_tokens).
+    """
+
+    if not metadata or not metadata.get("text_bytes") or not metadata.get("num_tokens"):
+        return None, "bits per byte skipped: the data's metadata records no text_bytes (re-pack it with `dlm pack`)"
+    packed = int(metadata["num_tokens"]) + int(metadata.get("dropped_tokens", 0))
+    return float(metadata["text_bytes"]) * tokens / packed, None
+
+
+def _check_counts(batches: int, mc_samples: int, batch_size: int) -> None:
+    for option, value in (("--batches", batches), ("--mc-samples", mc_samples), ("--batch-size", batch_size)):
+        if value < 1:
+            raise UserError(f"{option} must be at least 1 (got {value})", fix=f"pass {option} 1 or more")
+
+
+def evaluate_model(
+    model: nn.Module,
+    dataset: Any,
+    *,
+    batches: int = 8,
+    mc_samples: int = 8,
+    batch_size: int = 8,
+    device: str | torch.device = "cpu",
+    precision: str = "float32",
+    mask_eps: float = 1e-3,
+    metadata: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> EvalReport:
+    """Evaluate `model` on the first `batches` batches of `dataset` (blocks of token ids).
+
+    `metadata` is the pack metadata (default: `dataset.metadata`) that bits per byte need.
+    """
+
+    _check_counts(batches, mc_samples, batch_size)
+    device = torch.device(device)
+    if metadata is None:
+        metadata = getattr(dataset, "metadata", None)
+    available = -(-len(dataset) // batch_size)
+    count = min(batches, available)
+    notes = [] if count == batches else [f"the data holds only {len(dataset)} blocks: evaluated {count} batches"]
+    if count == 0:
+        raise UserError("the evaluation data holds no blocks", fix="pass --data with a packed split")
+    was_training = model.training
+    model.eval()
+    try:
+        fixed = fixed_noise_validation(model, _batches(dataset, batch_size, count), device, precision, mask_eps, count)
+        means, errors = _elbo_pass(
+            model, _batches(dataset, batch_size, count), device, precision, mask_eps, mc_samples, seed
+        )
+        buckets = _bucket_pass(
+            model, _batches(dataset, batch_size, count), device, precision, mask_eps, batch_size, seed
+        )
+    finally:
+        model.train(was_training)
+    tokens = int(means.numel()) * int(torch.as_tensor(dataset[0]).numel())
+    return EvalReport(
+        sequences=int(means.numel()),
+        tokens=tokens,
+        batches=count,
+        batch_size=batch_size,
+        mc_samples=mc_samples,
+        mask_eps=mask_eps,
+        precision=precision,
+        device=str(device),
+        fixed_noise_loss=fixed["loss"],
+        fixed_noise_accuracy=fixed["masked_accuracy"],
+        **_likelihood_figures(means, errors, mc_samples, tokens, metadata, notes),
+        loss_by_t=buckets,
+        notes=notes,
+    )
+
+
+def _likelihood_figures(
+    means: Tensor, errors: Tensor, mc_samples: int, tokens: int, metadata: Mapping[str, Any] | None, notes: list[str]
+) -> dict[str, Any]:
+    """NLL, its two standard errors, the perplexity bound and bits per byte from per-sequence
+    Monte Carlo means [S] and their standard errors [S]; reasons for missing figures go to `notes`."""
+
+    sequences = means.numel()
+    nll = float(means.mean())
+    # Sequences and Monte Carlo samples together: each sequence mean already carries its MC noise.
+    stderr = float(means.std() / math.sqrt(sequences)) if sequences > 1 else None
+    # The Monte Carlo part alone: the error of a mean of S independent per-sequence estimates.
+    mc_stderr = float(errors.pow(2).sum().sqrt() / sequences) if mc_samples > 1 else None
+    if mc_samples == 1:
+        notes.append("--mc-samples 1: no Monte Carlo standard error")
+    text_bytes, why = evaluated_text_bytes(metadata, tokens)
+    notes += [why] if why else []
+    to_bits = tokens / (text_bytes * math.log(2)) if text_bytes else None
+    return {
+        "nll": nll,
+        "nll_stderr": stderr,
+        "nll_mc_stderr": mc_stderr,
+        "perplexity_bound": math.exp(min(nll, 700.0)),  # exp overflows a double past ~709
+        "bits_per_byte": None if to_bits is None else nll * to_bits,
+        "bits_per_byte_stderr": None if to_bits is None or stderr is None else stderr * to_bits,
+        "text_bytes": text_bytes,
+    }
+
+
+def _evaluation_dataset(data: str | Path | None, info: Any) -> Any:
+    """The packed split to evaluate on: `data` (a `dlm pack` directory's val split, or a .bin), or
+    the run's own validation data; refuse data tokenized for another model."""
+
+    from dlm.data import load_packed_dataset
+
+    if data is None:
+        if info.experiment is None:
+            raise UserError(
+                "an exported model does not know which data to evaluate on",
+                path=info.path,
+                fix="pass --data DIR_OR_BIN (a `dlm pack` output directory or one of its .bin files)",
+            )
+        data = info.experiment.training.val_data
+        if data is None:
+            raise UserError(
+                "the run has no validation data (training.val_data is unset)",
+                path=info.path,
+                fix="pass --data DIR_OR_BIN",
+            )
+    dataset = load_packed_dataset(data, info.model.max_seq_len, split="val")
+    if dataset.metadata["tokenizer_sha256"] != info.tokenizer_sha256:
+        raise UserError(
+            "the data was packed with another tokenizer than the model was trained with",
+            path=dataset.path,
+            fix="pack the text again with the model's tokenizer.json",
+        )
+    return dataset
+
+
+def evaluate_source(
+    source: str | Path,
+    data: str | Path | None = None,
+    *,
+    batches: int | None = None,
+    mc_samples: int = 8,
+    batch_size: int | None = None,
+    device: str | torch.device = "cpu",
+    precision: str = "auto",
+    use_ema: bool = True,
+) -> EvalReport:
+    """`dlm eval`: evaluate a checkpoint, run dir or exported model on `data` (default: the run's
+    validation data). Batches and batch size default to the run's validation settings, so the
+    fixed-noise figures of a training checkpoint repeat its last validation event."""
+
+    from dlm.export import build_model, read_model_source
+    from dlm.runtime import resolve_precision
+
+    info, weights = read_model_source(source, use_ema)
+    dataset = _evaluation_dataset(data, info)
+    training = info.experiment.training if info.experiment is not None else None
+    batches = batches if batches is not None else (training.eval_batches if training else 8)
+    batch_size = batch_size if batch_size is not None else (training.batch_size if training else 8)
+    _check_counts(batches, mc_samples, batch_size)
+    device = torch.device(device)
+    # float32 weights: `precision` alone decides the compute dtype (autocast), whatever was stored.
+    model = build_model(info.model, weights, device, torch.float32, source=info.path)
+    del weights
+    report = evaluate_model(
+        model,
+        dataset,
+        batches=batches,
+        mc_samples=mc_samples,
+        batch_size=batch_size,
+        device=device,
+        precision=resolve_precision(precision, device),
+        mask_eps=info.mask_eps,
+        metadata=dataset.metadata,
+    )
+    report.context = {**info.to_dict(), "data": str(dataset.path)}
+    return report
+
+
+def write_report(report: EvalReport, path: str | Path) -> Path:
+    """Write `report` as JSON under a temporary name, then rename it to `path`."""
+
+    path = Path(path)
+    if path.is_dir():
+        raise UserError("--output is a directory", path=path, fix="name a file, e.g. eval.json")
+    if not path.parent.is_dir():
+        raise UserError("the directory of --output does not exist", path=path, fix="create it first")
+    temporary = temporary_path(path)
+    try:
+        temporary.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,181 @@
+"""Evaluation: known answers from a uniform model, error scaling, determinism, real checkpoints, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dlm.config import ModelConfig, load_config
+from dlm.errors import UserError
+from dlm.evaluate import NOISE_BUCKETS, evaluate_model, evaluate_source, evaluated_text_bytes, write_report
+from dlm.export import export_model
+from dlm.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, LENGTH, SEQUENCES = 32, 64, 256
+
+
+class UniformModel(nn.Module):
+    """Predicts every token with probability 1 / V: its ELBO is exactly log V per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = ModelConfig(
+            vocab_size=VOCAB, mask_token_id=1, max_seq_len=LENGTH, d_model=8, n_layers=1, n_heads=2
+        )
+        self.calls = 0
+
+    def forward(self, tokens: Tensor, output_positions: Tensor | None = None) -> Tensor:
+        self.calls += 1
+        rows = int(output_positions.sum()) if output_positions is not None else tokens.numel()
+        return torch.zeros(rows, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def uniform_data() -> Tensor:
+    # Ids from 3 up: the uniform model's argmax (id 0) is never right, so its accuracy is exactly 0.
+    return torch.randint(3, VOCAB, (SEQUENCES, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+METADATA = {"text_bytes": 50_000, "num_tokens": SEQUENCES * LENGTH, "dropped_tokens": 40}
+
+
+def uniform_report(data: Tensor, mc_samples: int, **options: object) -> object:
+    settings: dict[str, object] = {"batches": 4, "batch_size": 64, "mask_eps": 0.05, "metadata": METADATA}
+    settings.update(options)
+    return evaluate_model(UniformModel(), data, mc_samples=mc_samples, **settings)  # type: ignore[arg-type]
+
+
+def test_uniform_model_gives_log_v_and_exact_bits_per_byte(uniform_data: Tensor) -> None:
+    report = uniform_report(uniform_data, mc_samples=8)
+    log_v = math.log(VOCAB)
+    assert report.sequences == SEQUENCES and report.tokens == SEQUENCES * LENGTH
+    assert abs(report.nll - log_v) < 4 * report.nll_stderr and report.nll_stderr < 0.02 * log_v
+    assert report.perplexity_bound == pytest.approx(math.exp(report.nll))
+    assert report.fixed_noise_loss == pytest.approx(log_v, rel=0.05)
+    assert report.fixed_noise_accuracy == 0.0
+    # Bits per byte from the formula: the evaluated share of the text bytes, dropped tail counted.
+    text_bytes = METADATA["text_bytes"] * report.tokens / (METADATA["num_tokens"] + METADATA["dropped_tokens"])
+    assert report.text_bytes == pytest.approx(text_bytes, rel=1e-12)
+    assert report.bits_per_byte == pytest.approx(report.nll * report.tokens / (text_bytes * math.log(2)), rel=1e-12)
+    assert report.bits_per_byte_stderr == pytest.approx(report.bits_per_byte * report.nll_stderr / report.nll)
+    # Every masked token costs exactly log V, whatever the noise level.
+    assert len(report.loss_by_t) == NOISE_BUCKETS
+    assert sum(bucket.sequences for bucket in report.loss_by_t) == SEQUENCES
+    for index, bucket in enumerate(report.loss_by_t):
+        assert bucket.masked_ce == pytest.approx(log_v, rel=1e-5)
+        assert bucket.t_high == pytest.approx((index + 1) / NOISE_BUCKETS)
+    assert report.loss_by_t[0].t_low == 0.05
+
+
+def test_standard_error_shrinks_like_one_over_sqrt_k(uniform_data: Tensor) -> None:
+    small, large = uniform_report(uniform_data, mc_samples=4), uniform_report(uniform_data, mc_samples=16)
+    # 4x the samples: half the error (1.76 .. 2.27 over 40 seeds of this setup).
+    assert 1.6 < small.nll_stderr / large.nll_stderr < 2.5
+    assert 1.6 < small.nll_mc_stderr / large.nll_mc_stderr < 2.5
+    assert abs(large.nll - math.log(VOCAB)) < 4 * large.nll_stderr
+
+
+def test_evaluation_is_deterministic_and_leaves_global_rng_alone(uniform_data: Tensor) -> None:
+    model = UniformModel().train()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    first = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, metadata=METADATA)
+    assert torch.equal(before, torch.get_rng_state())
+    assert model.training  # the caller's mode comes back
+    again = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, metadata=METADATA)
+    assert first.to_dict() == again.to_dict()
+    # 2 batches: one fixed-noise, K Monte Carlo and one bucket forward pass each.
+    assert model.calls == 2 * 2 * (1 + 3 + 1)
+
+
+def test_short_data_missing_metadata_and_k1_are_reported_not_hidden(uniform_data: Tensor) -> None:
+    report = evaluate_model(UniformModel(), uniform_data[:20], batches=5, batch_size=8, mc_samples=1)
+    assert report.batches == 3 and report.sequences == 20  # the last batch is short
+    assert report.bits_per_byte is None and report.nll_mc_stderr is None
+    assert any("20 blocks" in note for note in report.notes)
+    assert any("bits per byte skipped" in note for note in report.notes)
+    data = report.to_dict()
+    assert data["format"] == "dlm-eval-v1" and data["bits_per_byte"] is None
+    json.dumps(data, allow_nan=False)  # strict JSON: no NaN anywhere
+    assert evaluated_text_bytes({"num_tokens": 10}, 5) == (None, report.notes[-1])
+    with pytest.raises(UserError, match="--mc-samples"):
+        evaluate_model(UniformModel(), uniform_data, mc_samples=0)
+
+
+# --------------------------------------------------------------------------- real checkpoints
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("eval-run") / "run"
+    experiment = load_config(
+        ROOT / "configs" / "tiny.toml",
+        [
+            f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+            f"training.train_data={tiny_data_dir / 'train.bin'}",
+            f"training.val_data={tiny_data_dir / 'val.bin'}",
+            f"training.output_dir={run}",
+            "training.max_steps=4",
+            "training.warmup_steps=1",
+            "training.eval_interval=4",
+            "training.save_interval=4",
+        ],
+    )
+    train(experiment)
+    return run
+
+
+def test_checkpoint_eval_repeats_the_runs_last_validation(run_dir: Path) -> None:
+    report = evaluate_source(run_dir, mc_samples=2)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    validation = [event for event in map(json.loads, lines) if event["event"] == "validation"][-1]
+    assert report.fixed_noise_loss == validation["loss"]
+    assert report.fixed_noise_accuracy == validation["masked_accuracy"]
+    assert report.batches == validation["batches"] and report.context["step"] == 4
+    assert report.bits_per_byte is not None and 0 < report.bits_per_byte < report.nll / math.log(2)
+    assert report.context["data"].endswith("val.bin")
+
+
+def test_exported_model_needs_data_and_then_matches_the_checkpoint(
+    run_dir: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    exported = export_model(run_dir, tmp_path / "model", dtype="float32")
+    with pytest.raises(UserError, match="--data"):
+        evaluate_source(exported)
+    from_export = evaluate_source(exported, tiny_data_dir, batches=2, batch_size=8, mc_samples=2).to_dict()
+    from_checkpoint = evaluate_source(run_dir, mc_samples=2).to_dict()
+    for key in ("nll", "nll_stderr", "fixed_noise_loss", "bits_per_byte"):
+        assert from_export[key] == pytest.approx(from_checkpoint[key], rel=1e-5), key
+    losses = [[bucket["loss"] for bucket in report["loss_by_t"]] for report in (from_export, from_checkpoint)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_data_from_another_tokenizer_is_refused(run_dir: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(tiny_data_dir / "val.bin", tmp_path / "val.bin")
+    metadata = json.loads((tiny_data_dir / "val.json").read_text())
+    (tmp_path / "val.json").write_text(json.dumps({**metadata, "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(UserError, match="another tokenizer"):
+        evaluate_source(run_dir, tmp_path / "val.bin")
+
+
+def test_cli_eval_json_output_file_and_errors(run_dir: Path, tmp_path: Path, run_cli) -> None:
+    result = run_cli(
+        "eval", run_dir, "--mc-samples", "2", "--batches", "1", "--output", tmp_path / "eval.json", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed == json.loads((tmp_path / "eval.json").read_text())
+    assert printed["batches"] == 1 and printed["context"]["kind"] == "training"
+    bad = run_cli("eval", run_dir, "--mc-samples", "0")
+    assert bad.exit_code == 2 and bad.stderr.startswith("error:") and "--mc-samples" in bad.stderr
+    missing = run_cli("eval", tmp_path / "absent")
+    assert missing.exit_code == 2 and "Traceback" not in missing.stderr
+    with pytest.raises(UserError, match="directory"):
+        write_report(evaluate_model(UniformModel(), torch.full((1, LENGTH), 5), batches=1), tmp_path)
