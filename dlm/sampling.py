@@ -1,0 +1,487 @@
+"""Generation by reversing the masking process of a masked diffusion language model.
+
+A sequence starts as the prompt followed by `length` mask tokens. Time runs from t = 1 (all
+generated positions masked) to t = 0 over `steps` equal steps of the linear schedule; each step
+predicts the masked positions and reveals ("commits") some of them. A revealed token never changes.
+
+Which masked positions are revealed at a step from t to s = t - 1/steps:
+
+- `random`: ancestral sampling of the true reverse process; every masked position is revealed
+  independently with probability (t - s) / t, which is 1 at the last step.
+- `confidence`: LLaDA's low-confidence remasking; the model's distribution is sampled at every
+  masked position and the k most probable samples are kept, the rest stay masked. k follows the
+  schedule: floor(n * s) of a block's n positions stay masked at time s, none after the last step.
+- `margin`: as `confidence`, but a position's confidence is top-1 minus top-2 probability.
+
+`block_length` B makes the sampler semi-autoregressive: the positions to generate are split, left
+to right, into blocks of B; each block runs its share of the steps and later blocks stay masked
+until the earlier ones are complete.
+
+Infilling templates (`text=`): `[MASK]` is one token to generate and `[MASK*N]` is N of them;
+everything else is fixed text, kept token for token. Example: "ROMEO: [MASK*20] fair Verona".
+
+A step that reveals nothing does not call the model: the revealed tokens would be the same for any
+prediction, so its forward pass is skipped (MDLM's cached sampler gets the same saving by reusing
+predictions while the noisy sequence is unchanged). `SampleResult.forward_passes` counts the calls.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
+
+import torch
+from torch import nn
+
+from dlm.errors import UserError
+from dlm.tokenizer import SPECIAL_TOKENS
+
+Remasking = Literal["random", "confidence", "margin"]
+REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
+StepCallback = Callable[[int, torch.Tensor], None]
+TemplatePart = str | int
+
+# `[MASK]` or `[MASK*...]`; anything after the star is validated so typos fail loudly.
+_MASK_SPAN = re.compile(r"\[MASK(\*[^\]]*)?\]")
+_TEMPLATE_HELP = "write [MASK] for one token or [MASK*N] for N tokens, e.g. 'ROMEO: [MASK*20] Verona'"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to run the reverse process; invalid values raise `UserError` naming the CLI option."""
+
+    steps: int = 64
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    remasking: Remasking = "confidence"
+    block_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UserError(f"--steps must be at least 1 (got {self.steps})", fix="pass --steps 64")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(
+                f"--temperature must be a finite number >= 0 (got {self.temperature})",
+                fix="1.0 samples the model's distribution, 0 picks the most likely token",
+            )
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top-k must be at least 1 (got {self.top_k})", fix="omit it to keep all tokens")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})", fix="try --top-p 0.9")
+        if self.remasking not in REMASKING_CHOICES:
+            raise UserError(f"--remasking must be one of {', '.join(REMASKING_CHOICES)} (got {self.remasking!r})")
+        if self.block_length is not None and self.block_length < 1:
+            raise UserError(
+                f"--block-length must be at least 1 (got {self.block_length})",
+                fix="omit it to denoise all positions together",
+            )
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Generated samples: full texts and token ids (prompt or template included)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    steps: int
+    forward_passes: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and templates
+
+
+def parse_template(text: str) -> list[TemplatePart]:
+    """Split an infilling template into fixed text (str) and mask-span lengths (int)."""
+
+    parts: list[TemplatePart] = []
+    position = 0
+    for match in _MASK_SPAN.finditer(text):
+        if match.start() > position:
+            parts.append(text[position : match.start()])
+        spec = match.group(1)
+        count = 1
+        if spec is not None:
+            if not re.fullmatch(r"\*\d+", spec):
+                raise UserError(f"malformed mask span {match.group(0)!r} in --text", fix=_TEMPLATE_HELP)
+            count = int(spec[1:])
+            if count < 1:
+                raise UserError(f"mask span {match.group(0)!r} in --text asks for no tokens", fix=_TEMPLATE_HELP)
+        parts.append(count)
+        position = match.end()
+    if position < len(text):
+        parts.append(text[position:])
+    if not any(isinstance(part, int) for part in parts):
+        raise UserError("--text has no [MASK] span to generate", fix=_TEMPLATE_HELP)
+    return parts
+
+
+def _encode(tokenizer: Any, text: str, option: str, mask_token_id: int) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+    if mask_token_id in ids:
+        # A literal mask token would stay masked forever: it is not a position we were asked to fill.
+        raise UserError(f"{option} contains the mask token itself", fix=_TEMPLATE_HELP)
+    return ids
+
+
+def check_request(
+    *, prompt: str = "", text: str | None = None, length: int = 64, num_samples: int = 1, seed: int = 0
+) -> list[TemplatePart]:
+    """Validate what to generate (all but `SamplingOptions`) and return the sequence layout.
+
+    The layout is fixed text (str) and spans to generate (int): `prompt` then `length` masks, or
+    the parsed template `text`. Needs no model, so a CLI can check its options before loading one.
+    """
+
+    if num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1 (got {num_samples})", fix="pass --num-samples 1")
+    if not 0 <= seed < 2**63:
+        raise UserError(f"--seed must be in [0, 2**63) (got {seed})")
+    if text is not None:
+        if prompt:
+            raise UserError("--prompt and --text cannot be combined", fix="start the --text template with the prompt")
+        return parse_template(text)
+    if length < 1:
+        raise UserError(f"--length must be at least 1 (got {length})", fix="pass --length 64")
+    return [prompt, length] if prompt else [length]
+
+
+def build_sequence(
+    tokenizer: Any, parts: Sequence[TemplatePart], *, templated: bool, mask_token_id: int, max_seq_len: int
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the starting sequence and, per position, whether it is to be generated.
+
+    Each fixed piece of text is tokenized on its own so that it stays exactly as given around the
+    generated spans. `templated` says whether `parts` came from --text (for error messages).
+    """
+
+    option = "--text" if templated else "--prompt"
+    ids: list[int] = []
+    fill: list[bool] = []
+    for part in parts:
+        if isinstance(part, int):
+            ids += [mask_token_id] * part
+            fill += [True] * part
+        else:
+            piece = _encode(tokenizer, part, option, mask_token_id)
+            ids += piece
+            fill += [False] * len(piece)
+    if len(ids) > max_seq_len:
+        if templated:
+            problem = f"the --text template is {len(ids)} tokens"
+            fix = "shorten the template or its [MASK*N] spans"
+        else:
+            length = sum(fill)
+            problem = f"--prompt ({len(ids) - length} tokens) plus --length ({length}) is {len(ids)} tokens"
+            fix = "shorten the prompt or lower --length"
+        raise UserError(f"{problem}, more than the model's max_seq_len ({max_seq_len})", fix=fix)
+    return ids, fill
+
+
+def split_masked(tokenizer: Any, ids: Sequence[int], mask_token_id: int) -> list[TemplatePart]:
+    """Decoded runs of known tokens (str) and lengths of masked runs (int), for live views."""
+
+    parts: list[TemplatePart] = []
+    run: list[int] = []
+    masked = 0
+    for token in ids:
+        if token == mask_token_id:
+            if run:
+                parts.append(tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            masked += 1
+        else:
+            if masked:
+                parts.append(masked)
+                masked = 0
+            run.append(token)
+    if run:
+        parts.append(tokenizer.decode(run, skip_special_tokens=False))
+    if masked:
+        parts.append(masked)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Token sampling
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf all but the top-k logits and all but the smallest top-p probability nucleus.
+
+    Tokens tied with the k-th logit are kept. The most likely token always survives, so every row
+    keeps a non-empty support.
+    """
+
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the more likely tokens before it already reach top_p.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of `logits` [N, V] by the Gumbel-max trick (argmax at temperature 0).
+
+    The noise is float64: in 16-bit (or even 32-bit) precision the Gumbel tails are truncated and
+    repeated samples lose diversity.
+    """
+
+    logits = logits.double()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+    uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float64).tiny)))
+    return (logits + gumbel).argmax(dim=-1)
+
+
+def token_confidence(probs: torch.Tensor, tokens: torch.Tensor, remasking: Remasking) -> torch.Tensor:
+    """Confidence [N] of sampled `tokens` [N] under `probs` [N, V]: p(token), or top-1 - top-2."""
+
+    if remasking == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[:, 0] - top2[:, 1]
+    return probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reverse process
+
+
+def _noise_device(device: torch.device) -> torch.device:
+    # MPS has no float64, so the sampling noise (and the generator) live on the CPU there.
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+@dataclass(frozen=True)
+class _Reverse:
+    """What every step of one reverse process shares."""
+
+    model: nn.Module
+    options: SamplingOptions
+    generator: torch.Generator
+    mask_id: int
+    forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
+
+    def predict(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
+
+        logits = self.model(tokens, output_positions=positions)
+        logits = logits.to(self.generator.device, torch.float64)
+        logits[:, self.forbidden] = float("-inf")
+        options = self.options
+        new = sample_tokens(
+            logits,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=options.top_p,
+            generator=self.generator,
+        )
+        confidence = None
+        if options.remasking != "random":
+            # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
+            confidence = token_confidence(logits.softmax(dim=-1), new, options.remasking)
+        return new.to(tokens.device), confidence
+
+    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, steps_left: int) -> int:
+        """Ancestral step: reveal each masked position of `block` with probability 1 / steps_left."""
+
+        masked = tokens[:, block] == self.mask_id
+        draws = torch.rand(masked.shape, dtype=torch.float64, device=self.generator.device, generator=self.generator)
+        reveal = masked & (draws * steps_left < 1).to(tokens.device)
+        rows = reveal.any(dim=1)
+        if not bool(rows.any()):
+            return 0
+        positions = torch.zeros_like(tokens, dtype=torch.bool)
+        positions[:, block] = reveal
+        # Only rows that reveal something need a prediction, and only at the revealed positions.
+        sub_tokens, sub_positions = tokens[rows], positions[rows]
+        new, _ = self.predict(sub_tokens, sub_positions)
+        sub_tokens[sub_positions] = new
+        tokens[rows] = sub_tokens
+        return 1
+
+    def reveal_confident(self, tokens: torch.Tensor, block: torch.Tensor, count: int) -> int:
+        """Remasking step: sample all masked positions of `block`, keep the `count` most confident."""
+
+        if count == 0:
+            return 0
+        candidates = torch.zeros_like(tokens, dtype=torch.bool)
+        candidates[:, block] = tokens[:, block] == self.mask_id
+        new, confidence = self.predict(tokens, candidates)
+        assert confidence is not None
+        scores = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+        scores[candidates.to(scores.device)] = confidence
+        # Every row has the same number of masked positions (>= count): top-k picks only candidates.
+        chosen = scores.topk(count, dim=1).indices.to(tokens.device)
+        proposal = tokens.clone()
+        proposal[candidates] = new
+        tokens.scatter_(1, chosen, proposal.gather(1, chosen))
+        return 1
+
+
+def _block_steps(steps: int, num_blocks: int) -> list[int]:
+    """Split `steps` across blocks as evenly as possible, earlier blocks taking the remainder."""
+
+    return [steps // num_blocks + (index < steps % num_blocks) for index in range(num_blocks)]
+
+
+def reveal_count(num_positions: int, steps: int, step: int) -> int:
+    """Positions to reveal at `step` (0-based) so that floor(n * s) stay masked at time s."""
+
+    def still_masked(done: int) -> int:
+        return num_positions * (steps - done) // steps
+
+    return still_masked(step) - still_masked(step + 1)
+
+
+def denoise(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    fill_mask: torch.Tensor,
+    options: SamplingOptions,
+    *,
+    generator: torch.Generator,
+    forbidden_token_ids: Sequence[int] = (),
+    on_step: StepCallback | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true.
+
+    Returns the completed tokens (no mask left in `fill_mask`, everything else unchanged) and the
+    number of model forward passes. `model.config.mask_token_id` and `forbidden_token_ids` are
+    never predicted. `on_step(step, tokens)` gets a copy of the tokens: step 0 is the starting
+    sequence, then steps 1 .. `options.steps`. Call it in eval mode under
+    `torch.inference_mode()` (as `generate` does).
+    """
+
+    mask_id = model.config.mask_token_id
+    tokens = tokens.clone()
+    tokens[:, fill_mask] = mask_id
+    never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
+    reverse = _Reverse(model, options, generator, mask_id, torch.tensor(never, device=generator.device))
+    positions = fill_mask.nonzero().squeeze(-1)
+    blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
+    if len(blocks) > options.steps:
+        raise UserError(
+            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks of --block-length "
+            f"{options.block_length}",
+            fix=f"use at least {len(blocks)} steps or a larger --block-length",
+        )
+    forward_passes, step = 0, 0
+    if on_step is not None:
+        on_step(0, tokens.clone())
+    for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):
+        for index in range(block_steps):
+            if options.remasking == "random":
+                forward_passes += reverse.reveal_random(tokens, block, block_steps - index)
+            else:
+                count = reveal_count(block.numel(), block_steps, index)
+                forward_passes += reverse.reveal_confident(tokens, block, count)
+            step += 1
+            if on_step is not None:
+                on_step(step, tokens.clone())
+    return tokens, forward_passes
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _denoise_for_inference(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    fill_mask: torch.Tensor,
+    options: SamplingOptions,
+    generator: torch.Generator,
+    forbidden: list[int],
+    on_step: StepCallback | None,
+) -> tuple[list[list[int]], int]:
+    """`denoise` in eval mode without autograd, leaving the model's train / eval mode as it was."""
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            tokens, forward_passes = denoise(
+                model, tokens, fill_mask, options, generator=generator, forbidden_token_ids=forbidden, on_step=on_step
+            )
+            # .tolist() waits for the device, so the caller's timing covers all queued work.
+            return tokens.tolist(), forward_passes
+    finally:
+        model.train(was_training)
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    prompt: str = "",
+    text: str | None = None,
+    length: int = 64,
+    steps: int = 64,
+    num_samples: int = 1,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    remasking: Remasking = "confidence",
+    block_length: int | None = None,
+    device: str | torch.device | None = None,
+    on_step: StepCallback | None = None,
+) -> SampleResult:
+    """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
+
+    Templates: `[MASK]` is one token to generate, `[MASK*N]` is N tokens; the rest is fixed text,
+    e.g. "ROMEO: [MASK*20] fair Verona". `prompt` and `text` are exclusive; `length` is ignored
+    with a template. Deterministic for a fixed `seed` on one device. `device` defaults to the
+    model's; another device moves the model there. Texts keep special tokens such as
+    `<|endoftext|>` so document boundaries stay visible.
+    """
+
+    options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
+    parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
+    config = model.config
+    ids, fill = build_sequence(
+        tokenizer,
+        parts,
+        templated=text is not None,
+        mask_token_id=config.mask_token_id,
+        max_seq_len=config.max_seq_len,
+    )
+    device = _model_device(model) if device is None else torch.device(device)
+    model.to(device)
+    generator = torch.Generator(device=_noise_device(device)).manual_seed(seed)
+    pad_id = tokenizer.token_to_id(SPECIAL_TOKENS["pad"])
+    forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
+    tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
+    start = time.perf_counter()
+    token_ids, forward_passes = _denoise_for_inference(model, tokens, fill_mask, options, generator, forbidden, on_step)
+    seconds = time.perf_counter() - start
+    texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
+    return SampleResult(texts, token_ids, steps, forward_passes, seconds)
