@@ -19,7 +19,7 @@ from typing import IO, Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -94,6 +94,14 @@ def sparkline(values: Iterable[float], width: int = 48) -> str:
     return "".join(SPARK_CHARACTERS[round((value - low) / span * top)] for value in points)
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    minutes, second = divmod(round(seconds), 60)
+    hours, minute = divmod(minutes, 60)
+    return f"{hours}:{minute:02d}:{second:02d}"
+
+
 def _format(value: Any, spec: str = ".4f", empty: str = "-") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return empty
@@ -119,11 +127,10 @@ class TrainingDashboard:
             BarColumn(bar_width=None),
             TextColumn("{task.percentage:>5.1f}%"),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
+            TextColumn("eta {task.fields[eta]}"),
             expand=True,
         )
-        self.task = self.progress.add_task("train", total=1, completed=0)
+        self.task = self.progress.add_task("train", total=1, completed=0, eta="-")
         self.live = Live(self.render(), console=self.console, refresh_per_second=refresh_per_second)
 
     def __enter__(self) -> TrainingDashboard:
@@ -139,12 +146,12 @@ class TrainingDashboard:
         if kind == "start":
             self.start = event
             self.status = "training"
-            self.progress.update(self.task, total=event["max_steps"], completed=event["start_step"])
             self.progress.reset(self.task, total=event["max_steps"], completed=event["start_step"])
         elif kind == "train":
             self.latest = event
             self.losses.append(float(event["loss"]) if event["loss"] is not None else math.nan)
-            self.progress.update(self.task, completed=event["step"])
+            # The loop's own estimate (steps left x recent step time) beats rich's guess from refresh times.
+            self.progress.update(self.task, completed=event["step"], eta=_duration(event.get("eta_seconds")))
         elif kind == "validation":
             self.validation = event
         elif kind == "checkpoint":
