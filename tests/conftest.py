@@ -3,16 +3,24 @@ way to run the real CLI entry point in-process."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlm.assets import shakespeare_files
 from dlm.data import pack_corpus
 from dlm.tokenizer import train_tokenizer
+
+# Tiny models gain nothing from intra-op threads, and OpenMP threads that spin while other
+# processes (DataLoader workers, CLI subprocesses, a busy machine) hold the cores make a step
+# ~20x slower. One thread per process keeps the suite fast; children inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 TINY_VOCAB_SIZE = 512  # configs/tiny.toml: model.vocab_size
 TINY_SEQ_LEN = 64  # configs/tiny.toml: model.max_seq_len
