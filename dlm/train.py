@@ -37,11 +37,22 @@ from dlm.checkpoint import (
     load_checkpoint,
     save_inference_checkpoint,
     save_training_checkpoint,
+    step_checkpoint_name,
 )
 from dlm.config import ExperimentConfig
 from dlm.dashboard import Event, JsonLinesFileSink, Sink, fan_out
 from dlm.data import DeterministicBatchSampler, load_packed_dataset
-from dlm.distributed import DistributedContext, current_context
+from dlm.distributed import (
+    DistributedContext,
+    check_parallelism,
+    check_world_size,
+    current_context,
+    full_model_state,
+    full_optimizer_state,
+    full_tensors,
+    load_full_state,
+    shard_like,
+)
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
 from dlm.model import DiffusionTransformer, format_parameter_count
@@ -135,12 +146,15 @@ class Trainer:
 
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
         check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
-        self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        check_world_size(checkpoint, self.world.world_size, path)
+        # Every rank reads the file; under FSDP each keeps only its shard of the full state.
+        load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
         self._apply_optimizer_hyperparameters()
         self.step.scaler.load_state_dict(checkpoint.get("scaler") or {})
-        if self.step.ema is not None and checkpoint.get("ema") is not None:
-            self.step.ema.load_state_dict(checkpoint["ema"])
+        ema = self.step.ema
+        if ema is not None and checkpoint.get("ema") is not None:
+            shadow = shard_like(checkpoint["ema"]["shadow"], dict(zip(ema.names, ema.shadow, strict=True)))
+            ema.load_state_dict({**checkpoint["ema"], "shadow": shadow})
         self.data_generator.set_state(checkpoint["data_generator_state"])
         restore_rng_state(checkpoint["rng_state"])
         self.step.counters = RunCounters(
@@ -159,6 +173,14 @@ class Trainer:
             group["eps"] = self.config.adam_eps
 
     def state(self) -> dict[str, Any]:
+        """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
+        a collective: every rank gathers, only rank 0 gets the tensors (the others, empty dicts)."""
+
+        ema = self.step.ema
+        ema_state = None
+        if ema is not None:
+            ema_state = ema.state_dict()
+            ema_state["shadow"] = full_tensors(ema_state["shadow"])
         return {
             "format": TRAINING_FORMAT,
             "dlm_version": __version__,
@@ -170,41 +192,39 @@ class Trainer:
             "tokenizer_sha256": self.tokenizer_sha256,
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": full_model_state(self.model),
+            "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scaler": self.step.scaler.state_dict(),
-            "ema": None if self.step.ema is None else self.step.ema.state_dict(),
+            "ema": ema_state,
         }
 
     def save(self) -> Path:
-        path = save_training_checkpoint(
-            self.config.output_dir, self.state(), self.counters.step, self.config.keep_last_checkpoints
-        )
-        if self.config.save_inference_checkpoint:
-            # The compact checkpoint holds the weights evaluation should use: the EMA when there is one.
-            ema = self.step.ema
-            metadata = {
-                "step": self.counters.step,
-                "tokens_seen": self.counters.tokens_seen,
-                "config": self.experiment.to_dict(),
-                "tokenizer_sha256": self.tokenizer_sha256,
-                "weights": "ema" if ema is not None else "live",
-            }
-            with ema.applied(self.model) if ema is not None else contextlib.nullcontext():
-                save_inference_checkpoint(self.config.output_dir, self.model.state_dict(), metadata)
+        """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
+
+        config, step = self.config, self.counters.step
+        state = self.state()
+        path = config.output_dir / step_checkpoint_name(step)
+        if self.world.is_main:
+            path = save_training_checkpoint(config.output_dir, state, step, config.keep_last_checkpoints)
+            if config.save_inference_checkpoint:
+                metadata = {
+                    "step": step,
+                    "tokens_seen": self.counters.tokens_seen,
+                    "config": self.experiment.to_dict(),
+                    "tokenizer_sha256": self.tokenizer_sha256,
+                    "weights": "live" if state["ema"] is None else "ema",
+                }
+                save_inference_checkpoint(config.output_dir, inference_weights(state), metadata)
+            self.sink({"event": "checkpoint", "step": step, "path": str(path)})
+        # No rank returns before the files exist: a result must never name a missing checkpoint.
+        self.world.barrier()
         self.checkpoint_path = path
-        self.sink({"event": "checkpoint", "step": self.counters.step, "path": str(path)})
         return path
 
     # ----------------------------------------------------------------------------- data
     def train_batches(self) -> Iterator[Tensor]:
         world = self.world
-        if self.counters.micro_batches_seen % world.world_size:
-            raise UserError(
-                f"the checkpoint consumed {self.counters.micro_batches_seen} micro-batches, which "
-                f"{world.world_size} processes cannot split evenly",
-                fix="resume with the world size the run was saved with",
-            )
+        # check_world_size made sure the consumed micro-batches split evenly over the ranks.
         sampler = DeterministicBatchSampler(
             len(self.train_dataset),
             self.config.batch_size,
@@ -234,7 +254,8 @@ class Trainer:
         return metrics
 
     def raise_if_diverged(self, window: LogWindow) -> None:
-        bad_step = int(window.first_bad_step)
+        # Agreed over ranks (a collective), so that every rank stops, or none does.
+        bad_step = self.world.first_flag(window.first_bad_step)
         if bad_step >= 0:
             kept = self.checkpoint_path or "none was written yet"
             raise NonFiniteLossError(
@@ -248,15 +269,20 @@ class Trainer:
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         tokens_per_second = window.tokens / elapsed
         steps_left = self.config.max_steps - self.counters.step
-        counts = window.bucket_count.tolist()
-        sums = window.bucket_loss.tolist()
+        # Loss, accuracy and buckets of all ranks, as one process running every micro-batch would
+        # report them; the gradient norm is already global (computed after the reduction).
+        loss, accuracy, bucket_loss, bucket_count = self.world.sum_over_ranks(
+            [window.loss, window.accuracy, window.bucket_loss, window.bucket_count]
+        )
+        counts = bucket_count.tolist()
+        sums = bucket_loss.tolist()
         buckets = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
         event: Event = {
             "event": "train",
             "step": self.counters.step,
             "max_steps": self.config.max_steps,
-            "loss": float(window.loss) / window.steps,
-            "masked_accuracy": float(window.accuracy) / window.steps,
+            "loss": float(loss) / (window.steps * self.world.world_size),
+            "masked_accuracy": float(accuracy) / (window.steps * self.world.world_size),
             "learning_rate": learning_rate(self.counters.step - 1, self.config),
             "grad_norm": float(window.grad_norm) / window.steps,
             "tokens_seen": self.counters.tokens_seen,
@@ -294,13 +320,15 @@ class Trainer:
                 self.validate()
             if step % config.save_interval == 0:
                 self.raise_if_diverged(window)
-                self.world.barrier()
-                if self.world.is_main:
-                    self.save()
-            if stop.signal_number is not None:
+                self.save()
+            # Decided together: a rank that stopped alone would leave the others in a collective.
+            signalled, out_of_time = self.world.any_rank(
+                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline]
+            )
+            if signalled:
                 status = "interrupted"
                 break
-            if deadline is not None and time.monotonic() >= deadline and step < end_step:
+            if out_of_time and step < end_step:
                 status = "paused"
                 break
         if status == "complete" and self.counters.step < config.max_steps:
@@ -309,9 +337,7 @@ class Trainer:
         if window.steps:
             self.log(window)
         if self.checkpoint_path is None or self.counters.step % config.save_interval:
-            self.world.barrier()
-            if self.world.is_main:
-                self.save()
+            self.save()
         assert self.checkpoint_path is not None
         return TrainResult(
             status=status,
@@ -337,6 +363,7 @@ class Trainer:
             "activation_checkpointing": self.experiment.model.activation_checkpointing,
             "fused_attention_required": config.require_fused_attention,
             "world_size": world.world_size,
+            "parallelism": config.parallelism if world.active else None,
             "global_batch": config.batch_size * config.gradient_accumulation_steps * world.world_size,
             "tokens_per_step": tokens_per_step,
             "training_blocks": len(self.train_dataset),
@@ -381,6 +408,19 @@ def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, to
         )
 
 
+def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
+    """The weights evaluation should use: the EMA's when there is one (it tracks every parameter).
+
+    Taken from the gathered state rather than by loading the EMA into the model, which would need
+    a second gather under FSDP.
+    """
+
+    model, ema = state["model"], state["ema"]
+    if ema is None:
+        return model
+    return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}
+
+
 def _free_space_needed(experiment: ExperimentConfig) -> int:
     """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
 
@@ -408,6 +448,7 @@ def train(
     precision = resolve_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
     ensure_valid(experiment)
+    check_parallelism(config)
     run_dir = config.output_dir
     if world.is_main:
         check_output_dir(run_dir, _free_space_needed(experiment))

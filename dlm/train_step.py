@@ -24,7 +24,7 @@ from dlm.diffusion import (
     noise_generator,
     step_time_offset,
 )
-from dlm.distributed import DistributedContext, wrap_model
+from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.model import DiffusionTransformer
 from dlm.optim import ModelEMA, build_optimizer, learning_rate
 from dlm.runtime import autocast_context, resolve_compile, seed_everything
@@ -76,7 +76,8 @@ class TrainingStep:
         self.device, self.precision, self.world = device, precision, world
         self.counters = RunCounters()
         seed_everything(self.config.seed, device)
-        self.model = DiffusionTransformer(experiment.model).to(device)
+        # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
+        self.model = build_model(lambda: DiffusionTransformer(experiment.model), device, world, self.config.parallelism)
         self.optimizer = build_optimizer(self.model, self.config, device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
         self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
@@ -93,7 +94,9 @@ class TrainingStep:
         """Forward and backward of one micro-batch; its noise depends only on its global index."""
 
         config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
-        global_index = (self.counters.step * steps + micro_index) * world.world_size + world.rank
+        # Rank r's micro-batch m of this step is global micro-batch seen + m * W + r: the very batch
+        # the sampler hands it, and the same count whatever world size earlier steps ran with.
+        global_index = self.counters.micro_batches_seen + world.rank
         generator = noise_generator(config.seed, global_index, self.device)
         probability = accumulation_mask_probabilities(
             clean.shape[0],
@@ -137,7 +140,7 @@ class TrainingStep:
             window.tokens += clean.numel() * self.world.world_size
         self.scaler.unscale_(self.optimizer)
         max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = replicated(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.ema is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -51,6 +52,9 @@ def _run(
     from dlm.train import train
 
     seconds = None if max_run_minutes is None else max_run_minutes * 60
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 talks to the person
+        result = train(experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds)
+        sys.exit(result.exit_code)
     if wants_json(as_json):
         result = train(
             experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds, sink=JsonLinesSink()
