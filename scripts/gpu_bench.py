@@ -1,0 +1,481 @@
+"""The measuring half of scripts/gpu_check.sh: the anchors and dlm side by side, one process per part.
+
+  gpu_bench.py throughput --out T.jsonl [--bench-dir .bench] [--sizes 110M,1.3B] [--steps 10] [--warmup 4]
+  gpu_bench.py quality --out Q.jsonl [--bench-dir .bench] [--data-dir runs/shakespeare-data]
+               [--throughput T.jsonl] [--dlm-seconds 60] [--anchor-seconds 80] [--device cuda]
+  gpu_bench.py report T.jsonl Q.jsonl STATUS.jsonl --json results.json --markdown results.md
+
+throughput: the bf16 matmul ceiling; the anchor baseline (`.bench/anchor_gpu.py`, eager and compiled)
+and `dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the anchor) at ~110M
+(configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8: adamw, then adamw8bit with
+activation checkpointing, eager to save the check's time, its peak an upper bound of the compiled one).
+quality: dlm trains configs/shakespeare.toml for --dlm-seconds (max_steps fitted to the budget from the
+throughput part's step time, so the cosine schedule ends in time, as the anchor anneals to its budget),
+then `dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks); then the
+anchor's `quality_gpu.py` MDM trains for --anchor-seconds. Each figure is appended to its JSON-lines
+file the moment it exists, so a part cut off by its timeout keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES: dict[str, dict[str, Any]] = {
+    "110M": {
+        "anchor": (32768, 768, 12, 12, 1024),
+        "batch": 32,
+        "config": "configs/gpt2-small.toml",
+        "dlm": [("dlm-110M", [])],
+    },
+    "1.3B": {
+        "anchor": (32768, 2048, 24, 16, 1024),
+        "batch": 8,
+        "config": "configs/1b.toml",
+        "dlm": [
+            ("dlm-1.3B-adamw", ["training.optimizer=adamw", "model.activation_checkpointing=false"]),
+            (
+                "dlm-1.3B-adamw8bit-ckpt-eager",
+                ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"],
+            ),
+        ],
+    },
+}
+# As the anchor: bf16, one micro-batch per optimizer step, on the GPU.
+DLM_COMMON = ["training.precision=bfloat16", "training.gradient_accumulation_steps=1", "training.device=cuda"]
+QUALITY_CONFIG = "configs/shakespeare.toml"
+PYTEST_SUMMARY = re.compile(r"\b(passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
+TARGETS = {"speed_ratio": 1.15, "memory_gib": 24.0, "bits_per_byte": 2.05, "dlm_seconds": 60.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parts = parser.add_subparsers(dest="part", required=True)
+    throughput = parts.add_parser("throughput")
+    throughput.add_argument("--out", type=Path, required=True)
+    throughput.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
+    throughput.add_argument("--sizes", default="110M,1.3B")
+    throughput.add_argument("--steps", type=int, default=10)
+    throughput.add_argument("--warmup", type=int, default=4)
+    quality = parts.add_parser("quality")
+    quality.add_argument("--out", type=Path, required=True)
+    quality.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
+    quality.add_argument("--data-dir", type=Path, default=ROOT / "runs" / "shakespeare-data")
+    quality.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "gpu-check-shakespeare")
+    quality.add_argument("--throughput", type=Path, default=None, help="its JSON lines: the step time to fit")
+    quality.add_argument("--dlm-seconds", type=float, default=60.0)
+    quality.add_argument("--anchor-seconds", type=float, default=80.0)
+    quality.add_argument("--device", default="cuda")
+    quality.add_argument("--eval-batches", type=int, default=10**6, help="cap on validation batches (default all)")
+    quality.add_argument("--skip-anchor", action="store_true")
+    report = parts.add_parser("report")
+    report.add_argument("inputs", type=Path, nargs="+")
+    report.add_argument("--json", type=Path, required=True)
+    report.add_argument("--markdown", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.part == "throughput":
+        unknown = set(args.sizes.split(",")) - set(SIZES)
+        if unknown:
+            parser.error(f"--sizes: unknown {sorted(unknown)}; choose from {sorted(SIZES)}")
+        if args.steps < 1 or args.warmup < 0:
+            parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.part == "quality" and min(args.dlm_seconds, args.anchor_seconds) <= 0:
+        parser.error("--dlm-seconds and --anchor-seconds must be positive")
+    return args
+
+
+class Records:
+    """Appends each measurement to a JSON-lines file at once (and echoes it for the log)."""
+
+    def __init__(self, path: Path, part: str):
+        self.path, self.part = path, part
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, record: dict[str, Any]) -> None:
+        line = json.dumps({"part": self.part, **record}, default=str)
+        print(line, flush=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+def import_from(directory: Path, name: str) -> ModuleType:
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+    return importlib.import_module(name)
+
+
+def free_cuda() -> None:
+    import torch
+
+    from dlm.bench_setup import release_memory
+    from dlm.runtime import configure_cuda_backends
+
+    release_memory(torch.device("cuda"))
+    # dlm --fused-attention switches the math kernel off process-wide; the anchor runs with torch's defaults.
+    configure_cuda_backends(torch.device("cuda"), require_fused_attention=False)
+
+
+# ---- throughput -------------------------------------------------------------------------------------------------
+
+
+def anchor_cases(anchor: ModuleType, size: str, ceiling: float, records: Records) -> None:
+    """The anchor's own `run_case`, eager then compiled, on one model built directly on the GPU."""
+
+    import torch
+
+    cfg, batch = SIZES[size]["anchor"], SIZES[size]["batch"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = anchor.Baseline(*cfg)
+    for compile_model in (False, True):
+        try:
+            record = anchor.run_case(f"baseline-{size}", model, model, cfg, batch, compile_model, True)
+            records.add(
+                {
+                    "source": "anchor",
+                    "size": size,
+                    **record,
+                    "mfu_measured_pct": round(100 * record["model_tflops"] / ceiling, 1),
+                }
+            )
+        except Exception as exc:  # one failed case must not cost the others
+            records.add(
+                {
+                    "source": "anchor",
+                    "size": size,
+                    "case": f"baseline-{size}",
+                    "compile": compile_model,
+                    "error": repr(exc)[:500],
+                }
+            )
+    del model
+    free_cuda()
+
+
+def dlm_case(
+    size: str, name: str, overrides: list[str], steps: int, warmup: int, ceiling: float, records: Records
+) -> None:
+    from dlm.bench import run_benchmark
+    from dlm.config import load_config
+
+    spec = SIZES[size]
+    result = None
+    try:
+        experiment = load_config(ROOT / spec["config"], DLM_COMMON + overrides)
+        result = run_benchmark(experiment, steps=steps, warmup=warmup, batch_size=spec["batch"], fused_attention=True)
+    except Exception as exc:  # one failed case must not cost the others
+        records.add({"source": "dlm", "size": size, "case": name, "error": repr(exc)[:500]})
+    free_cuda()  # after the except block, whose traceback would keep the failed case's tensors alive
+    if result is None:
+        return
+    tflops = result.model_flops_per_second / 1e12
+    records.add(
+        {
+            "source": "dlm",
+            "size": size,
+            "case": name,
+            "params_M": round(result.parameters / 1e6, 1),
+            "batch": result.batch_size,
+            "seq": result.seq_len,
+            "compile": result.compile,
+            "optimizer": result.optimizer,
+            "activation_checkpointing": result.activation_checkpointing,
+            "tokens_per_s": round(result.tokens_per_second),
+            "model_tflops": round(tflops, 1),
+            "mfu_measured_pct": round(100 * tflops / ceiling, 1),
+            "mfu_datasheet_pct": None if result.mfu is None else round(100 * result.mfu, 1),
+            "step_ms": round(result.step_time_s * 1e3, 2),
+            "spread_pct": round(result.step_time_spread_pct, 1),
+            "warmup_s": round(result.warmup_seconds, 1),
+            "peak_gib": round(result.peak_allocated_gib or 0.0, 2),
+            "reserved_gib": round(result.peak_reserved_gib or 0.0, 2),
+            "attention": result.attention_backend,
+            "loss": round(result.loss, 4),
+        }
+    )
+
+
+def quality_step_time(steps: int, warmup: int, records: Records) -> None:
+    """The step time of the quality config (compiled, its own batch), for fitting the schedule later."""
+
+    from dlm.bench import run_benchmark
+    from dlm.config import load_config
+
+    try:
+        result = run_benchmark(load_config(ROOT / QUALITY_CONFIG, ["training.device=cuda"]), steps=steps, warmup=warmup)
+        records.add(
+            {
+                "source": "dlm",
+                "case": "dlm-shakespeare-14M",
+                "step_ms": round(result.step_time_s * 1e3, 3),
+                "tokens_per_s": round(result.tokens_per_second),
+                "compile": result.compile,
+                "warmup_s": round(result.warmup_seconds, 1),
+                "batch": result.batch_size,
+            }
+        )
+    except Exception as exc:
+        records.add({"source": "dlm", "case": "dlm-shakespeare-14M", "error": repr(exc)[:500]})
+    free_cuda()
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    records = Records(args.out, "throughput")
+    anchor = import_from(args.bench_dir, "anchor_gpu")
+    ceiling = anchor.matmul_ceiling()
+    records.add(
+        {
+            "case": "environment",
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "matmul_bf16_tflops": round(ceiling, 1),
+            "commit": os.environ.get("DLM_COMMIT", "unknown"),
+        }
+    )
+    # Small first: the quality part needs its step time even if a large size runs out of time.
+    quality_step_time(args.steps, args.warmup, records)
+    for size in args.sizes.split(","):
+        anchor_cases(anchor, size, ceiling, records)
+        for name, overrides in SIZES[size]["dlm"]:
+            dlm_case(size, name, overrides, args.steps, args.warmup, ceiling, records)
+    return 0
+
+
+# ---- quality ----------------------------------------------------------------------------------------------------
+
+
+def fitted_max_steps(throughput: Path | None, seconds: float, configured: int, warmup_steps: int) -> int | None:
+    """Optimizer steps that fit in `seconds` at the measured step time (None: no measurement).
+
+    The budget also pays for compilation (bounded by the probe's warmup time: the run after it
+    finds the compiled graphs in inductor's cache) and for validations and checkpoint writes (10%).
+    """
+
+    if throughput is None or not throughput.exists():
+        return None
+    for line in throughput.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("case") == "dlm-shakespeare-14M" and "step_ms" in record:
+            training_seconds = 0.9 * (seconds - record.get("warmup_s", 0.0))
+            steps = int(training_seconds / (record["step_ms"] / 1e3))
+            return max(warmup_steps + 1, min(steps, configured))
+    return None
+
+
+def dlm_quality(args: argparse.Namespace, records: Records) -> None:
+    from dlm.config import load_config
+    from dlm.evaluate import evaluate_source
+    from dlm.train import train
+
+    data = args.data_dir
+    overrides = [
+        f"training.device={args.device}",
+        f"training.output_dir={args.run_dir}",
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+    ]
+    experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
+    training = experiment.training
+    max_steps = fitted_max_steps(args.throughput, args.dlm_seconds, training.max_steps, training.warmup_steps)
+    if max_steps is not None:
+        experiment = load_config(ROOT / QUALITY_CONFIG, [*overrides, f"training.max_steps={max_steps}"])
+    shutil.rmtree(args.run_dir, ignore_errors=True)  # this script's own scratch run
+    events: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    result = train(experiment, max_run_seconds=args.dlm_seconds, sink=events.append)
+    wall = time.perf_counter() - started
+    precision = "bfloat16" if args.device.startswith("cuda") else "float32"
+    # Every validation block, K = 8 antithetic times: the anchor's own evaluation protocol.
+    report = evaluate_source(
+        result.checkpoint,
+        data,
+        batches=args.eval_batches,
+        mc_samples=8,
+        batch_size=64,
+        device=args.device,
+        precision=precision,
+    )
+    validations = [(e["step"], round(e["loss"], 4)) for e in events if e.get("event") == "validation"]
+    records.add(
+        {
+            "source": "dlm",
+            "case": "dlm-shakespeare",
+            "seconds_budget": args.dlm_seconds,
+            "train_wall_s": round(wall, 1),
+            "status": result.status,
+            "steps": result.step,
+            "max_steps": experiment.training.max_steps,
+            "max_steps_fitted": max_steps is not None,
+            "bits_per_byte": round(report.bits_per_byte, 4) if report.bits_per_byte is not None else None,
+            "bits_per_byte_stderr": report.bits_per_byte_stderr,
+            "nll": report.nll,
+            "val_tokens": report.tokens,
+            "validation_loss_by_step": validations,
+        }
+    )
+
+
+def anchor_quality(args: argparse.Namespace, records: Records) -> None:
+    # quality_gpu.py reads bench/qdata/shakespeare.npz relative to the working directory and its
+    # budget and device from argv when imported; its __main__ block (MDM and AR) does not run.
+    saved_argv, saved_cwd = sys.argv, os.getcwd()
+    sys.argv = ["quality_gpu.py", str(args.anchor_seconds), args.device]
+    os.chdir(args.bench_dir)
+    try:
+        quality = import_from(args.bench_dir.resolve(), "quality_gpu")
+        unigram = quality.unigram_bpb()
+        record = quality.run("mdm")
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+    records.add({"source": "anchor", "case": "anchor-mdm", "unigram_bpb": round(unigram, 4), **record})
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    records = Records(args.out, "quality")
+    failed = 0
+    # dlm first: the anchor's figure is also on record (2.05 bits/byte at 80 s), dlm's is not.
+    steps: list[tuple[str, Any]] = [("dlm-shakespeare", dlm_quality)]
+    if not args.skip_anchor:
+        steps.append(("anchor-mdm", anchor_quality))
+    for case, step in steps:
+        try:
+            step(args, records)
+        except Exception as exc:  # report it and go on to the other side
+            records.add({"case": case, "error": repr(exc)[:500]})
+            failed += 1
+        gc.collect()
+    return 1 if failed else 0
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+
+
+def _find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    hits = [r for r in records if all(r.get(k) == v for k, v in match.items()) and "error" not in r]
+    return hits[-1] if hits else None
+
+
+def _ratio_target(records: list[dict[str, Any]], size: str, case: str) -> dict[str, Any]:
+    dlm, anchor = _find(records, case=case), _find(records, case=f"baseline-{size}", compile=True)
+    ratio = dlm["tokens_per_s"] / anchor["tokens_per_s"] if dlm and anchor else None
+    return {
+        "target": f"{size}: dlm tokens/s >= {TARGETS['speed_ratio']}x the compiled baseline",
+        "measured": None if ratio is None else f"{ratio:.2f}x",
+        "met": None if ratio is None else ratio >= TARGETS["speed_ratio"],
+    }
+
+
+def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = [_ratio_target(records, "110M", "dlm-110M"), _ratio_target(records, "1.3B", "dlm-1.3B-adamw")]
+    memory = _find(records, case="dlm-1.3B-adamw8bit-ckpt-eager")
+    rows.append(
+        {
+            "target": f"1.3B adamw8bit + checkpointing, batch 8: peak <= {TARGETS['memory_gib']:.0f} GiB",
+            "measured": None
+            if memory is None
+            else f"{memory['peak_gib']} GiB allocated, {memory['reserved_gib']} reserved",
+            "met": None if memory is None else memory["peak_gib"] <= TARGETS["memory_gib"],
+        }
+    )
+    dlm, anchor = _find(records, case="dlm-shakespeare"), _find(records, case="anchor-mdm")
+    met = None
+    if dlm is not None and dlm.get("bits_per_byte") is not None:
+        met = dlm["bits_per_byte"] <= TARGETS["bits_per_byte"] and dlm["seconds_budget"] <= TARGETS["dlm_seconds"]
+    anchor_text = "" if anchor is None else f"; anchor {anchor['best_bpb']} at {anchor['seconds']:.0f} s"
+    rows.append(
+        {
+            "target": f"Shakespeare: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
+            "measured": None
+            if dlm is None
+            else f"dlm {dlm.get('bits_per_byte')} after {dlm['train_wall_s']} s, {dlm['steps']} steps{anchor_text}",
+            "met": met,
+        }
+    )
+    return rows
+
+
+def _cell(value: Any) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def markdown(records: list[dict[str, Any]], goals: list[dict[str, Any]], pytest_summary: str | None) -> str:
+    env = _find(records, case="environment") or {}
+    lines = [
+        f"GPU check: {env.get('device', 'no GPU record')}, torch {env.get('torch', '?')}, "
+        f"measured bf16 matmul ceiling {env.get('matmul_bf16_tflops', '?')} TFLOP/s, "
+        f"commit {env.get('commit', 'unknown')}.",
+        "",
+    ]
+    if pytest_summary:
+        lines += [f"`pytest -m gpu`: {pytest_summary}", ""]
+    lines += ["| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {g['target']} | {_cell(g['measured'])} | {_cell(g['met'])} |" for g in goals]
+    lines += [
+        "",
+        "| case | params M | batch | compile | tokens/s | model TFLOP/s | MFU % (measured ceiling) | peak GiB | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r.get("part") == "throughput" and r.get("case") not in ("environment", "dlm-shakespeare-14M"):
+            note = r.get("error") or (
+                f"{r.get('optimizer')}, checkpointing {r.get('activation_checkpointing')}, {r.get('attention')}"
+                if r.get("source") == "dlm"
+                else ""
+            )
+            lines.append(
+                f"| {r['case']} | {_cell(r.get('params_M'))} | {_cell(r.get('batch'))} | "
+                f"{_cell(r.get('compile'))} | {_cell(r.get('tokens_per_s'))} | "
+                f"{_cell(r.get('model_tflops'))} | {_cell(r.get('mfu_measured_pct'))} | "
+                f"{_cell(r.get('peak_gib'))} | {note} |"
+            )
+    parts = [r for r in records if r.get("part") == "status"]
+    if parts:
+        lines += ["", "| part | exit code | seconds | limit s |", "|---|---|---|---|"]
+        lines += [f"| {p['name']} | {p['rc']} | {p['seconds']} | {p['limit']} |" for p in parts]
+    return "\n".join(lines) + "\n"
+
+
+def run_report(args: argparse.Namespace) -> int:
+    records: list[dict[str, Any]] = []
+    pytest_summary = None
+    for path in args.inputs:
+        if not path.exists():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".log":  # pytest's output: keep its final summary line ("3 passed, 2 skipped in 9.1s")
+            summaries = [line.strip("= ") for line in text.splitlines() if PYTEST_SUMMARY.search(line)]
+            pytest_summary = summaries[-1] if summaries else None
+            continue
+        records += [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
+    goals = targets(records)
+    args.json.write_text(
+        json.dumps({"targets": goals, "pytest": pytest_summary, "records": records}, indent=1) + "\n", encoding="utf-8"
+    )
+    args.markdown.write_text(markdown(records, goals, pytest_summary), encoding="utf-8")
+    print(args.markdown.read_text(encoding="utf-8"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # the working tree's dlm, also without an install
+    return {"throughput": run_throughput, "quality": run_quality, "report": run_report}[args.part](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""`dlm bench`: sane figures from the real training step, comparisons, the batch search, the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from dlm import bench
+from dlm.bench import BenchOutOfMemoryError, benchmark, report_table, run_benchmark, search_max_batch
+from dlm.bench_setup import compare_settings, config_key, parse_compare
+from dlm.cli import main
+from dlm.config import ExperimentConfig, load_config
+from dlm.errors import UserError
+from dlm.model import DiffusionTransformer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def tiny(tmp_path: Path, *overrides: str) -> ExperimentConfig:
+    # Data and tokenizer paths that do not exist: bench must never need them.
+    return load_config(
+        TINY,
+        [
+            f"training.tokenizer={tmp_path / 'missing' / 'tokenizer.json'}",
+            f"training.train_data={tmp_path / 'missing' / 'train.bin'}",
+            "training.val_data=none",
+            *overrides,
+        ],
+    )
+
+
+def test_cpu_bench_gives_consistent_figures_without_any_data(tmp_path: Path) -> None:
+    experiment = tiny(tmp_path)
+    assert not experiment.training.train_data.exists()
+    result = run_benchmark(experiment, steps=3, warmup=1, batch_size=4)
+
+    seq_len = experiment.model.max_seq_len
+    model = DiffusionTransformer(experiment.model)
+    assert result.parameters == model.num_parameters
+    assert result.flops_per_token == model.flops_per_token(seq_len)
+    assert (result.device, result.precision, result.compile, result.optimizer) == ("cpu", "float32", False, "adamw")
+    assert result.batch_size == 4 and result.seq_len == seq_len and result.steps == 3
+    assert result.step_time_min_s <= result.step_time_s <= result.step_time_max_s
+    assert result.tokens_per_second > 0
+    assert result.tokens_per_second == pytest.approx(4 * seq_len / result.step_time_s)
+    assert result.model_flops_per_second == pytest.approx(result.flops_per_token * result.tokens_per_second)
+    # No peak FLOP/s is known for a CPU: MFU is "n/a", never a made-up figure.
+    assert result.peak_flops_per_second is None and result.mfu is None
+    assert result.peak_allocated_gib is None and result.peak_rss_gib is not None and result.peak_rss_gib > 0
+    # A uniform-ish untrained model's masked cross-entropy is near log V (the ELBO weights average ~1).
+    assert math.isfinite(result.loss) and 0.5 * math.log(512) < result.loss < 3 * math.log(512)
+    assert result.attention_backend and result.torch_version == torch.__version__
+
+
+def test_synthetic_tokens_never_contain_the_mask_id() -> None:
+    experiment = load_config(TINY, ["model.vocab_size=4", "model.mask_token_id=1"])
+    tokens = next(bench.synthetic_batches(experiment.model, 64, torch.device("cpu"), seed=0))
+    assert tokens.shape == (64, experiment.model.max_seq_len)
+    assert set(tokens.unique().tolist()) == {0, 2, 3}
+
+
+def test_compare_runs_the_cartesian_product_in_order(tmp_path: Path) -> None:
+    report = benchmark(
+        tiny(tmp_path),
+        steps=1,
+        warmup=0,
+        compare=["activation_checkpointing=false,true", "batch_size=2,3"],
+    )
+    settings = [row.settings for row in report.rows]
+    assert settings == [
+        {"model.activation_checkpointing": a, "training.batch_size": b} for a in ("false", "true") for b in ("2", "3")
+    ]
+    assert [(row.activation_checkpointing, row.batch_size) for row in report.rows] == [
+        (False, 2),
+        (False, 3),
+        (True, 2),
+        (True, 3),
+    ]
+    # Recomputation changes the memory, not the arithmetic: same seed, same loss.
+    assert report.rows[0].loss == pytest.approx(report.rows[2].loss, rel=1e-5)
+    headers, rows = report_table(report)
+    assert len(rows) == 4 and all(len(row) == len(headers) for row in rows)
+    assert headers[0] == "activation_checkpointing" and "batch_size" not in headers  # shown as "batch"
+
+
+def test_compare_parsing() -> None:
+    assert config_key("optimizer") == "training.optimizer"
+    assert config_key("activation_checkpointing") == "model.activation_checkpointing"
+    assert config_key("model.d_model") == "model.d_model"
+    parsed = parse_compare(["optimizer=adamw,adamw8bit", "compile = false, true"])
+    assert parsed == [("training.optimizer", ["adamw", "adamw8bit"]), ("training.compile", ["false", "true"])]
+    assert len(compare_settings(parsed)) == 4
+    assert compare_settings([]) == [{}]
+    for bad in (["nonsense=1,2"], ["optimizer"], ["optimizer="], ["optimizer=adamw", "optimizer=adamw8bit"]):
+        with pytest.raises(UserError):
+            parse_compare(bad)
+
+
+def test_a_compared_value_is_validated_like_the_config(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"training\.optimizer"):
+        benchmark(tiny(tmp_path), steps=1, warmup=0, compare=["optimizer=sgd"])
+
+
+def test_out_of_memory_becomes_a_user_error_and_a_failure_row(tmp_path: Path, monkeypatch) -> None:
+    real_measure = bench._measure
+
+    def measure(experiment: ExperimentConfig, *args, **kwargs):  # the allocator refusing batches above 2
+        if experiment.training.batch_size > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_measure(experiment, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    with pytest.raises(BenchOutOfMemoryError, match="batch size 4 does not fit"):
+        run_benchmark(tiny(tmp_path), steps=1, warmup=0, batch_size=4)
+    report = benchmark(tiny(tmp_path), steps=1, warmup=0, compare=["batch_size=2,4"])
+    assert [row.batch_size for row in report.rows] == [2]
+    assert report.failures[0]["training.batch_size"] == "4" and "does not fit" in report.failures[0]["error"]
+    headers, rows = report_table(report)
+    assert rows[1][headers.index("batch")] == "4" and "out of memory" in rows[1]
+
+
+def test_other_runtime_errors_are_not_mistaken_for_out_of_memory(tmp_path: Path, monkeypatch) -> None:
+    def measure(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_benchmark(tiny(tmp_path), steps=1, warmup=0)
+
+
+def test_bad_arguments_are_user_errors(tmp_path: Path) -> None:
+    experiment = tiny(tmp_path)
+    with pytest.raises(UserError, match="steps"):
+        run_benchmark(experiment, steps=0, warmup=0)
+    with pytest.raises(UserError, match="CUDA"):
+        run_benchmark(experiment, steps=1, warmup=0, memory_limit_gib=1.0)
+    with pytest.raises(UserError, match="--fused-attention: the flash"):
+        run_benchmark(experiment, steps=1, warmup=0, fused_attention=True)
+    with pytest.raises(UserError, match="CUDA device"):
+        bench.find_max_batch(experiment)
+
+
+# ---- the batch search, with a fake "fits in memory" predicate ----------------------------------
+
+
+def counting(capacity: int) -> tuple[list[int], object]:
+    asked: list[int] = []
+
+    def fits(batch_size: int) -> bool:
+        asked.append(batch_size)
+        return batch_size <= capacity
+
+    return asked, fits
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 7, 8, 37, 64, 100, 1000])
+@pytest.mark.parametrize("start", [1, 8, 48])
+def test_search_finds_the_largest_batch_that_fits(capacity: int, start: int) -> None:
+    asked, fits = counting(capacity)
+    search = search_max_batch(fits, start=start, limit=4096)
+    assert search.batch_size == capacity
+    assert [size for size, _ in search.probes] == asked
+    assert all(ok == (size <= capacity) for size, ok in search.probes)
+    assert len(asked) == len(set(asked))  # every size is tried once: each probe costs a model build
+    # Doubling then bisection: about 2 log2 probes, far fewer than a linear scan.
+    assert len(asked) <= 2 * math.ceil(math.log2(max(capacity, start) + 1)) + 2
+
+
+def test_search_stops_at_the_limit_and_reports_nothing_fitting() -> None:
+    asked, fits = counting(10**9)
+    assert search_max_batch(fits, start=3, limit=40).batch_size == 40
+    assert max(asked) == 40
+    _, fits = counting(0)
+    search = search_max_batch(fits, start=16)
+    assert search.batch_size == 0 and [size for size, _ in search.probes][-1] == 1
+    with pytest.raises(ValueError):
+        search_max_batch(fits, start=0)
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_json_output_parses(capsys, tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "train.bin"
+    code, out, _ = run_cli(
+        capsys,
+        "bench",
+        "--config",
+        str(TINY),
+        "--set",
+        f"training.train_data={missing}",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+    )
+    assert code == 0
+    payload = json.loads(out)
+    (row,) = payload["results"]
+    assert row["batch_size"] == 2 and row["device"] == "cpu" and row["tokens_per_second"] > 0
+    assert row["mfu"] is None and payload["failures"] == [] and payload["batch_search"] is None
+
+
+def test_cli_fused_attention_on_cpu_exits_2_with_a_clear_message(capsys) -> None:
+    code, out, err = run_cli(capsys, "bench", "--config", str(TINY), "--fused-attention", "--json")
+    assert code == 2 and out == ""
+    assert "error:" in err and "--fused-attention" in err and "CUDA" in err
+    assert "Traceback" not in err
+
+
+# ---- the GPU check's scripts: everything that runs without a GPU --------------------------------
+
+SCRIPTS = ROOT / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "prepare_gpu_check.sh"])
+def test_shell_scripts_parse(script: str) -> None:
+    subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
+
+
+def test_gpu_bench_arguments() -> None:
+    gpu_bench = load_script("gpu_bench")
+    args = gpu_bench.parse_args(["throughput", "--out", "t.jsonl", "--sizes", "110M"])
+    assert (args.part, args.sizes, args.steps, args.warmup) == ("throughput", "110M", 10, 4)
+    args = gpu_bench.parse_args(["quality", "--out", "q.jsonl", "--dlm-seconds", "30"])
+    assert (args.dlm_seconds, args.anchor_seconds, args.device) == (30.0, 80.0, "cuda")
+    for bad in (
+        ["throughput", "--out", "t", "--sizes", "7B"],
+        ["quality", "--out", "q", "--dlm-seconds", "0"],
+        ["throughput"],
+        ["nonsense"],
+    ):
+        with pytest.raises(SystemExit):
+            gpu_bench.parse_args(bad)
+    # Every dlm case names a config that exists and overrides that validate.
+    for spec in gpu_bench.SIZES.values():
+        for _, overrides in spec["dlm"]:
+            assert load_config(ROOT / spec["config"], gpu_bench.DLM_COMMON[:-1] + overrides)
+
+
+def test_quality_schedule_is_fitted_to_the_budget(tmp_path: Path) -> None:
+    gpu_bench = load_script("gpu_bench")
+    throughput = tmp_path / "t.jsonl"
+    assert gpu_bench.fitted_max_steps(throughput, 60, 20000, 200) is None  # nothing measured
+    throughput.write_text(json.dumps({"case": "dlm-shakespeare-14M", "step_ms": 20.0, "warmup_s": 10.0}) + "\n")
+    assert gpu_bench.fitted_max_steps(throughput, 60, 20000, 200) == 2250  # 90% of (60 - 10) s at 20 ms
+    assert gpu_bench.fitted_max_steps(throughput, 60, 1000, 200) == 1000  # never beyond the config
+    assert gpu_bench.fitted_max_steps(throughput, 5, 20000, 200) == 201  # always past the warmup
+
+
+def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
+    gpu_bench = load_script("gpu_bench")
+    records = [
+        {"part": "throughput", "case": "environment", "device": "NVIDIA H200", "torch": "2.11", "commit": "abc"},
+        {"part": "throughput", "case": "baseline-110M", "compile": True, "tokens_per_s": 500_000},
+        {"part": "throughput", "source": "dlm", "case": "dlm-110M", "tokens_per_s": 600_000, "peak_gib": 20},
+        {"part": "throughput", "case": "baseline-1.3B", "compile": True, "tokens_per_s": 60_000},
+        {"part": "throughput", "source": "dlm", "case": "dlm-1.3B-adamw", "error": "OutOfMemoryError()"},
+        {"part": "throughput", "case": "dlm-1.3B-adamw8bit-ckpt-eager", "peak_gib": 19.5, "reserved_gib": 21.0},
+        {
+            "part": "quality",
+            "case": "dlm-shakespeare",
+            "bits_per_byte": 2.01,
+            "seconds_budget": 60.0,
+            "train_wall_s": 60.2,
+            "steps": 2500,
+        },
+        {"part": "quality", "case": "anchor-mdm", "best_bpb": 2.05, "seconds": 80.0},
+        {"part": "status", "name": "throughput", "rc": 124, "seconds": 200, "limit": 200},
+    ]
+    (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "pytest.log").write_text("....s\n9 passed, 1 skipped, 290 deselected in 41.20s\n")
+    gpu_bench.main(
+        [
+            "report",
+            str(tmp_path / "all.jsonl"),
+            str(tmp_path / "pytest.log"),
+            str(tmp_path / "missing.jsonl"),
+            "--json",
+            str(tmp_path / "results.json"),
+            "--markdown",
+            str(tmp_path / "results.md"),
+        ]
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    met = [target["met"] for target in results["targets"]]
+    assert met == [True, None, True, True]  # 1.20x; no 1.3B figure (it failed); 19.5 GiB; 2.01 bpb
+    assert results["targets"][0]["measured"] == "1.20x"
+    assert results["pytest"] == "9 passed, 1 skipped, 290 deselected in 41.20s"
+    table = (tmp_path / "results.md").read_text()
+    assert "NVIDIA H200" in table and "OutOfMemoryError()" in table and "| throughput | 124 | 200 | 200 |" in table
+
+
+def test_slim_wheel_drops_members_and_their_record_lines(tmp_path: Path) -> None:
+    slim_wheel = load_script("slim_wheel")
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    members = {
+        "pkg/__init__.py": "",
+        "pkg/lib_cuda118.so": "x" * 100,
+        "pkg/lib_cuda130.so": "y",
+        "pkg-1.0.dist-info/METADATA": "Name: pkg\n",
+    }
+    record = "".join(f"{name},sha256=0,1\n" for name in members) + "pkg-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**members, "pkg-1.0.dist-info/RECORD": record}.items():
+            archive.writestr(name, text)
+    assert slim_wheel.slim(wheel, r"lib_cuda11\d\.so$") == ["pkg/lib_cuda118.so"]
+    with zipfile.ZipFile(wheel) as archive:
+        assert "pkg/lib_cuda118.so" not in archive.namelist() and "pkg/lib_cuda130.so" in archive.namelist()
+        assert "lib_cuda118" not in archive.read("pkg-1.0.dist-info/RECORD").decode()
+
+
+def test_cpu_compare_reads_the_anchor_line() -> None:
+    cpu_compare = load_script("cpu_compare")
+    match = cpu_compare.ANCHOR_LINE.search("params=5313024 tokens/s=352 model_GFLOP/s=12.3 step_s=5.813")
+    assert match is not None and float(match["gflops"]) == 12.3
+    assert cpu_compare.parse_args(["--rounds", "2", "--threads", "1"]).threads == 1
+    with pytest.raises(SystemExit):
+        cpu_compare.parse_args(["--rounds", "0"])
