@@ -16,6 +16,7 @@ loss stops the run before a bad model can become `latest.pt`; one run per direct
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -55,7 +56,7 @@ from dlm.distributed import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
-from dlm.model import DiffusionTransformer, format_parameter_count
+from dlm.model import format_parameter_count
 from dlm.optim import learning_rate
 from dlm.runtime import (
     capture_rng_state,
@@ -421,12 +422,10 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
     return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}
 
 
-def _free_space_needed(experiment: ExperimentConfig) -> int:
+def _checkpoint_bytes(model: torch.nn.Module) -> int:
     """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
 
-    with torch.device("meta"):
-        parameters = DiffusionTransformer(experiment.model).num_parameters
-    return parameters * 4 * 3 * 2
+    return sum(p.numel() for p in model.parameters()) * 4 * 3 * 2
 
 
 def train(
@@ -451,7 +450,7 @@ def train(
     check_parallelism(config)
     run_dir = config.output_dir
     if world.is_main:
-        check_output_dir(run_dir, _free_space_needed(experiment))
+        check_output_dir(run_dir, 0)  # writable at all; the free space is checked once the model exists
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
     with lock, StopSignals() as stop, contextlib.ExitStack() as cleanup:
@@ -461,6 +460,8 @@ def train(
             cleanup.callback(metrics.close)
             sinks = [metrics] + ([sink] if sink is not None else [])
         trainer = Trainer(experiment, device, precision, world, fan_out(sinks))
+        if world.is_main:
+            check_output_dir(run_dir, _checkpoint_bytes(trainer.model))
         if resume is not None:
             trainer.load(Path(resume))
         if world.is_main:
@@ -483,8 +484,6 @@ def train(
 
 
 def _write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
-    import json
-
     temporary = run_dir / f".config.json.{os.getpid()}.tmp"
     temporary.write_text(json.dumps(experiment.to_dict(), indent=2) + "\n", encoding="utf-8")
     temporary.replace(run_dir / "config.json")
