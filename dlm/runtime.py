@@ -109,8 +109,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_device(requested: str) -> torch.device:
-    """`auto` picks cuda, then mps, then cpu; an explicit but unavailable device is refused."""
+def resolve_device(requested: str, setting: str = "training.device") -> torch.device:
+    """`auto` picks cuda, then mps, then cpu; an explicit but unavailable device is refused.
+
+    `setting` names where the value came from (a config field or a CLI option) in error messages.
+    """
 
     if requested == "auto":
         if torch.cuda.is_available():
@@ -122,30 +125,30 @@ def resolve_device(requested: str) -> torch.device:
         device = torch.device(requested)
     except (RuntimeError, ValueError):
         raise UserError(
-            f"training.device: unknown device {requested!r}",
+            f"{setting}: unknown device {requested!r}",
             fix="use auto, cpu, mps, cuda or cuda:N",
         ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UserError(
-                "training.device: CUDA was requested but no CUDA device is available",
-                fix='set training.device = "auto" or "cpu", or install a CUDA build of torch',
+                f"{setting}: CUDA was requested but no CUDA device is available",
+                fix="use auto or cpu, or install a CUDA build of torch",
             )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise UserError(
-                f"training.device: {requested} does not exist ({count} CUDA device(s) visible)",
+                f"{setting}: {requested} does not exist ({count} CUDA device(s) visible)",
                 fix=f"use cuda:0 .. cuda:{count - 1}",
             )
     elif device.type == "mps":
         if not _mps_available():
             raise UserError(
-                "training.device: MPS was requested but is unavailable",
-                fix='set training.device = "auto" or "cpu"',
+                f"{setting}: MPS was requested but is unavailable",
+                fix="use auto or cpu",
             )
     elif device.type != "cpu":
         raise UserError(
-            f"training.device: unsupported device type {device.type!r}",
+            f"{setting}: unsupported device type {device.type!r}",
             fix="use auto, cpu, mps, cuda or cuda:N",
         )
     return device

@@ -114,8 +114,8 @@ def eval_command(
 ) -> None:
     """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte."""
 
-    from dlm.cli.sample_cmd import resolve_sample_device
     from dlm.evaluate import evaluate_source, write_report
+    from dlm.runtime import resolve_device
 
     report = evaluate_source(
         model_path,
@@ -123,7 +123,7 @@ def eval_command(
         batches=batches,
         mc_samples=mc_samples,
         batch_size=batch_size,
-        device=resolve_sample_device(device),
+        device=str(resolve_device(device, "--device")),
         use_ema=ema,
     )
     if output is not None:
