@@ -1,0 +1,442 @@
+"""`dlm demo`: the whole pipeline on the bundled Shakespeare corpus, in one resumable call.
+
+Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "running" | "done" |
+"reused", ...}`; the training stage also passes on every event of `dlm.train.train`.
+
+    tokenizer  byte-level BPE of model.vocab_size tokens on the 39 training works
+    data       packed at model.max_seq_len; Hamlet, Macbeth and Twelfth Night are the validation split
+    validate   the config's pre-flight checks against those files
+    calibrate  time a few real training steps on the device
+    train      `dlm.train.train` until the planned last step or the end of the time budget
+    evaluate   bits per byte on the validation plays (DIR/run/eval.json) beside a unigram baseline
+    export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
+    samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
+
+How the time budget becomes a complete learning-rate schedule (calibration, CPU segments, the
+warm restart of a larger --minutes) is `dlm.demo_train`'s concern.
+
+Reuse: every stage checks its artifacts on disk (the tokenizer's vocabulary; the packed metadata's
+tokenizer hash and seq_len; the plan and latest.pt; the step recorded in eval.json and in the
+export), so a second call only does what is missing. Samples are cheap and always drawn again.
+
+On the CPU the bundled 14M-parameter config takes tens of seconds per step, too slow to learn much
+in minutes, so the demo trains the smaller model of CPU_MODEL_OVERRIDES there and says so; an
+explicit --config is always trained as given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from dlm.bench_setup import with_overrides
+from dlm.config import ExperimentConfig, load_config
+from dlm.dashboard import Event, Sink
+from dlm.demo_train import TrainingPlan, TrainingStage
+from dlm.errors import UserError
+
+EVAL_NAME, SAMPLES_NAME = "eval.json", "samples.json"
+EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth of a shorter budget)
+EVAL_MC_SAMPLES = 4
+PROGRESS_SECONDS = 0.5  # at most one progress event per stage this often
+CPU_MODEL_OVERRIDES = (
+    "model.d_model=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "training.batch_size=32",
+    "training.eval_batches=4",
+)
+SAMPLE_REQUESTS = (  # (label, prompt, infill template)
+    ("unconditional", "", None),
+    ("prompt", "ROMEO:", None),
+    ("infill", "", "ROMEO: [MASK*16] fair Verona"),
+)
+
+
+def bundled_config() -> Path:
+    """The demo's config inside the installed package (identical to configs/shakespeare.toml)."""
+
+    return Path(str(resources.files("dlm.assets") / "shakespeare.toml"))
+
+
+@dataclass
+class DemoResult:
+    """How `run_demo` ended and what it produced."""
+
+    output: Path
+    status: str  # complete | interrupted
+    stages: dict[str, str] = field(default_factory=dict)  # stage -> done | reused
+    step: int = 0
+    bits_per_byte: float | None = None
+    unigram_bits_per_byte: float | None = None
+    model_dir: Path | None = None
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    exit_code: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "output": str(self.output), "model_dir": self.model_dir and str(self.model_dir)}
+
+
+@dataclass
+class _Demo:
+    """Paths, config and the event sink shared by the stages of one call."""
+
+    output: Path
+    minutes: float
+    experiment: ExperimentConfig
+    sink: Sink
+    result: DemoResult
+
+    @property
+    def data_dir(self) -> Path:
+        return self.output / "data"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output / "run"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.output / "model"
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.data_dir / "tokenizer.json"
+
+    def emit(self, event: Event) -> None:
+        """Pass an event on, noting how each stage ended."""
+
+        if event.get("event") == "demo_stage" and event["status"] != "running":
+            self.result.stages[event["stage"]] = event["status"]
+        self.sink(event)
+
+    def stage(self, name: str, status: str, **figures: Any) -> None:
+        self.emit({"event": "demo_stage", "stage": name, "status": status, **figures})
+
+    def progress(self, stage: str) -> Callable[..., None]:
+        """A progress callback (done, total, ...) that emits at most one event per PROGRESS_SECONDS."""
+
+        last = {"time": 0.0, "done": -1}
+
+        def report(done: int, total: int, *rest: int) -> None:
+            now = time.monotonic()
+            if done != last["done"] and (now - last["time"] >= PROGRESS_SECONDS or done >= total):
+                last.update(time=now, done=done)
+                self.emit({"event": "demo_progress", "stage": stage, "done": done, "total": total})
+
+        return report
+
+
+def _run_stage(
+    demo: _Demo, name: str, reuse: Callable[[], dict[str, Any] | None], work: Callable[[], dict[str, Any]], what: str
+) -> dict[str, Any]:
+    """Reuse the stage's artifacts when they are there and right, else do the work, reporting both."""
+
+    figures = reuse()
+    if figures is not None:
+        demo.stage(name, "reused", **figures)
+        return figures
+    demo.stage(name, "running", detail=what)
+    started = time.perf_counter()
+    figures = work()
+    demo.stage(name, "done", seconds=round(time.perf_counter() - started, 2), **figures)
+    return figures
+
+
+def demo_experiment(output: Path, config_path: Path | None, device: str | None) -> tuple[ExperimentConfig, list[str]]:
+    """The config to train, its file paths moved into `output`, and notes on what was changed."""
+
+    from dlm.runtime import resolve_device
+
+    overrides = [
+        f"training.tokenizer={output / 'data' / 'tokenizer.json'}",
+        f"training.train_data={output / 'data' / 'train.bin'}",
+        f"training.val_data={output / 'data' / 'val.bin'}",
+        f"training.output_dir={output / 'run'}",
+    ] + ([] if device is None else [f"training.device={device}"])
+    notes = []
+    experiment = load_config(config_path or bundled_config(), overrides)
+    # Resolved once here, so calibration, training, evaluation and sampling all use the same device.
+    resolved = str(resolve_device(experiment.training.device))
+    experiment = with_overrides(experiment, [f"training.device={resolved}"], "--device")
+    if config_path is None and resolved == "cpu":
+        experiment = with_overrides(experiment, list(CPU_MODEL_OVERRIDES), "the demo's CPU model")
+        model = experiment.model
+        notes.append(
+            f"on the CPU the demo trains a smaller model than shakespeare.toml's 14M-parameter one (d_model "
+            f"{model.d_model}, {model.n_layers} layers, batch {experiment.training.batch_size}): the full model "
+            "takes tens of seconds per step there; a GPU trains the full config, and --config trains any config "
+            "as given"
+        )
+    return experiment, notes
+
+
+# ------------------------------------------------------------------------------ tokenizer, data
+
+
+def _tokenizer_stage(demo: _Demo) -> None:
+    from dlm.assets import shakespeare_files
+    from dlm.tokenizer import load_tokenizer, train_tokenizer
+
+    wanted = demo.experiment.model.vocab_size
+
+    def reuse() -> dict[str, Any] | None:
+        if not demo.tokenizer_path.exists():
+            return None
+        vocab = load_tokenizer(demo.tokenizer_path).get_vocab_size(with_added_tokens=True)
+        if vocab != wanted:
+            raise UserError(
+                f"this demo directory holds a {vocab}-token tokenizer, the config asks for {wanted}",
+                path=demo.tokenizer_path,
+                fix="choose another --output, or delete that directory to start over",
+            )
+        return {"vocab_size": vocab, "path": str(demo.tokenizer_path)}
+
+    def work() -> dict[str, Any]:
+        files = shakespeare_files("train")
+        summary = train_tokenizer(files, wanted, demo.tokenizer_path, progress=demo.progress("tokenizer"))
+        return {"vocab_size": summary.vocab_size, "path": str(summary.path), "input_bytes": summary.input_bytes}
+
+    _run_stage(demo, "tokenizer", reuse, work, f"byte-level BPE of {wanted} tokens on the 39 training works")
+
+
+def _read_split_metadata(demo: _Demo) -> dict[str, dict[str, Any]] | None:
+    metadata = {}
+    for split in ("train", "val"):
+        path = demo.data_dir / f"{split}.json"
+        if not path.exists():
+            return None
+        metadata[split] = json.loads(path.read_text(encoding="utf-8"))
+    return metadata
+
+
+def _data_stage(demo: _Demo) -> dict[str, Any]:
+    from dlm.assets import shakespeare_files
+    from dlm.data import pack_corpus
+    from dlm.tokenizer import tokenizer_sha256
+
+    seq_len = demo.experiment.model.max_seq_len
+
+    def figures(metadata: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return {f"{split}_{key}": meta[key] for split, meta in metadata.items() for key in ("num_blocks", "num_tokens")}
+
+    def reuse() -> dict[str, Any] | None:
+        metadata = _read_split_metadata(demo)
+        digest = tokenizer_sha256(demo.tokenizer_path)
+        if metadata is None or any(
+            meta.get("tokenizer_sha256") != digest or meta.get("seq_len") != seq_len for meta in metadata.values()
+        ):
+            return None  # missing or made from other settings: packing again is cheap and safe
+        return figures(metadata)
+
+    def work() -> dict[str, Any]:
+        pack_corpus(
+            shakespeare_files("train"),
+            demo.tokenizer_path,
+            seq_len,
+            demo.data_dir,
+            val_inputs=shakespeare_files("val"),
+            overwrite=True,
+            progress=demo.progress("data"),
+        )
+        metadata = _read_split_metadata(demo)
+        assert metadata is not None  # pack_corpus writes both splits or raises
+        return figures(metadata)
+
+    return _run_stage(
+        demo, "data", reuse, work, f"packing blocks of {seq_len} tokens; Hamlet, Macbeth, Twelfth Night held out"
+    )
+
+
+def _validate_stage(demo: _Demo) -> None:
+    from dlm.validate import validate_experiment
+
+    def work() -> dict[str, Any]:
+        results = validate_experiment(demo.experiment)
+        for result in results:
+            if not result.passed:
+                raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)
+        return {"checks": len(results)}
+
+    _run_stage(demo, "validate", lambda: None, work, "checking the config against the tokenizer and data")
+
+
+# ------------------------------------------------------------------------------ evaluate, export, samples
+
+
+class SpreadBlocks:
+    """`count` blocks spread evenly over a packed split, so that an evaluation of part of the
+    validation split covers all three plays, not the first act of Hamlet."""
+
+    def __init__(self, dataset: Any, count: int):
+        self.dataset, self.metadata = dataset, dataset.metadata
+        self.indices = sorted({round(i * (len(dataset) - 1) / max(1, count - 1)) for i in range(count)})
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[self.indices[index]]
+
+
+def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int]) -> float | None:
+    """Bits per byte of add-one unigram frequencies of the training tokens on these validation
+    blocks: the level of a model that ignores all context."""
+
+    import numpy as np
+
+    from dlm.data import load_packed_dataset
+    from dlm.evaluate import evaluated_text_bytes
+
+    train, val = load_packed_dataset(data_dir, split="train"), load_packed_dataset(data_dir, split="val")
+    counts = np.bincount(np.asarray(train.tokens).ravel(), minlength=int(train.metadata["vocab_size"])) + 1.0
+    log_probability = np.log(counts / counts.sum())
+    evaluated = np.asarray(val.tokens[list(blocks)]).ravel()
+    text_bytes, _ = evaluated_text_bytes(val.metadata, evaluated.size)
+    return None if not text_bytes else float(-log_probability[evaluated].sum() / (text_bytes * math.log(2)))
+
+
+def _eval_figures(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    context = report.get("context", {})
+    figures = {key: report.get(key) for key in ("bits_per_byte", "bits_per_byte_stderr", "nll", "sequences")}
+    return {**figures, "unigram_bits_per_byte": context.get("unigram_bits_per_byte"), "step": context.get("step"),
+            "path": str(path)}  # fmt: skip
+
+
+def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
+    """Evaluate the run's latest.pt on `sequences` spread validation blocks and write eval.json."""
+
+    import torch
+
+    from dlm.data import load_packed_dataset
+    from dlm.evaluate import evaluate_model, write_report
+    from dlm.export import build_model, read_model_source
+    from dlm.runtime import resolve_precision
+
+    device = torch.device(demo.experiment.training.device)
+    info, weights = read_model_source(demo.run_dir)
+    model = build_model(info.model, weights, device, torch.float32, source=info.path)
+    val = load_packed_dataset(demo.data_dir, info.model.max_seq_len, split="val")
+    blocks = SpreadBlocks(val, sequences)
+    batch_size = min(demo.experiment.training.batch_size, len(blocks))
+    report = evaluate_model(model, blocks, batches=math.ceil(len(blocks) / batch_size), mc_samples=EVAL_MC_SAMPLES,
+                            batch_size=batch_size, device=device, precision=resolve_precision("auto", device),
+                            mask_eps=info.mask_eps, metadata=val.metadata)  # fmt: skip
+    report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
+                      "unigram_bits_per_byte": unigram_bits_per_byte(demo.data_dir, blocks.indices)}  # fmt: skip
+    write_report(report, demo.run_dir / EVAL_NAME)
+    return _eval_figures(report.to_dict(), demo.run_dir / EVAL_NAME)
+
+
+def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int) -> dict[str, Any]:
+    path = demo.run_dir / EVAL_NAME
+    # Sized to take about EVAL_SECONDS: a forward pass costs about a third of a training step, and
+    # each sequence gets two fixed-noise passes plus EVAL_MC_SAMPLES Monte Carlo ones.
+    per_sequence = (2 + EVAL_MC_SAMPLES) * plan.seconds_per_step / (3.0 * demo.experiment.training.batch_size)
+    seconds = min(EVAL_SECONDS, 0.1 * demo.minutes * 60.0)
+    sequences = max(16, min(val_blocks, int(seconds / per_sequence)))
+
+    def reuse() -> dict[str, Any] | None:
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(report, dict) or report.get("context", {}).get("step") != step:
+            return None
+        return _eval_figures(report, path)
+
+    what = f"bits per byte on {min(sequences, val_blocks)} of {val_blocks} validation blocks, spread evenly"
+    return _run_stage(demo, "evaluate", reuse, lambda: _evaluate(demo, sequences), what)
+
+
+def _export_stage(demo: _Demo, step: int) -> None:
+    from dlm.export import CONFIG_NAME, export_model, read_export_config
+
+    def reuse() -> dict[str, Any] | None:
+        if not (demo.model_dir / CONFIG_NAME).exists() or read_export_config(demo.model_dir).get("step") != step:
+            return None
+        return {"path": str(demo.model_dir), "step": step}
+
+    def work() -> dict[str, Any]:
+        export_model(demo.run_dir, demo.model_dir, overwrite=True)
+        return {"path": str(demo.model_dir), "step": step}
+
+    _run_stage(demo, "export", reuse, work, f"step {step} to {demo.model_dir}")
+
+
+def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
+    import torch
+
+    from dlm.export import load_model
+    from dlm.sampling import generate
+
+    device = demo.experiment.training.device
+    length = min(64, demo.experiment.model.max_seq_len // 2)
+    demo.stage("samples", "running", detail=f"{len(SAMPLE_REQUESTS)} samples of {length} tokens")
+    started = time.perf_counter()
+    # float32 on the CPU: bf16 matmuls are slow there; elsewhere the exported bf16 is used as stored.
+    model, tokenizer = load_model(demo.model_dir, device=device, dtype=torch.float32 if device == "cpu" else None)
+    samples = []
+    for seed, (label, prompt, template) in enumerate(SAMPLE_REQUESTS):
+        result = generate(model, tokenizer, prompt=prompt, text=template, length=length, steps=length, seed=seed)
+        sample = {"label": label, "prompt": prompt, "template": template, "text": result.texts[0],
+                  "forward_passes": result.forward_passes, "seconds": round(result.seconds, 2)}  # fmt: skip
+        samples.append(sample)
+        demo.emit({"event": "demo_sample", **sample})
+    temporary = demo.output / f".{SAMPLES_NAME}.tmp"
+    temporary.write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    temporary.replace(demo.output / SAMPLES_NAME)
+    demo.stage("samples", "done", seconds=round(time.perf_counter() - started, 2), path=str(demo.output / SAMPLES_NAME))
+    return samples
+
+
+# ------------------------------------------------------------------------------ the pipeline
+
+
+def run_demo(
+    output: str | Path = "runs/demo",
+    minutes: float = 10.0,
+    device: str | None = None,
+    config_path: str | Path | None = None,
+    sink: Sink | None = None,
+) -> DemoResult:
+    """Run (or finish) the demo in `output`; `minutes` bounds the training stage, calibration included.
+
+    `device` None keeps the config's training.device (auto for the bundled config)."""
+
+    if not minutes > 0 or not math.isfinite(minutes):
+        raise UserError(f"--minutes must be a positive number (got {minutes})", fix="for example --minutes 10")
+    started = time.perf_counter()
+    output = Path(output).expanduser().resolve()
+    experiment, notes = demo_experiment(output, None if config_path is None else Path(config_path), device)
+    demo = _Demo(output, minutes, experiment, sink or (lambda event: None), DemoResult(output, "complete"))
+    demo.emit({"event": "demo_start", "output": str(output), "minutes": minutes, "device": experiment.training.device,
+               "config": str(config_path or bundled_config()), "model": experiment.model.model_dump()})  # fmt: skip
+    for message in notes:
+        demo.emit({"event": "demo_note", "message": message})
+    _tokenizer_stage(demo)
+    val_blocks = _data_stage(demo)["val_num_blocks"]
+    _validate_stage(demo)
+    plan, step, trained = TrainingStage(experiment, minutes, val_blocks, demo.emit).run()
+    result = demo.result
+    result.step = step
+    if trained is not None and trained.status == "interrupted":
+        result.status, result.exit_code = "interrupted", trained.exit_code
+        result.seconds = time.perf_counter() - started
+        demo.emit({"event": "demo_interrupted", "step": step, "continue": "run the same `dlm demo` command again"})
+        return result
+    figures = _evaluate_stage(demo, plan, step, val_blocks)
+    result.bits_per_byte, result.unigram_bits_per_byte = figures["bits_per_byte"], figures["unigram_bits_per_byte"]
+    _export_stage(demo, step)
+    result.model_dir = demo.model_dir
+    result.samples = _samples_stage(demo)
+    result.seconds = time.perf_counter() - started
+    demo.emit({"event": "demo_done", **result.to_dict()})
+    return result

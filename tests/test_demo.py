@@ -1,0 +1,291 @@
+"""`dlm demo`: the pipeline end to end with the tiny config, reuse of finished stages, the time
+budget turned into a complete schedule, the CLI's JSON lines and terminal view."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlm.config import load_config
+from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte
+from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
+from dlm.errors import UserError
+from dlm.tokenizer import tokenizer_sha256
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "configs" / "tiny.toml"
+MINUTES = 0.15  # 9 s of training (calibration included): enough for the whole tiny schedule
+STAGES = ("tokenizer", "data", "validate", "calibrate", "train", "evaluate", "export", "samples")
+REUSABLE = ("tokenizer", "data", "calibrate", "train", "evaluate", "export")
+WATCHED_FILES = ("data/tokenizer.json", "data/train.bin", "data/val.json", "run/latest.pt",
+                 "run/eval.json", "model/model.safetensors", "model/config.json")  # fmt: skip
+
+
+@dataclass
+class DemoRun:
+    output: Path
+    result: DemoResult
+    events: list[dict[str, Any]]
+
+
+def stage_events(events: list[dict[str, Any]], status: str | None = None) -> dict[str, dict[str, Any]]:
+    """The last event of each stage (with `status`, when given)."""
+
+    found = {}
+    for event in events:
+        if event["event"] == "demo_stage" and (status is None or event["status"] == status):
+            found[event["stage"]] = event
+    return found
+
+
+def mtimes(output: Path) -> dict[str, int]:
+    return {name: (output / name).stat().st_mtime_ns for name in WATCHED_FILES}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """One complete tiny demo, shared by the tests that only read it (copy it to change it)."""
+
+    output = tmp_path_factory.mktemp("demo") / "demo"
+    events: list[dict[str, Any]] = []
+    result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    return DemoRun(output, result, events)
+
+
+def copy_demo(demo_run: DemoRun, tmp_path: Path) -> Path:
+    target = tmp_path / "demo"
+    shutil.copytree(demo_run.output, target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def test_bundled_config_is_configs_shakespeare_toml() -> None:
+    # The installed package cannot read the repository's configs/; the two files must not drift.
+    assert bundled_config().read_bytes() == (ROOT / "configs" / "shakespeare.toml").read_bytes()
+    experiment = load_config(bundled_config())
+    assert (experiment.model.vocab_size, experiment.model.max_seq_len) == (8192, 256)
+
+
+# ---------------------------------------------------------------------------------------- planning
+
+
+def test_a_fresh_plan_fits_its_schedule_and_validations_in_the_budget() -> None:
+    base = load_config(bundled_config())
+    fields = plan_schedule(budget_seconds=600, spent_seconds=20, seconds_per_step=2.0, base=base, validation_steps=3)
+    assert isinstance(fields, dict)
+    steps = fields["max_steps"]
+    validations = steps // fields["eval_interval"]
+    assert validations >= 4
+    assert steps * 2.0 + validations * 3 * 2.0 <= (600 - 20) * SCHEDULE_SHARE
+    assert steps * 2.0 >= (600 - 20) * SCHEDULE_SHARE * 0.9  # and it does not waste the budget
+    # The config's 200 warmup steps of 20000 are scaled down, to a tenth of this short run.
+    assert fields["warmup_steps"] == steps // 10
+    assert fields["save_interval"] <= steps // 4 and 1 <= fields["log_interval"] <= base.training.log_interval
+
+
+def test_a_long_plan_keeps_the_config_intervals_and_its_warmup_share() -> None:
+    base = load_config(bundled_config())
+    fields = plan_schedule(budget_seconds=600, spent_seconds=0, seconds_per_step=1 / 64, base=base)
+    assert isinstance(fields, dict)
+    assert fields["max_steps"] == int(600 * SCHEDULE_SHARE * 64)  # 34560: a GPU's pace
+    assert fields["warmup_steps"] == round(fields["max_steps"] * 200 / 20000)
+    assert (fields["eval_interval"], fields["save_interval"]) == (500, 1000)
+
+
+def test_a_continued_plan_starts_at_the_step_and_keeps_its_warmup() -> None:
+    base = load_config(TINY_CONFIG)
+    fields = plan_schedule(budget_seconds=100, spent_seconds=50, seconds_per_step=1.0, base=base, start_step=40,
+                           warmup_steps=7)  # fmt: skip
+    assert fields == {"max_steps": 40 + 45, "warmup_steps": 7, "eval_interval": 11, "save_interval": 11,
+                      "log_interval": 1}  # fmt: skip
+
+
+def test_a_budget_too_short_for_a_schedule_plans_nothing() -> None:
+    base = load_config(TINY_CONFIG)
+    assert plan_schedule(budget_seconds=10, spent_seconds=9, seconds_per_step=0.6, base=base) == 1
+    assert plan_schedule(budget_seconds=10, spent_seconds=12, seconds_per_step=0.1, base=base, start_step=5) == 0
+
+
+def test_unigram_bits_per_byte_of_a_uniform_corpus(tmp_path: Path) -> None:
+    # Four tokens equally often: 2 bits per token; 2 bytes of text per token: 1 bit per byte.
+    tokens = np.tile(np.arange(4, dtype="<u2"), 64)
+    metadata = dict(format="dlm-packed-v1", vocab_size=4, tokenizer_sha256="0" * 64, seq_len=8, dtype="uint16",
+                    num_blocks=32, num_tokens=256, dropped_tokens=0, text_bytes=512)  # fmt: skip
+    for split in ("train", "val"):
+        tokens.tofile(tmp_path / f"{split}.bin")
+        (tmp_path / f"{split}.json").write_text(json.dumps(metadata))
+    assert unigram_bits_per_byte(tmp_path, blocks=range(10)) == pytest.approx(1.0)
+
+
+def test_spread_blocks_cover_the_whole_split_in_order() -> None:
+    class Split:
+        def __init__(self) -> None:
+            self.metadata = {"text_bytes": 1}
+
+        def __len__(self) -> int:
+            return 100
+
+        def __getitem__(self, index: int) -> int:
+            return index * 10
+
+    spread = SpreadBlocks(Split(), 5)
+    assert spread.indices == [0, 25, 50, 74, 99] and spread.metadata == {"text_bytes": 1}
+    assert [spread[i] for i in range(len(spread))] == [0, 250, 500, 740, 990]
+    assert SpreadBlocks(Split(), 500).indices == list(range(100))  # never more blocks than the split
+
+
+# ---------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_the_tiny_demo_trains_evaluates_exports_and_samples(demo_run: DemoRun) -> None:
+    result, output, events = demo_run.result, demo_run.output, demo_run.events
+    assert result.status == "complete" and result.exit_code == 0
+    assert result.stages == dict.fromkeys(STAGES, "done")
+    running = stage_events(events, "running")
+    assert set(running) == set(STAGES)  # every stage announced itself before its work
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
+        assert (output / "model" / name).is_file(), name
+    assert result.model_dir == output / "model"
+    # The training loop's own events reached the sink, and the schedule ran to its end.
+    plan = TrainingPlan.load(output / "run")
+    assert plan is not None and plan.budget_seconds == MINUTES * 60
+    assert stage_events(events, "done")["train"]["outcome"] == "complete"
+    assert result.step == plan.max_steps == latest_step(output / "run")
+    last_train = [event for event in events if event["event"] == "train"][-1]
+    tiny = load_config(TINY_CONFIG).training
+    assert last_train["step"] == plan.max_steps
+    assert last_train["learning_rate"] == pytest.approx(tiny.min_learning_rate)  # the cosine reached its floor
+    run_config = json.loads((output / "run" / "config.json").read_text())
+    assert run_config["training"]["max_steps"] == plan.max_steps
+    assert run_config["training"]["warmup_steps"] == plan.warmup_steps < plan.max_steps
+    # Evaluation: bits per byte beside the unigram baseline of the same validation blocks.
+    report = json.loads((output / "run" / "eval.json").read_text())
+    assert report["context"]["step"] == result.step
+    assert result.bits_per_byte == report["bits_per_byte"] and 0 < result.bits_per_byte < 16
+    assert result.unigram_bits_per_byte == report["context"]["unigram_bits_per_byte"] > 0
+    assert (output / "model" / "tokenizer.json").read_bytes() == (output / "data" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_the_samples_keep_their_prompt_and_template(demo_run: DemoRun) -> None:
+    samples = {sample["label"]: sample for sample in demo_run.result.samples}
+    assert set(samples) == {"unconditional", "prompt", "infill"}
+    assert samples["prompt"]["text"].startswith("ROMEO:")
+    assert samples["infill"]["text"].startswith("ROMEO: ") and samples["infill"]["text"].endswith(" fair Verona")
+    assert all("<|mask|>" not in sample["text"] for sample in samples.values())
+    assert len(samples["unconditional"]["text"]) > 0
+    written = json.loads((demo_run.output / "samples.json").read_text())
+    assert [sample["text"] for sample in written] == [sample["text"] for sample in demo_run.result.samples]
+    assert [e["label"] for e in demo_run.events if e["event"] == "demo_sample"] == list(samples)
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_every_finished_stage(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    before = mtimes(output)
+    events: list[dict[str, Any]] = []
+    result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    assert result.status == "complete"
+    reused = stage_events(events, "reused")
+    assert set(reused) == set(REUSABLE)
+    assert not set(stage_events(events, "running")) & set(REUSABLE)
+    assert mtimes(output) == before  # nothing was written again
+    assert not [event for event in events if event["event"] in ("start", "train", "checkpoint")]
+    assert result.step == demo_run.result.step and result.bits_per_byte == demo_run.result.bits_per_byte
+    # Samples are drawn again, with the same seeds: the same texts.
+    assert [s["text"] for s in result.samples] == [s["text"] for s in demo_run.result.samples]
+
+
+@pytest.mark.slow
+def test_a_larger_budget_continues_training_from_latest(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)  # a copy: latest.pt is no hard link now, so its step is read
+    events: list[dict[str, Any]] = []
+    result = run_demo(output, minutes=2 * MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    stages = stage_events(events)
+    assert stages["tokenizer"]["status"] == stages["data"]["status"] == stages["calibrate"]["status"] == "reused"
+    assert stages["train"]["status"] == stages["evaluate"]["status"] == stages["export"]["status"] == "done"
+    first_start = next(event for event in events if event["event"] == "start")
+    assert first_start["start_step"] == demo_run.result.step and first_start["resumed_from"] is not None
+    assert result.step > demo_run.result.step
+    assert any("warm restart" in event["message"] for event in events if event["event"] == "demo_note")
+    plan = TrainingPlan.load(output / "run")
+    assert plan is not None and plan.budget_seconds == 2 * MINUTES * 60 and plan.max_steps >= result.step
+    assert json.loads((output / "model" / "config.json").read_text())["step"] == result.step
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+
+def test_a_non_positive_budget_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="--minutes"):
+        run_demo(tmp_path / "demo", minutes=0, config_path=TINY_CONFIG)
+
+
+def test_a_demo_directory_with_another_tokenizer_is_refused(tmp_path: Path, tiny_tokenizer_path: Path) -> None:
+    (tmp_path / "demo" / "data").mkdir(parents=True)
+    shutil.copy(tiny_tokenizer_path, tmp_path / "demo" / "data" / "tokenizer.json")  # 512 tokens, config: 8192
+    with pytest.raises(UserError, match="512-token tokenizer, the config asks for 8192"):
+        run_demo(tmp_path / "demo", device="cpu")
+
+
+@pytest.mark.slow
+def test_a_run_the_demo_did_not_plan_is_refused(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    (output / "run" / PLAN_NAME).unlink()
+    with pytest.raises(UserError, match="did not plan"):
+        run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG)
+
+
+@pytest.mark.slow
+def test_a_budget_too_short_for_two_steps_is_refused_with_the_minutes_needed(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    shutil.rmtree(output / "run")
+    with pytest.raises(UserError, match=r"leaves time for \d training steps .*pass --minutes"):
+        run_demo(output, minutes=0.0005, config_path=TINY_CONFIG)
+    assert tokenizer_sha256(output / "data" / "tokenizer.json")  # the finished stages are still there
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.slow
+def test_the_cli_prints_json_lines_and_exits_0(demo_run: DemoRun, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    cli = run_cli("demo", "--output", output, "--minutes", str(MINUTES), "--config", TINY_CONFIG, "--json")
+    assert cli.exit_code == 0, cli.stderr
+    events = [json.loads(line) for line in cli.stdout.splitlines()]
+    assert events[0]["event"] == "demo_start" and events[-1]["event"] == "demo_done"
+    assert set(stage_events(events, "reused")) == set(REUSABLE)
+    assert events[-1]["bits_per_byte"] == demo_run.result.bits_per_byte
+
+
+@pytest.mark.slow
+def test_the_terminal_view_renders_every_event(demo_run: DemoRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from dlm.cli import sample_cmd
+
+    recorder = Console(record=True, width=120, force_terminal=True)
+    monkeypatch.setattr(sample_cmd, "console", recorder)
+    view = sample_cmd.DemoView()
+    reused = [{**event, "status": "reused"} for event in stage_events(demo_run.events, "done").values()]
+    try:
+        for event in [*demo_run.events, *reused]:
+            view(event)
+    finally:
+        view.close()
+    text = recorder.export_text()
+    for stage in STAGES:
+        assert f"✓ {stage}" in text and f"↺ {stage}" in text, stage
+    assert "bits per byte (unigram baseline" in text and "fair Verona" in text
+    assert "dlm train" in text  # the training dashboard's panel
