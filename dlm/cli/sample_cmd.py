@@ -6,7 +6,6 @@ character each) are revealed step by step; otherwise the final texts, or JSON wi
 
 from __future__ import annotations
 
-import re
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -14,7 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dlm.cli.common import JsonOption, console, print_json
-from dlm.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -23,28 +21,12 @@ if TYPE_CHECKING:
     from dlm.sampling import SampleResult
 
 MASK_GLYPH = "░"
-_DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 class RemaskingChoice(str, Enum):
     random = "random"
     confidence = "confidence"
     margin = "margin"
-
-
-def resolve_sample_device(name: str) -> str:
-    """auto = the first of CUDA, MPS and the CPU that is available; anything else is checked."""
-
-    if not _DEVICE_PATTERN.fullmatch(name):
-        raise UserError(f"--device {name!r} is not a device", fix="use auto, cpu, mps, cuda or cuda:N")
-    import torch
-
-    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
-    if name == "auto":
-        return "cuda" if cuda else "mps" if mps else "cpu"
-    if (name.startswith("cuda") and not cuda) or (name == "mps" and not mps):
-        raise UserError(f"--device {name}: no such device is available here", fix="use --device auto")
-    return name
 
 
 def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int, steps: int) -> RenderableType:
@@ -178,8 +160,10 @@ def sample(
     # Check every option before the (slow) model load.
     SamplingOptions(steps, temperature, top_k, top_p, remasking.value, block_length)
     check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
-    resolved = resolve_sample_device(device)
     from dlm.export import load_model
+    from dlm.runtime import resolve_device
+
+    resolved = str(resolve_device(device, "--device"))
 
     model, tokenizer = load_model(model_path, device=resolved)
     options: dict[str, Any] = dict(
