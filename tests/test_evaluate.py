@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_tiny_run
 from torch import Tensor, nn
 
-from dlm.config import ModelConfig, load_config
+from dlm.config import ModelConfig
 from dlm.errors import UserError
 from dlm.evaluate import NOISE_BUCKETS, evaluate_model, evaluate_source, evaluated_text_bytes, write_report
 from dlm.export import export_model
-from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH, SEQUENCES = 32, 64, 256
@@ -114,22 +114,7 @@ def test_short_data_missing_metadata_and_k1_are_reported_not_hidden(uniform_data
 
 @pytest.fixture(scope="module")
 def run_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("eval-run") / "run"
-    experiment = load_config(
-        ROOT / "configs" / "tiny.toml",
-        [
-            f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
-            f"training.train_data={tiny_data_dir / 'train.bin'}",
-            f"training.val_data={tiny_data_dir / 'val.bin'}",
-            f"training.output_dir={run}",
-            "training.max_steps=4",
-            "training.warmup_steps=1",
-            "training.eval_interval=4",
-            "training.save_interval=4",
-        ],
-    )
-    train(experiment)
-    return run
+    return train_tiny_run(tiny_data_dir, tmp_path_factory.mktemp("eval-run") / "run")
 
 
 def test_checkpoint_eval_repeats_the_runs_last_validation(run_dir: Path) -> None:

@@ -8,38 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_tiny_run
 from safetensors import safe_open
 
 import dlm
 from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, load_config
+from dlm.config import ExperimentConfig
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
 from dlm.model import DiffusionTransformer
 from dlm.tokenizer import tokenizer_sha256
-from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("export-run") / "run"
-    experiment = load_config(
-        ROOT / "configs" / "tiny.toml",
-        [
-            f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
-            f"training.train_data={tiny_data_dir / 'train.bin'}",
-            f"training.val_data={tiny_data_dir / 'val.bin'}",
-            f"training.output_dir={run}",
-            "training.max_steps=4",
-            "training.warmup_steps=1",
-            "training.eval_interval=4",
-            "training.save_interval=4",
-        ],
-    )
-    train(experiment)
-    return run
+    return train_tiny_run(tiny_data_dir, tmp_path_factory.mktemp("export-run") / "run")
 
 
 def reference_model(checkpoint_path: Path, weights: str = "model") -> DiffusionTransformer:

@@ -14,26 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_experiment
 
 from dlm.checkpoint import RunLock, load_checkpoint
-from dlm.config import ExperimentConfig, load_config
 from dlm.errors import UserError
 from dlm.train import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:
-    return load_config(
-        ROOT / "configs" / "tiny.toml",
-        [
-            f"training.tokenizer={data_dir / 'tokenizer.json'}",
-            f"training.train_data={data_dir / 'train.bin'}",
-            f"training.val_data={data_dir / 'val.bin'}",
-            f"training.output_dir={run_dir}",
-            *overrides,
-        ],
-    )
 
 
 def train_losses(events: list[dict]) -> list[float]:
@@ -53,7 +40,7 @@ def assert_same_weights(left: Path, right: Path) -> None:
 
 def test_loss_decreases_and_run_dir_is_complete(tiny_data_dir: Path, tmp_path: Path) -> None:
     events: list[dict] = []
-    experiment = tiny(tiny_data_dir, tmp_path / "run", "training.max_steps=60", "training.log_interval=10")
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=60", "training.log_interval=10")
     result = train(experiment, sink=events.append)
     assert result.status == "complete" and result.step == 60 and result.exit_code == 0
     losses = train_losses(events)
@@ -84,10 +71,10 @@ def test_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path, accumulati
         f"training.num_workers={workers}", "training.eval_interval=4",
     )
     straight_events: list[dict] = []
-    straight = train(tiny(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
+    straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
 
     first_events: list[dict] = []
-    split = tiny(tiny_data_dir, tmp_path / "split", *settings)
+    split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
     paused = train(split, max_run_steps=6, sink=first_events.append)
     assert paused.status == "paused" and paused.step == 6
     second_events: list[dict] = []
@@ -104,12 +91,14 @@ def test_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path, accumulati
 def test_resume_refuses_a_changed_model_optimizer_or_tokenizer(
     tiny_data_dir: Path, tmp_path: Path, tiny_tokenizer_path: Path
 ) -> None:
-    base = tiny(tiny_data_dir, tmp_path / "run", "training.max_steps=10")
+    base = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=10")
     result = train(base, max_run_steps=2, sink=lambda event: None)
-    changed_model = tiny(tiny_data_dir, tmp_path / "run", "training.max_steps=10", "model.n_layers=3")
+    changed_model = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=10", "model.n_layers=3")
     with pytest.raises(UserError, match="n_layers"):
         train(changed_model, resume=result.checkpoint)
-    changed_optimizer = tiny(tiny_data_dir, tmp_path / "run", "training.max_steps=10", "training.optimizer=adamw8bit")
+    changed_optimizer = tiny_experiment(
+        tiny_data_dir, tmp_path / "run", "training.max_steps=10", "training.optimizer=adamw8bit"
+    )
     with pytest.raises(UserError, match=r"training\.optimizer"):
         train(changed_optimizer, resume=result.checkpoint)
 
@@ -131,7 +120,7 @@ def test_unsafe_checkpoint_is_refused(tiny_data_dir: Path, tmp_path: Path) -> No
     evil = tmp_path / "evil.pt"
     torch.save({"format": "dlm-checkpoint-v1", "model": Payload()}, evil)
     with pytest.raises(UserError, match=r"evil\.pt"):
-        train(tiny(tiny_data_dir, tmp_path / "run"), resume=evil)
+        train(tiny_experiment(tiny_data_dir, tmp_path / "run"), resume=evil)
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
@@ -150,7 +139,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
         return output
 
     monkeypatch.setattr(train_module, "diffusion_cross_entropy", poisoned)
-    experiment = tiny(tiny_data_dir, tmp_path / "run", "training.save_interval=5", "training.log_interval=4")
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.save_interval=5", "training.log_interval=4")
     with pytest.raises(NonFiniteLossError, match="step 8"):
         train(experiment, sink=lambda event: None)
     latest = load_checkpoint(tmp_path / "run" / "latest.pt")
@@ -162,11 +151,11 @@ def test_a_second_run_on_the_same_directory_is_refused(tiny_data_dir: Path, tmp_
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with RunLock(run_dir), pytest.raises(UserError, match="another dlm run"):
-        train(tiny(tiny_data_dir, run_dir), sink=lambda event: None)
+        train(tiny_experiment(tiny_data_dir, run_dir), sink=lambda event: None)
 
 
 def test_adamw8bit_and_ema_train_on_cpu(tiny_data_dir: Path, tmp_path: Path) -> None:
-    experiment = tiny(
+    experiment = tiny_experiment(
         tiny_data_dir, tmp_path / "run", "training.optimizer=adamw8bit", "training.optimizer_min_8bit_size=1024",
         "training.max_steps=8", "training.ema_decay=0.9",
     )
@@ -187,7 +176,7 @@ def test_validation_leaves_global_rng_untouched(tiny_data_dir: Path, tmp_path: P
     from dlm.evaluate import fixed_noise_validation
     from dlm.model import DiffusionTransformer
 
-    experiment = tiny(tiny_data_dir, tmp_path / "run")
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")
     model = DiffusionTransformer(experiment.model)
     dataset = load_packed_dataset(tiny_data_dir / "val.bin", experiment.model.max_seq_len)
     torch.manual_seed(5)
