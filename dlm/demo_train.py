@@ -248,8 +248,11 @@ class TrainingStage:
 
         segments = CPU_SEGMENTS if self.experiment.training.device == "cpu" else 1
         for left in range(segments, 0, -1):
-            start = step or 0
-            end = plan.max_steps if left == 1 else start + math.ceil((plan.max_steps - start) / left)
+            start, end = step or 0, plan.max_steps
+            if left > 1:
+                # Rounded up to a multiple of save_interval: the segment ends on a regular checkpoint.
+                end = start + math.ceil((plan.max_steps - start) / left)
+                end = min(plan.max_steps, math.ceil(end / plan.save_interval) * plan.save_interval)
             started = time.perf_counter()
             result = self.segment(plan, step, end - start)
             step = result.step

@@ -247,6 +247,16 @@ def test_a_run_the_demo_did_not_plan_is_refused(demo_run: DemoRun, tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_run_of_another_model_is_refused_before_its_data_is_touched(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    before = mtimes(output)
+    # The bundled config on the CPU: the same tokenizer file name, another model and block length.
+    with pytest.raises(UserError, match="holds a run of another model"):
+        run_demo(output, device="cpu")
+    assert mtimes(output) == before
+
+
+@pytest.mark.slow
 def test_a_budget_too_short_for_two_steps_is_refused_with_the_minutes_needed(demo_run: DemoRun, tmp_path: Path) -> None:
     output = copy_demo(demo_run, tmp_path)
     shutil.rmtree(output / "run")
