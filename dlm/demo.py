@@ -42,7 +42,7 @@ from typing import Any
 from dlm.bench_setup import with_overrides
 from dlm.config import ExperimentConfig, load_config
 from dlm.dashboard import Event, Sink
-from dlm.demo_train import TrainingPlan, TrainingStage
+from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 
 EVAL_NAME, SAMPLES_NAME = "eval.json", "samples.json"
@@ -86,7 +86,8 @@ class DemoResult:
     exit_code: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "output": str(self.output), "model_dir": self.model_dir and str(self.model_dir)}
+        model_dir = None if self.model_dir is None else str(self.model_dir)
+        return {**asdict(self), "output": str(self.output), "model_dir": model_dir}
 
 
 @dataclass
@@ -355,9 +356,10 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
 
 def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int) -> dict[str, Any]:
     path = demo.run_dir / EVAL_NAME
-    # Sized to take about EVAL_SECONDS: a forward pass costs about a third of a training step, and
-    # each sequence gets two fixed-noise passes plus EVAL_MC_SAMPLES Monte Carlo ones.
-    per_sequence = (2 + EVAL_MC_SAMPLES) * plan.seconds_per_step / (3.0 * demo.experiment.training.batch_size)
+    # Sized to take about EVAL_SECONDS: each sequence gets two fixed-noise passes plus
+    # EVAL_MC_SAMPLES Monte Carlo ones, each pass about FORWARD_SHARE of a training step.
+    passes = (2 + EVAL_MC_SAMPLES) * FORWARD_SHARE
+    per_sequence = passes * plan.seconds_per_step / demo.experiment.training.batch_size
     seconds = min(EVAL_SECONDS, 0.1 * demo.minutes * 60.0)
     sequences = max(16, min(val_blocks, int(seconds / per_sequence)))
 

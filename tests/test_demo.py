@@ -165,6 +165,11 @@ def test_the_tiny_demo_trains_evaluates_exports_and_samples(demo_run: DemoRun) -
     tiny = load_config(TINY_CONFIG).training
     assert last_train["step"] == plan.max_steps
     assert last_train["learning_rate"] == pytest.approx(tiny.min_learning_rate)  # the cosine reached its floor
+    assert stage_events(events, "done")["train"]["learning_rate"] == last_train["learning_rate"]
+    # On the CPU the run trains in segments, re-planned from the pace each one kept.
+    replans = [event for event in events if event["event"] == "demo_replan"]
+    assert replans and len([event for event in events if event["event"] == "start"]) == len(replans) + 1
+    assert all(replan["max_steps"] > replan["step"] for replan in replans)
     run_config = json.loads((output / "run" / "config.json").read_text())
     assert run_config["training"]["max_steps"] == plan.max_steps
     assert run_config["training"]["warmup_steps"] == plan.warmup_steps < plan.max_steps
@@ -289,8 +294,9 @@ def test_the_terminal_view_renders_every_event(demo_run: DemoRun, monkeypatch: p
     monkeypatch.setattr(sample_cmd, "console", recorder)
     view = sample_cmd.DemoView()
     reused = [{**event, "status": "reused"} for event in stage_events(demo_run.events, "done").values()]
+    cut_short = {**stage_events(demo_run.events, "done")["train"], "outcome": "paused", "learning_rate": 1.25e-4}
     try:
-        for event in [*demo_run.events, *reused]:
+        for event in [*demo_run.events, *reused, cut_short]:
             view(event)
     finally:
         view.close()
@@ -298,4 +304,5 @@ def test_the_terminal_view_renders_every_event(demo_run: DemoRun, monkeypatch: p
     for stage in STAGES:
         assert f"✓ {stage}" in text and f"↺ {stage}" in text, stage
     assert "bits per byte (unigram baseline" in text and "fair Verona" in text
+    assert "(the budget ran out first), final learning rate 1.25e-04 (floor 3.00e-04)" in text
     assert "dlm train" in text  # the training dashboard's panel

@@ -195,8 +195,12 @@ def _stage_summary(event: dict[str, Any]) -> str:
             "cosine to the floor within the budget"
         )
     if stage == "train":
-        outcome = f" ({event['outcome']})" if "outcome" in event else ""
-        return f"step {event['step']} of {event['max_steps']}{outcome}"
+        text = f"step {event['step']} of {event['max_steps']}"
+        if event.get("outcome") == "paused":
+            text += " (the budget ran out first)"
+        if event.get("learning_rate") is not None:
+            text += f", final learning rate {event['learning_rate']:.2e} (floor {event['min_learning_rate']:.2e})"
+        return text
     if stage == "evaluate":
         bpb, unigram = event.get("bits_per_byte"), event.get("unigram_bits_per_byte")
         text = f"{bpb:.3f} bits per byte" if bpb is not None else "no bits per byte"
