@@ -82,6 +82,7 @@ class DemoResult:
     unigram_bits_per_byte: float | None = None
     model_dir: Path | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
+    sample_length: int = 0  # tokens generated per sample: fits the model's context after a prompt
     seconds: float = 0.0
     exit_code: int = 0
 
@@ -398,7 +399,7 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
     from dlm.sampling import generate
 
     device = demo.experiment.training.device
-    length = min(64, demo.experiment.model.max_seq_len * 3 // 4)  # room for the prompt
+    length = demo.result.sample_length = min(64, demo.experiment.model.max_seq_len * 3 // 4)  # room for a prompt
     demo.stage("samples", "running", detail=f"{len(SAMPLE_REQUESTS)} samples of {length} tokens")
     started = time.perf_counter()
     # float32 on the CPU: bf16 matmuls are slow there; elsewhere the exported bf16 is used as stored.

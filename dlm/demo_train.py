@@ -6,11 +6,11 @@ So the demo plans steps, not seconds:
 1. Calibrate: time CALIBRATION_STEPS real optimizer steps (`dlm.bench`, after one untimed step
    that pays the one-off costs) and set training.max_steps so that the schedule, its validations
    and start-up fill SCHEDULE_SHARE of the budget; warmup is scaled with the run length.
-2. On the CPU, which is often shared and changes pace by 2x within minutes, train in CPU_SEGMENTS
-   segments and re-plan max_steps before each from the pace the last one really kept (start-up,
-   validation and checkpoints included). The learning rate then follows a cosine fitted to the
-   time actually left, with small steps where the plan changes. A GPU trains in one segment: it is
-   rarely shared, and every segment would pay torch.compile again.
+2. On the CPU, which is often shared and changed pace by 3x within a minute in our runs, train in
+   segments of half the steps left (the last ones short) and re-plan max_steps after each from the
+   pace it really kept (start-up, validation and checkpoints included). The learning rate then
+   follows a cosine fitted to the time actually left, with small steps where the plan changes. A
+   GPU trains in one segment: it is rarely shared, and every segment would pay torch.compile again.
 3. The deadline still holds: a run slower than even the last plan stops at the budget, in the
    schedule's tail, where the learning rate is already near its floor.
 
@@ -38,7 +38,7 @@ from dlm.errors import UserError
 PLAN_FORMAT, PLAN_NAME = "dlm-demo-plan-v1", "demo-plan.json"
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
 CALIBRATION_STEPS = 3
-CPU_SEGMENTS = 4
+MIN_SEGMENT_SHARE = 0.08  # CPU segments halve down to this share of the run (each restart costs ~2 s)
 VALIDATIONS, CHECKPOINTS = 4, 4  # at least this many per planned run (fewer on long GPU runs)
 MIN_MEASURED_STEPS = 10  # fewer steps than this give too noisy a pace to re-plan from
 # A forward pass costs a third of a training step in FLOPs; measured on 2 CPU cores it took 0.4 of
@@ -251,33 +251,33 @@ class TrainingStage:
         return new
 
     def train_segments(self, plan: TrainingPlan, step: int | None) -> Any:
-        """Train to plan.max_steps, re-planning between CPU segments from the pace really kept."""
+        """Train to plan.max_steps. On the CPU in segments of half the steps left (down to
+        MIN_SEGMENT_SHARE of the run), re-planning max_steps after each from the pace it kept: the
+        re-plans come closer together towards the end, where a slowdown would cut the schedule."""
 
-        segments = CPU_SEGMENTS if self.experiment.training.device == "cpu" else 1
-        for left in range(segments, 0, -1):
-            start, end = step or 0, plan.max_steps
-            if left > 1:
-                # Rounded up to a multiple of save_interval: the segment ends on a regular checkpoint.
-                end = start + math.ceil((plan.max_steps - start) / left)
-                end = min(plan.max_steps, math.ceil(end / plan.save_interval) * plan.save_interval)
+        shortest = math.ceil(MIN_SEGMENT_SHARE * (plan.max_steps - (step or 0)))
+        segmented = self.experiment.training.device == "cpu"
+        while True:
+            start = step or 0
+            left = plan.max_steps - start
+            end = start + left // 2 if segmented and left >= 2 * shortest else plan.max_steps
             started = time.perf_counter()
             result = self.segment(plan, step, end - start)
             step = result.step
             if result.status != "paused" or step < end or step >= plan.max_steps:
-                break  # complete, interrupted, or stopped by the deadline
-            pace = (time.perf_counter() - started) / max(1, step - start)
+                return result  # complete, interrupted, or stopped by the deadline
+            pace = (time.perf_counter() - started) / (step - start)
             fields = plan_schedule(budget_seconds=self.budget, spent_seconds=plan.trained_seconds,
                                    seconds_per_step=pace, base=self.experiment, start_step=step,
                                    warmup_steps=plan.warmup_steps)  # fmt: skip
             if isinstance(fields, int):
-                break  # not one more step fits
+                return result  # not one more step fits
             previous = plan.max_steps
             plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
             plan.seconds_per_step, plan.rate_source = pace, "measured"
             plan.save(self.run_dir)
             self.emit({"event": "demo_replan", "step": step, "seconds_per_step": round(pace, 4),
                        "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
-        return result
 
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> Any:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""

@@ -185,6 +185,7 @@ def test_the_tiny_demo_trains_evaluates_exports_and_samples(demo_run: DemoRun) -
 def test_the_samples_keep_their_prompt_and_template(demo_run: DemoRun) -> None:
     samples = {sample["label"]: sample for sample in demo_run.result.samples}
     assert set(samples) == {"unconditional", "prompt", "infill"}
+    assert demo_run.result.sample_length == 48  # 3/4 of the tiny model's 64-token context
     assert samples["prompt"]["text"].startswith("ROMEO:")
     assert samples["infill"]["text"].startswith("ROMEO: ") and samples["infill"]["text"].endswith(" fair Verona")
     assert all("<|mask|>" not in sample["text"] for sample in samples.values())

@@ -324,7 +324,8 @@ def demo_command(
         bpb = f"{result.bits_per_byte:.3f} bits per byte" if result.bits_per_byte is not None else "done"
         console.print(f"[bold]done[/] in {result.seconds / 60:.1f} minutes: {bpb} on the held-out plays; model in "
                       f"{result.model_dir}", highlight=False)  # fmt: skip
-        console.print(f'try: dlm sample {result.model_dir} --prompt "ROMEO:"', highlight=False)
+        console.print(f'try: dlm sample {result.model_dir} --prompt "ROMEO:" --length {result.sample_length}',
+                      highlight=False)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
