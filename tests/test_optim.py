@@ -84,8 +84,8 @@ def _state_dtypes(model: TinyModel, optimizer: torch.optim.Optimizer) -> tuple[t
     return (state[model.token_embedding.weight]["state1"].dtype, state[model.proj.weight]["state1"].dtype)
 
 
+@pytest.mark.bitsandbytes
 def test_adamw8bit_embedding_override_and_min_size() -> None:
-    pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
     model = TinyModel()
     # Embedding (8192 elements) and projection (4096) are both large enough for 8-bit state.
@@ -108,8 +108,8 @@ def test_adamw8bit_embedding_override_and_min_size() -> None:
     assert _state_dtypes(model, optimizer) == (torch.float32, torch.float32)
 
 
+@pytest.mark.bitsandbytes
 def test_adamw8bit_resumes_bit_identically_from_weights_only_state() -> None:
-    pytest.importorskip("bitsandbytes")
     config = _config(optimizer="adamw8bit")
     torch.manual_seed(1)
     model = TinyModel()
