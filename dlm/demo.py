@@ -306,20 +306,23 @@ class SpreadBlocks:
         return self.dataset[self.indices[index]]
 
 
-def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int]) -> float | None:
+def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: Any = None) -> float | None:
     """Bits per byte of add-one unigram frequencies of the training tokens on these validation
-    blocks: the level of a model that ignores all context."""
+    blocks: the level of a model that ignores all context. The bytes are those of exactly these
+    blocks, from `token_bytes` (UTF-8 bytes per id) or the data's own tokenizer.json."""
 
     import numpy as np
 
     from dlm.data import load_packed_dataset
-    from dlm.evaluate import evaluated_text_bytes
+    from dlm.evaluate import packed_token_bytes
 
     train, val = load_packed_dataset(data_dir, split="train"), load_packed_dataset(data_dir, split="val")
+    if token_bytes is None:
+        token_bytes, _ = packed_token_bytes(val.metadata, [data_dir / "tokenizer.json"])
     counts = np.bincount(np.asarray(train.tokens).ravel(), minlength=int(train.metadata["vocab_size"])) + 1.0
     log_probability = np.log(counts / counts.sum())
     evaluated = np.asarray(val.tokens[list(blocks)]).ravel()
-    text_bytes, _ = evaluated_text_bytes(val.metadata, evaluated.size)
+    text_bytes = None if token_bytes is None else int(np.asarray(token_bytes)[evaluated].sum())
     return None if not text_bytes else float(-log_probability[evaluated].sum() / (text_bytes * math.log(2)))
 
 
@@ -336,7 +339,7 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     import torch
 
     from dlm.data import load_packed_dataset
-    from dlm.evaluate import evaluate_model, write_report
+    from dlm.evaluate import evaluate_model, packed_token_bytes, write_report
     from dlm.export import build_model, read_model_source
     from dlm.runtime import resolve_precision
 
@@ -346,11 +349,13 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     val = load_packed_dataset(demo.data_dir, info.model.max_seq_len, split="val")
     blocks = SpreadBlocks(val, sequences)
     batch_size = min(demo.experiment.training.batch_size, len(blocks))
+    token_bytes, _ = packed_token_bytes(val.metadata, [demo.data_dir / "tokenizer.json"])
     report = evaluate_model(model, blocks, batches=math.ceil(len(blocks) / batch_size), mc_samples=EVAL_MC_SAMPLES,
                             batch_size=batch_size, device=device, precision=resolve_precision("auto", device),
-                            mask_eps=info.mask_eps, metadata=val.metadata)  # fmt: skip
+                            mask_eps=info.mask_eps, metadata=val.metadata, token_bytes=token_bytes)  # fmt: skip
+    unigram = unigram_bits_per_byte(demo.data_dir, blocks.indices, token_bytes)
     report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
-                      "unigram_bits_per_byte": unigram_bits_per_byte(demo.data_dir, blocks.indices)}  # fmt: skip
+                      "unigram_bits_per_byte": unigram}  # fmt: skip
     write_report(report, demo.run_dir / EVAL_NAME)
     return _eval_figures(report.to_dict(), demo.run_dir / EVAL_NAME)
 
@@ -365,11 +370,16 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
     sequences = max(16, min(val_blocks, int(seconds / per_sequence)))
 
     def reuse() -> dict[str, Any] | None:
+        from dlm.evaluate import EVAL_FORMAT
+
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(report, dict) or report.get("context", {}).get("step") != step:
+        # An older format's bits per byte were estimated, not counted: evaluate again.
+        if not isinstance(report, dict) or report.get("format") != EVAL_FORMAT:
+            return None
+        if report.get("context", {}).get("step") != step:
             return None
         return _eval_figures(report, path)
 

@@ -10,7 +10,10 @@ the whole noise range is covered even with few batches. It never touches the glo
 - the negative ELBO per token, a bound on the true NLL, estimated per sequence from K antithetic
   diffusion times (`dlm.diffusion.elbo_nll`), with its standard error, and exp(NLL), a bound on
   perplexity;
-- bits per byte, NLL x tokens / (text bytes x ln 2): the figure that compares across tokenizers;
+- bits per byte, NLL x tokens / (bytes x ln 2): the figure that compares across tokenizers. `bytes`
+  are the exact UTF-8 bytes of the tokens scored (byte-level BPE decodes every id to fixed bytes;
+  special tokens count 0), so the figure is exact for any number of blocks, and the report holds
+  `tokens` and `bytes` to recompute it;
 - the loss in 10 buckets of the noise level t (how hard denoising is at each level).
 
 All noise comes from generators seeded by (seed, pass, batch index): the same checkpoint and data
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -33,8 +37,10 @@ from dlm.corpus import temporary_path
 from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
 from dlm.errors import UserError
 from dlm.runtime import autocast_context
+from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 
-EVAL_FORMAT = "dlm-eval-v1"
+# v2: `bytes` (exact UTF-8 bytes of the scored tokens) replaced v1's estimated `text_bytes`.
+EVAL_FORMAT = "dlm-eval-v2"
 NOISE_BUCKETS = 10  # as the training dashboard's loss_by_t: bucket j holds t in [j / 10, (j + 1) / 10)
 # Each pass draws from its own generator stream, so adding a pass never shifts another's noise.
 _ELBO_PASS, _BUCKET_PASS = 1, 2
@@ -129,7 +135,7 @@ class EvalReport:
     perplexity_bound: float
     bits_per_byte: float | None
     bits_per_byte_stderr: float | None
-    text_bytes: float | None  # text bytes of the evaluated share of the data
+    bytes: int | None  # exact UTF-8 bytes of the scored tokens: bits_per_byte = nll x tokens / (bytes x ln 2)
     loss_by_t: list[NoiseBucket] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)  # model and data it came from
@@ -238,17 +244,51 @@ def _bucket_pass(
     ]
 
 
-def evaluated_text_bytes(metadata: Mapping[str, Any] | None, tokens: int) -> tuple[float | None, str | None]:
-    """Text bytes behind `tokens` evaluated tokens, from the pack metadata, or (None, why not).
+def packed_token_bytes(
+    metadata: Mapping[str, Any] | None, candidates: Iterable[Path]
+) -> tuple[np.ndarray | None, str | None]:
+    """The per-id byte table (`token_byte_lengths`) of the first tokenizer file among `candidates`
+    whose sha256 is the one the pack metadata records, or (None, why bits per byte are skipped).
 
-    `text_bytes` counts every document of the split, the tail cut off the last block included, so
-    the bytes per token are text_bytes / (num_tokens + dropped_tokens).
+    Only the tokenizer the data was packed with decodes its ids to the right bytes, hence the hash.
     """
 
-    if not metadata or not metadata.get("text_bytes") or not metadata.get("num_tokens"):
-        return None, "bits per byte skipped: the data's metadata records no text_bytes (re-pack it with `dlm pack`)"
-    packed = int(metadata["num_tokens"]) + int(metadata.get("dropped_tokens", 0))
-    return float(metadata["text_bytes"]) * tokens / packed, None
+    expected = (metadata or {}).get("tokenizer_sha256")
+    if not expected:
+        return None, "bits per byte skipped: the data records no tokenizer hash (pass token_bytes, or pack it)"
+    looked = []
+    for candidate in candidates:
+        if candidate.is_file() and tokenizer_sha256(candidate) == expected:
+            return token_byte_lengths(load_tokenizer(candidate)), None
+        looked.append(str(candidate))
+    where = ", ".join(looked) or "nowhere"
+    return None, f"bits per byte skipped: no tokenizer.json with the data's sha256 (looked at {where})"
+
+
+def _byte_table(token_bytes: Any, dataset: Any, metadata: Mapping[str, Any] | None) -> tuple[Tensor | None, str | None]:
+    """`token_bytes` as a tensor; without it, the table of the tokenizer beside a packed dataset."""
+
+    if token_bytes is not None:
+        return torch.as_tensor(np.asarray(token_bytes), dtype=torch.int64), None
+    path = getattr(dataset, "path", None)
+    table, why = packed_token_bytes(metadata, [Path(path).parent / "tokenizer.json"] if path else [])
+    return (None, why) if table is None else (torch.from_numpy(table), None)
+
+
+def _scored_counts(batches: Iterable[Tensor], table: Tensor | None) -> tuple[int, int | None]:
+    """Tokens scored, and the exact UTF-8 bytes they decode to (None without a byte table)."""
+
+    tokens, text_bytes = 0, 0
+    for clean in batches:
+        tokens += clean.numel()
+        if table is not None:
+            if int(clean.max()) >= table.numel():
+                raise UserError(
+                    f"the data holds token id {int(clean.max())}, beyond the tokenizer's {table.numel()} ids",
+                    fix="evaluate on data packed with the model's tokenizer",
+                )
+            text_bytes += int(table[clean].sum())
+    return tokens, None if table is None else text_bytes
 
 
 def _check_counts(batches: int, mc_samples: int, batch_size: int) -> None:
@@ -269,10 +309,13 @@ def evaluate_model(
     mask_eps: float = 1e-3,
     metadata: Mapping[str, Any] | None = None,
     seed: int = 0,
+    token_bytes: Any = None,
 ) -> EvalReport:
     """Evaluate `model` on the first `batches` batches of `dataset` (blocks of token ids).
 
-    `metadata` is the pack metadata (default: `dataset.metadata`) that bits per byte need.
+    Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
+    `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
+    `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records.
     """
 
     _check_counts(batches, mc_samples, batch_size)
@@ -284,6 +327,9 @@ def evaluate_model(
     notes = [] if count == batches else [f"the data holds only {len(dataset)} blocks: evaluated {count} batches"]
     if count == 0:
         raise UserError("the evaluation data holds no blocks", fix="pass --data with a packed split")
+    table, why = _byte_table(token_bytes, dataset, metadata)
+    notes += [why] if why else []
+    tokens, text_bytes = _scored_counts(_batches(dataset, batch_size, count), table)
     was_training = model.training
     model.eval()
     try:
@@ -296,10 +342,8 @@ def evaluate_model(
         )
     finally:
         model.train(was_training)
-    tokens = int(means.numel()) * int(torch.as_tensor(dataset[0]).numel())
     return EvalReport(
         sequences=int(means.numel()),
-        tokens=tokens,
         batches=count,
         batch_size=batch_size,
         mc_samples=mc_samples,
@@ -308,17 +352,18 @@ def evaluate_model(
         device=str(device),
         fixed_noise_loss=fixed["loss"],
         fixed_noise_accuracy=fixed["masked_accuracy"],
-        **_likelihood_figures(means, errors, mc_samples, tokens, metadata, notes),
+        **_likelihood_figures(means, errors, mc_samples, tokens, text_bytes, notes),
         loss_by_t=buckets,
         notes=notes,
     )
 
 
 def _likelihood_figures(
-    means: Tensor, errors: Tensor, mc_samples: int, tokens: int, metadata: Mapping[str, Any] | None, notes: list[str]
+    means: Tensor, errors: Tensor, mc_samples: int, tokens: int, text_bytes: int | None, notes: list[str]
 ) -> dict[str, Any]:
     """NLL, its two standard errors, the perplexity bound and bits per byte from per-sequence
-    Monte Carlo means [S] and their standard errors [S]; reasons for missing figures go to `notes`."""
+    Monte Carlo means [S] and their standard errors [S] over `tokens` scored tokens that decode to
+    `text_bytes` UTF-8 bytes; reasons for missing figures go to `notes`."""
 
     sequences = means.numel()
     nll = float(means.mean())
@@ -328,8 +373,8 @@ def _likelihood_figures(
     mc_stderr = float(errors.pow(2).sum().sqrt() / sequences) if mc_samples > 1 else None
     if mc_samples == 1:
         notes.append("--mc-samples 1: no Monte Carlo standard error")
-    text_bytes, why = evaluated_text_bytes(metadata, tokens)
-    notes += [why] if why else []
+    if text_bytes == 0:
+        notes.append("bits per byte skipped: the scored tokens decode to no text (only special tokens)")
     to_bits = tokens / (text_bytes * math.log(2)) if text_bytes else None
     return {
         "nll": nll,
@@ -338,7 +383,8 @@ def _likelihood_figures(
         "perplexity_bound": math.exp(min(nll, 700.0)),  # exp overflows a double past ~709
         "bits_per_byte": None if to_bits is None else nll * to_bits,
         "bits_per_byte_stderr": None if to_bits is None or stderr is None else stderr * to_bits,
-        "text_bytes": text_bytes,
+        "tokens": tokens,
+        "bytes": text_bytes,
     }
 
 
@@ -400,6 +446,9 @@ def evaluate_source(
     # float32 weights: `precision` alone decides the compute dtype (autocast), whatever was stored.
     model = build_model(info.model, weights, device, torch.float32, source=info.path)
     del weights
+    # The copy `dlm pack` keeps beside the data, else the model's own (same hash: checked above).
+    beside = [dataset.path.parent / "tokenizer.json", Path(info.tokenizer_path)]
+    token_bytes, why = packed_token_bytes(dataset.metadata, dict.fromkeys(beside))
     report = evaluate_model(
         model,
         dataset,
@@ -410,7 +459,10 @@ def evaluate_source(
         precision=resolve_precision(precision, device),
         mask_eps=info.mask_eps,
         metadata=dataset.metadata,
+        token_bytes=token_bytes,
     )
+    if why:  # evaluate_model looked beside the data only: name every place looked at
+        report.notes = [note for note in report.notes if not note.startswith("bits per byte skipped")] + [why]
     report.context = {**info.to_dict(), "data": str(dataset.path)}
     return report
 

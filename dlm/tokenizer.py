@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path
@@ -182,3 +183,37 @@ def tokenizer_sha256(path: str | Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for (GPT-2's mapping): printable
+    Latin-1 characters stand for their own code, the other 68 bytes for characters from U+0100 on."""
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)}
+    alphabet, shifted = {}, 0
+    for byte in range(BYTE_ALPHABET_SIZE):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(BYTE_ALPHABET_SIZE + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """The UTF-8 bytes each token id decodes to, as an int64 table indexed by id.
+
+    Byte-level BPE makes this exact: the bytes of any id sequence sum to the UTF-8 size of its text,
+    so bits per byte can count the bytes of exactly the tokens scored. Special tokens stand for no
+    text and count 0. As the ByteLevel decoder does, a token with any character outside the byte
+    alphabet (an added token such as "日本") decodes to its own UTF-8 bytes.
+    """
+
+    alphabet = byte_level_alphabet()
+    vocabulary = tokenizer.get_vocab(with_added_tokens=True)
+    special = {index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    lengths = np.zeros(max(vocabulary.values()) + 1, dtype=np.int64)
+    for token, index in vocabulary.items():
+        if index not in special:
+            lengths[index] = len(token) if all(char in alphabet for char in token) else len(token.encode("utf-8"))
+    return lengths

@@ -117,13 +117,15 @@ def test_a_budget_too_short_for_a_schedule_plans_nothing() -> None:
 
 def test_unigram_bits_per_byte_of_a_uniform_corpus(tmp_path: Path) -> None:
     # Four tokens equally often: 2 bits per token; 2 bytes of text per token: 1 bit per byte.
+    two_bytes_each = np.full(4, 2)
     tokens = np.tile(np.arange(4, dtype="<u2"), 64)
     metadata = dict(format="dlm-packed-v1", vocab_size=4, tokenizer_sha256="0" * 64, seq_len=8, dtype="uint16",
                     num_blocks=32, num_tokens=256, dropped_tokens=0, text_bytes=512)  # fmt: skip
     for split in ("train", "val"):
         tokens.tofile(tmp_path / f"{split}.bin")
         (tmp_path / f"{split}.json").write_text(json.dumps(metadata))
-    assert unigram_bits_per_byte(tmp_path, blocks=range(10)) == pytest.approx(1.0)
+    assert unigram_bits_per_byte(tmp_path, blocks=range(10), token_bytes=two_bytes_each) == pytest.approx(1.0)
+    assert unigram_bits_per_byte(tmp_path, blocks=range(10)) is None  # no tokenizer.json: no byte count
 
 
 def test_spread_blocks_cover_the_whole_split_in_order() -> None:

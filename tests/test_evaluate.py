@@ -7,15 +7,18 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import train_tiny_run
 from torch import Tensor, nn
 
 from dlm.config import ModelConfig
+from dlm.data import load_packed_dataset
 from dlm.errors import UserError
-from dlm.evaluate import NOISE_BUCKETS, evaluate_model, evaluate_source, evaluated_text_bytes, write_report
-from dlm.export import export_model
+from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
+from dlm.export import export_model, load_model
+from dlm.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH, SEQUENCES = 32, 64, 256
@@ -43,11 +46,11 @@ def uniform_data() -> Tensor:
     return torch.randint(3, VOCAB, (SEQUENCES, LENGTH), generator=torch.Generator().manual_seed(0))
 
 
-METADATA = {"text_bytes": 50_000, "num_tokens": SEQUENCES * LENGTH, "dropped_tokens": 40}
+TOKEN_BYTES = np.arange(VOCAB) % 4  # id i decodes to i mod 4 UTF-8 bytes
 
 
 def uniform_report(data: Tensor, mc_samples: int, **options: object) -> object:
-    settings: dict[str, object] = {"batches": 4, "batch_size": 64, "mask_eps": 0.05, "metadata": METADATA}
+    settings: dict[str, object] = {"batches": 4, "batch_size": 64, "mask_eps": 0.05, "token_bytes": TOKEN_BYTES}
     settings.update(options)
     return evaluate_model(UniformModel(), data, mc_samples=mc_samples, **settings)  # type: ignore[arg-type]
 
@@ -60,10 +63,9 @@ def test_uniform_model_gives_log_v_and_exact_bits_per_byte(uniform_data: Tensor)
     assert report.perplexity_bound == pytest.approx(math.exp(report.nll))
     assert report.fixed_noise_loss == pytest.approx(log_v, rel=0.05)
     assert report.fixed_noise_accuracy == 0.0
-    # Bits per byte from the formula: the evaluated share of the text bytes, dropped tail counted.
-    text_bytes = METADATA["text_bytes"] * report.tokens / (METADATA["num_tokens"] + METADATA["dropped_tokens"])
-    assert report.text_bytes == pytest.approx(text_bytes, rel=1e-12)
-    assert report.bits_per_byte == pytest.approx(report.nll * report.tokens / (text_bytes * math.log(2)), rel=1e-12)
+    # Bits per byte from the formula, over the bytes of exactly the scored tokens.
+    assert report.bytes == int(TOKEN_BYTES[uniform_data.numpy()].sum())
+    assert report.bits_per_byte == pytest.approx(report.nll * report.tokens / (report.bytes * math.log(2)), rel=1e-12)
     assert report.bits_per_byte_stderr == pytest.approx(report.bits_per_byte * report.nll_stderr / report.nll)
     # Every masked token costs exactly log V, whatever the noise level.
     assert len(report.loss_by_t) == NOISE_BUCKETS
@@ -86,10 +88,10 @@ def test_evaluation_is_deterministic_and_leaves_global_rng_alone(uniform_data: T
     model = UniformModel().train()
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    first = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, metadata=METADATA)
+    first = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, token_bytes=TOKEN_BYTES)
     assert torch.equal(before, torch.get_rng_state())
     assert model.training  # the caller's mode comes back
-    again = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, metadata=METADATA)
+    again = evaluate_model(model, uniform_data, batches=2, batch_size=16, mc_samples=3, token_bytes=TOKEN_BYTES)
     assert first.to_dict() == again.to_dict()
     # 2 batches: one fixed-noise, K Monte Carlo and one bucket forward pass each.
     assert model.calls == 2 * 2 * (1 + 3 + 1)
@@ -102,9 +104,10 @@ def test_short_data_missing_metadata_and_k1_are_reported_not_hidden(uniform_data
     assert any("20 blocks" in note for note in report.notes)
     assert any("bits per byte skipped" in note for note in report.notes)
     data = report.to_dict()
-    assert data["format"] == "dlm-eval-v1" and data["bits_per_byte"] is None
+    assert data["format"] == EVAL_FORMAT and data["bits_per_byte"] is None and data["bytes"] is None
     json.dumps(data, allow_nan=False)  # strict JSON: no NaN anywhere
-    assert evaluated_text_bytes({"num_tokens": 10}, 5) == (None, report.notes[-1])
+    table, why = packed_token_bytes({"num_tokens": 10}, [])
+    assert table is None and why in report.notes
     with pytest.raises(UserError, match="--mc-samples"):
         evaluate_model(UniformModel(), uniform_data, mc_samples=0)
 
@@ -164,3 +167,63 @@ def test_cli_eval_json_output_file_and_errors(run_dir: Path, tmp_path: Path, run
     assert missing.exit_code == 2 and "Traceback" not in missing.stderr
     with pytest.raises(UserError, match="directory"):
         write_report(evaluate_model(UniformModel(), torch.full((1, LENGTH), 5), batches=1), tmp_path)
+
+
+# --------------------------------------------------------------------------- exact bytes
+
+
+def test_token_byte_table_sums_to_the_utf8_size_of_any_text(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    from dlm.tokenizer import token_byte_lengths
+
+    tokenizer = load_tokenizer(tiny_tokenizer_path)
+    tokenizer.add_tokens(["日本", "<|extra|>"])  # added tokens: outside and inside the byte alphabet
+    tokenizer.encode_special_tokens = True  # special-token text is text here, as `dlm pack` encodes it
+    table = token_byte_lengths(tokenizer)
+    assert table.shape == (514,) and list(table[:3]) == [0, 0, 0]  # eos, mask, pad stand for no text
+    assert table[tokenizer.token_to_id("日本")] == 6 and table[tokenizer.token_to_id("<|extra|>")] == 9
+    texts = ["accents é à ü, CJK 日本語の文章, emoji 🙂👍🏽, RTL שלום\r\n\ttabs", "<|mask|> as text", "日本 <|extra|>"]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert int(table[ids].sum()) == len(text.encode("utf-8")) == len(tokenizer.decode(ids).encode("utf-8"))
+
+
+@pytest.mark.parametrize(("batches", "batch_size"), [(2, 8), (1, 3)])
+def test_bits_per_byte_count_the_bytes_of_exactly_the_scored_blocks(
+    run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int
+) -> None:
+    report = evaluate_source(run_dir, batches=batches, batch_size=batch_size, mc_samples=2)
+    # Decoded independently: each scored block's text without the end-of-document tokens.
+    tokenizer = load_tokenizer(tiny_data_dir / "tokenizer.json")
+    blocks = np.asarray(load_packed_dataset(tiny_data_dir, split="val").tokens[: batches * batch_size])
+    texts = [tokenizer.decode(block.tolist(), skip_special_tokens=True) for block in blocks]
+    assert all("\ufffd" not in text for text in texts)  # whole characters: the decoded size is exact
+    assert report.tokens == blocks.size == batches * batch_size * 64
+    assert report.bytes == sum(len(text.encode("utf-8")) for text in texts)
+    assert report.bits_per_byte == report.nll * report.tokens / (report.bytes * math.log(2))
+    assert report.bits_per_byte_stderr == report.nll_stderr * report.tokens / (report.bytes * math.log(2))
+    saved = report.to_dict()
+    assert (saved["tokens"], saved["bytes"]) == (report.tokens, report.bytes) and "text_bytes" not in saved
+
+
+def test_bits_per_byte_need_the_datas_tokenizer(run_dir: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    (data / "tokenizer.json").unlink()
+    # The model's own tokenizer (the run's training.tokenizer) has the data's hash: still exact.
+    assert evaluate_source(run_dir, data, mc_samples=1).bytes == evaluate_source(run_dir, mc_samples=1).bytes
+    model, _ = load_model(run_dir)
+    report = evaluate_model(model, load_packed_dataset(data, split="val"), batches=1, batch_size=2, mc_samples=1)
+    assert report.bits_per_byte is None and report.bytes is None and report.tokens == 2 * 64
+    assert f"no tokenizer.json with the data's sha256 (looked at {data / 'tokenizer.json'})" in report.notes[0]
+
+
+def test_cli_eval_human_output_shows_the_counts_behind_bits_per_byte(
+    run_dir: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlm.cli.eval_cmd.wants_json", lambda flag: False)
+    result = run_cli("eval", run_dir, "--mc-samples", "2", "--batches", "1", "--batch-size", "4")
+    assert result.exit_code == 0, result.stderr
+    report = evaluate_source(run_dir, mc_samples=2, batches=1, batch_size=4)
+    text = " ".join(result.stdout.split())  # rich may wrap the note at any width
+    assert f"{report.tokens:,} tokens" in text and f"({report.bytes:,} bytes" in text
+    assert f"{report.bits_per_byte:.4f}" in text

@@ -52,11 +52,9 @@ def render_report(report: EvalReport) -> None:
     mc_note = f"K = {report.mc_samples} antithetic times; Monte Carlo part ± {_figure(report.nll_mc_stderr)}"
     table.add_row("ELBO NLL (nats / token)", _with_error(report.nll, report.nll_stderr), mc_note)
     table.add_row("perplexity bound", _figure(report.perplexity_bound, 2), "exp(NLL)")
-    table.add_row(
-        "bits per byte",
-        _with_error(report.bits_per_byte, report.bits_per_byte_stderr),
-        "" if report.text_bytes is None else f"{report.text_bytes:,.0f} text bytes",
-    )
+    # The counts behind the figure, so that anyone can recompute it from the table alone.
+    bits_note = "" if report.bytes is None else f"NLL x {report.tokens:,} tokens / ({report.bytes:,} bytes x ln 2)"
+    table.add_row("bits per byte", _with_error(report.bits_per_byte, report.bits_per_byte_stderr), bits_note)
     console.print(table)
     buckets = Table(
         "t",
