@@ -91,6 +91,25 @@ class CliResult:
 
 
 @pytest.fixture
+def narrow_console(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The CLI's human output rendered 80 columns wide, whatever terminal runs the tests."""
+
+    from rich.console import Console
+
+    import dlm.cli
+    from dlm.cli import common, data_cmd, eval_cmd, sample_cmd, train_cmd
+
+    width = 80
+    # Each module holds its own reference to the shared consoles (`from common import console`).
+    for module in (dlm.cli, common, data_cmd, eval_cmd, sample_cmd, train_cmd):
+        if hasattr(module, "console"):
+            monkeypatch.setattr(module, "console", Console(width=width))
+        if hasattr(module, "err_console"):
+            monkeypatch.setattr(module, "err_console", Console(width=width, stderr=True))
+    return width
+
+
+@pytest.fixture
 def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     """Run `dlm ARGS...` through `dlm.cli.main`, the console-script entry point, in-process."""
 

@@ -57,3 +57,19 @@ def test_config_show_json_applies_overrides() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["training"]["seed"] == 7 and data["model"]["d_model"] == 64
+
+
+def test_train_human_output_keeps_paths_to_copy_whole(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch,
+                                                      narrow_console: int) -> None:
+    monkeypatch.setattr("dlm.cli.train_cmd.wants_json", lambda flag: False)
+    run_dir = tmp_path / "a-run-directory-whose-name-alone-is-long-enough-to-fill-most-of-a-terminal-line"
+    assert len(str(run_dir)) > narrow_console
+    settings = (f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+                f"training.train_data={tiny_data_dir / 'train.bin'}", "training.val_data=none",
+                f"training.output_dir={run_dir}", "training.max_steps=10")
+    overrides = [part for setting in settings for part in ("--set", setting)]
+    result = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *overrides, "--max-run-steps", "1")
+    assert result.exit_code == 0, result.stderr
+    # Copied into the next command: each must stay on one line at 80 columns.
+    assert f"paused at step 1; checkpoint {run_dir / 'step-00000001.pt'}\n" in result.stdout
+    assert f"continue with: dlm resume {run_dir}\n" in result.stderr

@@ -325,7 +325,7 @@ def test_bad_pack_inputs_exit_2_and_write_nothing(
 
 
 def test_cli_human_output_summarises_each_split(
-    tiny_corpus: dict[str, list[Path]], tmp_path: Path, tiny_tokenizer_path: Path, run_cli, monkeypatch
+    tiny_corpus: dict[str, list[Path]], tmp_path: Path, tiny_tokenizer_path: Path, run_cli, monkeypatch, narrow_console
 ) -> None:
     monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
     args = ("pack", tiny_corpus["train"][0], "-t", tiny_tokenizer_path, "-l", "64", "-o", tmp_path / "data")

@@ -145,9 +145,13 @@ def test_cli_refuses_to_overwrite_without_the_flag(tmp_path: Path, run_cli) -> N
     assert load_tokenizer(output).get_vocab_size(with_added_tokens=True) == 270
 
 
-def test_cli_human_output_shows_the_lines_to_paste(tmp_path: Path, run_cli, monkeypatch) -> None:
+def test_cli_human_output_shows_the_lines_to_paste(tmp_path: Path, run_cli, monkeypatch, narrow_console) -> None:
     monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
-    result = run_cli("tokenizer", "train", write_corpus(tmp_path / "corpus"), "-n", "280", "-o", tmp_path / "t.json")
+    output = tmp_path / "a-directory-name-long-enough-that-the-path-alone-fills-a-terminal-line" / "t.json"
+    output.parent.mkdir()
+    assert len(str(output)) > narrow_console
+    result = run_cli("tokenizer", "train", write_corpus(tmp_path / "corpus"), "-n", "280", "-o", output)
     assert result.exit_code == 0, result.stderr
-    assert "vocab size 280" in result.stdout and "eos 0, mask 1, pad 2" in result.stdout
+    # The path a person copies stays whole on its line, however narrow the terminal.
+    assert f"wrote {output}: vocab size 280, special ids eos 0, mask 1, pad 2\n" in result.stdout
     assert "  vocab_size = 280\n" in result.stdout and "  mask_token_id = 1\n" in result.stdout

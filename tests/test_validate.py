@@ -98,7 +98,9 @@ def test_schema_errors_are_a_failed_check_and_exit_2(tmp_path: Path, run_cli) ->
     assert result.exit_code == 2 and json.loads(result.stdout)["passed"] is False
 
 
-def test_table_rendering_and_exit_code(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch) -> None:
+def test_table_rendering_and_exit_code(
+    tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch, narrow_console
+) -> None:
     monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
     overrides = tiny_overrides(tiny_data_dir, tmp_path / "run", "model.mask_token_id=2")
     result = run_cli("validate", "-c", TINY, *[a for o in overrides for a in ("-s", o)])

@@ -122,9 +122,11 @@ def tokenizer_train(
         print_json({"event": "summary", **vars(summary)})
         return
     ids = ", ".join(f"{name} {index}" for name, index in summary.special_token_ids.items())
+    # soft_wrap: lines a person copies (a path, the config lines) are never broken at the terminal's width.
     console.print(
         f"wrote [bold]{escape(str(summary.path))}[/]: vocab size {summary.vocab_size}, special ids {ids}",
         highlight=False,
+        soft_wrap=True,
     )
     console.print(
         f"read {summary.files} files, {summary.documents} documents, "
@@ -135,7 +137,7 @@ def tokenizer_train(
         console.print(f"[yellow]replaced {summary.replaced_characters} invalid UTF-8 sequences[/]")
     console.print("paste into the \\[model] table of your config:", highlight=False)
     for line in summary.config_lines:
-        console.print(f"  {line}", highlight=False)
+        console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def pack(

@@ -189,6 +189,7 @@ def export_command(
         f"{summary['step']}. Load it with [bold]dlm.load({escape(repr(summary['output']))})[/] or "
         f"[bold]dlm sample {escape(summary['output'])}[/].",
         highlight=False,
+        soft_wrap=True,  # the load call and the command are copied: never broken at the terminal's width
     )
 
 

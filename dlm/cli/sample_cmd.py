@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.common import JsonOption, console, print_json
 
@@ -225,7 +226,6 @@ class DemoView:
         self.progress = self.task = self.dashboard = None
 
     def __call__(self, event: dict[str, Any]) -> None:
-        from rich.markup import escape
         from rich.panel import Panel
         from rich.text import Text
 
@@ -236,7 +236,7 @@ class DemoView:
             self.progress.update(self.task, completed=event["done"], total=event["total"])
         elif kind == "demo_start":
             console.print(f"[bold]dlm demo[/] in {escape(event['output'])} on {event['device']}, "
-                          f"{event['minutes']:g} minutes of training", highlight=False)  # fmt: skip
+                          f"{event['minutes']:g} minutes of training", highlight=False, soft_wrap=True)  # fmt: skip
         elif kind == "demo_note":
             console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
         elif kind == "demo_replan":
@@ -322,10 +322,11 @@ def demo_command(
         raise typer.Exit(result.exit_code or 130)
     if view is not None:
         bpb = f"{result.bits_per_byte:.3f} bits per byte" if result.bits_per_byte is not None else "done"
+        # soft_wrap: the model path and the command are copied, so they never break at the terminal's width.
         console.print(f"[bold]done[/] in {result.seconds / 60:.1f} minutes: {bpb} on the held-out plays; model in "
-                      f"{result.model_dir}", highlight=False)  # fmt: skip
-        console.print(f'try: dlm sample {result.model_dir} --prompt "ROMEO:" --length {result.sample_length}',
-                      highlight=False)  # fmt: skip
+                      f"{escape(str(result.model_dir))}", highlight=False, soft_wrap=True)  # fmt: skip
+        console.print(f'try: dlm sample {escape(str(result.model_dir))} --prompt "ROMEO:" --length '
+                      f"{result.sample_length}", highlight=False, soft_wrap=True)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, err_console, wants_json
 from dlm.config import ExperimentConfig, load_config
@@ -64,9 +65,14 @@ def _run(
             result = train(
                 experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds, sink=dashboard
             )
-        console.print(f"[bold]{result.status}[/] at step {result.step}; checkpoint {result.checkpoint}")
+        # soft_wrap: the checkpoint path and the resume command are copied, so they never break.
+        console.print(
+            f"[bold]{result.status}[/] at step {result.step}; checkpoint {escape(str(result.checkpoint))}",
+            highlight=False,
+            soft_wrap=True,
+        )
     if result.status != "complete":
-        err_console.print(f"continue with: dlm resume {result.run_dir}", highlight=False)
+        err_console.print(f"continue with: dlm resume {escape(str(result.run_dir))}", highlight=False, soft_wrap=True)
     if result.exit_code:
         sys.exit(result.exit_code)
 
