@@ -3,8 +3,11 @@
 A save never exposes a half-written file under a real name: data goes to a unique temporary file
 in the same directory, is fsynced, then `os.replace`d into place (atomic on POSIX). `latest.pt`
 is a hard link to the newest numbered file, itself swapped in atomically, so `kill -9` at any
-moment leaves the previous `latest.pt` intact. Loading always uses `torch.load(weights_only=True)`:
-a file that would need arbitrary pickle code is refused, never loaded unsafely.
+moment leaves the previous `latest.pt` intact; a save that fails (a full disk) removes its
+temporary file and reports a `UserError`. Every payload carries a sha256 of its contents
+(`dlm.checksum`), verified on load: a damaged file is refused, naming the next-older checkpoint.
+Loading always uses `torch.load(weights_only=True)`: a file that would need arbitrary pickle code is
+refused, never loaded unsafely.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 
 import torch
 
-from dlm.errors import UserError
+from dlm.checksum import CHECKSUM_KEY, payload_sha256, with_checksum
+from dlm.errors import UserError, UserNote
 
 try:
     import fcntl
@@ -42,6 +46,10 @@ LOCK_NAME = ".lock"
 TEMP_PREFIX = ".dlm-tmp-"
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
 _GIB = float(1 << 30)
+
+
+class UnverifiedCheckpointWarning(UserNote):
+    """A checkpoint saved before checksums existed: loaded, but its bytes cannot be verified."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +81,28 @@ def _remove_stale_temporaries(directory: Path) -> None:
         leftover.unlink(missing_ok=True)
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch.save reports one as a RuntimeError whose context
+    is the OSError that the file object raised."""
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _write_failed(path: Path, exc: BaseException) -> UserError:
+    error = _os_error(exc)
+    reason = (error.strerror or str(error)) if error is not None else str(exc)
+    return UserError(
+        f"could not write {path.name}: {reason}; it was not saved, and no earlier file was touched",
+        path=path.parent,
+        fix=f"free some disk space (or raise the file size limit), then continue with: dlm resume {path.parent}",
+    )
+
+
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     temporary = _temporary_path(path.parent, path.stem)
     try:
@@ -81,8 +111,10 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         temporary.unlink(missing_ok=True)
+        if isinstance(exc, (OSError, RuntimeError)) and _os_error(exc) is not None:
+            raise _write_failed(path, exc) from None
         raise
     _fsync_directory(path.parent)
 
@@ -99,8 +131,10 @@ def _atomic_link(source: Path, target: Path) -> None:
             with open(temporary, "rb+") as handle:
                 os.fsync(handle.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as exc:
         temporary.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _write_failed(target, exc) from None
         raise
     _fsync_directory(target.parent)
 
@@ -156,7 +190,7 @@ def save_training_checkpoint(output_dir: str | Path, payload: dict[str, Any], st
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     path = directory / step_checkpoint_name(step)
-    _atomic_torch_save({**payload, "format": TRAINING_FORMAT}, path)
+    _atomic_torch_save(with_checksum({**payload, "format": TRAINING_FORMAT}), path)
     _atomic_link(path, directory / LATEST_NAME)
     _apply_retention(directory, keep_last, path)
     return path
@@ -194,14 +228,14 @@ def save_inference_checkpoint(
 ) -> Path:
     """Write the compact bf16 `inference-latest.pt` (weights plus `metadata`) atomically."""
 
-    clashes = {"format", "model"} & metadata.keys()
+    clashes = {"format", "model", CHECKSUM_KEY} & metadata.keys()
     if clashes:
         raise ValueError(f"metadata may not set {sorted(clashes)}: they are written by this function")
     directory = Path(output_dir)
     directory.mkdir(parents=True, exist_ok=True)
     payload = {"format": INFERENCE_FORMAT, **metadata, "model": inference_state_dict(state_dict)}
     path = directory / INFERENCE_NAME
-    _atomic_torch_save(payload, path)
+    _atomic_torch_save(with_checksum(payload), path)
     return path
 
 
@@ -210,18 +244,32 @@ def save_inference_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+# torch's weights-only loader names a refused global in either of two phrasings: "Unsupported
+# global: GLOBAL mod.name was not an allowed global" or "unsupported GLOBAL mod.name whose module
+# mod is blocked".
+_BLOCKED_GLOBAL = re.compile(r"\bGLOBAL\s+([\w.]+?)\.?(?:\s|$)")
+# Lines of torch's advice around the reason, which say nothing about this file.
+_BOILERPLATE = (
+    "Weights only load failed", "(1)", "(2)", "Check the documentation", "Re-running", "In PyTorch", "Please file",
+)
+
+
 def _refusal(exc: Exception) -> str:
     """A one-line reason from torch's (long, multi-paragraph) weights-only error."""
 
     text = str(exc)
-    detail = text.split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0].strip()
-    if "Unsupported global" in text:
-        what = detail.removeprefix("Unsupported global:").split(" was not", 1)[0].strip()
+    blocked = _BLOCKED_GLOBAL.search(text)
+    if blocked:
         return (
-            f"it contains Python objects ({what}) that only unsafe pickle loading could rebuild; "
+            f"it contains Python objects ({blocked.group(1)}) that only unsafe pickle loading could rebuild; "
             "dlm never loads checkpoints that way"
         )
-    reason = detail[:120] if detail and detail != text else type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reasons = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines]
+    reasons = [line for line in reasons if line and not line.startswith(_BOILERPLATE)]
+    reason = reasons[0] if reasons else type(exc).__name__
+    if len(reason) > 160:  # cut at a word, never inside one
+        reason = reason[:160].rsplit(" ", 1)[0] + " ..."
     return f"it is not a torch checkpoint or it is damaged ({reason})"
 
 
@@ -276,7 +324,49 @@ def load_checkpoint(path: str | Path, expected_format: str | None = None) -> dic
             path=path,
             fix="use latest.pt or step-*.pt to resume training, inference-latest.pt or an exported model to sample",
         )
+    _verify_checksum(data, path)
     return data
+
+
+def _verify_checksum(data: dict[str, Any], path: Path) -> None:
+    stored = data.get(CHECKSUM_KEY)
+    if stored is None:
+        warnings.warn(
+            f"{path}: saved without a checksum (by an older dlm), so it is loaded unverified",
+            UnverifiedCheckpointWarning,
+            stacklevel=3,
+        )
+        return
+    if stored == payload_sha256(data):
+        return
+    older = older_checkpoint(path, data.get("step"))
+    if data.get("format") == INFERENCE_FORMAT:
+        fix = f"use the run's training checkpoint {path.parent / LATEST_NAME} instead"
+    elif older is None:
+        fix = f"no older checkpoint is left in {path.parent}; start the run over with: dlm train --overwrite"
+    else:
+        fix = f"use the next-older checkpoint {older}: dlm resume {path.parent} --checkpoint {older.name}"
+    raise UserError("the checkpoint is damaged: its contents do not match the sha256 saved in it", path=path, fix=fix)
+
+
+def older_checkpoint(path: Path, step: object = None) -> Path | None:
+    """The newest numbered checkpoint beside `path` that is older than it (None when there is none).
+
+    The step of `path` comes from its name, from the numbered file it is a hard link of, or else
+    from its (possibly damaged) `step` field.
+    """
+
+    numbered = numbered_checkpoints(path.parent)
+    match = _STEP_FILE.match(path.name)
+    own = int(match.group(1)) if match else None
+    for number, candidate in numbered:
+        if own is None and os.path.samefile(candidate, path):
+            own = number
+    if own is None and isinstance(step, int):
+        own = step
+    older = [candidate for number, candidate in numbered if own is None or number < own]
+    older = [candidate for candidate in older if not os.path.samefile(candidate, path)]
+    return older[-1] if older else None
 
 
 # ---------------------------------------------------------------------------------------------

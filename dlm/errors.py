@@ -7,6 +7,9 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -22,3 +25,40 @@ class UserError(Exception):
         if fix:
             text = f"{text} ({fix})"
         super().__init__(text)
+
+
+class UserNote(UserWarning):
+    """Something the user should know that does not stop the command (the CLI prints `warning: ...`)."""
+
+
+@contextmanager
+def reported_os_errors(what: str, path: str | Path) -> Iterator[None]:
+    """Turn a failed write (full disk, file size limit, permissions) into a `UserError`.
+
+    safetensors reports the same failures as its own error type; it is converted too, recognised
+    by name so that this module (imported by every command) does not import safetensors.
+    """
+
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(f"cannot write {what}: {exc.strerror or exc}", path=path, fix=_WRITE_FIX) from None
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise UserError(f"cannot write {what}: {exc}", path=path, fix=_WRITE_FIX) from None
+
+
+_WRITE_FIX = "free some disk space, or choose a location you can write to"
+
+
+def check_can_create(path: str | Path, option: str) -> None:
+    """Before any slow work: refuse an output whose directory cannot hold it."""
+
+    existing = Path(path).absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option}: {existing} is not a directory", path=path, fix="choose another location")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option}: {existing} is not writable", path=path, fix="choose a directory you can write to")

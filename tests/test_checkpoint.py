@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import pickle
@@ -19,11 +20,13 @@ from dlm.checkpoint import (
     INFERENCE_FORMAT,
     TRAINING_FORMAT,
     RunLock,
+    UnverifiedCheckpointWarning,
     check_output_dir,
     load_checkpoint,
     save_inference_checkpoint,
     save_training_checkpoint,
 )
+from dlm.checksum import CHECKSUM_KEY, payload_sha256
 from dlm.errors import UserError
 
 # fork copies the already-imported torch into the child, so each helper process starts at once.
@@ -96,11 +99,17 @@ def test_failed_save_keeps_previous_latest(tmp_path: Path, monkeypatch: pytest.M
     def crash_midway(obj: object, handle: object) -> None:
         real_save(obj, handle)
         handle.truncate(10)  # type: ignore[attr-defined]  # a torn write ...
-        raise OSError("disk full")  # ... then the failure
+        raise OSError(errno.ENOSPC, "No space left on device")  # ... then the failure
 
     monkeypatch.setattr(ckpt.torch, "save", crash_midway)
-    with pytest.raises(OSError, match="disk full"):
+    # A user error (one `error:` line in the CLI) that says what failed and how to continue.
+    with pytest.raises(UserError) as info:
         save_training_checkpoint(tmp_path, _payload(2), step=2, keep_last=0)
+    assert str(info.value) == (
+        f"{tmp_path}: could not write step-00000002.pt: No space left on device; it was not saved, and no "
+        f"earlier file was touched (free some disk space (or raise the file size limit), then continue with: "
+        f"dlm resume {tmp_path})"
+    )
     assert load_checkpoint(tmp_path)["step"] == 1
     assert not (tmp_path / "step-00000002.pt").exists()
     assert _leftovers(tmp_path) == []
@@ -298,3 +307,89 @@ def test_check_output_dir_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(UserError, match="not writable: Permission denied") as info:
         check_output_dir(tmp_path, bytes_needed=1)
     assert str(tmp_path) in str(info.value)
+
+
+class Blocked:
+    """Unpickling this would call os.system: torch refuses its module as blocked."""
+
+    def __reduce__(self) -> tuple:
+        return (os.system, ("true",))
+
+
+class Opaque:
+    """Any class of the caller's: not on torch's allowlist."""
+
+
+def test_refusal_names_the_blocked_global_in_full(tmp_path: Path) -> None:
+    blocked = f"{os.system.__module__}.system"  # posix.system on Linux and macOS
+    cases = {
+        "blocked.pt": (Blocked(), blocked),  # "unsupported GLOBAL posix.system whose module posix is blocked"
+        "custom.pt": (Opaque(), f"{Opaque.__module__}.Opaque"),  # "GLOBAL ... was not an allowed global"
+    }
+    for name, (payload, named) in cases.items():
+        (tmp_path / name).write_bytes(pickle.dumps({"format": TRAINING_FORMAT, "x": payload}, protocol=2))
+        with pytest.raises(UserError) as info:
+            load_checkpoint(tmp_path / name)
+        assert str(info.value) == (
+            f"{tmp_path / name}: not a dlm checkpoint: it contains Python objects ({named}) that only unsafe "
+            "pickle loading could rebuild; dlm never loads checkpoints that way"
+        )
+
+
+def _zero_bytes_inside_a_tensor(path: Path) -> None:
+    """Zero 4 bytes in the middle of the largest tensor record of a torch zip file."""
+
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        record = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(record.header_offset)
+        name_length, extra_length = struct.unpack("<HH", handle.read(30)[26:30])
+        handle.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        handle.write(bytes(4))
+
+
+def test_checksum_survives_the_round_trip_of_every_payload_type(tmp_path: Path) -> None:
+    payload = {
+        "step": 3, "lr": 0.1 + 0.2, "name": "x", "none": None, "flag": True, "betas": (0.9, 0.95),
+        "groups": [{"params": [0, 1]}], "state": {0: {"exp_avg": torch.randn(5)}},
+        "bf16": torch.randn(3, 4).to(torch.bfloat16), "mask": torch.tensor([True, False]),
+        "view": torch.arange(10.0)[2:8:2], "scalar": torch.tensor(7), "empty": torch.zeros(0),
+    }  # fmt: skip
+    save_training_checkpoint(tmp_path, payload, step=3, keep_last=0)
+    loaded = load_checkpoint(tmp_path / "latest.pt")
+    assert loaded[CHECKSUM_KEY] == payload_sha256(loaded) == payload_sha256({**payload, "format": TRAINING_FORMAT})
+    loaded["lr"] = 0.3  # metadata counts as much as tensors
+    assert payload_sha256(loaded) != loaded[CHECKSUM_KEY]
+
+
+def test_a_damaged_checkpoint_names_the_next_older_one(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        save_training_checkpoint(tmp_path, _payload(step, size=4096), step=step, keep_last=0)
+    _zero_bytes_inside_a_tensor(tmp_path / "latest.pt")  # and so step-00000030.pt, its hard link
+    with pytest.raises(UserError) as info:
+        load_checkpoint(tmp_path)
+    assert str(info.value) == (
+        f"{tmp_path / 'latest.pt'}: the checkpoint is damaged: its contents do not match the sha256 saved in it "
+        f"(use the next-older checkpoint {tmp_path / 'step-00000020.pt'}: dlm resume {tmp_path} --checkpoint "
+        "step-00000020.pt)"
+    )
+    _zero_bytes_inside_a_tensor(tmp_path / "step-00000010.pt")
+    with pytest.raises(UserError, match=r"no older checkpoint is left in .*dlm train --overwrite\)$"):
+        load_checkpoint(tmp_path / "step-00000010.pt")
+    assert load_checkpoint(tmp_path / "step-00000020.pt")["step"] == 20
+
+
+def test_a_damaged_inference_checkpoint_points_to_latest(tmp_path: Path) -> None:
+    save_inference_checkpoint(tmp_path, {"w": torch.randn(4096)}, {"step": 5})
+    _zero_bytes_inside_a_tensor(tmp_path / "inference-latest.pt")
+    with pytest.raises(UserError, match=r"damaged.*\(use the run's training checkpoint .*latest\.pt instead\)$"):
+        load_checkpoint(tmp_path / "inference-latest.pt")
+
+
+def test_a_checkpoint_saved_without_checksum_loads_with_a_warning(tmp_path: Path) -> None:
+    torch.save({"format": TRAINING_FORMAT, "step": 1, "w": torch.ones(2)}, tmp_path / "old.pt")
+    with pytest.warns(UnverifiedCheckpointWarning, match=r"old\.pt: saved without a checksum"):
+        assert load_checkpoint(tmp_path / "old.pt")["step"] == 1

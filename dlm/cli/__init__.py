@@ -1,20 +1,23 @@
 """The `dlm` command-line app: parse arguments, call the library, render the result.
 
 Each workflow lives in its own module with a `register(app)` function. User errors (`UserError`)
-become one red `error: ...` line and exit code 2; `--debug` shows their traceback too.
+become one red `error: ...` line and exit code 2; `--debug` shows their traceback too. Notes for
+the user (`UserNote` warnings) become one yellow `warning: ...` line.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+import warnings
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from dlm import __version__
 from dlm.cli import config_cmd, data_cmd, eval_cmd, sample_cmd, train_cmd
 from dlm.cli.common import err_console
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 
 app = typer.Typer(
     name="dlm",
@@ -48,9 +51,20 @@ for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, sample_cmd):
     _module.register(app)
 
 
+_show_warning = warnings.showwarning
+
+
+def _show_note(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    if issubclass(category, UserNote):
+        err_console.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    else:
+        _show_warning(message, category, *args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
 
+    warnings.showwarning = _show_note
     try:
         app(args=argv, prog_name="dlm", standalone_mode=True)
     except UserError as exc:
