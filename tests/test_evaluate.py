@@ -224,6 +224,6 @@ def test_cli_eval_human_output_shows_the_counts_behind_bits_per_byte(
     result = run_cli("eval", run_dir, "--mc-samples", "2", "--batches", "1", "--batch-size", "4")
     assert result.exit_code == 0, result.stderr
     report = evaluate_source(run_dir, mc_samples=2, batches=1, batch_size=4)
-    text = " ".join(result.stdout.split())  # rich may wrap the note at any width
-    assert f"{report.tokens:,} tokens" in text and f"({report.bytes:,} bytes" in text
-    assert f"{report.bits_per_byte:.4f}" in text
+    counts = f"NLL {report.nll:.6f} x {report.tokens:,} tokens / ({report.bytes:,} bytes x ln 2)"
+    line = f"bits per byte = {counts} = {report.bits_per_byte:.4f}"
+    assert line in result.stdout.splitlines()  # one line, never wrapped: it is copied

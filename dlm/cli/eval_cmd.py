@@ -52,10 +52,16 @@ def render_report(report: EvalReport) -> None:
     mc_note = f"K = {report.mc_samples} antithetic times; Monte Carlo part ± {_figure(report.nll_mc_stderr)}"
     table.add_row("ELBO NLL (nats / token)", _with_error(report.nll, report.nll_stderr), mc_note)
     table.add_row("perplexity bound", _figure(report.perplexity_bound, 2), "exp(NLL)")
-    # The counts behind the figure, so that anyone can recompute it from the table alone.
-    bits_note = "" if report.bytes is None else f"NLL x {report.tokens:,} tokens / ({report.bytes:,} bytes x ln 2)"
+    bits_note = "" if report.bytes is None else "exact UTF-8 bytes of the scored tokens"
     table.add_row("bits per byte", _with_error(report.bits_per_byte, report.bits_per_byte_stderr), bits_note)
     console.print(table)
+    if report.bits_per_byte is not None:  # the counts behind the figure, so that anyone can recompute it
+        console.print(
+            f"bits per byte = NLL {report.nll:.6f} x {report.tokens:,} tokens / ({report.bytes:,} bytes x ln 2)"
+            f" = {report.bits_per_byte:.4f}",
+            highlight=False,
+            soft_wrap=True,
+        )
     buckets = Table(
         "t",
         Column("sequences", justify="right"),
