@@ -9,8 +9,13 @@ Pieces end at a newline (or the end of the document). The tokenizer splits its i
 newline before anything else, so encoding the pieces one by one gives exactly the tokens of encoding
 the whole document at once, and the pieces can be encoded in parallel.
 
+Files that a directory or glob holds but dlm cannot read (a README, `.csv`, `.html`) are skipped and
+listed (`discover_corpus`), so that a user sees what was left out; hidden files are never corpus text.
+
 Outputs are checked before any work starts (`check_output_file`, `check_writable_directory`) and
-written under a temporary name (`temporary_path`) that is renamed into place at the very end.
+written under a temporary name (`temporary_path`) that is renamed into place at the very end. The
+temporaries of a killed process are removed by the next run (`remove_stale_temporaries`), and a
+write that fails (a full disk, a file size limit) becomes one `UserError` (`write_errors`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import hashlib
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -50,43 +57,62 @@ def _kind(path: Path) -> str | None:
     return None
 
 
-def _expand(item: str | Path) -> list[Path]:
+@dataclass
+class Discovered:
+    """The corpus files that inputs name, and the files they hold that dlm cannot read."""
+
+    paths: list[Path] = field(default_factory=list)
+    skipped: list[Path] = field(default_factory=list)  # found in a directory or glob, not readable
+
+
+def _partition(files: Iterable[Path], what: str, where: str | Path) -> Discovered:
+    """Readable and unreadable files; refuse when none is readable."""
+
+    found = Discovered()
+    for path in files:
+        (found.paths if _kind(path) is not None else found.skipped).append(path)
+    if not found.paths:
+        others = f" (only {len(found.skipped)} other files, e.g. {found.skipped[0].name})" if found.skipped else ""
+        raise UserError(f"{what} no {SUPPORTED} files{others}", path=where)
+    return found
+
+
+def _expand(item: str | Path) -> Discovered:
     path = Path(item).expanduser()
     if path.is_file():
         if _kind(path) is None:
             raise UserError(f"unsupported file type; dlm reads {SUPPORTED}", path=path)
-        return [path]
+        return Discovered([path])
     if path.is_dir():
         # Hidden entries (.git, editor swap files, dlm's own temporaries) are never corpus text.
-        found = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and _kind(p) is not None
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        if not found:
-            raise UserError(f"directory holds no {SUPPORTED} files", path=path)
-        return found
+        visible = (p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in visible if p.is_file())
+        return _partition(files, "directory holds", path)
     if any(char in str(item) for char in "*?["):
         matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
-        found = [p for p in matches if p.is_file() and _kind(p) is not None]
-        if not found:
-            raise UserError(f"glob matches no {SUPPORTED} files", path=item)
-        return found
+        return _partition([p for p in matches if p.is_file()], "glob matches", item)
     raise UserError("input not found", path=path, fix="check the path")
+
+
+def discover_corpus(inputs: Sequence[str | Path]) -> Discovered:
+    """The text files named by `inputs`, in the order given (directories and globs sorted), and the
+    files that directories and globs hold but dlm cannot read."""
+
+    if not inputs:
+        raise UserError("no inputs given", fix="pass text files, directories or globs")
+    paths: dict[Path, None] = {}
+    skipped: dict[Path, None] = {}
+    for item in inputs:
+        found = _expand(item)
+        paths.update(dict.fromkeys(path.resolve() for path in found.paths))
+        skipped.update(dict.fromkeys(path.resolve() for path in found.skipped))
+    return Discovered(list(paths), list(skipped))
 
 
 def discover_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     """The text files named by `inputs`, in the order given (directories and globs sorted)."""
 
-    if not inputs:
-        raise UserError("no inputs given", fix="pass text files, directories or globs")
-    seen: dict[Path, None] = {}
-    for item in inputs:
-        for path in _expand(item):
-            seen.setdefault(path.resolve(), None)
-    return list(seen)
+    return discover_corpus(inputs).paths
 
 
 @dataclass(frozen=True)
@@ -285,3 +311,50 @@ def temporary_path(final: Path) -> Path:
     """A hidden sibling of `final` that no loader mistakes for the real file."""
 
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+_TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # no such process; a number beyond any pid
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path, names: Iterable[str]) -> list[Path]:
+    """Remove the `temporary_path`s of `names` in `directory` whose process is gone: a killed run
+    never renamed or removed them. Those of a live process (a concurrent run) are kept."""
+
+    wanted = set(names)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for entry in sorted(directory.iterdir()):
+        match = _TEMPORARY_NAME.fullmatch(entry.name)
+        if match and match["name"] in wanted and entry.is_file() and not process_alive(int(match["pid"])):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+@contextmanager
+def write_errors(output: Path, what: str) -> Iterator[None]:
+    """Turn an OSError while writing `what` under `output` (a full disk, a file size limit, a quota)
+    into one `UserError`; callers remove their temporaries, so nothing partial is left behind."""
+
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise UserError(
+            f"cannot write {what}: {reason}; nothing was written",
+            path=output,
+            fix="free disk space (or raise the file size limit) and run it again",
+        ) from None

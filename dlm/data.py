@@ -1,10 +1,8 @@
-"""Packed token data: the streaming packer, the memory-mapped dataset and the batch sampler.
+"""Packed token data: the memory-mapped dataset and the deterministic batch sampler.
 
-`pack_corpus` tokenizes documents, ends each with the end-of-document token, concatenates them and
-cuts the stream into blocks of exactly `seq_len` tokens, streaming straight to disk (memory stays
-flat whatever the corpus size). A split is `NAME.bin` (raw little-endian uint16, or uint32 when the
-vocabulary does not fit) plus `NAME.json` (metadata). Everything is written under temporary names and
-renamed at the end, metadata last, so an interrupted pack leaves nothing that loads.
+`dlm pack` (`dlm.pack.pack_corpus`, re-exported here) writes a split as `NAME.bin` (raw little-endian
+uint16, or uint32 when the vocabulary does not fit) plus `NAME.json` (metadata); `load_packed_dataset`
+opens one, checking the file against its metadata.
 
 torch is imported only where a tensor is made: `dlm pack` never touches it and starts in a fraction
 of the seconds a torch import costs.
@@ -14,326 +12,29 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dlm import __version__
-from dlm.corpus import (
-    CorpusReader,
-    Piece,
-    check_writable_directory,
-    discover_inputs,
-    temporary_path,
-)
 from dlm.errors import UserError
-from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
+from dlm.pack import PACKED_FORMAT, PackSummary, SplitSummary, pack_corpus, token_dtype
 
 if TYPE_CHECKING:
     import torch
 
-PACKED_FORMAT = "dlm-packed-v1"
-SPLITS = ("train", "val")
-OUTPUT_FILES = ("tokenizer.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
-# Encode about this much text per `encode_batch_fast` call: enough pieces for every core, little RAM.
-BATCH_TEXT_BYTES = 1 << 20
-PackProgress = Callable[[int, int, int], None]  # (bytes read, total bytes, tokens written)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits in it, else uint32; always little-endian on disk."""
-
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-@dataclass
-class SplitSummary:
-    """One packed split as written."""
-
-    path: Path
-    num_blocks: int
-    num_tokens: int
-    dropped_tokens: int
-    documents: int
-    text_bytes: int
-
-
-@dataclass
-class PackSummary:
-    """What `pack_corpus` wrote."""
-
-    output: Path
-    vocab_size: int
-    dtype: str
-    seq_len: int
-    input_bytes: int
-    replaced_characters: int
-    seconds: float
-    splits: dict[str, SplitSummary] = field(default_factory=dict)
-
-
-class _SplitWriter:
-    """Streams one split's tokens to a temporary file and counts what went in."""
-
-    def __init__(self, name: str, final: Path, dtype: np.dtype, eos: int):
-        self.name, self.final = name, final
-        self.temporary = temporary_path(final)
-        self.handle = open(self.temporary, "wb")  # noqa: SIM115 - closed by close()
-        self.eos = np.array([eos], dtype=dtype)
-        self.pending: list[np.ndarray] = []
-        self.tokens = self.documents = self.text_bytes = 0
-        self.sources: set[int] = set()
-
-    def add(self, ids: np.ndarray, piece: Piece) -> None:
-        self.pending.append(ids)
-        self.text_bytes += piece.text_bytes
-        self.sources.add(piece.source)
-        if piece.last:
-            self.pending.append(self.eos)
-            self.documents += 1
-
-    def flush(self) -> None:
-        if self.pending:
-            tokens = np.concatenate(self.pending)
-            tokens.tofile(self.handle)
-            self.tokens += tokens.size
-            self.pending.clear()
-
-    def close(self) -> None:
-        self.handle.close()
-
-
-def _check_pack_arguments(seq_len: int, val_fraction: float, val_inputs: Sequence[Any]) -> None:
-    if seq_len < 2:
-        raise UserError(f"seq_len must be at least 2, got {seq_len}", fix="pass --seq-len 2 or more")
-    if not 0.0 <= val_fraction < 1.0:
-        raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}", fix="for example --val-fraction 0.05")
-    if val_fraction > 0 and val_inputs:
-        raise UserError(
-            "give either a validation fraction or validation inputs, not both",
-            fix="drop --val-fraction or --val-input",
-        )
-
-
-def _check_output_dir(output: Path, tokenizer: Path, overwrite: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise UserError("output exists and is not a directory", path=output, fix="name a directory")
-    existing = [name for name in OUTPUT_FILES if (output / name).exists()]
-    if "tokenizer.json" in existing and (output / "tokenizer.json").samefile(tokenizer):
-        existing.remove("tokenizer.json")  # packing beside the tokenizer it was given is fine
-    if existing and not overwrite:
-        raise UserError(
-            f"output already holds {', '.join(existing)}",
-            path=output,
-            fix="pass --overwrite to replace them, or choose another --output",
-        )
-    check_writable_directory(output)
-
-
-def _encode_stream(reader: CorpusReader, tokenizer: Any, dtype: np.dtype) -> Iterator[list[tuple[Piece, np.ndarray]]]:
-    """Batches of (piece, token ids), each batch encoded in parallel by `encode_batch_fast`."""
-
-    batch: list[Piece] = []
-    size = 0
-    for piece in reader.pieces():
-        batch.append(piece)
-        size += piece.text_bytes
-        if size >= BATCH_TEXT_BYTES:
-            yield _encode(batch, tokenizer, dtype)
-            batch, size = [], 0
-    if batch:
-        yield _encode(batch, tokenizer, dtype)
-
-
-def _encode(batch: list[Piece], tokenizer: Any, dtype: np.dtype) -> list[tuple[Piece, np.ndarray]]:
-    encodings = tokenizer.encode_batch_fast([p.text for p in batch], add_special_tokens=False)
-    return [(p, np.array(e.ids, dtype=dtype)) for p, e in zip(batch, encodings, strict=True)]
-
-
-class _SplitChooser:
-    """Which split a piece belongs to: by input list, or a seeded draw per whole document."""
-
-    def __init__(self, train_files: int, val_fraction: float, seed: int):
-        self.train_files, self.val_fraction = train_files, val_fraction
-        self.rng = np.random.default_rng(seed)
-        self.document, self.split = -1, "train"
-
-    def __call__(self, piece: Piece) -> str:
-        if piece.source >= self.train_files:
-            return "val"
-        if self.val_fraction == 0:
-            return "train"
-        if piece.document != self.document:
-            # Documents arrive in order, so one draw per new document is deterministic in the seed.
-            self.document = piece.document
-            self.split = "val" if self.rng.random() < self.val_fraction else "train"
-        return self.split
-
-
-def pack_corpus(
-    inputs: Sequence[str | Path],
-    tokenizer: str | Path,
-    seq_len: int,
-    output: str | Path,
-    val_fraction: float = 0.0,
-    val_inputs: Sequence[str | Path] = (),
-    seed: int = 0,
-    text_field: str = "text",
-    errors: str = "strict",
-    overwrite: bool = False,
-    progress: PackProgress | None = None,
-) -> PackSummary:
-    """Tokenize `inputs` into `output/{train,val}.{bin,json}` plus a copy of the tokenizer."""
-
-    started = time.perf_counter()
-    output, tokenizer_path = Path(output), Path(tokenizer)
-    _check_pack_arguments(seq_len, val_fraction, val_inputs)
-    loaded = load_tokenizer(tokenizer_path)
-    # Text that spells a special token ("<|mask|>") is data: it must not become the real token.
-    loaded.encode_special_tokens = True
-    vocab_size = loaded.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab_size)
-    train_paths = discover_inputs(inputs)
-    val_paths = discover_inputs(val_inputs) if val_inputs else []
-    if shared := set(train_paths) & set(val_paths):
-        raise UserError("file is both a training and a validation input", path=sorted(shared)[0])
-    _check_output_dir(output, tokenizer_path, overwrite)
-    reader = CorpusReader(train_paths + val_paths, text_field=text_field, errors=errors)
-    wanted = ("train", "val") if val_fraction > 0 or val_paths else ("train",)
-
-    created = [d for d in (output, *output.absolute().parents) if not d.exists()]
-    output.mkdir(parents=True, exist_ok=True)
-    eos = special_token_id(loaded, "eos")
-    writers = {name: _SplitWriter(name, output / f"{name}.bin", dtype, eos) for name in wanted}
-    committed = False
-    try:
-        choose = _SplitChooser(len(train_paths), val_fraction, seed)
-        _stream(reader, loaded, dtype, writers, choose, progress)
-        if reader.documents == 0:
-            raise UserError("the corpus is empty: no text in any input file", path=train_paths[0])
-        metadata = _finish_splits(writers, reader, tokenizer_path, vocab_size, seq_len, seed, val_fraction)
-        _commit(output, writers, metadata, tokenizer_path)
-        committed = True
-    finally:
-        for writer in writers.values():
-            writer.close()
-            writer.temporary.unlink(missing_ok=True)
-            temporary_path(output / f"{writer.name}.json").unlink(missing_ok=True)
-        temporary_path(output / "tokenizer.json").unlink(missing_ok=True)
-        if not committed:
-            _remove_empty(created)
-    splits = {name: SplitSummary(output / f"{name}.bin", **_split_counts(meta)) for name, meta in metadata.items()}
-    seconds = time.perf_counter() - started
-    return PackSummary(
-        output, vocab_size, dtype.name, seq_len, reader.total_bytes, reader.replaced_characters, seconds, splits
-    )
-
-
-def _stream(
-    reader: CorpusReader,
-    tokenizer: Any,
-    dtype: np.dtype,
-    writers: dict[str, _SplitWriter],
-    choose: _SplitChooser,
-    progress: PackProgress | None,
-) -> None:
-    for batch in _encode_stream(reader, tokenizer, dtype):
-        for piece, ids in batch:
-            writers[choose(piece)].add(ids, piece)
-        for writer in writers.values():
-            writer.flush()
-        if progress is not None:
-            tokens = sum(writer.tokens for writer in writers.values())
-            progress(reader.bytes_read, reader.total_bytes, tokens)
-
-
-def _split_counts(meta: dict[str, Any]) -> dict[str, int]:
-    fields = ("num_blocks", "num_tokens", "dropped_tokens", "documents", "text_bytes")
-    return {key: meta[key] for key in fields}
-
-
-def _finish_splits(
-    writers: dict[str, _SplitWriter],
-    reader: CorpusReader,
-    tokenizer: Path,
-    vocab_size: int,
-    seq_len: int,
-    seed: int,
-    val_fraction: float,
-) -> dict[str, dict[str, Any]]:
-    """Cut each split to whole blocks and build its metadata; refuse a split under one block."""
-
-    metadata = {}
-    sha256 = tokenizer_sha256(tokenizer)
-    for name, writer in writers.items():
-        writer.flush()
-        writer.close()
-        blocks = writer.tokens // seq_len
-        if blocks == 0:
-            raise UserError(
-                f"the {name} split has {writer.tokens} tokens, fewer than one block of {seq_len}",
-                fix="use a smaller --seq-len or more text"
-                + (" (a larger --val-fraction or more --val-input files)" if name == "val" else ""),
-            )
-        itemsize = token_dtype(vocab_size).itemsize
-        with open(writer.temporary, "r+b") as handle:
-            handle.truncate(blocks * seq_len * itemsize)  # drop the final partial block
-        metadata[name] = {
-            "format": PACKED_FORMAT,
-            "split": name,
-            "vocab_size": vocab_size,
-            "tokenizer_sha256": sha256,
-            "seq_len": seq_len,
-            "dtype": token_dtype(vocab_size).name,
-            "num_blocks": blocks,
-            "num_tokens": blocks * seq_len,
-            "dropped_tokens": writer.tokens - blocks * seq_len,
-            "documents": writer.documents,
-            "text_bytes": writer.text_bytes,  # every document of the split, dropped tail included
-            "eos_token_id": int(writer.eos[0]),
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "sources": [vars(reader.sources[i]) for i in sorted(writer.sources)],
-            "dlm_version": __version__,
-        }
-    return metadata
-
-
-def _commit(
-    output: Path, writers: dict[str, _SplitWriter], metadata: dict[str, dict[str, Any]], tokenizer: Path
-) -> None:
-    """Rename everything into place; the metadata files, which make a split loadable, come last."""
-
-    staged = {output / f"{name}.json": json.dumps(meta, indent=2) + "\n" for name, meta in metadata.items()}
-    for final, text in staged.items():
-        temporary_path(final).write_text(text, encoding="utf-8")
-    target_tokenizer = output / "tokenizer.json"
-    if not (target_tokenizer.exists() and target_tokenizer.samefile(tokenizer)):
-        shutil.copyfile(tokenizer, temporary_path(target_tokenizer))
-        temporary_path(target_tokenizer).replace(target_tokenizer)
-    for name in SPLITS:  # stale metadata goes first: a half-replaced split must never load
-        (output / f"{name}.json").unlink(missing_ok=True)
-        if name not in writers:
-            (output / f"{name}.bin").unlink(missing_ok=True)
-    for writer in writers.values():
-        writer.temporary.replace(writer.final)
-    for final in staged:
-        temporary_path(final).replace(final)
-
-
-def _remove_empty(directories: list[Path]) -> None:
-    """Remove the directories a failed pack created (deepest first), leaving any that hold files."""
-
-    for directory in directories:
-        try:
-            directory.rmdir()
-        except OSError:
-            return
+# The packer's names stay importable from here, where they were first defined.
+__all__ = [
+    "PACKED_FORMAT",
+    "DeterministicBatchSampler",
+    "PackSummary",
+    "PackedDataset",
+    "SplitSummary",
+    "load_packed_dataset",
+    "pack_corpus",
+    "token_dtype",
+]
 
 
 class PackedDataset:

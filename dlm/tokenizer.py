@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path
+from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path, write_errors
 from dlm.errors import UserError
 
 # The one source of truth for the special tokens; their order fixes their ids (0, 1, 2).
@@ -127,15 +127,20 @@ def train_tokenizer(
 
 
 def _save(tokenizer: Tokenizer, output: Path) -> None:
-    """Write under a temporary name, then rename: a reader never sees a half-written file."""
+    """Write under a temporary name, then rename: a reader never sees a half-written file.
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_path(output)
-    try:
-        tokenizer.save(str(temporary))
-        temporary.replace(output)
-    finally:
-        temporary.unlink(missing_ok=True)
+    Python writes the bytes (exactly those of `Tokenizer.save`), so a full disk is an OSError with
+    its errno, which `write_errors` turns into one `error:` line; the Rust writer raises a bare
+    Exception instead."""
+
+    with write_errors(output, "the tokenizer"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        temporary = temporary_path(output)
+        try:
+            temporary.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+            temporary.replace(output)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 def _check_special_tokens(tokenizer: Tokenizer, path: str | Path) -> None:

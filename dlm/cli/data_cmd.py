@@ -17,9 +17,10 @@ import typer
 from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.corpus import SUPPORTED
 
 if TYPE_CHECKING:
-    from dlm.data import PackSummary
+    from dlm.pack import PackSummary
 
 tokenizer_app = typer.Typer(help="Train byte-level BPE tokenizers.", no_args_is_help=True)
 
@@ -146,7 +147,11 @@ def pack(
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per block (model.max_seq_len).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train/val .bin/.json.")],
     val_fraction: Annotated[
-        float, typer.Option("--val-fraction", help="Share of whole documents held out for validation.")
+        float,
+        typer.Option(
+            "--val-fraction",
+            help="Share of the text (UTF-8 bytes) held out for validation, in whole documents drawn with --seed.",
+        ),
     ] = 0.0,
     val_input: Annotated[
         list[str] | None,
@@ -158,9 +163,13 @@ def pack(
     overwrite: OverwriteOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks."""
+    """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks.
 
-    from dlm.data import pack_corpus
+    Byte-identical documents are packed once (a validation input's copy first); files that dlm
+    cannot read are skipped and listed.
+    """
+
+    from dlm.pack import pack_corpus
 
     json_mode = wants_json(as_json)
     with _ProgressView("packing", json_mode) as view:
@@ -208,8 +217,41 @@ def _render_pack(summary: PackSummary) -> None:
     )
     if summary.replaced_characters:
         console.print(f"[yellow]replaced {summary.replaced_characters} invalid UTF-8 sequences[/]")
+    for line in _pack_notes(summary):
+        console.print(line, highlight=False, soft_wrap=True)  # file names are never broken mid-name
     if "val" not in summary.splits:
         console.print("no validation split: pass --val-fraction or --val-input to make one")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
+def _pack_notes(summary: PackSummary) -> list[str]:
+    """What the pack left out or chose, in words: the split realised, duplicates, skipped files."""
+
+    notes = []
+    if summary.val_share is not None:
+        share = summary.val_share
+        notes.append(f"validation: {share['text_bytes']:.1%} of the text bytes, {share['tokens']:.1%} of the tokens")
+    dropped = summary.duplicates_dropped
+    if dropped.get("documents"):
+        notes.append(
+            f"[yellow]dropped {_count(dropped['documents'], 'duplicate document')}[/] "
+            f"({dropped['text_bytes']:,} bytes): the same text as a document kept"
+        )
+    skipped = summary.skipped_files
+    if skipped.get("count"):
+        names = ", ".join(escape(Path(path).name) for path in skipped["examples"])
+        more = skipped["count"] - len(skipped["examples"])
+        notes.append(
+            f"[yellow]skipped {_count(skipped['count'], 'file')} dlm cannot read[/]: {names}"
+            + (f" and {more:,} more" if more else "")
+            + f"; it reads {escape(SUPPORTED)}"
+        )
+    if summary.removed_temporaries:
+        notes.append(f"removed {_count(len(summary.removed_temporaries), 'temporary file')} left by a killed pack")
+    return notes
 
 
 def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
