@@ -300,6 +300,8 @@ class TrainingStage:
         result = train(
             experiment,
             resume=None if step is None else self.run_dir / LATEST_NAME,
+            # No checkpoint yet: whatever a killed first segment left in the demo's run dir goes.
+            overwrite=step is None,
             max_run_steps=steps,
             max_run_seconds=max(self.budget - before, 1.0),
             sink=sink,

@@ -10,18 +10,15 @@ Beyond it: every micro-batch's noise comes from a generator seeded by (seed, glo
 index) and the data order is a pure function of (seed, batch index), so a resumed run is
 bit-identical to an uninterrupted one and independent of world size; metrics stay on the device
 between log steps (no host sync per step); Ctrl-C / SIGTERM finish the step and save; a non-finite
-loss stops the run before a bad model can become `latest.pt`; one run per directory (lock file).
+loss stops the run before a bad model can become `latest.pt`; one run per directory (lock file), never
+started on top of another run, and every check of a resume (`dlm.run_dir`) done before any write.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,7 @@ from dlm.checkpoint import (
     step_checkpoint_name,
 )
 from dlm.config import ExperimentConfig
-from dlm.dashboard import Event, JsonLinesFileSink, Sink, fan_out
+from dlm.dashboard import Event, Sink, fan_out
 from dlm.data import DeterministicBatchSampler, load_packed_dataset
 from dlm.distributed import (
     DistributedContext,
@@ -58,6 +55,16 @@ from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
 from dlm.model import format_parameter_count
 from dlm.optim import learning_rate
+from dlm.run_dir import (
+    MetricsFile,
+    check_resumable,
+    check_run_file_kinds,
+    check_run_target,
+    check_same_data,
+    metadata_sha256,
+    remove_run_files,
+    write_config,
+)
 from dlm.runtime import (
     capture_rng_state,
     configure_cuda_backends,
@@ -68,6 +75,7 @@ from dlm.runtime import (
     resolve_precision,
     restore_rng_state,
 )
+from dlm.stop import StopSignals
 from dlm.tokenizer import tokenizer_sha256
 from dlm.train_step import LogWindow, RunCounters, TrainingStep
 from dlm.validate import ensure_valid
@@ -88,33 +96,6 @@ class NonFiniteLossError(UserError):
     """The loss or gradient norm became NaN / inf; the last good checkpoint is kept."""
 
 
-class StopSignals:
-    """Turns SIGINT / SIGTERM into a flag checked after each optimizer step."""
-
-    def __init__(self) -> None:
-        self.signal_number: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for number in (signal.SIGINT, signal.SIGTERM):
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def _handle(self, number: int, frame: object) -> None:
-        if self.signal_number is not None:  # a second Ctrl-C: the user means it
-            signal.default_int_handler(number, frame)
-        self.signal_number = number
-
-    def __exit__(self, *exc_info: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signal_number or 0)
-
-
 class Trainer:
     """Owns the model, optimizer, data and counters of one run on one process."""
 
@@ -123,6 +104,7 @@ class Trainer:
     ):
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world, self.sink = device, precision, world, sink
+        self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
         self.step = TrainingStep(experiment, device, precision, world)
         self.model, self.optimizer = self.step.model, self.step.optimizer
         self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
@@ -133,6 +115,12 @@ class Trainer:
         )
         self.data_generator = torch.Generator().manual_seed(self.config.seed)
         self.tokenizer_sha256 = tokenizer_sha256(self.config.tokenizer)
+        # What identifies the data; a resume onto other data is refused unless asked for.
+        self.data_sha256 = {
+            "train": metadata_sha256(self.train_dataset.metadata),
+            "val": None if self.val_dataset is None else metadata_sha256(self.val_dataset.metadata),
+        }
+        self.data_changed = False
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
         self.checkpoint_path: Path | None = None
@@ -142,11 +130,12 @@ class Trainer:
         return self.step.counters
 
     # ----------------------------------------------------------------------------- state
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, allow_data_change: bool = False) -> None:
         """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
 
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
         check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
+        self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
         check_world_size(checkpoint, self.world.world_size, path)
         # Every rank reads the file; under FSDP each keeps only its shard of the full state.
         load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
@@ -191,6 +180,7 @@ class Trainer:
             "world_size": self.world.world_size,
             "config": self.experiment.to_dict(),
             "tokenizer_sha256": self.tokenizer_sha256,
+            "data_sha256": self.data_sha256,
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
             "model": full_model_state(self.model),
@@ -202,6 +192,10 @@ class Trainer:
     def save(self) -> Path:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
+        with self.stop.writing():  # a second Ctrl-C waits until the files are complete
+            return self._save()
+
+    def _save(self) -> Path:
         config, step = self.config, self.counters.step
         state = self.state()
         path = config.output_dir / step_checkpoint_name(step)
@@ -301,13 +295,17 @@ class Trainer:
         window.reset()
 
     # ----------------------------------------------------------------------------- run
-    def run(self, end_step: int, deadline: float | None, stop: StopSignals) -> TrainResult:
-        config = self.config
+    def check_can_continue(self, end_step: int) -> None:
         if self.counters.step >= end_step:
             raise UserError(
-                f"the checkpoint is already at step {self.counters.step} of max_steps {config.max_steps}",
+                f"the checkpoint is already at step {self.counters.step} of max_steps {self.config.max_steps}",
                 fix="raise training.max_steps to continue training",
             )
+
+    def run(self, end_step: int, deadline: float | None, stop: StopSignals) -> TrainResult:
+        config = self.config
+        self.check_can_continue(end_step)
+        self.stop = stop
         self.step.prepare()
         batches = self.train_batches()
         window = LogWindow(self.device)
@@ -371,42 +369,9 @@ class Trainer:
             "start_step": self.counters.step,
             "max_steps": config.max_steps,
             "resumed_from": None if resumed_from is None else str(resumed_from),
+            "data_changed": self.data_changed,
             "dlm_version": __version__,
         }
-
-
-def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, tokenizer_hash: str, path: Path) -> None:
-    """Refuse to continue a run with a different model, optimizer or tokenizer (reference rules)."""
-
-    saved = ExperimentConfig.from_dict(checkpoint["config"], source=path)
-    if saved.model != experiment.model:
-        changed = sorted(
-            name
-            for name in type(saved.model).model_fields
-            if getattr(saved.model, name) != getattr(experiment.model, name)
-        )
-        raise UserError(
-            f"the model config differs from the checkpoint's in {', '.join(changed)}",
-            path=path,
-            fix="resume with the run's own config.json, or start a new run in another output_dir",
-        )
-    now, then = experiment.training, saved.training
-    names = ["optimizer"]
-    if now.optimizer == "adamw8bit":
-        names += ["optimizer_min_8bit_size", "optimizer_embedding_32bit"]
-    for name in names:
-        if getattr(now, name) != getattr(then, name):
-            raise UserError(
-                f"training.{name} is {getattr(now, name)!r} but the checkpoint used {getattr(then, name)!r}",
-                path=path,
-                fix="keep the optimizer settings of the run you resume",
-            )
-    if checkpoint.get("tokenizer_sha256") != tokenizer_hash:
-        raise UserError(
-            "the checkpoint was trained with a different tokenizer file",
-            path=path,
-            fix=f"use the tokenizer the run was trained with ({then.tokenizer})",
-        )
 
 
 def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
@@ -435,8 +400,17 @@ def train(
     max_run_steps: int | None = None,
     max_run_seconds: float | None = None,
     sink: Sink | None = None,
+    overwrite: bool = False,
+    allow_data_change: bool = False,
+    stop: StopSignals | None = None,
 ) -> TrainResult:
-    """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl."""
+    """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl.
+
+    A directory that already holds a run is refused unless `resume` is one of its checkpoints or
+    `overwrite` asks to delete it; `allow_data_change` accepts a resume onto other packed data.
+    Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
+    handlers the caller installed for longer than the run (else the run installs its own).
+    """
 
     if max_run_steps is not None and max_run_steps <= 0:
         raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
@@ -449,29 +423,37 @@ def train(
     ensure_valid(experiment)
     check_parallelism(config)
     run_dir = config.output_dir
+    resume = None if resume is None else Path(resume)
     if world.is_main:
         check_output_dir(run_dir, 0)  # writable at all; the free space is checked once the model exists
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
-    with lock, StopSignals() as stop, contextlib.ExitStack() as cleanup:
-        sinks: list[Callable[[Event], None]] = []
-        if world.is_main:
-            metrics = JsonLinesFileSink(run_dir / "metrics.jsonl")
-            cleanup.callback(metrics.close)
-            sinks = [metrics] + ([sink] if sink is not None else [])
-        trainer = Trainer(experiment, device, precision, world, fan_out(sinks))
+    signals = StopSignals() if stop is None else contextlib.nullcontext(stop)
+    with lock, signals as stop, contextlib.ExitStack() as cleanup:
+        if world.is_main:  # under the lock: no other run can start or finish in between
+            check_run_file_kinds(run_dir)
+            check_run_target(run_dir, resume, overwrite)
+        trainer = Trainer(experiment, device, precision, world, fan_out([]))
         if world.is_main:
             check_output_dir(run_dir, _checkpoint_bytes(trainer.model))
         if resume is not None:
-            trainer.load(Path(resume))
-        if world.is_main:
-            _write_config(run_dir, experiment)
-        trainer.sink(trainer.start_event(None if resume is None else Path(resume)))
+            trainer.load(resume, allow_data_change)
         end_step = config.max_steps
         if max_run_steps is not None:
             end_step = min(end_step, trainer.counters.step + max_run_steps)
+        trainer.check_can_continue(end_step)
+        # Every check passed: from here on the run writes.
+        if world.is_main:
+            if overwrite:
+                remove_run_files(run_dir)
+            metrics = MetricsFile(run_dir)
+            cleanup.callback(metrics.close)
+            trainer.sink = fan_out([metrics] + ([sink] if sink is not None else []))
+            write_config(run_dir, experiment)
+        trainer.sink(trainer.start_event(resume))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
         result = trainer.run(end_step, deadline, stop)
+        stop.settle()  # the files are complete: a late signal must not cut the report short
         trainer.sink(
             {
                 "event": result.status,
@@ -481,9 +463,3 @@ def train(
             }
         )
         return result
-
-
-def _write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
-    temporary = run_dir / f".config.json.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps(experiment.to_dict(), indent=2) + "\n", encoding="utf-8")
-    temporary.replace(run_dir / "config.json")

@@ -17,6 +17,7 @@ import torch
 from helpers import tiny_experiment
 
 from dlm.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
+from dlm.checksum import with_checksum
 from dlm.errors import UserError
 from dlm.train import NonFiniteLossError, train
 
@@ -106,8 +107,8 @@ def test_resume_refuses_a_changed_model_optimizer_or_tokenizer(
     other_tokenizer.write_text(tiny_tokenizer_path.read_text() + "\n")
     checkpoint = load_checkpoint(result.checkpoint)
     checkpoint["tokenizer_sha256"] = "0" * 64
-    forged = tmp_path / "forged.pt"
-    torch.save(checkpoint, forged)
+    forged = tmp_path / "run" / "forged.pt"  # a checkpoint of this run (another's would be refused as such)
+    torch.save(with_checksum(checkpoint), forged)  # a valid checksum: only the tokenizer differs
     with pytest.raises(UserError, match="different tokenizer"):
         train(base, resume=forged)
 

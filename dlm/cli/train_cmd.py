@@ -1,11 +1,15 @@
-"""`dlm train` and `dlm resume`: the live dashboard (or JSON lines) around `dlm.train.train`."""
+"""`dlm train` and `dlm resume`: the live dashboard (or JSON lines) around `dlm.train.train`.
+
+Exit codes: 0 complete or paused, 2 a user error, 128 + N after signal N (130 for Ctrl-C, 143 for
+SIGTERM), whether the run stopped safely after the first signal or at once after a second one.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -29,6 +33,12 @@ PrecisionOption = Annotated[
     str | None,
     typer.Option("--precision", help="Override training.precision: auto, float32, bfloat16 or float16."),
 ]
+AllowDataChangeOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-data-change", help="Continue even though the packed data differs from the data the run used."
+    ),
+]
 
 
 def _with_overrides(
@@ -42,29 +52,39 @@ def _with_overrides(
     return load_config(config, extra)
 
 
-def _run(
-    experiment: ExperimentConfig,
-    resume: Path | None,
-    max_run_steps: int | None,
-    max_run_minutes: float | None,
-    as_json: bool,
-) -> None:
+def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
+    """Train with `options` (those of `dlm.train.train`) and exit with the run's code."""
+
+    from dlm.stop import SignalStop, StopSignals
+
+    # Installed for the whole command, so that a signal after the run (while its result is
+    # printed) cannot kill the process with another exit code or a traceback.
+    try:
+        with StopSignals() as signals:
+            _train(experiment, as_json, stop=signals, **options)
+    except SignalStop as stop:
+        run_dir = escape(str(experiment.training.output_dir))
+        err_console.print(f"{stop}: stopped without saving; continue from the last checkpoint with: dlm resume "
+                          f"{run_dir}", highlight=False, soft_wrap=True)  # fmt: skip
+        sys.exit(stop.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers, or after it removed them
+        sys.exit(130)
+
+
+def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     from dlm.dashboard import JsonLinesSink, TrainingDashboard
     from dlm.train import train
 
-    seconds = None if max_run_minutes is None else max_run_minutes * 60
+    minutes = options.pop("max_run_minutes")
+    options["max_run_seconds"] = None if minutes is None else minutes * 60
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 talks to the person
-        result = train(experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds)
+        result = train(experiment, **options)
         sys.exit(result.exit_code)
     if wants_json(as_json):
-        result = train(
-            experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds, sink=JsonLinesSink()
-        )
+        result = train(experiment, sink=JsonLinesSink(), **options)
     else:
         with TrainingDashboard(console) as dashboard:
-            result = train(
-                experiment, resume=resume, max_run_steps=max_run_steps, max_run_seconds=seconds, sink=dashboard
-            )
+            result = train(experiment, sink=dashboard, **options)
         # soft_wrap: the checkpoint path and the resume command are copied, so they never break.
         console.print(
             f"[bold]{result.status}[/] at step {result.step}; checkpoint {escape(str(result.checkpoint))}",
@@ -91,6 +111,11 @@ def train_command(
         int | None,
         typer.Option("--nproc", min=1, help="Start this many processes on this machine via torch.distributed.run."),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Delete the run already in training.output_dir and start over."),
+    ] = False,
+    allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Train a model from a config; Ctrl-C saves a checkpoint you can resume."""
@@ -100,30 +125,66 @@ def train_command(
 
         sys.exit(launch_local(nproc, sys.argv[1:]))
     experiment = _with_overrides(config, overrides, device, precision)
-    _run(experiment, resume, max_run_steps, max_run_minutes, as_json)
+    _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
+         overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
+
+
+def _run_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path:
+    """The checkpoint to resume from: latest.pt, or the one named, which must be in `run_dir`."""
+
+    if checkpoint is None:
+        return run_dir / "latest.pt"
+    chosen = run_dir / checkpoint if checkpoint.parent == Path(".") else checkpoint
+    if chosen.resolve().parent != run_dir.resolve():
+        raise UserError(
+            "--checkpoint must be a checkpoint of this run, in its directory",
+            path=checkpoint,
+            fix=f"pass a file name from {run_dir}, e.g. --checkpoint step-00000020.pt",
+        )
+    return chosen
 
 
 def resume_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (holds config.json and latest.pt).")],
     overrides: SetOption = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint", help="Resume from this checkpoint of the run (e.g. step-00000020.pt) instead of latest.pt."
+        ),
+    ] = None,
     max_run_steps: MaxRunSteps = None,
     max_run_minutes: MaxRunMinutes = None,
     device: DeviceOption = None,
     precision: PrecisionOption = None,
+    allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Continue a run exactly where it stopped, with the config saved in the run."""
+    """Continue a run exactly where it stopped, with the config saved in the run.
 
-    config_path, latest = run_dir / "config.json", run_dir / "latest.pt"
-    for needed in (config_path, latest):
+    The run continues in RUN_DIR, wherever the directory is now: a copied or moved run writes into
+    the copy, never where it was first trained.
+    """
+
+    config_path, source = run_dir / "config.json", _run_checkpoint(run_dir, checkpoint)
+    for needed in (config_path, source):
         if not needed.exists():
             raise UserError(
                 "not a dlm run directory: missing " + needed.name,
                 path=run_dir,
                 fix="pass the output_dir of an earlier `dlm train`",
             )
+    if any(item.replace(" ", "").startswith("training.output_dir=") for item in overrides or []):
+        raise UserError(
+            "dlm resume continues the run in RUN_DIR; training.output_dir cannot be set",
+            fix="copy the run directory to where it should continue and resume the copy",
+        )
     experiment = _with_overrides(config_path, overrides, device, precision)
-    _run(experiment, latest, max_run_steps, max_run_minutes, as_json)
+    # config.json keeps the directory the run was started in; the run is now where it was found.
+    here = experiment.training.model_copy(update={"output_dir": run_dir.absolute()})
+    experiment = experiment.model_copy(update={"training": here})
+    _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
+         allow_data_change=allow_data_change)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
