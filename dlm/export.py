@@ -31,7 +31,7 @@ from dlm import __version__
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
 from dlm.config import ExperimentConfig, ModelConfig, format_validation_error
 from dlm.corpus import temporary_path
-from dlm.errors import UserError
+from dlm.errors import UserError, check_can_create, reported_os_errors
 from dlm.model import DiffusionTransformer, format_parameter_count
 from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
@@ -302,6 +302,7 @@ def _store_once(weights: dict[str, Tensor], dtype: torch.dtype) -> tuple[dict[st
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
+    check_can_create(output, "--output")
     if not output.exists():
         return
     if not overwrite:
@@ -467,12 +468,14 @@ def export_model(
         "source": {"kind": info.kind, "file": info.path.name},
     }
     card = model_card(info, config, _eval_figures(info.run_dir))
-    output.parent.mkdir(parents=True, exist_ok=True)
     building = temporary_path(output)
-    shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
-    try:
-        _write_export(building, stored, config, card, tokenizer)
-        _swap_into_place(building, output)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
+    # A full disk or a file size limit fails the build, never the old export: it is replaced last.
+    with reported_os_errors("the export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
+        try:
+            _write_export(building, stored, config, card, tokenizer)
+            _swap_into_place(building, output)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
     return output

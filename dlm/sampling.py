@@ -133,6 +133,16 @@ def _encode(tokenizer: Any, text: str, option: str, mask_token_id: int) -> list[
     return ids
 
 
+def _check_utf8(option: str, value: str | None) -> None:
+    """Undecodable command-line bytes reach Python as lone surrogates, which no tokenizer encodes."""
+
+    try:
+        (value or "").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UserError(f"{option} is not valid UTF-8 text (at character {exc.start + 1})",
+                        fix="pass the text in UTF-8") from None  # fmt: skip
+
+
 def check_request(
     *, prompt: str = "", text: str | None = None, length: int = 64, num_samples: int = 1, seed: int = 0
 ) -> list[TemplatePart]:
@@ -142,6 +152,8 @@ def check_request(
     the parsed template `text`. Needs no model, so a CLI can check its options before loading one.
     """
 
+    for option, value in (("--prompt", prompt), ("--text", text)):
+        _check_utf8(option, value)
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1 (got {num_samples})", fix="pass --num-samples 1")
     if not 0 <= seed < 2**63:

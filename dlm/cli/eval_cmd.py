@@ -118,9 +118,12 @@ def eval_command(
 ) -> None:
     """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte."""
 
+    from dlm.errors import check_can_create, reported_os_errors
     from dlm.evaluate import evaluate_source, write_report
     from dlm.runtime import resolve_device
 
+    if output is not None:  # before the evaluation, which can take minutes
+        check_can_create(output, "--output")
     report = evaluate_source(
         model_path,
         data,
@@ -131,7 +134,8 @@ def eval_command(
         use_ema=ema,
     )
     if output is not None:
-        write_report(report, output)
+        with reported_os_errors("the report", output):
+            write_report(report, output)
     if wants_json(as_json):
         print_json(report.to_dict())
     else:
