@@ -67,7 +67,7 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
         err_console.print(f"{stop}: stopped without saving; continue from the last checkpoint with: dlm resume "
                           f"{run_dir}", highlight=False, soft_wrap=True)  # fmt: skip
         sys.exit(stop.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C before the run installed its handlers, or after it removed them
+    except KeyboardInterrupt:  # Ctrl-C in the instant before the handlers are installed
         sys.exit(130)
 
 
