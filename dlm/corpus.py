@@ -14,8 +14,7 @@ listed (`discover_corpus`), so that a user sees what was left out; hidden files 
 
 Outputs are checked before any work starts (`check_output_file`, `check_writable_directory`) and
 written under a temporary name (`temporary_path`) that is renamed into place at the very end. The
-temporaries of a killed process are removed by the next run (`remove_stale_temporaries`), and a
-write that fails (a full disk, a file size limit) becomes one `UserError` (`write_errors`).
+temporaries of a killed process are removed by the next run (`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import os
 import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -343,18 +341,3 @@ def remove_stale_temporaries(directory: Path, names: Iterable[str]) -> list[Path
             removed.append(entry)
     return removed
 
-
-@contextmanager
-def write_errors(output: Path, what: str) -> Iterator[None]:
-    """Turn an OSError while writing `what` under `output` (a full disk, a file size limit, a quota)
-    into one `UserError`; callers remove their temporaries, so nothing partial is left behind."""
-
-    try:
-        yield
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise UserError(
-            f"cannot write {what}: {reason}; nothing was written",
-            path=output,
-            fix="free disk space (or raise the file size limit) and run it again",
-        ) from None

@@ -32,9 +32,8 @@ from dlm.corpus import (
     discover_corpus,
     remove_stale_temporaries,
     temporary_path,
-    write_errors,
 )
-from dlm.errors import UserError
+from dlm.errors import UserError, reported_os_errors
 from dlm.pack_plan import PackPlan, plan_pack
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
@@ -254,7 +253,7 @@ def _write_output(
     created = [d for d in (output, *output.absolute().parents) if not d.exists()]
     writers: dict[str, _SplitWriter] = {}
     committed = False
-    with write_errors(output, "the packed data"):
+    with reported_os_errors("the packed data", output):
         try:
             output.mkdir(parents=True, exist_ok=True)
             writers.update({name: _SplitWriter(name, output / f"{name}.bin", dtype, eos) for name in wanted})

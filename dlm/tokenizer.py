@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path, write_errors
-from dlm.errors import UserError
+from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path
+from dlm.errors import UserError, reported_os_errors
 
 # The one source of truth for the special tokens; their order fixes their ids (0, 1, 2).
 SPECIAL_TOKENS: dict[str, str] = {
@@ -130,10 +130,10 @@ def _save(tokenizer: Tokenizer, output: Path) -> None:
     """Write under a temporary name, then rename: a reader never sees a half-written file.
 
     Python writes the bytes (exactly those of `Tokenizer.save`), so a full disk is an OSError with
-    its errno, which `write_errors` turns into one `error:` line; the Rust writer raises a bare
-    Exception instead."""
+    its errno, which `reported_os_errors` turns into one `error:` line; the Rust writer raises a
+    bare Exception instead."""
 
-    with write_errors(output, "the tokenizer"):
+    with reported_os_errors("the tokenizer", output):
         output.parent.mkdir(parents=True, exist_ok=True)
         temporary = temporary_path(output)
         try:
