@@ -29,6 +29,7 @@ from dlm.bench_setup import (
     compare_settings,
     device_name,
     is_out_of_memory,
+    measure_matmul_peak,
     parse_compare,
     peak_rss_gib,
     release_memory,
@@ -41,6 +42,7 @@ from dlm.config import ExperimentConfig, ModelConfig
 from dlm.distributed import DistributedContext
 from dlm.errors import UserError
 from dlm.runtime import (
+    attention_kernel_context,
     configure_cuda_backends,
     peak_flops,
     resolve_compile,
@@ -87,6 +89,8 @@ class BenchResult:
     model_flops_per_second: float
     peak_flops_per_second: float | None
     mfu: float | None  # None: the device's peak is not known ("n/a")
+    measured_peak_flops_per_second: float | None  # a large matmul timed here (--measure-peak)
+    mfu_measured: float | None  # model FLOP/s over that measured ceiling
     peak_allocated_gib: float | None  # CUDA only
     peak_reserved_gib: float | None  # CUDA only
     peak_rss_gib: float | None  # CPU / MPS: the process's peak resident memory
@@ -194,6 +198,7 @@ def _measure(
     steps: int,
     warmup: int,
     settings: dict[str, str],
+    measured_peak: float | None,
 ) -> BenchResult:
     config, model_config = experiment.training, experiment.model
     step, times, warmup_seconds, loss = _run_steps(experiment, device, precision, steps, warmup)
@@ -229,6 +234,8 @@ def _measure(
         model_flops_per_second=model_flops,
         peak_flops_per_second=peak,
         mfu=None if peak is None else model_flops / peak,
+        measured_peak_flops_per_second=measured_peak,
+        mfu_measured=None if measured_peak is None else model_flops / measured_peak,
         peak_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
         peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
         peak_rss_gib=None if cuda else peak_rss_gib(),
@@ -246,8 +253,12 @@ def run_benchmark(
     device: str | None = None,
     memory_limit_gib: float | None = None,
     settings: dict[str, str] | None = None,
+    measured_peak: float | None = None,
 ) -> BenchResult:
-    """Time `steps` optimizer steps of `experiment` after `warmup` untimed ones."""
+    """Time `steps` optimizer steps of `experiment` after `warmup` untimed ones.
+
+    `measured_peak` (FLOP/s, from `measure_matmul_peak`) adds an MFU against that ceiling.
+    """
 
     if steps < 1 or warmup < 0:
         raise UserError(
@@ -262,14 +273,17 @@ def run_benchmark(
     if require and torch_device.type != "cuda":
         require_fused_attention(experiment.model, torch_device, precision)  # raises the CPU / MPS message
     configure_cuda_backends(torch_device, require)
-    if require:
-        backend = require_fused_attention(experiment.model, torch_device, precision)
-    else:
-        backend = attention_backend(experiment.model, torch_device, precision)
+    with attention_kernel_context(torch_device, config.attention_kernel):  # as the step will run it
+        if require:
+            backend = require_fused_attention(experiment.model, torch_device, precision)
+        else:
+            backend = attention_backend(experiment.model, torch_device, precision)
     set_memory_limit(torch_device, memory_limit_gib)
     failure = None
     try:
-        return _measure(experiment, torch_device, precision, backend, steps, warmup, dict(settings or {}))
+        return _measure(
+            experiment, torch_device, precision, backend, steps, warmup, dict(settings or {}), measured_peak
+        )
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
         if not is_out_of_memory(exc):
             raise
@@ -373,16 +387,25 @@ def benchmark(
     find_batch: bool = False,
     memory_limit_gib: float | None = None,
     compare: list[str] | None = None,
+    measure_peak: bool = False,
     progress: Progress | None = None,
 ) -> BenchReport:
     """Everything `dlm bench` does: optional batch search, then one row per --compare combination.
 
     A combination that runs out of memory becomes a failure entry; the others still run, so one
     table shows where the limit lies. With --find-max-batch the rows use the batch size found.
+    With `measure_peak` a large matmul is timed first and every row also gets an MFU against it.
     """
 
     combinations = compare_settings(parse_compare(compare or []))
     report = BenchReport()
+    measured_peak = None
+    if measure_peak:
+        if progress is not None:
+            progress("timing a large matmul (the measured ceiling)")
+        config = bench_config(experiment, batch_size, device).training
+        torch_device = resolve_device(config.device)
+        measured_peak = measure_matmul_peak(torch_device, resolve_precision(config.precision, torch_device))
     if find_batch:
         report.batch_search = find_max_batch(
             experiment,
@@ -415,6 +438,7 @@ def benchmark(
                     device=device,
                     memory_limit_gib=memory_limit_gib,
                     settings=settings,
+                    measured_peak=measured_peak,
                 )
             )
         except BenchOutOfMemoryError as exc:
@@ -445,6 +469,14 @@ def report_summary(report: BenchReport) -> list[str]:
         f"model {first.parameters / 1e6:.1f}M parameters, seq {first.seq_len}, "
         f"{first.steps} timed steps after {first.warmup} warmup",
     ]
+    if first.measured_peak_flops_per_second is not None:
+        unit, scale = ("TFLOP/s", 1e12) if first.device.startswith("cuda") else ("GFLOP/s", 1e9)
+        datasheet = first.peak_flops_per_second
+        known = "not in dlm's table" if datasheet is None else f"{datasheet / scale:.0f} {unit}"
+        lines.append(
+            f"measured ceiling: a large {first.precision} matmul ran at "
+            f"{first.measured_peak_flops_per_second / scale:.0f} {unit} (datasheet: {known})"
+        )
     search = report.batch_search
     if search is not None:
         limit = "" if search.memory_limit_gib is None else f" within {search.memory_limit_gib} GiB"
@@ -470,6 +502,7 @@ def report_table(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "step ms (IQR %)",
         f"model {flops_unit}",
         "MFU",
+        *(["MFU measured"] if any(row.mfu_measured is not None for row in report.rows) else []),
         memory,
         "attention",
     ]
@@ -489,6 +522,7 @@ def report_table(report: BenchReport) -> tuple[list[str], list[list[str]]]:
                 f"{row.step_time_s * 1e3:.1f} ({row.step_time_spread_pct:.0f}%)",
                 f"{row.model_flops_per_second / flops_scale:.1f}",
                 "n/a" if row.mfu is None else f"{100 * row.mfu:.1f}%",
+                *([] if row.mfu_measured is None else [f"{100 * row.mfu_measured:.1f}%"]),
                 used,
                 row.attention_backend,
             ]

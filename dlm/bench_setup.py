@@ -11,7 +11,9 @@ from __future__ import annotations
 import gc
 import itertools
 import platform
+import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -234,3 +236,29 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
     )
+
+
+def measure_matmul_peak(device: torch.device, precision: str) -> float:
+    """The FLOP/s of one large square matmul in the step's dtype on `device`: the ceiling actually
+    reachable here, beside the datasheet figure (clocks, power limits and cooling lower the latter).
+
+    8192^3 on CUDA (large enough to saturate any current GPU), 2048^3 elsewhere (seconds, not
+    minutes, on a laptop CPU). The median of 10 timed products after 3 warm-ups, on random data.
+    """
+
+    cuda = device.type == "cuda"
+    size = 8192 if cuda else 2048
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision, torch.float32)
+    generator = torch.Generator(device=device).manual_seed(0)
+    left = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    right = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    times = []
+    for index in range(13):
+        runtime.synchronize(device)
+        started = time.perf_counter()
+        torch.mm(left, right)
+        runtime.synchronize(device)
+        if index >= 3:
+            times.append(time.perf_counter() - started)
+    del left, right
+    return 2 * size**3 / statistics.median(times)

@@ -141,6 +141,15 @@ class TrainingConfig(_Strict):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model; auto = on for CUDA, off on CPU / MPS."
     )
+    compile_scope: Literal["blocks", "model"] = Field(
+        "blocks",
+        description="What one compiled graph covers: blocks = each transformer block (one graph reused by "
+        "every layer, so compile time does not grow with depth) and the loss; model = the whole forward.",
+    )
+    attention_kernel: Literal["auto", "cudnn", "flash", "efficient"] = Field(
+        "auto",
+        description="CUDA attention kernel tried first; auto = torch's own order. Others stay as fallbacks.",
+    )
     ema_decay: float | None = Field(
         None, gt=0, lt=1, description="Keep an exponential moving average of the weights (e.g. 0.999)."
     )

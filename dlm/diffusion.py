@@ -136,11 +136,27 @@ def step_time_offset(seed: int, step: int) -> float:
     return (noise_seed(seed, step, _OFFSET_TAG) >> 10) / 2.0**53
 
 
-def diffusion_cross_entropy(logits: Tensor, clean: Tensor, corruption: Corruption) -> DiffusionLoss:
+TokenLosses = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def masked_token_losses(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Cross-entropy [N] (float32) of each row of logits [N, V], and whether its argmax is the target.
+
+    Cross-entropy runs in float32 even under autocast: bf16 log-probabilities of an 8K+ vocabulary
+    are too coarse for a loss that is then summed. Compiled, this is one pass over bf16 logits that
+    never writes a float32 copy of them (the largest tensor of a small model's step).
+    """
+
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    return ce, logits.argmax(dim=-1) == targets
+
+
+def diffusion_cross_entropy(
+    logits: Tensor, clean: Tensor, corruption: Corruption, token_losses: TokenLosses = masked_token_losses
+) -> DiffusionLoss:
     """The MDLM / SMDM ELBO loss from logits [N, V] at the N masked positions (row-major order).
 
-    loss = sum_i CE_i / t_b(i) / (B x L). Cross-entropy runs in float32 even under autocast:
-    bf16 log-probabilities of an 8K+ vocabulary are too coarse for a loss that is then summed.
+    loss = sum_i CE_i / t_b(i) / (B x L); `token_losses` gives CE_i (a compiled copy in training).
     """
 
     batch, length = clean.shape
@@ -152,13 +168,12 @@ def diffusion_cross_entropy(logits: Tensor, clean: Tensor, corruption: Corruptio
     targets = clean.new_empty(count + 1).scatter_(0, slot, clean.flatten())[:count]
     masked_per_sequence = mask.sum(dim=1)
     rows = torch.repeat_interleave(torch.arange(batch, device=clean.device), masked_per_sequence, output_size=count)
-    ce = F.cross_entropy(logits.float(), targets, reduction="none")  # [N]
+    ce, hits = token_losses(logits, targets)  # [N] each
     weighted = ce / corruption.mask_probability[rows]
     loss = weighted.sum() / (batch * length)
     per_sequence = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted).sum(dim=1) / length
     masked_tokens = masked_per_sequence.sum()
-    correct = (logits.argmax(dim=-1) == targets).sum()
-    accuracy = correct.float() / masked_tokens.clamp(min=1).float()
+    accuracy = hits.sum().float() / masked_tokens.clamp(min=1).float()
     return DiffusionLoss(loss, accuracy, masked_tokens, per_sequence)
 
 

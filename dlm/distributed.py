@@ -259,22 +259,22 @@ def build_model(
     return model
 
 
-def wrap_model(model: nn.Module, world: DistributedContext, parallelism: str, compile_model: bool) -> nn.Module:
+def wrap_model(model: nn.Module, world: DistributedContext, parallelism: str, compile_scope: str | None) -> nn.Module:
     """The module the training step calls: compiled and/or wrapped for data parallelism.
 
+    `compile_scope` None runs eagerly; "blocks" compiles each transformer block (the blocks share
+    one graph, so compile time does not grow with depth); "model" compiles the whole forward.
     `compile()` works in place, so state_dict keys stay those of the plain model.
     """
 
-    if is_sharded(model):
-        if compile_model:
-            # Per block, inside its FSDP unit: the root's forward gathers the masked positions
-            # (a data-dependent shape) and stays eager, as in the torchtitan recipe.
-            for block in model.blocks:  # type: ignore[union-attr]
-                block.compile()
-        return model
-    if compile_model:
+    if compile_scope == "blocks" or (compile_scope == "model" and is_sharded(model)):
+        # Under FSDP always per block, inside its FSDP unit: the root's forward gathers the masked
+        # positions (a data-dependent shape) and stays eager, as in the torchtitan recipe.
+        for block in model.blocks:  # type: ignore[union-attr]
+            block.compile()
+    elif compile_scope == "model":
         model.compile()
-    if not world.active:
+    if is_sharded(model) or not world.active:
         return model
     from torch.nn.parallel import DistributedDataParallel
 

@@ -258,6 +258,36 @@ def enabled_sdpa_backends() -> dict[str, bool]:
     return flags
 
 
+# enabled_sdpa_backends() name -> torch.nn.attention.SDPBackend member
+_SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "mem_efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+def attention_kernel_context(device: torch.device, preference: str) -> contextlib.AbstractContextManager[Any]:
+    """Try `preference` first among the enabled CUDA attention kernels ("auto": torch's own order).
+
+    Only the order changes: every kernel enabled now stays a fallback, and one disabled now (the
+    math kernel under --fused-attention) stays disabled. Torch releases without priority control
+    keep their own order.
+    """
+
+    if device.type != "cuda" or preference == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = "mem_efficient" if preference == "efficient" else preference
+    order = [first] + [name for name, on in enabled_sdpa_backends().items() if on and name != first]
+    backends = [getattr(SDPBackend, _SDPA_BACKENDS[name]) for name in order]
+    try:
+        return sdpa_kernel(backends, set_priority=True)
+    except TypeError:  # torch < 2.6: no priority argument
+        return contextlib.nullcontext()
+
+
 def sdpa_backend_name(device: torch.device) -> str:
     """A short human description of the attention kernels in use, for dashboards and bench."""
 

@@ -18,16 +18,18 @@ from torch import Tensor, nn
 
 from dlm.config import ExperimentConfig
 from dlm.diffusion import (
+    TokenLosses,
     accumulation_mask_probabilities,
     corrupt_tokens,
     diffusion_cross_entropy,
+    masked_token_losses,
     noise_generator,
     step_time_offset,
 )
 from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.model import DiffusionTransformer
 from dlm.optim import ModelEMA, build_optimizer, learning_rate
-from dlm.runtime import autocast_context, resolve_compile, seed_everything
+from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
 
 NOISE_BUCKETS = 10  # loss is also reported per tenth of the diffusion time t
 
@@ -82,12 +84,17 @@ class TrainingStep:
         self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
         self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
         self.step_model: nn.Module = self.model  # compiled / DDP-wrapped view, see `prepare`
+        self.token_losses: TokenLosses = masked_token_losses
 
     def prepare(self) -> None:
         """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
 
-        compile_model = resolve_compile(self.config.compile, self.device)
-        self.step_model = wrap_model(self.model, self.world, self.config.parallelism, compile_model)
+        scope = self.config.compile_scope if resolve_compile(self.config.compile, self.device) else None
+        self.step_model = wrap_model(self.model, self.world, self.config.parallelism, scope)
+        if scope is not None:
+            # The number of masked tokens changes every step: after the first recompile the loss
+            # graph is dynamic in it, so there is one recompilation in all, not one per step.
+            self.token_losses = torch.compile(masked_token_losses)
         self.model.train()
 
     def micro_batch(self, clean: Tensor, micro_index: int, offset: float, window: LogWindow) -> None:
@@ -111,9 +118,10 @@ class TrainingStep:
         corruption = corrupt_tokens(
             clean, self.experiment.model.mask_token_id, probability, config.mask_eps, generator=generator
         )
-        with autocast_context(self.device, self.precision):
+        kernel = attention_kernel_context(self.device, config.attention_kernel)
+        with autocast_context(self.device, self.precision), kernel:
             logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask)
-        output = diffusion_cross_entropy(logits, clean, corruption)
+        output = diffusion_cross_entropy(logits, clean, corruption, self.token_losses)
         self.scaler.scale(output.loss / steps).backward()
 
         window.loss += output.loss.detach() / steps

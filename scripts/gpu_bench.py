@@ -1,18 +1,21 @@
 """The measuring half of scripts/gpu_check.sh: the anchors and dlm side by side, one process per part.
 
-  gpu_bench.py throughput --out T.jsonl [--bench-dir .bench] [--sizes 110M,1.3B] [--steps 10] [--warmup 4]
-  gpu_bench.py quality --out Q.jsonl [--bench-dir .bench] [--data-dir runs/shakespeare-data]
-               [--throughput T.jsonl] [--dlm-seconds 60] [--anchor-seconds 80] [--device cuda]
+  gpu_bench.py throughput --out T.jsonl [--stage core|extra] [--bench-dir .bench] [--steps 10] [--warmup 4]
+  gpu_bench.py quality --out Q.jsonl [--data-dir runs/shakespeare-data] [--throughput T.jsonl]
+               [--dlm-seconds 60] [--variants config,batch256] [--anchor] [--anchor-seconds 80]
   gpu_bench.py report T.jsonl Q.jsonl STATUS.jsonl --json results.json --markdown results.md
 
-throughput: the bf16 matmul ceiling; the anchor baseline (`.bench/anchor_gpu.py`, eager and compiled)
-and `dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the anchor) at ~110M
-(configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8: adamw, then adamw8bit with
-activation checkpointing, eager to save the check's time, its peak an upper bound of the compiled one).
-quality: dlm trains configs/shakespeare.toml for --dlm-seconds (max_steps fitted to the budget from the
-throughput part's step time, so the cosine schedule ends in time, as the anchor anneals to its budget),
-then `dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks); then the
-anchor's `quality_gpu.py` MDM trains for --anchor-seconds. Each figure is appended to its JSON-lines
+throughput, stage core: the bf16 matmul ceiling (the anchor's own measurement), the step time of each
+quality variant, then at ~110M (configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8)
+`dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the anchor) with torch's
+attention kernel order and with cuDNN attention first, beside the anchor's compiled baseline at 110M;
+and 1.3B with adamw8bit and activation checkpointing (eager: its peak bounds the compiled one).
+Stage extra (after the quality part, so a timeout costs only these): the anchor's compiled baseline at
+1.3B, the largest 1.3B adamw8bit batch within 24 GiB, and dlm at 110M compiled as one whole-model graph.
+quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
+fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
+`dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --anchor the
+anchor's `quality_gpu.py` MDM trains for --anchor-seconds too. Each figure is appended to its JSON-lines
 file the moment it exists, so a part cut off by its timeout keeps what it measured.
 """
 
@@ -33,24 +36,31 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES: dict[str, dict[str, Any]] = {
-    "110M": {
-        "anchor": (32768, 768, 12, 12, 1024),
-        "batch": 32,
-        "config": "configs/gpt2-small.toml",
-        "dlm": [("dlm-110M", [])],
-    },
-    "1.3B": {
-        "anchor": (32768, 2048, 24, 16, 1024),
-        "batch": 8,
-        "config": "configs/1b.toml",
-        "dlm": [
-            ("dlm-1.3B-adamw", ["training.optimizer=adamw", "model.activation_checkpointing=false"]),
-            (
-                "dlm-1.3B-adamw8bit-ckpt-eager",
-                ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"],
-            ),
-        ],
-    },
+    "110M": {"anchor": (32768, 768, 12, 12, 1024), "batch": 32, "config": "configs/gpt2-small.toml"},
+    "1.3B": {"anchor": (32768, 2048, 24, 16, 1024), "batch": 8, "config": "configs/1b.toml"},
+}
+ADAMW_1B = ["training.optimizer=adamw", "model.activation_checkpointing=false"]
+# (size, case, overrides) of dlm per stage; the anchor's compiled baseline runs where named.
+DLM_CASES: dict[str, list[tuple[str, str, list[str]]]] = {
+    "core": [
+        ("110M", "dlm-110M", []),
+        ("110M", "dlm-110M-cudnn", ["training.attention_kernel=cudnn"]),
+        ("1.3B", "dlm-1.3B-adamw", ADAMW_1B),
+        ("1.3B", "dlm-1.3B-adamw-cudnn", [*ADAMW_1B, "training.attention_kernel=cudnn"]),
+        (
+            "1.3B",
+            "dlm-1.3B-adamw8bit-ckpt-eager",
+            ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"],
+        ),
+    ],
+    "extra": [("110M", "dlm-110M-whole-model-graph", ["training.compile_scope=model"])],
+}
+ANCHOR_SIZES = {"core": ["110M"], "extra": ["1.3B"]}
+MEMORY_CASE = ("1.3B", "dlm-1.3B-adamw8bit-ckpt-max-batch-24GiB", 24.0)
+# configs/shakespeare.toml as it is, and with a 4x larger batch (a 14M model leaves an H200 idle).
+QUALITY_VARIANTS: dict[str, list[str]] = {
+    "config": [],
+    "batch256": ["training.batch_size=256", "training.learning_rate=3e-3"],
 }
 # As the anchor: bf16, one micro-batch per optimizer step, on the GPU.
 DLM_COMMON = ["training.precision=bfloat16", "training.gradient_accumulation_steps=1", "training.device=cuda"]
@@ -64,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parts = parser.add_subparsers(dest="part", required=True)
     throughput = parts.add_parser("throughput")
     throughput.add_argument("--out", type=Path, required=True)
+    throughput.add_argument("--stage", choices=sorted(DLM_CASES), default="core")
     throughput.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
-    throughput.add_argument("--sizes", default="110M,1.3B")
     throughput.add_argument("--steps", type=int, default=10)
     throughput.add_argument("--warmup", type=int, default=4)
     quality = parts.add_parser("quality")
@@ -75,23 +85,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quality.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "gpu-check-shakespeare")
     quality.add_argument("--throughput", type=Path, default=None, help="its JSON lines: the step time to fit")
     quality.add_argument("--dlm-seconds", type=float, default=60.0)
+    quality.add_argument("--variants", default=",".join(QUALITY_VARIANTS))
+    quality.add_argument("--anchor", action="store_true", help="also train the anchor's MDM (quality_gpu.py)")
     quality.add_argument("--anchor-seconds", type=float, default=80.0)
     quality.add_argument("--device", default="cuda")
     quality.add_argument("--eval-batches", type=int, default=10**6, help="cap on validation batches (default all)")
-    quality.add_argument("--skip-anchor", action="store_true")
     report = parts.add_parser("report")
     report.add_argument("inputs", type=Path, nargs="+")
     report.add_argument("--json", type=Path, required=True)
     report.add_argument("--markdown", type=Path, required=True)
     args = parser.parse_args(argv)
-    if args.part == "throughput":
-        unknown = set(args.sizes.split(",")) - set(SIZES)
+    if args.part == "throughput" and (args.steps < 1 or args.warmup < 0):
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.part == "quality":
+        unknown = set(args.variants.split(",")) - set(QUALITY_VARIANTS)
         if unknown:
-            parser.error(f"--sizes: unknown {sorted(unknown)}; choose from {sorted(SIZES)}")
-        if args.steps < 1 or args.warmup < 0:
-            parser.error("--steps must be >= 1 and --warmup >= 0")
-    if args.part == "quality" and min(args.dlm_seconds, args.anchor_seconds) <= 0:
-        parser.error("--dlm-seconds and --anchor-seconds must be positive")
+            parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(QUALITY_VARIANTS)}")
+        if min(args.dlm_seconds, args.anchor_seconds) <= 0:
+            parser.error("--dlm-seconds and --anchor-seconds must be positive")
     return args
 
 
@@ -129,37 +140,30 @@ def free_cuda() -> None:
 # ---- throughput -------------------------------------------------------------------------------------------------
 
 
-def anchor_cases(anchor: ModuleType, size: str, ceiling: float, records: Records) -> None:
-    """The anchor's own `run_case`, eager then compiled, on one model built directly on the GPU."""
+def anchor_case(anchor: ModuleType, size: str, ceiling: float, records: Records) -> None:
+    """The anchor's own `run_case`, compiled (its faster setting), on a model built on the GPU."""
 
     import torch
 
     cfg, batch = SIZES[size]["anchor"], SIZES[size]["batch"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = anchor.Baseline(*cfg)
-    for compile_model in (False, True):
-        try:
-            record = anchor.run_case(f"baseline-{size}", model, model, cfg, batch, compile_model, True)
-            records.add(
-                {
-                    "source": "anchor",
-                    "size": size,
-                    **record,
-                    "mfu_measured_pct": round(100 * record["model_tflops"] / ceiling, 1),
-                }
-            )
-        except Exception as exc:  # one failed case must not cost the others
-            records.add(
-                {
-                    "source": "anchor",
-                    "size": size,
-                    "case": f"baseline-{size}",
-                    "compile": compile_model,
-                    "error": repr(exc)[:500],
-                }
-            )
-    del model
+    try:
+        with torch.device("cuda"):
+            model = anchor.Baseline(*cfg)
+        record = anchor.run_case(f"baseline-{size}", model, model, cfg, batch, True, True)
+        del model
+        records.add(
+            {
+                "source": "anchor",
+                "size": size,
+                **record,
+                "mfu_measured_pct": round(100 * record["model_tflops"] / ceiling, 1),
+            }
+        )
+    except Exception as exc:  # one failed case must not cost the others
+        records.add(
+            {"source": "anchor", "size": size, "case": f"baseline-{size}", "compile": True, "error": repr(exc)[:500]}
+        )
     free_cuda()
 
 
@@ -173,7 +177,14 @@ def dlm_case(
     result = None
     try:
         experiment = load_config(ROOT / spec["config"], DLM_COMMON + overrides)
-        result = run_benchmark(experiment, steps=steps, warmup=warmup, batch_size=spec["batch"], fused_attention=True)
+        result = run_benchmark(
+            experiment,
+            steps=steps,
+            warmup=warmup,
+            batch_size=spec["batch"],
+            fused_attention=True,
+            measured_peak=ceiling * 1e12,
+        )
     except Exception as exc:  # one failed case must not cost the others
         records.add({"source": "dlm", "size": size, "case": name, "error": repr(exc)[:500]})
     free_cuda()  # after the except block, whose traceback would keep the failed case's tensors alive
@@ -206,27 +217,56 @@ def dlm_case(
     )
 
 
-def quality_step_time(steps: int, warmup: int, records: Records) -> None:
-    """The step time of the quality config (compiled, its own batch), for fitting the schedule later."""
+def quality_step_times(steps: int, warmup: int, records: Records) -> None:
+    """The step time of each quality variant (compiled, its own batch), for fitting its schedule later."""
 
     from dlm.bench import run_benchmark
     from dlm.config import load_config
 
+    for variant, overrides in QUALITY_VARIANTS.items():
+        case = f"dlm-shakespeare-14M-{variant}"
+        try:
+            experiment = load_config(ROOT / QUALITY_CONFIG, ["training.device=cuda", *overrides])
+            result = run_benchmark(experiment, steps=steps, warmup=warmup)
+            records.add(
+                {
+                    "source": "dlm",
+                    "case": case,
+                    "step_ms": round(result.step_time_s * 1e3, 3),
+                    "tokens_per_s": round(result.tokens_per_second),
+                    "compile": result.compile,
+                    "warmup_s": round(result.warmup_seconds, 1),
+                    "batch": result.batch_size,
+                }
+            )
+        except Exception as exc:
+            records.add({"source": "dlm", "case": case, "error": repr(exc)[:500]})
+        free_cuda()
+
+
+def memory_search(records: Records) -> None:
+    """`dlm bench --find-max-batch --memory-limit 24` for 1.3B with adamw8bit and checkpointing (eager)."""
+
+    from dlm.bench import find_max_batch
+    from dlm.config import load_config
+
+    size, case, limit = MEMORY_CASE
+    overrides = ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"]
     try:
-        result = run_benchmark(load_config(ROOT / QUALITY_CONFIG, ["training.device=cuda"]), steps=steps, warmup=warmup)
+        experiment = load_config(ROOT / SIZES[size]["config"], DLM_COMMON + overrides)
+        search = find_max_batch(experiment, fused_attention=True, memory_limit_gib=limit, limit=256)
         records.add(
             {
                 "source": "dlm",
-                "case": "dlm-shakespeare-14M",
-                "step_ms": round(result.step_time_s * 1e3, 3),
-                "tokens_per_s": round(result.tokens_per_second),
-                "compile": result.compile,
-                "warmup_s": round(result.warmup_seconds, 1),
-                "batch": result.batch_size,
+                "size": size,
+                "case": case,
+                "memory_limit_gib": limit,
+                "max_batch": search.batch_size,
+                "probes": search.probes,
             }
         )
     except Exception as exc:
-        records.add({"source": "dlm", "case": "dlm-shakespeare-14M", "error": repr(exc)[:500]})
+        records.add({"source": "dlm", "size": size, "case": case, "error": repr(exc)[:500]})
     free_cuda()
 
 
@@ -236,29 +276,34 @@ def run_throughput(args: argparse.Namespace) -> int:
     records = Records(args.out, "throughput")
     anchor = import_from(args.bench_dir, "anchor_gpu")
     ceiling = anchor.matmul_ceiling()
-    records.add(
-        {
-            "case": "environment",
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "matmul_bf16_tflops": round(ceiling, 1),
-            "commit": os.environ.get("DLM_COMMIT", "unknown"),
-        }
-    )
-    # Small first: the quality part needs its step time even if a large size runs out of time.
-    quality_step_time(args.steps, args.warmup, records)
-    for size in args.sizes.split(","):
-        anchor_cases(anchor, size, ceiling, records)
-        for name, overrides in SIZES[size]["dlm"]:
-            dlm_case(size, name, overrides, args.steps, args.warmup, ceiling, records)
+    if args.stage == "core":
+        records.add(
+            {
+                "case": "environment",
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "matmul_bf16_tflops": round(ceiling, 1),
+                "commit": os.environ.get("DLM_COMMIT", "unknown"),
+            }
+        )
+        # Small first: the quality part needs these step times even if a large size runs out of time.
+        quality_step_times(args.steps, args.warmup, records)
+    else:
+        memory_search(records)  # the memory target first: the anchor's 1.3B compile is the slow part
+    for size in ANCHOR_SIZES[args.stage]:
+        anchor_case(anchor, size, ceiling, records)
+    for size, name, overrides in DLM_CASES[args.stage]:
+        dlm_case(size, name, overrides, args.steps, args.warmup, ceiling, records)
     return 0
 
 
 # ---- quality ----------------------------------------------------------------------------------------------------
 
 
-def fitted_max_steps(throughput: Path | None, seconds: float, configured: int, warmup_steps: int) -> int | None:
-    """Optimizer steps that fit in `seconds` at the measured step time (None: no measurement).
+def fitted_max_steps(
+    throughput: Path | None, variant: str, seconds: float, configured: int, warmup_steps: int
+) -> int | None:
+    """Optimizer steps that fit in `seconds` at the variant's measured step time (None: no measurement).
 
     The budget also pays for compilation (bounded by the probe's warmup time: the run after it
     finds the compiled graphs in inductor's cache) and for validations and checkpoint writes (10%).
@@ -268,14 +313,14 @@ def fitted_max_steps(throughput: Path | None, seconds: float, configured: int, w
         return None
     for line in throughput.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
-        if record.get("case") == "dlm-shakespeare-14M" and "step_ms" in record:
+        if record.get("case") == f"dlm-shakespeare-14M-{variant}" and "step_ms" in record:
             training_seconds = 0.9 * (seconds - record.get("warmup_s", 0.0))
             steps = int(training_seconds / (record["step_ms"] / 1e3))
             return max(warmup_steps + 1, min(steps, configured))
     return None
 
 
-def dlm_quality(args: argparse.Namespace, records: Records) -> None:
+def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
     from dlm.config import load_config
     from dlm.evaluate import evaluate_source
     from dlm.train import train
@@ -287,12 +332,14 @@ def dlm_quality(args: argparse.Namespace, records: Records) -> None:
         f"training.tokenizer={data / 'tokenizer.json'}",
         f"training.train_data={data / 'train.bin'}",
         f"training.val_data={data / 'val.bin'}",
+        *QUALITY_VARIANTS[variant],
     ]
     experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
     training = experiment.training
-    max_steps = fitted_max_steps(args.throughput, args.dlm_seconds, training.max_steps, training.warmup_steps)
+    max_steps = fitted_max_steps(args.throughput, variant, args.dlm_seconds, training.max_steps, training.warmup_steps)
     if max_steps is not None:
-        experiment = load_config(ROOT / QUALITY_CONFIG, [*overrides, f"training.max_steps={max_steps}"])
+        overrides.append(f"training.max_steps={max_steps}")
+        experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
     shutil.rmtree(args.run_dir, ignore_errors=True)  # this script's own scratch run
     events: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -313,7 +360,8 @@ def dlm_quality(args: argparse.Namespace, records: Records) -> None:
     records.add(
         {
             "source": "dlm",
-            "case": "dlm-shakespeare",
+            "case": f"dlm-shakespeare-{variant}",
+            "overrides": QUALITY_VARIANTS[variant] + ([f"training.max_steps={max_steps}"] if max_steps else []),
             "seconds_budget": args.dlm_seconds,
             "train_wall_s": round(wall, 1),
             "status": result.status,
@@ -348,14 +396,16 @@ def anchor_quality(args: argparse.Namespace, records: Records) -> None:
 def run_quality(args: argparse.Namespace) -> int:
     records = Records(args.out, "quality")
     failed = 0
-    # dlm first: the anchor's figure is also on record (2.05 bits/byte at 80 s), dlm's is not.
-    steps: list[tuple[str, Any]] = [("dlm-shakespeare", dlm_quality)]
-    if not args.skip_anchor:
+    steps: list[tuple[str, Any]] = [
+        (f"dlm-shakespeare-{variant}", lambda a, r, v=variant: dlm_quality(a, v, r))
+        for variant in args.variants.split(",")
+    ]
+    if args.anchor:  # the anchor's figure is on record (2.05 bits/byte at 80 s, 2.09 at 60 s)
         steps.append(("anchor-mdm", anchor_quality))
     for case, step in steps:
         try:
             step(args, records)
-        except Exception as exc:  # report it and go on to the other side
+        except Exception as exc:  # report it and go on to the next
             records.add({"case": case, "error": repr(exc)[:500]})
             failed += 1
         gc.collect()
@@ -370,43 +420,89 @@ def _find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return hits[-1] if hits else None
 
 
-def _ratio_target(records: list[dict[str, Any]], size: str, case: str) -> dict[str, Any]:
-    dlm, anchor = _find(records, case=case), _find(records, case=f"baseline-{size}", compile=True)
-    ratio = dlm["tokens_per_s"] / anchor["tokens_per_s"] if dlm and anchor else None
+# Recorded on this H200 by the anchors (torch 2.11): used where this run has no figure of its own.
+RECORDED_ANCHOR = {"baseline-110M": 534992, "baseline-1.3B": 61916, "modernbert-110M": 258304, "modernbert-1.3B": 39662}
+
+
+def _best(records: list[dict[str, Any]], size: str) -> dict[str, Any] | None:
+    """dlm's fastest compiled adamw case at `size` (each kernel order is a config setting)."""
+
+    cases = [
+        r
+        for r in records
+        if r.get("source") == "dlm"
+        and r.get("size") == size
+        and r.get("compile")
+        and r.get("optimizer") == "adamw"
+        and "tokens_per_s" in r
+    ]
+    return max(cases, key=lambda r: r["tokens_per_s"]) if cases else None
+
+
+def _ratio_target(records: list[dict[str, Any]], size: str) -> dict[str, Any]:
+    dlm, anchor = _best(records, size), _find(records, case=f"baseline-{size}", compile=True)
+    anchor_tps, source = (
+        (anchor["tokens_per_s"], "this run") if anchor else (RECORDED_ANCHOR[f"baseline-{size}"], "recorded")
+    )
+    ratio = dlm["tokens_per_s"] / anchor_tps if dlm else None
+    modern = RECORDED_ANCHOR[f"modernbert-{size}"]
     return {
-        "target": f"{size}: dlm tokens/s >= {TARGETS['speed_ratio']}x the compiled baseline",
-        "measured": None if ratio is None else f"{ratio:.2f}x",
-        "met": None if ratio is None else ratio >= TARGETS["speed_ratio"],
+        "target": f"{size}: dlm tokens/s >= {TARGETS['speed_ratio']}x the compiled baseline, >= 2x ModernBERT",
+        "measured": None
+        if dlm is None
+        else f"{dlm['case']} {dlm['tokens_per_s']} tok/s = {ratio:.2f}x the baseline ({anchor_tps}, {source}), "
+        f"{dlm['tokens_per_s'] / modern:.2f}x ModernBERT ({modern}, recorded)",
+        "met": None if ratio is None else ratio >= TARGETS["speed_ratio"] and dlm["tokens_per_s"] >= 2 * modern,
     }
 
 
-def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = [_ratio_target(records, "110M", "dlm-110M"), _ratio_target(records, "1.3B", "dlm-1.3B-adamw")]
-    memory = _find(records, case="dlm-1.3B-adamw8bit-ckpt-eager")
-    rows.append(
+def _memory_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    memory, search = _find(records, case="dlm-1.3B-adamw8bit-ckpt-eager"), _find(records, case=MEMORY_CASE[1])
+    return [
         {
             "target": f"1.3B adamw8bit + checkpointing, batch 8: peak <= {TARGETS['memory_gib']:.0f} GiB",
             "measured": None
             if memory is None
             else f"{memory['peak_gib']} GiB allocated, {memory['reserved_gib']} reserved",
             "met": None if memory is None else memory["peak_gib"] <= TARGETS["memory_gib"],
-        }
-    )
-    dlm, anchor = _find(records, case="dlm-shakespeare"), _find(records, case="anchor-mdm")
-    met = None
-    if dlm is not None and dlm.get("bits_per_byte") is not None:
-        met = dlm["bits_per_byte"] <= TARGETS["bits_per_byte"] and dlm["seconds_budget"] <= TARGETS["dlm_seconds"]
-    anchor_text = "" if anchor is None else f"; anchor {anchor['best_bpb']} at {anchor['seconds']:.0f} s"
-    rows.append(
+        },
         {
-            "target": f"Shakespeare: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
-            "measured": None
-            if dlm is None
-            else f"dlm {dlm.get('bits_per_byte')} after {dlm['train_wall_s']} s, {dlm['steps']} steps{anchor_text}",
-            "met": met,
-        }
+            "target": "1.3B adamw8bit + checkpointing: --find-max-batch --memory-limit 24 finds a batch > 0",
+            "measured": None if search is None else f"batch {search['max_batch']} (probes {search['probes']})",
+            "met": None if search is None else search["max_batch"] > 0,
+        },
+    ]
+
+
+def _quality_target(records: list[dict[str, Any]]) -> dict[str, Any]:
+    runs = [r for r in records if str(r.get("case", "")).startswith("dlm-shakespeare-") and "bits_per_byte" in r]
+    anchor = _find(records, case="anchor-mdm")
+    anchor_text = (
+        "; anchor MDM recorded 2.0876 at 60 s, 2.0496 at 80 s"
+        if anchor is None
+        else f"; anchor {anchor['best_bpb']} at {anchor['seconds']:.0f} s"
     )
-    return rows
+    scored = [r for r in runs if r.get("bits_per_byte") is not None]
+    best = min(scored, key=lambda r: r["bits_per_byte"]) if scored else None
+    measured = "; ".join(
+        f"{r['case']}: {r.get('bits_per_byte')} after {r['train_wall_s']} s, {r['steps']} steps" for r in runs
+    )
+    return {
+        "target": f"Shakespeare: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
+        "measured": (measured + anchor_text) if runs else None,
+        "met": None
+        if best is None
+        else best["bits_per_byte"] <= TARGETS["bits_per_byte"] and best["seconds_budget"] <= TARGETS["dlm_seconds"],
+    }
+
+
+def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        _ratio_target(records, "110M"),
+        _ratio_target(records, "1.3B"),
+        *_memory_targets(records),
+        _quality_target(records),
+    ]
 
 
 def _cell(value: Any) -> str:
@@ -431,7 +527,8 @@ def markdown(records: list[dict[str, Any]], goals: list[dict[str, Any]], pytest_
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        if r.get("part") == "throughput" and r.get("case") not in ("environment", "dlm-shakespeare-14M"):
+        case = str(r.get("case", ""))
+        if r.get("part") == "throughput" and case != "environment" and not case.startswith("dlm-shakespeare-14M"):
             note = r.get("error") or (
                 f"{r.get('optimizer')}, checkpointing {r.get('activation_checkpointing')}, {r.get('attention')}"
                 if r.get("source") == "dlm"

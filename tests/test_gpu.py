@@ -114,3 +114,20 @@ def test_find_max_batch_within_a_memory_limit_recovers_from_oom() -> None:
     # The fraction is released afterwards: a larger batch runs without the limit.
     larger = search.batch_size + 1
     assert run_benchmark(config, steps=1, warmup=0, batch_size=larger).batch_size == larger
+
+
+def test_cudnn_attention_first_runs_the_step_at_flash_accuracy() -> None:
+    if not torch.backends.cuda.is_built() or not hasattr(torch.backends.cuda, "cudnn_sdp_enabled"):
+        pytest.skip("this torch has no cuDNN attention")
+    default = run_benchmark(small(), steps=3, warmup=1, fused_attention=True)
+    cudnn = run_benchmark(small(attention_kernel="cudnn"), steps=3, warmup=1, fused_attention=True)
+    assert cudnn.attention_backend == "cudnn", cudnn.attention_backend
+    assert default.attention_backend != "cudnn"
+    assert cudnn.loss == pytest.approx(default.loss, rel=0.02)
+    assert not enabled_sdpa_backends()["math"]  # the preference never re-enables the math kernel
+
+
+def test_compiled_blocks_and_whole_model_agree() -> None:
+    blocks = run_benchmark(small(precision="float32", compile=True), steps=3, warmup=3)
+    whole = run_benchmark(small(precision="float32", compile=True, compile_scope="model"), steps=3, warmup=3)
+    assert blocks.loss == pytest.approx(whole.loss, rel=1e-4)

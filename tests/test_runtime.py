@@ -221,3 +221,12 @@ def test_cuda_backends_rng_memory_and_peak() -> None:
     del block
     name = torch.cuda.get_device_name(cuda)
     assert runtime.peak_flops(cuda, "bfloat16") == runtime.peak_flops_for_name(name, "bfloat16")
+
+
+def test_attention_kernel_preference_is_a_no_op_off_cuda() -> None:
+    from dlm.runtime import attention_kernel_context
+
+    for preference in ("auto", "cudnn", "flash", "efficient"):
+        with attention_kernel_context(torch.device("cpu"), preference):
+            out = torch.nn.functional.scaled_dot_product_attention(*(torch.ones(1, 1, 4, 8) for _ in range(3)))
+        assert torch.equal(out, torch.ones(1, 1, 4, 8))

@@ -235,6 +235,10 @@ BenchCompareOption = Annotated[
         help="Time every combination side by side, e.g. optimizer=adamw,adamw8bit (repeatable).",
     ),
 ]
+BenchPeakOption = Annotated[
+    bool,
+    typer.Option("--measure-peak", help="Also time a large matmul and report MFU against that measured ceiling."),
+]
 BenchDeviceOption = Annotated[
     str | None,
     typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
@@ -251,6 +255,7 @@ def bench_command(
     find_max_batch: BenchFindOption = False,
     memory_limit: BenchMemoryOption = None,
     compare: BenchCompareOption = None,
+    measure_peak: BenchPeakOption = False,
     device: BenchDeviceOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -264,6 +269,7 @@ def bench_command(
     experiment = load_config(config, overrides)
     options = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "fused_attention": fused_attention}
     options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}
+    options["measure_peak"] = measure_peak
 
     def run(progress: Progress | None) -> BenchReport:
         return benchmark(experiment, progress=progress, **options)
