@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 import dlm
 from dlm.checkpoint import load_checkpoint
+from dlm.checksum import with_checksum
 from dlm.config import ExperimentConfig
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
@@ -113,7 +114,7 @@ def test_ema_weights_are_exported_when_present(run_dir: Path, tmp_path: Path) ->
     checkpoint = load_checkpoint(run_dir / "latest.pt")
     shadow = {name: tensor + 0.25 for name, tensor in checkpoint["model"].items()}
     checkpoint["ema"] = {"decay": 0.99, "num_updates": 4, "shadow": shadow}
-    torch.save(checkpoint, tmp_path / "ema.pt")
+    torch.save(with_checksum(checkpoint), tmp_path / "ema.pt")  # an edited checkpoint, consistent again
     loaded = load_model_with_info(export_model(tmp_path / "ema.pt", tmp_path / "ema", dtype="float32"))
     assert loaded.info.weights == "ema"
     assert torch.allclose(logits(loaded.model), logits(reference_model(tmp_path / "ema.pt", "ema")), atol=1e-6)
@@ -181,8 +182,8 @@ def test_tokenizer_hash_is_checked(run_dir: Path, tmp_path: Path) -> None:
     changed = tmp_path / "tokenizer.json"
     changed.write_text(Path(checkpoint["config"]["training"]["tokenizer"]).read_text() + "\n")
     checkpoint["config"]["training"]["tokenizer"] = str(changed)
-    torch.save(checkpoint, tmp_path / "moved.pt")
-    with pytest.raises(UserError, match="sha256"):
+    torch.save(with_checksum(checkpoint), tmp_path / "moved.pt")  # an edited checkpoint, consistent again
+    with pytest.raises(UserError, match="the tokenizer file changed since training"):
         export_model(tmp_path / "moved.pt", tmp_path / "out")
     changed.unlink()
     with pytest.raises(UserError, match="missing"):
