@@ -178,8 +178,9 @@ class TrainingDashboard:
         table = Table(box=None, show_header=True, header_style="bold cyan", expand=True)
         for name in ("loss", "masked acc", "lr", "grad norm", "tokens/s", "MFU", "mem GiB (peak)"):
             table.add_column(name, justify="right")
-        memory = event.get("memory_allocated_gib")
-        peak = event.get("peak_memory_allocated_gib")
+        # The names `dlm.runtime.memory_stats` gives the training loop's train events.
+        memory = event.get("allocated_gib")
+        peak = event.get("peak_allocated_gib")
         table.add_row(
             _format(event.get("loss")),
             _format(event.get("masked_accuracy"), ".3f"),

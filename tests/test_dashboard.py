@@ -6,9 +6,11 @@ import io
 import json
 from pathlib import Path
 
+from helpers import tiny_experiment
 from rich.console import Console
 
 from dlm.dashboard import JsonLinesFileSink, JsonLinesSink, TrainingDashboard, fan_out, sparkline, to_json_line
+from dlm.train import train
 
 START = {
     "event": "start", "run_dir": "runs/x", "device": "cpu", "precision": "float32", "parameters": 1234,
@@ -56,3 +58,30 @@ def test_dashboard_shows_progress_metrics_validation_and_checkpoint() -> None:
     for expected in ("runs/x", "1.2K", "step 40/100", "4.2500", "12,345", "n/a", "validation @ 40: loss 3.5000",
                      "step-00000040.pt", "paused", "0.2-0.3: -", "eta 0:01:05"):
         assert expected in text, expected
+
+
+def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(tiny_data_dir: Path, tmp_path: Path) -> None:
+    events: list[dict] = []
+    overrides = ("training.max_steps=2", "training.warmup_steps=1", "training.log_interval=1",
+                 "training.eval_interval=2", "training.save_interval=2")
+    train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=events.append)
+    last_train = max(index for index, event in enumerate(events) if event["event"] == "train")
+    # A CPU run reports zero accelerator memory; give its last train event the figures a GPU run
+    # would have, under the names the run itself used (no key may be added).
+    gpu_event = {**events[last_train], "allocated_gib": 1.25, "reserved_gib": 2.0, "peak_allocated_gib": 1.75}
+    assert gpu_event.keys() == events[last_train].keys()
+    events[last_train] = gpu_event
+
+    output, stream = io.StringIO(), io.StringIO()
+    json_sink = JsonLinesSink(stream)
+    with TrainingDashboard(Console(file=output, force_terminal=True, width=160, color_system=None)) as dashboard:
+        for event in events:
+            dashboard(event)
+            json_sink(event)
+    assert "mem GiB (peak)" in output.getvalue() and "1.25 (1.75)" in output.getvalue()
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == [event["event"] for event in events]
+    assert lines[last_train]["allocated_gib"] == 1.25 and lines[last_train]["peak_allocated_gib"] == 1.75
+    # The run's own metrics.jsonl carries the same figures under the same names.
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all({"allocated_gib", "peak_allocated_gib"} <= line.keys() for line in metrics if line["event"] == "train")
