@@ -104,11 +104,26 @@ def _canonical_name(name: str) -> str:
     return name
 
 
+def updates_past_warmup(decay: float) -> int:
+    """The fewest updates after which the EMA warmup no longer lowers `decay`."""
+
+    count = max(0, math.ceil((10 * decay - 1) / (1 - decay)))
+    # Float rounding can put the closed form one off either way.
+    while (1 + count) / (10 + count) < decay:
+        count += 1
+    while count > 0 and count / (9 + count) >= decay:
+        count -= 1
+    return count
+
+
 class ModelEMA:
     """An fp32 exponential moving average of a model's trainable parameters.
 
-    `shadow = decay * shadow + (1 - decay) * live` after each optimizer step, done with fused
+    `shadow = d * shadow + (1 - d) * live` after each optimizer step, done with fused
     `torch._foreach` kernels on the parameters' device, so updating never synchronises the host.
+    `d = min(decay, (1 + n) / (10 + n))` after `n` earlier updates: the usual warmup. Without it
+    the average would hold on to the random initial weights for ~1 / (1 - decay) steps (thousands
+    at 0.999), and eval and export, which use these weights, would score a barely trained model.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -137,9 +152,14 @@ class ModelEMA:
         live = [p.detach() for p in self._live(model)]
         if any(p.dtype != torch.float32 for p in live):
             live = [p.float() for p in live]
-        # lerp(shadow, live, 1 - decay) == decay * shadow + (1 - decay) * live
-        torch._foreach_lerp_(self.shadow, live, 1.0 - self.decay)
+        # lerp(shadow, live, 1 - d) == d * shadow + (1 - d) * live
+        torch._foreach_lerp_(self.shadow, live, 1.0 - self.current_decay())
         self.num_updates += 1
+
+    def current_decay(self) -> float:
+        """The decay the next update applies: `decay`, lowered while few updates have been made."""
+
+        return min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
@@ -190,4 +210,7 @@ class ModelEMA:
                 )
             target.copy_(source)
         # The decay stays the constructor's: the run's config, not the file, is the truth for it.
-        self.num_updates = int(state["num_updates"])
+        # The count sets the warmup, so resume restores it; a state without one (saved before the
+        # warmup existed) has been averaging at full decay all along and stays past the warmup.
+        count = state.get("num_updates")
+        self.num_updates = int(count) if count is not None else updates_past_warmup(self.decay)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import io
 import itertools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_experiment
 from torch import nn
 
+from dlm.checkpoint import load_checkpoint
 from dlm.config import TrainingConfig
 from dlm.errors import UserError
 from dlm.optim import ModelEMA, build_optimizer, learning_rate, parameter_groups
@@ -177,7 +180,7 @@ def test_ema_update_state_dict_and_swap() -> None:
             p.add_(1.0)
     ema.update(model)
     for shadow, old, live in zip(ema.shadow, start, model.parameters(), strict=True):
-        assert torch.allclose(shadow, 0.9 * old + 0.1 * live)
+        assert torch.allclose(shadow, 0.1 * old + 0.9 * live, atol=1e-6)  # the first decay: min(0.9, 1 / 10)
 
     buffer = io.BytesIO()
     torch.save(ema.state_dict(), buffer)
@@ -194,6 +197,58 @@ def test_ema_update_state_dict_and_swap() -> None:
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), live, strict=True))
     ema.copy_to(model)
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), ema.shadow, strict=True))
+
+
+@pytest.mark.parametrize("decay", [0.999, 0.2])
+def test_ema_warms_up_its_decay(decay: float) -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(-2.0)
+    ema = ModelEMA(model, decay=decay)
+    expected = {"weight": 1.0, "bias": -2.0}
+    for n, live in enumerate([4.0, -8.0, 16.0, 0.5, 3.0]):
+        with torch.no_grad():
+            model.weight.fill_(live)
+            model.bias.fill_(live / 2)
+        ema.update(model)
+        # By hand: after n earlier updates the decay is min(decay, (1 + n) / (10 + n)), so 0.1,
+        # 2/11, 3/12 ... at 0.999, and 0.1, 2/11, then 0.2 from the third update on at 0.2.
+        d = min(decay, (1 + n) / (10 + n))
+        targets = {"weight": live, "bias": live / 2}
+        expected = {name: d * expected[name] + (1 - d) * targets[name] for name in expected}
+        shadow = ema.state_dict()["shadow"]
+        for name, value in expected.items():
+            assert torch.allclose(shadow[name], torch.full_like(shadow[name], value), rtol=1e-6, atol=1e-6), (n, name)
+    assert ema.num_updates == 5 and ema.current_decay() == min(decay, 6 / 15)
+
+
+def test_ema_state_without_an_update_count_loads_past_the_warmup() -> None:
+    model = TinyModel()
+    state = ModelEMA(model, decay=0.99).state_dict()
+    del state["num_updates"]  # as saved before the count existed
+    restored = ModelEMA(TinyModel(), decay=0.99)
+    restored.load_state_dict(state)
+    assert restored.current_decay() == 0.99 and restored.num_updates == 890
+    assert (1 + 889) / (10 + 889) < 0.99  # one update fewer would still be in the warmup
+
+
+def test_resume_keeps_the_ema_warmup_exact(tiny_data_dir: Path, tmp_path: Path) -> None:
+    from dlm.train import train
+
+    # 8 updates at decay 0.999 stay inside the warmup (the 8th uses 8 / 17): a resume that lost
+    # the update count would restart the warmup and average differently.
+    settings = ("training.max_steps=8", "training.warmup_steps=1", "training.ema_decay=0.999",
+                "training.save_interval=100", "training.eval_interval=100")
+    straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=lambda event: None)
+    split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
+    paused = train(split, max_run_steps=5, sink=lambda event: None)
+    assert load_checkpoint(paused.checkpoint)["ema"]["num_updates"] == 5
+    resumed = train(split, resume=paused.checkpoint, sink=lambda event: None)
+    want, got = load_checkpoint(straight.checkpoint)["ema"], load_checkpoint(resumed.checkpoint)["ema"]
+    assert want["num_updates"] == got["num_updates"] == 8
+    assert want["shadow"].keys() == got["shadow"].keys()
+    assert all(torch.equal(want["shadow"][name], got["shadow"][name]) for name in want["shadow"])
 
 
 def test_ema_is_fp32_for_bf16_models_and_names_ignore_wrappers() -> None:
