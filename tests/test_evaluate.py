@@ -227,3 +227,22 @@ def test_cli_eval_human_output_shows_the_counts_behind_bits_per_byte(
     counts = f"NLL {report.nll:.6f} x {report.tokens:,} tokens / ({report.bytes:,} bytes x ln 2)"
     line = f"bits per byte = {counts} = {report.bits_per_byte:.4f}"
     assert line in result.stdout.splitlines()  # one line, never wrapped: it is copied
+
+
+def test_cli_eval_says_which_weights_it_scored(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch) -> None:
+    from helpers import tiny_experiment
+
+    from dlm.train import train
+
+    overrides = ("training.max_steps=3", "training.warmup_steps=1", "training.ema_decay=0.9")
+    run = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=lambda event: None).run_dir
+    options = ("--mc-samples", "1", "--batches", "1", "--batch-size", "2")
+    monkeypatch.setattr("dlm.cli.eval_cmd.wants_json", lambda flag: flag)  # tables unless --json
+    for flag, weights, shown in (("--ema", "ema", "EMA"), ("--no-ema", "live", "live")):
+        printed = run_cli("eval", run, flag, *options, "--json")
+        assert printed.exit_code == 0, printed.stderr
+        assert json.loads(printed.stdout)["context"]["weights"] == weights
+        human = run_cli("eval", run, flag, *options)
+        assert human.exit_code == 0, human.stderr
+        row = [line for line in human.stdout.splitlines() if line.strip("│ ").startswith("weights")]
+        assert len(row) == 1 and f" {shown} " in row[0], human.stdout

@@ -35,6 +35,13 @@ def _with_error(value: float | None, error: float | None) -> str:
     return _figure(value) if error is None else f"{_figure(value)} ± {_figure(error)}"
 
 
+# What `context["weights"]` names: the table's value and note.
+_WEIGHTS = {
+    "ema": ("EMA", "moving average of the trained weights; --no-ema scores the live ones"),
+    "live": ("live", "the weights as trained"),
+}
+
+
 def render_report(report: EvalReport) -> None:
     """Two rich tables: the headline figures, then the loss by noise level."""
 
@@ -43,10 +50,12 @@ def render_report(report: EvalReport) -> None:
     context = report.context
     step = context.get("step")
     title = escape(str(context.get("path", "model")))
-    title += f" (step {step}, {context.get('weights')} weights)" if step is not None else ""
+    title += f" (step {step})" if step is not None else ""
     table = Table(Column("figure", no_wrap=True), Column("value", justify="right"), "note", title=title)
     size = f"{report.sequences} sequences, {report.tokens:,} tokens"
     table.add_row("data", escape(str(context.get("data", ""))), size)
+    if context.get("weights") in _WEIGHTS:  # EMA and live weights of one run score differently
+        table.add_row("weights", *_WEIGHTS[context["weights"]])
     table.add_row("masked CE (fixed noise)", _figure(report.fixed_noise_loss), f"{report.batches} fixed noise levels")
     table.add_row("masked accuracy (fixed noise)", _figure(report.fixed_noise_accuracy), "")
     mc_note = f"K = {report.mc_samples} antithetic times; Monte Carlo part ± {_figure(report.nll_mc_stderr)}"
