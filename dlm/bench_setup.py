@@ -189,16 +189,18 @@ def set_memory_limit(device: torch.device, limit_gib: float | None) -> None:
                 "--memory-limit applies to CUDA devices only", fix="drop --memory-limit or use --device cuda"
             )
         return
-    total = torch.cuda.get_device_properties(device).total_memory / GIB
+    # The allocator's fraction needs an explicit index: a bare "cuda" means the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory / GIB
     if limit_gib is None:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
         return
     if not 0 < limit_gib <= total:
         raise UserError(
             f"--memory-limit {limit_gib} GiB is not within the device's {total:.1f} GiB",
             fix=f"pass a limit between 0 and {total:.1f}",
         )
-    torch.cuda.set_per_process_memory_fraction(limit_gib / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit_gib / total, index)
 
 
 def reset_peak_rss() -> None:

@@ -98,7 +98,8 @@ cat "$OUT_DIR/data.tmp" && rm -f "$OUT_DIR/data.tmp"
 part quality "$T_QUALITY" "$PY" scripts/gpu_bench.py quality --out "$OUT_DIR/quality.jsonl" \
   --throughput "$OUT_DIR/throughput.jsonl"
 
-part extra "$T_EXTRA" "$PY" scripts/gpu_bench.py throughput --stage extra --out "$OUT_DIR/throughput.jsonl"
+part extra "$T_EXTRA" "$PY" scripts/gpu_bench.py throughput --stage extra --out "$OUT_DIR/throughput.jsonl" \
+  ${EXTRA_ARGS:-}
 
 "$PY" scripts/gpu_bench.py report "$OUT_DIR/throughput.jsonl" "$OUT_DIR/quality.jsonl" "$OUT_DIR/status.jsonl" \
   "$OUT_DIR/pytest.log" --json "$OUT_DIR/results.json" --markdown "$OUT_DIR/results.md" || true
