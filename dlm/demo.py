@@ -55,6 +55,7 @@ CPU_MODEL_OVERRIDES = (
     "model.n_heads=4",
     "model.max_seq_len=64",  # the data is packed to match
     "training.batch_size=64",
+    "training.learning_rate=2e-3",
     "training.eval_batches=4",
 )
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)

@@ -316,7 +316,7 @@ def test_quality_schedule_is_fitted_to_the_budget(tmp_path: Path) -> None:
     assert fit(throughput, "config", 60, 20000, 200) == 2250  # 90% of (60 - 10) s at 20 ms
     assert fit(throughput, "config", 60, 1000, 200) == 1000  # never beyond the config
     assert fit(throughput, "config", 5, 20000, 200) == 201  # always past the warmup
-    assert fit(throughput, "batch256", 60, 20000, 200) is None  # each variant has its own step time
+    assert fit(throughput, "batch512", 60, 20000, 200) is None  # each variant has its own step time
 
 
 def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
