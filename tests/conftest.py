@@ -97,11 +97,12 @@ def narrow_console(monkeypatch: pytest.MonkeyPatch) -> int:
     from rich.console import Console
 
     import dlm.cli
-    from dlm.cli import common, data_cmd, eval_cmd, sample_cmd, train_cmd
+    from dlm.cli import bench_cmd, common, data_cmd, demo_cmd, demo_view, eval_cmd, export_cmd, sample_cmd, train_cmd
 
     width = 80
     # Each module holds its own reference to the shared consoles (`from common import console`).
-    for module in (dlm.cli, common, data_cmd, eval_cmd, sample_cmd, train_cmd):
+    modules = (common, data_cmd, train_cmd, eval_cmd, export_cmd, bench_cmd, sample_cmd, demo_cmd, demo_view)
+    for module in (dlm.cli, *modules):
         if hasattr(module, "console"):
             monkeypatch.setattr(module, "console", Console(width=width))
         if hasattr(module, "err_console"):

@@ -291,11 +291,11 @@ def test_the_cli_prints_json_lines_and_exits_0(demo_run: DemoRun, tmp_path: Path
 def test_the_terminal_view_renders_every_event(demo_run: DemoRun, monkeypatch: pytest.MonkeyPatch) -> None:
     from rich.console import Console
 
-    from dlm.cli import sample_cmd
+    from dlm.cli import demo_view
 
     recorder = Console(record=True, width=120, force_terminal=True)
-    monkeypatch.setattr(sample_cmd, "console", recorder)
-    view = sample_cmd.DemoView()
+    monkeypatch.setattr(demo_view, "console", recorder)
+    view = demo_view.DemoView()
     reused = [{**event, "status": "reused"} for event in stage_events(demo_run.events, "done").values()]
     cut_short = {**stage_events(demo_run.events, "done")["train"], "outcome": "paused", "learning_rate": 1.25e-4}
     try:

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from dlm import __version__
-from dlm.cli import config_cmd, data_cmd, eval_cmd, sample_cmd, train_cmd
+from dlm.cli import bench_cmd, config_cmd, data_cmd, demo_cmd, eval_cmd, export_cmd, sample_cmd, train_cmd
 from dlm.cli.common import err_console
 from dlm.errors import UserError, UserNote
 
@@ -47,7 +47,8 @@ def _root(
     _state["debug"] = debug
 
 
-for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, sample_cmd):
+# The order of registration is the order of `dlm --help`.
+for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, export_cmd, bench_cmd, sample_cmd, demo_cmd):
     _module.register(app)
 
 

@@ -1,4 +1,4 @@
-"""What every subcommand shares: consoles, JSON output and the `--set` / `--json` options."""
+"""What the subcommands share: consoles, JSON output and the options that several commands take."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ SetOption = Annotated[
 ]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+]
+EmaOption = Annotated[
+    bool,
+    typer.Option("--ema/--no-ema", help="Use the EMA weights when the checkpoint has them (else the live ones)."),
 ]
 
 

@@ -1,30 +1,20 @@
-"""`dlm eval` and `dlm export`: parse, call the library (`dlm.evaluate`, `dlm.export`), render.
+"""`dlm eval`: parse, call the library (`dlm.evaluate`), render the report.
 
-Each command is a separate function, registered in `register` with `dlm bench`.
-Libraries load inside the commands so that `dlm --help` never pays for torch.
+Libraries load inside the command so that `dlm --help` never pays for torch.
 """
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
 
 if TYPE_CHECKING:
     from dlm.evaluate import EvalReport
-
-EmaOption = Annotated[
-    bool,
-    typer.Option("--ema/--no-ema", help="Use the EMA weights when the checkpoint has them (else the live ones)."),
-]
-
-
-# ------------------------------------------------------------------------------------ dlm eval
 
 
 def _figure(value: float | None, digits: int = 4) -> str:
@@ -151,155 +141,5 @@ def eval_command(
         render_report(report)
 
 
-# ------------------------------------------------------------------------------------ dlm export
-
-
-class ExportDtype(str, Enum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
-
-
-def _human_size(size: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:,.1f} {unit}"
-    return f"{size} B"
-
-
-def export_summary(output: Path) -> dict[str, Any]:
-    """What an export holds, for the table or JSON: its metadata and file sizes."""
-
-    from dlm.export import read_export_config
-
-    config = read_export_config(output)
-    files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
-    keys = ("parameters", "dtype", "weights", "step", "tokens_seen", "tokenizer_sha256")
-    return {"output": str(output), **{key: config.get(key) for key in keys}, "files": files}
-
-
-def export_command(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="A training or inference checkpoint, or a run directory (its latest.pt).")
-    ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
-    dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = (
-        ExportDtype.bfloat16
-    ),
-    ema: EmaOption = True,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export at --output.")] = False,
-    as_json: JsonOption = False,
-) -> None:
-    """Export a checkpoint as safetensors weights, config, tokenizer and a model card."""
-
-    from dlm.export import export_model
-
-    summary = export_summary(export_model(checkpoint, output, dtype=dtype.value, use_ema=ema, overwrite=overwrite))
-    if wants_json(as_json):
-        print_json(summary)
-        return
-    from rich.table import Column, Table
-
-    table = Table("file", Column("size", justify="right"), title=escape(summary["output"]))
-    for name, size in summary["files"].items():
-        table.add_row(name, _human_size(size))
-    console.print(table)
-    console.print(
-        f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, step "
-        f"{summary['step']}. Load it with [bold]dlm.load({escape(repr(summary['output']))})[/] or "
-        f"[bold]dlm sample {escape(summary['output'])}[/].",
-        highlight=False,
-        soft_wrap=True,  # the load call and the command are copied: never broken at the terminal's width
-    )
-
-
-# ------------------------------------------------------------------------------------ dlm bench
-
-
-BenchFusedOption = Annotated[
-    bool,
-    typer.Option(
-        "--fused-attention", help="Require the flash or memory-efficient attention kernel (CUDA): never math."
-    ),
-]
-BenchStepsOption = Annotated[int, typer.Option("--steps", min=1, help="Timed optimizer steps.")]
-BenchWarmupOption = Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first (compilation, caches).")]
-BenchBatchOption = Annotated[
-    int | None, typer.Option("--batch-size", min=1, help="Override training.batch_size.", show_default=False)
-]
-BenchFindOption = Annotated[
-    bool, typer.Option("--find-max-batch", help="Find the largest micro-batch that fits (CUDA), then time it.")
-]
-BenchMemoryOption = Annotated[
-    float | None,
-    typer.Option(
-        "--memory-limit", metavar="GIB", help="Cap this process's GPU memory (search and timing).", show_default=False
-    ),
-]
-BenchCompareOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--compare",
-        metavar="KEY=V1,V2",
-        show_default=False,
-        help="Time every combination side by side, e.g. optimizer=adamw,adamw8bit (repeatable).",
-    ),
-]
-BenchPeakOption = Annotated[
-    bool,
-    typer.Option("--measure-peak", help="Also time a large matmul and report MFU against that measured ceiling."),
-]
-BenchDeviceOption = Annotated[
-    str | None,
-    typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
-]
-
-
-def bench_command(
-    config: ConfigOption,
-    overrides: SetOption = None,
-    fused_attention: BenchFusedOption = False,
-    steps: BenchStepsOption = 20,
-    warmup: BenchWarmupOption = 5,
-    batch_size: BenchBatchOption = None,
-    find_max_batch: BenchFindOption = False,
-    memory_limit: BenchMemoryOption = None,
-    compare: BenchCompareOption = None,
-    measure_peak: BenchPeakOption = False,
-    device: BenchDeviceOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory."""
-
-    from rich.table import Table
-
-    from dlm.bench import BenchReport, Progress, benchmark, report_summary, report_table
-    from dlm.config import load_config
-
-    experiment = load_config(config, overrides)
-    options = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "fused_attention": fused_attention}
-    options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}
-    options["measure_peak"] = measure_peak
-
-    def run(progress: Progress | None) -> BenchReport:
-        return benchmark(experiment, progress=progress, **options)
-
-    if wants_json(as_json):
-        print_json(run(None).to_dict())
-        return
-    with console.status("benchmarking") as status:
-        report = run(lambda text: status.update(escape(text)))
-    for line in report_summary(report):
-        console.print(escape(line), highlight=False)
-    headers, rows = report_table(report)
-    table = Table(*headers)
-    for row in rows:
-        table.add_row(*(escape(cell) for cell in row))
-    console.print(table)
-    for failure in report.failures:
-        console.print(f"[yellow]note:[/] {escape(failure['error'])}")
-
-
 def register(app: typer.Typer) -> None:
     app.command("eval")(eval_command)
-    app.command("export")(export_command)
-    app.command("bench")(bench_command)

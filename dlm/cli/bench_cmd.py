@@ -1,0 +1,100 @@
+"""`dlm bench`: parse, call the library (`dlm.bench`), render the timings.
+
+The library loads inside the command so that `dlm --help` never pays for torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+
+BenchFusedOption = Annotated[
+    bool,
+    typer.Option(
+        "--fused-attention", help="Require the flash or memory-efficient attention kernel (CUDA): never math."
+    ),
+]
+BenchStepsOption = Annotated[int, typer.Option("--steps", min=1, help="Timed optimizer steps.")]
+BenchWarmupOption = Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first (compilation, caches).")]
+BenchBatchOption = Annotated[
+    int | None, typer.Option("--batch-size", min=1, help="Override training.batch_size.", show_default=False)
+]
+BenchFindOption = Annotated[
+    bool, typer.Option("--find-max-batch", help="Find the largest micro-batch that fits (CUDA), then time it.")
+]
+BenchMemoryOption = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-limit", metavar="GIB", help="Cap this process's GPU memory (search and timing).", show_default=False
+    ),
+]
+BenchCompareOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--compare",
+        metavar="KEY=V1,V2",
+        show_default=False,
+        help="Time every combination side by side, e.g. optimizer=adamw,adamw8bit (repeatable).",
+    ),
+]
+BenchPeakOption = Annotated[
+    bool,
+    typer.Option("--measure-peak", help="Also time a large matmul and report MFU against that measured ceiling."),
+]
+BenchDeviceOption = Annotated[
+    str | None,
+    typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
+]
+
+
+def bench_command(
+    config: ConfigOption,
+    overrides: SetOption = None,
+    fused_attention: BenchFusedOption = False,
+    steps: BenchStepsOption = 20,
+    warmup: BenchWarmupOption = 5,
+    batch_size: BenchBatchOption = None,
+    find_max_batch: BenchFindOption = False,
+    memory_limit: BenchMemoryOption = None,
+    compare: BenchCompareOption = None,
+    measure_peak: BenchPeakOption = False,
+    device: BenchDeviceOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory."""
+
+    from rich.table import Table
+
+    from dlm.bench import BenchReport, Progress, benchmark, report_summary, report_table
+    from dlm.config import load_config
+
+    experiment = load_config(config, overrides)
+    options = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "fused_attention": fused_attention}
+    options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}
+    options["measure_peak"] = measure_peak
+
+    def run(progress: Progress | None) -> BenchReport:
+        return benchmark(experiment, progress=progress, **options)
+
+    if wants_json(as_json):
+        print_json(run(None).to_dict())
+        return
+    with console.status("benchmarking") as status:
+        report = run(lambda text: status.update(escape(text)))
+    for line in report_summary(report):
+        console.print(escape(line), highlight=False)
+    headers, rows = report_table(report)
+    table = Table(*headers)
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    console.print(table)
+    for failure in report.failures:
+        console.print(f"[yellow]note:[/] {escape(failure['error'])}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_command)

@@ -1,0 +1,98 @@
+"""The terminal view of `dlm demo`: a spinner or bar while a stage runs, a line of figures when it
+ends, the training dashboard while the model trains, and a panel per sample."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+
+from dlm.cli.common import console
+
+
+def _stage_summary(event: dict[str, Any]) -> str:
+    """One line of figures for a finished (or reused) demo stage."""
+
+    stage = event["stage"]
+    if stage == "tokenizer":
+        return f"vocabulary {event['vocab_size']}"
+    if stage == "data":
+        return f"{event['train_num_blocks']:,} training / {event['val_num_blocks']:,} validation blocks"
+    if stage == "validate":
+        return f"{event['checks']} checks passed"
+    if stage == "calibrate":
+        return (
+            f"{event['seconds_per_step']:.2f} s per step: {event['max_steps']} steps, warmup {event['warmup_steps']}, "
+            "cosine to the floor within the budget"
+        )
+    if stage == "train":
+        text = f"step {event['step']} of {event['max_steps']}"
+        if event.get("outcome") == "paused":
+            text += " (the budget ran out first)"
+        if event.get("learning_rate") is not None:
+            text += f", final learning rate {event['learning_rate']:.2e} (floor {event['min_learning_rate']:.2e})"
+        return text
+    if stage == "evaluate":
+        bpb, unigram = event.get("bits_per_byte"), event.get("unigram_bits_per_byte")
+        text = f"{bpb:.3f} bits per byte" if bpb is not None else "no bits per byte"
+        return text + (f" (unigram baseline {unigram:.3f})" if unigram is not None else "")
+    return str(event.get("path", ""))
+
+
+class DemoView:
+    """Renders `dlm demo` events on a terminal: a spinner or bar while a stage runs, a line when it
+    ends, the training dashboard while the model trains, and a panel per sample."""
+
+    def __init__(self) -> None:
+        self.progress: Any = None  # rich Progress of the running stage
+        self.task: Any = None
+        self.dashboard: Any = None  # TrainingDashboard while the train stage runs
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.dashboard is not None:
+            self.dashboard.__exit__(None, None, None)
+        self.progress = self.task = self.dashboard = None
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        from rich.panel import Panel
+        from rich.text import Text
+
+        kind = event.get("event")
+        if kind == "demo_stage":
+            self._stage(event)
+        elif kind == "demo_progress" and self.progress is not None:
+            self.progress.update(self.task, completed=event["done"], total=event["total"])
+        elif kind == "demo_start":
+            console.print(f"[bold]dlm demo[/] in {escape(event['output'])} on {event['device']}, "
+                          f"{event['minutes']:g} minutes of training", highlight=False, soft_wrap=True)  # fmt: skip
+        elif kind == "demo_note":
+            console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
+        elif kind == "demo_replan":
+            console.print(f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
+                          f"now ends at step {event['max_steps']}[/]", highlight=False)  # fmt: skip
+        elif kind == "demo_sample":
+            title = f"{event['label']}: {event['template'] or event['prompt'] or 'no prompt'}"
+            console.print(Panel(Text(event["text"]), title=escape(title), title_align="left"))
+        elif self.dashboard is not None:
+            self.dashboard(event)  # the training loop's own events
+
+    def _stage(self, event: dict[str, Any]) -> None:
+        from rich.markup import escape
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+        from dlm.dashboard import TrainingDashboard
+
+        stage, status = event["stage"], event["status"]
+        self.close()
+        if status == "running" and stage == "train":
+            self.dashboard = TrainingDashboard(console).__enter__()
+        elif status == "running":
+            self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+                                     TaskProgressColumn(), TimeElapsedColumn(), console=console)  # fmt: skip
+            self.progress.start()
+            self.task = self.progress.add_task(f"{stage}: {escape(event.get('detail', ''))}", total=None)
+        else:
+            mark, how = ("[cyan]↺[/]", "reused") if status == "reused" else ("[green]✓[/]", f"{event['seconds']:.1f} s")
+            console.print(f"{mark} {stage:<9} {how:>8}  {escape(_stage_summary(event))}", highlight=False)

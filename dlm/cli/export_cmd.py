@@ -1,0 +1,77 @@
+"""`dlm export`: parse, call the library (`dlm.export`), render what the export holds.
+
+The library loads inside the command so that `dlm --help` never pays for torch.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
+
+
+class ExportDtype(str, Enum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+def _human_size(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size} B"
+
+
+def export_summary(output: Path) -> dict[str, Any]:
+    """What an export holds, for the table or JSON: its metadata and file sizes."""
+
+    from dlm.export import read_export_config
+
+    config = read_export_config(output)
+    files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
+    keys = ("parameters", "dtype", "weights", "step", "tokens_seen", "tokenizer_sha256")
+    return {"output": str(output), **{key: config.get(key) for key in keys}, "files": files}
+
+
+def export_command(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A training or inference checkpoint, or a run directory (its latest.pt).")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
+    dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = (
+        ExportDtype.bfloat16
+    ),
+    ema: EmaOption = True,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export at --output.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Export a checkpoint as safetensors weights, config, tokenizer and a model card."""
+
+    from dlm.export import export_model
+
+    summary = export_summary(export_model(checkpoint, output, dtype=dtype.value, use_ema=ema, overwrite=overwrite))
+    if wants_json(as_json):
+        print_json(summary)
+        return
+    from rich.table import Column, Table
+
+    table = Table("file", Column("size", justify="right"), title=escape(summary["output"]))
+    for name, size in summary["files"].items():
+        table.add_row(name, _human_size(size))
+    console.print(table)
+    console.print(
+        f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, step "
+        f"{summary['step']}. Load it with [bold]dlm.load({escape(repr(summary['output']))})[/] or "
+        f"[bold]dlm sample {escape(summary['output'])}[/].",
+        highlight=False,
+        soft_wrap=True,  # the load call and the command are copied: never broken at the terminal's width
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export_command)
