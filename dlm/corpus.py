@@ -30,14 +30,16 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar, get_args
 
 from dlm.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 SUPPORTED = "`.txt`, `.md`, `.jsonl` (each optionally `.gz`)"
-DECODE_ERRORS = ("strict", "replace")
+# What to do with bytes that are not UTF-8: stop with their offset, or read U+FFFD.
+DecodeErrors = Literal["strict", "replace"]
+DECODE_ERRORS: tuple[str, ...] = get_args(DecodeErrors)
 _REPLACEMENT_UTF8 = "\ufffd".encode()
 _T = TypeVar("_T")
 

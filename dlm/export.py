@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dlm import __version__
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
+from dlm.choices import ExportDtype
 from dlm.config import ExperimentConfig, ModelConfig, format_validation_error
 from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
@@ -38,7 +39,7 @@ from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME = "model.safetensors", "config.json", "tokenizer.json", "README.md"
 EVAL_NAME = "eval.json"  # what `dlm eval --output` writes; a run dir's copy feeds the model card
-EXPORT_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
 _PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir")
 
@@ -439,7 +440,11 @@ def _swap_into_place(built: Path, output: Path) -> None:
 
 
 def export_model(
-    source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True, overwrite: bool = False
+    source: str | Path,
+    output: str | Path,
+    dtype: ExportDtype = "bfloat16",
+    use_ema: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write an exported model directory from a training / inference checkpoint or a run dir."""
 

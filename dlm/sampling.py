@@ -32,15 +32,15 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
+from dlm.choices import Remasking
 from dlm.errors import UserError
 from dlm.tokenizer import SPECIAL_TOKENS
 
-Remasking = Literal["random", "confidence", "margin"]
 REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
 StepCallback = Callable[[int, torch.Tensor], None]
 TemplatePart = str | int

@@ -5,19 +5,14 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
+from dlm.choices import ExportDtype
 from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
-
-
-class ExportDtype(str, Enum):
-    bfloat16 = "bfloat16"
-    float32 = "float32"
 
 
 def _human_size(size: int) -> str:
@@ -43,9 +38,7 @@ def export_command(
         Path, typer.Argument(help="A training or inference checkpoint, or a run directory (its latest.pt).")
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
-    dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = (
-        ExportDtype.bfloat16
-    ),
+    dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = "bfloat16",
     ema: EmaOption = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export at --output.")] = False,
     as_json: JsonOption = False,
@@ -54,7 +47,7 @@ def export_command(
 
     from dlm.export import export_model
 
-    summary = export_summary(export_model(checkpoint, output, dtype=dtype.value, use_ema=ema, overwrite=overwrite))
+    summary = export_summary(export_model(checkpoint, output, dtype=dtype, use_ema=ema, overwrite=overwrite))
     if wants_json(as_json):
         print_json(summary)
         return

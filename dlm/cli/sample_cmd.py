@@ -6,12 +6,12 @@ character each) are revealed step by step; otherwise the final texts, or JSON wi
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from dlm.choices import Remasking
 from dlm.cli.common import JsonOption, console, print_json
 
 if TYPE_CHECKING:
@@ -21,12 +21,6 @@ if TYPE_CHECKING:
     from dlm.sampling import SampleResult
 
 MASK_GLYPH = "░"
-
-
-class RemaskingChoice(str, Enum):
-    random = "random"
-    confidence = "confidence"
-    margin = "margin"
 
 
 def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int, steps: int) -> RenderableType:
@@ -99,7 +93,7 @@ TopPOption = Annotated[
     ),
 ]
 RemaskingOption = Annotated[
-    RemaskingChoice,
+    Remasking,
     typer.Option(
         "--remasking",
         help="Which predictions each step keeps: random (ancestral), confidence (most probable first, "
@@ -144,7 +138,7 @@ def sample(
     temperature: TemperatureOption = 1.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
-    remasking: RemaskingOption = RemaskingChoice.confidence,
+    remasking: RemaskingOption = "confidence",
     block_length: BlockOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
@@ -158,7 +152,7 @@ def sample(
     from dlm.sampling import SamplingOptions, check_request, generate
 
     # Check every option before the (slow) model load.
-    SamplingOptions(steps, temperature, top_k, top_p, remasking.value, block_length)
+    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
     check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     from dlm.export import load_model
     from dlm.runtime import resolve_device
@@ -168,7 +162,7 @@ def sample(
     model, tokenizer = load_model(model_path, device=resolved)
     options: dict[str, Any] = dict(
         prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
-        temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking.value,
+        temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
         block_length=block_length, device=resolved,
     )  # fmt: skip
     live_view = not as_json and console.is_terminal

@@ -1,0 +1,15 @@
+"""Names that a library function accepts and the CLI offers: one `Literal` each, read by both.
+
+The functions that implement these choices import torch; this module does not, so that the CLI
+lists the names (`typing.get_args`) without loading torch for `dlm --help` or `dlm pack`. Adding a
+name is one edit here plus its implementation in the module named beside it; the CLI follows.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+# `dlm.sampling`: which predictions a denoising step keeps (`token_confidence`, `_Reverse`).
+Remasking = Literal["random", "confidence", "margin"]
+# `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
+ExportDtype = Literal["bfloat16", "float32"]
