@@ -10,7 +10,15 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.cli.common import (
+    ConfigOption,
+    JsonOption,
+    SetOption,
+    TrainingDeviceOption,
+    console,
+    print_json,
+    wants_json,
+)
 
 BenchFusedOption = Annotated[
     bool,
@@ -45,10 +53,6 @@ BenchPeakOption = Annotated[
     bool,
     typer.Option("--measure-peak", help="Also time a large matmul and report MFU against that measured ceiling."),
 ]
-BenchDeviceOption = Annotated[
-    str | None,
-    typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
-]
 
 
 def bench_command(
@@ -62,7 +66,7 @@ def bench_command(
     memory_limit: BenchMemoryOption = None,
     compare: BenchCompareOption = None,
     measure_peak: BenchPeakOption = False,
-    device: BenchDeviceOption = None,
+    device: TrainingDeviceOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory."""

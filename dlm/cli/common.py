@@ -13,9 +13,7 @@ from rich.console import Console
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path, typer.Option("--config", "-c", help="Experiment config (TOML).", show_default=False)
-]
+ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (TOML).", show_default=False)]
 SetOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -25,8 +23,14 @@ SetOption = Annotated[
         show_default=False,
     ),
 ]
-JsonOption = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+# `--device` takes what `dlm.runtime.resolve_device` accepts; left out, training and the demo use the config's.
+_DEVICES = "auto, cpu, mps, cuda or cuda:N"
+DeviceOption = Annotated[str, typer.Option("--device", help=f"{_DEVICES}.")]
+DemoDeviceOption = Annotated[str | None, typer.Option("--device", help=f"{_DEVICES} (default: the config's).")]
+TrainingDeviceOption = Annotated[
+    str | None,
+    typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
 ]
 EmaOption = Annotated[
     bool,

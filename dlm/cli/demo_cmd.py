@@ -12,15 +12,12 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import JsonOption, console
+from dlm.cli.common import DemoDeviceOption, JsonOption, console
 from dlm.cli.demo_view import DemoView
 
 DemoOutputOption = Annotated[Path, typer.Option("--output", "-o", help="Directory for data, run, model and samples.")]
 MinutesOption = Annotated[
     float, typer.Option("--minutes", "-m", help="Wall-clock budget of the training stage, calibration included.")
-]
-DemoDeviceOption = Annotated[
-    str | None, typer.Option("--device", help="auto, cpu, mps, cuda or cuda:N (default: the config's).")
 ]
 DemoConfigOption = Annotated[
     Path | None,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
+from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, print_json, wants_json
 
 if TYPE_CHECKING:
     from dlm.evaluate import EvalReport
@@ -107,7 +107,7 @@ def eval_command(
             "--batch-size", help="Sequences per batch; default: the run's batch_size, else 8.", show_default=False
         ),
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, mps, cuda or cuda:N.")] = "auto",
+    device: DeviceOption = "auto",
     ema: EmaOption = True,
     output: Annotated[
         Path | None,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dlm.choices import Remasking
-from dlm.cli.common import JsonOption, console, print_json
+from dlm.cli.common import DeviceOption, JsonOption, console, print_json
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,6 @@ BlockOption = Annotated[
         show_default=False,
     ),
 ]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu, mps, cuda or cuda:N.")]
 
 
 def _generate_live(model: Any, tokenizer: Any, options: dict[str, Any]) -> SampleResult:

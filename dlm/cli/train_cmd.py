@@ -14,7 +14,15 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, err_console, wants_json
+from dlm.cli.common import (
+    ConfigOption,
+    JsonOption,
+    SetOption,
+    TrainingDeviceOption,
+    console,
+    err_console,
+    wants_json,
+)
 from dlm.config import ExperimentConfig, load_config
 from dlm.errors import UserError
 
@@ -25,9 +33,6 @@ MaxRunSteps = Annotated[
 MaxRunMinutes = Annotated[
     float | None,
     typer.Option("--max-run-minutes", min=0.01, help="Stop safely ('paused') after this much wall time."),
-]
-DeviceOption = Annotated[
-    str | None, typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.")
 ]
 PrecisionOption = Annotated[
     str | None,
@@ -105,7 +110,7 @@ def train_command(
     ] = None,
     max_run_steps: MaxRunSteps = None,
     max_run_minutes: MaxRunMinutes = None,
-    device: DeviceOption = None,
+    device: TrainingDeviceOption = None,
     precision: PrecisionOption = None,
     nproc: Annotated[
         int | None,
@@ -155,7 +160,7 @@ def resume_command(
     ] = None,
     max_run_steps: MaxRunSteps = None,
     max_run_minutes: MaxRunMinutes = None,
-    device: DeviceOption = None,
+    device: TrainingDeviceOption = None,
     precision: PrecisionOption = None,
     allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
