@@ -420,7 +420,7 @@ def train(
     device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
     precision = resolve_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
-    ensure_valid(experiment)
+    ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)

@@ -2,8 +2,9 @@
 
 `validate_experiment` returns every check's result (what `dlm validate` shows as a table);
 `ensure_valid` raises the first failure as a `UserError` (what the training loop calls before it
-spends any time). A check whose input could not be read is not attempted: the reading failure is
-the one to fix first.
+spends any time or writes anything, so the memory check refuses a model whose state cannot fit
+before a single weight is allocated). A check whose input could not be read is not attempted: the
+reading failure is the one to fix first.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dlm.config import ExperimentConfig, load_config
 from dlm.corpus import check_writable_directory
 from dlm.data import PackedDataset, load_packed_dataset
 from dlm.errors import UserError
+from dlm.memory import check_training_memory
+from dlm.runtime import resolve_device, resolve_precision
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 
@@ -137,8 +142,26 @@ def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> Check
     return CheckResult("training budget", True, detail)
 
 
-def validate_experiment(experiment: ExperimentConfig) -> list[CheckResult]:
-    """Every check of `experiment`'s tokenizer, data and output directory, in order."""
+def _memory_check(experiment: ExperimentConfig, device: torch.device | None, world_size: int) -> CheckResult:
+    training = experiment.training
+    try:
+        device = device if device is not None else resolve_device(training.device)
+        precision = resolve_precision(training.precision, device)
+    except UserError as exc:
+        return _failure("memory", exc)
+    shards = world_size if training.parallelism == "fsdp" else 1
+    verdict = check_training_memory(experiment, device, precision, shards)
+    return CheckResult("memory", verdict.fits, verdict.detail, verdict.fix)
+
+
+def validate_experiment(
+    experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1
+) -> list[CheckResult]:
+    """Every check of `experiment`'s tokenizer, data, output directory and memory, in order.
+
+    `device`: where training will run (default: `training.device` resolved here); `world_size`
+    processes share the model state under FSDP.
+    """
 
     training = experiment.training
     results = _tokenizer_checks(experiment)
@@ -152,6 +175,7 @@ def validate_experiment(experiment: ExperimentConfig) -> list[CheckResult]:
     results.append(_output_check(Path(training.output_dir)))
     if train_dataset is not None:
         results.append(_budget_check(experiment, train_dataset))
+    results.append(_memory_check(experiment, device, world_size))
     return results
 
 
@@ -168,9 +192,9 @@ def validate_config_file(
     return experiment, [schema, *validate_experiment(experiment)]
 
 
-def ensure_valid(experiment: ExperimentConfig) -> None:
+def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:
     """Raise the first failed check as a UserError (the training loop's pre-flight)."""
 
-    for result in validate_experiment(experiment):
+    for result in validate_experiment(experiment, device, world_size):
         if not result.passed:
             raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlm.config import load_config
 from dlm.errors import UserError
@@ -44,11 +45,33 @@ def test_matching_files_pass_every_check(tiny_data_dir: Path, tmp_path: Path, ru
         assert {f"{split} data", f"{split} data seq_len", f"{split} data vocab_size", f"{split} data tokenizer"} <= set(
             names
         )
-    assert names[-2:] == ["output_dir writable", "training budget"]
+    assert names[-3:] == ["output_dir writable", "training budget", "memory"]
     blocks = json.loads((tiny_data_dir / "train.json").read_text())["num_blocks"]
-    budget = report["checks"][-1]["detail"]
+    budget = report["checks"][-2]["detail"]
     assert f"{60 * 8:,} blocks ({60 * 8 * 64:,} tokens) = {60 * 8 / blocks:.2f} epochs of {blocks:,}" in budget
+    assert "139.6K parameters: weights 545.2 KiB" in report["checks"][-1]["detail"]
+    assert "of RAM available" in report["checks"][-1]["detail"]
     assert not (tmp_path / "run").exists()  # validating never creates the run directory
+    assert result.stderr == ""
+
+
+def test_a_model_too_large_fails_the_memory_check_with_its_fix(tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:
+    overrides = tiny_overrides(tiny_data_dir, tmp_path / "run", "model.d_model=65536", "model.n_layers=512")
+    result = run_cli("validate", "--config", TINY, *[a for o in overrides for a in ("--set", o)], "--json")
+    checks = {check["name"]: check for check in json.loads(result.stdout)["checks"]}
+    memory = checks["memory"]
+    assert not memory["passed"]
+    assert memory["detail"].startswith("the run needs at least 384.0 TiB for the model state (26.39T parameters")
+    assert "of RAM available" in memory["detail"] and "model.d_model" in memory["fix"]
+    assert [name for name, check in checks.items() if not check["passed"]] == ["memory"]
+    result.assert_refused(f"error: 1 of {len(checks)} checks failed: memory", 'see the "fix" of each failed check')
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_unavailable_device_fails_the_memory_check(tiny_data_dir: Path, tmp_path: Path) -> None:
+    failures = failed(tiny_overrides(tiny_data_dir, tmp_path / "run", "training.device=cuda"))
+    assert list(failures) == ["memory"] and "no CUDA device is available" in failures["memory"][0]
 
 
 @pytest.mark.parametrize(
@@ -95,7 +118,8 @@ def test_schema_errors_are_a_failed_check_and_exit_2(tmp_path: Path, run_cli) ->
     assert len(results) == 1 and results[0].name == "config schema" and not results[0].passed
     assert "n_heads" in results[0].detail
     result = run_cli("validate", "-c", TINY, "--set", "model.nope=1", "--json")
-    assert result.exit_code == 2 and json.loads(result.stdout)["passed"] is False
+    assert json.loads(result.stdout)["passed"] is False
+    result.assert_refused("error: 1 of 1 checks failed: config schema")
 
 
 def test_table_rendering_and_exit_code(
@@ -104,8 +128,11 @@ def test_table_rendering_and_exit_code(
     monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
     overrides = tiny_overrides(tiny_data_dir, tmp_path / "run", "model.mask_token_id=2")
     result = run_cli("validate", "-c", TINY, *[a for o in overrides for a in ("-s", o)])
-    assert result.exit_code == 2
     assert "tokenizer mask_token_id" in result.stdout and "failed" in result.stdout and "passed" in result.stdout
+    checks = len(validate_config_file(TINY, overrides)[1])
+    result.assert_refused(
+        f"error: 1 of {checks} checks failed: tokenizer mask_token_id (fix the rows marked failed above)"
+    )
 
 
 def test_ensure_valid_raises_the_first_failure(tiny_data_dir: Path, tmp_path: Path) -> None:

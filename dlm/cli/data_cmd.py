@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
 from dlm.corpus import SUPPORTED
+from dlm.errors import UserError
 
 if TYPE_CHECKING:
     from dlm.pack import PackSummary
@@ -255,14 +256,15 @@ def _pack_notes(summary: PackSummary) -> list[str]:
 
 
 def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
-    """Check a config against its tokenizer, data and output directory; exit 2 on any failure."""
+    """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure."""
 
     from dlm.validate import validate_config_file
 
     _, results = validate_config_file(config, overrides)
-    passed = all(result.passed for result in results)
-    if wants_json(as_json):
-        print_json({"passed": passed, "checks": [result.to_dict() for result in results]})
+    failed = [result.name for result in results if not result.passed]
+    as_json = wants_json(as_json)
+    if as_json:
+        print_json({"passed": not failed, "checks": [result.to_dict() for result in results]})
     else:
         from rich.table import Column, Table
 
@@ -271,8 +273,12 @@ def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOpt
             mark = "[green]passed[/]" if result.passed else "[bold red]failed[/]"
             table.add_row(result.name, mark, escape(result.detail), escape(result.fix))
         console.print(table)
-    if not passed:
-        raise typer.Exit(2)
+    if failed:
+        # The report is on stdout; stderr gets the one `error:` line that every failed command prints.
+        raise UserError(
+            f"{len(failed)} of {len(results)} checks failed: {', '.join(failed)}",
+            fix='see the "fix" of each failed check' if as_json else "fix the rows marked failed above",
+        )
 
 
 def register(app: typer.Typer) -> None:
