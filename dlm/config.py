@@ -214,7 +214,11 @@ class ExperimentConfig(_Strict):
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: the dotted field path, what is wrong, and how to fix it."""
+    """Every problem on one line: the dotted field path, what is wrong, and how to fix it.
+
+    One line because a failed command prints exactly one `error:` line; several problems are
+    numbered so that each one's fix stays attached to its field.
+    """
 
     lines = []
     for error in exc.errors():
@@ -232,7 +236,10 @@ def format_validation_error(exc: ValidationError) -> str:
         got = error.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"{location}: {message}{shown}; fix: set {location} to a valid value")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
+    numbered = "; ".join(f"({number}) {line}" for number, line in enumerate(lines, 1))
+    return f"invalid config, {len(lines)} problems: {numbered}"
 
 
 def _field_allows_none(section: type[BaseModel], name: str) -> bool:

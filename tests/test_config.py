@@ -82,12 +82,29 @@ def test_invalid_field_is_named_with_file_and_fix(tmp_path: Path, toml: str, fie
     assert str(path) in message
     assert f"{field}:" in message
     assert "fix:" in message
+    assert "\n" not in message  # the CLI prints one `error:` line per failure
 
 
 def test_several_problems_are_reported_together(tmp_path: Path) -> None:
     path = write(tmp_path, "[training]\nbatch_size = 0\nlearning_rate = -1\n")
     message = error_text(path)
     assert "training.batch_size" in message and "training.learning_rate" in message
+    assert "\n" not in message and "invalid config, 2 problems: (1) training." in message
+    assert "; (2) training." in message
+
+
+def test_an_invalid_config_is_one_error_line_and_writes_nothing(tmp_path: Path, run_cli) -> None:
+    run_dir = tmp_path / "run"
+    path = write(tmp_path, f'[training]\noutput_dir = "{run_dir}"\nbatch_size = 0\n')
+    problem = "training.batch_size: Input should be greater than or equal to 1 (got 0)"
+    for command in (("train", "--config", path), ("config", "show", path)):
+        run_cli(*command).assert_refused(f"error: {path}: invalid config: {problem}; fix: set training.batch_size")
+    assert not run_dir.exists()
+    several = run_cli("train", "--config", path, "--set", "training.learning_rate=-1")
+    several.assert_refused(
+        f"error: {path}: invalid config, 2 problems: (1) training.learning_rate: ", f"; (2) {problem}"
+    )
+    assert not run_dir.exists()
 
 
 def test_overrides_are_parsed_with_the_field_type(tmp_path: Path) -> None:
