@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.errors import UserError
+from dlm.optimizers import describe_optimizers, registered_optimizers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,8 +108,8 @@ class TrainingConfig(_Strict):
         "auto", description="Autocast dtype; auto = bfloat16 on CUDA when supported, else float32."
     )
     seed: int = Field(1337, ge=0, lt=2**63, description="Seed for weights, data order and diffusion noise.")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        "adamw", description="adamw (torch) or adamw8bit (bitsandbytes, the `gpu` extra)."
+    optimizer: str = Field(
+        "adamw", description=f"A registered optimizer (`dlm/optimizers.py`): {describe_optimizers()}."
     )
     optimizer_embedding_32bit: bool = Field(
         True, description="adamw8bit: keep 32-bit optimizer state for the tied embedding / head."
@@ -154,6 +155,17 @@ class TrainingConfig(_Strict):
         None, gt=0, lt=1, description="Keep an exponential moving average of the weights (e.g. 0.999)."
     )
     parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-process wrapping under torchrun.")
+
+    @model_validator(mode="after")
+    def _check_optimizer(self) -> TrainingConfig:
+        # Checked here rather than by a Literal so that an optimizer registered at runtime is accepted.
+        if self.optimizer not in registered_optimizers():
+            raise FieldProblem(
+                "optimizer",
+                f"{self.optimizer!r} is not a registered optimizer",
+                f"use one of: {', '.join(registered_optimizers())}",
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainingConfig:

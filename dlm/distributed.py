@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dlm.config import ExperimentConfig, TrainingConfig
 from dlm.errors import UserError
+from dlm.optimizers import check_fsdp_support
 
 
 @dataclass(frozen=True)
@@ -129,12 +130,7 @@ def check_parallelism(training: TrainingConfig) -> None:
 
     if training.parallelism != "fsdp":
         return
-    if training.optimizer == "adamw8bit":
-        raise UserError(
-            "training.optimizer = 'adamw8bit' does not work with training.parallelism = 'fsdp': "
-            "bitsandbytes' 8-bit state is not defined for sharded (DTensor) parameters",
-            fix="use optimizer = 'adamw' with fsdp, or adamw8bit with parallelism = 'ddp'",
-        )
+    check_fsdp_support(training.optimizer)
     if training.precision == "float16":
         raise UserError(
             "training.precision = 'float16' is not supported with training.parallelism = 'fsdp': "

@@ -1,7 +1,8 @@
-"""Optimisation: AdamW parameter groups (torch or bitsandbytes 8-bit), the LR schedule, EMA.
+"""Optimisation: parameter groups, building the configured optimizer, its resume, the LR schedule, EMA.
 
-Parameter groups are always `[decay, no_decay]` in that order: resume matches optimizer state to
-parameters by group position, so the order is part of the checkpoint format.
+Which optimizers exist and how each is built lives in the registry, `dlm.optimizers`. Parameter
+groups are always `[decay, no_decay]` in that order: resume matches optimizer state to parameters
+by group position, so the order is part of the checkpoint format.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 
 from dlm.config import TrainingConfig
 from dlm.errors import UserError
+from dlm.optimizers import optimizer_spec
 
 # Prefixes that wrappers add to parameter names (torch.compile, DDP); EMA names drop them so a
 # checkpoint taken from a compiled or wrapped model loads into a plain one and back.
@@ -37,49 +40,40 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
 
 
 def build_optimizer(model: nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA) or bitsandbytes AdamW8bit, configured from `training`."""
+    """The optimizer `training.optimizer` names in the registry (`dlm.optimizers`), over `parameter_groups`."""
 
-    groups = parameter_groups(model, training.weight_decay)
-    common: dict[str, Any] = {
-        "lr": training.learning_rate,
-        "betas": (training.adam_beta1, training.adam_beta2),
-        "eps": training.adam_eps,
-    }
-    if training.optimizer == "adamw8bit":
-        return _build_adamw8bit(model, groups, training, common)
-    if device.type == "cuda":
-        common["fused"] = True
-    return torch.optim.AdamW(groups, **common)
+    spec = optimizer_spec(training.optimizer)
+    spec.check_installed()
+    return spec.build(model, parameter_groups(model, training.weight_decay), training, device)
 
 
-def _build_adamw8bit(
-    model: nn.Module,
-    groups: list[dict[str, Any]],
-    training: TrainingConfig,
-    common: dict[str, Any],
-) -> torch.optim.Optimizer:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
+def check_state_layout(optimizer: torch.optim.Optimizer, state: dict[str, Any], path: str | Path) -> None:
+    """Refuse a saved optimizer state whose parameter groups do not line up with `optimizer`'s.
+
+    State is matched to parameters by group position and by order within a group, whatever the
+    optimizer, so the number of groups and of parameters in each must agree.
+    """
+
+    saved = [len(group["params"]) for group in state.get("param_groups", [])]
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != current:
         raise UserError(
-            "training.optimizer: adamw8bit needs the bitsandbytes package, which is not installed",
-            fix="pip install 'dlm[gpu]' (the `gpu` extra) or set training.optimizer = \"adamw\"",
-        ) from None
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    # The manager is a process-wide singleton keyed by (group, position) and it keeps every
-    # registered module alive. Start from a clean slate so an earlier optimizer in this process
-    # (a bench sweep, a test) can neither leak its 32-bit override into this one nor pin its model.
-    manager.initialize()
-    if training.optimizer_embedding_32bit:
-        # 8-bit state is known to hurt embeddings in NLP models; the LM head is tied to this very
-        # Parameter, so one override protects both roles for a modest memory cost.
-        manager.register_module_override(model.token_embedding, "weight", {"optim_bits": 32})
-    optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=training.optimizer_min_8bit_size, **common)
-    if training.optimizer_embedding_32bit:
-        # Resolve the override now (bitsandbytes would on the first step) and let go of the module.
-        optimizer.check_overrides()
-        manager.module_weight_config_triple.clear()
-    return optimizer
+            f"the checkpoint's optimizer state has parameter groups of sizes {saved}, "
+            f"the optimizer built now has {current}",
+            path=path,
+            fix="resume with the model and optimizer config the run was started with",
+        )
+
+
+@contextlib.contextmanager
+def configured_hyperparameters_kept(optimizer: torch.optim.Optimizer, names: tuple[str, ...]) -> Iterator[None]:
+    """Keep the param-group entries `names` as the optimizer was built (from the current config)
+    across a state load, which would otherwise bring back the checkpoint's values."""
+
+    kept = [{name: group[name] for name in names if name in group} for group in optimizer.param_groups]
+    yield
+    for group, values in zip(optimizer.param_groups, kept, strict=True):
+        group.update(values)
 
 
 def learning_rate(step: int, training: TrainingConfig) -> float:

@@ -20,6 +20,7 @@ from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, TEMP_PREFIX, numbered_ch
 from dlm.config import ExperimentConfig
 from dlm.dashboard import Event, JsonLinesFileSink
 from dlm.errors import UserError
+from dlm.optimizers import optimizer_spec
 
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.jsonl"
@@ -125,10 +126,7 @@ def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, to
             fix="resume with the run's own config.json, or start a new run in another output_dir",
         )
     now, then = experiment.training, saved.training
-    names = ["optimizer"]
-    if now.optimizer == "adamw8bit":
-        names += ["optimizer_min_8bit_size", "optimizer_embedding_32bit"]
-    for name in names:
+    for name in ("optimizer", *optimizer_spec(now.optimizer).state_settings):
         if getattr(now, name) != getattr(then, name):
             raise UserError(
                 f"training.{name} is {getattr(now, name)!r} but the checkpoint used {getattr(then, name)!r}",

@@ -54,7 +54,8 @@ from dlm.distributed import (
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
 from dlm.model import format_parameter_count
-from dlm.optim import learning_rate
+from dlm.optim import check_state_layout, configured_hyperparameters_kept, learning_rate
+from dlm.optimizers import optimizer_spec
 from dlm.run_dir import (
     MetricsFile,
     check_resumable,
@@ -138,8 +139,12 @@ class Trainer:
         self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
         check_world_size(checkpoint, self.world.world_size, path)
         # Every rank reads the file; under FSDP each keeps only its shard of the full state.
-        load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
-        self._apply_optimizer_hyperparameters()
+        check_state_layout(self.optimizer, checkpoint["optimizer"], path)
+        # Whatever the optimizer, the config's hyperparameters win over the checkpoint's (a changed
+        # beta or decay takes effect); the schedule sets the learning rate before every step.
+        resumable = optimizer_spec(self.config.optimizer).resumable_hyperparameters
+        with configured_hyperparameters_kept(self.optimizer, resumable):
+            load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
         self.step.scaler.load_state_dict(checkpoint.get("scaler") or {})
         ema = self.step.ema
         if ema is not None and checkpoint.get("ema") is not None:
@@ -153,14 +158,6 @@ class Trainer:
             micro_batches_seen=int(checkpoint["micro_batches_seen"]),
         )
         self.checkpoint_path = Path(path)
-
-    def _apply_optimizer_hyperparameters(self) -> None:
-        # Decay, betas and eps come from the current config (as the reference does on resume).
-        decays = (self.config.weight_decay, 0.0)
-        for group, decay in zip(self.optimizer.param_groups, decays, strict=False):
-            group["weight_decay"] = decay
-            group["betas"] = (self.config.adam_beta1, self.config.adam_beta2)
-            group["eps"] = self.config.adam_eps
 
     def state(self) -> dict[str, Any]:
         """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
