@@ -135,7 +135,8 @@ class MemoryEstimate:
         parts = [
             f"weights {format_bytes(self.weights)}",
             f"gradients {format_bytes(self.gradients)}",
-            f"{self.optimizer} state {format_bytes(self.optimizer_state)}",
+            f"{self.optimizer} state "
+            + (format_bytes(self.optimizer_state) if self.optimizer in _FULL_STATE_BYTES else "not estimated"),
         ]
         if self.ema:
             parts.append(f"EMA {format_bytes(self.ema)}")

@@ -24,6 +24,7 @@ from dlm.memory import (
 )
 from dlm.model import DiffusionTransformer
 from dlm.optim import build_optimizer
+from dlm.optimizers import OptimizerSpec, register_optimizer, unregister_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -97,6 +98,18 @@ def test_adamw8bit_keeps_small_tensors_and_the_embedding_in_32_bit(embedding_32b
         full = parameter.numel() < 1024 or (embedding_32bit and name == "token_embedding.weight")
         expected += parameter.numel() * (8 if full else 2)
     assert optimizer_state_bytes(config.model, config.training) == expected
+
+
+def test_an_optimizer_without_a_known_state_size_counts_none() -> None:
+    spec = OptimizerSpec(name="toy-sgd", build=lambda model, groups, training, device: torch.optim.SGD(groups),
+                         description="plain SGD, for this test")
+    register_optimizer(spec)
+    try:
+        estimate = estimate_training_memory(experiment(optimizer="toy-sgd"), "float32")
+    finally:
+        unregister_optimizer(spec.name)
+    # Counting no state errs towards running, never towards refusing a run that fits.
+    assert estimate.optimizer_state == 0 and "toy-sgd state not estimated" in estimate.breakdown()
 
 
 @pytest.mark.bitsandbytes
