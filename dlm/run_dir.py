@@ -12,12 +12,13 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, TEMP_PREFIX, numbered_checkpoints
-from dlm.config import ExperimentConfig
+from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, TEMP_PREFIX, numbered_checkpoints, step_checkpoint_name
+from dlm.config import ExperimentConfig, load_config
 from dlm.dashboard import Event, JsonLinesFileSink
 from dlm.errors import UserError
 from dlm.optimizers import optimizer_spec
@@ -27,6 +28,55 @@ METRICS_NAME = "metrics.jsonl"
 EVAL_NAME = "eval.json"
 # The files whose presence means a run already lives here (besides step-*.pt).
 RUN_FILE_NAMES = (CONFIG_NAME, METRICS_NAME, LATEST_NAME, INFERENCE_NAME)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where each file of a run lives: callers ask for `run.latest`, never spell out `latest.pt`."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG_NAME
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_NAME
+
+    @property
+    def latest(self) -> Path:
+        return self.path / LATEST_NAME
+
+    @property
+    def inference(self) -> Path:
+        return self.path / INFERENCE_NAME
+
+    @property
+    def eval_report(self) -> Path:
+        return self.path / EVAL_NAME
+
+    def step_checkpoint(self, step: int) -> Path:
+        return self.path / step_checkpoint_name(step)
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """`(step, path)` of the numbered checkpoints, oldest first."""
+
+        return numbered_checkpoints(self.path)
+
+    def resume_checkpoint(self, name: Path | None = None) -> Path:
+        """The checkpoint a resume starts from: latest.pt, or the one named, which must be in this run."""
+
+        if name is None:
+            return self.latest
+        chosen = self.path / name if name.parent == Path(".") else name
+        if chosen.resolve().parent != self.path.resolve():
+            raise UserError(
+                "--checkpoint must be a checkpoint of this run, in its directory",
+                path=name,
+                fix=f"pass a file name from {self.path}, e.g. --checkpoint {step_checkpoint_name(20)}",
+            )
+        return chosen
 
 
 def run_files(directory: Path) -> list[Path]:
@@ -97,6 +147,34 @@ def remove_run_files(directory: Path) -> None:
             path.unlink(missing_ok=True)
     except OSError as exc:
         raise UserError(f"cannot delete the old run: {exc.strerror or exc}", path=exc.filename or directory) from None
+
+
+def load_run(
+    directory: Path, checkpoint: Path | None = None, overrides: Sequence[str] = ()
+) -> tuple[ExperimentConfig, Path]:
+    """What `dlm resume` continues: the run's config.json with `overrides`, and its checkpoint.
+
+    The config keeps the directory the run was started in; the run continues where it is now, so
+    `training.output_dir` becomes `directory` (and cannot be overridden).
+    """
+
+    run = RunDir(directory)
+    source = run.resume_checkpoint(checkpoint)
+    for needed in (run.config, source):
+        if not needed.exists():
+            raise UserError(
+                "not a dlm run directory: missing " + needed.name,
+                path=directory,
+                fix="pass the output_dir of an earlier `dlm train`",
+            )
+    if any(item.replace(" ", "").startswith("training.output_dir=") for item in overrides):
+        raise UserError(
+            "dlm resume continues the run in RUN_DIR; training.output_dir cannot be set",
+            fix="copy the run directory to where it should continue and resume the copy",
+        )
+    experiment = load_config(run.config, list(overrides))
+    here = experiment.training.model_copy(update={"output_dir": directory.absolute()})
+    return experiment.model_copy(update={"training": here}), source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,11 +258,12 @@ def _reported(what: str, path: Path) -> Iterator[None]:
 def write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
     """config.json, replaced atomically (the settings a `dlm resume` continues with)."""
 
+    path = RunDir(run_dir).config
     temporary = run_dir / f".{CONFIG_NAME}.{os.getpid()}.tmp"
     try:
-        with _reported(CONFIG_NAME, run_dir / CONFIG_NAME):
+        with _reported(CONFIG_NAME, path):
             temporary.write_text(json.dumps(experiment.to_dict(), indent=2) + "\n", encoding="utf-8")
-            temporary.replace(run_dir / CONFIG_NAME)
+            temporary.replace(path)
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -193,7 +272,7 @@ class MetricsFile:
     """The run's metrics.jsonl sink; a failed write is a `UserError`, not a traceback."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / METRICS_NAME
+        self.path = RunDir(run_dir).metrics
         with _reported(METRICS_NAME, self.path):
             self._sink = JsonLinesFileSink(self.path)
 

@@ -302,3 +302,25 @@ def test_disk_full_while_saving_a_checkpoint_keeps_latest(tiny_data_dir: Path, t
     assert load_checkpoint(run_dir / "latest.pt")["step"] == 2
     assert step_files(run_dir) == ["step-00000002.pt"]
     assert not list(run_dir.glob(f"{TEMP_PREFIX}*"))
+
+
+def test_run_dir_owns_the_layout_and_what_a_resume_continues(tiny_data_dir: Path, tmp_path: Path) -> None:
+    from dlm.run_dir import RunDir, load_run
+
+    run_dir = tiny_run(tiny_data_dir, tmp_path / "run", "training.max_steps=6", steps=4)
+    run = RunDir(run_dir)
+    assert [path.name for path in (run.config, run.metrics, run.latest, run.inference, run.eval_report)] == [
+        "config.json", "metrics.jsonl", "latest.pt", "inference-latest.pt", "eval.json",
+    ]  # fmt: skip
+    assert run.checkpoints() == [(2, run.step_checkpoint(2)), (4, run.step_checkpoint(4))]
+    assert run.resume_checkpoint() == run.latest
+    assert run.resume_checkpoint(Path("step-00000002.pt")) == run.step_checkpoint(2)
+
+    moved = shutil.move(run_dir, tmp_path / "moved")
+    experiment, source = load_run(Path(moved), overrides=["training.max_steps=8"])
+    assert experiment.training.output_dir == Path(moved).absolute() and experiment.training.max_steps == 8
+    assert source == RunDir(Path(moved)).latest
+    with pytest.raises(UserError, match=r"training\.output_dir cannot be set"):
+        load_run(Path(moved), overrides=[f"training.output_dir = {tmp_path}"])
+    with pytest.raises(UserError, match=r"missing config\.json"):
+        load_run(tmp_path)

@@ -24,7 +24,6 @@ from dlm.cli.common import (
     wants_json,
 )
 from dlm.config import ExperimentConfig, load_config
-from dlm.errors import UserError
 
 MaxRunSteps = Annotated[
     int | None,
@@ -46,15 +45,15 @@ AllowDataChangeOption = Annotated[
 ]
 
 
-def _with_overrides(
-    config: Path, overrides: list[str] | None, device: str | None, precision: str | None
-) -> ExperimentConfig:
+def _overrides(overrides: list[str] | None, device: str | None, precision: str | None) -> list[str]:
+    """`--set` items, then `--device` and `--precision` as the `--set` items they stand for."""
+
     extra = list(overrides or [])
     if device is not None:
         extra.append(f"training.device={device}")
     if precision is not None:
         extra.append(f"training.precision={precision}")
-    return load_config(config, extra)
+    return extra
 
 
 def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
@@ -129,24 +128,9 @@ def train_command(
         from dlm.distributed import launch_local
 
         sys.exit(launch_local(nproc, sys.argv[1:]))
-    experiment = _with_overrides(config, overrides, device, precision)
+    experiment = load_config(config, _overrides(overrides, device, precision))
     _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
          overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
-
-
-def _run_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path:
-    """The checkpoint to resume from: latest.pt, or the one named, which must be in `run_dir`."""
-
-    if checkpoint is None:
-        return run_dir / "latest.pt"
-    chosen = run_dir / checkpoint if checkpoint.parent == Path(".") else checkpoint
-    if chosen.resolve().parent != run_dir.resolve():
-        raise UserError(
-            "--checkpoint must be a checkpoint of this run, in its directory",
-            path=checkpoint,
-            fix=f"pass a file name from {run_dir}, e.g. --checkpoint step-00000020.pt",
-        )
-    return chosen
 
 
 def resume_command(
@@ -171,23 +155,9 @@ def resume_command(
     the copy, never where it was first trained.
     """
 
-    config_path, source = run_dir / "config.json", _run_checkpoint(run_dir, checkpoint)
-    for needed in (config_path, source):
-        if not needed.exists():
-            raise UserError(
-                "not a dlm run directory: missing " + needed.name,
-                path=run_dir,
-                fix="pass the output_dir of an earlier `dlm train`",
-            )
-    if any(item.replace(" ", "").startswith("training.output_dir=") for item in overrides or []):
-        raise UserError(
-            "dlm resume continues the run in RUN_DIR; training.output_dir cannot be set",
-            fix="copy the run directory to where it should continue and resume the copy",
-        )
-    experiment = _with_overrides(config_path, overrides, device, precision)
-    # config.json keeps the directory the run was started in; the run is now where it was found.
-    here = experiment.training.model_copy(update={"output_dir": run_dir.absolute()})
-    experiment = experiment.model_copy(update={"training": here})
+    from dlm.run_dir import load_run
+
+    experiment, source = load_run(run_dir, checkpoint, _overrides(overrides, device, precision))
     _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
          allow_data_change=allow_data_change)  # fmt: skip
 
