@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.optimizers import describe_optimizers, registered_optimizers
+from dlm.schedule import DEFAULT_SCHEDULE, describe_schedules, schedule_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -95,7 +97,7 @@ class ModelConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
-    """Data, optimisation, noise, logging and checkpointing of one training run."""
+    """Data, optimisation, logging and checkpointing of one training run (the noise is `[diffusion]`)."""
 
     tokenizer: Path = Field(Path("tokenizer.json"), description="tokenizer.json written by `dlm tokenizer train`.")
     train_data: Path = Field(Path("data/train.bin"), description="Packed training tokens written by `dlm pack`.")
@@ -128,7 +130,6 @@ class TrainingConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     batch_size: int = Field(32, ge=1, description="Sequences per micro-batch (per process).")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    mask_eps: float = Field(1e-3, gt=0, lt=1, description="Smallest diffusion time (mask probability).")
     num_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes.")
     log_interval: int = Field(10, ge=1, description="Optimizer steps between training log events.")
     eval_interval: int = Field(100, ge=1, description="Optimizer steps between validations.")
@@ -196,11 +197,72 @@ class TrainingConfig(_Strict):
         return self
 
 
+class DiffusionConfig(_Strict):
+    """The masking (forward) process: its noise schedule and smallest time, for training, eval and sampling."""
+
+    schedule: str = Field(
+        DEFAULT_SCHEDULE,
+        description=f"Noise schedule, a name registered in `dlm/schedule.py`: {describe_schedules()}.",
+    )
+    mask_eps: float = Field(
+        1e-3, gt=0, lt=1, description="Smallest diffusion time: training and evaluation draw t from [mask_eps, 1]."
+    )
+
+    @model_validator(mode="after")
+    def _check_registered(self) -> DiffusionConfig:
+        # Checked here rather than by a Literal so that a schedule registered at runtime is accepted.
+        if self.schedule not in schedule_names():
+            raise FieldProblem(
+                "schedule",
+                f"{self.schedule!r} is not a registered noise schedule",
+                f"use one of: {', '.join(schedule_names())}",
+            )
+        return self
+
+
+# Fields that moved to another section, old dotted name -> new: configs that use the old name keep
+# loading (a run directory's config.json silently, a TOML file or --set with a `MovedFieldNote`).
+MOVED_FIELDS = {"training.mask_eps": "diffusion.mask_eps"}
+
+
+class MovedFieldNote(UserNote):
+    """A config names a field by its old place; it is read from there, but should be moved."""
+
+
+def _move_fields(data: dict[str, Any]) -> list[str]:
+    """Move every field of `data` found under its old name to its new place; return the old names."""
+
+    moved = []
+    for old, new in MOVED_FIELDS.items():
+        (old_section, old_field), (new_section, new_field) = old.split("."), new.split(".")
+        source = data.get(old_section)
+        if not isinstance(source, dict) or old_field not in source:
+            continue
+        target = data.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # validation names the malformed section
+        if new_field in target:
+            raise FieldProblem(old, f"is set as well as {new}", f"delete {old} and keep [{new_section}] {new_field}")
+        target[new_field] = source.pop(old_field)
+        moved.append(old)
+    return moved
+
+
 class ExperimentConfig(_Strict):
-    """A complete experiment: the model and how to train it."""
+    """A complete experiment: the model, its diffusion process and how to train it."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_moved_fields(cls, data: Any) -> Any:
+        # Checkpoints and run directories written before a field moved must still load and resume.
+        if isinstance(data, dict):
+            data = {name: dict(value) if isinstance(value, dict) else value for name, value in data.items()}
+            _move_fields(data)
+        return data
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -262,10 +324,19 @@ def _field_allows_none(section: type[BaseModel], name: str) -> bool:
 def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Path) -> dict[str, Any]:
     """Apply `section.field=value` strings; pydantic later coerces each value to the field's type."""
 
-    sections: dict[str, type[BaseModel]] = {"model": ModelConfig, "training": TrainingConfig}
+    sections: dict[str, type[BaseModel]] = {
+        "model": ModelConfig,
+        "diffusion": DiffusionConfig,
+        "training": TrainingConfig,
+    }
     for item in overrides:
         key, sep, value = item.partition("=")
-        section_name, dot, field = key.strip().partition(".")
+        key = key.strip()
+        if key in MOVED_FIELDS:
+            new = MOVED_FIELDS[key]
+            warnings.warn(f"--set {key} has moved: use --set {new}={value.strip()}", MovedFieldNote, stacklevel=2)
+            key = new
+        section_name, dot, field = key.partition(".")
         if not sep or not dot:
             raise UserError(
                 f"override {item!r} is not of the form section.field=value",
@@ -298,6 +369,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"cannot read config: {exc}", path=path) from None
 
 
+def _read_moved_fields(data: Any, path: Path) -> None:
+    """Move old field names of a config file to their new place (before any --set names the new one)."""
+
+    try:
+        moved = _move_fields(data) if isinstance(data, dict) else []
+    except FieldProblem as exc:
+        raise UserError(f"invalid config: {exc}", path=path) from None
+    if path.suffix == ".json":
+        return  # a run directory's config.json: dlm wrote it, and rewrites it when the run resumes
+    for old in moved:
+        section, field = MOVED_FIELDS[old].split(".")
+        note = f"{path}: move {old} to [{section}] {field} (the old place is deprecated)"
+        warnings.warn(note, MovedFieldNote, stacklevel=3)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a TOML (or run-directory JSON) config, apply overrides and validate it."""
 
@@ -311,6 +397,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
             raise UserError(f"not valid JSON: {exc}", path=path) from None
     else:
         data = _read_toml(path)
+    _read_moved_fields(data, path)
     data = apply_overrides(data, list(overrides or []), path)
     try:
         return ExperimentConfig.model_validate(data)
@@ -341,13 +428,13 @@ def config_reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Generated from `dlm/config.py` by `dlm config docs`; a test fails when this file is stale.",
-        "Config files are TOML with a `[model]` and a `[training]` table. Any command that takes",
+        "Config files are TOML with `[model]`, `[diffusion]` and `[training]` tables. Any command that takes",
         "`--config` also takes repeated `--set section.field=value` overrides, parsed with the",
         "field's own type (`none` clears an optional field). Relative paths are relative to the",
         "working directory; the run directory keeps the resolved config as `config.json`.",
         "",
     ]
-    for name, section in (("model", ModelConfig), ("training", TrainingConfig)):
+    for name, section in (("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)):
         lines += [f"## `[{name}]`", "", (section.__doc__ or "").strip(), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in section.model_fields.items():
@@ -357,6 +444,7 @@ def config_reference_markdown() -> str:
                 f"| {info.description or ''} |"
             )
         lines.append("")
+    moved = ", ".join(f"`{old}` is now `{new}`" for old, new in MOVED_FIELDS.items())
     lines += [
         "## Cross-field rules",
         "",
@@ -365,6 +453,7 @@ def config_reference_markdown() -> str:
         "- `training.warmup_steps` < `training.max_steps`; `training.min_learning_rate` <= `training.learning_rate`.",
         "- `training.precision = \"float16\"` is refused on the CPU; `require_fused_attention` needs CUDA.",
         "- `dlm validate` additionally checks the tokenizer and data files against the model fields.",
+        f"- Moved fields still load from their old place, with a warning: {moved}.",
         "",
     ]
     return "\n".join(lines)

@@ -194,9 +194,9 @@ class TrainingDashboard:
 
     def _loss_by_noise(self) -> Text:
         buckets = self.latest.get("loss_by_t") or []
-        cells = [
-            f"{index / 10:.1f}-{(index + 1) / 10:.1f}: {_format(value, '.2f')}" for index, value in enumerate(buckets)
-        ]
+        # Bucket j of n holds the times t in [j / n, (j + 1) / n): n comes from the event itself.
+        edges = [index / len(buckets) for index in range(len(buckets) + 1)]
+        cells = [f"{edges[j]:.3g}-{edges[j + 1]:.3g}: {_format(value, '.2f')}" for j, value in enumerate(buckets)]
         return Text("loss by t  " + "  ".join(cells), style="dim")
 
     def render(self) -> Panel:

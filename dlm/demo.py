@@ -353,7 +353,8 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     token_bytes, _ = packed_token_bytes(val.metadata, [demo.data_dir / "tokenizer.json"])
     report = evaluate_model(model, blocks, batches=math.ceil(len(blocks) / batch_size), mc_samples=EVAL_MC_SAMPLES,
                             batch_size=batch_size, device=device, precision=resolve_precision("auto", device),
-                            mask_eps=info.mask_eps, metadata=val.metadata, token_bytes=token_bytes)  # fmt: skip
+                            mask_eps=info.diffusion.mask_eps, schedule=info.diffusion.schedule,
+                            metadata=val.metadata, token_bytes=token_bytes)  # fmt: skip
     unigram = unigram_bits_per_byte(demo.data_dir, blocks.indices, token_bytes)
     report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
                       "unigram_bits_per_byte": unigram}  # fmt: skip

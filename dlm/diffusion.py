@@ -1,13 +1,18 @@
-"""Absorbing-state masked diffusion: noise schedule, time sampling, corruption and the ELBO loss.
+"""Absorbing-state masked diffusion: time sampling, corruption and the ELBO loss.
 
-Forward process (linear schedule, as MDLM / SMDM / LLaDA): at time t in [eps, 1] every token is
-independently replaced by the mask token with probability t. The reverse model predicts the clean
-token at masked positions, and the negative ELBO per token of a sequence x of length L is
+Forward process (MDLM / SMDM / LLaDA): at time t in [eps, 1] every token is independently replaced
+by the mask token with probability m(t) = 1 - α(t), where α is the noise schedule
+(`dlm.schedule`; linear, α(t) = 1 - t, by default). The reverse model predicts the clean token at
+masked positions, and the negative ELBO per token of a sequence x of length L is
 
-    NLL(x) <= E_{t ~ U[0, 1]} [ (1 / t) * sum over masked positions i of -log p(x_i | x_t) ] / L
+    NLL(x) <= E_{t ~ U[0, 1]} [ w(t) * sum over masked positions i of -log p(x_i | x_t) ] / L
 
-so the training loss is the one-sample estimate of that expectation: cross-entropy at the masked
-positions, each divided by its sequence's mask probability, summed and divided by B x L.
+with the schedule's weight w(t) = m'(t) / m(t) (1 / t for linear). The training loss is the
+one-sample estimate of that expectation: cross-entropy at the masked positions, each weighted by its
+sequence's w(t), summed and divided by B x L. Times are drawn from [eps, 1], not [0, 1], so the
+weights are scaled by (1 - eps) / (1 - m(eps)): the loss then averages a masked token's expected
+cross-entropy over the masking levels m in [m(eps), 1], as the ELBO averages it over [0, 1], and a
+uniform model scores exactly log V in expectation whatever the schedule. For linear the factor is 1.
 
 Noise must be reproducible whatever the number of processes: each micro-batch draws its times and
 masks from a generator seeded by (seed, global micro-batch index), and the stratification offset
@@ -24,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dlm.schedule import LinearSchedule, Schedule
+
 _SEED_DOMAIN = 0x646C6D  # "dlm": keeps our seeds apart from other SeedSequence users
 _OFFSET_TAG = 0x6F6666  # "off": separates step offsets from micro-batch generators
+_LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,11 @@ class Corruption:
 
     noisy_tokens: Tensor  # [B, L] long: clean tokens with masked positions set to the mask id
     mask: Tensor  # [B, L] bool: True where the token was masked
-    mask_probability: Tensor  # [B] float32: each sequence's time t, clamped to [eps, 1]
+    time: Tensor  # [B] float32: each sequence's diffusion time t, clamped to [eps, 1]
+    mask_probability: Tensor  # [B] float32: m(t), the chance that each of its tokens was masked
+    # [B] float32: m'(t) x (1 - eps) / (1 - m(eps)); the loss weight is mask_rate / mask_probability,
+    # kept as a quotient so that the linear schedule's weight stays an exact division by t.
+    mask_rate: Tensor
 
 
 @dataclass(frozen=True)
@@ -50,19 +62,30 @@ class DiffusionLoss:
 def corrupt_tokens(
     clean: Tensor,
     mask_token_id: int,
-    mask_probability: Tensor,
+    times: Tensor,
     eps: float,
     generator: torch.Generator | None = None,
+    *,
+    schedule: Schedule = _LINEAR,
 ) -> Corruption:
-    """Mask each token of sequence b independently with probability mask_probability[b]."""
+    """Mask each token of sequence b independently with probability m(times[b]) of `schedule`."""
 
     batch = clean.shape[0]
-    probability = mask_probability.to(device=clean.device, dtype=torch.float32).expand(batch)
-    # t -> 0 would make the 1 / t loss weight explode for a nearly clean sequence.
-    probability = probability.clamp(eps, 1.0)
+    time = times.to(device=clean.device, dtype=torch.float32).expand(batch)
+    # t -> 0 would make the loss weight explode for a nearly clean sequence.
+    time = time.clamp(eps, 1.0)
+    probability = schedule.mask_probability(time)
     draws = torch.rand(clean.shape, generator=generator, device=clean.device)
     mask = draws < probability[:, None]
-    return Corruption(clean.masked_fill(mask, mask_token_id), mask, probability)
+    rate = schedule.mask_rate(time) * truncation_factor(schedule, eps)
+    return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate)
+
+
+def truncation_factor(schedule: Schedule, eps: float) -> float:
+    """(1 - eps) / (1 - m(eps)): what makes times drawn from [eps, 1] weigh the levels [m(eps), 1]
+    evenly, as the ELBO weighs [0, 1]. Exactly 1.0 for the linear schedule (m(eps) = eps)."""
+
+    return (1.0 - eps) / (1.0 - schedule.mask_probability(eps))
 
 
 def stratified_times(offset: float | Tensor, slot_indices: Tensor, total_slots: int, eps: float) -> Tensor:
@@ -156,7 +179,8 @@ def diffusion_cross_entropy(
 ) -> DiffusionLoss:
     """The MDLM / SMDM ELBO loss from logits [N, V] at the N masked positions (row-major order).
 
-    loss = sum_i CE_i / t_b(i) / (B x L); `token_losses` gives CE_i (a compiled copy in training).
+    loss = sum_i CE_i x w_b(i) / (B x L) with the weight w = mask_rate / mask_probability of the
+    corruption (1 / t for linear); `token_losses` gives CE_i (a compiled copy in training).
     """
 
     batch, length = clean.shape
@@ -169,7 +193,7 @@ def diffusion_cross_entropy(
     masked_per_sequence = mask.sum(dim=1)
     rows = torch.repeat_interleave(torch.arange(batch, device=clean.device), masked_per_sequence, output_size=count)
     ce, hits = token_losses(logits, targets)  # [N] each
-    weighted = ce / corruption.mask_probability[rows]
+    weighted = ce * corruption.mask_rate[rows] / corruption.mask_probability[rows]
     loss = weighted.sum() / (batch * length)
     per_sequence = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted).sum(dim=1) / length
     masked_tokens = masked_per_sequence.sum()
@@ -185,11 +209,14 @@ def elbo_nll(
     num_samples: int,
     eps: float,
     generator: torch.Generator | None = None,
+    *,
+    schedule: Schedule = _LINEAR,
 ) -> tuple[Tensor, Tensor]:
     """Monte Carlo negative ELBO per token of each sequence, and its standard error, both [B].
 
     `logits_fn(noisy_tokens, mask)` returns logits at the masked positions ([N, V]). Each sequence
-    gets one random offset u0 and the K antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1).
+    gets one random offset u0 and the K antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1),
+    which `schedule` turns into mask probabilities and weights.
     """
 
     if num_samples < 1:
@@ -198,7 +225,7 @@ def elbo_nll(
     samples = []
     for k in range(num_samples):
         times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
-        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator)
+        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator, schedule=schedule)
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     stacked = torch.stack(samples)  # [K, B]

@@ -1,9 +1,10 @@
 """Evaluation: fixed-noise validation, Monte Carlo ELBO likelihood, bits per byte, loss by noise level.
 
 `fixed_noise_validation` is what the training loop reports at every `eval_interval`: batch i of the
-validation set is corrupted at the fixed mask probability eps + (1 - eps) * (i + 0.5) / n, with masks
-drawn from a generator seeded 0, so the same checkpoint and data always give the same numbers and
-the whole noise range is covered even with few batches. It never touches the global RNG.
+validation set is corrupted at the fixed diffusion time eps + (1 - eps) * (i + 0.5) / n (the noise
+schedule turns it into a mask probability), with masks drawn from a generator seeded 0, so the same
+checkpoint and data always give the same numbers and the whole noise range is covered even with few
+batches. It never touches the global RNG.
 
 `evaluate_model` (behind `dlm eval`) adds the figures that compare models:
 
@@ -14,7 +15,9 @@ the whole noise range is covered even with few batches. It never touches the glo
   are the exact UTF-8 bytes of the tokens scored (byte-level BPE decodes every id to fixed bytes;
   special tokens count 0), so the figure is exact for any number of blocks, and the report holds
   `tokens` and `bytes` to recompute it;
-- the loss in 10 buckets of the noise level t (how hard denoising is at each level).
+- the loss in `NOISE_BUCKETS` buckets of the diffusion time t (how hard denoising is at each level).
+
+Every figure comes from one noise schedule (`dlm.schedule`), the one the model was trained with.
 
 All noise comes from generators seeded by (seed, pass, batch index): the same checkpoint and data
 give the same report on every run, and the global RNG is left alone.
@@ -37,17 +40,17 @@ from dlm.corpus import temporary_path
 from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
 from dlm.errors import UserError
 from dlm.runtime import autocast_context
+from dlm.schedule import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 
 # v2: `bytes` (exact UTF-8 bytes of the scored tokens) replaced v1's estimated `text_bytes`.
 EVAL_FORMAT = "dlm-eval-v2"
-NOISE_BUCKETS = 10  # as the training dashboard's loss_by_t: bucket j holds t in [j / 10, (j + 1) / 10)
 # Each pass draws from its own generator stream, so adding a pass never shifts another's noise.
 _ELBO_PASS, _BUCKET_PASS = 1, 2
 
 
 def fixed_noise_level(batch_index: int, num_batches: int, mask_eps: float) -> float:
-    """The mask probability of validation batch `batch_index` out of `num_batches`."""
+    """The diffusion time of validation batch `batch_index` out of `num_batches`."""
 
     return mask_eps + (1.0 - mask_eps) * (batch_index + 0.5) / num_batches
 
@@ -60,12 +63,16 @@ def fixed_noise_validation(
     precision: str,
     mask_eps: float,
     max_batches: int,
+    *,
+    schedule: Schedule | None = None,
 ) -> dict[str, float]:
-    """Masked cross-entropy (ELBO weighted) and masked accuracy at fixed noise levels."""
+    """Masked cross-entropy (ELBO weighted) and masked accuracy at fixed noise levels of `schedule`
+    (default linear)."""
 
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=device).manual_seed(0)
+    schedule = get_schedule(schedule or DEFAULT_SCHEDULE)
     mask_token_id = model.config.mask_token_id
     # Sums stay on the device (no host sync per batch); MPS has no float64, so float32 there.
     accumulate = torch.float32 if device.type == "mps" else torch.float64
@@ -79,8 +86,8 @@ def fixed_noise_validation(
                 break
             clean = clean.to(device, non_blocking=True)
             level = fixed_noise_level(batch_index, max_batches, mask_eps)
-            probability = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
-            corruption = corrupt_tokens(clean, mask_token_id, probability, mask_eps, generator=generator)
+            times = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
+            corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule)
             with autocast_context(device, precision):
                 logits = model(corruption.noisy_tokens, output_positions=corruption.mask)
             output = diffusion_cross_entropy(logits, clean, corruption)
@@ -125,6 +132,7 @@ class EvalReport:
     batch_size: int
     mc_samples: int
     mask_eps: float
+    schedule: str  # the noise schedule every figure was computed with
     precision: str
     device: str
     fixed_noise_loss: float
@@ -187,6 +195,7 @@ def _elbo_pass(
     mask_eps: float,
     mc_samples: int,
     seed: int,
+    schedule: Schedule,
 ) -> tuple[Tensor, Tensor]:
     """Per-sequence Monte Carlo NLL per token and its standard error, both [S] float64."""
 
@@ -194,7 +203,8 @@ def _elbo_pass(
     means, errors = [], []
     for index, clean in enumerate(batches):
         generator = _pass_generator(seed, _ELBO_PASS, index, device)
-        mean, error = elbo_nll(logits, clean.to(device), model.config.mask_token_id, mc_samples, mask_eps, generator)
+        mask_id = model.config.mask_token_id
+        mean, error = elbo_nll(logits, clean.to(device), mask_id, mc_samples, mask_eps, generator, schedule=schedule)
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -209,8 +219,9 @@ def _bucket_pass(
     mask_eps: float,
     batch_size: int,
     seed: int,
+    schedule: Schedule,
 ) -> list[NoiseBucket]:
-    """One corruption per sequence, sequence s in bucket s mod 10 at a uniform t within it."""
+    """One corruption per sequence, sequence s in bucket s mod NOISE_BUCKETS at a uniform t within it."""
 
     logits_fn = _logits_fn(model, device, precision)
     edges = [j / NOISE_BUCKETS for j in range(NOISE_BUCKETS + 1)]  # exact decimals in the report
@@ -223,12 +234,15 @@ def _bucket_pass(
         bucket = (torch.arange(clean.shape[0]) + index * batch_size) % NOISE_BUCKETS
         unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
         times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
-        corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator)
+        corruption = corrupt_tokens(
+            clean, model.config.mask_token_id, times.to(device), mask_eps, generator, schedule=schedule
+        )
         output = diffusion_cross_entropy(logits_fn(corruption.noisy_tokens, corruption.mask), clean, corruption)
         nll = output.per_sequence_nll.cpu().double()
         masked = corruption.mask.sum(dim=1).cpu().double()
-        # per_sequence_nll = sum(CE / t) / L, so the plain CE sum is nll x L x t.
-        ce = nll * clean.shape[1] * corruption.mask_probability.cpu().double()
+        # per_sequence_nll = sum(CE x rate / m) / L, so the plain CE sum is nll x L x m / rate.
+        weight_inverse = corruption.mask_probability.cpu().double() / corruption.mask_rate.cpu().double()
+        ce = nll * clean.shape[1] * weight_inverse
         for row, values in enumerate((nll, ce, masked, torch.ones_like(nll))):
             totals[row].index_add_(0, bucket, values)
     loss, ce, masked, count = totals
@@ -307,6 +321,7 @@ def evaluate_model(
     device: str | torch.device = "cpu",
     precision: str = "float32",
     mask_eps: float = 1e-3,
+    schedule: str | Schedule = DEFAULT_SCHEDULE,
     metadata: Mapping[str, Any] | None = None,
     seed: int = 0,
     token_bytes: Any = None,
@@ -315,11 +330,13 @@ def evaluate_model(
 
     Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
     `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
-    `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records.
+    `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records. `schedule` and
+    `mask_eps` are the model's `[diffusion]` settings.
     """
 
     _check_counts(batches, mc_samples, batch_size)
     device = torch.device(device)
+    schedule = get_schedule(schedule)
     if metadata is None:
         metadata = getattr(dataset, "metadata", None)
     available = -(-len(dataset) // batch_size)
@@ -333,13 +350,10 @@ def evaluate_model(
     was_training = model.training
     model.eval()
     try:
-        fixed = fixed_noise_validation(model, _batches(dataset, batch_size, count), device, precision, mask_eps, count)
-        means, errors = _elbo_pass(
-            model, _batches(dataset, batch_size, count), device, precision, mask_eps, mc_samples, seed
-        )
-        buckets = _bucket_pass(
-            model, _batches(dataset, batch_size, count), device, precision, mask_eps, batch_size, seed
-        )
+        data = [_batches(dataset, batch_size, count) for _ in range(3)]
+        fixed = fixed_noise_validation(model, data[0], device, precision, mask_eps, count, schedule=schedule)
+        means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule)
+        buckets = _bucket_pass(model, data[2], device, precision, mask_eps, batch_size, seed, schedule)
     finally:
         model.train(was_training)
     return EvalReport(
@@ -348,6 +362,7 @@ def evaluate_model(
         batch_size=batch_size,
         mc_samples=mc_samples,
         mask_eps=mask_eps,
+        schedule=schedule.name,
         precision=precision,
         device=str(device),
         fixed_noise_loss=fixed["loss"],
@@ -457,7 +472,8 @@ def evaluate_source(
         batch_size=batch_size,
         device=device,
         precision=resolve_precision(precision, device),
-        mask_eps=info.mask_eps,
+        mask_eps=info.diffusion.mask_eps,
+        schedule=info.diffusion.schedule,
         metadata=dataset.metadata,
         token_bytes=token_bytes,
     )

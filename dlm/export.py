@@ -3,13 +3,15 @@
 An exported directory holds everything needed to use the model on another machine:
 
     model.safetensors   the weights (bf16 or fp32), each storage written once
-    config.json         format "dlm-export-v1", model config, step, tokens, tokenizer sha256, ...
+    config.json         format "dlm-export-v1", model and diffusion config, step, tokenizer sha256, ...
     tokenizer.json      the exact tokenizer the model was trained with (hash checked)
     README.md           a short model card: how it was trained, eval figures, how to load it
 
 `load_model` reads an exported directory, a training checkpoint, an inference checkpoint or a run
 directory (its `latest.pt`); checkpoints go through `dlm.checkpoint.load_checkpoint`
-(`weights_only=True`) and exports through safetensors, so no path ever unpickles code.
+(`weights_only=True`) and exports through safetensors, so no path ever unpickles code. The model
+it returns carries its noise schedule (`dlm.schedule.model_schedule`), which sampling uses; an
+export written before the `[diffusion]` section existed was trained with the linear schedule.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from torch import Tensor
 from dlm import __version__
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
 from dlm.choices import ExportDtype
-from dlm.config import ExperimentConfig, ModelConfig, format_validation_error
+from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
 from dlm.model import DiffusionTransformer, format_parameter_count
+from dlm.schedule import attach_schedule
 from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
 EXPORT_FORMAT = "dlm-export-v1"
@@ -56,7 +59,7 @@ class SourceInfo:
     tokens_seen: int | None
     tokenizer_sha256: str
     tokenizer_path: Path  # where the tokenizer should be (checked when it is loaded)
-    mask_eps: float
+    diffusion: DiffusionConfig  # the noise schedule and mask_eps the model was trained with
     experiment: ExperimentConfig | None = None  # full config: checkpoints only
     training: dict[str, Any] = field(default_factory=dict)  # path-free training settings
 
@@ -135,7 +138,7 @@ def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, T
         tokens_seen=int(checkpoint["tokens_seen"]),
         tokenizer_sha256=str(checkpoint["tokenizer_sha256"]),
         tokenizer_path=Path(experiment.training.tokenizer),
-        mask_eps=experiment.training.mask_eps,
+        diffusion=experiment.diffusion,
         experiment=experiment,
         training=_training_settings(experiment),
     )
@@ -161,6 +164,16 @@ def read_export_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
+def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
+    """The `[diffusion]` settings of an export; older exports hold only a training mask_eps, and
+    were trained with the linear schedule (the only one there was)."""
+
+    if "diffusion" in config:
+        return DiffusionConfig.model_validate(config["diffusion"])
+    legacy = config.get("training", {}).get("mask_eps")
+    return DiffusionConfig() if legacy is None else DiffusionConfig(mask_eps=legacy)
+
+
 def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -168,6 +181,7 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     config = read_export_config(directory)
     try:
         model_config = ModelConfig.model_validate(config["model"])
+        diffusion = _export_diffusion(config)
         weights = load_file(str(directory / WEIGHTS_NAME), device="cpu")
     except ValidationError as exc:
         raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
@@ -184,7 +198,7 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
         tokens_seen=config.get("tokens_seen"),
         tokenizer_sha256=str(config.get("tokenizer_sha256", "")),
         tokenizer_path=directory / TOKENIZER_NAME,
-        mask_eps=float(config.get("training", {}).get("mask_eps", 1e-3)),
+        diffusion=diffusion,
         training=dict(config.get("training", {})),
     )
     return info, weights
@@ -268,6 +282,7 @@ def load_model_with_info(
     info, weights = read_model_source(path, use_ema)
     tokenizer = load_tokenizer(_checked_tokenizer(info))
     model = build_model(info.model, weights, device, dtype, source=info.path)
+    attach_schedule(model, info.diffusion.schedule)
     return LoadedModel(model, tokenizer, info)
 
 
@@ -387,8 +402,9 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
             f"- {training.get('optimizer')} lr {training.get('learning_rate')} (warmup {training.get('warmup_steps')}, "
             f"cosine to {training.get('min_learning_rate')}), batch {training.get('batch_size')} x "
             f"{training.get('gradient_accumulation_steps')} accumulation, {training.get('precision')} precision, "
-            f"seed {training.get('seed')}, mask eps {training.get('mask_eps')}"
+            f"seed {training.get('seed')}"
         )
+    lines.append(f"- {info.diffusion.schedule} noise schedule, diffusion times in [{info.diffusion.mask_eps}, 1]")
     lines += ["", "## Evaluation", ""] + (figures or ["No evaluation figures were recorded for this run."])
     lines += [
         "",
@@ -462,6 +478,7 @@ def export_model(
         "name": output.name,
         "dlm_version": __version__,
         "model": info.model.model_dump(mode="json"),
+        "diffusion": info.diffusion.model_dump(mode="json"),
         "parameters": sum(t.numel() for t in stored.values()),
         "dtype": dtype,
         "weights": info.weights,

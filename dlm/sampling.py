@@ -1,16 +1,18 @@
 """Generation by reversing the masking process of a masked diffusion language model.
 
 A sequence starts as the prompt followed by `length` mask tokens. Time runs from t = 1 (all
-generated positions masked) to t = 0 over `steps` equal steps of the linear schedule; each step
-predicts the masked positions and reveals ("commits") some of them. A revealed token never changes.
+generated positions masked) to t = 0 over `steps` equal steps; each step predicts the masked
+positions and reveals ("commits") some of them. A revealed token never changes. How many depends on
+the noise schedule the model was trained with (`dlm.schedule`; m(t) = t for the default linear one).
 
 Which masked positions are revealed at a step from t to s = t - 1/steps:
 
 - `random`: ancestral sampling of the true reverse process; every masked position is revealed
-  independently with probability (t - s) / t, which is 1 at the last step.
+  independently with the schedule's reveal probability (m(t) - m(s)) / m(t), which is 1 at the
+  last step ((t - s) / t for linear).
 - `confidence`: LLaDA's low-confidence remasking; the model's distribution is sampled at every
   masked position and the k most probable samples are kept, the rest stay masked. k follows the
-  schedule: floor(n * s) of a block's n positions stay masked at time s, none after the last step.
+  schedule: floor(n * m(s)) of a block's n positions stay masked at time s, none after the last step.
 - `margin`: as `confidence`, but a position's confidence is top-1 minus top-2 probability.
 
 `block_length` B makes the sampler semi-autoregressive: the positions to generate are split, left
@@ -32,6 +34,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any, get_args
 
 import torch
@@ -39,9 +42,11 @@ from torch import nn
 
 from dlm.choices import Remasking
 from dlm.errors import UserError
+from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
 
 REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
+_LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
 StepCallback = Callable[[int, torch.Tensor], None]
 TemplatePart = str | int
 
@@ -318,12 +323,15 @@ class _Reverse:
             confidence = token_confidence(logits.softmax(dim=-1), new, options.remasking)
         return new.to(tokens.device), confidence
 
-    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, steps_left: int) -> int:
-        """Ancestral step: reveal each masked position of `block` with probability 1 / steps_left."""
+    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
+        """Ancestral step: reveal each masked position of `block` with `probability`."""
 
         masked = tokens[:, block] == self.mask_id
         draws = torch.rand(masked.shape, dtype=torch.float64, device=self.generator.device, generator=self.generator)
-        reveal = masked & (draws * steps_left < 1).to(tokens.device)
+        # draws < p, written as draws x (1 / p) < 1: the linear schedule's exact 1 / p is the number
+        # of steps left, so its draws compare exactly as they always have.
+        odds = float(1 / probability) if probability > 0 else math.inf
+        reveal = masked & (draws * odds < 1).to(tokens.device)
         rows = reveal.any(dim=1)
         if not bool(rows.any()):
             return 0
@@ -361,13 +369,17 @@ def _block_steps(steps: int, num_blocks: int) -> list[int]:
     return [steps // num_blocks + (index < steps % num_blocks) for index in range(num_blocks)]
 
 
-def reveal_count(num_positions: int, steps: int, step: int) -> int:
-    """Positions to reveal at `step` (0-based) so that floor(n * s) stay masked at time s."""
+def step_times(steps: int, step: int) -> tuple[Fraction, Fraction]:
+    """The times (t, s) that step `step` (0-based) of `steps` runs between, exactly: t = 1 - step / steps."""
 
-    def still_masked(done: int) -> int:
-        return num_positions * (steps - done) // steps
+    return Fraction(steps - step, steps), Fraction(steps - step - 1, steps)
 
-    return still_masked(step) - still_masked(step + 1)
+
+def reveal_count(num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR) -> int:
+    """Positions to reveal at `step` (0-based) so that floor(n * m(s)) stay masked at time s."""
+
+    t, s = step_times(steps, step)
+    return schedule.masked_count(num_positions, t) - schedule.masked_count(num_positions, s)
 
 
 def denoise(
@@ -379,17 +391,20 @@ def denoise(
     generator: torch.Generator,
     forbidden_token_ids: Sequence[int] = (),
     on_step: StepCallback | None = None,
+    schedule: Schedule | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true.
 
     Returns the completed tokens (no mask left in `fill_mask`, everything else unchanged) and the
     number of model forward passes. `model.config.mask_token_id` and `forbidden_token_ids` are
     never predicted. `on_step(step, tokens)` gets a copy of the tokens: step 0 is the starting
-    sequence, then steps 1 .. `options.steps`. Call it in eval mode under
-    `torch.inference_mode()` (as `generate` does).
+    sequence, then steps 1 .. `options.steps`. `schedule` defaults to the one the model was trained
+    with (`dlm.schedule.model_schedule`). Call it in eval mode under `torch.inference_mode()` (as
+    `generate` does).
     """
 
     mask_id = model.config.mask_token_id
+    schedule = model_schedule(model) if schedule is None else schedule
     tokens = tokens.clone()
     tokens[:, fill_mask] = mask_id
     never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
@@ -408,9 +423,10 @@ def denoise(
     for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):
         for index in range(block_steps):
             if options.remasking == "random":
-                forward_passes += reverse.reveal_random(tokens, block, block_steps - index)
+                t, s = step_times(block_steps, index)
+                forward_passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
             else:
-                count = reveal_count(block.numel(), block_steps, index)
+                count = reveal_count(block.numel(), block_steps, index, schedule)
                 forward_passes += reverse.reveal_confident(tokens, block, count)
             step += 1
             if on_step is not None:
@@ -432,6 +448,7 @@ def _denoise_for_inference(
     generator: torch.Generator,
     forbidden: list[int],
     on_step: StepCallback | None,
+    schedule: Schedule,
 ) -> tuple[list[list[int]], int]:
     """`denoise` in eval mode without autograd, leaving the model's train / eval mode as it was."""
 
@@ -440,7 +457,14 @@ def _denoise_for_inference(
     try:
         with torch.inference_mode():
             tokens, forward_passes = denoise(
-                model, tokens, fill_mask, options, generator=generator, forbidden_token_ids=forbidden, on_step=on_step
+                model,
+                tokens,
+                fill_mask,
+                options,
+                generator=generator,
+                forbidden_token_ids=forbidden,
+                on_step=on_step,
+                schedule=schedule,
             )
             # .tolist() waits for the device, so the caller's timing covers all queued work.
             return tokens.tolist(), forward_passes
@@ -465,6 +489,7 @@ def generate(
     block_length: int | None = None,
     device: str | torch.device | None = None,
     on_step: StepCallback | None = None,
+    schedule: str | Schedule | None = None,
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
@@ -472,7 +497,8 @@ def generate(
     e.g. "ROMEO: [MASK*20] fair Verona". `prompt` and `text` are exclusive; `length` is ignored
     with a template. Deterministic for a fixed `seed` on one device. `device` defaults to the
     model's; another device moves the model there. Texts keep special tokens such as
-    `<|endoftext|>` so document boundaries stay visible.
+    `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
+    defaults to the noise schedule the model was trained with, which `dlm.load` records.
     """
 
     options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
@@ -493,7 +519,10 @@ def generate(
     tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
     start = time.perf_counter()
-    token_ids, forward_passes = _denoise_for_inference(model, tokens, fill_mask, options, generator, forbidden, on_step)
+    chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
+    token_ids, forward_passes = _denoise_for_inference(
+        model, tokens, fill_mask, options, generator, forbidden, on_step, chosen
+    )
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     return SampleResult(texts, token_ids, steps, forward_passes, seconds)

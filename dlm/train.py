@@ -239,8 +239,9 @@ class Trainer:
         # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
         loader = DataLoader(self.val_dataset, batch_size=self.config.batch_size, shuffle=False,
                             generator=torch.Generator().manual_seed(0))
+        eps, batches = self.experiment.diffusion.mask_eps, self.config.eval_batches
         metrics = fixed_noise_validation(
-            self.model, loader, self.device, self.precision, self.config.mask_eps, self.config.eval_batches
+            self.model, loader, self.device, self.precision, eps, batches, schedule=self.step.schedule
         )
         self.sink({"event": "validation", "step": self.counters.step, **metrics})
         return metrics

@@ -2,7 +2,8 @@
 
 `TrainingStep` owns the model, optimizer, grad scaler and EMA, and runs gradient accumulation over
 micro-batches. Noise is a pure function of (seed, global micro-batch index) and the diffusion times
-of one optimizer step are stratified over all its micro-batches on all processes. Metrics stay on
+of one optimizer step are stratified over all its micro-batches on all processes; the configured
+noise schedule (`[diffusion]`) turns them into mask probabilities and loss weights. Metrics stay on
 the device in a `LogWindow` until someone asks for them, so the step never waits on the host.
 """
 
@@ -30,8 +31,7 @@ from dlm.distributed import DistributedContext, build_model, replicated, wrap_mo
 from dlm.model import DiffusionTransformer
 from dlm.optim import ModelEMA, build_optimizer, learning_rate
 from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
-
-NOISE_BUCKETS = 10  # loss is also reported per tenth of the diffusion time t
+from dlm.schedule import NOISE_BUCKETS, get_schedule
 
 
 @dataclass
@@ -76,6 +76,7 @@ class TrainingStep:
     def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world = device, precision, world
+        self.schedule = get_schedule(experiment.diffusion.schedule)
         self.counters = RunCounters()
         seed_everything(self.config.seed, device)
         # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
@@ -101,23 +102,23 @@ class TrainingStep:
         """Forward and backward of one micro-batch; its noise depends only on its global index."""
 
         config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
+        eps = self.experiment.diffusion.mask_eps
         # Rank r's micro-batch m of this step is global micro-batch seen + m * W + r: the very batch
         # the sampler hands it, and the same count whatever world size earlier steps ran with.
         global_index = self.counters.micro_batches_seen + world.rank
         generator = noise_generator(config.seed, global_index, self.device)
-        probability = accumulation_mask_probabilities(
+        times = accumulation_mask_probabilities(
             clean.shape[0],
             micro_index,
             steps,
             offset,
-            config.mask_eps,
+            eps,
             self.device,
             rank=world.rank,
             world_size=world.world_size,
         )
-        corruption = corrupt_tokens(
-            clean, self.experiment.model.mask_token_id, probability, config.mask_eps, generator=generator
-        )
+        mask_id = self.experiment.model.mask_token_id
+        corruption = corrupt_tokens(clean, mask_id, times, eps, generator, schedule=self.schedule)
         kernel = attention_kernel_context(self.device, config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
             logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask)
@@ -126,9 +127,9 @@ class TrainingStep:
 
         window.loss += output.loss.detach() / steps
         window.accuracy += output.masked_accuracy.detach() / steps
-        bucket = (corruption.mask_probability * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
+        bucket = (corruption.time * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
         window.bucket_loss.index_add_(0, bucket, output.per_sequence_nll.detach().float())
-        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.mask_probability))
+        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.time))
 
     def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
         config = self.config

@@ -74,7 +74,8 @@ def test_loss_weights_each_masked_token_by_its_sequences_inverse_mask_probabilit
     # Sequence 1 (t = 0.25): one masked token predicted perfectly, one with p(truth) = 1/2.
     clean = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.tensor([[True, False, True, False], [False, True, False, True]])
-    corruption = Corruption(clean.masked_fill(mask, MASK_ID), mask, torch.tensor([0.5, 0.25]))
+    times = torch.tensor([0.5, 0.25])  # linear: mask probability t, loss weight 1 / t
+    corruption = Corruption(clean.masked_fill(mask, MASK_ID), mask, times, times, torch.ones(2))
     logits = torch.zeros(4, VOCAB)
     logits[2] = -1e4
     logits[2, 10] = 0.0  # perfect on token 10
@@ -94,7 +95,7 @@ def test_loss_weights_each_masked_token_by_its_sequences_inverse_mask_probabilit
 def test_no_masked_tokens_gives_zero_loss_that_still_backpropagates() -> None:
     clean = torch.randint(VOCAB, (2, 8))
     mask = torch.zeros(2, 8, dtype=torch.bool)
-    corruption = Corruption(clean.clone(), mask, torch.full((2,), EPS))
+    corruption = Corruption(clean.clone(), mask, torch.full((2,), EPS), torch.full((2,), EPS), torch.ones(2))
     weight = torch.randn(VOCAB, 16, requires_grad=True)
     logits = torch.zeros(0, 16) @ weight.T
     result = diffusion_cross_entropy(logits, clean, corruption)
