@@ -19,7 +19,7 @@ __all__ = ["__version__", "load", "sample"]
 def load(path: Any, device: Any = "cpu") -> Any:
     """Load an exported model directory (or checkpoint): returns (model, tokenizer)."""
 
-    from dlm.export import load_model
+    from dlm.loading import load_model
 
     return load_model(path, device=device)
 

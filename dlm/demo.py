@@ -341,7 +341,7 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
 
     from dlm.data import load_packed_dataset
     from dlm.evaluate import evaluate_model, packed_token_bytes, write_report
-    from dlm.export import build_model, read_model_source
+    from dlm.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision
 
     device = torch.device(demo.experiment.training.device)
@@ -390,7 +390,8 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
 
 
 def _export_stage(demo: _Demo, step: int) -> None:
-    from dlm.export import CONFIG_NAME, export_model, read_export_config
+    from dlm.export import export_model
+    from dlm.loading import CONFIG_NAME, read_export_config
 
     def reuse() -> dict[str, Any] | None:
         if not (demo.model_dir / CONFIG_NAME).exists() or read_export_config(demo.model_dir).get("step") != step:
@@ -407,7 +408,7 @@ def _export_stage(demo: _Demo, step: int) -> None:
 def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
     import torch
 
-    from dlm.export import load_model
+    from dlm.loading import load_model
     from dlm.sampling import generate
 
     device = demo.experiment.training.device

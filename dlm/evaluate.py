@@ -448,7 +448,7 @@ def evaluate_source(
     validation data). Batches and batch size default to the run's validation settings, so the
     fixed-noise figures of a training checkpoint repeat its last validation event."""
 
-    from dlm.export import build_model, read_model_source
+    from dlm.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision
 
     info, weights = read_model_source(source, use_ema)

@@ -1,4 +1,4 @@
-"""Export a trained model to a self-contained directory, and load any model source without pickle.
+"""Export a trained model to a self-contained directory.
 
 An exported directory holds everything needed to use the model on another machine:
 
@@ -7,11 +7,8 @@ An exported directory holds everything needed to use the model on another machin
     tokenizer.json      the exact tokenizer the model was trained with (hash checked)
     README.md           a short model card: how it was trained, eval figures, how to load it
 
-`load_model` reads an exported directory, a training checkpoint, an inference checkpoint or a run
-directory (its `latest.pt`); checkpoints go through `dlm.checkpoint.load_checkpoint`
-(`weights_only=True`) and exports through safetensors, so no path ever unpickles code. The model
-it returns carries its noise schedule (`dlm.schedule.model_schedule`), which sampling uses; an
-export written before the `[diffusion]` section existed was trained with the linear schedule.
+`dlm.loading` reads exports (and checkpoints) back; `load_model` and the other loading names stay
+importable from here for the callers that import them from `dlm.export`.
 """
 
 from __future__ import annotations
@@ -20,279 +17,28 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
-from tokenizers import Tokenizer
 from torch import Tensor
 
 from dlm import __version__
-from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
 from dlm.choices import ExportDtype
-from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
-from dlm.model import DiffusionTransformer, format_parameter_count
-from dlm.schedule import attach_schedule
-from dlm.tokenizer import load_tokenizer, tokenizer_sha256
+from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
+from dlm.loading import LoadedModel as LoadedModel
+from dlm.loading import build_model as build_model
+from dlm.loading import load_model as load_model
+from dlm.loading import load_model_with_info as load_model_with_info
+from dlm.loading import read_export_config as read_export_config
+from dlm.loading import read_model_source as read_model_source
+from dlm.model import format_parameter_count
+from dlm.run_dir import RunDir
 
-EXPORT_FORMAT = "dlm-export-v1"
-WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME = "model.safetensors", "config.json", "tokenizer.json", "README.md"
-EVAL_NAME = "eval.json"  # what `dlm eval --output` writes; a run dir's copy feeds the model card
+CARD_NAME = "README.md"
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
-_PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir")
-
-
-@dataclass
-class SourceInfo:
-    """What is known about a model source besides its weights."""
-
-    path: Path  # the checkpoint file or the exported directory actually read
-    kind: str  # "training" | "inference" | "export"
-    model: ModelConfig
-    weights: str  # "ema" | "live"
-    step: int | None
-    tokens_seen: int | None
-    tokenizer_sha256: str
-    tokenizer_path: Path  # where the tokenizer should be (checked when it is loaded)
-    diffusion: DiffusionConfig  # the noise schedule and mask_eps the model was trained with
-    experiment: ExperimentConfig | None = None  # full config: checkpoints only
-    training: dict[str, Any] = field(default_factory=dict)  # path-free training settings
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory a checkpoint lives in (its metrics feed the model card)."""
-
-        return None if self.kind == "export" else self.path.parent
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "kind": self.kind,
-            "weights": self.weights,
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "tokenizer_sha256": self.tokenizer_sha256,
-        }
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for inference, its tokenizer, and where it came from."""
-
-    model: DiffusionTransformer
-    tokenizer: Tokenizer
-    info: SourceInfo
-
-
-# ------------------------------------------------------------------------------------ reading
-
-
-def _training_settings(experiment: ExperimentConfig) -> dict[str, Any]:
-    return {k: v for k, v in experiment.training.model_dump(mode="json").items() if k not in _PATH_FIELDS}
-
-
-def _checkpoint_weights(checkpoint: dict[str, Any], path: Path, use_ema: bool) -> tuple[dict[str, Tensor], str]:
-    """The model weights of a checkpoint: EMA when present and wanted, else the live ones."""
-
-    weights = dict(checkpoint["model"])
-    if checkpoint["format"] == INFERENCE_FORMAT:
-        stored = str(checkpoint.get("weights", "live"))
-        if stored == "ema" and not use_ema:
-            raise UserError(
-                "this inference checkpoint holds only the EMA weights",
-                path=path,
-                fix="use latest.pt (the training checkpoint) for the live weights, or keep --ema",
-            )
-        return weights, stored
-    ema = checkpoint.get("ema")
-    if not use_ema or ema is None:
-        return weights, "live"
-    shadow = ema["shadow"]
-    if unknown := sorted(set(shadow) - set(weights)):
-        raise UserError(f"the EMA weights name tensors the model lacks ({unknown[:3]})", path=path)
-    for name, value in shadow.items():
-        weights[name] = value.to(weights[name].dtype)
-    return weights, "ema"
-
-
-def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
-    checkpoint = load_checkpoint(path)
-    if path.is_dir():
-        path = path / "latest.pt"
-    required = ("config", "model", "step", "tokens_seen", "tokenizer_sha256")
-    if missing := [key for key in required if key not in checkpoint]:
-        raise UserError(f"damaged checkpoint: it lacks {', '.join(missing)}", path=path)
-    experiment = ExperimentConfig.from_dict(checkpoint["config"], source=path)
-    weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
-    info = SourceInfo(
-        path=path,
-        kind="training" if checkpoint["format"] == TRAINING_FORMAT else "inference",
-        model=experiment.model,
-        weights=kind,
-        step=int(checkpoint["step"]),
-        tokens_seen=int(checkpoint["tokens_seen"]),
-        tokenizer_sha256=str(checkpoint["tokenizer_sha256"]),
-        tokenizer_path=Path(experiment.training.tokenizer),
-        diffusion=experiment.diffusion,
-        experiment=experiment,
-        training=_training_settings(experiment),
-    )
-    return info, weights
-
-
-def read_export_config(directory: str | Path) -> dict[str, Any]:
-    """The `config.json` of an exported directory, refused unless it is a dlm export."""
-
-    path = Path(directory) / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"no {CONFIG_NAME} here, so this is not an exported dlm model", path=directory) from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"unreadable {CONFIG_NAME}: {exc}", path=path) from None
-    if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
-        raise UserError(
-            f"not a dlm export: {CONFIG_NAME} lacks format {EXPORT_FORMAT!r}",
-            path=path,
-            fix="pass a directory written by `dlm export`, a checkpoint or a run directory",
-        )
-    return config
-
-
-def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
-    """The `[diffusion]` settings of an export; older exports hold only a training mask_eps, and
-    were trained with the linear schedule (the only one there was)."""
-
-    if "diffusion" in config:
-        return DiffusionConfig.model_validate(config["diffusion"])
-    legacy = config.get("training", {}).get("mask_eps")
-    return DiffusionConfig() if legacy is None else DiffusionConfig(mask_eps=legacy)
-
-
-def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    config = read_export_config(directory)
-    try:
-        model_config = ModelConfig.model_validate(config["model"])
-        diffusion = _export_diffusion(config)
-        weights = load_file(str(directory / WEIGHTS_NAME), device="cpu")
-    except ValidationError as exc:
-        raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
-    except (KeyError, OSError, SafetensorError) as exc:
-        raise UserError(f"damaged export: {exc}", path=directory, fix="export the checkpoint again") from None
-    for alias, canonical in config.get("tied", {}).items():
-        weights[alias] = weights[canonical]  # re-tie what was stored once
-    info = SourceInfo(
-        path=directory,
-        kind="export",
-        model=model_config,
-        weights=str(config.get("weights", "live")),
-        step=config.get("step"),
-        tokens_seen=config.get("tokens_seen"),
-        tokenizer_sha256=str(config.get("tokenizer_sha256", "")),
-        tokenizer_path=directory / TOKENIZER_NAME,
-        diffusion=diffusion,
-        training=dict(config.get("training", {})),
-    )
-    return info, weights
-
-
-def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and CPU weights of an exported dir, a checkpoint file or a run dir (its latest.pt)."""
-
-    path = Path(path)
-    if path.is_file() and path.suffix == ".safetensors":
-        path = path.parent  # the weights file of an export: the directory is the model
-    if path.is_dir() and (path / WEIGHTS_NAME).exists():
-        return _read_export(path)
-    return _read_checkpoint(path, use_ema)
-
-
-# ------------------------------------------------------------------------------------ building
-
-
-def _check_weights(expected: dict[str, Tensor], weights: dict[str, Tensor], source: Path) -> None:
-    """Refuse weights whose names or shapes do not fit the model config, naming a few of each."""
-
-    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
-    wrong = [n for n in expected.keys() & weights.keys() if tuple(expected[n].shape) != tuple(weights[n].shape)]
-    if missing or extra or wrong:
-        raise UserError(
-            f"the weights do not fit the model config (missing {missing[:3]}, unexpected {extra[:3]}, "
-            f"wrong shape {sorted(wrong)[:3]})",
-            path=source,
-            fix="the file was written by another model or dlm version; export it again",
-        )
-
-
-def build_model(
-    config: ModelConfig,
-    weights: dict[str, Tensor],
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    source: Path = Path("<weights>"),
-) -> DiffusionTransformer:
-    """A model in eval mode on `device` holding `weights`; `dtype` None keeps the stored float dtype."""
-
-    if dtype is None:
-        dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-    # Built directly on the device. Its random init is wasted, but building on the meta device
-    # instead would import torch._dynamo (seconds) for the meta kernels of the init functions.
-    # MPS lacks the float64 the rotary tables are computed in: build on the CPU and move.
-    device = torch.device(device)
-    with torch.device("cpu" if device.type == "mps" else device):
-        model = DiffusionTransformer(config)
-    _check_weights(model.state_dict(), weights, source)
-    with torch.no_grad():
-        for parameter in model.parameters():  # parameters only: the rotary tables stay float32
-            parameter.data = parameter.data.to(dtype)
-        model.load_state_dict(weights, strict=True)
-    return model.to(device).eval()
-
-
-def _checked_tokenizer(info: SourceInfo) -> Path:
-    path = info.tokenizer_path
-    if not path.is_file():
-        raise UserError(
-            "the tokenizer the model was trained with is missing",
-            path=path,
-            fix="restore that file (the checkpoint records its sha256), or work on the machine that trained it",
-        )
-    if tokenizer_sha256(path) != info.tokenizer_sha256:
-        raise UserError(
-            f"the tokenizer file changed since training (sha256 differs from the one {info.path} records)",
-            path=path,
-            fix="restore the tokenizer the model was trained with",
-        )
-    return path
-
-
-def load_model_with_info(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, use_ema: bool = True
-) -> LoadedModel:
-    """Model (eval mode, on `device`), checked tokenizer and metadata of any model source."""
-
-    info, weights = read_model_source(path, use_ema)
-    tokenizer = load_tokenizer(_checked_tokenizer(info))
-    model = build_model(info.model, weights, device, dtype, source=info.path)
-    attach_schedule(model, info.diffusion.schedule)
-    return LoadedModel(model, tokenizer, info)
-
-
-def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, use_ema: bool = True
-) -> tuple[DiffusionTransformer, Tokenizer]:
-    """(model, tokenizer) from an exported dir, a checkpoint or a run dir; no pickle involved."""
-
-    loaded = load_model_with_info(path, device, dtype, use_ema)
-    return loaded.model, loaded.tokenizer
 
 
 # ------------------------------------------------------------------------------------ exporting
@@ -334,7 +80,7 @@ def _check_output(output: Path, overwrite: bool) -> None:
 
 
 def _last_validation(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         return None
     last = None
@@ -361,7 +107,7 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
             f"masked accuracy {validation.get('masked_accuracy', math.nan):.3f} (fixed noise levels)"
         )
     try:
-        report = json.loads((run_dir / EVAL_NAME).read_text(encoding="utf-8"))
+        report = json.loads(RunDir(run_dir).eval_report.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         report = None
     if isinstance(report, dict) and isinstance(report.get("nll"), (int, float)):
@@ -471,7 +217,7 @@ def export_model(
     info, weights = read_model_source(source, use_ema)
     if info.kind == "export":
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
-    tokenizer = _checked_tokenizer(info)
+    tokenizer = checked_tokenizer(info)
     stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,

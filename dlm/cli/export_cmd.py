@@ -25,7 +25,7 @@ def _human_size(size: int) -> str:
 def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
-    from dlm.export import read_export_config
+    from dlm.loading import read_export_config
 
     config = read_export_config(output)
     files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
