@@ -36,9 +36,8 @@ from dlm.bench_setup import (
     require_fused_attention,
     reset_peak_rss,
     set_memory_limit,
-    with_overrides,
 )
-from dlm.config import ExperimentConfig, ModelConfig
+from dlm.config import ExperimentConfig, ModelConfig, with_overrides
 from dlm.distributed import DistributedContext
 from dlm.errors import UserError
 from dlm.runtime import (

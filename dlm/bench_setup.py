@@ -18,28 +18,15 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 
 from dlm import runtime
-from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, apply_overrides, format_validation_error
+from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
 from dlm.errors import UserError
 
 GIB = float(1 << 30)
 
 
 # ---- Config: overrides and --compare ----------------------------------------------------------
-
-
-def with_overrides(experiment: ExperimentConfig, overrides: list[str], source: str) -> ExperimentConfig:
-    """A copy of `experiment` with `section.field=value` overrides, validated like a config file."""
-
-    if not overrides:
-        return experiment
-    data = apply_overrides(experiment.to_dict(), overrides, source)
-    try:
-        return ExperimentConfig.model_validate(data)
-    except ValidationError as exc:
-        raise UserError(format_validation_error(exc), path=source) from None
 
 
 def config_key(key: str) -> str:

@@ -405,6 +405,19 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
         raise UserError(format_validation_error(exc), path=path) from None
 
 
+def with_overrides(experiment: ExperimentConfig, overrides: list[str], source: str) -> ExperimentConfig:
+    """A copy of `experiment` with `section.field=value` overrides, validated like a config file;
+    `source` names where the overrides came from in an error (an option, the demo's plan)."""
+
+    if not overrides:
+        return experiment
+    data = apply_overrides(experiment.to_dict(), overrides, source)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc), path=source) from None
+
+
 def _bounds(info: Any) -> str:
     parts = []
     for item in info.metadata:

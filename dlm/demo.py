@@ -39,8 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dlm.bench_setup import with_overrides
-from dlm.config import ExperimentConfig, load_config
+from dlm.config import ExperimentConfig, load_config, with_overrides
 from dlm.dashboard import Event, Sink
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError

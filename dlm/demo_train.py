@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.bench_setup import with_overrides
-from dlm.config import ExperimentConfig
+from dlm.config import ExperimentConfig, with_overrides
 from dlm.dashboard import Event, Sink
 from dlm.errors import UserError
 
