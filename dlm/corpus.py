@@ -166,7 +166,8 @@ class CorpusReader:
         self.piece_bytes = piece_bytes
         self.order = [(index, 0) for index in range(len(self.paths))] if order is None else list(order)
         sizes = [_input_size(path) for path in self.paths]
-        self.total_bytes = sum(sizes[index] for index, _ in self.order)
+        self.input_bytes = sum(sizes)  # on disk, each input once
+        self.total_bytes = sum(sizes[index] for index, _ in self.order)  # to read: repeats counted
         self.sources: list[SourceFile] = []  # filled as each input's first reading is finished
         self.documents = 0
         self._first_document: dict[int, int] = {}

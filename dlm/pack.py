@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +30,11 @@ from dlm.corpus import (
     CorpusReader,
     Piece,
     check_writable_directory,
-    discover_corpus,
     remove_stale_temporaries,
     temporary_path,
 )
 from dlm.errors import UserError, reported_os_errors
+from dlm.mixture import MixtureInputs, WeightedSource, apply_weights, discover_sources, mixture_metadata, read_order
 from dlm.pack_plan import PackPlan, plan_pack
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
@@ -44,6 +45,7 @@ OUTPUT_FILES = ("tokenizer.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bi
 BATCH_TEXT_BYTES = 1 << 20
 PackProgress = Callable[[int, int, int], None]  # (bytes read, total bytes, tokens written)
 SKIPPED_EXAMPLES = 5  # unreadable files named in the metadata and output; the rest are counted
+WHOLE_PACK_KEYS = ("val_share", "duplicates_dropped", "skipped_files", "mixture")  # the same in every split
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -79,16 +81,8 @@ class PackSummary:
     val_share: dict[str, float] | None = None  # realised share of validation: text_bytes and tokens
     duplicates_dropped: dict[str, int] = field(default_factory=dict)  # documents and text_bytes
     skipped_files: dict[str, Any] = field(default_factory=dict)  # count and a few examples
+    mixture: list[dict[str, Any]] | None = None  # each --source: weight, documents and tokens taken
     removed_temporaries: list[str] = field(default_factory=list)  # left by killed packs
-
-
-@dataclass
-class _Inputs:
-    """The corpus files, validation inputs first (so that deduplication keeps their copies)."""
-
-    paths: list[Path]
-    val_files: int
-    skipped: list[Path]
 
 
 @dataclass
@@ -101,7 +95,7 @@ class _Job:
     seq_len: int
     seed: int
     val_fraction: float
-    skipped: list[Path]
+    inputs: MixtureInputs
 
     @property
     def vocab_size(self) -> int:
@@ -119,14 +113,19 @@ class _SplitWriter:
         self.pending: list[np.ndarray] = []
         self.tokens = self.documents = self.text_bytes = 0
         self.sources: set[int] = set()
+        # By input file: what each weighted source put into the split (`dlm.mixture`).
+        self.file_tokens: Counter[int] = Counter()
+        self.file_documents: Counter[int] = Counter()
 
     def add(self, ids: np.ndarray, piece: Piece) -> None:
         self.pending.append(ids)
         self.text_bytes += piece.text_bytes
         self.sources.add(piece.source)
+        self.file_tokens[piece.source] += ids.size + piece.last
         if piece.last:
             self.pending.append(self.eos)
             self.documents += 1
+            self.file_documents[piece.source] += 1
 
     def flush(self) -> None:
         if self.pending:
@@ -176,7 +175,7 @@ def _encode_stream(
     batch: list[Piece] = []
     size = 0
     for piece in reader.pieces():
-        if plan.split_of(piece.document) is None:
+        if plan.split_of(piece.document, piece.copy) is None:
             continue
         batch.append(piece)
         size += piece.text_bytes
@@ -192,15 +191,6 @@ def _encode(batch: list[Piece], tokenizer: Any, dtype: np.dtype) -> list[tuple[P
     return [(p, np.array(e.ids, dtype=dtype)) for p, e in zip(batch, encodings, strict=True)]
 
 
-def _discover(inputs: Sequence[str | Path], val_inputs: Sequence[str | Path]) -> _Inputs:
-    train, val = discover_corpus(inputs), discover_corpus(val_inputs) if val_inputs else None
-    val_paths = val.paths if val else []
-    if shared := set(train.paths) & set(val_paths):
-        raise UserError("file is both a training and a validation input", path=sorted(shared)[0])
-    skipped = list(dict.fromkeys(train.skipped + (val.skipped if val else [])))
-    return _Inputs(val_paths + train.paths, len(val_paths), skipped)
-
-
 def pack_corpus(
     inputs: Sequence[str | Path],
     tokenizer: str | Path,
@@ -213,11 +203,14 @@ def pack_corpus(
     errors: str = "strict",
     overwrite: bool = False,
     progress: PackProgress | None = None,
+    sources: Sequence[WeightedSource] = (),
 ) -> PackSummary:
-    """Tokenize `inputs` into `output/{train,val}.{bin,json}` plus a copy of the tokenizer.
+    """Tokenize `inputs` (and weighted `sources`) into `output/{train,val}.{bin,json}` plus a copy
+    of the tokenizer.
 
     Byte-identical documents are kept once, validation inputs' copies first; `val_fraction` is the
-    share of the text's UTF-8 bytes held out, in whole documents drawn with `seed`.
+    share of the text's UTF-8 bytes held out, in whole documents drawn with `seed`; then each
+    source's training documents are repeated or sampled by its weight (`dlm.mixture`), with `seed`.
     """
 
     started = time.perf_counter()
@@ -226,19 +219,20 @@ def pack_corpus(
     loaded = load_tokenizer(tokenizer_path)
     # Text that spells a special token ("<|mask|>") is data: it must not become the real token.
     loaded.encode_special_tokens = True
-    found = _discover(inputs, val_inputs)
+    found = discover_sources(inputs, sources, val_inputs)
     _check_output_dir(output, tokenizer_path, overwrite)
     plan = plan_pack(found.paths, found.val_files, val_fraction, seed, text_field, errors)
     if not plan.fates:
         raise UserError("the corpus is empty: no text in any input file", path=found.paths[found.val_files])
+    apply_weights(plan, found, seed)
     removed = remove_stale_temporaries(output, OUTPUT_FILES)
-    reader = CorpusReader(found.paths, text_field=text_field, errors=errors)
-    job = _Job(output, tokenizer_path, loaded, seq_len, seed, val_fraction, found.skipped)
+    reader = CorpusReader(found.paths, text_field=text_field, errors=errors, order=read_order(found))
+    job = _Job(output, tokenizer_path, loaded, seq_len, seed, val_fraction, found)
     wanted = ("train", "val") if val_fraction > 0 or found.val_files else ("train",)
     metadata = _write_output(job, reader, plan, wanted, progress)
     splits = {name: SplitSummary(output / f"{name}.bin", **_split_counts(meta)) for name, meta in metadata.items()}
-    whole_pack = {key: metadata["train"][key] for key in ("val_share", "duplicates_dropped", "skipped_files")}
-    return PackSummary(output, job.vocab_size, token_dtype(job.vocab_size).name, seq_len, reader.total_bytes,
+    whole_pack = {key: metadata["train"][key] for key in WHOLE_PACK_KEYS}
+    return PackSummary(output, job.vocab_size, token_dtype(job.vocab_size).name, seq_len, reader.input_bytes,
                        reader.replaced_characters, time.perf_counter() - started, splits, **whole_pack,
                        removed_temporaries=[str(path) for path in removed])  # fmt: skip
 
@@ -282,7 +276,7 @@ def _stream(
 ) -> None:
     for batch in _encode_stream(reader, tokenizer, dtype, plan):
         for piece, ids in batch:
-            writers[plan.split_of(piece.document)].add(ids, piece)
+            writers[plan.split_of(piece.document, piece.copy)].add(ids, piece)
         for writer in writers.values():
             writer.flush()
         if progress is not None:
@@ -297,17 +291,18 @@ def _split_counts(meta: dict[str, Any]) -> dict[str, int]:
 
 def _pack_metadata(job: _Job, writers: dict[str, _SplitWriter], plan: PackPlan) -> dict[str, Any]:
     """What the whole pack did, recorded in each split's metadata: the realised validation share
-    (of the text bytes, and of the tokens before the cut to whole blocks), the duplicates dropped
-    and the files skipped."""
+    (of the text bytes, and of the tokens before the cut to whole blocks), the duplicates dropped,
+    the files skipped and, with weighted sources, what each put into training."""
 
-    val_share = None
+    val_share, skipped, train = None, job.inputs.skipped, writers["train"]
     if "val" in writers:
         text_bytes, tokens = (sum(getattr(w, key) for w in writers.values()) for key in ("text_bytes", "tokens"))
         val_share = {"text_bytes": writers["val"].text_bytes / text_bytes, "tokens": writers["val"].tokens / tokens}
     return {
         "val_share": val_share,
         "duplicates_dropped": {"documents": plan.duplicates, "text_bytes": plan.duplicate_bytes},
-        "skipped_files": {"count": len(job.skipped), "examples": [str(p) for p in job.skipped[:SKIPPED_EXAMPLES]]},
+        "skipped_files": {"count": len(skipped), "examples": [str(p) for p in skipped[:SKIPPED_EXAMPLES]]},
+        "mixture": mixture_metadata(job.inputs, train.file_documents, train.file_tokens),
     }
 
 

@@ -37,13 +37,18 @@ class PackPlan:
 
     fates: bytearray = field(default_factory=bytearray)  # TRAIN, VAL or DUPLICATE
     sizes: array = field(default_factory=lambda: array("q"))  # UTF-8 bytes of each document
+    files: array = field(default_factory=lambda: array("I"))  # the input each document comes from
     duplicates: int = 0
     duplicate_bytes: int = 0
+    copies: np.ndarray | None = None  # training copies of each document (`dlm.mixture`); None: one each
 
-    def split_of(self, document: int) -> str | None:
-        """"train" or "val"; None for a dropped duplicate."""
+    def split_of(self, document: int, copy: int = 0) -> str | None:
+        """"train" or "val" for reading `copy` of a document; None for a duplicate or a copy not taken."""
 
-        return _SPLIT_NAMES.get(self.fates[document])
+        fate = self.fates[document]
+        if fate == TRAIN and self.copies is not None:
+            return "train" if copy < self.copies[document] else None
+        return _SPLIT_NAMES.get(fate) if copy == 0 else None
 
 
 def plan_pack(
@@ -85,6 +90,7 @@ def _hash_documents(paths: Sequence[Path], val_files: int, text_field: str, erro
             fate = VAL if piece.source < val_files else TRAIN
         plan.fates.append(fate)
         plan.sizes.append(size)
+        plan.files.append(piece.source)
         digest, size = hashlib.sha256(), 0
     return plan
 

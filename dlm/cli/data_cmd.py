@@ -31,11 +31,21 @@ class DecodeErrors(str, Enum):
     replace = "replace"
 
 
-InputsArgument = Annotated[
-    list[str],
-    typer.Argument(help="Text files, directories (recursive) or globs: .txt, .md, .jsonl, and .gz of those."),
+INPUTS_HELP = (
+    "Files, directories (recursive) or globs: .txt, .md, .jsonl (each plain, .gz or .zst), .parquet, "
+    "and directories written by Hugging Face datasets' save_to_disk."
+)
+InputsArgument = Annotated[list[str], typer.Argument(help=INPUTS_HELP)]
+TextFieldOption = Annotated[
+    str,
+    typer.Option("--text-field", help="Field holding the text: of .jsonl lines, of .parquet and saved-dataset rows."),
 ]
-TextFieldOption = Annotated[str, typer.Option("--text-field", help="JSON field holding the text of .jsonl lines.")]
+SOURCE_HELP = (
+    "A weighted training input PATH:WEIGHT (repeatable; a file, directory or glob). Each of its training "
+    "documents is packed floor(WEIGHT) times, and a share frac(WEIGHT) of them, drawn with --seed, once "
+    "more: 2 = every document twice, 0.5 = a seeded half, 1.5 = all once and a seeded half twice. Repeats "
+    "are whole passes over the source; validation documents are never repeated. Plain INPUTS weigh 1."
+)
 ErrorsOption = Annotated[
     DecodeErrors,
     typer.Option("--errors", help="Bytes that are not UTF-8: stop with the offset, or replace with U+FFFD."),
@@ -143,10 +153,11 @@ def tokenizer_train(
 
 
 def pack(
-    inputs: InputsArgument,
     tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="tokenizer.json to encode with.")],
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per block (model.max_seq_len).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train/val .bin/.json.")],
+    inputs: Annotated[list[str] | None, typer.Argument(help=INPUTS_HELP + " Optional with --source.")] = None,
+    source: Annotated[list[str] | None, typer.Option("--source", help=SOURCE_HELP)] = None,
     val_fraction: Annotated[
         float,
         typer.Option(
@@ -158,7 +169,7 @@ def pack(
         list[str] | None,
         typer.Option("--val-input", help="Validation inputs (repeatable), instead of --val-fraction."),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the --val-fraction split.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the --val-fraction split and --source draws.")] = 0,
     text_field: TextFieldOption = "text",
     errors: ErrorsOption = DecodeErrors.strict,
     overwrite: OverwriteOption = False,
@@ -170,12 +181,14 @@ def pack(
     cannot read are skipped and listed.
     """
 
+    from dlm.mixture import parse_source
     from dlm.pack import pack_corpus
 
+    sources = [parse_source(text) for text in source or []]
     json_mode = wants_json(as_json)
     with _ProgressView("packing", json_mode) as view:
         summary = pack_corpus(
-            inputs,
+            inputs or [],
             tokenizer,
             seq_len,
             output,
@@ -186,6 +199,7 @@ def pack(
             errors=errors.value,
             overwrite=overwrite,
             progress=view.update,
+            sources=sources,
         )
     if json_mode:
         splits = {name: vars(split) for name, split in summary.splits.items()}
@@ -252,6 +266,11 @@ def _pack_notes(summary: PackSummary) -> list[str]:
         )
     if summary.removed_temporaries:
         notes.append(f"removed {_count(len(summary.removed_temporaries), 'temporary file')} left by a killed pack")
+    for entry in summary.mixture or []:
+        notes.append(
+            f"source {escape(entry['input'])} x{entry['weight']:g}: {_count(entry['documents_taken'], 'document')} "
+            f"of {entry['documents']:,} distinct, {entry['tokens']:,} training tokens"
+        )
     return notes
 
 
