@@ -71,5 +71,5 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if _state["debug"]:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
