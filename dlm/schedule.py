@@ -84,7 +84,8 @@ class Schedule(ABC):
             return n
         if t <= 0:
             return 0
-        return min(n, math.floor(n * self.mask_probability(float(t))))
+        # A rounding error in m(t) must not drop a position where n m(t) is a whole number.
+        return min(n, math.floor(n * self.mask_probability(float(t)) + 1e-9))
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self)
