@@ -17,7 +17,10 @@ __all__ = ["__version__", "load", "sample"]
 
 
 def load(path: Any, device: Any = "cpu") -> Any:
-    """Load an exported model directory (or checkpoint): returns (model, tokenizer)."""
+    """Load an exported model directory (or checkpoint): returns (model, tokenizer).
+
+    The model records the noise schedule it was trained with, which `sample` then follows.
+    """
 
     from dlm.loading import load_model
 

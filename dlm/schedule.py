@@ -74,6 +74,8 @@ class Schedule(ABC):
     def reveal_probability(self, s: Time, t: Time) -> Time:
         """(α(s) - α(t)) / (1 - α(t)) for s < t: a position masked at t is clean at s."""
 
+        if s <= 0:
+            return 1.0  # time 0 is the clean text: whatever is still masked is revealed
         masked_then = self.mask_probability(float(t))
         return (masked_then - self.mask_probability(float(s))) / masked_then
 
