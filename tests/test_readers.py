@@ -7,15 +7,19 @@ missing optional package is one error line naming the extra that installs it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dlm import readers
 from dlm.corpus import CorpusReader, discover_inputs
+from dlm.readers import Chunk, Format, ReadContext
 from dlm.tokenizer import train_tokenizer
 
 # Documents with what a reader could get wrong: line endings, no final newline, U+FFFD already in the
@@ -264,6 +268,38 @@ def test_a_missing_package_is_one_error_line_naming_the_extra(
     ):
         run_cli(*command).assert_refused(str(path), message, fix)
     assert not (tmp_path / "out").exists() and not (tmp_path / "tok.json").exists()
+
+
+def read_lines(context: ReadContext) -> Iterator[Chunk]:
+    """The example of docs/architecture.md: each non-blank line is one document, without its line break."""
+
+    with context.open() as handle:
+        offset = 0
+        for line in handle:
+            text, size = context.decode(line.rstrip(b"\r\n"), offset)
+            offset += len(line)
+            if text.strip():
+                yield Chunk(text, size, last=True)
+
+
+def test_a_new_format_is_one_read_function_and_one_registry_entry(
+    tmp_path: Path, tiny_tokenizer_path: Path, run_cli, monkeypatch
+) -> None:
+    lines = Format("lines", "`.lines`", read_lines, suffixes=(".lines",), compressible=True)
+    monkeypatch.setattr(readers, "FORMATS", (*readers.FORMATS, lines))
+    documents = ["first line", "second, with é", "third"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.lines.gz").write_bytes(gzip.compress("first line\r\n\nsecond, with é\n".encode()))
+    (corpus / "b.lines").write_bytes(b"third\n\xff\n")
+    expected = pack(run_cli, tiny_tokenizer_path, tmp_path / "txt", *write_texts(tmp_path / "txt-in", documents))
+    run_cli("pack", corpus, "-t", tiny_tokenizer_path, "-l", "8", "-o", tmp_path / "o").assert_refused(
+        str(corpus / "b.lines"), "invalid UTF-8 at byte 6"
+    )
+    (corpus / "b.lines").write_bytes(b"third\n")
+    got = pack(run_cli, tiny_tokenizer_path, tmp_path / "lines", corpus)
+    assert (tmp_path / "lines" / "train.bin").read_bytes() == (tmp_path / "txt" / "train.bin").read_bytes()
+    assert got["splits"]["train"]["documents"] == expected["splits"]["train"]["documents"] == 3
 
 
 MEASURE_PEAK = (
