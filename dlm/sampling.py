@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any, get_args
@@ -440,34 +441,15 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _denoise_for_inference(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    fill_mask: torch.Tensor,
-    options: SamplingOptions,
-    generator: torch.Generator,
-    forbidden: list[int],
-    on_step: StepCallback | None,
-    schedule: Schedule,
-) -> tuple[list[list[int]], int]:
-    """`denoise` in eval mode without autograd, leaving the model's train / eval mode as it was."""
+@contextmanager
+def _inference(model: nn.Module) -> Iterator[None]:
+    """Eval mode without autograd, leaving the model's train / eval mode as it was."""
 
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            tokens, forward_passes = denoise(
-                model,
-                tokens,
-                fill_mask,
-                options,
-                generator=generator,
-                forbidden_token_ids=forbidden,
-                on_step=on_step,
-                schedule=schedule,
-            )
-            # .tolist() waits for the device, so the caller's timing covers all queued work.
-            return tokens.tolist(), forward_passes
+            yield
     finally:
         model.train(was_training)
 
@@ -518,11 +500,12 @@ def generate(
     forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
     tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
-    start = time.perf_counter()
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
-    token_ids, forward_passes = _denoise_for_inference(
-        model, tokens, fill_mask, options, generator, forbidden, on_step, chosen
-    )
+    start = time.perf_counter()
+    with _inference(model):
+        tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
+                                         forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen)  # fmt: skip
+        token_ids = tokens.tolist()  # waits for the device, so the timing covers all queued work
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     return SampleResult(texts, token_ids, steps, forward_passes, seconds)
