@@ -137,8 +137,10 @@ class ReadContext:
             raw.close()
 
     def hash_file(self, path: Path) -> None:
-        """Hash and count `path` in one sequential read: for formats read by seeking (Parquet)."""
+        """Hash `path` in one sequential read, for a format read by seeking (Parquet); the bytes read
+        are then its size."""
 
+        self.bytes_read = 0
         with self.open(path) as handle:
             while handle.read(1 << 20):
                 pass
@@ -357,7 +359,6 @@ def read_parquet(context: ReadContext) -> Iterator[Chunk]:
     except (pyarrow.ArrowException, OSError) as exc:
         raise UserError(f"cannot read file: {exc}", path=context.path) from None
     # Parquet is read by seeking (the footer first): its bytes are hashed in one more sequential read.
-    context.bytes_read = 0
     context.hash_file(context.path)
 
 
