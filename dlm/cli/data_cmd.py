@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from enum import Enum
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
-from dlm.corpus import SUPPORTED
+from dlm.corpus import SUPPORTED, DecodeErrors
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -26,15 +25,8 @@ if TYPE_CHECKING:
 tokenizer_app = typer.Typer(help="Train byte-level BPE tokenizers.", no_args_is_help=True)
 
 
-class DecodeErrors(str, Enum):
-    strict = "strict"
-    replace = "replace"
-
-
-INPUTS_HELP = (
-    "Files, directories (recursive) or globs: .txt, .md, .jsonl (each plain, .gz or .zst), .parquet, "
-    "and directories written by Hugging Face datasets' save_to_disk."
-)
+# The formats as the registry in `dlm.readers` lists them, without the backticks of its Markdown.
+INPUTS_HELP = f"Files, directories (recursive) or globs: {SUPPORTED.replace('`', '')}."
 InputsArgument = Annotated[list[str], typer.Argument(help=INPUTS_HELP)]
 TextFieldOption = Annotated[
     str,
@@ -111,7 +103,7 @@ def tokenizer_train(
     vocab_size: Annotated[int, typer.Option("--vocab-size", "-n", help="Total vocabulary, special tokens included.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="tokenizer.json to write.")],
     text_field: TextFieldOption = "text",
-    errors: ErrorsOption = DecodeErrors.strict,
+    errors: ErrorsOption = "strict",
     overwrite: OverwriteOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -126,7 +118,7 @@ def tokenizer_train(
             vocab_size,
             output,
             text_field=text_field,
-            errors=errors.value,
+            errors=errors,
             progress=view.update,
             overwrite=overwrite,
         )
@@ -171,7 +163,7 @@ def pack(
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the --val-fraction split and --source draws.")] = 0,
     text_field: TextFieldOption = "text",
-    errors: ErrorsOption = DecodeErrors.strict,
+    errors: ErrorsOption = "strict",
     overwrite: OverwriteOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -196,7 +188,7 @@ def pack(
             val_inputs=val_input or [],
             seed=seed,
             text_field=text_field,
-            errors=errors.value,
+            errors=errors,
             overwrite=overwrite,
             progress=view.update,
             sources=sources,
