@@ -12,14 +12,16 @@ world size 1 whose hooks do nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -108,6 +110,39 @@ class DistributedContext:
         return -1 if int(value) == none else int(value)
 
 
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def joined_process_group() -> bool:
+    """Whether this process is (still) a member of a torch.distributed process group."""
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit a process that joined a process group: the exit handlers run, interpreter teardown not.
+
+    DDP keeps the gloo process group, and its worker threads, alive past `destroy_process_group`.
+    Tearing down the interpreter and the C++ statics under those running threads sometimes aborts
+    a finished run (SIGABRT, "terminate called without an active exception"), and torchrun then
+    reports the whole job as failed. Everything of the run's own is written and closed by now.
+    """
+
+    atexit._run_exitfuncs()  # what a normal exit runs first: our destroy, logging's flush ...
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe changes nothing here
+            stream.flush()
+    os._exit(code)
+
+
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun); known before any process group."""
+
+    return int(os.environ.get("RANK", "0"))
+
+
 def current_context(experiment: ExperimentConfig) -> DistributedContext:
     """Join the torchrun process group when launched by torchrun, else a single process."""
 
@@ -120,6 +155,8 @@ def current_context(experiment: ExperimentConfig) -> DistributedContext:
         if use_nccl:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if use_nccl else "gloo")
+        # Leave the group while the interpreter is whole (see `end_process` for what remains).
+        atexit.register(_destroy_process_group)
     control_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     return DistributedContext(rank=rank, local_rank=local_rank, world_size=world_size, control_group=control_group)
 

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 
 from dlm.checkpoint import load_checkpoint
 from dlm.config import ExperimentConfig, load_config
-from dlm.distributed import check_parallelism, check_world_size
+from dlm.distributed import check_parallelism, check_world_size, end_process
 from dlm.errors import UserError
 from dlm.train import train
 from dlm.train_step import LogWindow, TrainingStep
@@ -45,6 +44,8 @@ COMMON = (
 )
 PER_PROCESS = "training.gradient_accumulation_steps=2"  # x 2 processes
 SINGLE = "training.gradient_accumulation_steps=4"  # x 1 process: the same global batch of 16
+COLLECTIVE_TIMEOUT_S = 300
+SPAWNED_DEADLINE_S = 900  # all four spawned runs; each takes seconds on an idle machine
 
 
 def data_overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -86,12 +87,6 @@ def assert_close_runs(run_dir: Path, reference: Path, tolerance: float = TOLERAN
             assert torch.allclose(a[name], b[name], rtol=0, atol=tolerance), name
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def interrupted_after(step: int) -> Iterator[None]:
     """SIGINT to this process alone once it has finished optimizer step `step` (as Ctrl-C would)."""
@@ -110,20 +105,24 @@ def interrupted_after(step: int) -> Iterator[None]:
         TrainingStep.optimizer_step = original  # type: ignore[method-assign]
 
 
-def _worker(rank: int, world_size: int, port: int, data_dir: Path, root: Path) -> None:
+def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     """One rank of the spawned pair: for DDP then FSDP, 3 steps, then a resume to step 6.
 
     The DDP run is stopped by a SIGINT that only rank 1 receives: both ranks must agree to stop
     after the same step (a rank stopping alone would hang the other in a collective).
     """
 
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    )
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)  # as torchrun's default OMP_NUM_THREADS=1 for the CLI run it is compared to
-    # A short timeout: a bug that desynchronises the ranks fails the test instead of hanging it.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    # The ranks meet through a file in this test's directory, not a TCP port: a port probed free
+    # can be taken (by another test run on the machine) before rank 0 listens on it, and then the
+    # store fails with EADDRINUSE or, worse, rank 1 joins a stranger's store. The timeout bounds
+    # each collective: long enough for a rank that saves while the machine is loaded, short
+    # enough that desynchronised ranks fail the test (before the fixture's deadline) instead of hanging it.
+    dist.init_process_group(
+        "gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     try:
         runs = {"ddp": (), "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true")}
         runs = {name: (PER_PROCESS, *extra) for name, extra in runs.items()}
@@ -140,6 +139,7 @@ def _worker(rank: int, world_size: int, port: int, data_dir: Path, root: Path) -
             assert second.status == "complete" and second.step == STEPS
     finally:
         dist.destroy_process_group()
+    end_process(0)  # as `dlm train` under torchrun ends: no interpreter teardown under gloo's threads
 
 
 @dataclass
@@ -166,17 +166,16 @@ def runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert json.loads(finished.stdout.splitlines()[-1])["event"] == "complete"
 
-    context = mp.start_processes(
-        _worker, args=(2, free_port(), tiny_data_dir, root), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 600
+    context = mp.start_processes(_worker, args=(2, tiny_data_dir, root), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWNED_DEADLINE_S
     try:
         while not context.join(timeout=5):
             assert time.monotonic() < deadline, "the spawned training processes did not finish in time"
     finally:
-        for process in context.processes:
+        for process in context.processes:  # SIGKILL: a rank stuck in a collective never handles SIGTERM
             if process.is_alive():
-                process.terminate()
+                process.kill()
+                process.join()
     return result
 
 
@@ -244,6 +243,46 @@ def test_resume_with_another_world_size(runs: Runs, tmp_path: Path) -> None:
     final = load_checkpoint(result.checkpoint)["model"]
     expected = load_checkpoint(runs.reference / "latest.pt")["model"]
     assert all(torch.allclose(final[name], expected[name], rtol=0, atol=TOLERANCE) for name in expected)
+
+
+# Imported by every Python process started with it on PYTHONPATH; it watches the torchrun workers.
+EXIT_PROBE = """
+import atexit, os, sys
+if "RANK" in os.environ:
+    class _Teardown:
+        def __del__(self, write=os.write):
+            write(2, b"interpreter teardown reached\\n")
+
+    _sentinel = _Teardown()  # collected only when the interpreter tears its modules down
+
+    def _report():
+        import torch.distributed as dist
+        print("process group at exit:", dist.is_initialized(), file=sys.stderr, flush=True)
+
+    atexit.register(_report)  # registered first, so it runs after dlm's own exit handlers
+"""
+
+
+@pytest.mark.slow
+def test_a_finished_worker_exits_without_interpreter_teardown(tiny_data_dir: Path, tmp_path: Path) -> None:
+    # DDP keeps gloo's threads running to the end; tearing the interpreter down under them
+    # sometimes aborted a finished `dlm train --nproc 2` (SIGABRT, "terminate called without an
+    # active exception"), and torchrun reported the run as failed.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(EXIT_PROBE)
+    settings = [*data_overrides(tiny_data_dir, tmp_path / "run"), PER_PROCESS, "training.max_steps=2",
+                "training.eval_interval=2", "training.save_interval=2"]
+    overrides = [part for item in settings for part in ("--set", item)]
+    command = [sys.executable, "-m", "dlm", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
+               "--nproc", "2", *overrides, "--json"]
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert json.loads(finished.stdout.splitlines()[-1])["event"] == "complete"
+    assert finished.stderr.count("process group at exit: False") == 2, finished.stderr[-3000:]
+    assert "interpreter teardown reached" not in finished.stderr
 
 
 def test_resume_refuses_a_world_size_that_cannot_split_the_consumed_batches() -> None:

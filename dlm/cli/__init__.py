@@ -65,6 +65,25 @@ def _show_note(message: Warning | str, category: type[Warning], *args: Any, **kw
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
 
+    try:
+        _main(argv)
+    except SystemExit as stop:
+        # Only modules that are loaded can have joined a group (`dlm pack` never imports torch).
+        distributed = sys.modules.get("dlm.distributed")
+        if distributed is not None and distributed.joined_process_group():
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)  # as the interpreter would
+            distributed.end_process(_exit_code(stop))
+        raise
+
+
+def _exit_code(stop: SystemExit) -> int:
+    """The status the interpreter would exit with for `stop` (a message means 1)."""
+
+    return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+
+
+def _main(argv: list[str] | None) -> None:
     warnings.showwarning = _show_note
     try:
         app(args=argv, prog_name="dlm", standalone_mode=True)
