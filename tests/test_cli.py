@@ -73,3 +73,13 @@ def test_train_human_output_keeps_paths_to_copy_whole(tiny_data_dir: Path, tmp_p
     # Copied into the next command: each must stay on one line at 80 columns.
     assert f"paused at step 1; checkpoint {run_dir / 'step-00000001.pt'}\n" in result.stdout
     assert f"continue with: dlm resume {run_dir}\n" in result.stderr
+
+
+def test_flags_show_no_value_type_in_help() -> None:
+    """`--overwrite` takes no value: the help must not show it as `--overwrite <bool>`."""
+
+    for command in (["pack", "--help"], ["eval", "--help"], ["--help"]):
+        result = runner.invoke(app, command, env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output, command
+    assert "<path>" in runner.invoke(app, ["pack", "--help"], env={"COLUMNS": "80"}).output  # values keep theirs

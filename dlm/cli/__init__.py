@@ -12,12 +12,26 @@ import warnings
 from typing import Annotated, Any
 
 import typer
+import typer.core
 from rich.markup import escape
 
 from dlm import __version__
 from dlm.cli import bench_cmd, config_cmd, data_cmd, demo_cmd, eval_cmd, export_cmd, sample_cmd, train_cmd
 from dlm.cli.common import err_console
 from dlm.errors import UserError, UserNote
+
+_display_type = typer.core.TyperOption.display_type_rich
+
+
+def _flag_display_type(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    """No value type for a flag: typer's help shows `--overwrite <bool>` as if the flag took a value."""
+
+    if self.is_flag and self.metavar is None:
+        return None
+    return _display_type(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="dlm",
