@@ -47,6 +47,7 @@ from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 EVAL_FORMAT = "dlm-eval-v2"
 # Each pass draws from its own generator stream, so adding a pass never shifts another's noise.
 _ELBO_PASS, _BUCKET_PASS = 1, 2
+Progress = Callable[[int, int], None]  # (batches done, batches in all)
 
 
 def fixed_noise_level(batch_index: int, num_batches: int, mask_eps: float) -> float:
@@ -172,6 +173,13 @@ def _batches(dataset: Any, batch_size: int, count: int) -> Iterator[Tensor]:
     end = min(len(dataset), count * batch_size)
     for start in range(0, end, batch_size):
         yield torch.stack([torch.as_tensor(dataset[i]) for i in range(start, min(start + batch_size, end))])
+
+
+def _reported(batches: Iterable[Tensor], progress: Progress | None, start: int, total: int) -> Iterator[Tensor]:
+    for done, batch in enumerate(batches, start + 1):  # a batch is scored when the next is asked for
+        yield batch
+        if progress is not None:
+            progress(done, total)
 
 
 def _logits_fn(model: nn.Module, device: torch.device, precision: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -325,13 +333,15 @@ def evaluate_model(
     metadata: Mapping[str, Any] | None = None,
     seed: int = 0,
     token_bytes: Any = None,
+    progress: Progress | None = None,
 ) -> EvalReport:
     """Evaluate `model` on the first `batches` batches of `dataset` (blocks of token ids).
 
     Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
     `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
     `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records. `schedule` and
-    `mask_eps` are the model's `[diffusion]` settings.
+    `mask_eps` are the model's `[diffusion]` settings. `progress(done, total)` counts the
+    batches scored over the three passes.
     """
 
     _check_counts(batches, mc_samples, batch_size)
@@ -350,7 +360,7 @@ def evaluate_model(
     was_training = model.training
     model.eval()
     try:
-        data = [_batches(dataset, batch_size, count) for _ in range(3)]
+        data = [_reported(_batches(dataset, batch_size, count), progress, i * count, 3 * count) for i in range(3)]
         fixed = fixed_noise_validation(model, data[0], device, precision, mask_eps, count, schedule=schedule)
         means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule)
         buckets = _bucket_pass(model, data[2], device, precision, mask_eps, batch_size, seed, schedule)
@@ -437,16 +447,18 @@ def evaluate_source(
     source: str | Path,
     data: str | Path | None = None,
     *,
-    batches: int | None = None,
+    batches: int | str | None = None,
     mc_samples: int = 8,
     batch_size: int | None = None,
     device: str | torch.device = "cpu",
     precision: str = "auto",
     use_ema: bool = True,
+    progress: Progress | None = None,
 ) -> EvalReport:
     """`dlm eval`: evaluate a checkpoint, run dir or exported model on `data` (default: the run's
     validation data). Batches and batch size default to the run's validation settings, so the
-    fixed-noise figures of a training checkpoint repeat its last validation event."""
+    fixed-noise figures of a training checkpoint repeat its last validation event; `batches="all"`
+    scores the whole split; the context's `data_sequences` is the split's size."""
 
     from dlm.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision
@@ -456,6 +468,7 @@ def evaluate_source(
     training = info.experiment.training if info.experiment is not None else None
     batches = batches if batches is not None else (training.eval_batches if training else 8)
     batch_size = batch_size if batch_size is not None else (training.batch_size if training else 8)
+    batches = -(-len(dataset) // max(batch_size, 1)) if batches == "all" else int(batches)
     _check_counts(batches, mc_samples, batch_size)
     device = torch.device(device)
     # float32 weights: `precision` alone decides the compute dtype (autocast), whatever was stored.
@@ -476,10 +489,11 @@ def evaluate_source(
         schedule=info.diffusion.schedule,
         metadata=dataset.metadata,
         token_bytes=token_bytes,
+        progress=progress,
     )
     if why:  # evaluate_model looked beside the data only: name every place looked at
         report.notes = [note for note in report.notes if not note.startswith("bits per byte skipped")] + [why]
-    report.context = {**info.to_dict(), "data": str(dataset.path)}
+    report.context = {**info.to_dict(), "data": str(dataset.path), "data_sequences": len(dataset)}
     return report
 
 

@@ -246,3 +246,35 @@ def test_cli_eval_says_which_weights_it_scored(tiny_data_dir: Path, tmp_path: Pa
         assert human.exit_code == 0, human.stderr
         row = [line for line in human.stdout.splitlines() if line.strip("│ ").startswith("weights")]
         assert len(row) == 1 and f" {shown} " in row[0], human.stdout
+
+
+def test_cli_eval_progress_partial_split_and_all(run_dir: Path, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    result = run_cli("eval", run_dir, "--mc-samples", "1", "--batches", "1", "--batch-size", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)  # progress goes to stderr: stdout stays one document
+    progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert progress[-1]["event"] == "progress" and progress[-1]["batches"] == progress[-1]["total_batches"] == 3
+    assert all("batches_per_s" in line and "eta_s" in line for line in progress)
+    total = report["context"]["data_sequences"]
+    assert f"scored 4 of {total} sequences; --batches N or --all for all" in report["notes"]
+    monkeypatch.setattr("dlm.cli.eval_cmd.wants_json", lambda flag: flag)  # tables unless --json
+    human = run_cli("eval", run_dir, "--mc-samples", "1", "--batches", "1", "--batch-size", "4")
+    assert f"note: scored 4 of {total} sequences; --batches N or --all for all\n" in human.stdout
+    every = json.loads(run_cli("eval", run_dir, "--mc-samples", "1", "--all", "--batch-size", "512", "--json").stdout)
+    assert every["sequences"] == total and not any(note.startswith("scored") for note in every["notes"])
+    both = run_cli("eval", run_dir, "--all", "--batches", "2")
+    assert both.exit_code == 2 and "--all" in both.stderr
+
+
+def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
+    run_dir: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dlm.evaluate.evaluate_source", interrupted)
+    result = run_cli("eval", run_dir, "--output", tmp_path / "eval.json")
+    assert result.exit_code == 130
+    assert result.stderr == "interrupted: evaluation stopped, nothing written\n"
+    assert not (tmp_path / "eval.json").exists()

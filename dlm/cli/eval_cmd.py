@@ -5,13 +5,17 @@ Libraries load inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from types import TracebackType
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, print_json, wants_json
+from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
 
 if TYPE_CHECKING:
     from dlm.evaluate import EvalReport
@@ -30,6 +34,53 @@ _WEIGHTS = {
     "ema": ("EMA", "moving average of the trained weights; --no-ema scores the live ones"),
     "live": ("live", "the weights as trained"),
 }
+
+
+class EvalProgress:
+    """Batches scored, with rate and ETA: a rich bar on stderr when a person watches, else a JSON
+    line on stderr at most once a second (stdout keeps the one report document)."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json, self.bar, self.task = as_json, None, None
+        self.started = time.perf_counter()
+        self.last_line = 0.0
+
+    def __enter__(self) -> EvalProgress:
+        if not self.as_json:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            columns = (BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+            self.bar = Progress(TextColumn("[bold]scoring"), *columns, console=err_console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("scoring", total=None, rate="")
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        rate = done / max(now - self.started, 1e-9)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total, rate=f"{rate:.2f} batches/s")
+        elif now - self.last_line >= 1.0 or done == total:
+            self.last_line = now
+            eta = (total - done) / rate if rate > 0 else None
+            line: dict[str, Any] = {"event": "progress", "batches": done, "total_batches": total, "batches_per_s": rate}
+            sys.stderr.write(json.dumps({**line, "eta_s": eta}) + "\n")
+            sys.stderr.flush()
+
+
+def partial_note(report: EvalReport) -> str | None:
+    """Say so when the report scored only the first part of the split."""
+
+    total = report.context.get("data_sequences")
+    if total is None or report.sequences >= total:
+        return None
+    return f"scored {report.sequences} of {total} sequences; --batches N or --all for all"
 
 
 def render_report(report: EvalReport) -> None:
@@ -73,7 +124,7 @@ def render_report(report: EvalReport) -> None:
         buckets.add_row(t_range, str(bucket.sequences), _figure(bucket.loss), _figure(bucket.masked_ce))
     console.print(buckets)
     for note in report.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 def eval_command(
@@ -98,6 +149,9 @@ def eval_command(
             "--batches", help="Batches to evaluate; default: the run's eval_batches, else 8.", show_default=False
         ),
     ] = None,
+    every_batch: Annotated[
+        bool, typer.Option("--all", help="Score the whole split (instead of --batches).", show_default=False)
+    ] = False,
     mc_samples: Annotated[
         int, typer.Option("--mc-samples", help="Monte Carlo diffusion times per sequence for the ELBO (K).")
     ] = 8,
@@ -115,7 +169,10 @@ def eval_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte."""
+    """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte.
+
+    Progress goes to stderr. Ctrl-C stops the evaluation with exit code 130 and writes nothing.
+    """
 
     from dlm.errors import check_can_create, reported_os_errors
     from dlm.evaluate import evaluate_source, write_report
@@ -123,19 +180,30 @@ def eval_command(
 
     if output is not None:  # before the evaluation, which can take minutes
         check_can_create(output, "--output")
-    report = evaluate_source(
-        model_path,
-        data,
-        batches=batches,
-        mc_samples=mc_samples,
-        batch_size=batch_size,
-        device=str(resolve_device(device, "--device")),
-        use_ema=ema,
-    )
+    if every_batch and batches is not None:
+        raise typer.BadParameter("pass --batches or --all, not both", param_hint="--all")
+    json_mode = wants_json(as_json)
+    try:
+        with EvalProgress(json_mode) as progress:
+            report = evaluate_source(
+                model_path,
+                data,
+                batches="all" if every_batch else batches,
+                mc_samples=mc_samples,
+                batch_size=batch_size,
+                device=str(resolve_device(device, "--device")),
+                use_ema=ema,
+                progress=progress.update,
+            )
+    except KeyboardInterrupt:
+        err_console.print("interrupted: evaluation stopped, nothing written", highlight=False)
+        raise typer.Exit(130) from None
+    partial = partial_note(report)
+    report.notes += [partial] if partial else []  # in the table, the JSON and eval.json alike
     if output is not None:
         with reported_os_errors("the report", output):
             write_report(report, output)
-    if wants_json(as_json):
+    if json_mode:
         print_json(report.to_dict())
     else:
         render_report(report)
