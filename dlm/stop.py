@@ -29,13 +29,19 @@ class SignalStop(BaseException):
 
 
 class StopSignals:
-    """Installs the handlers for its `with` block (main thread only) and restores the old ones."""
+    """Installs the handlers for its `with` block (main thread only) and restores the old ones.
 
-    def __init__(self) -> None:
+    With `restore=False` (the CLI, whose process ends with the run) signals are ignored after the
+    block instead: one that lands during interpreter teardown would otherwise kill the process with
+    the raw signal instead of 128 + N.
+    """
+
+    def __init__(self, restore: bool = True) -> None:
         self.signal_number: int | None = None
         self._previous: dict[int, Any] = {}
         self._writing = 0
         self._settled = False
+        self._restore = restore
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -47,7 +53,9 @@ class StopSignals:
         if self.signal_number is None:
             self.signal_number = number
         elif not self._writing and not self._settled:
-            # The exit code is the first signal's: the one that decided how the run ends.
+            # The exit code is the first signal's: the one that decided how the run ends. One
+            # SignalStop at most: a third signal must not interrupt the handling of the second.
+            self._settled = True
             raise SignalStop(self.signal_number)
 
     def settle(self) -> None:
@@ -68,6 +76,15 @@ class StopSignals:
             self._writing -= 1
 
     def __exit__(self, *exc_info: object) -> None:
+        if not self._restore:
+            # The run is over whatever happens next. Ignored at the C level: interpreter teardown
+            # resets Python-level handlers to the default, and a signal then would kill the process
+            # with the raw signal instead of the exit code the run ended with.
+            self._settled = True
+            if self._previous:
+                for number in self._previous:
+                    signal.signal(number, signal.SIG_IGN)
+            return
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()

@@ -64,7 +64,7 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     # Installed for the whole command, so that a signal after the run (while its result is
     # printed) cannot kill the process with another exit code or a traceback.
     try:
-        with StopSignals() as signals:
+        with StopSignals(restore=False) as signals:
             _train(experiment, as_json, stop=signals, **options)
     except SignalStop as stop:
         run_dir = escape(str(experiment.training.output_dir))
