@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
+from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
 from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
@@ -125,9 +126,9 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
     """The README.md of an export: what the model is, how it was trained, how to use it."""
 
     model, training = info.model, info.training
-    name = config["name"]
+    name, prompt = config["name"], usage_prompt(info)
     lines = [
-        f"# {name}",
+        f"# {card_title(info, format_parameter_count(config['parameters']))}",
         "",
         f"A masked discrete diffusion language model (MDLM / LLaDA family) trained with dlm {__version__}.",
         "",
@@ -151,6 +152,7 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
             f"seed {training.get('seed')}"
         )
     lines.append(f"- {info.diffusion.schedule} noise schedule, diffusion times in [{info.diffusion.mask_eps}, 1]")
+    lines += ["", "## Data", ""] + (data_lines(info) or ["The run's packed data could not be read at export time."])
     lines += ["", "## Evaluation", ""] + (figures or ["No evaluation figures were recorded for this run."])
     lines += [
         "",
@@ -160,11 +162,11 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
         "import dlm",
         "",
         f'model, tokenizer = dlm.load("{name}")',
-        'print(dlm.sample(model, tokenizer, prompt="ROMEO:", length=32).texts[0])',
+        f'print(dlm.sample(model, tokenizer, prompt="{prompt}", length=32).texts[0])',
         "```",
         "",
         "```bash",
-        f'dlm sample {name} --prompt "ROMEO:" --length 32',
+        f'dlm sample {name} --prompt "{prompt}" --length 32',
         f"dlm eval {name} --data DATA_DIR",
         "```",
         "",
@@ -179,10 +181,18 @@ def _write_export(
 
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": EXPORT_FORMAT})
+    # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
+    os.chmod(directory / WEIGHTS_NAME, 0o666 & ~_umask())
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     # config.json last: it is what marks the directory as a complete export.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _swap_into_place(built: Path, output: Path) -> None:

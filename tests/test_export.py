@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -12,13 +14,15 @@ from helpers import train_tiny_run
 from safetensors import safe_open
 
 import dlm
+from dlm.card_data import NEUTRAL_PROMPT, usage_prompt
 from dlm.checkpoint import load_checkpoint
 from dlm.checksum import with_checksum
 from dlm.config import ExperimentConfig
+from dlm.data import load_packed_dataset
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
 from dlm.model import DiffusionTransformer
-from dlm.tokenizer import tokenizer_sha256
+from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,3 +207,28 @@ def test_cli_export(run_dir: Path, tmp_path: Path, run_cli) -> None:
     assert again.exit_code == 2 and again.stderr.startswith("error:") and "--overwrite" in again.stderr
     replaced = run_cli("export", run_dir, "-o", tmp_path / "model", "--overwrite", "--no-ema", "--json")
     assert replaced.exit_code == 0 and json.loads(replaced.stdout)["dtype"] == "bfloat16"
+
+
+def test_model_card_names_the_run_its_data_and_a_prompt_from_it(
+    run_dir: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    previous = os.umask(0o002)
+    try:
+        output = export_model(run_dir, tmp_path / "a-very-long-export-directory-name" / "model")
+    finally:
+        os.umask(previous)
+    for name in ("model.safetensors", "config.json", "README.md", "tokenizer.json"):
+        assert stat.S_IMODE((output / name).stat().st_mode) == 0o664, name  # not safetensors' 0600
+    card = (output / "README.md").read_text()
+    title = card.splitlines()[0]
+    assert title.startswith("# ") and title[2:] != "model" and f"on {tiny_data_dir.name}, step 4" in title
+    train = json.loads((tiny_data_dir / "train.json").read_text())
+    assert "## Data" in card and f"- training: {train['num_tokens']:,} tokens" in card
+    assert f"`{Path(train['sources'][0]['path']).name}`" in card and "- validation: " in card
+    prompt = usage_prompt(load_model_with_info(output).info)  # an export knows no data: neutral
+    assert prompt == NEUTRAL_PROMPT
+    val_text = load_tokenizer(tiny_data_dir / "tokenizer.json").decode(
+        [int(t) for t in load_packed_dataset(tiny_data_dir, split="val")[0]]
+    )
+    first_words = " ".join(val_text.split()[:3])
+    assert f'--prompt "{first_words}"' in card and "ROMEO:" not in card
