@@ -401,3 +401,28 @@ def test_cpu_compare_reads_the_anchor_line() -> None:
     assert cpu_compare.parse_args(["--rounds", "2", "--threads", "1"]).threads == 1
     with pytest.raises(SystemExit):
         cpu_compare.parse_args(["--rounds", "0"])
+
+
+def test_cli_table_at_80_columns_keeps_every_header_word_whole(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("dlm.cli.bench_cmd.wants_json", lambda flag: flag)  # the table, as on a terminal
+    monkeypatch.setattr("dlm.cli.common.console.width", 80)
+    missing = tmp_path / "a-long-temporary-directory-name" / "nope" / "train.bin"
+    code, out, err = run_cli(
+        capsys, "bench", "--config", str(TINY), "--set", f"training.train_data={missing}",
+        "--steps", "1", "--warmup", "0", "--batch-size", "2", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "…" not in out and "tokens/s" in out and "batch" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "note: too narrow for attention" in out and "--json has every column" in out
+
+
+def test_fit_columns_drops_the_least_useful_columns_first() -> None:
+    from dlm.cli.bench_cmd import fit_columns
+
+    headers = ["batch", "dtype", "compile", "tokens/s", "attention"]
+    rows = [["2", "float32", "no", "1,234", "math"]]
+    assert fit_columns(headers, rows, 200) == (headers, rows, [])
+    kept, cells, left_out = fit_columns(headers, rows, 39)  # 40 fits once attention is out
+    assert left_out == ["attention", "dtype"] and kept == ["batch", "compile", "tokens/s"]
+    assert cells == [["2", "no", "1,234"]]

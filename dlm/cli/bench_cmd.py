@@ -20,6 +20,37 @@ from dlm.cli.common import (
     wants_json,
 )
 
+# Left out first when the terminal is too narrow for every header word whole (least useful first).
+_DROP_ORDER = ("attention", "MFU measured", "dtype", "compile", "model GFLOP/s", "model TFLOP/s", "MFU")
+
+
+def _min_width(cells: list[str]) -> int:
+    """Rich's narrowest rendering of a wrapping column: its longest word."""
+
+    return max((len(word) for cell in cells for word in str(cell).split()), default=1)
+
+
+def fit_columns(
+    headers: list[str], rows: list[list[str]], width: int
+) -> tuple[list[str], list[list[str]], list[str]]:
+    """Drop columns in `_DROP_ORDER` until every header word fits whole in `width` (a box table
+    takes 3 characters per column and 1 more); return the headers, rows and names left out."""
+
+    keep = list(range(len(headers)))
+    left_out: list[str] = []
+
+    def needed() -> int:
+        return 1 + sum(_min_width([headers[i], *(row[i] for row in rows)]) + 3 for i in keep)
+
+    for name in _DROP_ORDER:
+        if needed() <= width:
+            break
+        if name in headers:
+            keep.remove(headers.index(name))
+            left_out.append(name)
+    return [headers[i] for i in keep], [[row[i] for i in keep] for row in rows], left_out
+
+
 BenchFusedOption = Annotated[
     bool,
     typer.Option(
@@ -91,11 +122,14 @@ def bench_command(
         report = run(lambda text: status.update(escape(text)))
     for line in report_summary(report):
         console.print(escape(line), highlight=False)
-    headers, rows = report_table(report)
+    headers, rows, left_out = fit_columns(*report_table(report), console.width)
     table = Table(*headers)
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))
     console.print(table)
+    if left_out:
+        note = f"too narrow for {', '.join(left_out)}: --json has every column"
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     for failure in report.failures:
         console.print(f"[yellow]note:[/] {escape(failure['error'])}")
 
