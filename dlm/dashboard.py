@@ -1,18 +1,18 @@
 """Event sinks: how training events reach people and files.
 
-The training loop calls `sink(event)` with plain dicts and knows nothing of terminals. A person at a
-terminal gets `TrainingDashboard` (a rich Live view); a program, a pipe or `--json` gets
-`JsonLinesSink`; the run directory always gets `JsonLinesFileSink` (metrics.jsonl). Tests pass
-`list.append`.
+The training loop calls `sink(event)` with the typed events of `dlm.events` and knows nothing of
+terminals. A person at a terminal gets `TrainingDashboard` (a rich Live view); a program, a pipe or
+`--json` gets `JsonLinesSink`; the run directory always gets `JsonLinesFileSink` (metrics.jsonl).
+Tests pass `list.append`. The JSON sinks also write the plain-dict events of `dlm demo`'s stages,
+which share the demo's stream with the training events it passes on.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,25 +23,22 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-Event = dict[str, Any]
-Sink = Callable[[Event], None]
+from dlm.events import (
+    CheckpointEvent,
+    EndEvent,
+    Event,
+    RunEvent,
+    StartEvent,
+    TrainEvent,
+    ValidationEvent,
+    to_json_line,
+)
 
 SPARK_CHARACTERS = "▁▂▃▄▅▆▇█"
 
 
-def to_json_line(event: Event) -> str:
-    """One compact JSON object; non-finite floats become null so every line stays valid JSON."""
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {key: clean(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return [clean(item) for item in value]
-        return value
-
-    return json.dumps(clean(event), default=str, allow_nan=False)
+def _json_line(event: RunEvent | Mapping[str, Any]) -> str:
+    return to_json_line(event.to_dict() if isinstance(event, RunEvent) else event)
 
 
 class JsonLinesSink:
@@ -50,8 +47,8 @@ class JsonLinesSink:
     def __init__(self, stream: IO[str] | None = None):
         self.stream = stream or sys.stdout
 
-    def __call__(self, event: Event) -> None:
-        self.stream.write(to_json_line(event) + "\n")
+    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
+        self.stream.write(_json_line(event) + "\n")
         self.stream.flush()
 
 
@@ -62,24 +59,12 @@ class JsonLinesFileSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = path.open("a", encoding="utf-8")
 
-    def __call__(self, event: Event) -> None:
-        self.handle.write(to_json_line(event) + "\n")
+    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
+        self.handle.write(_json_line(event) + "\n")
         self.handle.flush()
 
     def close(self) -> None:
         self.handle.close()
-
-
-def fan_out(sinks: Iterable[Sink]) -> Sink:
-    """A sink that forwards each event to several sinks."""
-
-    targets = list(sinks)
-
-    def forward(event: Event) -> None:
-        for target in targets:
-            target(event)
-
-    return forward
 
 
 def sparkline(values: Iterable[float], width: int = 48) -> str:
@@ -116,10 +101,10 @@ class TrainingDashboard:
 
     def __init__(self, console: Console | None = None, refresh_per_second: float = 4.0):
         self.console = console or Console()
-        self.start: Event = {}
-        self.latest: Event = {}
-        self.validation: Event = {}
-        self.checkpoint: Event = {}
+        self.start: StartEvent | None = None
+        self.latest: TrainEvent | None = None
+        self.validation: ValidationEvent | None = None
+        self.checkpoint: CheckpointEvent | None = None
         self.status = "starting"
         self.losses: deque[float] = deque(maxlen=256)
         self.progress = Progress(
@@ -142,33 +127,35 @@ class TrainingDashboard:
         self.live.__exit__(*exc_info)
 
     def __call__(self, event: Event) -> None:
-        kind = event.get("event")
-        if kind == "start":
+        if isinstance(event, StartEvent):
             self.start = event
             self.status = "training"
-            self.progress.reset(self.task, total=event["max_steps"], completed=event["start_step"])
-        elif kind == "train":
+            self.progress.reset(self.task, total=event.max_steps, completed=event.start_step)
+        elif isinstance(event, TrainEvent):
             self.latest = event
-            self.losses.append(float(event["loss"]) if event["loss"] is not None else math.nan)
+            self.losses.append(math.nan if event.loss is None else float(event.loss))
             # The loop's own estimate (steps left x recent step time) beats rich's guess from refresh times.
-            self.progress.update(self.task, completed=event["step"], eta=_duration(event.get("eta_seconds")))
-        elif kind == "validation":
+            self.progress.update(self.task, completed=event.step, eta=_duration(event.eta_seconds))
+        elif isinstance(event, ValidationEvent):
             self.validation = event
-        elif kind == "checkpoint":
+        elif isinstance(event, CheckpointEvent):
             self.checkpoint = event
-        elif kind in ("complete", "paused", "interrupted", "stopped"):
-            self.status = kind
-            self.progress.update(self.task, completed=event.get("step", 0))
+        elif isinstance(event, EndEvent):
+            self.status = event.status
+            self.progress.update(self.task, completed=event.step)
         self.live.update(self.render())
 
     def _header(self) -> Table:
         start = self.start
         table = Table.grid(padding=(0, 2))
+        if start is None:
+            table.add_row(f"[bold]status[/] {self.status}")
+            return table
         table.add_row(
-            f"[bold]run[/] {start.get('run_dir', '')}",
-            f"[bold]device[/] {start.get('device', '')} {start.get('precision', '')}",
-            f"[bold]params[/] {start.get('parameters_human', '')}",
-            f"[bold]tokens/step[/] {start.get('tokens_per_step', '')}",
+            f"[bold]run[/] {start.run_dir}",
+            f"[bold]device[/] {start.device} {start.precision}",
+            f"[bold]params[/] {start.parameters_human}",
+            f"[bold]tokens/step[/] {start.tokens_per_step}",
             f"[bold]status[/] {self.status}",
         )
         return table
@@ -178,41 +165,41 @@ class TrainingDashboard:
         table = Table(box=None, show_header=True, header_style="bold cyan", expand=True)
         for name in ("loss", "masked acc", "lr", "grad norm", "tokens/s", "MFU", "mem GiB (peak)"):
             table.add_column(name, justify="right")
-        # The names `dlm.runtime.memory_stats` gives the training loop's train events.
-        memory = event.get("allocated_gib")
-        peak = event.get("peak_allocated_gib")
+        if event is None:
+            table.add_row(*["-"] * 5, "n/a", "-")
+            return table
+        memory, peak = event.allocated_gib, event.peak_allocated_gib
         table.add_row(
-            _format(event.get("loss")),
-            _format(event.get("masked_accuracy"), ".3f"),
-            _format(event.get("learning_rate"), ".2e"),
-            _format(event.get("grad_norm"), ".3f"),
-            _format(event.get("tokens_per_second"), ",.0f"),
-            _format(event.get("mfu"), ".1%", "n/a"),
+            _format(event.loss),
+            _format(event.masked_accuracy, ".3f"),
+            _format(event.learning_rate, ".2e"),
+            _format(event.grad_norm, ".3f"),
+            _format(event.tokens_per_second, ",.0f"),
+            _format(event.mfu, ".1%", "n/a"),
             f"{_format(memory, '.2f')} ({_format(peak, '.2f')})" if memory else "-",
         )
         return table
 
-    def _loss_by_noise(self) -> Text:
-        buckets = self.latest.get("loss_by_t") or []
+    def _loss_by_noise(self, buckets: list[float | None]) -> Text:
         # Bucket j of n holds the times t in [j / n, (j + 1) / n): n comes from the event itself.
         edges = [index / len(buckets) for index in range(len(buckets) + 1)]
         cells = [f"{edges[j]:.3g}-{edges[j + 1]:.3g}: {_format(value, '.2f')}" for j, value in enumerate(buckets)]
         return Text("loss by t  " + "  ".join(cells), style="dim")
 
     def render(self) -> Panel:
-        validation = self.validation
+        validation, checkpoint = self.validation, self.checkpoint
         rows: list[Any] = [self._header(), self.progress, self._metrics()]
         if self.losses:
             rows.append(Text(f"loss {sparkline(self.losses)}", style="green"))
-        if self.latest.get("loss_by_t"):
-            rows.append(self._loss_by_noise())
-        if validation:
+        if self.latest is not None and self.latest.loss_by_t:
+            rows.append(self._loss_by_noise(self.latest.loss_by_t))
+        if validation is not None:
             rows.append(
                 Text(
-                    f"validation @ {validation['step']}: loss {_format(validation.get('loss'))}  "
-                    f"masked acc {_format(validation.get('masked_accuracy'), '.3f')}"
+                    f"validation @ {validation.step}: loss {_format(validation.loss)}  "
+                    f"masked acc {_format(validation.masked_accuracy, '.3f')}"
                 )
             )
-        if self.checkpoint:
-            rows.append(Text(f"checkpoint @ {self.checkpoint['step']}: {self.checkpoint['path']}", style="dim"))
+        if checkpoint is not None:
+            rows.append(Text(f"checkpoint @ {checkpoint.step}: {checkpoint.path}", style="dim"))
         return Panel(Group(*rows), title="dlm train", border_style="blue")

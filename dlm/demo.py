@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from dlm.config import ExperimentConfig, load_config, with_overrides
-from dlm.dashboard import Event, Sink
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
+from dlm.events import StreamEvent, StreamSink
 
 EVAL_NAME, SAMPLES_NAME = "eval.json", "samples.json"
 EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth of a shorter budget)
@@ -98,7 +98,7 @@ class _Demo:
     output: Path
     minutes: float
     experiment: ExperimentConfig
-    sink: Sink
+    sink: StreamSink
     result: DemoResult
 
     @property
@@ -117,10 +117,10 @@ class _Demo:
     def tokenizer_path(self) -> Path:
         return self.data_dir / "tokenizer.json"
 
-    def emit(self, event: Event) -> None:
+    def emit(self, event: StreamEvent) -> None:
         """Pass an event on, noting how each stage ended."""
 
-        if event.get("event") == "demo_stage" and event["status"] != "running":
+        if isinstance(event, dict) and event.get("event") == "demo_stage" and event["status"] != "running":
             self.result.stages[event["stage"]] = event["status"]
         self.sink(event)
 
@@ -438,7 +438,7 @@ def run_demo(
     minutes: float = 10.0,
     device: str | None = None,
     config_path: str | Path | None = None,
-    sink: Sink | None = None,
+    sink: StreamSink | None = None,
 ) -> DemoResult:
     """Run (or finish) the demo in `output`; `minutes` bounds the training stage, calibration included.
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from dlm.config import ExperimentConfig, with_overrides
-from dlm.dashboard import Event, Sink
 from dlm.errors import UserError
+from dlm.events import CheckpointEvent, Event, StreamSink, TrainEvent
 
 PLAN_FORMAT, PLAN_NAME = "dlm-demo-plan-v1", "demo-plan.json"
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
@@ -152,7 +152,7 @@ def validation_steps(experiment: ExperimentConfig, val_blocks: int) -> float:
 class TrainingStage:
     """The calibrate and train stages of one `run_demo` call."""
 
-    def __init__(self, experiment: ExperimentConfig, minutes: float, val_blocks: int, emit: Sink):
+    def __init__(self, experiment: ExperimentConfig, minutes: float, val_blocks: int, emit: StreamSink):
         self.experiment, self.minutes, self.val_blocks, self.emit = experiment, minutes, val_blocks, emit
         self.run_dir = Path(experiment.training.output_dir)
         self.budget = minutes * 60.0
@@ -288,9 +288,9 @@ class TrainingStage:
         started, before = time.perf_counter(), plan.trained_seconds
 
         def sink(event: Event) -> None:
-            if event.get("event") == "train":
-                self.last_learning_rate = event["learning_rate"]
-            if event.get("event") == "checkpoint":
+            if isinstance(event, TrainEvent):
+                self.last_learning_rate = event.learning_rate
+            if isinstance(event, CheckpointEvent):
                 # The budget used so far, as of work safely on disk (a killed run redoes the rest).
                 plan.trained_seconds = before + time.perf_counter() - started
                 plan.save(self.run_dir)

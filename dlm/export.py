@@ -28,6 +28,7 @@ from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
 from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
+from dlm.events import ValidationEvent, read_events
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
 from dlm.loading import LoadedModel as LoadedModel
 from dlm.loading import build_model as build_model
@@ -80,19 +81,16 @@ def _check_output(output: Path, overwrite: bool) -> None:
     read_export_config(output)
 
 
-def _last_validation(run_dir: Path) -> dict[str, Any] | None:
+def _last_validation(run_dir: Path) -> ValidationEvent | None:
     path = RunDir(run_dir).metrics
     if not path.is_file():
         return None
-    last = None
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash; the rest of the file is still good
-        if isinstance(event, dict) and event.get("event") == "validation":
-            last = event
-    return last
+    validations = [event for event in read_events(path) if isinstance(event, ValidationEvent)]
+    return validations[-1] if validations else None
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value  # metrics.jsonl writes a non-finite loss as null
 
 
 def _eval_figures(run_dir: Path | None) -> list[str]:
@@ -104,8 +102,8 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
     validation = _last_validation(run_dir)
     if validation is not None:
         lines.append(
-            f"- validation at step {validation.get('step')}: masked CE {validation.get('loss', math.nan):.4f} nats, "
-            f"masked accuracy {validation.get('masked_accuracy', math.nan):.3f} (fixed noise levels)"
+            f"- validation at step {validation.step}: masked CE {_or_nan(validation.loss):.4f} nats, "
+            f"masked accuracy {_or_nan(validation.masked_accuracy):.3f} (fixed noise levels)"
         )
     try:
         report = json.loads(RunDir(run_dir).eval_report.read_text(encoding="utf-8"))

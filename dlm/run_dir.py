@@ -19,8 +19,9 @@ from typing import Any
 
 from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, TEMP_PREFIX, numbered_checkpoints, step_checkpoint_name
 from dlm.config import ExperimentConfig, load_config
-from dlm.dashboard import Event, JsonLinesFileSink
+from dlm.dashboard import JsonLinesFileSink
 from dlm.errors import UserError
+from dlm.events import Event
 from dlm.optimizers import optimizer_spec
 
 CONFIG_NAME = "config.json"

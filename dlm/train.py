@@ -1,4 +1,4 @@
-"""The training loop. It emits events (plain dicts) to a sink and never prints.
+"""The training loop. It emits the typed events of `dlm.events` to a sink and never prints.
 
 Behaviour kept from the reference loop: seeding, device and precision resolution, CUDA backend setup
 with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
@@ -38,7 +38,6 @@ from dlm.checkpoint import (
     step_checkpoint_name,
 )
 from dlm.config import ExperimentConfig
-from dlm.dashboard import Event, Sink, fan_out
 from dlm.data import DeterministicBatchSampler, load_packed_dataset
 from dlm.distributed import (
     DistributedContext,
@@ -53,6 +52,7 @@ from dlm.distributed import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
+from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, TrainEvent, ValidationEvent, fan_out
 from dlm.model import format_parameter_count
 from dlm.optim import check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.optimizers import optimizer_spec
@@ -86,7 +86,7 @@ from dlm.validate import ensure_valid
 class TrainResult:
     """How a call to `train` ended."""
 
-    status: str  # complete | paused | interrupted
+    status: EndStatus
     step: int
     checkpoint: Path
     run_dir: Path
@@ -207,7 +207,7 @@ class Trainer:
                     "weights": "live" if state["ema"] is None else "ema",
                 }
                 save_inference_checkpoint(config.output_dir, inference_weights(state), metadata)
-            self.sink({"event": "checkpoint", "step": step, "path": str(path)})
+            self.sink(CheckpointEvent(step=step, path=str(path)))
         # No rank returns before the files exist: a result must never name a missing checkpoint.
         self.world.barrier()
         self.checkpoint_path = path
@@ -243,7 +243,7 @@ class Trainer:
         metrics = fixed_noise_validation(
             self.model, loader, self.device, self.precision, eps, batches, schedule=self.step.schedule
         )
-        self.sink({"event": "validation", "step": self.counters.step, **metrics})
+        self.sink(ValidationEvent(step=self.counters.step, **metrics))
         return metrics
 
     def raise_if_diverged(self, window: LogWindow) -> None:
@@ -270,25 +270,24 @@ class Trainer:
         counts = bucket_count.tolist()
         sums = bucket_loss.tolist()
         buckets = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
-        event: Event = {
-            "event": "train",
-            "step": self.counters.step,
-            "max_steps": self.config.max_steps,
-            "loss": float(loss) / (window.steps * self.world.world_size),
-            "masked_accuracy": float(accuracy) / (window.steps * self.world.world_size),
-            "learning_rate": learning_rate(self.counters.step - 1, self.config),
-            "grad_norm": float(window.grad_norm) / window.steps,
-            "tokens_seen": self.counters.tokens_seen,
-            "tokens_per_second": tokens_per_second,
-            "mfu": (
+        event = TrainEvent(
+            step=self.counters.step,
+            max_steps=self.config.max_steps,
+            loss=float(loss) / (window.steps * self.world.world_size),
+            masked_accuracy=float(accuracy) / (window.steps * self.world.world_size),
+            learning_rate=learning_rate(self.counters.step - 1, self.config),
+            grad_norm=float(window.grad_norm) / window.steps,
+            tokens_seen=self.counters.tokens_seen,
+            tokens_per_second=tokens_per_second,
+            mfu=(
                 self.flops_per_token * tokens_per_second / (self.peak_flops * self.world.world_size)
                 if self.peak_flops
                 else None
             ),
-            "eta_seconds": steps_left * elapsed / window.steps,
-            "loss_by_t": buckets,
+            eta_seconds=steps_left * elapsed / window.steps,
+            loss_by_t=buckets,
             **memory_stats(self.device),
-        }
+        )
         self.sink(event)
         window.reset()
 
@@ -307,7 +306,7 @@ class Trainer:
         self.step.prepare()
         batches = self.train_batches()
         window = LogWindow(self.device)
-        status = "complete"
+        status: EndStatus = "complete"
         while self.counters.step < end_step:
             self.step.optimizer_step(batches, window)
             step = self.counters.step
@@ -344,32 +343,31 @@ class Trainer:
             exit_code=stop.exit_code if status == "interrupted" else 0,
         )
 
-    def start_event(self, resumed_from: Path | None) -> Event:
+    def start_event(self, resumed_from: Path | None) -> StartEvent:
         config, world = self.config, self.world
         tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
         tokens_per_step *= self.experiment.model.max_seq_len
-        return {
-            "event": "start",
-            "run_dir": str(config.output_dir),
-            "device": str(self.device),
-            "precision": self.precision,
-            "parameters": self.model.num_parameters,
-            "parameters_human": format_parameter_count(self.model.num_parameters),
-            "optimizer": config.optimizer,
-            "compile": resolve_compile(config.compile, self.device),
-            "activation_checkpointing": self.experiment.model.activation_checkpointing,
-            "fused_attention_required": config.require_fused_attention,
-            "world_size": world.world_size,
-            "parallelism": config.parallelism if world.active else None,
-            "global_batch": config.batch_size * config.gradient_accumulation_steps * world.world_size,
-            "tokens_per_step": tokens_per_step,
-            "training_blocks": len(self.train_dataset),
-            "start_step": self.counters.step,
-            "max_steps": config.max_steps,
-            "resumed_from": None if resumed_from is None else str(resumed_from),
-            "data_changed": self.data_changed,
-            "dlm_version": __version__,
-        }
+        return StartEvent(
+            run_dir=str(config.output_dir),
+            device=str(self.device),
+            precision=self.precision,
+            parameters=self.model.num_parameters,
+            parameters_human=format_parameter_count(self.model.num_parameters),
+            optimizer=config.optimizer,
+            compile=resolve_compile(config.compile, self.device),
+            activation_checkpointing=self.experiment.model.activation_checkpointing,
+            fused_attention_required=config.require_fused_attention,
+            world_size=world.world_size,
+            parallelism=config.parallelism if world.active else None,
+            global_batch=config.batch_size * config.gradient_accumulation_steps * world.world_size,
+            tokens_per_step=tokens_per_step,
+            training_blocks=len(self.train_dataset),
+            start_step=self.counters.step,
+            max_steps=config.max_steps,
+            resumed_from=None if resumed_from is None else str(resumed_from),
+            data_changed=self.data_changed,
+            dlm_version=__version__,
+        )
 
 
 def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
@@ -453,11 +451,11 @@ def train(
         result = trainer.run(end_step, deadline, stop)
         stop.settle()  # the files are complete: a late signal must not cut the report short
         trainer.sink(
-            {
-                "event": result.status,
-                "step": result.step,
-                "checkpoint": str(result.checkpoint),
-                "resume_command": f"dlm resume {run_dir}" if result.status != "complete" else None,
-            }
+            EndEvent(
+                status=result.status,
+                step=result.step,
+                checkpoint=str(result.checkpoint),
+                resume_command=f"dlm resume {run_dir}" if result.status != "complete" else None,
+            )
         )
         return result

@@ -329,6 +329,7 @@ def fitted_max_steps(
 def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
     from dlm.config import load_config
     from dlm.evaluate import evaluate_source
+    from dlm.events import Event, ValidationEvent
     from dlm.train import train
 
     data = args.data_dir
@@ -351,7 +352,7 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
         overrides.append(f"training.max_steps={max_steps}")
         experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
     shutil.rmtree(args.run_dir, ignore_errors=True)  # this script's own scratch run
-    events: list[dict[str, Any]] = []
+    events: list[Event] = []
     started = time.perf_counter()
     result = train(experiment, max_run_seconds=args.dlm_seconds, sink=events.append)
     wall = time.perf_counter() - started
@@ -366,7 +367,7 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
         device=args.device,
         precision=precision,
     )
-    validations = [(e["step"], round(e["loss"], 4)) for e in events if e.get("event") == "validation"]
+    validations = [(e.step, round(e.loss, 4)) for e in events if isinstance(e, ValidationEvent) and e.loss is not None]
     records.add(
         {
             "source": "dlm",

@@ -1,26 +1,103 @@
-"""Event sinks: the rich dashboard renders what a person needs; JSON lines stay valid JSON."""
+"""Events and their sinks: the typed events of a real run reach the dashboard, the JSON sinks and
+metrics.jsonl unchanged; the rich dashboard renders what a person needs; JSON lines stay valid JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from helpers import tiny_experiment
 from rich.console import Console
 
-from dlm.dashboard import JsonLinesFileSink, JsonLinesSink, TrainingDashboard, fan_out, sparkline, to_json_line
+from dlm.dashboard import JsonLinesFileSink, JsonLinesSink, TrainingDashboard, sparkline
+from dlm.events import (
+    CheckpointEvent,
+    EndEvent,
+    Event,
+    StartEvent,
+    TrainEvent,
+    ValidationEvent,
+    event_from_dict,
+    fan_out,
+    read_events,
+    to_json_line,
+)
 from dlm.train import train
 
-START = {
-    "event": "start", "run_dir": "runs/x", "device": "cpu", "precision": "float32", "parameters": 1234,
-    "parameters_human": "1.2K", "tokens_per_step": 512, "start_step": 0, "max_steps": 100,
-}
-TRAIN = {
-    "event": "train", "step": 40, "max_steps": 100, "loss": 4.25, "masked_accuracy": 0.125,
-    "learning_rate": 3e-4, "grad_norm": 0.5, "tokens_per_second": 12345.0, "mfu": None,
-    "eta_seconds": 65.2, "loss_by_t": [1.0, 2.0, None, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0],
-}
+# Lines in the format metrics.jsonl has always had: reading them into the types must keep working.
+EXISTING_LINES = (
+    '{"event": "validation", "step": 40, "loss": 3.5, "masked_accuracy": 0.25, "batches": 2}',
+    '{"event": "checkpoint", "step": 40, "path": "runs/x/step-00000040.pt"}',
+    '{"event": "paused", "step": 40, "checkpoint": "runs/x/step-00000040.pt", "resume_command": "dlm resume runs/x"}',
+    '{"event": "train", "step": 40, "max_steps": 100, "loss": null, "masked_accuracy": 0.125, "learning_rate": 0.0003, '
+    '"grad_norm": 0.5, "tokens_seen": 20480, "tokens_per_second": 12345.0, "mfu": null, "eta_seconds": 65.2, '
+    '"loss_by_t": [1.0, 2.0, null, 4.0], "allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}',
+)
+
+
+@dataclass
+class RealRun:
+    run_dir: Path
+    events: list[Event]
+
+
+@pytest.fixture(scope="module")
+def real_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> RealRun:
+    """The events a tiny two-step run emitted, validated and saved at step 2."""
+
+    run_dir = tmp_path_factory.mktemp("events") / "run"
+    events: list[Event] = []
+    overrides = ("training.max_steps=2", "training.warmup_steps=1", "training.log_interval=1",
+                 "training.eval_interval=2", "training.save_interval=2")  # fmt: skip
+    train(tiny_experiment(tiny_data_dir, run_dir, *overrides), sink=events.append)
+    return RealRun(run_dir, events)
+
+
+def one(events: list[Event], kind: type[Event]) -> Event:
+    return next(event for event in events if isinstance(event, kind))
+
+
+def test_a_real_run_emits_every_kind_in_order(real_run: RealRun) -> None:
+    kinds = [type(event) for event in real_run.events]
+    assert kinds == [StartEvent, TrainEvent, TrainEvent, ValidationEvent, CheckpointEvent, EndEvent]
+    end = real_run.events[-1]
+    assert isinstance(end, EndEvent) and end.status == "complete" and end.resume_command is None
+    assert end.to_dict()["event"] == "complete" and "status" not in end.to_dict()
+
+
+def test_metrics_jsonl_holds_the_same_events_and_reads_back_into_them(real_run: RealRun) -> None:
+    path = real_run.run_dir / "metrics.jsonl"
+    assert list(read_events(path)) == real_run.events
+    # Each line is exactly what the JSON sink writes for the typed event: one format on disk.
+    lines = path.read_text().splitlines()
+    assert lines == [to_json_line(event.to_dict()) for event in real_run.events]
+    assert json.loads(lines[0])["event"] == "start" and list(json.loads(lines[1]))[:3] == ["event", "step", "max_steps"]
+
+
+def test_lines_of_the_existing_format_read_into_the_types_and_write_back_identically(tmp_path: Path) -> None:
+    for line in EXISTING_LINES:
+        event = event_from_dict(json.loads(line))
+        assert json.loads(to_json_line(event.to_dict())) == json.loads(line)
+        assert to_json_line(event.to_dict()) == to_json_line(json.loads(line))  # same key order too
+    paused = event_from_dict(json.loads(EXISTING_LINES[2]))
+    assert isinstance(paused, EndEvent) and paused.status == "paused"
+    # A line cut by a crash and lines of other kinds are skipped; the rest still read.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([*EXISTING_LINES, '{"event": "demo_note", "message": "x"}', '{"event": "trai']) + "\n")
+    assert [type(event) for event in read_events(path)] == [ValidationEvent, CheckpointEvent, EndEvent, TrainEvent]
+
+
+def test_unknown_kinds_and_changed_fields_are_refused() -> None:
+    with pytest.raises(ValueError, match="not a training event"):
+        event_from_dict({"event": "demo_note", "message": "x"})
+    with pytest.raises(ValueError, match="validation"):
+        event_from_dict({"event": "validation", "step": 1, "loss": 1.0})  # masked_accuracy and batches missing
+    with pytest.raises(ValueError, match="checkpoint"):
+        event_from_dict({"event": "checkpoint", "step": 1, "path": "x", "size": 3})
 
 
 def test_sparkline_scales_between_lowest_and_highest() -> None:
@@ -29,59 +106,70 @@ def test_sparkline_scales_between_lowest_and_highest() -> None:
     assert len(sparkline(range(100), width=10)) == 10
 
 
-def test_json_lines_turn_non_finite_numbers_into_null() -> None:
-    line = to_json_line({"event": "train", "loss": float("nan"), "nested": [float("inf"), 1.0]})
-    assert json.loads(line) == {"event": "train", "loss": None, "nested": [None, 1.0]}
+def test_json_lines_turn_non_finite_numbers_into_null(real_run: RealRun) -> None:
+    trained = dataclasses.replace(one(real_run.events, TrainEvent), loss=float("nan"), loss_by_t=[float("inf"), 1.0])
+    stream = io.StringIO()
+    JsonLinesSink(stream)(trained)
+    line = json.loads(stream.getvalue())
+    assert line["loss"] is None and line["loss_by_t"] == [None, 1.0]
+    assert event_from_dict(line) == dataclasses.replace(trained, loss=None, loss_by_t=[None, 1.0])
 
 
-def test_json_sinks_write_one_object_per_event(tmp_path: Path) -> None:
+def test_json_sinks_write_one_object_per_event(real_run: RealRun, tmp_path: Path) -> None:
     stream = io.StringIO()
     file_sink = JsonLinesFileSink(tmp_path / "metrics.jsonl")
     sink = fan_out([JsonLinesSink(stream), file_sink])
-    sink(START)
-    sink(TRAIN)
+    for event in real_run.events:
+        sink(event)
     file_sink.close()
-    for text in (stream.getvalue(), (tmp_path / "metrics.jsonl").read_text()):
-        events = [json.loads(line) for line in text.splitlines()]
-        assert [event["event"] for event in events] == ["start", "train"]
+    expected = (real_run.run_dir / "metrics.jsonl").read_text()
+    assert stream.getvalue() == (tmp_path / "metrics.jsonl").read_text() == expected
+    # The demo's own stage events are plain dicts on the same stream.
+    JsonLinesSink(stream)({"event": "demo_note", "message": "hello"})
+    assert json.loads(stream.getvalue().splitlines()[-1]) == {"event": "demo_note", "message": "hello"}
 
 
-def test_dashboard_shows_progress_metrics_validation_and_checkpoint() -> None:
+def render(events: list[Event]) -> str:
     output = io.StringIO()
-    console = Console(file=output, force_terminal=True, width=160, color_system=None)
-    with TrainingDashboard(console) as dashboard:
-        for event in (START, TRAIN, {"event": "validation", "step": 40, "loss": 3.5, "masked_accuracy": 0.25},
-                      {"event": "checkpoint", "step": 40, "path": "runs/x/step-00000040.pt"},
-                      {"event": "paused", "step": 40}):
-            dashboard(event)
-    text = output.getvalue()
-    for expected in ("runs/x", "1.2K", "step 40/100", "4.2500", "12,345", "n/a", "validation @ 40: loss 3.5000",
-                     "step-00000040.pt", "paused", "0.2-0.3: -", "eta 0:01:05"):
-        assert expected in text, expected
-
-
-def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(tiny_data_dir: Path, tmp_path: Path) -> None:
-    events: list[dict] = []
-    overrides = ("training.max_steps=2", "training.warmup_steps=1", "training.log_interval=1",
-                 "training.eval_interval=2", "training.save_interval=2")
-    train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=events.append)
-    last_train = max(index for index, event in enumerate(events) if event["event"] == "train")
-    # A CPU run reports zero accelerator memory; give its last train event the figures a GPU run
-    # would have, under the names the run itself used (no key may be added).
-    gpu_event = {**events[last_train], "allocated_gib": 1.25, "reserved_gib": 2.0, "peak_allocated_gib": 1.75}
-    assert gpu_event.keys() == events[last_train].keys()
-    events[last_train] = gpu_event
-
-    output, stream = io.StringIO(), io.StringIO()
-    json_sink = JsonLinesSink(stream)
     with TrainingDashboard(Console(file=output, force_terminal=True, width=160, color_system=None)) as dashboard:
         for event in events:
             dashboard(event)
-            json_sink(event)
-    assert "mem GiB (peak)" in output.getvalue() and "1.25 (1.75)" in output.getvalue()
+    return output.getvalue()
+
+
+def test_dashboard_shows_progress_metrics_validation_and_checkpoint(real_run: RealRun) -> None:
+    events = list(real_run.events)
+    start = one(events, StartEvent)
+    assert isinstance(start, StartEvent)
+    # The figures to look for, put into the real events (so no field can be missing or extra).
+    figures = {TrainEvent: {"loss": 4.25, "tokens_per_second": 12345.0, "mfu": None, "eta_seconds": 65.2,
+                            "loss_by_t": [1.0, 2.0, None, 4.0] + [5.0] * 6},
+               ValidationEvent: {"loss": 3.5, "masked_accuracy": 0.25},
+               EndEvent: {"status": "paused"}}  # fmt: skip
+    events = [dataclasses.replace(event, **figures.get(type(event), {})) for event in events]  # type: ignore[arg-type]
+    text = render(events)
+    expected = ("step 2/2", "4.2500", "12,345", "n/a", "validation @ 2: loss 3.5000", "step-00000002.pt", "paused",
+                "0.2-0.3: -", "eta 0:01:05")  # fmt: skip
+    for shown in (start.run_dir, start.parameters_human, *expected):
+        assert shown in text, shown
+
+
+def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(real_run: RealRun) -> None:
+    events = list(real_run.events)
+    last_train = max(index for index, event in enumerate(events) if isinstance(event, TrainEvent))
+    # A CPU run reports zero accelerator memory; give its last train event the figures a GPU run would have.
+    events[last_train] = dataclasses.replace(
+        events[last_train],  # type: ignore[type-var]
+        allocated_gib=1.25, reserved_gib=2.0, peak_allocated_gib=1.75,
+    )
+    stream = io.StringIO()
+    text = render(events)
+    for event in events:
+        JsonLinesSink(stream)(event)
+    assert "mem GiB (peak)" in text and "1.25 (1.75)" in text
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert [line["event"] for line in lines] == [event["event"] for event in events]
     assert lines[last_train]["allocated_gib"] == 1.25 and lines[last_train]["peak_allocated_gib"] == 1.75
     # The run's own metrics.jsonl carries the same figures under the same names.
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all({"allocated_gib", "peak_allocated_gib"} <= line.keys() for line in metrics if line["event"] == "train")
+    metrics = list(read_events(real_run.run_dir / "metrics.jsonl"))
+    assert [type(event) for event in metrics] == [type(event) for event in real_run.events]
+    assert all(event.peak_allocated_gib == 0.0 for event in metrics if isinstance(event, TrainEvent))

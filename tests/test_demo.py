@@ -17,6 +17,7 @@ from dlm.config import load_config
 from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
+from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
 from dlm.tokenizer import tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,15 +33,21 @@ WATCHED_FILES = ("data/tokenizer.json", "data/train.bin", "data/val.json", "run/
 class DemoRun:
     output: Path
     result: DemoResult
-    events: list[dict[str, Any]]
+    events: list[StreamEvent]
 
 
-def stage_events(events: list[dict[str, Any]], status: str | None = None) -> dict[str, dict[str, Any]]:
+def demo_events(events: list[StreamEvent], kind: str) -> list[dict[str, Any]]:
+    """The demo's own events of `kind` (the training events it passes on are typed, not dicts)."""
+
+    return [event for event in events if isinstance(event, dict) and event["event"] == kind]
+
+
+def stage_events(events: list[StreamEvent], status: str | None = None) -> dict[str, dict[str, Any]]:
     """The last event of each stage (with `status`, when given)."""
 
     found = {}
-    for event in events:
-        if event["event"] == "demo_stage" and (status is None or event["status"] == status):
+    for event in demo_events(events, "demo_stage"):
+        if status is None or event["status"] == status:
             found[event["stage"]] = event
     return found
 
@@ -54,7 +61,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """One complete tiny demo, shared by the tests that only read it (copy it to change it)."""
 
     output = tmp_path_factory.mktemp("demo") / "demo"
-    events: list[dict[str, Any]] = []
+    events: list[StreamEvent] = []
     result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
     return DemoRun(output, result, events)
 
@@ -163,14 +170,14 @@ def test_the_tiny_demo_trains_evaluates_exports_and_samples(demo_run: DemoRun) -
     assert plan is not None and plan.budget_seconds == MINUTES * 60
     assert stage_events(events, "done")["train"]["outcome"] == "complete"
     assert result.step == plan.max_steps == latest_step(output / "run")
-    last_train = [event for event in events if event["event"] == "train"][-1]
+    last_train = [event for event in events if isinstance(event, TrainEvent)][-1]
     tiny = load_config(TINY_CONFIG).training
-    assert last_train["step"] == plan.max_steps
-    assert last_train["learning_rate"] == pytest.approx(tiny.min_learning_rate)  # the cosine reached its floor
-    assert stage_events(events, "done")["train"]["learning_rate"] == last_train["learning_rate"]
+    assert last_train.step == plan.max_steps
+    assert last_train.learning_rate == pytest.approx(tiny.min_learning_rate)  # the cosine reached its floor
+    assert stage_events(events, "done")["train"]["learning_rate"] == last_train.learning_rate
     # On the CPU the run trains in segments, re-planned from the pace each one kept.
-    replans = [event for event in events if event["event"] == "demo_replan"]
-    assert replans and len([event for event in events if event["event"] == "start"]) == len(replans) + 1
+    replans = demo_events(events, "demo_replan")
+    assert replans and len([event for event in events if isinstance(event, StartEvent)]) == len(replans) + 1
     assert all(replan["max_steps"] > replan["step"] for replan in replans)
     run_config = json.loads((output / "run" / "config.json").read_text())
     assert run_config["training"]["max_steps"] == plan.max_steps
@@ -194,21 +201,21 @@ def test_the_samples_keep_their_prompt_and_template(demo_run: DemoRun) -> None:
     assert len(samples["unconditional"]["text"]) > 0
     written = json.loads((demo_run.output / "samples.json").read_text())
     assert [sample["text"] for sample in written] == [sample["text"] for sample in demo_run.result.samples]
-    assert [e["label"] for e in demo_run.events if e["event"] == "demo_sample"] == list(samples)
+    assert [e["label"] for e in demo_events(demo_run.events, "demo_sample")] == list(samples)
 
 
 @pytest.mark.slow
 def test_a_second_run_reuses_every_finished_stage(demo_run: DemoRun, tmp_path: Path) -> None:
     output = copy_demo(demo_run, tmp_path)
     before = mtimes(output)
-    events: list[dict[str, Any]] = []
+    events: list[StreamEvent] = []
     result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
     assert result.status == "complete"
     reused = stage_events(events, "reused")
     assert set(reused) == set(REUSABLE)
     assert not set(stage_events(events, "running")) & set(REUSABLE)
     assert mtimes(output) == before  # nothing was written again
-    assert not [event for event in events if event["event"] in ("start", "train", "checkpoint")]
+    assert not [event for event in events if isinstance(event, StartEvent | TrainEvent | CheckpointEvent)]
     assert result.step == demo_run.result.step and result.bits_per_byte == demo_run.result.bits_per_byte
     # Samples are drawn again, with the same seeds: the same texts.
     assert [s["text"] for s in result.samples] == [s["text"] for s in demo_run.result.samples]
@@ -217,15 +224,15 @@ def test_a_second_run_reuses_every_finished_stage(demo_run: DemoRun, tmp_path: P
 @pytest.mark.slow
 def test_a_larger_budget_continues_training_from_latest(demo_run: DemoRun, tmp_path: Path) -> None:
     output = copy_demo(demo_run, tmp_path)  # a copy: latest.pt is no hard link now, so its step is read
-    events: list[dict[str, Any]] = []
+    events: list[StreamEvent] = []
     result = run_demo(output, minutes=2 * MINUTES, config_path=TINY_CONFIG, sink=events.append)
     stages = stage_events(events)
     assert stages["tokenizer"]["status"] == stages["data"]["status"] == stages["calibrate"]["status"] == "reused"
     assert stages["train"]["status"] == stages["evaluate"]["status"] == stages["export"]["status"] == "done"
-    first_start = next(event for event in events if event["event"] == "start")
-    assert first_start["start_step"] == demo_run.result.step and first_start["resumed_from"] is not None
+    first_start = next(event for event in events if isinstance(event, StartEvent))
+    assert first_start.start_step == demo_run.result.step and first_start.resumed_from is not None
     assert result.step > demo_run.result.step
-    assert any("warm restart" in event["message"] for event in events if event["event"] == "demo_note")
+    assert any("warm restart" in event["message"] for event in demo_events(events, "demo_note"))
     plan = TrainingPlan.load(output / "run")
     assert plan is not None and plan.budget_seconds == 2 * MINUTES * 60 and plan.max_steps >= result.step
     assert json.loads((output / "model" / "config.json").read_text())["step"] == result.step

@@ -15,6 +15,7 @@ from dlm.checkpoint import load_checkpoint
 from dlm.config import ExperimentConfig, TrainingConfig, load_config
 from dlm.distributed import check_parallelism
 from dlm.errors import UserError
+from dlm.events import Event, StartEvent, TrainEvent
 from dlm.optim import build_optimizer, check_state_layout
 from dlm.optimizers import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
 from dlm.run_dir import check_resumable
@@ -72,22 +73,22 @@ def toy_lion() -> Iterator[OptimizerSpec]:
     unregister_optimizer(spec.name)
 
 
-def train_losses(events: list[dict]) -> list[float]:
-    return [event["loss"] for event in events if event["event"] == "train"]
+def train_losses(events: list[Event]) -> list[float | None]:
+    return [event.loss for event in events if isinstance(event, TrainEvent)]
 
 
 def test_a_registered_toy_optimizer_trains_and_resumes_bit_identically(
     toy_lion: OptimizerSpec, tiny_data_dir: Path, tmp_path: Path
 ) -> None:
-    straight_events: list[dict] = []
+    straight_events: list[Event] = []
     straight_config = tiny_experiment(tiny_data_dir, tmp_path / "straight", "training.optimizer=toy-lion", *STEPS)
     straight = train(straight_config, sink=straight_events.append)
-    assert next(e for e in straight_events if e["event"] == "start")["optimizer"] == "toy-lion"
+    assert next(e for e in straight_events if isinstance(e, StartEvent)).optimizer == "toy-lion"
 
     split = tiny_experiment(tiny_data_dir, tmp_path / "split", "training.optimizer=toy-lion", *STEPS)
-    first_events: list[dict] = []
+    first_events: list[Event] = []
     paused = train(split, max_run_steps=4, sink=first_events.append)
-    second_events: list[dict] = []
+    second_events: list[Event] = []
     resumed = train(split, resume=paused.checkpoint, sink=second_events.append)
     assert resumed.status == "complete" and resumed.step == 8
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -25,6 +26,7 @@ from dlm.data import load_packed_dataset
 from dlm.diffusion import corrupt_tokens, elbo_nll, truncation_factor
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
+from dlm.events import Event, StartEvent, TrainEvent, ValidationEvent
 from dlm.export import export_model, load_model_with_info
 from dlm.run_dir import load_run
 from dlm.sampling import reveal_count
@@ -182,8 +184,10 @@ def settings(*extra: str) -> tuple[str, ...]:
     return (*(f"training.{step}" for step in steps), *extra)
 
 
-def first_loss(events: list[dict]) -> float:
-    return next(event["loss"] for event in events if event["event"] == "train")
+def first_loss(events: list[Event]) -> float:
+    loss = next(event.loss for event in events if isinstance(event, TrainEvent))
+    assert loss is not None
+    return loss
 
 
 def test_a_schedule_registered_outside_the_library_trains(registry: None, tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -201,14 +205,14 @@ def test_a_schedule_registered_outside_the_library_trains(registry: None, tiny_d
         def mask_rate(self, t):  # type: ignore[no-untyped-def]
             return 2 * t
 
-    events: list[dict] = []
+    events: list[Event] = []
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "toy", *settings("diffusion.schedule=quadratic"))
     assert train(experiment, sink=events.append).status == "complete"
     assert math.isfinite(first_loss(events))
     # Training and validation handed their times (batches of 8, in [eps, 1]) to the toy schedule.
     training_times = [t for t in QuadraticSchedule.times_seen if t.shape == (8,)]
     assert training_times and all(bool(((t >= EPS) & (t <= 1)).all()) for t in training_times)
-    linear_events: list[dict] = []
+    linear_events: list[Event] = []
     train(tiny_experiment(tiny_data_dir, tmp_path / "linear", *settings()), sink=linear_events.append)
     assert first_loss(events) != first_loss(linear_events)  # same weights, data and draws: other masks
 
@@ -271,10 +275,10 @@ def old_layout(config: dict) -> dict:
 def test_an_old_run_directory_resumes_bit_identically(tiny_data_dir: Path, tmp_path: Path) -> None:
     names = ("max_steps=6", "warmup_steps=1", "log_interval=1", "save_interval=100", "eval_interval=3")
     steps = tuple(f"training.{name}" for name in names)
-    straight: list[dict] = []
+    straight: list[Event] = []
     done = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *steps), sink=straight.append)
     run = tmp_path / "old"
-    first: list[dict] = []
+    first: list[Event] = []
     paused = train(tiny_experiment(tiny_data_dir, run, *steps), max_run_steps=3, sink=first.append)
     # Rewrite the run as an older dlm left it: config.json and the checkpoint without [diffusion].
     (run / "config.json").write_text(json.dumps(old_layout(json.loads((run / "config.json").read_text()))))
@@ -283,10 +287,10 @@ def test_an_old_run_directory_resumes_bit_identically(tiny_data_dir: Path, tmp_p
     torch.save(with_checksum(checkpoint), paused.checkpoint)
     experiment, source = load_run(run)
     assert source.name == LATEST_NAME and experiment.diffusion.mask_eps == EPS
-    second: list[dict] = []
+    second: list[Event] = []
     resumed = train(experiment, resume=source, sink=second.append)
-    def losses(events: list[dict]) -> list[float]:
-        return [event["loss"] for event in events if event["event"] in ("train", "validation")]
+    def losses(events: list[Event]) -> list[float | None]:
+        return [event.loss for event in events if isinstance(event, TrainEvent | ValidationEvent)]
 
     assert losses(first + second) == losses(straight)
     ours, theirs = load_checkpoint(resumed.checkpoint)["model"], load_checkpoint(done.checkpoint)["model"]
@@ -352,14 +356,14 @@ def test_an_export_without_diffusion_settings_is_linear(cosine_run: Path, tmp_pa
 
 
 def test_training_reports_noise_buckets_and_the_dashboard_reads_any_count(tiny_data_dir: Path, tmp_path: Path) -> None:
-    events: list[dict] = []
+    events: list[Event] = []
     train(tiny_experiment(tiny_data_dir, tmp_path / "run", *settings()), sink=events.append)
-    assert all(len(event["loss_by_t"]) == NOISE_BUCKETS for event in events if event["event"] == "train")
+    trained = [event for event in events if isinstance(event, TrainEvent)]
+    assert trained and all(len(event.loss_by_t) == NOISE_BUCKETS for event in trained)
     output = io.StringIO()
     console = Console(file=output, force_terminal=True, width=160, color_system=None)
     with TrainingDashboard(console) as dashboard:
-        start = {"event": "start", "run_dir": "runs/x", "parameters": 1, "parameters_human": "1", "max_steps": 10}
-        dashboard({**start, "device": "cpu", "precision": "float32", "tokens_per_step": 8, "start_step": 0})
-        dashboard({"event": "train", "step": 1, "max_steps": 10, "loss": 1.0, "loss_by_t": [1.0, 2.0, None, 4.0]})
+        dashboard(next(event for event in events if isinstance(event, StartEvent)))
+        dashboard(dataclasses.replace(trained[0], loss_by_t=[1.0, 2.0, None, 4.0]))
     for cell in ("0-0.25: 1.00", "0.25-0.5: 2.00", "0.5-0.75: -", "0.75-1: 4.00"):
         assert cell in output.getvalue(), cell

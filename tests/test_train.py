@@ -19,13 +19,14 @@ from helpers import tiny_experiment
 from dlm.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
 from dlm.checksum import with_checksum
 from dlm.errors import UserError
+from dlm.events import Event, TrainEvent, ValidationEvent
 from dlm.train import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_losses(events: list[dict]) -> list[float]:
-    return [event["loss"] for event in events if event["event"] == "train"]
+def train_losses(events: list[Event]) -> list[float | None]:
+    return [event.loss for event in events if isinstance(event, TrainEvent)]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -40,7 +41,7 @@ def assert_same_weights(left: Path, right: Path) -> None:
 
 
 def test_loss_decreases_and_run_dir_is_complete(tiny_data_dir: Path, tmp_path: Path) -> None:
-    events: list[dict] = []
+    events: list[Event] = []
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=60", "training.log_interval=10")
     result = train(experiment, sink=events.append)
     assert result.status == "complete" and result.step == 60 and result.exit_code == 0
@@ -71,21 +72,21 @@ def test_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path, accumulati
         "training.warmup_steps=3", f"training.gradient_accumulation_steps={accumulation}",
         f"training.num_workers={workers}", "training.eval_interval=4",
     )
-    straight_events: list[dict] = []
+    straight_events: list[Event] = []
     straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
 
-    first_events: list[dict] = []
+    first_events: list[Event] = []
     split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
     paused = train(split, max_run_steps=6, sink=first_events.append)
     assert paused.status == "paused" and paused.step == 6
-    second_events: list[dict] = []
+    second_events: list[Event] = []
     resumed = train(split, resume=paused.checkpoint, sink=second_events.append)
     assert resumed.status == "complete" and resumed.step == 12
 
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
     assert train_losses(first_events) + train_losses(second_events) == train_losses(straight_events)
-    validations = [e["loss"] for e in straight_events if e["event"] == "validation"]
-    resumed_validations = [e["loss"] for e in first_events + second_events if e["event"] == "validation"]
+    validations = [e.loss for e in straight_events if isinstance(e, ValidationEvent)]
+    resumed_validations = [e.loss for e in first_events + second_events if isinstance(e, ValidationEvent)]
     assert validations == resumed_validations
 
 
@@ -161,7 +162,7 @@ def test_adamw8bit_and_ema_train_on_cpu(tiny_data_dir: Path, tmp_path: Path) -> 
         tiny_data_dir, tmp_path / "run", "training.optimizer=adamw8bit", "training.optimizer_min_8bit_size=1024",
         "training.max_steps=8", "training.ema_decay=0.9",
     )
-    events: list[dict] = []
+    events: list[Event] = []
     result = train(experiment, sink=events.append)
     assert result.status == "complete"
     checkpoint = load_checkpoint(result.checkpoint)

@@ -8,6 +8,7 @@ from typing import Any
 from rich.markup import escape
 
 from dlm.cli.common import console
+from dlm.events import StreamEvent
 
 
 def _stage_summary(event: dict[str, Any]) -> str:
@@ -55,10 +56,14 @@ class DemoView:
             self.dashboard.__exit__(None, None, None)
         self.progress = self.task = self.dashboard = None
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: StreamEvent) -> None:
         from rich.panel import Panel
         from rich.text import Text
 
+        if not isinstance(event, dict):  # the training loop's own events
+            if self.dashboard is not None:
+                self.dashboard(event)
+            return
         kind = event.get("event")
         if kind == "demo_stage":
             self._stage(event)
@@ -75,8 +80,6 @@ class DemoView:
         elif kind == "demo_sample":
             title = f"{event['label']}: {event['template'] or event['prompt'] or 'no prompt'}"
             console.print(Panel(Text(event["text"]), title=escape(title), title_align="left"))
-        elif self.dashboard is not None:
-            self.dashboard(event)  # the training loop's own events
 
     def _stage(self, event: dict[str, Any]) -> None:
         from rich.markup import escape
