@@ -6,7 +6,6 @@ SIGTERM), whether the run stopped safely after the first signal or at once after
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -77,11 +76,12 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
 
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     from dlm.dashboard import JsonLinesSink, TrainingDashboard
+    from dlm.distributed import launched_rank
     from dlm.train import train
 
     minutes = options.pop("max_run_minutes")
     options["max_run_seconds"] = None if minutes is None else minutes * 60
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 talks to the person
+    if launched_rank() != 0:  # under torchrun only rank 0 talks to the person
         result = train(experiment, **options)
         sys.exit(result.exit_code)
     if wants_json(as_json):
