@@ -9,15 +9,19 @@ one place. Functions that touch CUDA are guarded: on a machine without it they e
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import random
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from dlm.errors import UserError
+from dlm.fileio import GIB
 
 Precision = Literal["float32", "bfloat16", "float16"]
 PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -351,8 +355,6 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 # Memory
 # ---------------------------------------------------------------------------------------------
 
-_GIB = float(1 << 30)
-
 
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Allocated / reserved / peak-allocated accelerator memory in GiB (zeros off CUDA)."""
@@ -360,9 +362,9 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}
     return {
-        "allocated_gib": torch.cuda.memory_allocated(device) / _GIB,
-        "reserved_gib": torch.cuda.memory_reserved(device) / _GIB,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+        "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
     }
 
 
@@ -383,4 +385,62 @@ def peak_rss_gib() -> float | None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     scale = 1.0 if sys.platform == "darwin" else 1024.0
-    return peak * scale / _GIB
+    return peak * scale / GIB
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU threads
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """How many intra-op threads a CPU run uses, and why (shown when the run starts)."""
+
+    cores: int
+    busy: float | None  # cores' worth of other work (1-minute load average); None when unknown
+    threads: int
+    source: str  # "measured" or "OMP_NUM_THREADS"
+
+    def describe(self) -> str:
+        if self.source != "measured":
+            return f"{self.cores} cores, {self.source}: {self.threads} thread{'s' * (self.threads != 1)}"
+        busy = "load unknown" if self.busy is None else f"{self.busy:.1f} busy"
+        return f"{self.cores} cores, {busy}: {self.threads} thread{'s' * (self.threads != 1)}"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may run on (containers, taskset)
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def plan_cpu_threads(processes: int = 1, load: float | None = None) -> ThreadPlan:
+    """One thread per free core, at least one. Threads beyond the free cores spin against other
+    work: a tiny model ran 20x slower on two oversubscribed threads than on one idle one.
+    `OMP_NUM_THREADS` overrides the measurement; `processes` share the cores (CPU data parallel)."""
+
+    cores = _usable_cores()
+    requested = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if requested.isdigit() and int(requested) > 0:
+        return ThreadPlan(cores, None, int(requested), "OMP_NUM_THREADS")
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this system
+            load = None
+    busy = None if load is None else min(float(cores), max(0.0, load))
+    free = cores - (busy or 0.0)
+    threads = max(1, math.floor(free / max(processes, 1) + 0.5))
+    return ThreadPlan(cores, busy, min(threads, cores), "measured")
+
+
+def configure_cpu_threads(device: torch.device, processes: int = 1) -> ThreadPlan | None:
+    """Set torch's intra-op threads for a CPU run (others keep their setting); return the plan."""
+
+    if device.type != "cpu":
+        return None
+    plan = plan_cpu_threads(processes)
+    torch.set_num_threads(plan.threads)
+    return plan

@@ -68,6 +68,7 @@ from dlm.run_dir import (
 )
 from dlm.runtime import (
     capture_rng_state,
+    configure_cpu_threads,
     configure_cuda_backends,
     memory_stats,
     peak_flops,
@@ -416,6 +417,7 @@ def train(
     device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
     precision = resolve_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
+    configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
     ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
     check_parallelism(config)
     run_dir = config.output_dir

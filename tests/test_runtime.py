@@ -230,3 +230,34 @@ def test_attention_kernel_preference_is_a_no_op_off_cuda() -> None:
         with attention_kernel_context(torch.device("cpu"), preference):
             out = torch.nn.functional.scaled_dot_product_attention(*(torch.ones(1, 1, 4, 8) for _ in range(3)))
         assert torch.equal(out, torch.ones(1, 1, 4, 8))
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "threads", "text"),
+    [
+        (2, 1.3, 1, "2 cores, 1.3 busy: 1 thread"),
+        (2, 0.2, 2, "2 cores, 0.2 busy: 2 threads"),
+        (4, 9.0, 1, "4 cores, 4.0 busy: 1 thread"),  # never below one thread
+        (8, 2.0, 6, "8 cores, 2.0 busy: 6 threads"),
+    ],
+)
+def test_cpu_threads_follow_the_free_cores(
+    cores: int, load: float, threads: int, text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "_usable_cores", lambda: cores)
+    plan = runtime.plan_cpu_threads(load=load)
+    assert plan.threads == threads and plan.describe() == text
+
+
+def test_omp_num_threads_overrides_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_usable_cores", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    plan = runtime.plan_cpu_threads(load=0.0)
+    assert plan.threads == 3 and plan.describe() == "2 cores, OMP_NUM_THREADS: 3 threads"
+    previous = torch.get_num_threads()
+    try:
+        assert runtime.configure_cpu_threads(torch.device("cpu")) == plan and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(previous)
+    assert runtime.configure_cpu_threads(torch.device("meta")) is None  # only CPU runs are changed
