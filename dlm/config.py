@@ -58,6 +58,12 @@ class ModelConfig(_Strict):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block in the backward pass: less memory, about 30% more compute."
     )
+    block_size: int = Field(
+        0,
+        ge=0,
+        description="Block diffusion: tokens per block, attended bidirectionally inside a block and causally "
+        "across blocks; 1 is autoregressive, 0 (default) is the whole sequence (plain masked diffusion).",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +74,12 @@ class ModelConfig(_Strict):
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return -(-(8 * self.d_model // 3) // 64) * 64
+
+    @property
+    def is_block_model(self) -> bool:
+        """Whether attention is block-causal: a block_size shorter than the sequence."""
+
+        return 0 < self.block_size < self.max_seq_len
 
     @property
     def padded_vocab_size(self) -> int:
@@ -86,6 +98,12 @@ class ModelConfig(_Strict):
                 "n_heads",
                 f"head dimension d_model / n_heads = {self.head_dim} is odd; rotary embeddings need it even",
                 "choose n_heads so that d_model / n_heads is even (64 or 128 is fastest on GPUs)",
+            )
+        if self.block_size and self.max_seq_len % self.block_size:
+            raise FieldProblem(
+                "block_size",
+                f"max_seq_len ({self.max_seq_len}) is not a multiple of block_size ({self.block_size})",
+                "choose a block_size that divides max_seq_len, or 0 for the whole sequence",
             )
         if self.mask_token_id >= self.vocab_size:
             raise FieldProblem(

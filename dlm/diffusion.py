@@ -42,9 +42,10 @@ class Corruption:
 
     noisy_tokens: Tensor  # [B, L] long: clean tokens with masked positions set to the mask id
     mask: Tensor  # [B, L] bool: True where the token was masked
-    time: Tensor  # [B] float32: each sequence's diffusion time t, clamped to [eps, 1]
-    mask_probability: Tensor  # [B] float32: m(t), the chance that each of its tokens was masked
-    # [B] float32: m'(t) x (1 - eps) / (1 - m(eps)); the loss weight is mask_rate / mask_probability,
+    # The next three are [B] (one time per sequence) or, for a block model, [B, blocks] (per block).
+    time: Tensor  # float32: each sequence's (block's) diffusion time t, clamped to [eps, 1]
+    mask_probability: Tensor  # float32: m(t), the chance that each of its tokens was masked
+    # float32: m'(t) x (1 - eps) / (1 - m(eps)); the loss weight is mask_rate / mask_probability,
     # kept as a quotient so that the linear schedule's weight stays an exact division by t.
     mask_rate: Tensor
 
@@ -57,6 +58,7 @@ class DiffusionLoss:
     masked_accuracy: Tensor  # 0-dim: fraction of masked tokens whose argmax is the clean token
     masked_tokens: Tensor  # 0-dim long: number of masked positions N
     per_sequence_nll: Tensor  # [B]: each sequence's one-sample ELBO estimate per token
+    per_block_nll: Tensor | None = None  # [B, blocks] per token of each block, for block corruptions
 
 
 def corrupt_tokens(
@@ -67,9 +69,16 @@ def corrupt_tokens(
     generator: torch.Generator | None = None,
     *,
     schedule: Schedule = _LINEAR,
+    block_size: int = 0,
 ) -> Corruption:
-    """Mask each token of sequence b independently with probability m(times[b]) of `schedule`."""
+    """Mask each token of sequence b independently with probability m(times[b]) of `schedule`.
 
+    With a `block_size` shorter than the sequence, `times` is [B, blocks] (or [B], shared by a
+    sequence's blocks) and each block is masked at its own time (block diffusion).
+    """
+
+    if 0 < block_size < clean.shape[1]:
+        return _corrupt_blocks(clean, mask_token_id, times, eps, generator, schedule, block_size)
     batch = clean.shape[0]
     time = times.to(device=clean.device, dtype=torch.float32).expand(batch)
     # t -> 0 would make the loss weight explode for a nearly clean sequence.
@@ -77,6 +86,31 @@ def corrupt_tokens(
     probability = schedule.mask_probability(time)
     draws = torch.rand(clean.shape, generator=generator, device=clean.device)
     mask = draws < probability[:, None]
+    rate = schedule.mask_rate(time) * truncation_factor(schedule, eps)
+    return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate)
+
+
+def _corrupt_blocks(
+    clean: Tensor,
+    mask_token_id: int,
+    times: Tensor,
+    eps: float,
+    generator: torch.Generator | None,
+    schedule: Schedule,
+    block_size: int,
+) -> Corruption:
+    batch, length = clean.shape
+    blocks = -(-length // block_size)
+    time = times.to(device=clean.device, dtype=torch.float32).reshape(batch, -1).expand(batch, blocks)
+    if block_size == 1:
+        # A block of one token is either masked or contributes nothing, and E_t[m'(t)] = 1: the
+        # exact ELBO of a one-token block is its cross-entropy when masked, weight 1, no noise.
+        ones = torch.ones_like(time)
+        return Corruption(torch.full_like(clean, mask_token_id), torch.ones_like(clean, dtype=torch.bool), *(ones,) * 3)
+    time = time.clamp(eps, 1.0)
+    probability = schedule.mask_probability(time)
+    draws = torch.rand(clean.shape, generator=generator, device=clean.device)
+    mask = draws < probability.repeat_interleave(block_size, dim=1)[:, :length]
     rate = schedule.mask_rate(time) * truncation_factor(schedule, eps)
     return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate)
 
@@ -109,12 +143,17 @@ def accumulation_mask_probabilities(
     device: torch.device | str,
     rank: int = 0,
     world_size: int = 1,
+    blocks: int = 1,
 ) -> Tensor:
     """The [batch_size] times of one micro-batch, stratified over a whole optimizer step.
 
     An optimizer step has batch_size x gradient_accumulation_steps x world_size slots; rank r's
     micro-batch m takes the batch_size consecutive slots starting at (m x world_size + r) x
     batch_size. So 2 ranks with accumulation A see exactly the times of 1 rank with 2A.
+
+    With `blocks` > 1 (block diffusion) the times are [batch_size, blocks]: every block has a slot,
+    block j of sequence slot s taking slot j x S + s of S x blocks, so each sequence's blocks
+    spread over the whole noise range.
     """
 
     if not 0 <= micro_batch_index < gradient_accumulation_steps:
@@ -124,6 +163,9 @@ def accumulation_mask_probabilities(
     total_slots = batch_size * gradient_accumulation_steps * world_size
     start = (micro_batch_index * world_size + rank) * batch_size
     slots = torch.arange(start, start + batch_size, device=device)
+    if blocks > 1:
+        slots = slots[:, None] + total_slots * torch.arange(blocks, device=device)
+        total_slots *= blocks
     return stratified_times(offset, slots, total_slots, eps)
 
 
@@ -193,12 +235,31 @@ def diffusion_cross_entropy(
     masked_per_sequence = mask.sum(dim=1)
     rows = torch.repeat_interleave(torch.arange(batch, device=clean.device), masked_per_sequence, output_size=count)
     ce, hits = token_losses(logits, targets)  # [N] each
-    weighted = ce * corruption.mask_rate[rows] / corruption.mask_probability[rows]
+    rate, probability = corruption.mask_rate, corruption.mask_probability
+    blocks = rate.shape[1] if rate.dim() == 2 else 0
+    if blocks:  # each token takes its block's weight, gathered as the targets were
+        block_size = -(-length // blocks)
+        rate, probability = (_per_masked_token(value, block_size, length, slot, count) for value in (rate, probability))
+    else:
+        rate, probability = rate[rows], probability[rows]
+    weighted = ce * rate / probability
     loss = weighted.sum() / (batch * length)
-    per_sequence = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted).sum(dim=1) / length
+    per_token = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted)
+    per_sequence = per_token.sum(dim=1) / length
+    per_block = None
+    if blocks:
+        padded = F.pad(per_token, (0, blocks * block_size - length))
+        per_block = padded.view(batch, blocks, block_size).sum(dim=2) / block_size
     masked_tokens = masked_per_sequence.sum()
     accuracy = hits.sum().float() / masked_tokens.clamp(min=1).float()
-    return DiffusionLoss(loss, accuracy, masked_tokens, per_sequence)
+    return DiffusionLoss(loss, accuracy, masked_tokens, per_sequence, per_block)
+
+
+def _per_masked_token(per_block: Tensor, block_size: int, length: int, slot: Tensor, count: int) -> Tensor:
+    """The value of each masked token's block, [N] in row-major order of the masked positions."""
+
+    per_position = per_block.repeat_interleave(block_size, dim=1)[:, :length].flatten()
+    return per_position.new_empty(count + 1).scatter_(0, slot, per_position)[:count]
 
 
 @torch.no_grad()
@@ -211,21 +272,27 @@ def elbo_nll(
     generator: torch.Generator | None = None,
     *,
     schedule: Schedule = _LINEAR,
+    block_size: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Monte Carlo negative ELBO per token of each sequence, and its standard error, both [B].
 
     `logits_fn(noisy_tokens, mask)` returns logits at the masked positions ([N, V]). Each sequence
-    gets one random offset u0 and the K antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1),
-    which `schedule` turns into mask probabilities and weights.
+    (each block, with a `block_size` shorter than the sequence) gets one random offset u0 and the K
+    antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1), which `schedule` turns into mask
+    probabilities and weights.
     """
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1, got {num_samples}")
-    offsets = torch.rand(clean.shape[0], generator=generator, device=clean.device)
+    batch, length = clean.shape
+    shape = (batch, -(-length // block_size)) if 0 < block_size < length else (batch,)
+    offsets = torch.rand(shape, generator=generator, device=clean.device)
     samples = []
     for k in range(num_samples):
         times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
-        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator, schedule=schedule)
+        corruption = corrupt_tokens(
+            clean, mask_token_id, times, eps, generator, schedule=schedule, block_size=block_size
+        )
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     stacked = torch.stack(samples)  # [K, B]

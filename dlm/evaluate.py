@@ -25,7 +25,6 @@ give the same report on every run, and the global RNG is left alone.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -36,9 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dlm.corpus import temporary_path
 from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
 from dlm.errors import UserError
+from dlm.fileio import atomic_write_json
 from dlm.runtime import autocast_context
 from dlm.schedule import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
@@ -88,9 +87,9 @@ def fixed_noise_validation(
             clean = clean.to(device, non_blocking=True)
             level = fixed_noise_level(batch_index, max_batches, mask_eps)
             times = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
-            corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule)
-            with autocast_context(device, precision):
-                logits = model(corruption.noisy_tokens, output_positions=corruption.mask)
+            corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule,
+                                        block_size=_block_size(model))  # fmt: skip
+            logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
             output = diffusion_cross_entropy(logits, clean, corruption)
             loss_sum += output.loss.to(accumulate)
             correct += output.masked_accuracy.to(accumulate) * output.masked_tokens
@@ -182,10 +181,22 @@ def _reported(batches: Iterable[Tensor], progress: Progress | None, start: int, 
             progress(done, total)
 
 
-def _logits_fn(model: nn.Module, device: torch.device, precision: str) -> Callable[[Tensor, Tensor], Tensor]:
+def _block_size(model: nn.Module) -> int:
+    """The model's block size if it is a block model, else 0 (the whole sequence is one block)."""
+
+    return model.config.block_size if model.config.is_block_model else 0
+
+
+def _logits_fn(
+    model: nn.Module, device: torch.device, precision: str, clean: Tensor
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """Logits at the masked positions of a corruption of `clean` (a block model also reads `clean`)."""
+
+    context = {"clean_tokens": clean} if _block_size(model) else {}
+
     def logits(noisy_tokens: Tensor, mask: Tensor) -> Tensor:
         with autocast_context(device, precision):
-            return model(noisy_tokens, output_positions=mask)
+            return model(noisy_tokens, output_positions=mask, **context)
 
     return logits
 
@@ -207,12 +218,13 @@ def _elbo_pass(
 ) -> tuple[Tensor, Tensor]:
     """Per-sequence Monte Carlo NLL per token and its standard error, both [S] float64."""
 
-    logits = _logits_fn(model, device, precision)
     means, errors = [], []
     for index, clean in enumerate(batches):
         generator = _pass_generator(seed, _ELBO_PASS, index, device)
-        mask_id = model.config.mask_token_id
-        mean, error = elbo_nll(logits, clean.to(device), mask_id, mc_samples, mask_eps, generator, schedule=schedule)
+        mask_id, clean = model.config.mask_token_id, clean.to(device)
+        logits = _logits_fn(model, device, precision, clean)
+        mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,
+                               block_size=_block_size(model))  # fmt: skip
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -231,7 +243,6 @@ def _bucket_pass(
 ) -> list[NoiseBucket]:
     """One corruption per sequence, sequence s in bucket s mod NOISE_BUCKETS at a uniform t within it."""
 
-    logits_fn = _logits_fn(model, device, precision)
     edges = [j / NOISE_BUCKETS for j in range(NOISE_BUCKETS + 1)]  # exact decimals in the report
     low = torch.tensor(edges[:-1], dtype=torch.float64).clamp(min=mask_eps)
     high = torch.tensor(edges[1:], dtype=torch.float64)
@@ -242,14 +253,17 @@ def _bucket_pass(
         bucket = (torch.arange(clean.shape[0]) + index * batch_size) % NOISE_BUCKETS
         unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
         times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
-        corruption = corrupt_tokens(
-            clean, model.config.mask_token_id, times.to(device), mask_eps, generator, schedule=schedule
-        )
-        output = diffusion_cross_entropy(logits_fn(corruption.noisy_tokens, corruption.mask), clean, corruption)
+        corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator,
+                                    schedule=schedule, block_size=_block_size(model))  # fmt: skip
+        logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
+        output = diffusion_cross_entropy(logits, clean, corruption)
         nll = output.per_sequence_nll.cpu().double()
         masked = corruption.mask.sum(dim=1).cpu().double()
-        # per_sequence_nll = sum(CE x rate / m) / L, so the plain CE sum is nll x L x m / rate.
-        weight_inverse = corruption.mask_probability.cpu().double() / corruption.mask_rate.cpu().double()
+        # per_sequence_nll = sum(CE x rate / m) / L, so the plain CE sum is nll x L x m / rate (a block
+        # model's blocks share the sequence's time here, so its first block's weight is everyone's).
+        probability = corruption.mask_probability.reshape(clean.shape[0], -1)[:, 0]
+        rate = corruption.mask_rate.reshape(clean.shape[0], -1)[:, 0]
+        weight_inverse = probability.cpu().double() / rate.cpu().double()
         ce = nll * clean.shape[1] * weight_inverse
         for row, values in enumerate((nll, ce, masked, torch.ones_like(nll))):
             totals[row].index_add_(0, bucket, values)
@@ -505,10 +519,4 @@ def write_report(report: EvalReport, path: str | Path) -> Path:
         raise UserError("--output is a directory", path=path, fix="name a file, e.g. eval.json")
     if not path.parent.is_dir():
         raise UserError("the directory of --output does not exist", path=path, fix="create it first")
-    temporary = temporary_path(path)
-    try:
-        temporary.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return atomic_write_json(path, report.to_dict())

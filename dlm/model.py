@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dlm.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask
 from dlm.config import ModelConfig
 
 
@@ -66,22 +67,26 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head self-attention; one fused QKV matmul, SDPA picks the kernel."""
+    """Multi-head self-attention; one fused QKV matmul, `dlm.attention` applies the mask and kernel."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # its slot in a KV cache
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None = None, cache: KVCache | None = None
+    ) -> Tensor:
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.unbind(dim=2)  # each [B, L, H, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # [B, H, L, D] views; is_causal=False lets flash / memory-efficient kernels serve
-        # full bidirectional attention without materialising an L x L mask.
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=False)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)
+        y = attend(q, k, v, mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -101,15 +106,17 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: the residual stream itself is never normalised."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None = None, cache: KVCache | None = None
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -122,7 +129,7 @@ class DiffusionTransformer(nn.Module):
         # Rows beyond vocab_size only round the matrix up to a fast matmul shape; they are zero,
         # never indexed (token ids < vocab_size) and sliced off the logits, so they stay zero.
         self.token_embedding = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         # Non-persistent: derived from the config, so checkpoints hold weights only.
         cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta)
@@ -151,18 +158,44 @@ class DiffusionTransformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: Tensor, output_positions: Tensor | None = None) -> Tensor:
-        """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`."""
+    def forward(
+        self,
+        tokens: Tensor,
+        output_positions: Tensor | None = None,
+        *,
+        clean_tokens: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
+        A block model (`config.block_size`) scores noisy `tokens` given `clean_tokens` in one pass
+        over both (the BD3 pattern of `dlm.attention`); without them it attends block-causally. With
+        a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
+        `clean_tokens`.
+        """
+
+        start = cache.length if cache is not None else 0
         length = tokens.shape[1]
-        if length > self.config.max_seq_len:
-            raise ValueError(f"sequence length {length} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:length].float(), self.rope_sin[:length].float()
+        if start + length > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + length} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start : start + length].float(), self.rope_sin[start : start + length].float()
+        mask = None
+        if self.config.is_block_model:
+            if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
+                tokens, cos, sin = torch.cat((tokens, clean_tokens), 1), cos.repeat(2, 1), sin.repeat(2, 1)
+                mask = bd3_mask(length, self.config.block_size, tokens.device)
+            else:
+                mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device)
         x = self.token_embedding(tokens)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = checkpoint(block, x, cos, sin, use_reentrant=False) if recompute else block(x, cos, sin)
-        x = self.norm(x)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, mask, cache, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, cache)
+        if cache is not None and cache.committing:
+            cache.length += length
+        x = self.norm(x[:, :length])  # the noisy copy only: the clean one is context
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
                 raise TypeError(f"output_positions must be a boolean mask, got {output_positions.dtype}")
@@ -180,9 +213,17 @@ class DiffusionTransformer(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() already deduplicates
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention scores."""
+        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention scores.
 
-        return 6 * self.num_parameters + 12 * self.config.n_layers * self.config.d_model * seq_len
+        A block model's training pass runs over 2 x seq_len tokens (noisy and clean copies), each
+        query against 2 x seq_len keys (the masked kernels compute the full score matrix): twice
+        the matmuls and four times the attention of a whole-sequence model, per token of data.
+        """
+
+        attention = 12 * self.config.n_layers * self.config.d_model * seq_len
+        if self.config.is_block_model:
+            return 2 * 6 * self.num_parameters + 4 * attention
+        return 6 * self.num_parameters + attention
 
 
 def format_parameter_count(n: int) -> str:

@@ -86,6 +86,8 @@ class TrainingStep:
         self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
         self.step_model: nn.Module = self.model  # compiled / DDP-wrapped view, see `prepare`
         self.token_losses: TokenLosses = masked_token_losses
+        model = experiment.model
+        self.blocks_per_sequence = model.max_seq_len // model.block_size if model.is_block_model else 1
 
     def prepare(self) -> None:
         """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
@@ -116,20 +118,27 @@ class TrainingStep:
             self.device,
             rank=world.rank,
             world_size=world.world_size,
+            blocks=self.blocks_per_sequence,
         )
-        mask_id = self.experiment.model.mask_token_id
-        corruption = corrupt_tokens(clean, mask_id, times, eps, generator, schedule=self.schedule)
+        model = self.experiment.model
+        block_size = model.block_size if model.is_block_model else 0
+        corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
+                                    schedule=self.schedule, block_size=block_size)  # fmt: skip
+        # A block model scores the noisy blocks given the clean earlier ones; others ignore clean_tokens.
+        context = {"clean_tokens": clean} if block_size else {}
         kernel = attention_kernel_context(self.device, config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
-            logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask)
+            logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask, **context)
         output = diffusion_cross_entropy(logits, clean, corruption, self.token_losses)
         self.scaler.scale(output.loss / steps).backward()
 
         window.loss += output.loss.detach() / steps
         window.accuracy += output.masked_accuracy.detach() / steps
-        bucket = (corruption.time * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
-        window.bucket_loss.index_add_(0, bucket, output.per_sequence_nll.detach().float())
-        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.time))
+        # Block models report the loss of each block at its own time.
+        nll = output.per_sequence_nll if output.per_block_nll is None else output.per_block_nll
+        bucket = (corruption.time.flatten() * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
+        window.bucket_loss.index_add_(0, bucket, nll.detach().float().flatten())
+        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.time.flatten()))
 
     def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
         config = self.config

@@ -1,0 +1,149 @@
+"""Attention patterns of block diffusion and the kernel that applies them.
+
+A block model (`[model] block_size = B`) cuts the sequence into blocks of B positions: a query
+attends to every key of its own block and of earlier blocks (block-causal). Training and evaluation
+score all blocks in one forward pass over 2L tokens, the noisy copy followed by the clean copy
+(BD3-LM), with the pattern
+
+    noisy block b sees noisy block b and clean blocks < b;  clean block b sees clean blocks <= b.
+
+This module is the only place that knows these patterns and picks the kernel; the transformer's
+`Block` only calls `attend(q, k, v, mask)`. The contract of an `AttentionMask`: it covers queries
+[query_start, query_end) against keys [0, key_end) of the same forward pass (or of the KV cache
+followed by it); `mask is None` means every query sees every key (plain bidirectional attention,
+the unmasked SDPA call that a whole-sequence model has always made).
+
+Kernels: `flex` (`torch.nn.attention.flex_attention` with a block-sparse mask, compiled) where it
+has a backward pass, which is CUDA; `sdpa-mask` (scaled_dot_product_attention with a boolean mask)
+elsewhere; `sdpa` when there is no mask at all. FlexAttention has no backward on the CPU, so the
+CPU always takes `sdpa-mask`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch
+    create_block_mask = flex_attention = None
+
+_compiled_flex: Any = None
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query sees, in the form the chosen kernel takes."""
+
+    kernel: str  # "sdpa", "sdpa-mask" or "flex"
+    mask: Any = None  # None (all keys), a [queries, keys] bool tensor, or a flex BlockMask
+
+
+def training_kernel(device: torch.device) -> str:
+    """The kernel of the 2L training / evaluation pass on `device`: flex where it can run backward."""
+
+    return "flex" if flex_attention is not None and device.type == "cuda" else "sdpa-mask"
+
+
+def _block_of(index: Tensor, length: int, block_size: int) -> Tensor:
+    # Positions of the clean copy (index >= length) repeat those of the noisy copy.
+    return (index % length) // block_size
+
+
+def bd3_allowed(query: Tensor, key: Tensor, length: int, block_size: int) -> Tensor:
+    """Whether query index `query` sees key index `key` in the 2L pass (indices broadcast)."""
+
+    query_block, key_block = _block_of(query, length, block_size), _block_of(key, length, block_size)
+    query_noisy, key_noisy = query < length, key < length
+    noisy_query = query_noisy & ((key_noisy & (key_block == query_block)) | (~key_noisy & (key_block < query_block)))
+    clean_query = ~query_noisy & ~key_noisy & (key_block <= query_block)
+    return noisy_query | clean_query
+
+
+@lru_cache(maxsize=32)
+def _bd3_bool(length: int, block_size: int, device: torch.device) -> Tensor:
+    index = torch.arange(2 * length, device=device)
+    return bd3_allowed(index[:, None], index[None, :], length, block_size)
+
+
+@lru_cache(maxsize=32)
+def _bd3_flex(length: int, block_size: int, device: torch.device) -> Any:
+    def mask_mod(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+        return bd3_allowed(query, key, length, block_size)
+
+    return create_block_mask(mask_mod, None, None, 2 * length, 2 * length, device=device)
+
+
+def bd3_mask(length: int, block_size: int, device: torch.device) -> AttentionMask:
+    """The mask of the 2L pass over a noisy and a clean copy of `length` tokens."""
+
+    kernel = training_kernel(device)
+    build = _bd3_flex if kernel == "flex" else _bd3_bool
+    return AttentionMask(kernel, build(length, block_size, device))
+
+
+@lru_cache(maxsize=64)
+def block_causal_mask(query_start: int, query_end: int, block_size: int, device: torch.device) -> AttentionMask:
+    """Queries [query_start, query_end) against keys [0, query_end): a key is seen from its block on.
+
+    Queries inside one block see every key (their own block and all earlier ones): no mask at all.
+    """
+
+    if query_start // block_size == (query_end - 1) // block_size:
+        return AttentionMask("sdpa")
+    query = torch.arange(query_start, query_end, device=device) // block_size
+    key = torch.arange(query_end, device=device) // block_size
+    return AttentionMask("sdpa-mask", key[None, :] <= query[:, None])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v over the keys `mask` allows; q, k, v are [B, H, L, D]."""
+
+    if mask is None or mask.mask is None:
+        # is_causal=False lets flash / memory-efficient kernels serve full bidirectional attention
+        # without materialising an L x L mask.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=False)
+    if mask.kernel == "flex":
+        global _compiled_flex
+        if _compiled_flex is None:  # compiled once per process: eager flex is a slow reference
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, block_mask=mask.mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask)
+
+
+@dataclass
+class KVCache:
+    """Keys and values [B, H, P, D] of each layer for the first P positions of a sequence.
+
+    A block model's earlier blocks are clean and see nothing after them, so their keys and values
+    never change: sampling stores them once (`committing = True`) and later passes feed only the
+    block being denoised, which reads the stored prefix (`committing = False`).
+    """
+
+    layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    length: int = 0
+    committing: bool = False
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's stored keys and values followed by `k`, `v`; stored if committing."""
+
+        while len(self.layers) <= layer:
+            self.layers.append(None)
+        stored = self.layers[layer]
+        if stored is not None:
+            k, v = torch.cat((stored[0], k), dim=2), torch.cat((stored[1], v), dim=2)
+        if self.committing:
+            self.layers[layer] = (k, v)
+        return k, v
+
+    def select(self, rows: Tensor) -> KVCache:
+        """The cache of the sequences `rows` of the batch (a view for a sub-batch)."""
+
+        layers = [None if kv is None else (kv[0][rows], kv[1][rows]) for kv in self.layers]
+        return KVCache(layers, self.length, self.committing)

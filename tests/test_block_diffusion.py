@@ -1,0 +1,175 @@
+"""Block diffusion (`[model] block_size`): the BD3 attention pattern, the ELBO, training and eval."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import tiny_experiment
+from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
+from test_train import assert_same_weights, train_losses
+
+from dlm.attention import bd3_allowed, block_causal_mask
+from dlm.config import ModelConfig
+from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
+from dlm.distributed import end_process
+from dlm.evaluate import evaluate_model
+from dlm.events import Event, ValidationEvent
+from dlm.model import DiffusionTransformer
+from dlm.train import train
+
+MASK_ID = 1
+
+
+def small_model(block_size: int, seq_len: int = 16, seed: int = 0) -> DiffusionTransformer:
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=seq_len, d_model=32, n_layers=2,
+                         n_heads=4, pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    return DiffusionTransformer(config).eval()
+
+
+def test_bd3_pattern_is_the_one_of_the_paper() -> None:
+    length, block_size = 8, 2
+    index = torch.arange(2 * length)
+    allowed = bd3_allowed(index[:, None], index[None, :], length, block_size)
+    for query in range(2 * length):
+        for key in range(2 * length):
+            q_block, k_block = (query % length) // block_size, (key % length) // block_size
+            if query < length:  # noisy: its own noisy block and the clean earlier blocks
+                want = (key < length and k_block == q_block) or (key >= length and k_block < q_block)
+            else:  # clean: the clean blocks up to its own
+                want = key >= length and k_block <= q_block
+            assert bool(allowed[query, key]) == want, (query, key)
+
+
+def test_block_causal_mask_within_one_block_is_unmasked() -> None:
+    assert block_causal_mask(4, 8, 4, torch.device("cpu")).mask is None
+    mask = block_causal_mask(2, 8, 4, torch.device("cpu")).mask
+    assert mask.shape == (6, 8) and bool(mask[0, 3]) and not bool(mask[0, 4]) and bool(mask[-1].all())
+
+
+def test_noisy_logits_of_the_2l_pass_are_each_block_given_the_clean_prefix() -> None:
+    model, block_size = small_model(4), 4
+    clean = torch.randint(2, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    noisy = clean.masked_fill(torch.rand(3, 16, generator=torch.Generator().manual_seed(2)) < 0.5, MASK_ID)
+    with torch.no_grad():
+        joint = model(noisy, clean_tokens=clean)
+        for start in range(0, 16, block_size):
+            context = torch.cat((clean[:, :start], noisy[:, start : start + block_size]), dim=1)
+            alone = model(context)[:, start:]
+            torch.testing.assert_close(joint[:, start : start + block_size], alone, atol=1e-5, rtol=0)
+
+
+def test_block_size_one_eval_is_the_exact_left_to_right_likelihood() -> None:
+    model = small_model(1)
+    data = torch.randint(2, 64, (6, 16), generator=torch.Generator().manual_seed(3))
+    report = evaluate_model(model, data, batches=2, mc_samples=4, batch_size=3)
+    total = 0.0
+    with torch.no_grad():  # log p(x_i | x_<i), one position at a time under the causal mask
+        for i in range(16):
+            prefix = data[:, : i + 1].clone()
+            prefix[:, i] = MASK_ID
+            log_probs = model(prefix)[:, i].double().log_softmax(-1)
+            total -= float(log_probs.gather(1, data[:, i : i + 1]).sum())
+    assert report.nll == pytest.approx(total / data.numel(), abs=1e-5)
+    assert report.nll_mc_stderr == 0.0
+    assert report.fixed_noise_loss == pytest.approx(report.nll, abs=1e-5)
+
+
+def test_block_size_one_corruption_masks_everything_with_weight_one() -> None:
+    clean = torch.randint(2, 64, (2, 8))
+    corruption = corrupt_tokens(clean, MASK_ID, torch.tensor([0.01, 0.7]), 1e-3, block_size=1)
+    assert bool(corruption.mask.all()) and bool((corruption.noisy_tokens == MASK_ID).all())
+    assert torch.equal(corruption.mask_rate / corruption.mask_probability, torch.ones(2, 8))
+
+
+def test_block_corruption_weights_each_token_by_its_block() -> None:
+    clean = torch.randint(2, 64, (1, 8))
+    corruption = corrupt_tokens(clean, MASK_ID, torch.tensor([[0.25, 1.0]]), 1e-3, block_size=4)
+    assert bool(corruption.mask[0, 4:].all())
+    logits = torch.zeros(int(corruption.mask.sum()), 64)  # uniform: every masked token costs log 64
+    loss = diffusion_cross_entropy(logits, clean, corruption)
+    ce = torch.log(torch.tensor(64.0))
+    first = corruption.mask[0, :4].sum() * ce / 0.25
+    torch.testing.assert_close(loss.loss, (first + 4 * ce) / 8)
+    torch.testing.assert_close(loss.per_block_nll, torch.stack([first / 4, ce])[None])
+
+
+def test_block_times_split_across_ranks_like_accumulation() -> None:
+    single = [accumulation_mask_probabilities(2, m, 4, 0.3, 1e-3, "cpu", blocks=3) for m in range(4)]
+    for m in range(2):
+        for rank in range(2):
+            two = accumulation_mask_probabilities(2, m, 2, 0.3, 1e-3, "cpu", rank, 2, blocks=3)
+            assert torch.equal(two, single[2 * m + rank])
+    grid = torch.cat(single).flatten().sort().values  # 24 slots evenly spread over [eps, 1]
+    torch.testing.assert_close(grid.diff(), torch.full((23,), (1 - 1e-3) / 24))
+    plain = accumulation_mask_probabilities(2, 1, 4, 0.3, 1e-3, "cpu")
+    assert torch.equal(accumulation_mask_probabilities(2, 1, 4, 0.3, 1e-3, "cpu", blocks=1), plain)
+
+
+def test_block_size_of_the_whole_sequence_trains_exactly_as_today(tiny_data_dir: Path, tmp_path: Path) -> None:
+    settings = ("training.max_steps=3", "training.warmup_steps=1", "training.log_interval=1",
+                "training.eval_interval=3")  # fmt: skip
+    runs = {}
+    for name, extra in (("today", ()), ("full", ("model.block_size=64",))):
+        events: list[Event] = []
+        result = train(tiny_experiment(tiny_data_dir, tmp_path / name, *settings, *extra), sink=events.append)
+        validations = [e.loss for e in events if isinstance(e, ValidationEvent)]
+        runs[name] = (result.checkpoint, train_losses(events), validations)
+    assert runs["today"][1:] == runs["full"][1:]
+    assert_same_weights(runs["today"][0], runs["full"][0])
+
+
+def test_block_model_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path) -> None:
+    settings = ("model.block_size=16", "training.max_steps=8", "training.log_interval=2",
+                "training.warmup_steps=2", "training.gradient_accumulation_steps=2", "training.eval_interval=4",
+                "training.save_interval=100")  # fmt: skip
+    straight_events: list[Event] = []
+    straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
+    split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
+    first: list[Event] = []
+    paused = train(split, max_run_steps=4, sink=first.append)
+    second: list[Event] = []
+    resumed = train(split, resume=paused.checkpoint, sink=second.append)
+    assert resumed.status == "complete" and resumed.step == 8
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)
+    assert train_losses(first) + train_losses(second) == train_losses(straight_events)
+    assert all(loss is not None and loss < 7 for loss in train_losses(straight_events))
+
+
+def _ddp_worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))  # fmt: skip
+    try:
+        result = train(tiny(data_dir, root / "ddp", PER_PROCESS, "model.block_size=16"))
+        assert result.status == "complete"
+    finally:
+        dist.destroy_process_group()
+    end_process(0)
+
+
+@pytest.mark.slow
+def test_block_model_ddp_equals_one_process_with_twice_the_accumulation(tiny_data_dir: Path, tmp_path: Path) -> None:
+    train(tiny(tiny_data_dir, tmp_path / "reference", SINGLE, "model.block_size=16"))
+    context = mp.start_processes(_ddp_worker, args=(2, tiny_data_dir, tmp_path), nprocs=2, join=False,
+                                 start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 600
+    try:
+        while not context.join(timeout=5):
+            assert time.monotonic() < deadline, "the spawned training processes did not finish in time"
+    finally:
+        for process in context.processes:
+            with contextlib.suppress(Exception):
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    assert_close_runs(tmp_path / "ddp", tmp_path / "reference")
