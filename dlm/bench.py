@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from dlm.bench_setup import (
-    GIB,
     attention_backend,
     bench_config,
     compare_settings,
@@ -40,6 +39,7 @@ from dlm.bench_setup import (
 from dlm.config import ExperimentConfig, ModelConfig, with_overrides
 from dlm.distributed import DistributedContext
 from dlm.errors import UserError
+from dlm.fileio import GIB
 from dlm.runtime import (
     attention_kernel_context,
     configure_cuda_backends,

@@ -22,9 +22,7 @@ import torch.nn.functional as F
 from dlm import runtime
 from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
 from dlm.errors import UserError
-
-GIB = float(1 << 30)
-
+from dlm.fileio import GIB
 
 # ---- Config: overrides and --compare ----------------------------------------------------------
 

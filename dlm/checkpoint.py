@@ -1,7 +1,7 @@
 """Checkpoints: atomic saves, retention, `latest.pt`, safe loading, and the run-directory lock.
 
-A save never exposes a half-written file under a real name: data goes to a unique temporary file
-in the same directory, is fsynced, then `os.replace`d into place (atomic on POSIX). `latest.pt`
+A save never exposes a half-written file under a real name: data goes to a temporary file in the
+same directory (`dlm.fileio.atomic_path`), is fsynced, then renamed into place (atomic on POSIX). `latest.pt`
 is a hard link to the newest numbered file, itself swapped in atomically, so `kill -9` at any
 moment leaves the previous `latest.pt` intact; a save that fails (a full disk) removes its
 temporary file and reports a `UserError`. Every payload carries a sha256 of its contents
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 
 from dlm.checksum import CHECKSUM_KEY, payload_sha256, with_checksum
 from dlm.errors import UserError, UserNote
+from dlm.fileio import atomic_path, check_free_space, probe_writable, remove_stale_temporaries
 
 try:
     import fcntl
@@ -41,11 +40,7 @@ KNOWN_FORMATS = (TRAINING_FORMAT, INFERENCE_FORMAT)
 LATEST_NAME = "latest.pt"
 INFERENCE_NAME = "inference-latest.pt"
 LOCK_NAME = ".lock"
-# Temporary files carry this prefix so a later save can recognise and delete leftovers of a save
-# that was killed; no loader ever looks at them.
-TEMP_PREFIX = ".dlm-tmp-"
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
-_GIB = float(1 << 30)
 
 
 class UnverifiedCheckpointWarning(UserNote):
@@ -53,32 +48,8 @@ class UnverifiedCheckpointWarning(UserNote):
 
 
 # ---------------------------------------------------------------------------------------------
-# Atomic file primitives
+# Atomic saves (through dlm.fileio) and their errors
 # ---------------------------------------------------------------------------------------------
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable; some platforms / filesystems cannot fsync a directory."""
-
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _temporary_path(directory: Path, label: str) -> Path:
-    # pid + random suffix: unique even if two saves of the same name ever overlap.
-    return directory / f"{TEMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def _remove_stale_temporaries(directory: Path) -> None:
-    for leftover in directory.glob(f"{TEMP_PREFIX}*"):
-        leftover.unlink(missing_ok=True)
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -104,39 +75,27 @@ def _write_failed(path: Path, exc: BaseException) -> UserError:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    temporary = _temporary_path(path.parent, path.stem)
     try:
-        with open(temporary, "xb") as handle:
+        # Through a Python file object: a full disk then surfaces as the OSError behind torch's error.
+        with atomic_path(path, durable=True) as temporary, open(temporary, "wb") as handle:
             torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException as exc:
-        temporary.unlink(missing_ok=True)
-        if isinstance(exc, (OSError, RuntimeError)) and _os_error(exc) is not None:
-            raise _write_failed(path, exc) from None
-        raise
-    _fsync_directory(path.parent)
+    except (OSError, RuntimeError) as exc:
+        if _os_error(exc) is None:
+            raise
+        raise _write_failed(path, exc) from None
 
 
 def _atomic_link(source: Path, target: Path) -> None:
     """Point `target` at `source`'s data: a hard link (no second copy), else a full copy."""
 
-    temporary = _temporary_path(target.parent, target.stem)
     try:
-        try:
-            os.link(source, temporary)
-        except OSError:  # filesystems without hard links (some network / FUSE mounts)
-            shutil.copyfile(source, temporary)
-            with open(temporary, "rb+") as handle:
-                os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException as exc:
-        temporary.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise _write_failed(target, exc) from None
-        raise
-    _fsync_directory(target.parent)
+        with atomic_path(target, durable=True) as temporary:
+            try:
+                os.link(source, temporary)
+            except OSError:  # filesystems without hard links (some network / FUSE mounts)
+                shutil.copyfile(source, temporary)
+    except OSError as exc:
+        raise _write_failed(target, exc) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +147,7 @@ def save_training_checkpoint(output_dir: str | Path, payload: dict[str, Any], st
         raise ValueError(f"payload step {payload['step']} disagrees with step {step}")
     directory = Path(output_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(directory)
+    remove_stale_temporaries(directory)
     path = directory / step_checkpoint_name(step)
     _atomic_torch_save(with_checksum({**payload, "format": TRAINING_FORMAT}), path)
     _atomic_link(path, directory / LATEST_NAME)
@@ -463,19 +422,12 @@ def check_output_dir(output_dir: str | Path, bytes_needed: int) -> None:
     directory = Path(output_dir)
     check_directory(directory)
     try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}probe-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(directory)
     except OSError as exc:
         raise UserError(
             f"the output directory is not writable: {exc.strerror or exc}",
             path=directory,
             fix="fix its permissions or choose another training.output_dir",
         ) from None
-    free = shutil.disk_usage(directory).free
-    if free < bytes_needed:
-        raise UserError(
-            f"only {free / _GIB:.2f} GiB free on its disk, one checkpoint needs about {bytes_needed / _GIB:.2f} GiB",
-            path=directory,
-            fix="free some space or set training.output_dir on a larger disk",
-        )
+    fix = "free some space or set training.output_dir on a larger disk"
+    check_free_space(directory, bytes_needed, "one checkpoint", fix)

@@ -14,22 +14,20 @@ Files that a directory or glob holds but dlm cannot read (a README, `.csv`, `.ht
 listed (`discover_corpus`), so that a user sees what was left out; hidden files are never corpus text.
 A format that needs an optional package is refused before any work, with the extra to install.
 
-Outputs are checked before any work starts (`check_output_file`, `check_writable_directory`) and
-written under a temporary name (`temporary_path`) that is renamed into place at the very end. The
-temporaries of a killed process are removed by the next run (`remove_stale_temporaries`).
+Outputs are checked before any work starts (`check_output_file`); writing them is `dlm.fileio`'s.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from dlm.errors import UserError
+from dlm.fileio import check_writable_directory
 
 # DECODE_ERRORS, DecodeErrors and SUPPORTED are re-exported: callers name the decode policy and the
 # readable inputs through this module.
@@ -208,22 +206,6 @@ def _input_size(path: Path) -> int:
     return path.stat().st_size if reader is None else reader.size(path)
 
 
-def check_writable_directory(directory: Path) -> None:
-    """Refuse early when files could not be created in `directory`; creates nothing itself."""
-
-    probe = Path(directory).absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(
-            "is not a directory, so nothing can be written under it",
-            path=probe,
-            fix="choose an output path under a directory",
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError("directory is not writable", path=probe, fix="choose a writable location")
-
-
 def check_output_file(path: Path, overwrite: bool) -> None:
     """Refuse to replace an existing file unless asked to, and refuse unwritable locations."""
 
@@ -232,41 +214,3 @@ def check_output_file(path: Path, overwrite: bool) -> None:
     if path.exists() and not overwrite:
         raise UserError("output already exists", path=path, fix="pass --overwrite to replace it")
     check_writable_directory(path.parent)
-
-
-def temporary_path(final: Path) -> Path:
-    """A hidden sibling of `final` that no loader mistakes for the real file."""
-
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
-
-
-_TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists (signal 0 checks without sending anything)."""
-
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process; a number beyond any pid
-        return False
-    except PermissionError:  # it exists, owned by another user
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: Path, names: Iterable[str]) -> list[Path]:
-    """Remove the `temporary_path`s of `names` in `directory` whose process is gone: a killed run
-    never renamed or removed them. Those of a live process (a concurrent run) are kept."""
-
-    wanted = set(names)
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    for entry in sorted(directory.iterdir()):
-        match = _TEMPORARY_NAME.fullmatch(entry.name)
-        if match and match["name"] in wanted and entry.is_file() and not process_alive(int(match["pid"])):
-            entry.unlink(missing_ok=True)
-            removed.append(entry)
-    return removed
-

@@ -37,14 +37,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlm.config import ExperimentConfig, load_config, with_overrides
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 from dlm.events import StreamEvent, StreamSink
+from dlm.fileio import atomic_write_json
 
-EVAL_NAME, SAMPLES_NAME = "eval.json", "samples.json"
+if TYPE_CHECKING:
+    from dlm.run_dir import RunDir
+
+SAMPLES_NAME = "samples.json"
 EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth of a shorter budget)
 EVAL_MC_SAMPLES = 4
 PROGRESS_SECONDS = 0.5  # at most one progress event per stage this often
@@ -108,6 +112,12 @@ class _Demo:
     @property
     def run_dir(self) -> Path:
         return self.output / "run"
+
+    @property
+    def run(self) -> RunDir:
+        from dlm.run_dir import RunDir  # imports torch: not at import, so `dlm --help` stays fast
+
+        return RunDir(self.run_dir)
 
     @property
     def model_dir(self) -> Path:
@@ -189,7 +199,7 @@ def _check_existing_run(demo: _Demo) -> None:
     """Refuse a directory whose run trained another model before any stage packs over its data
     (the CPU model and the full config share the tokenizer but not the block length)."""
 
-    path = demo.run_dir / "config.json"
+    path = demo.run.config
     if path.exists() and load_config(path).model != demo.experiment.model:
         raise UserError(
             "this demo directory holds a run of another model (made on another device, or with another --config)",
@@ -357,12 +367,12 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     unigram = unigram_bits_per_byte(demo.data_dir, blocks.indices, token_bytes)
     report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
                       "unigram_bits_per_byte": unigram}  # fmt: skip
-    write_report(report, demo.run_dir / EVAL_NAME)
-    return _eval_figures(report.to_dict(), demo.run_dir / EVAL_NAME)
+    write_report(report, demo.run.eval_report)
+    return _eval_figures(report.to_dict(), demo.run.eval_report)
 
 
 def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int) -> dict[str, Any]:
-    path = demo.run_dir / EVAL_NAME
+    path = demo.run.eval_report
     # Sized to take about EVAL_SECONDS: each sequence gets two fixed-noise passes plus
     # EVAL_MC_SAMPLES Monte Carlo ones, each pass about FORWARD_SHARE of a training step.
     passes = (2 + EVAL_MC_SAMPLES) * FORWARD_SHARE
@@ -423,9 +433,7 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
                   "forward_passes": result.forward_passes, "seconds": round(result.seconds, 2)}  # fmt: skip
         samples.append(sample)
         demo.emit({"event": "demo_sample", **sample})
-    temporary = demo.output / f".{SAMPLES_NAME}.tmp"
-    temporary.write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    temporary.replace(demo.output / SAMPLES_NAME)
+    atomic_write_json(demo.output / SAMPLES_NAME, samples, ensure_ascii=False)
     demo.stage("samples", "done", seconds=round(time.perf_counter() - started, 2), path=str(demo.output / SAMPLES_NAME))
     return samples
 

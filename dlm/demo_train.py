@@ -33,6 +33,7 @@ from typing import Any
 from dlm.config import ExperimentConfig, with_overrides
 from dlm.errors import UserError
 from dlm.events import CheckpointEvent, Event, StreamSink, TrainEvent
+from dlm.fileio import atomic_write_json
 
 PLAN_FORMAT, PLAN_NAME = "dlm-demo-plan-v1", "demo-plan.json"
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
@@ -67,9 +68,7 @@ class TrainingPlan:
 
     def save(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        temporary = run_dir / f".{PLAN_NAME}.tmp"
-        temporary.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-        temporary.replace(run_dir / PLAN_NAME)
+        atomic_write_json(run_dir / PLAN_NAME, asdict(self))
 
     @classmethod
     def load(cls, run_dir: Path) -> TrainingPlan | None:
@@ -129,12 +128,14 @@ def plan_schedule(
 def latest_step(run_dir: Path) -> int | None:
     """The step of the run's latest.pt, read from the numbered file it links to (no load)."""
 
-    from dlm.checkpoint import LATEST_NAME, load_checkpoint, numbered_checkpoints
+    from dlm.checkpoint import load_checkpoint
+    from dlm.run_dir import RunDir
 
-    latest = run_dir / LATEST_NAME
+    run = RunDir(run_dir)
+    latest = run.latest
     if not latest.exists():
         return None
-    for step, path in reversed(numbered_checkpoints(run_dir)):
+    for step, path in reversed(run.checkpoints()):
         if path.samefile(latest):
             return step
     return int(load_checkpoint(latest)["step"])  # a copy, on filesystems without hard links
@@ -281,7 +282,7 @@ class TrainingStage:
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> Any:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
 
-        from dlm.checkpoint import LATEST_NAME
+        from dlm.run_dir import RunDir
         from dlm.train import train
 
         experiment = with_overrides(self.experiment, plan.overrides(), "the demo's plan")
@@ -298,7 +299,7 @@ class TrainingStage:
 
         result = train(
             experiment,
-            resume=None if step is None else self.run_dir / LATEST_NAME,
+            resume=None if step is None else RunDir(self.run_dir).latest,
             # No checkpoint yet: whatever a killed first segment left in the demo's run dir goes.
             overwrite=step is None,
             max_run_steps=steps,

@@ -6,7 +6,7 @@ the run's `metrics.jsonl` write `to_dict()` of them, and readers of `metrics.jso
 its fields in declaration order: renaming a field here renames it in every file written from now on.
 
 To add a field, add it to its dataclass (with a default when older `metrics.jsonl` lines lack it).
-To add a kind, define a dataclass with a `kind`, decorate it with `@_registered` and add it to `Event`.
+To add a kind, define a dataclass with its `kinds`, decorate it with `@register_event` and add it to `Event`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ _KINDS: dict[str, type[RunEvent]] = {}
 _R = TypeVar("_R", bound="RunEvent")
 
 
-def _registered(cls: type[_R]) -> type[_R]:
+def register_event(cls: type[_R]) -> type[_R]:
+    """Make `event_from_dict` (and so `read_events`) read the kinds of this event class."""
+
     for kind in cls.kinds:
         _KINDS[kind] = cls
     return cls
@@ -50,7 +52,7 @@ class RunEvent:
         return cls(**fields)
 
 
-@_registered
+@register_event
 @dataclass(frozen=True)
 class StartEvent(RunEvent):
     """The run's setup, once per `train` call, before the first step."""
@@ -77,7 +79,7 @@ class StartEvent(RunEvent):
     dlm_version: str
 
 
-@_registered
+@register_event
 @dataclass(frozen=True)
 class TrainEvent(RunEvent):
     """The figures of the steps since the last log step (averaged over them and over the ranks).
@@ -102,7 +104,7 @@ class TrainEvent(RunEvent):
     peak_allocated_gib: float = 0.0
 
 
-@_registered
+@register_event
 @dataclass(frozen=True)
 class ValidationEvent(RunEvent):
     """Fixed-noise validation (`dlm.evaluate.fixed_noise_validation`) at `step`."""
@@ -114,7 +116,7 @@ class ValidationEvent(RunEvent):
     batches: int
 
 
-@_registered
+@register_event
 @dataclass(frozen=True)
 class CheckpointEvent(RunEvent):
     """A training checkpoint is complete on disk at `path`."""
@@ -124,7 +126,7 @@ class CheckpointEvent(RunEvent):
     path: str
 
 
-@_registered
+@register_event
 @dataclass(frozen=True)
 class EndEvent(RunEvent):
     """How the `train` call ended; on disk its status is the event's kind."""

@@ -26,9 +26,9 @@ from torch import Tensor
 from dlm import __version__
 from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
-from dlm.corpus import temporary_path
 from dlm.errors import UserError, check_can_create, reported_os_errors
 from dlm.events import ValidationEvent, read_events
+from dlm.fileio import temporary_path
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
 from dlm.loading import LoadedModel as LoadedModel
 from dlm.loading import build_model as build_model

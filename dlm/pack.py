@@ -26,14 +26,9 @@ from typing import Any
 import numpy as np
 
 from dlm import __version__
-from dlm.corpus import (
-    CorpusReader,
-    Piece,
-    check_writable_directory,
-    remove_stale_temporaries,
-    temporary_path,
-)
+from dlm.corpus import CorpusReader, Piece
 from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import atomic_path, check_writable_directory, remove_stale_temporaries, temporary_path
 from dlm.mixture import MixtureInputs, WeightedSource, apply_weights, discover_sources, mixture_metadata, read_order
 from dlm.pack_plan import PackPlan, plan_pack
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
@@ -362,8 +357,8 @@ def _commit(
         temporary_path(final).write_text(text, encoding="utf-8")
     target_tokenizer = output / "tokenizer.json"
     if not (target_tokenizer.exists() and target_tokenizer.samefile(tokenizer)):
-        shutil.copyfile(tokenizer, temporary_path(target_tokenizer))
-        temporary_path(target_tokenizer).replace(target_tokenizer)
+        with atomic_path(target_tokenizer) as temporary:
+            shutil.copyfile(tokenizer, temporary)
     for name in SPLITS:  # stale metadata goes first: a half-replaced split must never load
         (output / f"{name}.json").unlink(missing_ok=True)
         if name not in writers:

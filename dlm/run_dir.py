@@ -11,17 +11,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, TEMP_PREFIX, numbered_checkpoints, step_checkpoint_name
+from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, numbered_checkpoints, step_checkpoint_name
 from dlm.config import ExperimentConfig, load_config
 from dlm.dashboard import JsonLinesFileSink
 from dlm.errors import UserError
 from dlm.events import Event
+from dlm.fileio import atomic_write_json, temporaries
 from dlm.optimizers import optimizer_spec
 
 CONFIG_NAME = "config.json"
@@ -142,7 +142,7 @@ def remove_run_files(directory: Path) -> None:
     """
 
     doomed = [path for path in run_files(directory) if path.name != METRICS_NAME]
-    doomed += [directory / EVAL_NAME, *directory.glob(f"{TEMP_PREFIX}*"), directory / METRICS_NAME]
+    doomed += [directory / EVAL_NAME, *temporaries(directory), directory / METRICS_NAME]
     try:
         for path in doomed:
             path.unlink(missing_ok=True)
@@ -260,13 +260,8 @@ def write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
     """config.json, replaced atomically (the settings a `dlm resume` continues with)."""
 
     path = RunDir(run_dir).config
-    temporary = run_dir / f".{CONFIG_NAME}.{os.getpid()}.tmp"
-    try:
-        with _reported(CONFIG_NAME, path):
-            temporary.write_text(json.dumps(experiment.to_dict(), indent=2) + "\n", encoding="utf-8")
-            temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    with _reported(CONFIG_NAME, path):
+        atomic_write_json(path, experiment.to_dict())
 
 
 class MetricsFile:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dlm.errors import UserError
+from dlm.fileio import GIB
 
 Precision = Literal["float32", "bfloat16", "float16"]
 PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -354,8 +355,6 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 # Memory
 # ---------------------------------------------------------------------------------------------
 
-_GIB = float(1 << 30)
-
 
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Allocated / reserved / peak-allocated accelerator memory in GiB (zeros off CUDA)."""
@@ -363,9 +362,9 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}
     return {
-        "allocated_gib": torch.cuda.memory_allocated(device) / _GIB,
-        "reserved_gib": torch.cuda.memory_reserved(device) / _GIB,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+        "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
     }
 
 
@@ -386,7 +385,7 @@ def peak_rss_gib() -> float | None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     scale = 1.0 if sys.platform == "darwin" else 1024.0
-    return peak * scale / _GIB
+    return peak * scale / GIB
 
 
 # ---------------------------------------------------------------------------------------------

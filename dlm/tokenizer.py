@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dlm.corpus import CorpusReader, check_output_file, discover_inputs, temporary_path
+from dlm.corpus import CorpusReader, check_output_file, discover_inputs
 from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import atomic_write_text
 
 # The one source of truth for the special tokens; their order fixes their ids (0, 1, 2).
 SPECIAL_TOKENS: dict[str, str] = {
@@ -135,12 +136,7 @@ def _save(tokenizer: Tokenizer, output: Path) -> None:
 
     with reported_os_errors("the tokenizer", output):
         output.parent.mkdir(parents=True, exist_ok=True)
-        temporary = temporary_path(output)
-        try:
-            temporary.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-            temporary.replace(output)
-        finally:
-            temporary.unlink(missing_ok=True)
+        atomic_write_text(output, tokenizer.to_str(pretty=True))
 
 
 def _check_special_tokens(tokenizer: Tokenizer, path: str | Path) -> None:

@@ -28,6 +28,7 @@ from dlm.checkpoint import (
 )
 from dlm.checksum import CHECKSUM_KEY, payload_sha256
 from dlm.errors import UserError
+from dlm.fileio import temporaries
 
 # fork copies the already-imported torch into the child, so each helper process starts at once.
 FORK = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
@@ -52,7 +53,7 @@ def _payload(step: int, size: int = 16) -> dict:
 
 
 def _leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.glob(f"{ckpt.TEMP_PREFIX}*"))
+    return sorted(p.name for p in temporaries(directory))
 
 
 def test_save_writes_numbered_file_latest_link_and_format(tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_failed_save_keeps_previous_latest(tmp_path: Path, monkeypatch: pytest.M
 
 def test_stale_temporaries_are_removed_and_never_loaded(tmp_path: Path) -> None:
     save_training_checkpoint(tmp_path, _payload(1), step=1, keep_last=0)
-    stale = tmp_path / f"{ckpt.TEMP_PREFIX}step-00000002-999-abc"
+    stale = tmp_path / ".step-00000002.pt.tmp-4194305"  # beyond any pid: its process is gone
     stale.write_bytes(b"half a checkpoint")
     assert load_checkpoint(tmp_path)["step"] == 1
     save_training_checkpoint(tmp_path, _payload(2), step=2, keep_last=0)
@@ -303,7 +304,7 @@ def test_check_output_dir_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyP
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(ckpt.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(ckpt, "probe_writable", refuse)
     with pytest.raises(UserError, match="not writable: Permission denied") as info:
         check_output_dir(tmp_path, bytes_needed=1)
     assert str(tmp_path) in str(info.value)

@@ -18,9 +18,10 @@ import pytest
 import torch
 from helpers import tiny_experiment
 
-from dlm.checkpoint import TEMP_PREFIX, UnverifiedCheckpointWarning, load_checkpoint
+from dlm.checkpoint import UnverifiedCheckpointWarning, load_checkpoint
 from dlm.checksum import CHECKSUM_KEY
 from dlm.errors import UserError
+from dlm.fileio import temporaries
 from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def test_disk_full_while_saving_a_checkpoint_keeps_latest(tiny_data_dir: Path, t
     assert (run_dir / "latest.pt").read_bytes() == latest
     assert load_checkpoint(run_dir / "latest.pt")["step"] == 2
     assert step_files(run_dir) == ["step-00000002.pt"]
-    assert not list(run_dir.glob(f"{TEMP_PREFIX}*"))
+    assert not temporaries(run_dir)
 
 
 def test_run_dir_owns_the_layout_and_what_a_resume_continues(tiny_data_dir: Path, tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm.checkpoint import TEMP_PREFIX, load_checkpoint
+from dlm.checkpoint import load_checkpoint
+from dlm.fileio import temporaries
 from dlm.stop import SignalStop, StopSignals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def test_two_signals_during_a_checkpoint_write_leave_it_whole(
         "resume_command": f"dlm resume {run_dir}",
     }  # fmt: skip
     assert load_checkpoint(run_dir / "latest.pt")["step"] == 2
-    assert not list(run_dir.glob(f"{TEMP_PREFIX}*"))
+    assert not temporaries(run_dir)
 
 
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
@@ -121,4 +122,4 @@ def test_two_signals_20_ms_apart_exit_with_the_signals_code(tiny_data_dir: Path,
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and f"dlm resume {run_dir}" in lines[0], stderr
     assert load_checkpoint(run_dir / "latest.pt")["step"] >= 1
-    assert not list(run_dir.glob(f"{TEMP_PREFIX}*"))
+    assert not temporaries(run_dir)

@@ -9,6 +9,7 @@ import typer
 
 from dlm.cli.common import JsonOption, SetOption, console, print_json
 from dlm.config import config_reference_markdown, load_config
+from dlm.fileio import atomic_write_text
 
 config_app = typer.Typer(help="Inspect configs and the configuration reference.", no_args_is_help=True)
 
@@ -46,9 +47,7 @@ def docs(
     if output is None:
         typer.echo(text, nl=False)
         return
-    temporary = output.with_name(output.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(output)
+    atomic_write_text(output, text)
 
 
 def register(app: typer.Typer) -> None:
