@@ -304,11 +304,17 @@ class _Reverse:
     mask_id: int
     forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
 
-    def predict(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits at `positions` of `tokens`, the batch rows `rows` (None: all) of the sequence."""
+
+        return self.model(tokens, output_positions=positions)
+
+    def predict(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
 
-        logits = self.model(tokens, output_positions=positions)
-        logits = logits.to(self.generator.device, torch.float64)
+        logits = self.logits(tokens, positions, rows).to(self.generator.device, torch.float64)
         logits[:, self.forbidden] = float("-inf")
         options = self.options
         new = sample_tokens(
@@ -340,7 +346,7 @@ class _Reverse:
         positions[:, block] = reveal
         # Only rows that reveal something need a prediction, and only at the revealed positions.
         sub_tokens, sub_positions = tokens[rows], positions[rows]
-        new, _ = self.predict(sub_tokens, sub_positions)
+        new, _ = self.predict(sub_tokens, sub_positions, rows)
         sub_tokens[sub_positions] = new
         tokens[rows] = sub_tokens
         return 1
@@ -393,6 +399,7 @@ def denoise(
     forbidden_token_ids: Sequence[int] = (),
     on_step: StepCallback | None = None,
     schedule: Schedule | None = None,
+    stop_token_id: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true.
 
@@ -406,6 +413,12 @@ def denoise(
 
     mask_id = model.config.mask_token_id
     schedule = model_schedule(model) if schedule is None else schedule
+    if getattr(model.config, "is_block_model", False):  # block by block, prefix cached, may stop early
+        from dlm.block_sampling import denoise_blocks
+
+        return denoise_blocks(model, tokens, fill_mask, options, generator=generator, schedule=schedule,
+                              forbidden_token_ids=forbidden_token_ids, on_step=on_step,
+                              stop_token_id=stop_token_id)  # fmt: skip
     tokens = tokens.clone()
     tokens[:, fill_mask] = mask_id
     never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
@@ -472,6 +485,7 @@ def generate(
     device: str | torch.device | None = None,
     on_step: StepCallback | None = None,
     schedule: str | Schedule | None = None,
+    stop_at_end: bool = False,
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
@@ -480,7 +494,9 @@ def generate(
     with a template. Deterministic for a fixed `seed` on one device. `device` defaults to the
     model's; another device moves the model there. Texts keep special tokens such as
     `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
-    defaults to the noise schedule the model was trained with, which `dlm.load` records.
+    defaults to the noise schedule the model was trained with, which `dlm.load` records. With
+    `stop_at_end` each sample ends at its first generated end-of-document token, and a block model
+    stops generating once every sample has one.
     """
 
     options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
@@ -501,11 +517,17 @@ def generate(
     tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
+    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
     start = time.perf_counter()
     with _inference(model):
         tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
-                                         forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen)  # fmt: skip
+                                         forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen,
+                                         stop_token_id=end_id)  # fmt: skip
         token_ids = tokens.tolist()  # waits for the device, so the timing covers all queued work
+    if end_id is not None:
+        from dlm.block_sampling import cut_after_stop
+
+        token_ids = cut_after_stop(token_ids, fill, end_id)
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     return SampleResult(texts, token_ids, steps, forward_passes, seconds)

@@ -16,13 +16,18 @@ from helpers import tiny_experiment
 from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 from test_train import assert_same_weights, train_losses
 
+import dlm
 from dlm.attention import bd3_allowed, block_causal_mask
+from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config import ModelConfig
 from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
 from dlm.distributed import end_process
-from dlm.evaluate import evaluate_model
+from dlm.evaluate import evaluate_model, evaluate_source
 from dlm.events import Event, ValidationEvent
+from dlm.export import export_model
 from dlm.model import DiffusionTransformer
+from dlm.sampling import SamplingOptions
+from dlm.schedule import LinearSchedule
 from dlm.train import train
 
 MASK_ID = 1
@@ -173,3 +178,79 @@ def test_block_model_ddp_equals_one_process_with_twice_the_accumulation(tiny_dat
                     process.kill()
                     process.join()
     assert_close_runs(tmp_path / "ddp", tmp_path / "reference")
+
+
+@pytest.mark.parametrize("remasking", ["confidence", "random"])
+def test_cached_block_sampling_equals_the_uncached_reference(remasking: str) -> None:
+    model = small_model(4, seq_len=32)
+    tokens = torch.randint(2, 64, (3, 32), generator=torch.Generator().manual_seed(4))
+    fill = torch.zeros(32, dtype=torch.bool)
+    fill[6:29] = True  # a prompt ending inside a block, and fixed text after the generated span
+    options = SamplingOptions(steps=12, remasking=remasking)
+    outputs = []
+    with torch.inference_mode():
+        for cached in (True, False):
+            generator = torch.Generator().manual_seed(7)
+            outputs.append(denoise_blocks(model, tokens, fill, options, generator=generator, schedule=LinearSchedule(),
+                                          kv_cache=cached))  # fmt: skip
+    (cached_tokens, cached_passes), (reference, reference_passes) = outputs
+    assert torch.equal(cached_tokens, reference)
+    assert not bool((cached_tokens == MASK_ID).any()) and torch.equal(cached_tokens[:, ~fill], tokens[:, ~fill])
+    assert cached_passes > reference_passes  # the cache costs one pass per block to store its keys
+
+
+def test_block_sampling_reads_only_the_prefix() -> None:
+    # Changing the text after a block must not change it: attention is causal across blocks.
+    model = small_model(4, seq_len=16)
+    tokens = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(5))
+    fill = torch.zeros(16, dtype=torch.bool)
+    fill[4:8] = True
+    later = tokens.clone()
+    later[:, 8:] = torch.randint(2, 64, (1, 8), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        runs = [denoise_blocks(model, t, fill, SamplingOptions(steps=4), generator=torch.Generator().manual_seed(1),
+                               schedule=LinearSchedule())[0] for t in (tokens, later)]  # fmt: skip
+    assert torch.equal(runs[0][:, :8], runs[1][:, :8])
+
+
+def test_block_sampling_stops_at_the_end_of_document() -> None:
+    stop = 5
+
+    class FavoursStop(torch.nn.Module):  # the end-of-document token is the most likely everywhere
+        def __init__(self, inner: DiffusionTransformer) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+            logits = self.inner(*args, **kwargs)
+            logits[..., stop] += 100.0
+            return logits
+
+    tokens = torch.full((2, 16), MASK_ID)
+    tokens[:, 0] = 9
+    fill = torch.ones(16, dtype=torch.bool)
+    fill[0] = False
+    with torch.inference_mode():
+        result, _ = denoise_blocks(FavoursStop(small_model(4)), tokens, fill, SamplingOptions(steps=4, temperature=0),
+                                   generator=torch.Generator().manual_seed(0), schedule=LinearSchedule(),
+                                   stop_token_id=stop)  # fmt: skip
+    assert bool((result[:, 1:4] == stop).all())
+    assert bool((result[:, 4:] == MASK_ID).all())  # later blocks were never generated
+    assert cut_after_stop(result.tolist(), fill.tolist(), stop) == [[9, stop]] * 2
+
+
+def test_block_model_trains_evaluates_exports_loads_and_samples(tiny_data_dir: Path, tmp_path: Path) -> None:
+    settings = ("model.block_size=8", "training.max_steps=4", "training.warmup_steps=1", "training.eval_interval=4",
+                "training.save_interval=4")  # fmt: skip
+    run = tmp_path / "run"
+    train(tiny_experiment(tiny_data_dir, run, *settings))
+    report = evaluate_source(run, batches=1, mc_samples=2, batch_size=2)
+    assert report.bits_per_byte is not None and 0 < report.nll < 10  # an ELBO bound after 4 steps
+    exported = export_model(run, tmp_path / "model", dtype="float32")
+    model, tokenizer = dlm.load(exported)
+    assert model.config.block_size == 8 and model.config.is_block_model
+    assert evaluate_source(exported, tiny_data_dir, batches=1, mc_samples=2, batch_size=2).nll == report.nll
+    result = dlm.sample(model, tokenizer, prompt="ROMEO:", length=20, steps=6, seed=3, stop_at_end=True)
+    again = dlm.sample(model, tokenizer, prompt="ROMEO:", length=20, steps=6, seed=3, stop_at_end=True)
+    assert result.texts == again.texts and result.texts[0].startswith("ROMEO:")
+    assert "<|mask|>" not in result.texts[0]

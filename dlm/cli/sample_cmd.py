@@ -109,6 +109,14 @@ BlockOption = Annotated[
     ),
 ]
 
+StopOption = Annotated[
+    bool,
+    typer.Option(
+        "--stop-at-end",
+        help="End each sample at its first generated <|endoftext|>; a block model stops generating there.",
+    ),
+]
+
 
 def _generate_live(model: Any, tokenizer: Any, options: dict[str, Any]) -> SampleResult:
     """Generate while a transient Live view redraws the samples after every step."""
@@ -139,6 +147,7 @@ def sample(
     top_p: TopPOption = None,
     remasking: RemaskingOption = "confidence",
     block_length: BlockOption = None,
+    stop_at_end: StopOption = False,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -162,7 +171,7 @@ def sample(
     options: dict[str, Any] = dict(
         prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
         temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-        block_length=block_length, device=resolved,
+        block_length=block_length, device=resolved, stop_at_end=stop_at_end,
     )  # fmt: skip
     live_view = not as_json and console.is_terminal
     result = _generate_live(model, tokenizer, options) if live_view else generate(model, tokenizer, **options)

@@ -1,0 +1,133 @@
+"""Sampling from a block model (`[model] block_size`): block by block, with an exact KV cache.
+
+A block model attends causally across blocks, so the keys and values of a finished (clean) block
+never change: they are computed once, in a pass that stores them in a `KVCache`, and every
+denoising step of a later block feeds only that block's B positions, which read the cache. This is
+exact, not an approximation: the cached pass computes the same attention as a pass over the whole
+prefix under the block-causal mask (`kv_cache=False`, the reference the tests compare against).
+
+Blocks are the model's own, aligned to position 0 as in training; a block holding any position to
+generate is denoised with the reverse process of `dlm.sampling` (its share of the steps), positions
+of the prompt or template inside it stay fixed. With `stop_token_id`, generation ends after the
+first block that leaves every sample with that token (the end-of-document token) among its
+generated positions; later positions stay masked for the caller to cut off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dlm.attention import KVCache
+from dlm.errors import UserError
+from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, step_times
+from dlm.schedule import Schedule
+
+
+@dataclass
+class _Window:
+    """The model block being denoised, [start, end), and the cache of everything before it."""
+
+    start: int = 0
+    end: int = 0
+    cache: KVCache | None = None
+
+
+@dataclass(frozen=True)
+class _BlockReverse(_Reverse):
+    """The reverse process of one model block: the model sees the prefix (or its cache) and the block."""
+
+    window: _Window = field(default_factory=_Window)
+
+    def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+        start, end, cache = self.window.start, self.window.end, self.window.cache
+        if cache is None:  # reference: the whole prefix under the block-causal mask
+            return self.model(tokens[:, :end], output_positions=positions[:, :end])
+        cache = cache if rows is None else cache.select(rows)
+        return self.model(tokens[:, start:end], output_positions=positions[:, start:end], cache=cache)
+
+
+def _commit(model: nn.Module, tokens: Tensor, cache: KVCache, end: int) -> None:
+    """Store the keys and values of positions [cache.length, end), which are final."""
+
+    final = tokens[:, cache.length : end]
+    cache.committing = True
+    try:  # no output positions: only the keys and values are wanted, not the vocabulary matmul
+        model(final, output_positions=torch.zeros_like(final, dtype=torch.bool), cache=cache)
+    finally:
+        cache.committing = False
+
+
+def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
+    """Run `steps` reverse steps on the positions `block` of one model block; forward passes made."""
+
+    passes = 0
+    for index in range(steps):
+        if reverse.options.remasking == "random":
+            t, s = step_times(steps, index)
+            passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
+        else:
+            passes += reverse.reveal_confident(tokens, block, reveal_count(block.numel(), steps, index, schedule))
+    return passes
+
+
+def denoise_blocks(
+    model: nn.Module,
+    tokens: Tensor,
+    fill_mask: Tensor,
+    options: SamplingOptions,
+    *,
+    generator: torch.Generator,
+    forbidden_token_ids: Sequence[int] = (),
+    on_step: StepCallback | None = None,
+    schedule: Schedule,
+    kv_cache: bool = True,
+    stop_token_id: int | None = None,
+) -> tuple[Tensor, int]:
+    """`dlm.sampling.denoise` for a block model: the model's blocks left to right, cached prefix."""
+
+    block_size, mask_id = model.config.block_size, model.config.mask_token_id
+    if options.block_length not in (None, block_size):
+        raise UserError(f"--block-length {options.block_length} differs from the model's block_size {block_size}",
+                        fix="omit --block-length: a block model generates its own blocks")  # fmt: skip
+    tokens = tokens.clone()
+    tokens[:, fill_mask] = mask_id
+    positions = fill_mask.nonzero().squeeze(-1)
+    blocks = [positions[positions // block_size == b] for b in sorted(set((positions // block_size).tolist()))]
+    if len(blocks) > options.steps:
+        raise UserError(f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
+                        fix=f"use at least {len(blocks)} steps")  # fmt: skip
+    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=generator.device)
+    reverse = _BlockReverse(model, options, generator, mask_id, never)
+    cache = KVCache() if kv_cache else None
+    passes, step = 0, 0
+    if on_step is not None:
+        on_step(0, tokens.clone())
+    for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):
+        start = int(block[0]) // block_size * block_size
+        window = reverse.window
+        window.start, window.end, window.cache = start, min(start + block_size, tokens.shape[1]), cache
+        if cache is not None and start > cache.length:
+            _commit(model, tokens, cache, start)
+            passes += 1
+        passes += _denoise_block(reverse, tokens, block, block_steps, schedule)
+        step += block_steps
+        if on_step is not None:
+            on_step(step, tokens.clone())
+        generated = tokens[:, positions[positions < window.end]]
+        if stop_token_id is not None and bool((generated == stop_token_id).any(dim=1).all()):
+            break
+    return tokens, passes
+
+
+def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_id: int) -> list[list[int]]:
+    """Each row up to and including the first `stop_token_id` at a generated position."""
+
+    cut = []
+    for row in token_ids:
+        end = next((i + 1 for i, (t, f) in enumerate(zip(row, fill, strict=True)) if f and t == stop_token_id), None)
+        cut.append(row if end is None else row[:end])
+    return cut
