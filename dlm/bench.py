@@ -8,7 +8,9 @@ needed. After `warmup` untimed steps (compilation, allocator and kernel-selectio
 median step time, which one slow step (a recompile, another process) cannot move.
 
 Model FLOP/s use `model.flops_per_token` (6N + attention scores), the same count as the anchors, so
-activation checkpointing's recomputation is not counted as useful work. MFU is reported only for
+activation checkpointing's recomputation is not counted as useful work. A block model's step is a
+forward and backward over 2L tokens (noisy and clean copies), and its count says so: twice the
+matmuls, four times the attention; `attention_backend` names the kernel of that masked pass. MFU is reported only for
 devices in `dlm.runtime`'s peak table, else None ("n/a").
 """
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dlm import runtime
+from dlm.attention import training_kernel
 from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
 from dlm.errors import UserError
 from dlm.fileio import GIB
@@ -121,16 +122,27 @@ def _attention_probe(model: ModelConfig, device: torch.device, precision: str) -
 
 
 def attention_backend(model: ModelConfig, device: torch.device, precision: str) -> str:
-    """The SDPA kernel torch picks for this model's attention shape on `device` (with current flags)."""
+    """The kernel of this model's training attention on `device` (with current flags): the SDPA kernel
+    torch picks, or for a block model that of its 2L pass, flex or SDPA with a boolean mask."""
 
+    mask = None
+    if model.is_block_model:
+        kernel = training_kernel(device)
+        if kernel == "flex":
+            return "flex (block mask, 2L)"
+        length = 2 * model.max_seq_len
+        mask = torch.ones(length, length, dtype=torch.bool, device=device)
+        model = model.model_copy(update={"max_seq_len": length, "block_size": 0})
     choose = getattr(torch, "_fused_sdp_choice", None)  # private, but exactly torch's own dispatch
     if choose is None:
         return runtime.sdpa_backend_name(device)
     try:
-        name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision))).name
+        name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision), mask)).name
     except RuntimeError:
         return "none (no kernel serves this shape)"
     label = _SDPA_NAMES.get(name, name.lower())
+    if mask is not None:
+        label = f"sdpa-mask: {label}, 2L"
     return label if device.type == "cuda" else f"{label} ({device.type})"
 
 

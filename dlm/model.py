@@ -216,8 +216,9 @@ class DiffusionTransformer(nn.Module):
         """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention scores.
 
         A block model's training pass runs over 2 x seq_len tokens (noisy and clean copies), each
-        query against 2 x seq_len keys (the masked kernels compute the full score matrix): twice
-        the matmuls and four times the attention of a whole-sequence model, per token of data.
+        query against 2 x seq_len keys: twice the matmuls and four times the attention of a
+        whole-sequence model, per token of data (SDPA with a boolean mask computes every score; flex
+        skips the masked-out tiles, so there this overstates the attention work).
         """
 
         attention = 12 * self.config.n_layers * self.config.d_model * seq_len

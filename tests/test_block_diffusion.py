@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from datetime import timedelta
@@ -18,8 +19,9 @@ from test_train import assert_same_weights, train_losses
 
 import dlm
 from dlm.attention import bd3_allowed, block_causal_mask
+from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
-from dlm.config import ModelConfig
+from dlm.config import ModelConfig, load_config
 from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
 from dlm.distributed import end_process
 from dlm.evaluate import evaluate_model, evaluate_source
@@ -31,6 +33,7 @@ from dlm.schedule import LinearSchedule
 from dlm.train import train
 
 MASK_ID = 1
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_model(block_size: int, seq_len: int = 16, seed: int = 0) -> DiffusionTransformer:
@@ -254,3 +257,17 @@ def test_block_model_trains_evaluates_exports_loads_and_samples(tiny_data_dir: P
     again = dlm.sample(model, tokenizer, prompt="ROMEO:", length=20, steps=6, seed=3, stop_at_end=True)
     assert result.texts == again.texts and result.texts[0].startswith("ROMEO:")
     assert "<|mask|>" not in result.texts[0]
+
+
+def test_bench_times_the_block_step_and_counts_its_2l_pass(tmp_path: Path) -> None:
+    overrides = (f"training.tokenizer={tmp_path / 'tokenizer.json'}", f"training.train_data={tmp_path / 'x.bin'}",
+                 "training.val_data=none")  # fmt: skip
+    plain = load_config(ROOT / "configs" / "tiny.toml", list(overrides))
+    block = load_config(ROOT / "configs" / "tiny.toml", [*overrides, "model.block_size=16"])
+    result = run_benchmark(block, steps=2, warmup=1, batch_size=4)
+    assert result.attention_backend.startswith("sdpa-mask") and "2L" in result.attention_backend
+    model, reference = DiffusionTransformer(block.model), DiffusionTransformer(plain.model)
+    n, attention = model.num_parameters, 12 * 2 * 64 * 64  # 12 x layers x width x seq_len
+    assert result.flops_per_token == model.flops_per_token(64) == 2 * 6 * n + 4 * attention
+    assert reference.flops_per_token(64) == 6 * n + attention
+    assert math.isfinite(result.loss) and result.tokens_per_second > 0
