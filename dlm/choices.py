@@ -13,3 +13,5 @@ from typing import Literal
 Remasking = Literal["random", "confidence", "margin"]
 # `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
 ExportDtype = Literal["bfloat16", "float32"]
+# `dlm export --format`: dlm's own directory (`dlm.export`) or Hugging Face transformers' (`dlm.hf.convert`).
+ExportFormat = Literal["dlm", "hf"]

@@ -41,7 +41,7 @@ class SourceInfo:
     """What is known about a model source besides its weights."""
 
     path: Path  # the checkpoint file or the exported directory actually read
-    kind: str  # "training" | "inference" | "export"
+    kind: str  # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.hf.convert`)
     model: ModelConfig
     weights: str  # "ema" | "live"
     step: int | None
@@ -56,7 +56,7 @@ class SourceInfo:
     def run_dir(self) -> Path | None:
         """The run directory a checkpoint lives in (its metrics feed the model card)."""
 
-        return None if self.kind == "export" else self.path.parent
+        return None if self.kind in ("export", "hf") else self.path.parent
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -200,7 +200,9 @@ def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInf
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
-        return _read_export(path)
+        from dlm.hf.convert import is_hf_export, read_hf_export  # imports this module
+
+        return read_hf_export(path) if is_hf_export(path) else _read_export(path)
     return _read_checkpoint(path, use_ema)
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from dlm.choices import ExportDtype
+from dlm.choices import ExportDtype, ExportFormat
 from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
 
 
@@ -25,9 +25,10 @@ def _human_size(size: int) -> str:
 def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
+    from dlm.hf.convert import hf_summary, is_hf_export
     from dlm.loading import read_export_config
 
-    config = read_export_config(output)
+    config = hf_summary(output) if is_hf_export(output) else read_export_config(output)
     files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
     keys = ("parameters", "dtype", "weights", "step", "tokens_seen", "tokenizer_sha256")
     return {"output": str(output), **{key: config.get(key) for key in keys}, "files": files}
@@ -35,19 +36,27 @@ def export_summary(output: Path) -> dict[str, Any]:
 
 def export_command(
     checkpoint: Annotated[
-        Path, typer.Argument(help="A training or inference checkpoint, or a run directory (its latest.pt).")
+        Path,
+        typer.Argument(
+            help="A training or inference checkpoint, a run directory (its latest.pt), or an export to convert."
+        ),
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
     dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = "bfloat16",
     ema: EmaOption = True,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export at --output.")] = False,
+    export_format: Annotated[
+        ExportFormat, typer.Option("--format", help="dlm's own directory, or Hugging Face transformers' (hf).")
+    ] = "dlm",
     as_json: JsonOption = False,
 ) -> None:
     """Export a checkpoint as safetensors weights, config, tokenizer and a model card."""
 
     from dlm.export import export_model
+    from dlm.hf.convert import export_hf
 
-    summary = export_summary(export_model(checkpoint, output, dtype=dtype, use_ema=ema, overwrite=overwrite))
+    export = export_hf if export_format == "hf" else export_model
+    summary = export_summary(export(checkpoint, output, dtype=dtype, use_ema=ema, overwrite=overwrite))
     if wants_json(as_json):
         print_json(summary)
         return
@@ -57,9 +66,12 @@ def export_command(
     for name, size in summary["files"].items():
         table.add_row(name, _human_size(size))
     console.print(table)
+    load = f"dlm.load({summary['output']!r})"
+    if export_format == "hf":
+        load = f"AutoModelForMaskedLM.from_pretrained({summary['output']!r}, trust_remote_code=True)"
     console.print(
         f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, step "
-        f"{summary['step']}. Load it with [bold]dlm.load({escape(repr(summary['output']))})[/] or "
+        f"{summary['step']}. Load it with [bold]{escape(load)}[/] or "
         f"[bold]dlm sample {escape(summary['output'])}[/].",
         highlight=False,
         soft_wrap=True,  # the load call and the command are copied: never broken at the terminal's width

@@ -1,0 +1,165 @@
+"""An `dlm export --format hf` directory in transformers (the `hf` extra; skipped without it).
+
+The logits equal dlm's, a seeded `generate` gives `dlm.sample`'s tokens, and the directory loads
+in a Python where dlm cannot be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import train_tiny_run
+
+import dlm
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf_extra
+
+from dlm.hf.convert import HF_SCHEDULES, export_hf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_run(tiny_data_dir, tmp_path_factory.mktemp("hf-run") / "run")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_hf(run_dir, tmp_path_factory.mktemp("hf-export") / "tiny-hf", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_dir: Path) -> torch.nn.Module:
+    model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True)
+    return model.float().eval()
+
+
+def sample_tokens(masked: bool) -> torch.Tensor:
+    tokens = torch.randint(3, 512, (3, 64), generator=torch.Generator().manual_seed(7))
+    if masked:
+        tokens[:, 1::3] = 1
+        tokens[1, 40:] = 1  # a masked tail, as generation starts
+    return tokens
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_logits_equal_dlm_s(hf_model: torch.nn.Module, run_dir: Path, masked: bool) -> None:
+    model, _ = dlm.load(run_dir)
+    tokens = sample_tokens(masked)
+    with torch.no_grad():
+        expected = model(tokens)
+        output = hf_model(input_ids=tokens)
+    assert output.logits.shape == (3, 64, 512) and output.logits.dtype == torch.float32
+    assert (output.logits - expected).abs().max() < 1e-5
+    # A full attention mask is no mask; labels give the masked cross-entropy.
+    labels = torch.where(tokens == 1, sample_tokens(False), -100) if masked else sample_tokens(False)
+    with torch.no_grad():
+        again = hf_model(input_ids=tokens, attention_mask=torch.ones_like(tokens), labels=labels)
+    assert torch.equal(again.logits, output.logits)
+    expected_loss = torch.nn.functional.cross_entropy(expected.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert abs(again.loss.item() - expected_loss.item()) < 1e-5
+
+
+def test_tokenizer_declares_the_special_tokens(hf_dir: Path, run_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert (tokenizer.mask_token, tokenizer.mask_token_id) == ("<|mask|>", 1)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|endoftext|>", 0)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|pad|>", 2)
+    _, dlm_tokenizer = dlm.load(run_dir)
+    text = "ROMEO: But soft, what light\nthrough yonder window breaks?"
+    assert tokenizer(text).input_ids == dlm_tokenizer.encode(text).ids
+    assert tokenizer.decode(dlm_tokenizer.encode(text).ids) == text
+
+
+SETTINGS = [
+    {"remasking": "confidence"},
+    {"remasking": "margin", "block_length": 8, "temperature": 0.7, "top_k": 20},
+    {"remasking": "random", "top_p": 0.9},
+    {"remasking": "random", "block_length": 6, "steps": 7},
+    {"remasking": "confidence", "temperature": 0.0, "steps": 5},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_seeded_generation_equals_dlm_sample(hf_model: torch.nn.Module, hf_dir: Path, run_dir: Path,
+                                             settings: dict) -> None:  # fmt: skip
+    model, tokenizer = dlm.load(run_dir)
+    options = {"steps": 12, **settings}
+    expected = dlm.sample(model, tokenizer, prompt="ROMEO:", length=20, num_samples=3, seed=11, **options)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    prompt = hf_tokenizer("ROMEO:", return_tensors="pt").input_ids
+    ids = hf_model.generate(prompt, max_new_tokens=20, num_samples=3, seed=11, **options)
+    assert ids.tolist() == expected.token_ids
+    assert not (ids == 1).any() and not (ids == 2).any()  # no mask left, padding never generated
+    assert len({tuple(row) for row in ids.tolist()}) > 1 or settings.get("temperature") == 0.0
+
+
+def test_infilling_matches_dlm_templates(hf_model: torch.nn.Module, run_dir: Path) -> None:
+    model, tokenizer = dlm.load(run_dir)
+    expected = dlm.sample(model, tokenizer, text="ROMEO: [MASK*6] fair Verona[MASK*4]", steps=8, seed=3)
+    prefix = tokenizer.encode("ROMEO: ").ids
+    middle = tokenizer.encode(" fair Verona").ids
+    ids = torch.tensor([prefix + [1] * 6 + middle + [1] * 4])
+    assert hf_model.generate(ids, max_new_tokens=0, steps=8, seed=3).tolist() == expected.token_ids
+
+
+def test_generation_refusals(hf_model: torch.nn.Module) -> None:
+    ragged = torch.tensor([[5, 1, 1], [5, 5, 1]])
+    with pytest.raises(ValueError, match="same columns"):
+        hf_model.generate(ragged, max_new_tokens=0)
+    with pytest.raises(ValueError, match="fewer than the 4 blocks"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, block_length=2, steps=3)
+    with pytest.raises(ValueError, match="remasking"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, remasking="lowest")
+    with pytest.raises(ValueError, match="exceed"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=64)
+
+
+def test_bundled_sampler_knows_the_schedules_the_export_accepts() -> None:
+    from dlm.hf.configuration_dlm import SCHEDULES
+
+    assert tuple(SCHEDULES) == HF_SCHEDULES
+
+
+_ISOLATED_LOAD = """
+import json, sys
+sys.modules["dlm"] = None  # `import dlm` now fails, whatever is installed
+import torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+directory, tokens, report = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model = AutoModelForMaskedLM.from_pretrained(directory, trust_remote_code=True).float().eval()
+tokenizer = AutoTokenizer.from_pretrained(directory)
+with torch.no_grad():
+    logits = model(input_ids=torch.tensor(tokens)).logits
+ids = model.generate(tokenizer("ROMEO:", return_tensors="pt").input_ids, max_new_tokens=10, steps=10, seed=5)
+loaded = sorted(name for name, module in sys.modules.items() if module is not None and name.split(".")[0] == "dlm")
+with open(report, "w") as file:
+    json.dump({"logits": logits.tolist(), "ids": ids.tolist(), "dlm_modules": loaded,
+               "model_module": type(model).__module__, "mask": tokenizer.mask_token_id}, file)
+"""
+
+
+def test_export_loads_where_dlm_cannot_be_imported(hf_dir: Path, run_dir: Path, tmp_path: Path) -> None:
+    tokens = sample_tokens(masked=True)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # -I: no PYTHONPATH, no user site, no current directory on sys.path; the script runs from elsewhere.
+    # Without trust_remote_code, transformers 5 asks whether to run the config's code before loading
+    # the tokenizer; with no terminal to answer it declines, and the stock fast tokenizer loads anyway.
+    arguments = [str(hf_dir), json.dumps(tokens.tolist()), str(tmp_path / "report.json")]
+    result = subprocess.run([sys.executable, "-I", "-c", _ISOLATED_LOAD, *arguments], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dlm_modules"] == [] and "modeling_dlm" in report["model_module"] and report["mask"] == 1
+    model, tokenizer = dlm.load(run_dir)
+    with torch.no_grad():
+        assert (torch.tensor(report["logits"]) - model(tokens)).abs().max() < 1e-5
+    expected = dlm.sample(model, tokenizer, prompt="ROMEO:", length=10, steps=10, seed=5)
+    assert report["ids"] == expected.token_ids
