@@ -109,6 +109,16 @@ def test_infilling_matches_dlm_templates(hf_model: torch.nn.Module, run_dir: Pat
     assert hf_model.generate(ids, max_new_tokens=0, steps=8, seed=3).tolist() == expected.token_ids
 
 
+def test_trains_after_generating(hf_dir: Path) -> None:
+    model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True).float()
+    model.generate(torch.tensor([[5, 6]]), max_new_tokens=4, steps=4)
+    model.train()
+    tokens = sample_tokens(masked=True)
+    loss = model(input_ids=tokens, labels=torch.where(tokens == 1, sample_tokens(False), -100)).loss
+    loss.backward()
+    assert model.training and model.model.embed_tokens.weight.grad.abs().sum() > 0
+
+
 def test_generation_refusals(hf_model: torch.nn.Module) -> None:
     ragged = torch.tensor([[5, 1, 1], [5, 5, 1]])
     with pytest.raises(ValueError, match="same columns"):

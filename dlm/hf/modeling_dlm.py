@@ -156,9 +156,12 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
             config = self.config
             # MPS has no float64: form the angles on the CPU and move them.
             home = torch.device("cpu") if device.type == "mps" else device
-            cos, sin = rotary_tables(config.max_position_embeddings, config.hidden_size // config.num_attention_heads,
-                                     config.rope_theta, home)  # fmt: skip
-            self._rotary[device] = (cos.to(device), sin.to(device))
+            # Normal tensors even when first built under inference mode (generate), so that a later
+            # forward pass with autograd (fine-tuning) can use them.
+            head_dim = config.hidden_size // config.num_attention_heads
+            with torch.inference_mode(False), torch.no_grad():
+                cos, sin = rotary_tables(config.max_position_embeddings, head_dim, config.rope_theta, home)
+                self._rotary[device] = (cos.to(device), sin.to(device))
         cos, sin = self._rotary[device]
         return cos[:length], sin[:length]
 
