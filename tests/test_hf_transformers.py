@@ -100,6 +100,17 @@ def test_seeded_generation_equals_dlm_sample(hf_model: torch.nn.Module, hf_dir: 
     assert len({tuple(row) for row in ids.tolist()}) > 1 or settings.get("temperature") == 0.0
 
 
+@pytest.mark.parametrize("remasking", ["random", "confidence"])
+def test_cosine_schedule_generation_equals_dlm_sample(hf_dir: Path, run_dir: Path, remasking: str) -> None:
+    model, tokenizer = dlm.load(run_dir)
+    expected = dlm.sample(model, tokenizer, length=24, steps=10, seed=2, remasking=remasking, schedule="cosine")
+    # A config keyword of from_pretrained overrides config.json: the same weights, the cosine schedule.
+    hf_model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True, schedule="cosine")
+    assert hf_model.config.schedule == "cosine"
+    ids = hf_model.generate(None, max_new_tokens=24, steps=10, seed=2, remasking=remasking)
+    assert ids.tolist() == expected.token_ids
+
+
 def test_infilling_matches_dlm_templates(hf_model: torch.nn.Module, run_dir: Path) -> None:
     model, tokenizer = dlm.load(run_dir)
     expected = dlm.sample(model, tokenizer, text="ROMEO: [MASK*6] fair Verona[MASK*4]", steps=8, seed=3)
