@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -35,6 +37,8 @@ from dlm.events import (
 )
 
 SPARK_CHARACTERS = "▁▂▃▄▅▆▇█"
+SPARK_QUANTILES = (0.05, 0.95)  # the sparkline's range: one spike must not flatten the trend
+SLOWER_THAN_PLANNED = 0.7  # a measured step rate below this share of the planned one is reported
 
 
 def _json_line(event: RunEvent | Mapping[str, Any]) -> str:
@@ -67,16 +71,28 @@ class JsonLinesFileSink:
         self.handle.close()
 
 
+def _quantile(ordered: list[float], share: float) -> float:
+    """Linear-interpolated quantile of sorted values."""
+
+    position = share * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
 def sparkline(values: Iterable[float], width: int = 48) -> str:
-    """Unicode block sparkline of the last `width` finite values."""
+    """Unicode block sparkline of the last `width` finite values, scaled between the 5th and 95th
+    percentiles of that window (values outside are clipped): a single loss spike then tops its
+    column instead of squashing the rest of the curve onto the bottom row."""
 
     points = [value for value in values if math.isfinite(value)][-width:]
     if not points:
         return ""
-    low, high = min(points), max(points)
+    ordered = sorted(points)
+    low, high = (_quantile(ordered, share) for share in SPARK_QUANTILES)
     span = (high - low) or 1.0
     top = len(SPARK_CHARACTERS) - 1
-    return "".join(SPARK_CHARACTERS[round((value - low) / span * top)] for value in points)
+    return "".join(SPARK_CHARACTERS[round((min(max(value, low), high) - low) / span * top)] for value in points)
 
 
 def _duration(seconds: float | None) -> str:
@@ -87,63 +103,136 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}:{minute:02d}:{second:02d}"
 
 
+def _rate(value: float) -> str:
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
+
+
 def _format(value: Any, spec: str = ".4f", empty: str = "-") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return empty
     return format(value, spec)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """A run trained against a wall-clock budget, possibly in several `train` calls (`dlm demo`):
+    the dashboard then reports progress as the share of the budget used, which a re-planned
+    max_steps cannot move backwards, and a pause between two calls is not the run's end."""
+
+    seconds: float
+    spent_seconds: float = 0.0  # used before the dashboard opened (calibration, earlier calls)
+    seconds_per_step: float | None = None  # the pace the schedule was planned with
+
+
 class TrainingDashboard:
     """A rich Live view of a training run, updated from events.
 
-    Use as a context manager around `train(...)` and pass the instance as the sink.
+    Use as a context manager around `train(...)` and pass the instance as the sink. The clock runs
+    from the dashboard's opening across every `train` call it is shown, and the percentage never
+    goes down: with a `Budget` it is the share of the budget used, else the furthest step / max_steps.
     """
 
-    def __init__(self, console: Console | None = None, refresh_per_second: float = 4.0):
+    def __init__(
+        self,
+        console: Console | None = None,
+        refresh_per_second: float = 4.0,
+        *,
+        budget: Budget | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.console = console or Console()
+        self.budget, self.clock = budget, clock
+        self.opened = clock()
+        self.planned_seconds_per_step = None if budget is None else budget.seconds_per_step
         self.start: StartEvent | None = None
         self.latest: TrainEvent | None = None
         self.validation: ValidationEvent | None = None
         self.checkpoint: CheckpointEvent | None = None
         self.status = "starting"
+        self.step, self.max_steps, self.fraction = 0, 0, 0.0
         self.losses: deque[float] = deque(maxlen=256)
-        self.progress = Progress(
-            TextColumn("[bold]step[/] {task.completed}/{task.total}"),
-            BarColumn(bar_width=None),
-            TextColumn("{task.percentage:>5.1f}%"),
-            TimeElapsedColumn(),
-            TextColumn("eta {task.fields[eta]}"),
-            expand=True,
-        )
-        self.task = self.progress.add_task("train", total=1, completed=0, eta="-")
-        self.live = Live(self.render(), console=self.console, refresh_per_second=refresh_per_second)
+        self.live = Live(console=self.console, refresh_per_second=refresh_per_second, get_renderable=self.render)
 
     def __enter__(self) -> TrainingDashboard:
         self.live.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.live.update(self.render())
+        self.live.refresh()
         self.live.__exit__(*exc_info)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.opened + (0.0 if self.budget is None else self.budget.spent_seconds)
+
+    def replan(self, seconds_per_step: float) -> None:
+        """The schedule was planned again at this pace (the demo between two `train` calls)."""
+
+        self.planned_seconds_per_step = seconds_per_step
+
+    def finish(self, status: str) -> None:
+        """How a budgeted run ended, once no further `train` call follows."""
+
+        self.status = status
+        self._refresh()
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, StartEvent):
-            self.start = event
-            self.status = "training"
-            self.progress.reset(self.task, total=event.max_steps, completed=event.start_step)
+            self.start, self.status = event, "training"
+            self.step, self.max_steps = event.start_step, event.max_steps
         elif isinstance(event, TrainEvent):
             self.latest = event
             self.losses.append(math.nan if event.loss is None else float(event.loss))
-            # The loop's own estimate (steps left x recent step time) beats rich's guess from refresh times.
-            self.progress.update(self.task, completed=event.step, eta=_duration(event.eta_seconds))
+            self.step, self.max_steps = event.step, event.max_steps
         elif isinstance(event, ValidationEvent):
             self.validation = event
         elif isinstance(event, CheckpointEvent):
             self.checkpoint = event
         elif isinstance(event, EndEvent):
-            self.status = event.status
-            self.progress.update(self.task, completed=event.step)
-        self.live.update(self.render())
+            self.step = event.step
+            # Under a budget a pause ends one `train` call of several: the owner calls finish().
+            if self.budget is None or event.status != "paused":
+                self.status = event.status
+            if event.status == "complete":
+                self.fraction = 1.0
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self.live.is_started:  # a dashboard fed without its Live (tests render it themselves)
+            self.live.refresh()
+
+    def progress_fraction(self) -> float:
+        if self.budget is not None:
+            current = self.elapsed() / self.budget.seconds
+        else:
+            current = self.step / self.max_steps if self.max_steps else 0.0
+        self.fraction = min(1.0, max(self.fraction, current))
+        return self.fraction
+
+    def _progress(self) -> Table:
+        fraction = self.progress_fraction()
+        eta = None if self.latest is None or self.status != "training" else self.latest.eta_seconds
+        clock = _duration(self.elapsed())
+        if self.budget is not None:
+            clock += f" of {_duration(self.budget.seconds)}"
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(no_wrap=True)
+        table.add_column(ratio=1)
+        for _ in range(3):
+            table.add_column(no_wrap=True, justify="right")
+        table.add_row(f"[bold]step[/] {self.step}/{self.max_steps or '-'}", ProgressBar(total=1.0, completed=fraction),
+                      f"{fraction:>6.1%}", clock, f"eta {_duration(eta)}")  # fmt: skip
+        return table
+
+    def _pace_warning(self) -> Text | None:
+        """Said when the steps run well below the pace the schedule was planned with."""
+
+        event, start, planned = self.latest, self.start, self.planned_seconds_per_step
+        if event is None or start is None or not planned or not start.tokens_per_step:
+            return None
+        measured, wanted = event.tokens_per_second / start.tokens_per_step, 1.0 / planned
+        if measured >= SLOWER_THAN_PLANNED * wanted:
+            return None
+        return Text(f"machine busier than planned: {_rate(measured)} steps/s against {_rate(wanted)}", style="yellow")
 
     def _header(self) -> Table:
         start = self.start
@@ -188,7 +277,12 @@ class TrainingDashboard:
 
     def render(self) -> Panel:
         validation, checkpoint = self.validation, self.checkpoint
-        rows: list[Any] = [self._header(), self.progress, self._metrics()]
+        rows: list[Any] = [self._header(), self._progress(), self._metrics()]
+        if self.start is not None and self.start.cpu_threads:
+            rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
+        warning = self._pace_warning()
+        if warning is not None:
+            rows.append(warning)
         if self.losses:
             rows.append(Text(f"loss {sparkline(self.losses)}", style="green"))
         if self.latest is not None and self.latest.loss_by_t:

@@ -77,6 +77,8 @@ class StartEvent(RunEvent):
     resumed_from: str | None
     data_changed: bool
     dlm_version: str
+    # The CPU thread plan (`dlm.runtime.ThreadPlan.describe`); None off the CPU and in older files.
+    cpu_threads: str | None = None
 
 
 @register_event

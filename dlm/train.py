@@ -344,7 +344,7 @@ class Trainer:
             exit_code=stop.exit_code if status == "interrupted" else 0,
         )
 
-    def start_event(self, resumed_from: Path | None) -> StartEvent:
+    def start_event(self, resumed_from: Path | None, cpu_threads: str | None = None) -> StartEvent:
         config, world = self.config, self.world
         tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
         tokens_per_step *= self.experiment.model.max_seq_len
@@ -368,6 +368,7 @@ class Trainer:
             resumed_from=None if resumed_from is None else str(resumed_from),
             data_changed=self.data_changed,
             dlm_version=__version__,
+            cpu_threads=cpu_threads,
         )
 
 
@@ -417,7 +418,7 @@ def train(
     device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
     precision = resolve_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
-    configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
+    threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
     ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
     check_parallelism(config)
     run_dir = config.output_dir
@@ -448,7 +449,7 @@ def train(
             cleanup.callback(metrics.close)
             trainer.sink = fan_out([metrics] + ([sink] if sink is not None else []))
             write_config(run_dir, experiment)
-        trainer.sink(trainer.start_event(resume))
+        trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
         result = trainer.run(end_step, deadline, stop)
         stop.settle()  # the files are complete: a late signal must not cut the report short

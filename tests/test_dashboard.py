@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from helpers import tiny_experiment
 from rich.console import Console
 
-from dlm.dashboard import JsonLinesFileSink, JsonLinesSink, TrainingDashboard, sparkline
+from dlm.dashboard import SPARK_CHARACTERS, Budget, JsonLinesFileSink, JsonLinesSink, TrainingDashboard, sparkline
 from dlm.events import (
     CheckpointEvent,
     EndEvent,
@@ -173,3 +174,98 @@ def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(real_run: RealRun
     metrics = list(read_events(real_run.run_dir / "metrics.jsonl"))
     assert [type(event) for event in metrics] == [type(event) for event in real_run.events]
     assert all(event.peak_allocated_gib == 0.0 for event in metrics if isinstance(event, TrainEvent))
+
+
+# ------------------------------------------------------------------------------ truthful progress
+
+
+class FakeClock:
+    """Seconds that advance only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def frame(dashboard: TrainingDashboard, width: int = 80) -> str:
+    output = io.StringIO()
+    Console(file=output, force_terminal=True, width=width, color_system=None).print(dashboard.render())
+    return output.getvalue()
+
+
+def percentages(text: str) -> list[float]:
+    return [float(found) for found in re.findall(r"(\d+\.\d)%", text)]
+
+
+def test_sparkline_keeps_the_trend_visible_beside_a_spike() -> None:
+    trend = [6.0 - 3.0 * index / 39 for index in range(40)]
+    line = sparkline([*trend[:20], 40.0, *trend[20:]])
+    assert line[20] == "█"  # the spike tops its column
+    levels = [SPARK_CHARACTERS.index(character) for character in line[:20] + line[21:]]
+    assert levels == sorted(levels, reverse=True) and len(set(levels)) >= 6  # the decline, not a flat floor
+    assert levels[0] >= 6 and levels[-1] == 0
+
+
+def test_percentage_never_goes_back_when_a_segment_raises_max_steps(real_run: RealRun) -> None:
+    # Two `train` calls: the second planned further (73.1% of the first plan would read 70.3% of the new one).
+    start = one(real_run.events, StartEvent)
+    trained = [event for event in real_run.events if isinstance(event, TrainEvent)]
+    assert isinstance(start, StartEvent)
+    second = [dataclasses.replace(start, start_step=2, max_steps=3),
+              *(dataclasses.replace(event, step=2 + index, max_steps=3) for index, event in enumerate(trained[:1]))]
+    clock = FakeClock()
+    dashboard = TrainingDashboard(Console(file=io.StringIO()), clock=clock)
+    shown, clocks = [], []
+    for event in [*real_run.events, *second]:
+        clock.now += 7.0
+        dashboard(event)
+        shown += percentages(frame(dashboard))
+        clocks += re.findall(r"% +(\d:\d\d:\d\d)", frame(dashboard))
+    assert shown == sorted(shown) and shown[-1] == 100.0
+    # The clock runs from the dashboard's opening across both calls: 7 s per event, never reset.
+    assert clocks == [f"0:00:{7 * count:02d}" for count in range(1, len(real_run.events) + len(second) + 1)]
+
+
+def test_a_budgeted_run_in_segments_shows_one_clock_no_pause_and_the_thread_plan(real_run: RealRun) -> None:
+    segment = [event for event in real_run.events if not isinstance(event, EndEvent)]
+    paused = dataclasses.replace(real_run.events[-1], status="paused")
+    clock = FakeClock()
+    budget = Budget(seconds=600.0, spent_seconds=30.0, seconds_per_step=0.5)
+    dashboard = TrainingDashboard(Console(file=io.StringIO()), budget=budget, clock=clock)
+    frames = []
+    for event in [*segment, paused, *segment, paused]:
+        clock.now += 15.0
+        dashboard(event)
+        frames.append(frame(dashboard))
+    shown = [percentages(text)[0] for text in frames]
+    assert shown == sorted(shown) and shown[-1] == pytest.approx(100 * (30 + 15 * len(frames)) / 600, abs=0.05)
+    assert all("paused" not in text for text in frames)  # a pause between segments is not the run's end
+    assert "0:03:30 of 0:10:00" in frames[-1]  # the budget spent before plus 12 events x 15 s
+    dashboard.finish("paused")
+    assert "status paused" in frame(dashboard, width=200)
+    start = one(real_run.events, StartEvent)
+    assert isinstance(start, StartEvent) and start.cpu_threads is not None and "thread" in start.cpu_threads
+    assert f"cpu threads: {start.cpu_threads}" in frames[-1]
+
+
+def test_the_dashboard_says_when_the_machine_runs_slower_than_planned(real_run: RealRun) -> None:
+    start = one(real_run.events, StartEvent)
+    trained = one(real_run.events, TrainEvent)
+    assert isinstance(start, StartEvent) and isinstance(trained, TrainEvent)
+    dashboard = TrainingDashboard(Console(file=io.StringIO()), budget=Budget(600.0, 0.0, seconds_per_step=0.1))
+    dashboard(start)
+    dashboard(dataclasses.replace(trained, tokens_per_second=4.0 * start.tokens_per_step))
+    assert "machine busier than planned: 4 steps/s against 10" in frame(dashboard)
+    dashboard.replan(0.3)  # re-planned at the pace it keeps: 4 steps/s is more than planned now
+    assert "busier" not in frame(dashboard)
+    dashboard(dataclasses.replace(trained, tokens_per_second=8.0 * start.tokens_per_step))
+    assert "busier" not in frame(dashboard)
+
+
+def test_a_start_line_without_the_thread_plan_still_reads(real_run: RealRun) -> None:
+    line = json.loads((real_run.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    del line["cpu_threads"]
+    event = event_from_dict(line)
+    assert isinstance(event, StartEvent) and event.cpu_threads is None
