@@ -122,16 +122,19 @@ def truncation_factor(schedule: Schedule, eps: float) -> float:
     return (1.0 - eps) / (1.0 - schedule.mask_probability(eps))
 
 
-def stratified_times(offset: float | Tensor, slot_indices: Tensor, total_slots: int, eps: float) -> Tensor:
-    """Times eps + (1 - eps) * ((offset + slot / total_slots) mod 1) for the given slots.
+def stratified_times(
+    offset: float | Tensor, slot_indices: Tensor, total_slots: int, eps: float, high: float = 1.0
+) -> Tensor:
+    """Times eps + (high - eps) * ((offset + slot / total_slots) mod 1) for the given slots.
 
-    The total_slots times of one offset form an evenly spaced grid over [eps, 1] shifted by the
+    The total_slots times of one offset form an evenly spaced grid over [eps, high] shifted by the
     random offset: each has the uniform marginal the ELBO needs, yet together they cover every
-    noise level, which lowers the variance of the step's gradient (antithetic sampling).
+    noise level, which lowers the variance of the step's gradient (antithetic sampling). `high`
+    below 1 (with eps raised) is the clipped range of `training.clip_mask_min / clip_mask_max`.
     """
 
     unit = (offset + slot_indices.to(torch.float32) / total_slots) % 1.0
-    return eps + (1.0 - eps) * unit
+    return eps + (high - eps) * unit
 
 
 def accumulation_mask_probabilities(
@@ -144,6 +147,7 @@ def accumulation_mask_probabilities(
     rank: int = 0,
     world_size: int = 1,
     blocks: int = 1,
+    high: float = 1.0,
 ) -> Tensor:
     """The [batch_size] times of one micro-batch, stratified over a whole optimizer step.
 
@@ -166,7 +170,7 @@ def accumulation_mask_probabilities(
     if blocks > 1:
         slots = slots[:, None] + total_slots * torch.arange(blocks, device=device)
         total_slots *= blocks
-    return stratified_times(offset, slots, total_slots, eps)
+    return stratified_times(offset, slots, total_slots, eps, high)
 
 
 def noise_seed(seed: int, *indices: int) -> int:

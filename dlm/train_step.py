@@ -105,6 +105,7 @@ class TrainingStep:
 
         config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
         eps = self.experiment.diffusion.mask_eps
+        low, high = config.clip_mask_min, config.clip_mask_max
         # Rank r's micro-batch m of this step is global micro-batch seen + m * W + r: the very batch
         # the sampler hands it, and the same count whatever world size earlier steps ran with.
         global_index = self.counters.micro_batches_seen + world.rank
@@ -114,11 +115,12 @@ class TrainingStep:
             micro_index,
             steps,
             offset,
-            eps,
+            max(eps, low),  # the linear schedule's time is the mask probability
             self.device,
             rank=world.rank,
             world_size=world.world_size,
             blocks=self.blocks_per_sequence,
+            high=high,
         )
         model = self.experiment.model
         block_size = model.block_size if model.is_block_model else 0

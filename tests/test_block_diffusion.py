@@ -24,6 +24,7 @@ from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config import ModelConfig, load_config
 from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
 from dlm.distributed import end_process
+from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
 from dlm.events import Event, ValidationEvent
 from dlm.export import export_model
@@ -281,3 +282,28 @@ def test_the_ar_baseline_config_differs_from_the_diffusion_one_only_in_block_siz
     assert run_dir.name == "shakespeare-ar"
     assert autoregressive["training"] == {**diffusion["training"], "output_dir": run_dir}
     assert autoregressive["diffusion"] == diffusion["diffusion"]
+
+
+def test_clipped_training_range_keeps_block_times_inside_it(tiny_data_dir: Path, tmp_path: Path) -> None:
+    times = accumulation_mask_probabilities(4, 0, 2, 0.7, 0.3, "cpu", blocks=4, high=0.8)
+    assert bool(((times >= 0.3) & (times <= 0.8)).all())
+    grid = torch.cat([times, accumulation_mask_probabilities(4, 1, 2, 0.7, 0.3, "cpu", blocks=4, high=0.8)])
+    torch.testing.assert_close(grid.flatten().sort().values.diff(), torch.full((31,), 0.5 / 32))
+    seen = []
+    original = corrupt_tokens
+
+    def spy(*args: object, **kwargs: object):  # records the times the training step draws
+        seen.append(args[2])
+        return original(*args, **kwargs)
+
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "model.block_size=16", "training.max_steps=2",
+                                 "training.warmup_steps=1", "training.clip_mask_min=0.3",
+                                 "training.clip_mask_max=0.8")  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("dlm.train_step.corrupt_tokens", spy)
+        train(experiment)
+    assert seen and all(bool(((t >= 0.3) & (t <= 0.8)).all()) for t in seen)
+    with pytest.raises(UserError, match="clip_mask_min"):
+        tiny_experiment(tiny_data_dir, tmp_path / "bad", "training.clip_mask_min=0.8", "training.clip_mask_max=0.3")
+    with pytest.raises(UserError, match="linear"):
+        tiny_experiment(tiny_data_dir, tmp_path / "bad", "training.clip_mask_min=0.3", "diffusion.schedule=cosine")
