@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from dlm import runtime
 from dlm.attention import training_kernel
 from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
+from dlm.device_support import fused_attention_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB
 
@@ -154,11 +155,10 @@ def require_fused_attention(model: ModelConfig, device: torch.device, precision:
     """
 
     fix = "use bfloat16 or float16 with a head dimension (d_model / n_heads) of 64 or 128, or drop --fused-attention"
-    if device.type != "cuda":
+    problem = fused_attention_problem(str(device))
+    if problem is not None:
         raise UserError(
-            f"--fused-attention: the flash and memory-efficient attention kernels exist only on CUDA GPUs, "
-            f"the device is {device}",
-            fix="drop --fused-attention, or run on a CUDA device (--device cuda)",
+            f"--fused-attention: {problem}", fix="drop --fused-attention, or run on a CUDA device (--device cuda)"
         )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

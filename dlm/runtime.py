@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from dlm.device_support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB
 
@@ -171,11 +172,9 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
             f"training.precision: unknown precision {requested!r}",
             fix="use auto, float32, bfloat16 or float16",
         )
-    if requested == "float16" and device.type == "cpu":
-        raise UserError(
-            "training.precision: float16 training is not supported on the CPU",
-            fix="use float32 or bfloat16 on the CPU",
-        )
+    problem = precision_problem(requested, str(device))
+    if problem is not None:
+        raise UserError(f"training.precision: {problem}", fix=FLOAT16_CPU_FIX)
     return requested  # type: ignore[return-value]
 
 
@@ -232,12 +231,13 @@ def synchronize(device: torch.device) -> None:
 def configure_cuda_backends(device: torch.device, require_fused_attention: bool) -> None:
     """TF32 matmuls and fused SDPA kernels on; optionally forbid the math attention fallback."""
 
+    problem = fused_attention_problem(str(device))
+    if require_fused_attention and problem is not None:
+        raise UserError(
+            f"training.require_fused_attention: {problem}",
+            fix="set training.require_fused_attention = false or train on a CUDA device",
+        )
     if device.type != "cuda":
-        if require_fused_attention:
-            raise UserError(
-                f"training.require_fused_attention: fused attention kernels exist only on CUDA, the device is {device}",
-                fix="set training.require_fused_attention = false or train on a CUDA device",
-            )
         return
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
