@@ -85,7 +85,9 @@ MODEL_RULES = (
     Rule(
         "mask_token_id",
         "`model.mask_token_id` < `model.vocab_size`",
-        lambda m: f"{m.mask_token_id} is not below vocab_size ({m.vocab_size})" if m.mask_token_id >= m.vocab_size else None,
+        lambda m: f"{m.mask_token_id} is not below vocab_size ({m.vocab_size})"
+        if m.mask_token_id >= m.vocab_size
+        else None,
         "use the id printed by `dlm tokenizer train`",
     ),
 )
