@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dlm.device_support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
 from dlm.errors import UserError, UserNote
 from dlm.optimizers import describe_optimizers, registered_optimizers
 from dlm.schedule import DEFAULT_SCHEDULE, describe_schedules, schedule_names
@@ -35,6 +38,88 @@ class FieldProblem(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule, declared once: it validates its section and writes its line of the reference."""
+
+    field: str  # the field a broken rule is reported on
+    statement: str  # what must hold, as docs/configuration.md says it
+    problem: Callable[[Any], str | None]  # what is wrong with a section that breaks the rule, else None
+    fix: str
+
+
+def _check_rules(section: BaseModel, rules: tuple[Rule, ...]) -> None:
+    """Raise the first broken rule, naming its field and its fix."""
+
+    for rule in rules:
+        problem = rule.problem(section)
+        if problem is not None:
+            raise FieldProblem(rule.field, problem, rule.fix)
+
+
+MODEL_RULES = (
+    Rule(
+        "n_heads",
+        "`model.d_model` is divisible by `model.n_heads`",
+        lambda m: f"d_model ({m.d_model}) is not divisible by n_heads ({m.n_heads})" if m.d_model % m.n_heads else None,
+        "choose n_heads that divides d_model",
+    ),
+    Rule(
+        "n_heads",
+        "the head dimension `model.d_model / model.n_heads` is even (rotary embeddings)",
+        lambda m: f"head dimension d_model / n_heads = {m.head_dim} is odd; rotary embeddings need it even"
+        if m.head_dim % 2
+        else None,
+        "choose n_heads so that d_model / n_heads is even (64 or 128 is fastest on GPUs)",
+    ),
+    Rule(
+        "block_size",
+        "a nonzero `model.block_size` divides `model.max_seq_len`",
+        lambda m: f"max_seq_len ({m.max_seq_len}) is not a multiple of block_size ({m.block_size})"
+        if m.block_size and m.max_seq_len % m.block_size
+        else None,
+        "choose a block_size that divides max_seq_len, or 0 for the whole sequence",
+    ),
+    Rule(
+        "mask_token_id",
+        "`model.mask_token_id` < `model.vocab_size`",
+        lambda m: f"{m.mask_token_id} is not below vocab_size ({m.vocab_size})"
+        if m.mask_token_id >= m.vocab_size
+        else None,
+        "use the id printed by `dlm tokenizer train`",
+    ),
+)
+
+TRAINING_RULES = (
+    Rule(
+        "warmup_steps",
+        "`training.warmup_steps` < `training.max_steps`",
+        lambda t: f"{t.warmup_steps} is not below max_steps ({t.max_steps})" if t.warmup_steps >= t.max_steps else None,
+        "shorten the warmup or train longer",
+    ),
+    Rule(
+        "min_learning_rate",
+        "`training.min_learning_rate` <= `training.learning_rate`",
+        lambda t: f"{t.min_learning_rate} is above learning_rate ({t.learning_rate})"
+        if t.min_learning_rate > t.learning_rate
+        else None,
+        "set min_learning_rate <= learning_rate",
+    ),
+    Rule(
+        "precision",
+        '`training.precision = "float16"` is refused on the CPU',
+        lambda t: precision_problem(t.precision, t.device),
+        FLOAT16_CPU_FIX,
+    ),
+    Rule(
+        "require_fused_attention",
+        "`training.require_fused_attention` needs a CUDA device (or `auto`)",
+        lambda t: fused_attention_problem(t.device) if t.require_fused_attention else None,
+        "set require_fused_attention = false or train on a CUDA device",
+    ),
+)
 
 
 class ModelConfig(_Strict):
@@ -86,31 +171,8 @@ class ModelConfig(_Strict):
         return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
-            raise FieldProblem(
-                "n_heads",
-                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})",
-                "choose n_heads that divides d_model",
-            )
-        if self.head_dim % 2:
-            raise FieldProblem(
-                "n_heads",
-                f"head dimension d_model / n_heads = {self.head_dim} is odd; rotary embeddings need it even",
-                "choose n_heads so that d_model / n_heads is even (64 or 128 is fastest on GPUs)",
-            )
-        if self.block_size and self.max_seq_len % self.block_size:
-            raise FieldProblem(
-                "block_size",
-                f"max_seq_len ({self.max_seq_len}) is not a multiple of block_size ({self.block_size})",
-                "choose a block_size that divides max_seq_len, or 0 for the whole sequence",
-            )
-        if self.mask_token_id >= self.vocab_size:
-            raise FieldProblem(
-                "mask_token_id",
-                f"{self.mask_token_id} is not below vocab_size ({self.vocab_size})",
-                "use the id printed by `dlm tokenizer train`",
-            )
+    def _check_rules(self) -> ModelConfig:
+        _check_rules(self, MODEL_RULES)
         return self
 
 
@@ -204,31 +266,8 @@ class TrainingConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_schedule(self) -> TrainingConfig:
-        if self.warmup_steps >= self.max_steps:
-            raise FieldProblem(
-                "warmup_steps",
-                f"{self.warmup_steps} is not below max_steps ({self.max_steps})",
-                "shorten the warmup or train longer",
-            )
-        if self.min_learning_rate > self.learning_rate:
-            raise FieldProblem(
-                "min_learning_rate",
-                f"{self.min_learning_rate} is above learning_rate ({self.learning_rate})",
-                "set min_learning_rate <= learning_rate",
-            )
-        if self.precision == "float16" and self.device == "cpu":
-            raise FieldProblem(
-                "precision",
-                "float16 training is not supported on the CPU",
-                "use float32 or bfloat16 on the CPU",
-            )
-        if self.require_fused_attention and self.device in ("cpu", "mps"):
-            raise FieldProblem(
-                "require_fused_attention",
-                f"fused attention kernels exist only on CUDA, device is {self.device}",
-                "set require_fused_attention = false or train on a CUDA device",
-            )
+    def _check_rules(self) -> TrainingConfig:
+        _check_rules(self, TRAINING_RULES)
         return self
 
 
@@ -242,7 +281,6 @@ class DiffusionConfig(_Strict):
     mask_eps: float = Field(
         1e-3, gt=0, lt=1, description="Smallest diffusion time: training and evaluation draw t from [mask_eps, 1]."
     )
-
     @model_validator(mode="after")
     def _check_registered(self) -> DiffusionConfig:
         # Checked here rather than by a Literal so that a schedule registered at runtime is accepted.
@@ -504,10 +542,7 @@ def config_reference_markdown() -> str:
     lines += [
         "## Cross-field rules",
         "",
-        "- `model.d_model` divisible by `model.n_heads`, with an even head dimension (rotary embeddings).",
-        "- `model.mask_token_id` < `model.vocab_size`.",
-        "- `training.warmup_steps` < `training.max_steps`; `training.min_learning_rate` <= `training.learning_rate`.",
-        "- `training.precision = \"float16\"` is refused on the CPU; `require_fused_attention` needs CUDA.",
+        *(f"- {rule.statement}." for rule in (*MODEL_RULES, *TRAINING_RULES)),
         "- `dlm validate` additionally checks the tokenizer and data files against the model fields.",
         f"- Moved fields still load from their old place, with a warning: {moved}.",
         "",
