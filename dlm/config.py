@@ -68,7 +68,7 @@ MODEL_RULES = (
     ),
     Rule(
         "n_heads",
-        "the head dimension `model.d_model / model.n_heads` is even (rotary embeddings)",
+        "`model.d_model / model.n_heads`, the head dimension, is even (rotary embeddings)",
         lambda m: f"head dimension d_model / n_heads = {m.head_dim} is odd; rotary embeddings need it even"
         if m.head_dim % 2
         else None,
@@ -76,7 +76,7 @@ MODEL_RULES = (
     ),
     Rule(
         "block_size",
-        "a nonzero `model.block_size` divides `model.max_seq_len`",
+        "`model.block_size`, when nonzero, divides `model.max_seq_len`",
         lambda m: f"max_seq_len ({m.max_seq_len}) is not a multiple of block_size ({m.block_size})"
         if m.block_size and m.max_seq_len % m.block_size
         else None,
@@ -118,6 +118,27 @@ TRAINING_RULES = (
         "`training.require_fused_attention` needs a CUDA device (or `auto`)",
         lambda t: fused_attention_problem(t.device) if t.require_fused_attention else None,
         "set require_fused_attention = false or train on a CUDA device",
+    ),
+    Rule(
+        "clip_mask_min",
+        "`training.clip_mask_min` < `training.clip_mask_max`",
+        lambda t: f"{t.clip_mask_min} is not below clip_mask_max ({t.clip_mask_max})"
+        if t.clip_mask_min >= t.clip_mask_max
+        else None,
+        "use e.g. clip_mask_min = 0.3, clip_mask_max = 0.8",
+    ),
+)
+
+# Rules across sections; `field` is then the section a broken rule is reported on.
+EXPERIMENT_RULES = (
+    Rule(
+        "training",
+        "`training.clip_mask_min` / `clip_mask_max` other than 0 and 1 need `diffusion.schedule = \"linear\"`, "
+        "the one schedule whose time is the mask probability",
+        lambda e: "clip_mask_min / clip_mask_max need the linear schedule"
+        if (e.training.clip_mask_min, e.training.clip_mask_max) != (0.0, 1.0) and e.diffusion.schedule != "linear"
+        else None,
+        'set [diffusion] schedule = "linear", or the clipped range to 0 and 1',
     ),
 )
 
@@ -248,13 +269,6 @@ class TrainingConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_clipped_range(self) -> TrainingConfig:
-        if self.clip_mask_min >= self.clip_mask_max:
-            problem = f"{self.clip_mask_min} is not below clip_mask_max ({self.clip_mask_max})"
-            raise FieldProblem("clip_mask_min", problem, "use e.g. clip_mask_min = 0.3, clip_mask_max = 0.8")
-        return self
-
-    @model_validator(mode="after")
     def _check_optimizer(self) -> TrainingConfig:
         # Checked here rather than by a Literal so that an optimizer registered at runtime is accepted.
         if self.optimizer not in registered_optimizers():
@@ -338,11 +352,8 @@ class ExperimentConfig(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _check_clip_schedule(self) -> ExperimentConfig:
-        clipped = (self.training.clip_mask_min, self.training.clip_mask_max) != (0.0, 1.0)
-        if clipped and self.diffusion.schedule != "linear":  # only there is the time the mask probability
-            raise FieldProblem("training", "clip_mask_min / clip_mask_max need the linear schedule",
-                               'set [diffusion] schedule = "linear", or the clipped range to 0 and 1')  # fmt: skip
+    def _check_rules(self) -> ExperimentConfig:
+        _check_rules(self, EXPERIMENT_RULES)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -542,7 +553,7 @@ def config_reference_markdown() -> str:
     lines += [
         "## Cross-field rules",
         "",
-        *(f"- {rule.statement}." for rule in (*MODEL_RULES, *TRAINING_RULES)),
+        *(f"- {rule.statement}." for rule in (*MODEL_RULES, *TRAINING_RULES, *EXPERIMENT_RULES)),
         "- `dlm validate` additionally checks the tokenizer and data files against the model fields.",
         f"- Moved fields still load from their old place, with a warning: {moved}.",
         "",
