@@ -61,6 +61,7 @@ CPU_MODEL_OVERRIDES = (
     "training.learning_rate=2e-3",
     "training.eval_batches=4",
 )
+UNIGRAM_MARGIN = 0.02  # bits per byte: a model this close to its unigram level learned next to nothing
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
     ("prompt", "ROMEO:", None),
@@ -85,6 +86,7 @@ class DemoResult:
     bits_per_byte: float | None = None
     unigram_bits_per_byte: float | None = None
     model_dir: Path | None = None
+    verdict: str | None = None  # said when the model ends at the unigram level
     samples: list[dict[str, Any]] = field(default_factory=list)
     sample_length: int = 0  # tokens generated per sample: fits the model's context after a prompt
     seconds: float = 0.0
@@ -336,6 +338,18 @@ def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: An
     return None if not text_bytes else float(-log_probability[evaluated].sum() / (text_bytes * math.log(2)))
 
 
+def unigram_verdict(bits_per_byte: float | None, unigram: float | None) -> str | None:
+    """What to say when the model is no better than token frequencies on the held-out text."""
+
+    if bits_per_byte is None or unigram is None or bits_per_byte < unigram - UNIGRAM_MARGIN:
+        return None
+    return (
+        f"the model ends at the unigram level ({bits_per_byte:.3f} bits per byte against {unigram:.3f} from "
+        "token frequencies alone): it has learned next to nothing about context. Train longer (a larger "
+        "--minutes continues this run) or on a GPU, train a smaller model (--config), or check the data"
+    )
+
+
 def _eval_figures(report: dict[str, Any], path: Path) -> dict[str, Any]:
     context = report.get("context", {})
     figures = {key: report.get(key) for key in ("bits_per_byte", "bits_per_byte_stderr", "nll", "sequences")}
@@ -476,6 +490,9 @@ def run_demo(
         return result
     figures = _evaluate_stage(demo, plan, step, val_blocks)
     result.bits_per_byte, result.unigram_bits_per_byte = figures["bits_per_byte"], figures["unigram_bits_per_byte"]
+    result.verdict = unigram_verdict(result.bits_per_byte, result.unigram_bits_per_byte)
+    if result.verdict is not None:
+        demo.emit({"event": "demo_note", "message": result.verdict})
     _export_stage(demo, step)
     result.model_dir = demo.model_dir
     result.samples = _samples_stage(demo)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dlm.config import load_config
-from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte
+from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte, unigram_verdict
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
 from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
@@ -316,3 +316,75 @@ def test_the_terminal_view_renders_every_event(demo_run: DemoRun, monkeypatch: p
     assert "bits per byte (unigram baseline" in text and "fair Verona" in text
     assert "(the budget ran out first), final learning rate 1.25e-04 (floor 3.00e-04)" in text
     assert "dlm train" in text  # the training dashboard's panel
+
+
+def test_unigram_verdict_names_the_level_and_what_to_do() -> None:
+    assert unigram_verdict(2.70, 2.97) is None and unigram_verdict(None, 2.97) is None
+    for bits in (2.96, 2.985, 3.4):  # within 0.02 of the unigram level, or above it
+        verdict = unigram_verdict(bits, 2.976)
+        assert verdict is not None and f"{bits:.3f} bits per byte against 2.976" in verdict
+        assert "longer" in verdict and "GPU" in verdict and "smaller model" in verdict and "data" in verdict
+
+
+@pytest.mark.slow
+def test_the_view_keeps_one_clock_a_rising_percentage_and_no_pause_across_replans(demo_run: DemoRun) -> None:
+    import io
+    import re
+
+    from rich.console import Console
+
+    from dlm.cli import demo_view
+
+    assert demo_events(demo_run.events, "demo_replan")  # the real sequence holds re-plans between segments
+    view, frames = demo_view.DemoView(), []
+    try:
+        for event in demo_run.events:
+            view(event)
+            if view.dashboard is not None:
+                output = io.StringIO()
+                Console(file=output, width=80, force_terminal=True, color_system=None).print(view.dashboard.render())
+                frames.append(output.getvalue())
+    finally:
+        view.close()
+    shown = [float(re.findall(r"(\d+\.\d)%", text)[0]) for text in frames]
+    clocks = [re.findall(r"(\d:\d\d:\d\d) of 0:00:09", text)[0] for text in frames]
+    assert shown == sorted(shown) and clocks == sorted(clocks)
+    assert all("status paused" not in text.replace("│", " ") for text in frames)
+
+
+@pytest.mark.slow
+def test_the_cli_warns_at_the_unigram_level_and_lists_the_samples_at_80_columns(
+    demo_run: DemoRun, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, narrow_console: int
+) -> None:
+    monkeypatch.setattr("dlm.cli.common.wants_json", lambda flag: False)
+    output = copy_demo(demo_run, tmp_path / "a-demo-directory-whose-name-alone-fills-most-of-an-80-column-line")
+    assert len(str(output)) > narrow_console
+    report_path = output / "run" / "eval.json"
+    report = json.loads(report_path.read_text())
+    report["bits_per_byte"] = report["context"]["unigram_bits_per_byte"] + 0.01  # the evaluation is reused as written
+    report_path.write_text(json.dumps(report))
+    cli = run_cli("demo", "--output", output, "--minutes", str(MINUTES), "--config", TINY_CONFIG)
+    assert cli.exit_code == 0, cli.stderr
+    assert "warning: the model ends at the unigram level" in cli.stdout
+    lines = cli.stdout.splitlines()
+    # Not a terminal: plain lines, each label followed by its sample's text.
+    for label in ("unconditional: no prompt", "prompt: ROMEO:", "infill: ROMEO: [MASK*16] fair Verona"):
+        assert label in lines, label
+    assert lines[lines.index("prompt: ROMEO:") + 1].startswith("ROMEO:")
+
+
+def test_the_samples_sit_side_by_side_on_a_terminal() -> None:
+    from rich.console import Console
+
+    from dlm.cli.demo_view import samples_renderable
+
+    samples = [{"label": "unconditional", "prompt": "", "template": None, "text": "alpha " * 12},
+               {"label": "prompt", "prompt": "ROMEO:", "template": None, "text": "ROMEO: beta " * 6},
+               {"label": "infill", "prompt": "", "template": "A [MASK*2] B", "text": "A gamma B"}]  # fmt: skip
+    console = Console(width=80, force_terminal=True, color_system=None, record=True)
+    console.print(samples_renderable(samples, terminal=True))
+    text = console.export_text()
+    assert "unconditional: no prompt" in text and "prompt: ROMEO:" in text and "infill: A [MASK*2] B" in text
+    first = next(line for line in text.splitlines() if "alpha" in line)
+    assert "beta" in first and "gamma" in first  # one row: the three texts next to each other
+    assert max(len(line) for line in text.splitlines()) <= 80

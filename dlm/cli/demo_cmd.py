@@ -69,6 +69,8 @@ def demo_command(
         # soft_wrap: the model path and the command are copied, so they never break at the terminal's width.
         console.print(f"[bold]done[/] in {result.seconds / 60:.1f} minutes: {bpb} on the held-out plays; model in "
                       f"{escape(str(result.model_dir))}", highlight=False, soft_wrap=True)  # fmt: skip
+        if result.verdict is not None:
+            console.print(f"[bold yellow]warning:[/] {escape(result.verdict)}", highlight=False)
         console.print(f'try: dlm sample {escape(str(result.model_dir))} --prompt "ROMEO:" --length '
                       f"{result.sample_length}", highlight=False, soft_wrap=True)  # fmt: skip
 

@@ -1,11 +1,13 @@
 """The terminal view of `dlm demo`: a spinner or bar while a stage runs, a line of figures when it
-ends, the training dashboard while the model trains, and a panel per sample."""
+ends, the training dashboard while the model trains, and the samples side by side."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rich.console import RenderableType
 from rich.markup import escape
+from rich.text import Text
 
 from dlm.cli.common import console
 from dlm.events import StreamEvent
@@ -40,14 +42,31 @@ def _stage_summary(event: dict[str, Any]) -> str:
     return str(event.get("path", ""))
 
 
+def samples_renderable(samples: list[dict[str, Any]], terminal: bool) -> RenderableType:
+    """The unconditional, prompted and infilled samples side by side: a table of one column each
+    on a terminal, plain lines (label, then text) anywhere else."""
+
+    from rich.table import Table
+
+    titles = [f"{sample['label']}: {sample['template'] or sample['prompt'] or 'no prompt'}" for sample in samples]
+    if not terminal:
+        return Text("\n".join(f"{title}\n{sample['text']}" for title, sample in zip(titles, samples, strict=True)))
+    table = Table(show_lines=False, expand=True, title="samples", title_justify="left")
+    for title in titles:
+        table.add_column(escape(title), ratio=1, overflow="fold")
+    table.add_row(*(Text(sample["text"]) for sample in samples))
+    return table
+
+
 class DemoView:
     """Renders `dlm demo` events on a terminal: a spinner or bar while a stage runs, a line when it
-    ends, the training dashboard while the model trains, and a panel per sample."""
+    ends, the training dashboard while the model trains, and the samples side by side."""
 
     def __init__(self) -> None:
         self.progress: Any = None  # rich Progress of the running stage
         self.task: Any = None
         self.dashboard: Any = None  # TrainingDashboard while the train stage runs
+        self.samples: list[dict[str, Any]] = []
 
     def close(self) -> None:
         if self.progress is not None:
@@ -57,9 +76,6 @@ class DemoView:
         self.progress = self.task = self.dashboard = None
 
     def __call__(self, event: StreamEvent) -> None:
-        from rich.panel import Panel
-        from rich.text import Text
-
         if not isinstance(event, dict):  # the training loop's own events
             if self.dashboard is not None:
                 self.dashboard(event)
@@ -75,22 +91,26 @@ class DemoView:
         elif kind == "demo_note":
             console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
         elif kind == "demo_replan":
+            if self.dashboard is not None:
+                self.dashboard.replan(event["seconds_per_step"])
             console.print(f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
                           f"now ends at step {event['max_steps']}[/]", highlight=False)  # fmt: skip
         elif kind == "demo_sample":
-            title = f"{event['label']}: {event['template'] or event['prompt'] or 'no prompt'}"
-            console.print(Panel(Text(event["text"]), title=escape(title), title_align="left"))
+            self.samples.append(event)
 
     def _stage(self, event: dict[str, Any]) -> None:
         from rich.markup import escape
         from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-        from dlm.dashboard import TrainingDashboard
+        from dlm.dashboard import Budget, TrainingDashboard
 
         stage, status = event["stage"], event["status"]
+        if stage == "train" and status == "done" and self.dashboard is not None:
+            self.dashboard.finish(event.get("outcome", "complete"))
         self.close()
         if status == "running" and stage == "train":
-            self.dashboard = TrainingDashboard(console).__enter__()
+            budget = Budget(event["budget_seconds"], event["trained_seconds"], event["seconds_per_step"])
+            self.dashboard = TrainingDashboard(console, budget=budget).__enter__()
         elif status == "running":
             self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
                                      TaskProgressColumn(), TimeElapsedColumn(), console=console)  # fmt: skip
@@ -99,3 +119,5 @@ class DemoView:
         else:
             mark, how = ("[cyan]↺[/]", "reused") if status == "reused" else ("[green]✓[/]", f"{event['seconds']:.1f} s")
             console.print(f"{mark} {stage:<9} {how:>8}  {escape(_stage_summary(event))}", highlight=False)
+        if stage == "samples" and status == "done":
+            console.print(samples_renderable(self.samples, console.is_terminal))
