@@ -63,8 +63,11 @@ class SamplingOptions:
     steps: int = 64
     temperature: float = 1.0
     top_k: int | None = None
-    top_p: float | None = None
-    remasking: Remasking = "confidence"
+    # Measured (scripts/sampler_defaults.py, docs/benchmarks.md): on a weakly trained model, greedy or
+    # confidence-ordered reveals commit the most frequent token (a newline) nearly everywhere; random
+    # (ancestral) reveals with nucleus sampling give text.
+    top_p: float | None = 0.9
+    remasking: Remasking = "random"
     block_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -479,8 +482,8 @@ def generate(
     seed: int = 0,
     temperature: float = 1.0,
     top_k: int | None = None,
-    top_p: float | None = None,
-    remasking: Remasking = "confidence",
+    top_p: float | None = 0.9,
+    remasking: Remasking = "random",
     block_length: int | None = None,
     device: str | torch.device | None = None,
     on_step: StepCallback | None = None,

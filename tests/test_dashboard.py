@@ -213,8 +213,10 @@ def test_percentage_never_goes_back_when_a_segment_raises_max_steps(real_run: Re
     start = one(real_run.events, StartEvent)
     trained = [event for event in real_run.events if isinstance(event, TrainEvent)]
     assert isinstance(start, StartEvent)
-    second = [dataclasses.replace(start, start_step=2, max_steps=3),
-              *(dataclasses.replace(event, step=2 + index, max_steps=3) for index, event in enumerate(trained[:1]))]
+    second = [
+        dataclasses.replace(start, start_step=2, max_steps=3),
+        *(dataclasses.replace(event, step=2 + index, max_steps=3) for index, event in enumerate(trained[:1])),
+    ]
     clock = FakeClock()
     dashboard = TrainingDashboard(Console(file=io.StringIO()), clock=clock)
     shown, clocks = [], []

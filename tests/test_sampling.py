@@ -451,8 +451,31 @@ def test_cli_sample_live_view_on_a_terminal(fake_export: list[object], monkeypat
     frames: list[object] = []
     real_render = sample_cmd.render_samples
     monkeypatch.setattr(sample_cmd, "render_samples", lambda *args: frames.append(args[3]) or real_render(*args))
-    result = CliRunner().invoke(app, ["sample", "m", "--length", "6", "--steps", "3", "--device", "cpu"])
+    # Confidence remasking reveals at every step (random may skip a step's model call).
+    result = CliRunner().invoke(app, ["sample", "m", "--length", "6", "--steps", "3", "--device", "cpu",
+                                      "--remasking", "confidence"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert frames == [0, 1, 2, 3]  # the all-masked start, then one frame per step
     shown = screen.getvalue()
     assert "3 steps, 3 forward passes" in shown and "sample" in shown
+
+
+def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_sampler() -> None:
+    import inspect
+
+    from dlm.cli.sample_cmd import sample as sample_command
+
+    # Chosen by scripts/sampler_defaults.py: random (ancestral) reveals with nucleus sampling.
+    expected = {"temperature": 1.0, "top_p": 0.9, "remasking": "random"}
+    options = SamplingOptions()
+    assert {name: getattr(options, name) for name in expected} == expected
+    functions: list[Any] = [generate, sample_command]
+    try:  # the exported model's sampler needs transformers (the hf extra)
+        from dlm.hf.modeling_dlm import DlmDiffusionForMaskedLM
+
+        functions.append(DlmDiffusionForMaskedLM.diffusion_generate)
+    except ImportError:
+        pass
+    for function in functions:
+        defaults = {name: inspect.signature(function).parameters[name].default for name in expected}
+        assert defaults == expected, function

@@ -88,9 +88,7 @@ TopKOption = Annotated[
 ]
 TopPOption = Annotated[
     float | None,
-    typer.Option(
-        "--top-p", help="Sample only from the smallest set of tokens with probability >= P.", show_default=False
-    ),
+    typer.Option("--top-p", help="Sample only from the smallest set of tokens with probability >= P (1 turns it off)."),
 ]
 RemaskingOption = Annotated[
     Remasking,
@@ -144,8 +142,8 @@ def sample(
     seed: SeedOption = 0,
     temperature: TemperatureOption = 1.0,
     top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    remasking: RemaskingOption = "confidence",
+    top_p: TopPOption = 0.9,
+    remasking: RemaskingOption = "random",
     block_length: BlockOption = None,
     stop_at_end: StopOption = False,
     device: DeviceOption = "auto",

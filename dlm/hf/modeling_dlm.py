@@ -230,8 +230,8 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         steps: int = 64,
         temperature: float = 1.0,
         top_k: int | None = None,
-        top_p: float | None = None,
-        remasking: str = "confidence",
+        top_p: float | None = 0.9,  # the defaults of dlm.sample
+        remasking: str = "random",
         block_length: int | None = None,
         num_samples: int = 1,
         seed: int = 0,
