@@ -9,9 +9,8 @@ The estimate is per process, in bytes:
 - weights: 4 per parameter (float32 master weights; autocast computes in bf16 / fp16 without a
   second resident copy),
 - gradients: 4 per parameter,
-- optimizer state: AdamW keeps two float32 moments (8 per parameter); bitsandbytes AdamW8bit keeps
-  two 8-bit moments (2 per parameter) for tensors of at least `optimizer_min_8bit_size` elements
-  and two float32 moments for smaller ones and, with `optimizer_embedding_32bit`, the embedding,
+- optimizer state: as its registry entry counts it (`OptimizerSpec.state_bytes` in
+  `dlm/optimizers.py`; AdamW's two float32 moments are 8 per parameter),
 - EMA: a float32 copy of the weights (4 per parameter) when `ema_decay` is set,
 - activations: what one micro-batch saves for its backward pass (see `activation_bytes`).
 
@@ -32,11 +31,8 @@ import torch
 
 from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.model import format_parameter_count
+from dlm.optimizers import optimizer_spec
 
-# Bytes of optimizer state per parameter held in full precision, by optimizer name. A name missing
-# here (a newly registered optimizer) counts no state: the estimate then errs towards running.
-_FULL_STATE_BYTES = {"adamw": 8, "adamw8bit": 8}
-_EIGHT_BIT_STATE_BYTES = 2  # two uint8 moments; the per-block scales add ~1%, left out of a lower bound
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -69,20 +65,14 @@ def count_parameters(model: ModelConfig) -> int:
     return sum(math.prod(shape) for _, shape in parameter_shapes(model))
 
 
-def optimizer_state_bytes(model: ModelConfig, training: TrainingConfig) -> int:
-    """Bytes of optimizer state for every parameter of `model` (before any sharding)."""
+def optimizer_state_bytes(model: ModelConfig, training: TrainingConfig) -> int | None:
+    """Bytes of optimizer state for every parameter of `model` (before any sharding); None when the
+    optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
 
-    full = _FULL_STATE_BYTES.get(training.optimizer, 0)
-    if training.optimizer != "adamw8bit":
-        return full * count_parameters(model)
-    total = 0
-    for name, shape in parameter_shapes(model):
-        size = math.prod(shape)
-        keeps_32bit = size < training.optimizer_min_8bit_size or (
-            training.optimizer_embedding_32bit and name == "token_embedding.weight"
-        )
-        total += size * (full if keeps_32bit else _EIGHT_BIT_STATE_BYTES)
-    return total
+    state_bytes = optimizer_spec(training.optimizer).state_bytes
+    if state_bytes is None:
+        return None
+    return state_bytes([(name, math.prod(shape)) for name, shape in parameter_shapes(model)], training)
 
 
 def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: str) -> int:
@@ -120,6 +110,7 @@ class MemoryEstimate:
     optimizer_state: int
     ema: int
     activations: int
+    optimizer_state_estimated: bool = True  # False: the optimizer's state size is unknown, counted as 0
 
     @property
     def model_state(self) -> int:
@@ -136,7 +127,7 @@ class MemoryEstimate:
             f"weights {format_bytes(self.weights)}",
             f"gradients {format_bytes(self.gradients)}",
             f"{self.optimizer} state "
-            + (format_bytes(self.optimizer_state) if self.optimizer in _FULL_STATE_BYTES else "not estimated"),
+            + (format_bytes(self.optimizer_state) if self.optimizer_state_estimated else "not estimated"),
         ]
         if self.ema:
             parts.append(f"EMA {format_bytes(self.ema)}")
@@ -148,6 +139,7 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
 
     model, training = experiment.model, experiment.training
     parameters = count_parameters(model)
+    state = optimizer_state_bytes(model, training)
 
     def per_shard(total: int) -> int:
         return -(-total // shards)
@@ -157,9 +149,10 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
         optimizer=training.optimizer,
         weights=per_shard(4 * parameters),
         gradients=per_shard(4 * parameters),
-        optimizer_state=per_shard(optimizer_state_bytes(model, training)),
+        optimizer_state=per_shard(state or 0),
         ema=per_shard(4 * parameters) if training.ema_decay else 0,
         activations=activation_bytes(model, training, precision),
+        optimizer_state_estimated=state is not None,
     )
 
 

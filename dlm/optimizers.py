@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import torch
     from torch import nn
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     # The groups are `[decay, no_decay]` (`dlm.optim.parameter_groups`); keep them as given,
     # because a checkpoint's state is matched to the parameters by group position.
     Builder = Callable[[nn.Module, list[dict[str, Any]], TrainingConfig, torch.device], torch.optim.Optimizer]
+    # (every parameter as (name, element count), training config) -> bytes of optimizer state.
+    StateBytes = Callable[[Sequence[tuple[str, int]], TrainingConfig], int]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class OptimizerSpec:
     state_settings: tuple[str, ...] = ()
     # Why the optimizer cannot run on FSDP-sharded (DTensor) parameters; None when it can.
     fsdp_refusal: str | None = None
+    # Bytes of state it keeps for the model's parameters before any sharding: what the memory
+    # estimate (`dlm.memory`) counts. None when unknown; the estimate then counts no state, which
+    # errs towards running rather than refusing a run that fits.
+    state_bytes: StateBytes | None = None
     # A module that must be importable to build it, and the `dlm` extra that installs it.
     requires: str | None = None
     needs_extra: str | None = None
@@ -170,6 +176,26 @@ def _build_adamw8bit(
     return optimizer
 
 
+_FLOAT32_MOMENTS = 8  # bytes per parameter: Adam's two float32 moments
+_UINT8_MOMENTS = 2  # two uint8 moments; the per-block scales add ~1%, left out of a lower bound
+
+
+def _adamw_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingConfig) -> int:
+    return _FLOAT32_MOMENTS * sum(size for _, size in parameters)
+
+
+def _adamw8bit_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingConfig) -> int:
+    """8-bit moments, but 32-bit ones for tensors the builder keeps there (small ones, the embedding)."""
+
+    total = 0
+    for name, size in parameters:
+        keeps_32bit = size < training.optimizer_min_8bit_size or (
+            training.optimizer_embedding_32bit and name == "token_embedding.weight"
+        )
+        total += size * (_FLOAT32_MOMENTS if keeps_32bit else _UINT8_MOMENTS)
+    return total
+
+
 _ADAM_HYPERPARAMETERS = ("weight_decay", "betas", "eps")
 
 register_optimizer(
@@ -178,6 +204,7 @@ register_optimizer(
         build=_build_adamw,
         description="torch AdamW, fused on CUDA",
         resumable_hyperparameters=_ADAM_HYPERPARAMETERS,
+        state_bytes=_adamw_state_bytes,
     )
 )
 register_optimizer(
@@ -187,6 +214,7 @@ register_optimizer(
         description="bitsandbytes AdamW8bit (the `gpu` extra)",
         resumable_hyperparameters=_ADAM_HYPERPARAMETERS,
         state_settings=("optimizer_min_8bit_size", "optimizer_embedding_32bit"),
+        state_bytes=_adamw8bit_state_bytes,
         fsdp_refusal="bitsandbytes' 8-bit state is not defined for sharded (DTensor) parameters",
         requires="bitsandbytes",
         needs_extra="gpu",
