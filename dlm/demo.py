@@ -70,7 +70,7 @@ SAMPLE_REQUESTS = (  # (label, prompt, infill template)
 
 
 def bundled_config() -> Path:
-    """The demo's config inside the installed package (identical to configs/shakespeare.toml)."""
+    """The demo's config inside the installed package (configs/shakespeare.toml links to it)."""
 
     return Path(str(resources.files("dlm.assets") / "shakespeare.toml"))
 
