@@ -7,11 +7,11 @@ needed. After `warmup` untimed steps (compilation, allocator and kernel-selectio
 `steps` steps is timed with CUDA events (or `perf_counter` on the CPU); tokens/s comes from the
 median step time, which one slow step (a recompile, another process) cannot move.
 
-Model FLOP/s use `model.flops_per_token` (6N + attention scores), the same count as the anchors, so
-activation checkpointing's recomputation is not counted as useful work. A block model's step is a
-forward and backward over 2L tokens (noisy and clean copies), and its count says so: twice the
-matmuls, four times the attention; `attention_backend` names the kernel of that masked pass. MFU is reported only for
-devices in `dlm.runtime`'s peak table, else None ("n/a").
+Model FLOP/s use `model.flops_per_token` (6N + attention scores), the count of the plain-PyTorch
+baselines in docs/benchmarks.md, so activation checkpointing's recomputation is not counted as useful
+work. A block model's step is a forward and backward over 2L tokens (noisy and clean copies), and its
+count says so: twice the matmuls, four times the attention; `attention_backend` names the kernel of
+that masked pass. MFU is reported only for devices in `dlm.runtime`'s peak table, else None ("n/a").
 """
 
 from __future__ import annotations

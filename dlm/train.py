@@ -1,12 +1,12 @@
 """The training loop. It emits the typed events of `dlm.events` to a sink and never prints.
 
-Behaviour kept from the reference loop: seeding, device and precision resolution, CUDA backend setup
+The usual parts of a training loop: seeding, device and precision resolution, CUDA backend setup
 with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
 diffusion times across gradient accumulation, warmup + cosine LR, gradient clipping, a GradScaler for
 float16, fixed-noise validation, atomic checkpoints with retention, a hard-linked `latest.pt` and a
 compact bf16 inference checkpoint.
 
-Beyond it: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
+Beyond them: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
 index) and the data order is a pure function of (seed, batch index), so a resumed run is
 bit-identical to an uninterrupted one and independent of world size; metrics stay on the device
 between log steps (no host sync per step); Ctrl-C / SIGTERM finish the step and save; a non-finite
