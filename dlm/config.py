@@ -307,6 +307,18 @@ class DiffusionConfig(_Strict):
         return self
 
 
+class LoggingConfig(_Strict):
+    """Experiment trackers beside `metrics.jsonl` (`dlm/loggers.py`); none by default, so nothing is sent."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard files in RUN/tensorboard (`dlm[tensorboard]`).")
+    wandb: bool = Field(False, description="Log to Weights & Biases, its files in RUN/wandb (`dlm[wandb]`).")
+    wandb_project: str = Field("dlm", min_length=1, description="The W&B project of the run.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline keeps the run on disk (upload it with `wandb sync`); online sends it."
+    )
+    run_name: str | None = Field(None, description="The run's name in the trackers; default the run directory's name.")
+
+
 # Fields that moved to another section, old dotted name -> new: configs that use the old name keep
 # loading (a run directory's config.json silently, a TOML file or --set with a `MovedFieldNote`).
 MOVED_FIELDS = {"training.mask_eps": "diffusion.mask_eps"}
@@ -336,11 +348,12 @@ def _move_fields(data: dict[str, Any]) -> list[str]:
 
 
 class ExperimentConfig(_Strict):
-    """A complete experiment: the model, its diffusion process and how to train it."""
+    """A complete experiment: the model, its diffusion process, how to train it and where to log it."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -420,6 +433,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
         "model": ModelConfig,
         "diffusion": DiffusionConfig,
         "training": TrainingConfig,
+        "logging": LoggingConfig,
     }
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -533,13 +547,14 @@ def config_reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Generated from `dlm/config.py` by `dlm config docs`; a test fails when this file is stale.",
-        "Config files are TOML with `[model]`, `[diffusion]` and `[training]` tables. Any command that takes",
-        "`--config` also takes repeated `--set section.field=value` overrides, parsed with the",
+        "Config files are TOML with `[model]`, `[diffusion]`, `[training]` and `[logging]` tables. Any command",
+        "that takes `--config` also takes repeated `--set section.field=value` overrides, parsed with the",
         "field's own type (`none` clears an optional field). Relative paths are relative to the",
         "working directory; the run directory keeps the resolved config as `config.json`.",
         "",
     ]
-    for name, section in (("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)):
+    sections = ("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)
+    for name, section in (*sections, ("logging", LoggingConfig)):
         lines += [f"## `[{name}]`", "", (section.__doc__ or "").strip(), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in section.model_fields.items():

@@ -53,6 +53,7 @@ from dlm.distributed import (
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
 from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, TrainEvent, ValidationEvent, fan_out
+from dlm.loggers import check_loggers, open_loggers
 from dlm.model import format_parameter_count
 from dlm.optim import check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.optimizers import optimizer_spec
@@ -423,7 +424,8 @@ def train(
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)
-    if world.is_main:
+    if world.is_main:  # only rank 0 logs, so only it needs the loggers' packages
+        check_loggers(experiment.logging)
         check_output_dir(run_dir, 0)  # writable at all; the free space is checked once the model exists
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
@@ -447,7 +449,10 @@ def train(
                 remove_run_files(run_dir)
             metrics = MetricsFile(run_dir)
             cleanup.callback(metrics.close)
-            trainer.sink = fan_out([metrics] + ([sink] if sink is not None else []))
+            loggers = open_loggers(run_dir, experiment, trainer.counters.step)
+            for logger in loggers:
+                cleanup.callback(logger.close)
+            trainer.sink = fan_out([metrics, *loggers] + ([sink] if sink is not None else []))
             write_config(run_dir, experiment)
         trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
