@@ -1,15 +1,15 @@
-"""CPU throughput of dlm's training step against the plain-PyTorch anchor, interleaved in one run.
+"""CPU throughput of dlm's training step against a plain-PyTorch baseline, interleaved in one run.
 
 usage: python scripts/cpu_compare.py [--mode steps|processes] [--rounds N] [--threads N] [--json]
 
---mode processes: each round runs the anchor's own script (`anchor_cpu.py`, its default size), then
+--mode processes: each round runs the baseline's own script (`anchor_cpu.py`, its default size), then
   `dlm bench --device cpu --config configs/bench-cpu.toml` (the same size), each in its own process
   with 3 warmup and 10 timed steps; medians and best-of-rounds over the rounds.
---mode steps (default): one process holds both training steps, the anchor's (its `Baseline` and
+--mode steps (default): one process holds both training steps, the baseline's (its `Baseline` and
   `diffusion_loss`, stepped exactly as `anchor_cpu.py` does) and dlm's `TrainingStep` (the step
   `dlm bench` times), and alternates them step by step, so both see the same load from other
   processes at nearly the same moment; --rounds is then the number of timed steps of each.
-Model GFLOP/s = (6 x params + 12 x layers x d_model x seq) x tokens/s for both, as the anchor counts.
+Model GFLOP/s = (6 x params + 12 x layers x d_model x seq) x tokens/s for both, as the baseline counts.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ANCHOR_LINE = re.compile(r"tokens/s=(?P<tokens>[\d.]+) model_GFLOP/s=(?P<gflops>[\d.]+) step_s=(?P<step>[\d.]+)")
+BASELINE_LINE = re.compile(r"tokens/s=(?P<tokens>[\d.]+) model_GFLOP/s=(?P<gflops>[\d.]+) step_s=(?P<step>[\d.]+)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--anchor", type=Path, default=ROOT.parent / "shared" / "bench" / "anchor_cpu.py")
+    parser.add_argument("--baseline", type=Path, default=ROOT / ".bench" / "anchor_cpu.py")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-cpu.toml")
     parser.add_argument("--mode", choices=("steps", "processes"), default="steps")
     parser.add_argument("--rounds", type=int, default=20, help="timed steps of each (steps) or process pairs")
@@ -52,12 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_anchor(anchor: Path, env: dict[str, str]) -> dict[str, float]:
-    # The anchor's defaults are the size of configs/bench-cpu.toml: 3 warmup + 10 timed steps.
-    output = subprocess.run([sys.executable, str(anchor)], capture_output=True, text=True, check=True, env=env)
-    match = ANCHOR_LINE.search(output.stdout)
+def run_baseline(baseline: Path, env: dict[str, str]) -> dict[str, float]:
+    # The baseline's defaults are the size of configs/bench-cpu.toml: 3 warmup + 10 timed steps.
+    output = subprocess.run([sys.executable, str(baseline)], capture_output=True, text=True, check=True, env=env)
+    match = BASELINE_LINE.search(output.stdout)
     if match is None:
-        raise RuntimeError(f"unexpected anchor output: {output.stdout!r}")
+        raise RuntimeError(f"unexpected baseline output: {output.stdout!r}")
     return {
         "tokens_per_second": float(match["tokens"]),
         "gflops": float(match["gflops"]),
@@ -93,14 +93,14 @@ def run_dlm(config: Path, overrides: list[str], env: dict[str, str]) -> dict[str
 
 
 def step_pair(
-    anchor_path: Path, config: Path, overrides: list[str]
+    baseline_path: Path, config: Path, overrides: list[str]
 ) -> tuple[Callable[[], None], Callable[[], None], float, float]:
-    """The anchor's and dlm's training steps at the config's size, and the model FLOPs of one step of each."""
+    """The baseline's and dlm's training steps at the config's size, and the model FLOPs of one step of each."""
 
     import torch
 
-    sys.path[:0] = [str(anchor_path.parent), str(ROOT)]
-    anchor = importlib.import_module("anchor_gpu")
+    sys.path[:0] = [str(baseline_path.parent), str(ROOT)]
+    baseline = importlib.import_module("anchor_gpu")
     from dlm.bench import synthetic_batches
     from dlm.config import load_config
     from dlm.distributed import DistributedContext
@@ -109,25 +109,25 @@ def step_pair(
     experiment = load_config(config, overrides)
     size, batch, cpu = experiment.model, experiment.training.batch_size, torch.device("cpu")
     tokens = batch * size.max_seq_len
-    # The anchor exactly as anchor_cpu.py builds and steps it.
+    # The baseline exactly as anchor_cpu.py builds and steps it.
     torch.manual_seed(0)
-    model = anchor.Baseline(size.vocab_size, size.d_model, size.n_layers, size.n_heads, size.max_seq_len)
+    model = baseline.Baseline(size.vocab_size, size.d_model, size.n_layers, size.n_heads, size.max_seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clean = torch.randint(0, size.vocab_size - 1, (batch, size.max_seq_len))
 
-    def anchor_step() -> None:
-        loss = anchor.diffusion_loss(model, clean, size.vocab_size - 1)
+    def baseline_step() -> None:
+        loss = baseline.diffusion_loss(model, clean, size.vocab_size - 1)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     parameters = sum(p.numel() for p in model.parameters())
-    anchor_flops = (6 * parameters + 12 * size.n_layers * size.d_model * size.max_seq_len) * tokens
+    baseline_flops = (6 * parameters + 12 * size.n_layers * size.d_model * size.max_seq_len) * tokens
     step = TrainingStep(experiment, cpu, "float32", DistributedContext())
     step.prepare()
     batches, window = synthetic_batches(size, batch, cpu, experiment.training.seed), LogWindow(cpu)
     dlm_flops = step.model.flops_per_token(size.max_seq_len) * tokens
-    return anchor_step, lambda: step.optimizer_step(batches, window), anchor_flops, dlm_flops
+    return baseline_step, lambda: step.optimizer_step(batches, window), baseline_flops, dlm_flops
 
 
 def run_steps(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -135,14 +135,14 @@ def run_steps(args: argparse.Namespace) -> dict[str, list[float]]:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    anchor_step, dlm_step, anchor_flops, dlm_flops = step_pair(args.anchor, args.config, args.dlm_set)
+    baseline_step, dlm_step, baseline_flops, dlm_flops = step_pair(args.baseline, args.config, args.dlm_set)
     for _ in range(3):  # warmup, as anchor_cpu.py
-        anchor_step()
+        baseline_step()
         dlm_step()
-    gflops: dict[str, list[float]] = {"anchor": [], "dlm": []}
+    gflops: dict[str, list[float]] = {"baseline": [], "dlm": []}
     for index in range(args.rounds):
         # Alternate who goes first, so neither side always follows the other's cache pollution.
-        order = [("anchor", anchor_step, anchor_flops), ("dlm", dlm_step, dlm_flops)]
+        order = [("baseline", baseline_step, baseline_flops), ("dlm", dlm_step, dlm_flops)]
         for name, step, flops in order if index % 2 == 0 else order[::-1]:
             started = time.perf_counter()
             step()
@@ -154,12 +154,12 @@ def run_processes(args: argparse.Namespace) -> dict[str, list[float]]:
     env = dict(os.environ)
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    gflops: dict[str, list[float]] = {"anchor": [], "dlm": []}
+    gflops: dict[str, list[float]] = {"baseline": [], "dlm": []}
     for index in range(args.rounds):
-        anchor, dlm = run_anchor(args.anchor, env), run_dlm(args.config, args.dlm_set, env)
-        gflops["anchor"].append(anchor["gflops"])
+        baseline, dlm = run_baseline(args.baseline, env), run_dlm(args.config, args.dlm_set, env)
+        gflops["baseline"].append(baseline["gflops"])
         gflops["dlm"].append(dlm["gflops"])
-        print(f"round {index}: anchor {anchor['gflops']:.1f}, dlm {dlm['gflops']:.1f} GFLOP/s", file=sys.stderr)
+        print(f"round {index}: baseline {baseline['gflops']:.1f}, dlm {dlm['gflops']:.1f} GFLOP/s", file=sys.stderr)
     return gflops
 
 
@@ -174,16 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         "gflops": gflops,
     }
     for statistic, reduce in (("median", statistics.median), ("best", max)):
-        anchor, dlm = reduce(gflops["anchor"]), reduce(gflops["dlm"])
-        summary[statistic] = {"anchor": round(anchor, 2), "dlm": round(dlm, 2), "ratio": round(dlm / anchor, 3)}
+        baseline, dlm = reduce(gflops["baseline"]), reduce(gflops["dlm"])
+        summary[statistic] = {"baseline": round(baseline, 2), "dlm": round(dlm, 2), "ratio": round(dlm / baseline, 3)}
     if args.json:
         print(json.dumps(summary))
     else:
         for statistic in ("median", "best"):
             figures = summary[statistic]
             print(
-                f"{statistic} model GFLOP/s over {args.rounds} ({args.mode}): anchor {figures['anchor']:.1f}, "
-                f"dlm {figures['dlm']:.1f}, ratio dlm / anchor {figures['ratio']:.2f}"
+                f"{statistic} model GFLOP/s over {args.rounds} ({args.mode}): baseline {figures['baseline']:.1f}, "
+                f"dlm {figures['dlm']:.1f}, ratio dlm / baseline {figures['ratio']:.2f}"
             )
     return 0
 

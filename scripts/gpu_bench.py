@@ -1,22 +1,23 @@
-"""The measuring half of scripts/gpu_check.sh: the anchors and dlm side by side, one process per part.
+"""The measuring half of scripts/gpu_check.sh: plain-PyTorch baselines and dlm side by side, a process a part.
 
   gpu_bench.py throughput --out T.jsonl [--stage core|extra] [--bench-dir .bench] [--steps 10] [--warmup 4]
   gpu_bench.py quality --out Q.jsonl [--data-dir runs/shakespeare-data] [--throughput T.jsonl]
-               [--dlm-seconds 60] [--variants config,batch512] [--anchor] [--anchor-seconds 80]
+               [--dlm-seconds 60] [--variants config,batch512] [--baseline] [--baseline-seconds 80]
   gpu_bench.py report T.jsonl Q.jsonl STATUS.jsonl --json results.json --markdown results.md
 
-throughput, stage core: the bf16 matmul ceiling (the anchor's own measurement), the step time of each
+throughput, stage core: the bf16 matmul ceiling (the baseline's own measurement), the step time of each
 quality variant, then at ~110M (configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8)
-`dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the anchor) with torch's
-attention kernel order and with cuDNN attention first, beside the anchor's compiled baseline at 110M;
+`dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the baseline) with torch's
+attention kernel order and with cuDNN attention first, beside the plain-PyTorch compiled baseline at 110M;
 and 1.3B with adamw8bit and activation checkpointing (eager: its peak bounds the compiled one).
-Stage extra (after the quality part, so a timeout costs only these): the anchor's compiled baseline at
+Stage extra (after the quality part, so a timeout costs only these): the plain-PyTorch compiled baseline at
 1.3B, the largest 1.3B adamw8bit batch within 24 GiB, and dlm at 110M compiled as one whole-model graph.
 quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
 fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
-`dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --anchor the
-anchor's `quality_gpu.py` MDM trains for --anchor-seconds too. Each figure is appended to its JSON-lines
-file the moment it exists, so a part cut off by its timeout keeps what it measured.
+`dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
+the plain-PyTorch baseline MDM (`quality_gpu.py`) trains for --baseline-seconds too. Each figure is
+appended to its JSON-lines file the moment it exists, so a part cut off by its timeout keeps what it
+measured.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES: dict[str, dict[str, Any]] = {
-    "110M": {"anchor": (32768, 768, 12, 12, 1024), "batch": 32, "config": "configs/gpt2-small.toml"},
-    "1.3B": {"anchor": (32768, 2048, 24, 16, 1024), "batch": 8, "config": "configs/1b.toml"},
+    "110M": {"baseline": (32768, 768, 12, 12, 1024), "batch": 32, "config": "configs/gpt2-small.toml"},
+    "1.3B": {"baseline": (32768, 2048, 24, 16, 1024), "batch": 8, "config": "configs/1b.toml"},
 }
 ADAMW_1B = ["training.optimizer=adamw", "model.activation_checkpointing=false"]
-# (size, case, overrides) of dlm per stage; the anchor's compiled baseline runs where named.
+# (size, case, overrides) of dlm per stage; the plain-PyTorch compiled baseline runs where named.
 DLM_CASES: dict[str, list[tuple[str, str, list[str]]]] = {
     "core": [
         ("110M", "dlm-110M", []),
@@ -55,7 +56,7 @@ DLM_CASES: dict[str, list[tuple[str, str, list[str]]]] = {
     ],
     "extra": [("110M", "dlm-110M-whole-model-graph", ["training.compile_scope=model"])],
 }
-ANCHOR_SIZES = {"core": ["110M"], "extra": ["1.3B"]}
+BASELINE_SIZES = {"core": ["110M"], "extra": ["1.3B"]}
 MEMORY_CASE = ("1.3B", "dlm-1.3B-adamw8bit-ckpt-max-batch-24GiB", 24.0)
 # configs/shakespeare.toml with max_steps that end its cosine schedule inside the budget at the loop's
 # measured rate on an H200 (2352 steps in 60 s at batch 256, validations and checkpoints included),
@@ -66,7 +67,7 @@ QUALITY_VARIANTS: dict[str, list[str]] = {
     "batch512": ["training.batch_size=512", "training.learning_rate=4e-3", "training.max_steps=1250"],
 }
 QUALITY_DEFAULT = ["config", "batch512"]  # trained by default; their step times are probed
-# As the anchor: bf16, one micro-batch per optimizer step, on the GPU.
+# As the baseline: bf16, one micro-batch per optimizer step, on the GPU.
 DLM_COMMON = ["training.precision=bfloat16", "training.gradient_accumulation_steps=1", "training.device=cuda"]
 QUALITY_CONFIG = "configs/shakespeare.toml"
 PYTEST_SUMMARY = re.compile(r"\b(passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
@@ -80,7 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     throughput.add_argument("--out", type=Path, required=True)
     throughput.add_argument("--stage", choices=sorted(DLM_CASES), default="core")
     throughput.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
-    throughput.add_argument("--no-anchor", action="store_true", help="skip the anchor's baseline (on record)")
+    throughput.add_argument(
+        "--no-baseline", action="store_true", help="skip the compiled baseline (its figure is on record)"
+    )
     throughput.add_argument("--steps", type=int, default=10)
     throughput.add_argument("--warmup", type=int, default=4)
     quality = parts.add_parser("quality")
@@ -91,8 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quality.add_argument("--throughput", type=Path, default=None, help="its JSON lines: the step time to fit")
     quality.add_argument("--dlm-seconds", type=float, default=60.0)
     quality.add_argument("--variants", default=",".join(QUALITY_DEFAULT))
-    quality.add_argument("--anchor", action="store_true", help="also train the anchor's MDM (quality_gpu.py)")
-    quality.add_argument("--anchor-seconds", type=float, default=80.0)
+    quality.add_argument(
+        "--baseline", action="store_true", help="also train the plain-PyTorch baseline MDM (quality_gpu.py)"
+    )
+    quality.add_argument("--baseline-seconds", type=float, default=80.0)
     quality.add_argument("--device", default="cuda")
     quality.add_argument("--eval-batches", type=int, default=10**6, help="cap on validation batches (default all)")
     report = parts.add_parser("report")
@@ -106,8 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = set(args.variants.split(",")) - set(QUALITY_VARIANTS)
         if unknown:
             parser.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(QUALITY_VARIANTS)}")
-        if min(args.dlm_seconds, args.anchor_seconds) <= 0:
-            parser.error("--dlm-seconds and --anchor-seconds must be positive")
+        if min(args.dlm_seconds, args.baseline_seconds) <= 0:
+            parser.error("--dlm-seconds and --baseline-seconds must be positive")
     return args
 
 
@@ -138,28 +143,28 @@ def free_cuda() -> None:
     from dlm.runtime import configure_cuda_backends
 
     release_memory(torch.device("cuda"))
-    # dlm --fused-attention switches the math kernel off process-wide; the anchor runs with torch's defaults.
+    # dlm --fused-attention switches the math kernel off process-wide; the baseline runs with torch's defaults.
     configure_cuda_backends(torch.device("cuda"), require_fused_attention=False)
 
 
 # ---- throughput -------------------------------------------------------------------------------------------------
 
 
-def anchor_case(anchor: ModuleType, size: str, ceiling: float, records: Records) -> None:
-    """The anchor's own `run_case`, compiled (its faster setting), on a model built on the GPU."""
+def baseline_case(baseline: ModuleType, size: str, ceiling: float, records: Records) -> None:
+    """The baseline's own `run_case`, compiled (its faster setting), on a model built on the GPU."""
 
     import torch
 
-    cfg, batch = SIZES[size]["anchor"], SIZES[size]["batch"]
+    cfg, batch = SIZES[size]["baseline"], SIZES[size]["batch"]
     torch.manual_seed(0)
     try:
         with torch.device("cuda"):
-            model = anchor.Baseline(*cfg)
-        record = anchor.run_case(f"baseline-{size}", model, model, cfg, batch, True, True)
+            model = baseline.Baseline(*cfg)
+        record = baseline.run_case(f"baseline-{size}", model, model, cfg, batch, True, True)
         del model
         records.add(
             {
-                "source": "anchor",
+                "source": "baseline",
                 "size": size,
                 **record,
                 "mfu_measured_pct": round(100 * record["model_tflops"] / ceiling, 1),
@@ -167,7 +172,7 @@ def anchor_case(anchor: ModuleType, size: str, ceiling: float, records: Records)
         )
     except Exception as exc:  # one failed case must not cost the others
         records.add(
-            {"source": "anchor", "size": size, "case": f"baseline-{size}", "compile": True, "error": repr(exc)[:500]}
+            {"source": "baseline", "size": size, "case": f"baseline-{size}", "compile": True, "error": repr(exc)[:500]}
         )
     free_cuda()
 
@@ -280,8 +285,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     import torch
 
     records = Records(args.out, "throughput")
-    anchor = import_from(args.bench_dir, "anchor_gpu")
-    ceiling = anchor.matmul_ceiling()
+    baseline = import_from(args.bench_dir, "anchor_gpu")
+    ceiling = baseline.matmul_ceiling()
     if args.stage == "core":
         records.add(
             {
@@ -295,9 +300,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         # Small first: the quality part needs these step times even if a large size runs out of time.
         quality_step_times(args.steps, args.warmup, records)
     else:
-        memory_search(records)  # the memory target first: the anchor's 1.3B compile is the slow part
-    for size in [] if args.no_anchor else ANCHOR_SIZES[args.stage]:
-        anchor_case(anchor, size, ceiling, records)
+        memory_search(records)  # the memory target first: the baseline's 1.3B compile is the slow part
+    for size in [] if args.no_baseline else BASELINE_SIZES[args.stage]:
+        baseline_case(baseline, size, ceiling, records)
     for size, name, overrides in DLM_CASES[args.stage]:
         dlm_case(size, name, overrides, args.steps, args.warmup, ceiling, records)
     return 0
@@ -357,7 +362,7 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
     result = train(experiment, max_run_seconds=args.dlm_seconds, sink=events.append)
     wall = time.perf_counter() - started
     precision = "bfloat16" if args.device.startswith("cuda") else "float32"
-    # Every validation block, K = 8 antithetic times: the anchor's own evaluation protocol.
+    # Every validation block, K = 8 antithetic times: the baseline's own evaluation protocol.
     report = evaluate_source(
         result.checkpoint,
         data,
@@ -388,11 +393,11 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
     )
 
 
-def anchor_quality(args: argparse.Namespace, records: Records) -> None:
+def baseline_quality(args: argparse.Namespace, records: Records) -> None:
     # quality_gpu.py reads bench/qdata/shakespeare.npz relative to the working directory and its
     # budget and device from argv when imported; its __main__ block (MDM and AR) does not run.
     saved_argv, saved_cwd = sys.argv, os.getcwd()
-    sys.argv = ["quality_gpu.py", str(args.anchor_seconds), args.device]
+    sys.argv = ["quality_gpu.py", str(args.baseline_seconds), args.device]
     os.chdir(args.bench_dir)
     try:
         quality = import_from(args.bench_dir.resolve(), "quality_gpu")
@@ -401,7 +406,7 @@ def anchor_quality(args: argparse.Namespace, records: Records) -> None:
     finally:
         sys.argv = saved_argv
         os.chdir(saved_cwd)
-    records.add({"source": "anchor", "case": "anchor-mdm", "unigram_bpb": round(unigram, 4), **record})
+    records.add({"source": "baseline", "case": "baseline-mdm", "unigram_bpb": round(unigram, 4), **record})
 
 
 def run_quality(args: argparse.Namespace) -> int:
@@ -411,8 +416,8 @@ def run_quality(args: argparse.Namespace) -> int:
         (f"dlm-shakespeare-{variant}", lambda a, r, v=variant: dlm_quality(a, v, r))
         for variant in args.variants.split(",")
     ]
-    if args.anchor:  # the anchor's figure is on record (2.05 bits/byte at 80 s, 2.09 at 60 s)
-        steps.append(("anchor-mdm", anchor_quality))
+    if args.baseline:  # the baseline's figure is on record (2.05 bits/byte at 80 s, 2.09 at 60 s)
+        steps.append(("baseline-mdm", baseline_quality))
     for case, step in steps:
         try:
             step(args, records)
@@ -431,8 +436,13 @@ def _find(records: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
     return hits[-1] if hits else None
 
 
-# Recorded on this H200 by the anchors (torch 2.11): used where this run has no figure of its own.
-RECORDED_ANCHOR = {"baseline-110M": 534992, "baseline-1.3B": 61916, "modernbert-110M": 258304, "modernbert-1.3B": 39662}
+# Recorded on this H200 by the baseline scripts (torch 2.11): used where this run has no figure of its own.
+RECORDED_BASELINE = {
+    "baseline-110M": 534992,
+    "baseline-1.3B": 61916,
+    "modernbert-110M": 258304,
+    "modernbert-1.3B": 39662,
+}
 
 
 def _best(records: list[dict[str, Any]], size: str) -> dict[str, Any] | None:
@@ -451,17 +461,17 @@ def _best(records: list[dict[str, Any]], size: str) -> dict[str, Any] | None:
 
 
 def _ratio_target(records: list[dict[str, Any]], size: str) -> dict[str, Any]:
-    dlm, anchor = _best(records, size), _find(records, case=f"baseline-{size}", compile=True)
-    anchor_tps, source = (
-        (anchor["tokens_per_s"], "this run") if anchor else (RECORDED_ANCHOR[f"baseline-{size}"], "recorded")
+    dlm, baseline = _best(records, size), _find(records, case=f"baseline-{size}", compile=True)
+    baseline_tps, source = (
+        (baseline["tokens_per_s"], "this run") if baseline else (RECORDED_BASELINE[f"baseline-{size}"], "recorded")
     )
-    ratio = dlm["tokens_per_s"] / anchor_tps if dlm else None
-    modern = RECORDED_ANCHOR[f"modernbert-{size}"]
+    ratio = dlm["tokens_per_s"] / baseline_tps if dlm else None
+    modern = RECORDED_BASELINE[f"modernbert-{size}"]
     return {
         "target": f"{size}: dlm tokens/s >= {TARGETS['speed_ratio']}x the compiled baseline, >= 2x ModernBERT",
         "measured": None
         if dlm is None
-        else f"{dlm['case']} {dlm['tokens_per_s']} tok/s = {ratio:.2f}x the baseline ({anchor_tps}, {source}), "
+        else f"{dlm['case']} {dlm['tokens_per_s']} tok/s = {ratio:.2f}x the baseline ({baseline_tps}, {source}), "
         f"{dlm['tokens_per_s'] / modern:.2f}x ModernBERT ({modern}, recorded)",
         "met": None if ratio is None else ratio >= TARGETS["speed_ratio"] and dlm["tokens_per_s"] >= 2 * modern,
     }
@@ -487,11 +497,11 @@ def _memory_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _quality_target(records: list[dict[str, Any]]) -> dict[str, Any]:
     runs = [r for r in records if str(r.get("case", "")).startswith("dlm-shakespeare-") and "bits_per_byte" in r]
-    anchor = _find(records, case="anchor-mdm")
-    anchor_text = (
-        "; anchor MDM recorded 2.0876 at 60 s, 2.0496 at 80 s"
-        if anchor is None
-        else f"; anchor {anchor['best_bpb']} at {anchor['seconds']:.0f} s"
+    baseline = _find(records, case="baseline-mdm")
+    baseline_text = (
+        "; baseline MDM recorded 2.0876 at 60 s, 2.0496 at 80 s"
+        if baseline is None
+        else f"; baseline {baseline['best_bpb']} at {baseline['seconds']:.0f} s"
     )
     scored = [r for r in runs if r.get("bits_per_byte") is not None]
     best = min(scored, key=lambda r: r["bits_per_byte"]) if scored else None
@@ -500,7 +510,7 @@ def _quality_target(records: list[dict[str, Any]]) -> dict[str, Any]:
     )
     return {
         "target": f"Shakespeare: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
-        "measured": (measured + anchor_text) if runs else None,
+        "measured": (measured + baseline_text) if runs else None,
         "met": None
         if best is None
         else best["bits_per_byte"] <= TARGETS["bits_per_byte"] and best["seconds_budget"] <= TARGETS["dlm_seconds"],

