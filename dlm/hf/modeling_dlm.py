@@ -1,7 +1,9 @@
 """A dlm masked diffusion language model for Hugging Face transformers, with its sampler.
 
 Shipped inside every `dlm export --format hf` directory and loaded with `trust_remote_code=True`,
-so it imports only torch and transformers. The network is dlm's `DiffusionTransformer`, operation
+so it imports only torch and transformers: it repeats `dlm/model.py` and `dlm/sampling.py` on
+purpose, so that an exported directory runs without dlm installed (tests check that the two agree).
+The network is dlm's `DiffusionTransformer`, operation
 for operation, so logits match dlm's bit for bit in float32:
 
     input_ids [B, L] -> embed_tokens -> num_hidden_layers x DlmBlock -> RMSNorm -> tied head
