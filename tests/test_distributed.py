@@ -258,7 +258,7 @@ if "RANK" in os.environ:
     def _report():
         import torch.distributed as dist
         # One write(2) of a short line is atomic on a pipe: the two ranks' lines never interleave.
-        os.write(2, f"process group at exit: {dist.is_initialized()}\n".encode())
+        os.write(2, f"process group at exit: {dist.is_initialized()}\\n".encode())
 
     atexit.register(_report)  # registered first, so it runs after dlm's own exit handlers
 """
