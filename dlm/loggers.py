@@ -143,9 +143,9 @@ class TensorBoardLogger(Logger):
         super().__init__(run_dir, experiment, start_step)
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step hides what earlier files logged from this step on: a resume from an older
-        # checkpoint, or an overwritten run, does not leave two curves on one chart.
-        self.writer = SummaryWriter(log_dir=str(self.directory), purge_step=start_step)
+        # purge_step hides what earlier files logged after the checkpoint this run starts from: a
+        # resume from an older checkpoint, or an overwritten run, does not leave two curves on one chart.
+        self.writer = SummaryWriter(log_dir=str(self.directory), purge_step=start_step + 1)
         self.writer.add_text("config", _config_markdown(experiment), global_step=start_step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:

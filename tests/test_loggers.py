@@ -116,22 +116,26 @@ def expected_scalars(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.logger_extras
-def test_tensorboard_scalars_equal_metrics_jsonl(tiny_data_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumed", [False, True])
+def test_tensorboard_scalars_equal_metrics_jsonl(tiny_data_dir: Path, tmp_path: Path, resumed: bool) -> None:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    experiment = tiny_experiment(tiny_data_dir, run_dir, *SHORT_RUN, "logging.tensorboard=true")
+    experiment = tiny_experiment(tiny_data_dir, run_dir, *SHORT_RUN, "training.save_interval=5",
+                                 "logging.tensorboard=true")  # fmt: skip
     train(experiment)
-    expected = expected_scalars(run_dir)
+    if resumed:  # step 10 again, from the step-5 checkpoint: TensorBoard must show the second step 10 only
+        train(experiment, resume=run_dir / "step-00000005.pt")
+    expected = expected_scalars(run_dir)  # the later of two lines for one step wins
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert tags == {tag for values in expected.values() for tag in values}
     for tag in tags:
-        logged = {scalar.step: scalar.value for scalar in events.Scalars(tag)}
+        logged = [(scalar.step, scalar.value) for scalar in events.Scalars(tag)]
         # TensorBoard keeps float32: each value is metrics.jsonl's, rounded to float32 and nothing else.
-        assert logged == {step: float(np.float32(values[tag])) for step, values in expected.items() if tag in values}
+        assert logged == [(step, float(np.float32(values[tag]))) for step, values in expected.items() if tag in values]
     config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(config) == json.loads((run_dir / "config.json").read_text())
 
