@@ -10,13 +10,23 @@ The library is importable without the CLI. Heavy modules (torch) load lazily so 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads only when a function is called
+    from pathlib import Path
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from dlm.model import DiffusionTransformer
+    from dlm.protocols import Denoiser
+    from dlm.sampling import SampleResult
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "load", "sample"]
 
 
-def load(path: Any, device: Any = "cpu") -> Any:
+def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[DiffusionTransformer, Tokenizer]:
     """Load an exported model directory (or checkpoint): returns (model, tokenizer).
 
     The model records the noise schedule it was trained with, which `sample` then follows.
@@ -27,8 +37,8 @@ def load(path: Any, device: Any = "cpu") -> Any:
     return load_model(path, device=device)
 
 
-def sample(model: Any, tokenizer: Any, **options: Any) -> Any:
-    """Generate text with the reverse diffusion process; see `dlm.sampling.generate`."""
+def sample(model: Denoiser, tokenizer: Tokenizer, **options: Any) -> SampleResult:
+    """Generate text with the reverse diffusion process; see `dlm.sampling.generate` for the options."""
 
     from dlm.sampling import generate
 

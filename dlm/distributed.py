@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,11 @@ from torch import Tensor, nn
 from dlm.config import ExperimentConfig, TrainingConfig
 from dlm.errors import UserError
 from dlm.optimizers import check_fsdp_support
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,7 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, fsdp_module)
 
 
-def _is_dtensor(tensor: Tensor) -> bool:
+def _is_dtensor(tensor: Tensor) -> TypeGuard[DTensor]:
     return dist.is_initialized() and isinstance(tensor, _dtensor_api()[0])
 
 
@@ -250,8 +255,8 @@ def _is_dtensor(tensor: Tensor) -> bool:
 
 
 def build_model(
-    factory: Callable[[], nn.Module], device: torch.device, world: DistributedContext, parallelism: str
-) -> nn.Module:
+    factory: Callable[[], ModuleT], device: torch.device, world: DistributedContext, parallelism: str
+) -> ModuleT:
     """The model this process trains: whole on `device`, or FSDP2-sharded when asked under torchrun.
 
     Call it right after seeding: the weights are those `factory()` draws on one process, so runs
@@ -318,7 +323,7 @@ def wrap_model(model: nn.Module, world: DistributedContext, parallelism: str, co
 def replicated(tensor: Tensor) -> Tensor:
     """A plain tensor from a result that FSDP leaves as a DTensor (e.g. the global gradient norm)."""
 
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +359,9 @@ def full_model_state(model: nn.Module) -> dict[str, Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A full state dict holds plain tensors, never shards.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, Tensor], state)
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -388,7 +395,7 @@ def load_full_state(
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    set_model_state_dict(model, cast(dict[str, Any], model_state), options=options)
     names = _parameter_names(model, optimizer)
     set_optimizer_state_dict(model, optimizer, _name_keyed(optimizer_state, names), options=options)
 
@@ -397,7 +404,7 @@ def full_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Whole CPU copies of possibly sharded tensors (an all-gather for each DTensor: collective)."""
 
     return {
-        name: tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+        name: tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor
         for name, tensor in tensors.items()
     }
 

@@ -134,7 +134,7 @@ class ModelEMA:
         return [(_canonical_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
 
     def _live(self, model: nn.Module) -> list[torch.Tensor]:
-        live = [p for _, p in self._named_parameters(model)]
+        live: list[torch.Tensor] = [p for _, p in self._named_parameters(model)]
         if len(live) != len(self.shadow):
             raise ValueError(f"model has {len(live)} trainable parameters, the EMA tracks {len(self.shadow)}")
         return live

@@ -150,7 +150,7 @@ def _build_adamw(
     import torch
 
     # The fused kernel is the fastest AdamW on CUDA; elsewhere torch picks its own default.
-    fused = {"fused": True} if device.type == "cuda" else {}
+    fused: dict[str, Any] = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(groups, **_adam_settings(training), **fused)
 
 

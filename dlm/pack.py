@@ -271,7 +271,9 @@ def _stream(
 ) -> None:
     for batch in _encode_stream(reader, tokenizer, dtype, plan):
         for piece, ids in batch:
-            writers[plan.split_of(piece.document, piece.copy)].add(ids, piece)
+            split = plan.split_of(piece.document, piece.copy)
+            assert split is not None, "_encode_stream yields only the pieces a split takes"
+            writers[split].add(ids, piece)
         for writer in writers.values():
             writer.flush()
         if progress is not None:

@@ -233,7 +233,7 @@ def _open_gzip(handle: BinaryIO, path: Path) -> BinaryIO:
 
 
 def _open_zstd(handle: BinaryIO, path: Path) -> BinaryIO:
-    return io.BufferedReader(_ZstdReader(handle, require(ZSTD, path)), buffer_size=1 << 20)  # type: ignore[return-value]
+    return io.BufferedReader(_ZstdReader(handle, require(ZSTD, path)), buffer_size=1 << 20)
 
 
 COMPRESSIONS = (Compression(".gz", _open_gzip), Compression(".zst", _open_zstd, ZSTD))

@@ -5,7 +5,7 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -108,7 +108,8 @@ def bench_command(
     from dlm.config import load_config
 
     experiment = load_config(config, overrides)
-    options = {"steps": steps, "warmup": warmup, "batch_size": batch_size, "fused_attention": fused_attention}
+    options: dict[str, Any] = {"steps": steps, "warmup": warmup, "batch_size": batch_size}
+    options["fused_attention"] = fused_attention
     options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}
     options["measure_peak"] = measure_peak
 

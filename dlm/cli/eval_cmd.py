@@ -18,6 +18,8 @@ from rich.markup import escape
 from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
 
 if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
     from dlm.evaluate import EvalReport
 
 
@@ -41,7 +43,9 @@ class EvalProgress:
     line on stderr at most once a second (stdout keeps the one report document)."""
 
     def __init__(self, as_json: bool) -> None:
-        self.as_json, self.bar, self.task = as_json, None, None
+        self.as_json = as_json
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
         self.started = time.perf_counter()
         self.last_line = 0.0
 
@@ -64,7 +68,7 @@ class EvalProgress:
     def update(self, done: int, total: int) -> None:
         now = time.perf_counter()
         rate = done / max(now - self.started, 1e-9)
-        if self.bar is not None:
+        if self.bar is not None and self.task is not None:
             self.bar.update(self.task, completed=done, total=total, rate=f"{rate:.2f} batches/s")
         elif now - self.last_line >= 1.0 or done == total:
             self.last_line = now

@@ -264,7 +264,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         finally:
             self.train(was_training)
 
-    def generate(self, input_ids: Tensor | None = None, **kwargs: object) -> Tensor:  # type: ignore[override]
+    def generate(self, input_ids: Tensor | None = None, **kwargs: object) -> Tensor:
         """The masked-diffusion sampler (`diffusion_generate`); autoregressive decoding does not apply."""
 
         return self.diffusion_generate(input_ids, **kwargs)  # type: ignore[arg-type]

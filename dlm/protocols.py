@@ -1,0 +1,60 @@
+"""The contract between a model and the code that runs it, as a type the checker verifies.
+
+Sampling (`dlm.sampling`, `dlm.block_sampling`) and evaluation (`dlm.evaluate`) accept any
+`Denoiser`: `dlm.model.DiffusionTransformer` is one, and so is a module that wraps one as long as it
+keeps the same call and exposes the same `config`. Nothing here imports torch at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+    from dlm.attention import KVCache
+    from dlm.config import ModelConfig
+
+
+class Denoiser(Protocol):
+    """A network that predicts the clean tokens of a partly masked sequence.
+
+    Called with token ids [B, L] it returns logits [B, L, vocab_size], or [N, vocab_size] at the N
+    true entries of the boolean `output_positions`. A block model (`config.is_block_model`) also
+    takes the clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`.
+    The rest is the part of `torch.nn.Module` that sampling and evaluation use: the train / eval
+    mode, and the parameters and buffers that tell which device the model is on.
+    """
+
+    training: bool
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def __call__(
+        self,
+        tokens: Tensor,
+        output_positions: Tensor | None = None,
+        *,
+        clean_tokens: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def to(self, device: torch.device) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]: ...
+
+
+if TYPE_CHECKING:
+    from dlm.model import DiffusionTransformer
+
+    def _model_is_a_denoiser(model: DiffusionTransformer) -> Denoiser:
+        return model  # the checker verifies that the model meets the contract
