@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The flex functions, or None on a torch without them.
+create_block_mask: Any
+flex_attention: Any
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - older torch

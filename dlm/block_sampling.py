@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dlm.attention import KVCache
 from dlm.errors import UserError
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, step_times
 from dlm.schedule import Schedule
+
+if TYPE_CHECKING:
+    from dlm.protocols import Denoiser
 
 
 @dataclass
@@ -50,7 +54,7 @@ class _BlockReverse(_Reverse):
         return self.model(tokens[:, start:end], output_positions=positions[:, start:end], cache=cache)
 
 
-def _commit(model: nn.Module, tokens: Tensor, cache: KVCache, end: int) -> None:
+def _commit(model: Denoiser, tokens: Tensor, cache: KVCache, end: int) -> None:
     """Store the keys and values of positions [cache.length, end), which are final."""
 
     final = tokens[:, cache.length : end]
@@ -75,7 +79,7 @@ def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps:
 
 
 def denoise_blocks(
-    model: nn.Module,
+    model: Denoiser,
     tokens: Tensor,
     fill_mask: Tensor,
     options: SamplingOptions,

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 from rich.console import Console, Group
@@ -157,9 +158,11 @@ class TrainingDashboard:
         self.live.__enter__()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.live.refresh()
-        self.live.__exit__(*exc_info)
+        self.live.__exit__(kind, value, trace)
 
     def elapsed(self) -> float:
         return self.clock() - self.opened + (0.0 if self.budget is None else self.budget.spent_seconds)

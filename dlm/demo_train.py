@@ -95,7 +95,7 @@ def plan_schedule(
     start_step: int = 0,
     warmup_steps: int | None = None,
     validation_steps: float = 0.0,
-) -> dict[str, int] | int:
+) -> dict[str, Any] | int:
     """Schedule fields for the steps that fit in SCHEDULE_SHARE of the time left, or, when too few
     fit (fewer than 2 for a fresh run, 1 for a continued one), that number.
 

@@ -29,11 +29,11 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
 from dlm.errors import UserError
@@ -41,6 +41,9 @@ from dlm.fileio import atomic_write_json
 from dlm.runtime import autocast_context
 from dlm.schedule import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from dlm.protocols import Denoiser
 
 # v2: `bytes` (exact UTF-8 bytes of the scored tokens) replaced v1's estimated `text_bytes`.
 EVAL_FORMAT = "dlm-eval-v2"
@@ -57,7 +60,7 @@ def fixed_noise_level(batch_index: int, num_batches: int, mask_eps: float) -> fl
 
 @torch.no_grad()
 def fixed_noise_validation(
-    model: nn.Module,
+    model: Denoiser,
     batches: Iterable[Tensor],
     device: torch.device,
     precision: str,
@@ -65,7 +68,7 @@ def fixed_noise_validation(
     max_batches: int,
     *,
     schedule: Schedule | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Masked cross-entropy (ELBO weighted) and masked accuracy at fixed noise levels of `schedule`
     (default linear)."""
 
@@ -181,18 +184,18 @@ def _reported(batches: Iterable[Tensor], progress: Progress | None, start: int, 
             progress(done, total)
 
 
-def _block_size(model: nn.Module) -> int:
+def _block_size(model: Denoiser) -> int:
     """The model's block size if it is a block model, else 0 (the whole sequence is one block)."""
 
     return model.config.block_size if model.config.is_block_model else 0
 
 
 def _logits_fn(
-    model: nn.Module, device: torch.device, precision: str, clean: Tensor
+    model: Denoiser, device: torch.device, precision: str, clean: Tensor
 ) -> Callable[[Tensor, Tensor], Tensor]:
     """Logits at the masked positions of a corruption of `clean` (a block model also reads `clean`)."""
 
-    context = {"clean_tokens": clean} if _block_size(model) else {}
+    context: dict[str, Any] = {"clean_tokens": clean} if _block_size(model) else {}
 
     def logits(noisy_tokens: Tensor, mask: Tensor) -> Tensor:
         with autocast_context(device, precision):
@@ -207,7 +210,7 @@ def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.dev
 
 @torch.no_grad()
 def _elbo_pass(
-    model: nn.Module,
+    model: Denoiser,
     batches: Iterable[Tensor],
     device: torch.device,
     precision: str,
@@ -232,7 +235,7 @@ def _elbo_pass(
 
 @torch.no_grad()
 def _bucket_pass(
-    model: nn.Module,
+    model: Denoiser,
     batches: Iterable[Tensor],
     device: torch.device,
     precision: str,
@@ -334,7 +337,7 @@ def _check_counts(batches: int, mc_samples: int, batch_size: int) -> None:
 
 
 def evaluate_model(
-    model: nn.Module,
+    model: Denoiser,
     dataset: Any,
     *,
     batches: int = 8,

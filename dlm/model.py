@@ -16,6 +16,8 @@ unigram level, while the same network with rotary positions trained well.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +125,9 @@ class Block(nn.Module):
 class DiffusionTransformer(nn.Module):
     """Predicts the clean token at every (or every selected) position of a partly masked sequence."""
 
+    rope_cos: Tensor  # buffers, registered in __init__
+    rope_sin: Tensor
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -150,7 +155,7 @@ class DiffusionTransformer(nn.Module):
                 module.weight.fill_(1.0)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
-        for block in self.blocks:
+        for block in cast(Iterable[Block], self.blocks):
             block.attention.out.weight.normal_(0.0, residual_std)
             block.mlp.down.weight.normal_(0.0, residual_std)
         self.token_embedding.weight[self.config.vocab_size :].zero_()

@@ -36,15 +36,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
-from torch import nn
 
 from dlm.choices import Remasking
 from dlm.errors import UserError
 from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
+
+if TYPE_CHECKING:
+    from dlm.protocols import Denoiser
 
 REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
 _LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
@@ -301,7 +303,7 @@ def _noise_device(device: torch.device) -> torch.device:
 class _Reverse:
     """What every step of one reverse process shares."""
 
-    model: nn.Module
+    model: Denoiser
     options: SamplingOptions
     generator: torch.Generator
     mask_id: int
@@ -393,7 +395,7 @@ def reveal_count(num_positions: int, steps: int, step: int, schedule: Schedule =
 
 
 def denoise(
-    model: nn.Module,
+    model: Denoiser,
     tokens: torch.Tensor,
     fill_mask: torch.Tensor,
     options: SamplingOptions,
@@ -451,14 +453,14 @@ def denoise(
     return tokens, forward_passes
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def _model_device(model: Denoiser) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
 
 
 @contextmanager
-def _inference(model: nn.Module) -> Iterator[None]:
+def _inference(model: Denoiser) -> Iterator[None]:
     """Eval mode without autograd, leaving the model's train / eval mode as it was."""
 
     was_training = model.training
@@ -471,7 +473,7 @@ def _inference(model: nn.Module) -> Iterator[None]:
 
 
 def generate(
-    model: nn.Module,
+    model: Denoiser,
     tokenizer: Any,
     *,
     prompt: str = "",

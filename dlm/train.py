@@ -21,11 +21,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from dlm import __version__
 from dlm.checkpoint import (
@@ -228,7 +228,7 @@ class Trainer:
             world_size=world.world_size,
         )
         loader = DataLoader(
-            self.train_dataset,
+            cast(Dataset[Tensor], self.train_dataset),  # a map-style dataset by its methods
             batch_sampler=sampler,
             num_workers=self.config.num_workers,
             pin_memory=self.device.type == "cuda",
@@ -239,7 +239,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         assert self.val_dataset is not None
         # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
-        loader = DataLoader(self.val_dataset, batch_size=self.config.batch_size, shuffle=False,
+        loader = DataLoader(cast(Dataset[Tensor], self.val_dataset), batch_size=self.config.batch_size, shuffle=False,
                             generator=torch.Generator().manual_seed(0))
         eps, batches = self.experiment.diffusion.mask_eps, self.config.eval_batches
         metrics = fixed_noise_validation(
@@ -452,7 +452,8 @@ def train(
             loggers = open_loggers(run_dir, experiment, trainer.counters.step)
             for logger in loggers:
                 cleanup.callback(logger.close)
-            trainer.sink = fan_out([metrics, *loggers] + ([sink] if sink is not None else []))
+            sinks: list[Sink] = [metrics, *loggers]
+            trainer.sink = fan_out(sinks + ([sink] if sink is not None else []))
             write_config(run_dir, experiment)
         trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +64,7 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        zeros = {"device": self.device, "dtype": torch.float32}
+        zeros: dict[str, Any] = {"device": self.device, "dtype": torch.float32}
         self.loss, self.accuracy, self.grad_norm = (torch.zeros((), **zeros) for _ in range(3))
         self.bucket_loss = torch.zeros(NOISE_BUCKETS, **zeros)
         self.bucket_count = torch.zeros(NOISE_BUCKETS, **zeros)
