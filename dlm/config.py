@@ -204,6 +204,11 @@ class TrainingConfig(_Strict):
     train_data: Path = Field(Path("data/train.bin"), description="Packed training tokens written by `dlm pack`.")
     val_data: Path | None = Field(None, description="Packed validation tokens; none disables validation.")
     output_dir: Path = Field(Path("runs/default"), description="Run directory: config, metrics and checkpoints.")
+    init_from: Path | None = Field(
+        None,
+        description="Start from this trained model's weights (an export directory or a checkpoint) with a new "
+        "optimizer and schedule; its tokenizer and model shape must match. A resume never re-applies it.",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."
     )
@@ -380,8 +385,9 @@ class ExperimentConfig(_Strict):
             name: Path(getattr(training, name)).expanduser().resolve()
             for name in ("tokenizer", "train_data", "output_dir")
         }
-        if training.val_data is not None:
-            updates["val_data"] = Path(training.val_data).expanduser().resolve()
+        for name in ("val_data", "init_from"):
+            if getattr(training, name) is not None:
+                updates[name] = Path(getattr(training, name)).expanduser().resolve()
         return self.model_copy(update={"training": training.model_copy(update=updates)})
 
     @classmethod

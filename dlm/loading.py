@@ -33,7 +33,7 @@ from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
-_PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir")
+_PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir", "init_from")
 
 
 @dataclass

@@ -53,9 +53,10 @@ from dlm.distributed import (
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
 from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, TrainEvent, ValidationEvent, fan_out
+from dlm.init_from import initial_weights, load_initial_weights
 from dlm.loggers import check_loggers, open_loggers
 from dlm.model import format_parameter_count
-from dlm.optim import check_state_layout, configured_hyperparameters_kept, learning_rate
+from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.optimizers import optimizer_spec
 from dlm.run_dir import (
     MetricsFile,
@@ -160,6 +161,13 @@ class Trainer:
             micro_batches_seen=int(checkpoint["micro_batches_seen"]),
         )
         self.checkpoint_path = Path(path)
+
+    def start_from(self, path: Path) -> None:
+        """Take a trained model's weights (`training.init_from`); everything else starts afresh."""
+
+        load_initial_weights(self.model, initial_weights(path, self.experiment.model, self.tokenizer_sha256))
+        if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
+            self.step.ema = ModelEMA(self.model, self.step.ema.decay)
 
     def state(self) -> dict[str, Any]:
         """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
@@ -370,6 +378,7 @@ class Trainer:
             data_changed=self.data_changed,
             dlm_version=__version__,
             cpu_threads=cpu_threads,
+            init_from=None if config.init_from is None else str(config.init_from),
         )
 
 
@@ -438,7 +447,9 @@ def train(
         if world.is_main:
             check_output_dir(run_dir, _checkpoint_bytes(trainer.model))
         if resume is not None:
-            trainer.load(resume, allow_data_change)
+            trainer.load(resume, allow_data_change)  # a resumed run never re-applies init_from
+        elif config.init_from is not None:
+            trainer.start_from(config.init_from)
         end_step = config.max_steps
         if max_run_steps is not None:
             end_step = min(end_step, trainer.counters.step + max_run_steps)

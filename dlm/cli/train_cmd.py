@@ -120,6 +120,15 @@ def train_command(
         typer.Option("--overwrite", help="Delete the run already in training.output_dir and start over."),
     ] = False,
     allow_data_change: AllowDataChangeOption = False,
+    init_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--init-from",
+            metavar="MODEL",
+            help="Start from this trained model's weights (an export directory or a checkpoint) with a new "
+            "optimizer and schedule (sets training.init_from).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Train a model from a config; Ctrl-C saves a checkpoint you can resume."""
@@ -128,7 +137,10 @@ def train_command(
         from dlm.distributed import launch_local
 
         sys.exit(launch_local(nproc, sys.argv[1:]))
-    experiment = load_config(config, _overrides(overrides, device, precision))
+    extra = _overrides(overrides, device, precision)
+    if init_from is not None:
+        extra.append(f"training.init_from={init_from}")
+    experiment = load_config(config, extra)
     _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
          overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
 
