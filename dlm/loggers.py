@@ -79,7 +79,7 @@ class Logger(ABC):
 
     def __call__(self, event: Event) -> None:
         scalars = event_scalars(event)
-        if scalars:
+        if scalars and isinstance(event, TrainEvent | ValidationEvent):  # the events that have scalars
             self.log(event.step, scalars)
         if isinstance(event, CheckpointEvent | EndEvent):  # what is on disk matches the checkpoint
             self.flush()
