@@ -52,6 +52,9 @@ class PackedDataset:
         self.num_blocks = int(metadata["num_blocks"])
         self.dtype = np.dtype(metadata["dtype"]).newbyteorder("<")
         self._tokens: np.ndarray | None = None
+        # Instruction data (`dlm pack --chat`) has a uint8 loss mask beside it: 1 where a token is learned.
+        self.mask_path = path.with_name(metadata["loss_mask"]) if metadata.get("loss_mask") else None
+        self._mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -64,15 +67,22 @@ class PackedDataset:
             self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_blocks, self.seq_len))
         return self._tokens
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A block's tokens, or (tokens, loss mask) for instruction data (`dlm.diffusion.split_batch`)."""
+
         import torch
 
         if not -self.num_blocks <= index < self.num_blocks:
             raise IndexError(f"block {index} out of range for {self.num_blocks} blocks")
-        return torch.from_numpy(self.tokens[index].astype(np.int64))
+        tokens = torch.from_numpy(self.tokens[index].astype(np.int64))
+        if self.mask_path is None:
+            return tokens
+        if self._mask is None:
+            self._mask = np.memmap(self.mask_path, dtype=np.uint8, mode="r", shape=(self.num_blocks, self.seq_len))
+        return tokens, torch.from_numpy(self._mask[index] != 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_tokens": None, "_mask": None}
 
 
 def _read_metadata(bin_path: Path) -> dict[str, Any]:
@@ -122,6 +132,11 @@ def load_packed_dataset(path: str | Path, seq_len: int | None = None, split: str
         )
     if int(metadata["num_blocks"]) < 1:
         raise UserError("packed data holds no blocks", path=bin_path, fix="re-run `dlm pack`")
+    mask = bin_path.with_name(metadata["loss_mask"]) if metadata.get("loss_mask") else None
+    tokens = expected // np.dtype(metadata["dtype"]).itemsize
+    if mask is not None and (not mask.is_file() or mask.stat().st_size != tokens):
+        raise UserError(f"the loss mask {mask.name} is missing or not one byte per token", path=bin_path,
+                        fix="re-run `dlm pack --chat`")  # fmt: skip
     return PackedDataset(bin_path, metadata)
 
 

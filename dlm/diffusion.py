@@ -21,8 +21,8 @@ of an optimizer step from (seed, step); global RNG state is never touched.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ class Corruption:
     # float32: m'(t) x (1 - eps) / (1 - m(eps)); the loss weight is mask_rate / mask_probability,
     # kept as a quotient so that the linear schedule's weight stays an exact division by t.
     mask_rate: Tensor
+    # [B, L] bool: the positions that may be masked and scored (instruction data: not the prompt);
+    # None for plain text, where every position is.
+    loss_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,22 @@ def corrupt_tokens(
     *,
     schedule: Schedule = _LINEAR,
     block_size: int = 0,
+    loss_mask: Tensor | None = None,
 ) -> Corruption:
     """Mask each token of sequence b independently with probability m(times[b]) of `schedule`.
 
     With a `block_size` shorter than the sequence, `times` is [B, blocks] (or [B], shared by a
-    sequence's blocks) and each block is masked at its own time (block diffusion).
+    sequence's blocks) and each block is masked at its own time (block diffusion). A `loss_mask`
+    ([B, L], instruction data) keeps its False positions (the prompt) clean; the draws are the same
+    as without it, so the response positions see exactly the noise plain text would.
     """
 
+    if loss_mask is not None:
+        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator, schedule=schedule,
+                                    block_size=block_size)  # fmt: skip
+        allowed = loss_mask.to(device=clean.device, dtype=torch.bool)
+        mask = corruption.mask & allowed
+        return replace(corruption, noisy_tokens=clean.masked_fill(mask, mask_token_id), mask=mask, loss_mask=allowed)
     if 0 < block_size < clean.shape[1]:
         return _corrupt_blocks(clean, mask_token_id, times, eps, generator, schedule, block_size)
     batch = clean.shape[0]
@@ -113,6 +125,18 @@ def _corrupt_blocks(
     mask = draws < probability.repeat_interleave(block_size, dim=1)[:, :length]
     rate = schedule.mask_rate(time) * truncation_factor(schedule, eps)
     return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate)
+
+
+Batch = Tensor | tuple[Tensor, Tensor]  # token ids [B, L], or with instruction data (ids, loss mask)
+
+
+def split_batch(batch: Tensor | Sequence[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """(tokens, loss mask or None) of a batch: instruction data comes as a (tokens, mask) pair."""
+
+    if isinstance(batch, Tensor):
+        return batch, None
+    tokens, loss_mask = batch
+    return tokens, loss_mask
 
 
 def truncation_factor(schedule: Schedule, eps: float) -> float:
@@ -226,7 +250,10 @@ def diffusion_cross_entropy(
     """The MDLM / SMDM ELBO loss from logits [N, V] at the N masked positions (row-major order).
 
     loss = sum_i CE_i x w_b(i) / (B x L) with the weight w = mask_rate / mask_probability of the
-    corruption (1 / t for linear); `token_losses` gives CE_i (a compiled copy in training).
+    corruption (1 / t for linear); `token_losses` gives CE_i (a compiled copy in training). With a
+    loss mask (instruction data) each sequence's sum is divided by its own number of loss tokens
+    and the loss is the mean over sequences, as in LLaDA's fine-tuning and as `dlm eval` averages
+    sequences; without one both rules give the same number, and the B x L division is kept.
     """
 
     batch, length = clean.shape
@@ -247,9 +274,13 @@ def diffusion_cross_entropy(
     else:
         rate, probability = rate[rows], probability[rows]
     weighted = ce * rate / probability
-    loss = weighted.sum() / (batch * length)
     per_token = torch.zeros_like(clean, dtype=torch.float32).masked_scatter(mask, weighted)
-    per_sequence = per_token.sum(dim=1) / length
+    if corruption.loss_mask is None:
+        loss = weighted.sum() / (batch * length)
+        per_sequence = per_token.sum(dim=1) / length
+    else:
+        per_sequence = per_token.sum(dim=1) / corruption.loss_mask.sum(dim=1).clamp(min=1)
+        loss = per_sequence.mean()
     per_block = None
     if blocks:
         padded = F.pad(per_token, (0, blocks * block_size - length))
@@ -277,13 +308,15 @@ def elbo_nll(
     *,
     schedule: Schedule = _LINEAR,
     block_size: int = 0,
+    loss_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Monte Carlo negative ELBO per token of each sequence, and its standard error, both [B].
 
     `logits_fn(noisy_tokens, mask)` returns logits at the masked positions ([N, V]). Each sequence
     (each block, with a `block_size` shorter than the sequence) gets one random offset u0 and the K
     antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1), which `schedule` turns into mask
-    probabilities and weights.
+    probabilities and weights. With a `loss_mask` it is the conditional ELBO of the loss positions
+    (a response given its prompt) per loss token.
     """
 
     if num_samples < 1:
@@ -295,7 +328,8 @@ def elbo_nll(
     for k in range(num_samples):
         times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
         corruption = corrupt_tokens(
-            clean, mask_token_id, times, eps, generator, schedule=schedule, block_size=block_size
+            clean, mask_token_id, times, eps, generator, schedule=schedule, block_size=block_size,
+            loss_mask=loss_mask,
         )
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)

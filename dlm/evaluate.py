@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed
+from dlm.diffusion import Batch, corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed, split_batch
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
 from dlm.runtime import autocast_context
@@ -61,7 +61,7 @@ def fixed_noise_level(batch_index: int, num_batches: int, mask_eps: float) -> fl
 @torch.no_grad()
 def fixed_noise_validation(
     model: Denoiser,
-    batches: Iterable[Tensor],
+    batches: Iterable[Batch],
     device: torch.device,
     precision: str,
     mask_eps: float,
@@ -84,14 +84,14 @@ def fixed_noise_validation(
     masked = torch.zeros((), device=device, dtype=accumulate)
     count = 0
     try:
-        for batch_index, clean in enumerate(batches):
+        for batch_index, batch in enumerate(batches):
             if batch_index >= max_batches:
                 break
-            clean = clean.to(device, non_blocking=True)
+            clean, loss_mask = _on_device(batch, device)
             level = fixed_noise_level(batch_index, max_batches, mask_eps)
             times = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
             corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule,
-                                        block_size=_block_size(model))  # fmt: skip
+                                        block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
             logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
             output = diffusion_cross_entropy(logits, clean, corruption)
             loss_sum += output.loss.to(accumulate)
@@ -167,17 +167,26 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def _batches(dataset: Any, batch_size: int, count: int) -> Iterator[Tensor]:
+def _batches(dataset: Any, batch_size: int, count: int) -> Iterator[Batch]:
     """The first `count` batches in order (the last may be short), as the training validation
     reads them. Indexing directly, not through a DataLoader: its iterator draws a base seed from
-    the global RNG."""
+    the global RNG. Instruction data gives (tokens, loss mask) pairs."""
 
     end = min(len(dataset), count * batch_size)
     for start in range(0, end, batch_size):
-        yield torch.stack([torch.as_tensor(dataset[i]) for i in range(start, min(start + batch_size, end))])
+        items = [dataset[i] for i in range(start, min(start + batch_size, end))]
+        if isinstance(items[0], tuple):
+            yield torch.stack([ids for ids, _ in items]), torch.stack([mask for _, mask in items])
+        else:
+            yield torch.stack([torch.as_tensor(item) for item in items])
 
 
-def _reported(batches: Iterable[Tensor], progress: Progress | None, start: int, total: int) -> Iterator[Tensor]:
+def _on_device(batch: Batch, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    clean, loss_mask = split_batch(batch)
+    return clean.to(device, non_blocking=True), None if loss_mask is None else loss_mask.to(device)
+
+
+def _reported(batches: Iterable[Batch], progress: Progress | None, start: int, total: int) -> Iterator[Batch]:
     for done, batch in enumerate(batches, start + 1):  # a batch is scored when the next is asked for
         yield batch
         if progress is not None:
@@ -211,7 +220,7 @@ def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.dev
 @torch.no_grad()
 def _elbo_pass(
     model: Denoiser,
-    batches: Iterable[Tensor],
+    batches: Iterable[Batch],
     device: torch.device,
     precision: str,
     mask_eps: float,
@@ -222,12 +231,12 @@ def _elbo_pass(
     """Per-sequence Monte Carlo NLL per token and its standard error, both [S] float64."""
 
     means, errors = [], []
-    for index, clean in enumerate(batches):
+    for index, batch in enumerate(batches):
         generator = _pass_generator(seed, _ELBO_PASS, index, device)
-        mask_id, clean = model.config.mask_token_id, clean.to(device)
+        (clean, loss_mask), mask_id = _on_device(batch, device), model.config.mask_token_id
         logits = _logits_fn(model, device, precision, clean)
         mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,
-                               block_size=_block_size(model))  # fmt: skip
+                               block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -236,7 +245,7 @@ def _elbo_pass(
 @torch.no_grad()
 def _bucket_pass(
     model: Denoiser,
-    batches: Iterable[Tensor],
+    batches: Iterable[Batch],
     device: torch.device,
     precision: str,
     mask_eps: float,
@@ -250,24 +259,25 @@ def _bucket_pass(
     low = torch.tensor(edges[:-1], dtype=torch.float64).clamp(min=mask_eps)
     high = torch.tensor(edges[1:], dtype=torch.float64)
     totals = torch.zeros(4, NOISE_BUCKETS, dtype=torch.float64)  # loss, ce, masked, sequences
-    for index, clean in enumerate(batches):
-        clean = clean.to(device)
+    for index, batch in enumerate(batches):
+        clean, loss_mask = _on_device(batch, device)
         generator = _pass_generator(seed, _BUCKET_PASS, index, device)
         bucket = (torch.arange(clean.shape[0]) + index * batch_size) % NOISE_BUCKETS
         unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
         times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
         corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator,
-                                    schedule=schedule, block_size=_block_size(model))  # fmt: skip
+                                    schedule=schedule, block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
         logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
         output = diffusion_cross_entropy(logits, clean, corruption)
         nll = output.per_sequence_nll.cpu().double()
+        scored = clean.shape[1] if loss_mask is None else loss_mask.sum(dim=1).clamp(min=1).cpu().double()
         masked = corruption.mask.sum(dim=1).cpu().double()
         # per_sequence_nll = sum(CE x rate / m) / L, so the plain CE sum is nll x L x m / rate (a block
         # model's blocks share the sequence's time here, so its first block's weight is everyone's).
         probability = corruption.mask_probability.reshape(clean.shape[0], -1)[:, 0]
         rate = corruption.mask_rate.reshape(clean.shape[0], -1)[:, 0]
         weight_inverse = probability.cpu().double() / rate.cpu().double()
-        ce = nll * clean.shape[1] * weight_inverse
+        ce = nll * scored * weight_inverse
         for row, values in enumerate((nll, ce, masked, torch.ones_like(nll))):
             totals[row].index_add_(0, bucket, values)
     loss, ce, masked, count = totals
@@ -314,11 +324,14 @@ def _byte_table(token_bytes: Any, dataset: Any, metadata: Mapping[str, Any] | No
     return (None, why) if table is None else (torch.from_numpy(table), None)
 
 
-def _scored_counts(batches: Iterable[Tensor], table: Tensor | None) -> tuple[int, int | None]:
-    """Tokens scored, and the exact UTF-8 bytes they decode to (None without a byte table)."""
+def _scored_counts(batches: Iterable[Batch], table: Tensor | None) -> tuple[int, int | None]:
+    """Tokens scored (with a loss mask, the response tokens only), and the exact UTF-8 bytes they
+    decode to (None without a byte table)."""
 
     tokens, text_bytes = 0, 0
-    for clean in batches:
+    for batch in batches:
+        clean, loss_mask = split_batch(batch)
+        clean = clean if loss_mask is None else clean[loss_mask]
         tokens += clean.numel()
         if table is not None:
             if int(clean.max()) >= table.numel():

@@ -26,6 +26,7 @@ from dlm.diffusion import (
     diffusion_cross_entropy,
     masked_token_losses,
     noise_generator,
+    split_batch,
     step_time_offset,
 )
 from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
@@ -101,8 +102,11 @@ class TrainingStep:
             self.token_losses = torch.compile(masked_token_losses)
         self.model.train()
 
-    def micro_batch(self, clean: Tensor, micro_index: int, offset: float, window: LogWindow) -> None:
-        """Forward and backward of one micro-batch; its noise depends only on its global index."""
+    def micro_batch(
+        self, clean: Tensor, micro_index: int, offset: float, window: LogWindow, loss_mask: Tensor | None = None
+    ) -> None:
+        """Forward and backward of one micro-batch; its noise depends only on its global index.
+        A `loss_mask` (instruction data) leaves its prompt positions clean and unscored."""
 
         config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
         eps = self.experiment.diffusion.mask_eps
@@ -126,7 +130,7 @@ class TrainingStep:
         model = self.experiment.model
         block_size = model.block_size if model.is_block_model else 0
         corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
-                                    schedule=self.schedule, block_size=block_size)  # fmt: skip
+                                    schedule=self.schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
         # A block model scores the noisy blocks given the clean earlier ones; others ignore clean_tokens.
         context = {"clean_tokens": clean} if block_size else {}
         kernel = attention_kernel_context(self.device, config.attention_kernel)
@@ -152,10 +156,12 @@ class TrainingStep:
         offset = step_time_offset(config.seed, step)
         loss_before = window.loss.clone()
         for micro_index in range(config.gradient_accumulation_steps):
-            clean = next(batches).to(self.device, non_blocking=True)
+            clean, loss_mask = split_batch(next(batches))
+            clean = clean.to(self.device, non_blocking=True)
+            loss_mask = None if loss_mask is None else loss_mask.to(self.device, non_blocking=True)
             last = micro_index == config.gradient_accumulation_steps - 1
             with self.world.gradient_sync(self.step_model, enabled=last):
-                self.micro_batch(clean, micro_index, offset, window)
+                self.micro_batch(clean, micro_index, offset, window, loss_mask)
             self.counters.micro_batches_seen += self.world.world_size
             self.counters.tokens_seen += clean.numel() * self.world.world_size
             window.tokens += clean.numel() * self.world.world_size

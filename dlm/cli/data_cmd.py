@@ -165,14 +165,29 @@ def pack(
     text_field: TextFieldOption = "text",
     errors: ErrorsOption = "strict",
     overwrite: OverwriteOption = False,
+    chat: Annotated[
+        bool,
+        typer.Option("--chat", help="Instruction data: JSONL of prompt/response or messages, one example per block, "
+                     "with a loss mask that leaves the prompt out (see docs/finetune.md)."),
+    ] = False,
+    long: Annotated[
+        str, typer.Option("--long", help="--chat: an example longer than a block is truncated or dropped (counted).")
+    ] = "drop",
+    mask_padding: Annotated[
+        bool, typer.Option("--mask-padding", help="--chat: the end-of-document padding carries no loss.")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks.
 
     Byte-identical documents are packed once (a validation input's copy first); files that dlm
-    cannot read are skipped and listed.
+    cannot read are skipped and listed. With --chat, instruction examples are packed one per block.
     """
 
+    if chat:
+        _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
+                   long, mask_padding, overwrite, wants_json(as_json))  # fmt: skip
+        return
     from dlm.mixture import parse_source
     from dlm.pack import pack_corpus
 
@@ -198,6 +213,21 @@ def pack(
         print_json({"event": "summary", **vars(summary), "splits": splits})
     else:
         _render_pack(summary)
+
+
+def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
+               val_fraction: float, seed: int, long: str, mask_padding: bool, overwrite: bool, json_mode: bool) -> None:
+    from dlm.chat_pack import pack_chat
+
+    splits = pack_chat([Path(p) for p in inputs], tokenizer, seq_len, output, val_inputs=[Path(p) for p in val_inputs],
+                       val_fraction=val_fraction, seed=seed, long=long, mask_padding=mask_padding,  # type: ignore[arg-type]
+                       overwrite=overwrite)  # fmt: skip
+    if json_mode:
+        print_json({"event": "summary", "output": str(output), "chat": True, "splits": splits})
+        return
+    for name, counts in splits.items():
+        console.print(f"{name}: {counts['examples']:,} examples ({counts['truncated']:,} truncated, "
+                      f"{counts['dropped']:,} dropped), {counts['loss_tokens']:,} loss tokens", highlight=False)
 
 
 def _render_pack(summary: PackSummary) -> None:

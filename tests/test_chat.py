@@ -1,0 +1,103 @@
+"""Instruction data: `dlm pack --chat`, the loss mask in corruption and loss, and training on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_experiment
+
+from dlm.chat import ChatTemplate, encode_example, parse_example
+from dlm.chat_pack import mask_path, pack_chat
+from dlm.data import load_packed_dataset
+from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy
+from dlm.errors import UserError
+from dlm.tokenizer import load_tokenizer
+from dlm.train import train
+
+SEQ_LEN = 64
+
+
+def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def chat_file(tmp_path: Path) -> Path:
+    records: list[dict[str, object]] = [{"prompt": f"say {w}", "response": f"{w} {w}"} for w in ("to", "be", "or")]
+    records.append({"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello"}]})  # fmt: skip
+    records.append({"prompt": "long " * 80, "response": "x"})
+    return write_jsonl(tmp_path / "chat.jsonl", records)
+
+
+def test_pack_chat_masks_the_prompt_and_counts_the_padding(
+    chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path
+) -> None:
+    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out")
+    assert {k: counts["train"][k] for k in ("examples", "truncated", "dropped")} == {"examples": 4, "truncated": 0,
+                                                                                  "dropped": 1}  # fmt: skip
+    dataset = load_packed_dataset(tmp_path / "out", SEQ_LEN)
+    assert dataset.metadata["chat"]["dropped"] == 1 and dataset.metadata["loss_mask"] == "train.mask.bin"
+    tokenizer = load_tokenizer(tiny_tokenizer_path)
+    template = ChatTemplate()
+    ids, prompt_length = encode_example(tokenizer, template, parse_example({"prompt": "say to", "response": "to to"},
+                                                                           "x"), eos=0)  # fmt: skip
+    tokens, loss_mask = dataset[0]
+    assert tokens[: len(ids)].tolist() == ids and (tokens[len(ids) :] == 0).all()  # padded with end-of-document
+    assert not loss_mask[:prompt_length].any() and loss_mask[prompt_length:].all()
+    assert tokenizer.decode(ids[:prompt_length]) == "<|user|>\nsay to\n<|assistant|>\n"
+
+
+def test_mask_padding_and_truncation_options(chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", mask_padding=True, long="truncate")
+    # The long example's prompt alone fills the block: nothing of its reply would be learned, so it is dropped.
+    assert counts["train"]["truncated"] == 0 and counts["train"]["dropped"] == 1
+    dataset = load_packed_dataset(tmp_path / "out", SEQ_LEN)
+    tokens, loss_mask = dataset[0]
+    end = int(loss_mask.nonzero().max()) + 1
+    assert tokens[end - 1] == 0 and not loss_mask[end:].any()  # the reply's own end token is learned, no padding
+    masks = np.fromfile(mask_path(tmp_path / "out" / "train.bin"), dtype=np.uint8)
+    assert masks.size == dataset.num_blocks * SEQ_LEN
+
+
+def test_truncation_keeps_a_long_reply(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "q", "response": "word " * 100}])
+    assert pack_chat([path], tiny_tokenizer_path, SEQ_LEN, tmp_path / "a", long="truncate")["train"]["truncated"] == 1
+    with pytest.raises(UserError, match="no example that fits"):
+        pack_chat([path], tiny_tokenizer_path, SEQ_LEN, tmp_path / "b", long="drop")
+
+
+def test_a_bad_record_is_named_with_file_and_line(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q"}])
+    with pytest.raises(UserError, match=r"c\.jsonl:2: expected an object"):
+        pack_chat([path], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out")
+
+
+def test_the_loss_mask_keeps_the_prompt_clean_with_the_same_draws() -> None:
+    clean = torch.randint(3, 50, (4, 32))
+    loss_mask = torch.zeros(4, 32, dtype=torch.bool)
+    loss_mask[:, 10:] = True
+    times = torch.tensor([0.3, 0.6, 0.9, 1.0])
+    plain = corrupt_tokens(clean, 1, times, 1e-3, torch.Generator().manual_seed(0))
+    masked = corrupt_tokens(clean, 1, times, 1e-3, torch.Generator().manual_seed(0), loss_mask=loss_mask)
+    assert not masked.mask[:, :10].any() and torch.equal(masked.noisy_tokens[:, :10], clean[:, :10])
+    assert torch.equal(masked.mask[:, 10:], plain.mask[:, 10:])
+    logits = torch.zeros(int(masked.mask.sum()), 64)  # uniform over 64 ids: CE = log 64 at each masked token
+    output = diffusion_cross_entropy(logits, clean, masked)
+    weights = masked.mask_rate / masked.mask_probability
+    expected = (masked.mask.sum(dim=1) * weights * np.log(64) / 22).mean()  # per sequence over its 22 loss tokens
+    assert torch.allclose(output.loss, expected.float())
+
+
+def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=3", "training.warmup_steps=1",
+                                 "training.batch_size=2", "training.eval_interval=3", "training.save_interval=3",
+                                 f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
+                                 f"training.val_data={tmp_path / 'chat' / 'val.bin'}")  # fmt: skip
+    assert train(experiment).status == "complete"
