@@ -11,6 +11,8 @@ from typing import Literal
 
 # `dlm.sampling`: which predictions a denoising step keeps (`token_confidence`, `_Reverse`).
 Remasking = Literal["random", "confidence", "margin"]
+# `dlm.decoding`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
+CacheMode = Literal["none", "prefix", "dual"]
 # `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
 ExportDtype = Literal["bfloat16", "float32"]
 # `dlm export --format`: dlm's own directory (`dlm.export`) or Hugging Face transformers' (`dlm.hf.convert`).

@@ -34,13 +34,13 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-from dlm.choices import Remasking
+from dlm.choices import CacheMode, Remasking
 from dlm.errors import UserError
 from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from dlm.protocols import Denoiser
 
 REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
+CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
 _LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
 StepCallback = Callable[[int, torch.Tensor], None]
 TemplatePart = str | int
@@ -71,6 +72,8 @@ class SamplingOptions:
     top_p: float | None = 0.9
     remasking: Remasking = "random"
     block_length: int | None = None
+    threshold: float | None = None  # `dlm.decoding`: commit every position above this confidence
+    cache: CacheMode = "none"  # `dlm.decoding`: approximate KV cache of a whole-sequence model
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -91,6 +94,10 @@ class SamplingOptions:
                 f"--block-length must be at least 1 (got {self.block_length})",
                 fix="omit it to denoise all positions together",
             )
+        if self.threshold is not None and not 0 < self.threshold < 1:
+            raise UserError(f"--threshold must be in (0, 1) (got {self.threshold})", fix="try --threshold 0.9")
+        if self.cache not in CACHE_CHOICES:
+            raise UserError(f"--cache must be one of {', '.join(CACHE_CHOICES)} (got {self.cache!r})")
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,8 @@ class SampleResult:
     steps: int
     forward_passes: int
     seconds: float
+    forward_tokens: int = 0  # token positions fed to the model over all passes (rows x length): compute
+    lengths: list[int] = field(default_factory=list)  # generated tokens kept per sample
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -420,6 +429,9 @@ def denoise(
     schedule = model_schedule(model) if schedule is None else schedule
     if getattr(model.config, "is_block_model", False):  # block by block, prefix cached, may stop early
         from dlm.block_sampling import denoise_blocks
+        from dlm.decoding import check_block_model_options
+
+        check_block_model_options(options)
 
         return denoise_blocks(model, tokens, fill_mask, options, generator=generator, schedule=schedule,
                               forbidden_token_ids=forbidden_token_ids, on_step=on_step,
@@ -436,6 +448,14 @@ def denoise(
             f"{options.block_length}",
             fix=f"use at least {len(blocks)} steps or a larger --block-length",
         )
+    if options.threshold is not None or options.cache != "none" or stop_token_id is not None:
+        from dlm.decoding import denoise_fast
+
+        if on_step is not None:
+            on_step(0, tokens.clone())
+        return denoise_fast(model, tokens, fill_mask, options, blocks, generator=generator, schedule=schedule,
+                            forbidden_token_ids=forbidden_token_ids, on_step=on_step,
+                            stop_token_id=stop_token_id)  # fmt: skip
     forward_passes, step = 0, 0
     if on_step is not None:
         on_step(0, tokens.clone())
@@ -472,6 +492,23 @@ def _inference(model: Denoiser) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextmanager
+def _counting_tokens(model: Denoiser) -> Iterator[list[int]]:
+    """Count the token positions fed to the model (its first argument), the cost a cache saves."""
+
+    fed = [0]
+
+    def count(module: Any, args: tuple[Any, ...]) -> None:
+        fed[0] += args[0].numel()
+
+    handle = model.register_forward_pre_hook(count) if isinstance(model, torch.nn.Module) else None
+    try:
+        yield fed
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def generate(
     model: Denoiser,
     tokenizer: Any,
@@ -491,6 +528,8 @@ def generate(
     on_step: StepCallback | None = None,
     schedule: str | Schedule | None = None,
     stop_at_end: bool = False,
+    threshold: float | None = None,
+    cache: CacheMode = "none",
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
@@ -500,11 +539,12 @@ def generate(
     model's; another device moves the model there. Texts keep special tokens such as
     `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
     defaults to the noise schedule the model was trained with, which `dlm.load` records. With
-    `stop_at_end` each sample ends at its first generated end-of-document token, and a block model
-    stops generating once every sample has one.
+    `stop_at_end` each sample ends at its first generated end-of-document token, and generation
+    stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
+    counts the generated tokens kept. `threshold` and `cache` are described in `dlm.decoding`.
     """
 
-    options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
+    options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
     parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     config = model.config
     ids, fill = build_sequence(
@@ -524,7 +564,7 @@ def generate(
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
     end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
     start = time.perf_counter()
-    with _inference(model):
+    with _inference(model), _counting_tokens(model) as fed:
         tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
                                          forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen,
                                          stop_token_id=end_id)  # fmt: skip
@@ -535,4 +575,5 @@ def generate(
         token_ids = cut_after_stop(token_ids, fill, end_id)
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
-    return SampleResult(texts, token_ids, steps, forward_passes, seconds)
+    lengths = [sum(fill[: len(row)]) for row in token_ids]
+    return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dlm.choices import Remasking
+from dlm.choices import CacheMode, Remasking
 from dlm.cli.common import DeviceOption, JsonOption, console, print_json
 
 if TYPE_CHECKING:
@@ -111,7 +111,27 @@ StopOption = Annotated[
     bool,
     typer.Option(
         "--stop-at-end",
-        help="End each sample at its first generated <|endoftext|>; a block model stops generating there.",
+        "--stop-at-eos",
+        help="End each sample at its first generated <|endoftext|>; generation stops once every sample has one.",
+    ),
+]
+
+ThresholdOption = Annotated[
+    float | None,
+    typer.Option(
+        "--threshold",
+        metavar="P",
+        help="Parallel decoding: each step commits every masked position of the block whose top probability "
+        "exceeds P (at least one, at least the scheduled count).",
+        show_default=False,
+    ),
+]
+CacheOption = Annotated[
+    CacheMode,
+    typer.Option(
+        "--cache",
+        help="Approximate KV cache of a whole-sequence model, refreshed at every block: none, prefix (keys before "
+        "the block) or dual (before and after it).",
     ),
 ]
 
@@ -146,6 +166,8 @@ def sample(
     remasking: RemaskingOption = "random",
     block_length: BlockOption = None,
     stop_at_end: StopOption = False,
+    threshold: ThresholdOption = None,
+    cache: CacheOption = "none",
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -158,7 +180,7 @@ def sample(
     from dlm.sampling import SamplingOptions, check_request, generate
 
     # Check every option before the (slow) model load.
-    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length)
+    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
     check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     from dlm.export import load_model
     from dlm.runtime import resolve_device
@@ -169,7 +191,7 @@ def sample(
     options: dict[str, Any] = dict(
         prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
         temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-        block_length=block_length, device=resolved, stop_at_end=stop_at_end,
+        block_length=block_length, device=resolved, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
     )  # fmt: skip
     live_view = not as_json and console.is_terminal
     result = _generate_live(model, tokenizer, options) if live_view else generate(model, tokenizer, **options)
