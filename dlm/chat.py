@@ -116,7 +116,33 @@ def encode_example(tokenizer: Any, template: ChatTemplate, turns: list[Turn], eo
     return [*prompt_ids, *response_ids, eos], len(prompt_ids)
 
 
-def encode_prompt(tokenizer: Any, template: ChatTemplate, question: str) -> list[int]:
-    """The ids `dlm sample --chat` conditions on: a one-turn conversation up to the reply."""
 
-    return list(tokenizer.encode(template.prompt([Turn("user", question)]), add_special_tokens=False).ids)
+def chat_prompt(tokenizer_path: str | Path, question: str) -> str:
+    """The text `dlm sample --chat` conditions on: a one-turn conversation up to the reply, in the
+    template that `dlm pack --chat` used for the same tokenizer file."""
+
+    return ChatTemplate.for_tokenizer(tokenizer_path).prompt([Turn("user", question)])
+
+
+def reply(tokenizer: Any, ids: list[int], prompt_length: int, eos: int) -> str:
+    """The generated reply of one sample: the tokens after the prompt, up to its end-of-document."""
+
+    generated = ids[prompt_length:]
+    end = generated.index(eos) if eos in generated else len(generated)
+    return str(tokenizer.decode(generated[:end], skip_special_tokens=False))
+
+
+def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[str]:
+    """`dlm sample --chat`: each sample's reply to `question`, generated after the templated prompt
+    (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`."""
+
+    from dlm.loading import load_model_with_info
+    from dlm.sampling import generate
+    from dlm.tokenizer import special_token_id
+
+    loaded = load_model_with_info(model_path, device=options.get("device") or "cpu")
+    prompt = chat_prompt(loaded.info.tokenizer_path, question)
+    result = generate(loaded.model, loaded.tokenizer, prompt=prompt, stop_at_end=True, **options)
+    prompt_length = len(loaded.tokenizer.encode(prompt, add_special_tokens=False).ids)
+    eos = special_token_id(loaded.tokenizer, "eos")
+    return [reply(loaded.tokenizer, ids, prompt_length, eos) for ids in result.token_ids]

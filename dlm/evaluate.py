@@ -384,6 +384,8 @@ def evaluate_model(
     notes = [] if count == batches else [f"the data holds only {len(dataset)} blocks: evaluated {count} batches"]
     if count == 0:
         raise UserError("the evaluation data holds no blocks", fix="pass --data with a packed split")
+    if (metadata or {}).get("loss_mask"):
+        notes.append("instruction data: the conditional ELBO of the responses given their prompts, per response token")
     table, why = _byte_table(token_bytes, dataset, metadata)
     notes += [why] if why else []
     tokens, text_bytes = _scored_counts(_batches(dataset, batch_size, count), table)

@@ -169,6 +169,11 @@ def sample(
     threshold: ThresholdOption = None,
     cache: CacheOption = "none",
     device: DeviceOption = "auto",
+    chat: Annotated[
+        str | None,
+        typer.Option("--chat", help="Ask a fine-tuned model: QUESTION in the chat template of `dlm pack --chat`; "
+                     "prints the reply, ended at its end-of-document token.", show_default=False),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Generate text by reversing the masking process; a terminal shows it denoise live.
@@ -186,7 +191,14 @@ def sample(
     from dlm.runtime import resolve_device
 
     resolved = str(resolve_device(device, "--device"))
+    if chat is not None:
+        from dlm.chat import chat_replies
 
+        replies = chat_replies(model_path, chat, length=length, steps=steps, num_samples=num_samples, seed=seed,
+                               temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
+                               block_length=block_length, device=resolved)  # fmt: skip
+        print_json({"replies": replies}) if as_json else typer.echo("\n".join(replies))
+        return
     model, tokenizer = load_model(model_path, device=resolved)
     options: dict[str, Any] = dict(
         prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
