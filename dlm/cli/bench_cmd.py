@@ -5,13 +5,13 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from dlm.cli.common import (
-    ConfigOption,
     JsonOption,
     SetOption,
     TrainingDeviceOption,
@@ -51,6 +51,24 @@ def fit_columns(
     return [headers[i] for i in keep], [[row[i] for i in keep] for row in rows], left_out
 
 
+BenchConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Experiment config (TOML) of the training step to time.")
+]
+GenerateOption = Annotated[
+    Path | None,
+    typer.Option("--generate", metavar="MODEL", help="Benchmark sampling from this exported model instead: "
+                 "tokens/s, forward passes per token, judge perplexity and unigram entropy per setting.",
+                 show_default=False),
+]  # fmt: skip
+JudgeOption = Annotated[
+    Path | None,
+    typer.Option("--judge", metavar="MODEL", help="With --generate: the model that scores the samples "
+                 "(default: the sampled model); a block_size = 1 model scores exact likelihoods.", show_default=False),
+]  # fmt: skip
+LengthOption = Annotated[
+    int | None, typer.Option("--length", min=1, help="With --generate: tokens per sample (default: the context).")
+]
+SamplesOption = Annotated[int, typer.Option("--num-samples", min=1, help="With --generate: samples per setting.")]
 BenchFusedOption = Annotated[
     bool,
     typer.Option(
@@ -86,8 +104,34 @@ BenchPeakOption = Annotated[
 ]
 
 
+def _generate_command(model_path: Path, judge_path: Path | None, options: dict[str, Any], as_json: bool) -> None:
+    """`dlm bench --generate`: one row per sampler setting."""
+
+    from rich.table import Table
+
+    from dlm.bench_generate import benchmark_generation, report_table
+    from dlm.export import load_model
+
+    device = options.pop("device")
+    model, tokenizer = load_model(model_path, device=device)
+    judge = None if judge_path is None else load_model(judge_path, device=device)[0]
+    judge_name = "the model itself" if judge_path is None else str(judge_path)
+    if wants_json(as_json):
+        print_json(benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options).to_dict())
+        return
+    with console.status("benchmarking generation") as status:
+        report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name,
+                                      progress=lambda text: status.update(escape(text)), **options)  # fmt: skip
+    console.print(f"{report.num_samples} samples of {report.length} tokens per setting; judge: {escape(judge_name)}")
+    headers, rows = report_table(report)
+    table = Table(*headers)
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    console.print(table)
+
+
 def bench_command(
-    config: ConfigOption,
+    config: BenchConfigOption = None,
     overrides: SetOption = None,
     fused_attention: BenchFusedOption = False,
     steps: BenchStepsOption = 20,
@@ -99,10 +143,25 @@ def bench_command(
     measure_peak: BenchPeakOption = False,
     device: TrainingDeviceOption = None,
     as_json: JsonOption = False,
+    generate: GenerateOption = None,
+    judge: JudgeOption = None,
+    length: LengthOption = None,
+    num_samples: SamplesOption = 4,
 ) -> None:
-    """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory."""
+    """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory.
+
+    With --generate MODEL, time sampling instead, with the quality of the samples beside the speed.
+    """
 
     from rich.table import Table
+
+    from dlm.errors import UserError
+
+    if generate is not None:
+        sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
+        return _generate_command(generate, judge, sampling | {"device": device or "cpu"}, as_json)
+    if config is None:
+        raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
 
     from dlm.bench import BenchReport, Progress, benchmark, report_summary, report_table
     from dlm.config import load_config

@@ -1,0 +1,84 @@
+"""`dlm bench --generate`: settings, quality figures and the table, on small stand-in models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import test_sampling
+import torch
+from test_fast_sampling import small_transformer
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from dlm.bench_generate import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
+from dlm.cli import app
+from dlm.config import ModelConfig
+from dlm.errors import UserError
+from dlm.model import DiffusionTransformer
+
+tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)
+fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)
+
+
+def test_unigram_entropy_in_bits() -> None:
+    assert unigram_entropy([[1, 1], [2, 2]]) == 1.0
+    assert unigram_entropy([[5, 5, 5]]) == 0.0
+    assert math.isclose(unigram_entropy([[1, 2, 3, 4]]), 2.0)
+
+
+def test_compare_makes_every_combination_with_typed_values() -> None:
+    settings = parse_generate_compare(["cache=none,dual", "threshold=none,0.9", "block-length=8"])
+    assert settings == [
+        {"cache": "none", "threshold": None, "block_length": 8},
+        {"cache": "none", "threshold": 0.9, "block_length": 8},
+        {"cache": "dual", "threshold": None, "block_length": 8},
+        {"cache": "dual", "threshold": 0.9, "block_length": 8},
+    ]
+    for bad in (["optimizer=adamw"], ["steps"], ["steps=many"]):
+        with pytest.raises(UserError, match="--compare"):
+            parse_generate_compare(bad)
+
+
+def test_autoregressive_judge_scores_the_exact_likelihood(tokenizer: Tokenizer) -> None:
+    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
+                         pad_vocab_multiple=64, block_size=1)  # fmt: skip
+    torch.manual_seed(0)
+    judge = DiffusionTransformer(config).eval()
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    nll = judge_nll(judge, rows, seed=0)
+    assert nll == judge_nll(judge, rows, seed=1)  # no Monte Carlo
+    # The same figure token by token: position i predicted from the clean tokens before it alone.
+    total = 0.0
+    with torch.inference_mode():
+        for row in rows:
+            for i, token in enumerate(row):
+                prefix = torch.tensor([[*row[:i], config.mask_token_id]])
+                logits = judge(prefix, output_positions=prefix == config.mask_token_id)
+                total -= float(logits.double().log_softmax(-1)[0, token])
+    assert math.isclose(nll, total / 9, rel_tol=1e-5)
+
+
+def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
+    model = small_transformer(tokenizer.get_vocab_size())
+    report = benchmark_generation(model, tokenizer, length=16, num_samples=2, mc_samples=2,
+                                  compare=["block_length=8", "cache=none,dual"])  # fmt: skip
+    none, dual = report.rows
+    assert none.generated_tokens == dual.generated_tokens == 32
+    assert none.tokens_per_second > 0 and 0 < none.passes_per_token <= 1
+    assert dual.forward_tokens_per_token < none.forward_tokens_per_token
+    assert all(math.isfinite(row.judge_perplexity) and row.judge_perplexity > 1 for row in report.rows)
+    headers, table = report_table(report)
+    assert headers[1] == "tokens/s" and table[1][0] == "block_length=8 cache=dual"
+
+
+def test_cli_bench_generate_json_and_table(fake_export: list[object]) -> None:
+    args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert [row["setting"] for row in payload["rows"]] == [{"threshold": None}, {"threshold": 0.5}]
+    assert payload["judge"] == "the model itself" and payload["length"] == 8
+    missing = CliRunner().invoke(app, ["bench"])
+    assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)
