@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import CliResult
 from helpers import tiny_experiment
 
 from dlm.chat import ChatTemplate, encode_example, parse_example
@@ -101,3 +103,32 @@ def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_pa
                                  f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
                                  f"training.val_data={tmp_path / 'chat' / 'val.bin'}")  # fmt: skip
     assert train(experiment).status == "complete"
+
+
+def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
+    chat_file: Path, tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    from dlm.chat import chat_prompt
+    from dlm.loading import load_model_with_info
+    from dlm.sampling import generate
+
+    pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1",
+                                 "training.batch_size=2", "training.eval_interval=2", "training.save_interval=2",
+                                 f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
+                                 f"training.val_data={tmp_path / 'chat' / 'val.bin'}")  # fmt: skip
+    checkpoint = train(experiment).checkpoint
+    loaded = load_model_with_info(checkpoint, device="cpu")
+    prompt = chat_prompt(loaded.info.tokenizer_path, "say be")
+    prompt_ids = loaded.tokenizer.encode(prompt, add_special_tokens=False).ids
+    for remasking in ("random", "confidence"):
+        result = generate(loaded.model, loaded.tokenizer, prompt=prompt, length=16, num_samples=2, seed=3,
+                          remasking=remasking)  # fmt: skip
+        for ids in result.token_ids:  # the templated prompt is never changed by sampling
+            assert list(ids[: len(prompt_ids)]) == prompt_ids
+
+    answer = run_cli("sample", checkpoint, "--chat", "say be", "--length", "16", "--num-samples", "2", "--json")
+    assert answer.exit_code == 0, answer.stderr
+    replies = json.loads(answer.stdout)["replies"]
+    assert len(replies) == 2 and all(isinstance(reply, str) for reply in replies)
+    assert not any("say be" in reply for reply in replies)  # the reply only, not the prompt
