@@ -28,7 +28,7 @@ from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
 from dlm.errors import UserError, check_can_create, reported_os_errors
 from dlm.events import ValidationEvent, read_events
-from dlm.fileio import temporary_path
+from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
 from dlm.loading import LoadedModel as LoadedModel
 from dlm.loading import build_model as build_model
@@ -193,22 +193,6 @@ def _umask() -> int:
     return mask
 
 
-def _swap_into_place(built: Path, output: Path) -> None:
-    """Rename the finished directory to `output`, replacing an old export only at the very end."""
-
-    if not output.exists():
-        built.rename(output)
-        return
-    retired = output.with_name(f".{output.name}.old-{os.getpid()}")
-    output.rename(retired)
-    try:
-        built.rename(output)
-    except OSError:
-        retired.rename(output)  # put the old export back rather than leave nothing
-        raise
-    shutil.rmtree(retired)
-
-
 def export_model(
     source: str | Path,
     output: str | Path,
@@ -251,7 +235,7 @@ def export_model(
         shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
         try:
             _write_export(building, stored, config, card, tokenizer)
-            _swap_into_place(building, output)
+            swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return output

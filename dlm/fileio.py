@@ -107,6 +107,23 @@ def atomic_path(final: Path, durable: bool = False) -> Iterator[Path]:
         fsync_directory(final.parent)
 
 
+def swap_directory_into_place(built: Path, output: Path) -> None:
+    """Rename the finished directory `built` to `output`, replacing an old one only at the very end:
+    a failed rename puts the old directory back rather than leave nothing."""
+
+    if not output.exists():
+        built.rename(output)
+        return
+    retired = output.with_name(f".{output.name}.old-{os.getpid()}")
+    output.rename(retired)
+    try:
+        built.rename(output)
+    except OSError:
+        retired.rename(output)
+        raise
+    shutil.rmtree(retired)
+
+
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = False) -> Path:
     with atomic_path(path, durable) as temporary:
         temporary.write_bytes(data)

@@ -34,7 +34,7 @@ from torch import Tensor
 from dlm import __version__
 from dlm.config import DiffusionConfig, ModelConfig
 from dlm.errors import UserError, check_can_create, reported_os_errors
-from dlm.fileio import temporary_path
+from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import (
     CONFIG_NAME,
     EXPORT_FORMAT,
@@ -210,20 +210,6 @@ def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[s
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def _swap_into_place(built: Path, output: Path) -> None:
-    if not output.exists():
-        built.rename(output)
-        return
-    retired = output.with_name(f".{output.name}.old-{os.getpid()}")
-    output.rename(retired)
-    try:
-        built.rename(output)
-    except OSError:
-        retired.rename(output)  # put the old export back rather than leave nothing
-        raise
-    shutil.rmtree(retired)
-
-
 def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True,
               overwrite: bool = False) -> Path:  # fmt: skip
     """Write a Hugging Face directory from a checkpoint, a run dir, a dlm export or an HF export."""
@@ -247,7 +233,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
         shutil.rmtree(building, ignore_errors=True)
         try:
             _write(building, output.name, stored, config, tokenizer)
-            _swap_into_place(building, output)
+            swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return output
