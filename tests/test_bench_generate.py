@@ -62,7 +62,7 @@ def test_autoregressive_judge_scores_the_exact_likelihood(tokenizer: Tokenizer) 
 
 def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     model = small_transformer(tokenizer.get_vocab_size())
-    report = benchmark_generation(model, tokenizer, length=16, num_samples=2, mc_samples=2,
+    report = benchmark_generation(model, tokenizer, length=16, num_samples=2, mc_samples=2, repeats=2,
                                   compare=["block_length=8", "cache=none,dual"])  # fmt: skip
     none, dual = report.rows
     assert none.generated_tokens == dual.generated_tokens == 32
@@ -75,10 +75,10 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
 
 def test_cli_bench_generate_json_and_table(fake_export: list[object]) -> None:
     args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
-    result = CliRunner().invoke(app, [*args, "--json"])
+    result = CliRunner().invoke(app, [*args, "--repeats", "2", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert [row["setting"] for row in payload["rows"]] == [{"threshold": None}, {"threshold": 0.5}]
-    assert payload["judge"] == "the model itself" and payload["length"] == 8
+    assert payload["judge"] == "the model itself" and payload["length"] == 8 and payload["repeats"] == 2
     missing = CliRunner().invoke(app, ["bench"])
     assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)

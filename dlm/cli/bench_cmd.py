@@ -69,6 +69,9 @@ LengthOption = Annotated[
     int | None, typer.Option("--length", min=1, help="With --generate: tokens per sample (default: the context).")
 ]
 SamplesOption = Annotated[int, typer.Option("--num-samples", min=1, help="With --generate: samples per setting.")]
+RepeatsOption = Annotated[
+    int, typer.Option("--repeats", min=1, help="With --generate: runs per setting; the fastest is reported.")
+]
 BenchFusedOption = Annotated[
     bool,
     typer.Option(
@@ -122,7 +125,8 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
     with console.status("benchmarking generation") as status:
         report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name,
                                       progress=lambda text: status.update(escape(text)), **options)  # fmt: skip
-    console.print(f"{report.num_samples} samples of {report.length} tokens per setting; judge: {escape(judge_name)}")
+    console.print(f"{report.num_samples} samples of {report.length} tokens per setting, fastest of {report.repeats} "
+                  f"runs; judge: {escape(judge_name)}")  # fmt: skip
     headers, rows = report_table(report)
     table = Table(*headers)
     for row in rows:
@@ -147,6 +151,7 @@ def bench_command(
     judge: JudgeOption = None,
     length: LengthOption = None,
     num_samples: SamplesOption = 4,
+    repeats: RepeatsOption = 1,
 ) -> None:
     """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory.
 
@@ -159,6 +164,7 @@ def bench_command(
 
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
+        sampling["repeats"] = repeats
         return _generate_command(generate, judge, sampling | {"device": device or "cpu"}, as_json)
     if config is None:
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
