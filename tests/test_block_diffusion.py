@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 from test_train import assert_same_weights, train_losses
 
 import dlm
-from dlm.attention import bd3_allowed, block_causal_mask
+from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allowed, block_causal_mask, flex_attention
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config import ModelConfig, load_config
@@ -307,3 +308,17 @@ def test_clipped_training_range_keeps_block_times_inside_it(tiny_data_dir: Path,
         tiny_experiment(tiny_data_dir, tmp_path / "bad", "training.clip_mask_min=0.8", "training.clip_mask_max=0.3")
     with pytest.raises(UserError, match="linear"):
         tiny_experiment(tiny_data_dir, tmp_path / "bad", "training.clip_mask_min=0.3", "diffusion.schedule=cosine")
+
+
+@pytest.mark.skipif(flex_attention is None, reason="this torch has no flex attention")
+def test_the_flex_block_mask_selects_the_same_keys_as_the_boolean_mask() -> None:
+    # CUDA trains with the flex kernel; its block mask must be the BD3 pattern. Eager flex (no
+    # backward on the CPU) is enough to compare the two masks' outputs here.
+    length, block_size = 16, 4
+    q, k, v = (torch.randn(2, 2, 2 * length, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    block_mask = _bd3_flex(length, block_size, torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is a slow reference
+        flex = flex_attention(q, k, v, block_mask=block_mask)
+    boolean = attend(q, k, v, AttentionMask("sdpa-mask", _bd3_bool(length, block_size, torch.device("cpu"))))
+    torch.testing.assert_close(flex, boolean, atol=1e-5, rtol=0)
