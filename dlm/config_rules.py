@@ -1,0 +1,136 @@
+"""Cross-field rules of the experiment config, each declared once.
+
+A `Rule` names the field it is reported on, the statement `docs/configuration.md` prints, the check
+and the fix; `dlm.config`'s validators raise the first broken rule as a `FieldProblem`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from dlm.device_support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
+
+
+class FieldProblem(ValueError):
+    """A cross-field rule broken by one field, with the fix a user should apply."""
+
+    def __init__(self, field: str, message: str, fix: str):
+        self.field, self.problem, self.fix = field, message, fix
+        super().__init__(f"{field}: {message}; fix: {fix}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule, declared once: it validates its section and writes its line of the reference."""
+
+    field: str  # the field a broken rule is reported on
+    statement: str  # what must hold, as docs/configuration.md says it
+    problem: Callable[[Any], str | None]  # what is wrong with a section that breaks the rule, else None
+    fix: str
+
+
+def check_rules(section: BaseModel, rules: tuple[Rule, ...]) -> None:
+    """Raise the first broken rule, naming its field and its fix."""
+
+    for rule in rules:
+        problem = rule.problem(section)
+        if problem is not None:
+            raise FieldProblem(rule.field, problem, rule.fix)
+
+
+MODEL_RULES = (
+    Rule(
+        "n_heads",
+        "`model.d_model` is divisible by `model.n_heads`",
+        lambda m: f"d_model ({m.d_model}) is not divisible by n_heads ({m.n_heads})" if m.d_model % m.n_heads else None,
+        "choose n_heads that divides d_model",
+    ),
+    Rule(
+        "n_heads",
+        "`model.d_model / model.n_heads`, the head dimension, is even (rotary embeddings)",
+        lambda m: (
+            f"head dimension d_model / n_heads = {m.head_dim} is odd; rotary embeddings need it even"
+            if m.head_dim % 2
+            else None
+        ),
+        "choose n_heads so that d_model / n_heads is even (64 or 128 is fastest on GPUs)",
+    ),
+    Rule(
+        "block_size",
+        "`model.block_size`, when nonzero, divides `model.max_seq_len`",
+        lambda m: (
+            f"max_seq_len ({m.max_seq_len}) is not a multiple of block_size ({m.block_size})"
+            if m.block_size and m.max_seq_len % m.block_size
+            else None
+        ),
+        "choose a block_size that divides max_seq_len, or 0 for the whole sequence",
+    ),
+    Rule(
+        "mask_token_id",
+        "`model.mask_token_id` < `model.vocab_size`",
+        lambda m: (
+            f"{m.mask_token_id} is not below vocab_size ({m.vocab_size})" if m.mask_token_id >= m.vocab_size else None
+        ),
+        "use the id printed by `dlm tokenizer train`",
+    ),
+)
+
+TRAINING_RULES = (
+    Rule(
+        "warmup_steps",
+        "`training.warmup_steps` < `training.max_steps`",
+        lambda t: f"{t.warmup_steps} is not below max_steps ({t.max_steps})" if t.warmup_steps >= t.max_steps else None,
+        "shorten the warmup or train longer",
+    ),
+    Rule(
+        "min_learning_rate",
+        "`training.min_learning_rate` <= `training.learning_rate`",
+        lambda t: (
+            f"{t.min_learning_rate} is above learning_rate ({t.learning_rate})"
+            if t.min_learning_rate > t.learning_rate
+            else None
+        ),
+        "set min_learning_rate <= learning_rate",
+    ),
+    Rule(
+        "precision",
+        '`training.precision = "float16"` is refused on the CPU',
+        lambda t: precision_problem(t.precision, t.device),
+        FLOAT16_CPU_FIX,
+    ),
+    Rule(
+        "require_fused_attention",
+        "`training.require_fused_attention` needs a CUDA device (or `auto`)",
+        lambda t: fused_attention_problem(t.device) if t.require_fused_attention else None,
+        "set require_fused_attention = false or train on a CUDA device",
+    ),
+    Rule(
+        "clip_mask_min",
+        "`training.clip_mask_min` < `training.clip_mask_max`",
+        lambda t: (
+            f"{t.clip_mask_min} is not below clip_mask_max ({t.clip_mask_max})"
+            if t.clip_mask_min >= t.clip_mask_max
+            else None
+        ),
+        "use e.g. clip_mask_min = 0.3, clip_mask_max = 0.8",
+    ),
+)
+
+# Rules across sections; `field` is then the section a broken rule is reported on.
+EXPERIMENT_RULES = (
+    Rule(
+        "training",
+        '`training.clip_mask_min` / `clip_mask_max` other than 0 and 1 need `diffusion.schedule = "linear"`, '
+        "the one schedule whose time is the mask probability",
+        lambda e: (
+            "clip_mask_min / clip_mask_max need the linear schedule"
+            if (e.training.clip_mask_min, e.training.clip_mask_max) != (0.0, 1.0) and e.diffusion.schedule != "linear"
+            else None
+        ),
+        'set [diffusion] schedule = "linear", or the clipped range to 0 and 1',
+    ),
+)
