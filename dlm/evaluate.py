@@ -17,6 +17,8 @@ batches. It never touches the global RNG.
   `tokens` and `bytes` to recompute it;
 - the loss in `NOISE_BUCKETS` buckets of the diffusion time t (how hard denoising is at each level).
 
+The byte counting and the likelihood figures themselves live in `dlm.likelihood`.
+
 Every figure comes from one noise schedule (`dlm.schedule`), the one the model was trained with.
 
 All noise comes from generators seeded by (seed, pass, batch index): the same checkpoint and data
@@ -31,16 +33,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from dlm.diffusion import Batch, corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed, split_batch
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
+from dlm.likelihood import byte_table, likelihood_figures, scored_counts
+from dlm.likelihood import packed_token_bytes as packed_token_bytes
 from dlm.runtime import autocast_context
 from dlm.schedule import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
-from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser
@@ -293,56 +295,6 @@ def _bucket_pass(
     ]
 
 
-def packed_token_bytes(
-    metadata: Mapping[str, Any] | None, candidates: Iterable[Path]
-) -> tuple[np.ndarray | None, str | None]:
-    """The per-id byte table (`token_byte_lengths`) of the first tokenizer file among `candidates`
-    whose sha256 is the one the pack metadata records, or (None, why bits per byte are skipped).
-
-    Only the tokenizer the data was packed with decodes its ids to the right bytes, hence the hash.
-    """
-
-    expected = (metadata or {}).get("tokenizer_sha256")
-    if not expected:
-        return None, "bits per byte skipped: the data records no tokenizer hash (pass token_bytes, or pack it)"
-    looked = []
-    for candidate in candidates:
-        if candidate.is_file() and tokenizer_sha256(candidate) == expected:
-            return token_byte_lengths(load_tokenizer(candidate)), None
-        looked.append(str(candidate))
-    where = ", ".join(looked) or "nowhere"
-    return None, f"bits per byte skipped: no tokenizer.json with the data's sha256 (looked at {where})"
-
-
-def _byte_table(token_bytes: Any, dataset: Any, metadata: Mapping[str, Any] | None) -> tuple[Tensor | None, str | None]:
-    """`token_bytes` as a tensor; without it, the table of the tokenizer beside a packed dataset."""
-
-    if token_bytes is not None:
-        return torch.as_tensor(np.asarray(token_bytes), dtype=torch.int64), None
-    path = getattr(dataset, "path", None)
-    table, why = packed_token_bytes(metadata, [Path(path).parent / "tokenizer.json"] if path else [])
-    return (None, why) if table is None else (torch.from_numpy(table), None)
-
-
-def _scored_counts(batches: Iterable[Batch], table: Tensor | None) -> tuple[int, int | None]:
-    """Tokens scored (with a loss mask, the response tokens only), and the exact UTF-8 bytes they
-    decode to (None without a byte table)."""
-
-    tokens, text_bytes = 0, 0
-    for batch in batches:
-        clean, loss_mask = split_batch(batch)
-        clean = clean if loss_mask is None else clean[loss_mask]
-        tokens += clean.numel()
-        if table is not None:
-            if int(clean.max()) >= table.numel():
-                raise UserError(
-                    f"the data holds token id {int(clean.max())}, beyond the tokenizer's {table.numel()} ids",
-                    fix="evaluate on data packed with the model's tokenizer",
-                )
-            text_bytes += int(table[clean].sum())
-    return tokens, None if table is None else text_bytes
-
-
 def _check_counts(batches: int, mc_samples: int, batch_size: int) -> None:
     for option, value in (("--batches", batches), ("--mc-samples", mc_samples), ("--batch-size", batch_size)):
         if value < 1:
@@ -386,9 +338,9 @@ def evaluate_model(
         raise UserError("the evaluation data holds no blocks", fix="pass --data with a packed split")
     if (metadata or {}).get("loss_mask"):
         notes.append("instruction data: the conditional ELBO of the responses given their prompts, per response token")
-    table, why = _byte_table(token_bytes, dataset, metadata)
+    table, why = byte_table(token_bytes, dataset, metadata)
     notes += [why] if why else []
-    tokens, text_bytes = _scored_counts(_batches(dataset, batch_size, count), table)
+    tokens, text_bytes = scored_counts(_batches(dataset, batch_size, count), table)
     was_training = model.training
     model.eval()
     try:
@@ -409,40 +361,10 @@ def evaluate_model(
         device=str(device),
         fixed_noise_loss=fixed["loss"],
         fixed_noise_accuracy=fixed["masked_accuracy"],
-        **_likelihood_figures(means, errors, mc_samples, tokens, text_bytes, notes),
+        **likelihood_figures(means, errors, mc_samples, tokens, text_bytes, notes),
         loss_by_t=buckets,
         notes=notes,
     )
-
-
-def _likelihood_figures(
-    means: Tensor, errors: Tensor, mc_samples: int, tokens: int, text_bytes: int | None, notes: list[str]
-) -> dict[str, Any]:
-    """NLL, its two standard errors, the perplexity bound and bits per byte from per-sequence
-    Monte Carlo means [S] and their standard errors [S] over `tokens` scored tokens that decode to
-    `text_bytes` UTF-8 bytes; reasons for missing figures go to `notes`."""
-
-    sequences = means.numel()
-    nll = float(means.mean())
-    # Sequences and Monte Carlo samples together: each sequence mean already carries its MC noise.
-    stderr = float(means.std() / math.sqrt(sequences)) if sequences > 1 else None
-    # The Monte Carlo part alone: the error of a mean of S independent per-sequence estimates.
-    mc_stderr = float(errors.pow(2).sum().sqrt() / sequences) if mc_samples > 1 else None
-    if mc_samples == 1:
-        notes.append("--mc-samples 1: no Monte Carlo standard error")
-    if text_bytes == 0:
-        notes.append("bits per byte skipped: the scored tokens decode to no text (only special tokens)")
-    to_bits = tokens / (text_bytes * math.log(2)) if text_bytes else None
-    return {
-        "nll": nll,
-        "nll_stderr": stderr,
-        "nll_mc_stderr": mc_stderr,
-        "perplexity_bound": math.exp(min(nll, 700.0)),  # exp overflows a double past ~709
-        "bits_per_byte": None if to_bits is None else nll * to_bits,
-        "bits_per_byte_stderr": None if to_bits is None or stderr is None else stderr * to_bits,
-        "tokens": tokens,
-        "bytes": text_bytes,
-    }
 
 
 def _evaluation_dataset(data: str | Path | None, info: Any) -> Any:
