@@ -9,6 +9,7 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     calibrate  time a few real training steps on the device
     train      `dlm.train.train` until the planned last step or the end of the time budget
     evaluate   bits per byte on the validation plays (DIR/run/eval.json) beside a unigram baseline
+               (`dlm.demo_baseline`)
     export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
@@ -33,13 +34,17 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlm.config import ExperimentConfig, load_config, with_overrides
+from dlm.demo_baseline import UNIGRAM_MARGIN as UNIGRAM_MARGIN
+from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
+from dlm.demo_baseline import unigram_bits_per_byte as unigram_bits_per_byte
+from dlm.demo_baseline import unigram_verdict as unigram_verdict
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 from dlm.events import StreamEvent, StreamSink
@@ -61,7 +66,6 @@ CPU_MODEL_OVERRIDES = (
     "training.learning_rate=2e-3",
     "training.eval_batches=4",
 )
-UNIGRAM_MARGIN = 0.02  # bits per byte: a model this close to its unigram level learned next to nothing
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
     ("prompt", "ROMEO:", None),
@@ -301,53 +305,6 @@ def _validate_stage(demo: _Demo) -> None:
 
 
 # ------------------------------------------------------------------------------ evaluate, export, samples
-
-
-class SpreadBlocks:
-    """`count` blocks spread evenly over a packed split, so that an evaluation of part of the
-    validation split covers all three plays, not the first act of Hamlet."""
-
-    def __init__(self, dataset: Any, count: int):
-        self.dataset, self.metadata = dataset, dataset.metadata
-        self.indices = sorted({round(i * (len(dataset) - 1) / max(1, count - 1)) for i in range(count)})
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[self.indices[index]]
-
-
-def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: Any = None) -> float | None:
-    """Bits per byte of add-one unigram frequencies of the training tokens on these validation
-    blocks: the level of a model that ignores all context. The bytes are those of exactly these
-    blocks, from `token_bytes` (UTF-8 bytes per id) or the data's own tokenizer.json."""
-
-    import numpy as np
-
-    from dlm.data import load_packed_dataset
-    from dlm.evaluate import packed_token_bytes
-
-    train, val = load_packed_dataset(data_dir, split="train"), load_packed_dataset(data_dir, split="val")
-    if token_bytes is None:
-        token_bytes, _ = packed_token_bytes(val.metadata, [data_dir / "tokenizer.json"])
-    counts = np.bincount(np.asarray(train.tokens).ravel(), minlength=int(train.metadata["vocab_size"])) + 1.0
-    log_probability = np.log(counts / counts.sum())
-    evaluated = np.asarray(val.tokens[list(blocks)]).ravel()
-    text_bytes = None if token_bytes is None else int(np.asarray(token_bytes)[evaluated].sum())
-    return None if not text_bytes else float(-log_probability[evaluated].sum() / (text_bytes * math.log(2)))
-
-
-def unigram_verdict(bits_per_byte: float | None, unigram: float | None) -> str | None:
-    """What to say when the model is no better than token frequencies on the held-out text."""
-
-    if bits_per_byte is None or unigram is None or bits_per_byte < unigram - UNIGRAM_MARGIN:
-        return None
-    return (
-        f"the model ends at the unigram level ({bits_per_byte:.3f} bits per byte against {unigram:.3f} from "
-        "token frequencies alone): it has learned next to nothing about context. Train longer (a larger "
-        "--minutes continues this run) or on a GPU, train a smaller model (--config), or check the data"
-    )
 
 
 def _eval_figures(report: dict[str, Any], path: Path) -> dict[str, Any]:
