@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-# `dlm.sampling`: which predictions a denoising step keeps (`token_confidence`, `_Reverse`).
+# `dlm.remasking`: which predictions a denoising step keeps (the built-in names; more can be registered there).
 Remasking = Literal["random", "confidence", "margin"]
 # `dlm.decoding`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
 CacheMode = Literal["none", "prefix", "dual"]

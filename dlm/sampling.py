@@ -30,7 +30,6 @@ predictions while the noisy sequence is unchanged). `SampleResult.forward_passes
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -40,25 +39,24 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-from dlm.choices import CacheMode, Remasking
+from dlm.choices import CacheMode
 from dlm.errors import UserError
+from dlm.prompting import TemplatePart as TemplatePart
+from dlm.prompting import build_sequence as build_sequence
+from dlm.prompting import check_request as check_request
+from dlm.prompting import parse_template as parse_template
+from dlm.prompting import split_masked as split_masked
+from dlm.remasking import remasking_names
+from dlm.remasking import token_confidence as token_confidence
 from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser
 
-REMASKING_CHOICES: tuple[str, ...] = get_args(Remasking)
 CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
 _LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
 StepCallback = Callable[[int, torch.Tensor], None]
-TemplatePart = str | int
-
-# `[MASK]` or `[MASK*...]`; anything after the star is validated so typos fail loudly.
-_MASK_SPAN = re.compile(r"\[MASK(\*[^\]]*)?\]")
-_TEMPLATE_HELP = "write [MASK] for one token or [MASK*N] for N tokens, e.g. 'ROMEO: [MASK*20] Verona'"
-
-
 @dataclass(frozen=True)
 class SamplingOptions:
     """How to run the reverse process; invalid values raise `UserError` naming the CLI option."""
@@ -70,7 +68,7 @@ class SamplingOptions:
     # confidence-ordered reveals commit the most frequent token (a newline) nearly everywhere; random
     # (ancestral) reveals with nucleus sampling give text.
     top_p: float | None = 0.9
-    remasking: Remasking = "random"
+    remasking: str = "random"  # a name registered in dlm.remasking (built-ins: dlm.choices.Remasking)
     block_length: int | None = None
     threshold: float | None = None  # `dlm.decoding`: commit every position above this confidence
     cache: CacheMode = "none"  # `dlm.decoding`: approximate KV cache of a whole-sequence model
@@ -87,8 +85,8 @@ class SamplingOptions:
             raise UserError(f"--top-k must be at least 1 (got {self.top_k})", fix="omit it to keep all tokens")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})", fix="try --top-p 0.9")
-        if self.remasking not in REMASKING_CHOICES:
-            raise UserError(f"--remasking must be one of {', '.join(REMASKING_CHOICES)} (got {self.remasking!r})")
+        if self.remasking not in remasking_names():
+            raise UserError(f"--remasking must be one of {', '.join(remasking_names())} (got {self.remasking!r})")
         if self.block_length is not None and self.block_length < 1:
             raise UserError(
                 f"--block-length must be at least 1 (got {self.block_length})",
@@ -117,132 +115,6 @@ class SampleResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompts and templates
-
-
-def parse_template(text: str) -> list[TemplatePart]:
-    """Split an infilling template into fixed text (str) and mask-span lengths (int)."""
-
-    parts: list[TemplatePart] = []
-    position = 0
-    for match in _MASK_SPAN.finditer(text):
-        if match.start() > position:
-            parts.append(text[position : match.start()])
-        spec = match.group(1)
-        count = 1
-        if spec is not None:
-            if not re.fullmatch(r"\*\d+", spec):
-                raise UserError(f"malformed mask span {match.group(0)!r} in --text", fix=_TEMPLATE_HELP)
-            count = int(spec[1:])
-            if count < 1:
-                raise UserError(f"mask span {match.group(0)!r} in --text asks for no tokens", fix=_TEMPLATE_HELP)
-        parts.append(count)
-        position = match.end()
-    if position < len(text):
-        parts.append(text[position:])
-    if not any(isinstance(part, int) for part in parts):
-        raise UserError("--text has no [MASK] span to generate", fix=_TEMPLATE_HELP)
-    return parts
-
-
-def _encode(tokenizer: Any, text: str, option: str, mask_token_id: int) -> list[int]:
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
-    if mask_token_id in ids:
-        # A literal mask token would stay masked forever: it is not a position we were asked to fill.
-        raise UserError(f"{option} contains the mask token itself", fix=_TEMPLATE_HELP)
-    return ids
-
-
-def _check_utf8(option: str, value: str | None) -> None:
-    """Undecodable command-line bytes reach Python as lone surrogates, which no tokenizer encodes."""
-
-    try:
-        (value or "").encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise UserError(f"{option} is not valid UTF-8 text (at character {exc.start + 1})",
-                        fix="pass the text in UTF-8") from None  # fmt: skip
-
-
-def check_request(
-    *, prompt: str = "", text: str | None = None, length: int = 64, num_samples: int = 1, seed: int = 0
-) -> list[TemplatePart]:
-    """Validate what to generate (all but `SamplingOptions`) and return the sequence layout.
-
-    The layout is fixed text (str) and spans to generate (int): `prompt` then `length` masks, or
-    the parsed template `text`. Needs no model, so a CLI can check its options before loading one.
-    """
-
-    for option, value in (("--prompt", prompt), ("--text", text)):
-        _check_utf8(option, value)
-    if num_samples < 1:
-        raise UserError(f"--num-samples must be at least 1 (got {num_samples})", fix="pass --num-samples 1")
-    if not 0 <= seed < 2**63:
-        raise UserError(f"--seed must be in [0, 2**63) (got {seed})")
-    if text is not None:
-        if prompt:
-            raise UserError("--prompt and --text cannot be combined", fix="start the --text template with the prompt")
-        return parse_template(text)
-    if length < 1:
-        raise UserError(f"--length must be at least 1 (got {length})", fix="pass --length 64")
-    return [prompt, length] if prompt else [length]
-
-
-def build_sequence(
-    tokenizer: Any, parts: Sequence[TemplatePart], *, templated: bool, mask_token_id: int, max_seq_len: int
-) -> tuple[list[int], list[bool]]:
-    """Token ids of the starting sequence and, per position, whether it is to be generated.
-
-    Each fixed piece of text is tokenized on its own so that it stays exactly as given around the
-    generated spans. `templated` says whether `parts` came from --text (for error messages).
-    """
-
-    option = "--text" if templated else "--prompt"
-    ids: list[int] = []
-    fill: list[bool] = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += [mask_token_id] * part
-            fill += [True] * part
-        else:
-            piece = _encode(tokenizer, part, option, mask_token_id)
-            ids += piece
-            fill += [False] * len(piece)
-    if len(ids) > max_seq_len:
-        if templated:
-            problem = f"the --text template is {len(ids)} tokens"
-            fix = "shorten the template or its [MASK*N] spans"
-        else:
-            length = sum(fill)
-            problem = f"--prompt ({len(ids) - length} tokens) plus --length ({length}) is {len(ids)} tokens"
-            fix = "shorten the prompt or lower --length"
-        raise UserError(f"{problem}, more than the model's max_seq_len ({max_seq_len})", fix=fix)
-    return ids, fill
-
-
-def split_masked(tokenizer: Any, ids: Sequence[int], mask_token_id: int) -> list[TemplatePart]:
-    """Decoded runs of known tokens (str) and lengths of masked runs (int), for live views."""
-
-    parts: list[TemplatePart] = []
-    run: list[int] = []
-    masked = 0
-    for token in ids:
-        if token == mask_token_id:
-            if run:
-                parts.append(tokenizer.decode(run, skip_special_tokens=False))
-                run = []
-            masked += 1
-        else:
-            if masked:
-                parts.append(masked)
-                masked = 0
-            run.append(token)
-    if run:
-        parts.append(tokenizer.decode(run, skip_special_tokens=False))
-    if masked:
-        parts.append(masked)
-    return parts
-
-
 # ---------------------------------------------------------------------------------------------
 # Token sampling
 
@@ -288,15 +160,6 @@ def sample_tokens(
     uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float64).tiny)))
     return (logits + gumbel).argmax(dim=-1)
-
-
-def token_confidence(probs: torch.Tensor, tokens: torch.Tensor, remasking: Remasking) -> torch.Tensor:
-    """Confidence [N] of sampled `tokens` [N] under `probs` [N, V]: p(token), or top-1 - top-2."""
-
-    if remasking == "margin":
-        top2 = probs.topk(2, dim=-1).values
-        return top2[:, 0] - top2[:, 1]
-    return probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,7 +385,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = 0.9,
-    remasking: Remasking = "random",
+    remasking: str = "random",
     block_length: int | None = None,
     device: str | torch.device | None = None,
     on_step: StepCallback | None = None,

@@ -479,3 +479,27 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
     for function in functions:
         defaults = {name: inspect.signature(function).parameters[name].default for name in expected}
         assert defaults == expected, function
+
+
+def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(tokenizer: Tokenizer) -> None:
+    from dlm.remasking import register_remasking, remasking_names, unregister_remasking
+
+    model = random_model(tokenizer)
+    calls: list[int] = []
+
+    def least_confident(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        calls.append(len(tokens))
+        return -probs.gather(-1, tokens[:, None]).squeeze(-1)  # reveal the least likely sample first
+
+    register_remasking("least_confident", least_confident)
+    try:
+        assert remasking_names() == ("random", "confidence", "margin", "least_confident")
+        ours = generate(model, tokenizer, length=12, steps=4, seed=5, remasking="least_confident")
+        theirs = generate(model, tokenizer, length=12, steps=4, seed=5, remasking="confidence")
+        assert calls and ours.texts != theirs.texts  # the ranking decided what was revealed
+        with pytest.raises(ValueError, match="already registered"):
+            register_remasking("least_confident", least_confident)
+    finally:
+        unregister_remasking("least_confident")
+    with pytest.raises(UserError, match="--remasking must be one of random, confidence, margin"):
+        generate(model, tokenizer, length=12, steps=4, seed=5, remasking="least_confident")
