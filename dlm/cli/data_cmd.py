@@ -5,17 +5,15 @@ The library modules load lazily inside each command so that `dlm pack` never pay
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.cli.progress import ProgressView
 from dlm.corpus import SUPPORTED, DecodeErrors
 from dlm.errors import UserError
 
@@ -45,56 +43,24 @@ ErrorsOption = Annotated[
 OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace existing output files.")]
 
 
-class _ProgressView:
-    """A rich progress bar on a terminal; otherwise a JSON line at most once a second."""
+class _ProgressView(ProgressView):
+    """Bytes read (and tokens written): MB/s, tokens/s and ETA, on stdout."""
 
     def __init__(self, description: str, as_json: bool):
-        self.description, self.as_json = description, as_json
-        self.started = time.perf_counter()
-        self.last_line = 0.0
-        self.finished = False
-        self.bar: Any = None
-
-    def __enter__(self) -> _ProgressView:
-        if not self.as_json:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
-
-            self.bar = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                TaskProgressColumn(),
-                TextColumn("{task.fields[rates]}"),
-                console=console,
-            )
-            self.bar.start()
-            self.task = self.bar.add_task(self.description, total=None, rates="")
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        super().__init__(description, as_json, console, sys.stdout)
 
     def update(self, done: int, total: int, tokens: int | None = None) -> None:
-        now = time.perf_counter()
-        elapsed = max(now - self.started, 1e-9)
+        elapsed = self.elapsed
         rate = done / elapsed
         eta = (total - done) / rate if rate > 0 else None
-        if self.bar is not None:
-            text = f"{rate / 1e6:.2f} MB/s"
-            if tokens is not None:
-                text += f"  {tokens / elapsed:,.0f} tok/s"
-            text += f"  ETA {eta:.0f}s" if eta is not None else ""
-            self.bar.update(self.task, completed=done, total=total, rates=text)
-        elif now - self.last_line >= 1.0 or (done >= total and not self.finished):
-            self.last_line, self.finished = now, done >= total
-            line = {"event": "progress", "bytes": done, "total_bytes": total, "mb_per_s": rate / 1e6}
-            if tokens is not None:
-                line.update(tokens=tokens, tokens_per_s=tokens / elapsed)
-            line["eta_s"] = eta
-            sys.stdout.write(json.dumps(line) + "\n")
-            sys.stdout.flush()
+        text = f"{rate / 1e6:.2f} MB/s"
+        if tokens is not None:
+            text += f"  {tokens / elapsed:,.0f} tok/s"
+        text += f"  ETA {eta:.0f}s" if eta is not None else ""
+        fields: dict[str, Any] = {"bytes": done, "total_bytes": total, "mb_per_s": rate / 1e6}
+        if tokens is not None:
+            fields.update(tokens=tokens, tokens_per_s=tokens / elapsed)
+        self.show(done, total, text, {**fields, "eta_s": eta})
 
 
 @tokenizer_app.command("train")

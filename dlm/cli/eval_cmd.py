@@ -5,20 +5,17 @@ Libraries load inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
 from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
+from dlm.cli.progress import ProgressView
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, TaskID
 
     from dlm.evaluate import EvalReport
 
@@ -38,44 +35,18 @@ _WEIGHTS = {
 }
 
 
-class EvalProgress:
-    """Batches scored, with rate and ETA: a rich bar on stderr when a person watches, else a JSON
-    line on stderr at most once a second (stdout keeps the one report document)."""
+class EvalProgress(ProgressView):
+    """Batches scored, with rate and ETA, on stderr: stdout keeps the one report document."""
 
     def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.bar: Progress | None = None
-        self.task: TaskID | None = None
-        self.started = time.perf_counter()
-        self.last_line = 0.0
-
-    def __enter__(self) -> EvalProgress:
-        if not self.as_json:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            columns = (BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
-            self.bar = Progress(TextColumn("[bold]scoring"), *columns, console=err_console, transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("scoring", total=None, rate="")
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        super().__init__("scoring", as_json, err_console, sys.stderr)
 
     def update(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        rate = done / max(now - self.started, 1e-9)
-        if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, completed=done, total=total, rate=f"{rate:.2f} batches/s")
-        elif now - self.last_line >= 1.0 or done == total:
-            self.last_line = now
-            eta = (total - done) / rate if rate > 0 else None
-            line: dict[str, Any] = {"event": "progress", "batches": done, "total_batches": total, "batches_per_s": rate}
-            sys.stderr.write(json.dumps({**line, "eta_s": eta}) + "\n")
-            sys.stderr.flush()
+        rate = done / self.elapsed
+        eta = (total - done) / rate if rate > 0 else None
+        text = f"{done}/{total} batches  {rate:.2f} batches/s" + (f"  ETA {eta:.0f}s" if eta is not None else "")
+        fields = {"batches": done, "total_batches": total, "batches_per_s": rate, "eta_s": eta}
+        self.show(done, total, text, fields)
 
 
 def partial_note(report: EvalReport) -> str | None:
