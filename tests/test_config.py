@@ -54,6 +54,24 @@ def test_shipped_sizes_match_their_names() -> None:
     assert 10e6 < params("shakespeare") < 20e6
 
 
+def test_cpu_recipe_builds_and_trains_on_a_cpu() -> None:
+    """configs/cpu.toml, the measured CPU recipe: 64-token blocks, a few million parameters, fp32 on the CPU."""
+
+    import torch
+
+    from dlm.model import DiffusionTransformer
+
+    experiment = load_config(ROOT / "configs" / "cpu.toml")
+    assert experiment.model.max_seq_len == 64
+    assert experiment.diffusion.schedule == "cosine"  # the measured winner
+    assert experiment.training.device == "cpu"
+    assert experiment.training.warmup_steps < experiment.training.max_steps
+    model = DiffusionTransformer(experiment.model)
+    assert 3e6 < model.num_parameters < 8e6
+    tokens = torch.randint(2, experiment.model.vocab_size, (2, experiment.model.max_seq_len))
+    assert model(tokens).shape[:2] == tokens.shape
+
+
 @pytest.mark.parametrize(
     ("toml", "field"),
     [
