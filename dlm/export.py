@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +66,23 @@ def _store_once(weights: dict[str, Tensor], dtype: torch.dtype) -> tuple[dict[st
     return stored, tied
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def check_export_output(output: Path, overwrite: bool, replaceable: Callable[[Path], bool], kind: str) -> None:
+    """Refuse an --output that exists, unless --overwrite and it is a directory `replaceable` accepts:
+    --overwrite deletes the old directory, so it must be an export, never a user's folder."""
+
     check_can_create(output, "--output")
     if not output.exists():
         return
     if not overwrite:
         raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
-    if not output.is_dir():
-        raise UserError("output exists and is not a directory", path=output, fix="choose another --output")
-    # --overwrite deletes the old directory, so it must be one of ours, never a user's folder.
-    if not (output / CONFIG_NAME).is_file():
-        raise UserError(
-            "output is not a dlm export, refusing to replace it", path=output, fix="choose another --output"
-        )
-    read_export_config(output)
+    if not (output.is_dir() and replaceable(output)):
+        raise UserError(f"output is not {kind}, refusing to replace it", path=output, fix="choose another --output")
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "a dlm export")
+    if output.exists():
+        read_export_config(output)  # a damaged export is said so, not silently replaced
 
 
 def _last_validation(run_dir: Path) -> ValidationEvent | None:

@@ -35,7 +35,6 @@ from dlm.checkpoint import (
     load_checkpoint,
     save_inference_checkpoint,
     save_training_checkpoint,
-    step_checkpoint_name,
 )
 from dlm.config import ExperimentConfig
 from dlm.data import DeterministicBatchSampler, load_packed_dataset
@@ -60,6 +59,7 @@ from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_k
 from dlm.optimizers import optimizer_spec
 from dlm.run_dir import (
     MetricsFile,
+    RunDir,
     check_resumable,
     check_run_file_kinds,
     check_run_target,
@@ -205,7 +205,7 @@ class Trainer:
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
         state = self.state()
-        path = config.output_dir / step_checkpoint_name(step)
+        path = RunDir(config.output_dir).step_checkpoint(step)  # what every rank reports; rank 0 writes it
         if self.world.is_main:
             path = save_training_checkpoint(config.output_dir, state, step, config.keep_last_checkpoints)
             if config.save_inference_checkpoint:

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from dlm import __version__
 from dlm.config import DiffusionConfig, ModelConfig
-from dlm.errors import UserError, check_can_create, reported_os_errors
+from dlm.errors import UserError, reported_os_errors
+from dlm.export import check_export_output
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import (
     CONFIG_NAME,
@@ -184,17 +185,6 @@ def hf_card(name: str) -> str:
     ])  # fmt: skip
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
-    check_can_create(output, "--output")
-    if not output.exists():
-        return
-    if not overwrite:
-        raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
-    # --overwrite deletes the old directory, so it must be an export, never a user's folder.
-    if not (output.is_dir() and (is_hf_export(output) or _is_dlm_export(output))):
-        raise UserError("output is not an export, refusing to replace it", path=output, fix="choose another --output")
-
-
 def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
     from safetensors.torch import save_file
 
@@ -217,7 +207,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     output = Path(output)
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
-    _check_output(output, overwrite)
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or _is_dlm_export(path), "an export")
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
