@@ -9,7 +9,7 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     calibrate  time a few real training steps on the device
     train      `dlm.train.train` until the planned last step or the end of the time budget
     evaluate   bits per byte on the validation plays (DIR/run/eval.json) beside a unigram baseline
-               (`dlm.demo_baseline`)
+               (`dlm.unigram`)
     export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlm.config import ExperimentConfig, load_config, with_overrides
-from dlm.demo_baseline import UNIGRAM_MARGIN as UNIGRAM_MARGIN
 from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
-from dlm.demo_baseline import unigram_bits_per_byte as unigram_bits_per_byte
-from dlm.demo_baseline import unigram_verdict as unigram_verdict
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 from dlm.events import StreamEvent, StreamSink
 from dlm.fileio import atomic_write_json
+from dlm.unigram import UNIGRAM_MARGIN as UNIGRAM_MARGIN
+from dlm.unigram import unigram_bits_per_byte as unigram_bits_per_byte
+from dlm.unigram import unigram_verdict as unigram_verdict
 
 if TYPE_CHECKING:
     from dlm.run_dir import RunDir

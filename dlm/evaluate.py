@@ -150,6 +150,8 @@ class EvalReport:
     bits_per_byte_stderr: float | None
     bytes: int | None  # exact UTF-8 bytes of the scored tokens: bits_per_byte = nll x tokens / (bytes x ln 2)
     loss_by_t: list[NoiseBucket] = field(default_factory=list)
+    # Bits per byte of the training split's token frequencies on the same scored tokens (`dlm.unigram`).
+    unigram_bits_per_byte: float | None = None
     notes: list[str] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)  # model and data it came from
 
@@ -448,7 +450,26 @@ def evaluate_source(
     if why:  # evaluate_model looked beside the data only: name every place looked at
         report.notes = [note for note in report.notes if not note.startswith("bits per byte skipped")] + [why]
     report.context = {**info.to_dict(), "data": str(dataset.path), "data_sequences": len(dataset)}
+    _add_unigram_level(report, dataset, token_bytes)
     return report
+
+
+def _add_unigram_level(report: EvalReport, dataset: Any, token_bytes: Any) -> None:
+    """The unigram level of the scored sequences beside the model's bits per byte, from the
+    training split packed with the data, with a verdict when the model is no better."""
+
+    from dlm.unigram import TRAINING_ADVICE, unigram_bits_per_byte, unigram_verdict
+
+    train = dataset.path.parent / "train.bin"
+    if report.bits_per_byte is None or dataset.metadata.get("loss_mask"):
+        return  # no byte count, or instruction data: responses given prompts have no unigram analogue
+    if not train.is_file():
+        report.notes.append("unigram level skipped: no train.bin beside the data to count frequencies in")
+        return
+    scored = range(report.sequences)  # the first sequences, in order, as the passes read them
+    report.unigram_bits_per_byte = unigram_bits_per_byte(train.parent, scored, token_bytes, evaluated=dataset)
+    verdict = unigram_verdict(report.bits_per_byte, report.unigram_bits_per_byte, TRAINING_ADVICE)
+    report.notes += [verdict] if verdict else []
 
 
 def write_report(report: EvalReport, path: str | Path) -> Path:

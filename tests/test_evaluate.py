@@ -278,3 +278,34 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
     assert result.exit_code == 130
     assert result.stderr == "interrupted: evaluation stopped, nothing written\n"
     assert not (tmp_path / "eval.json").exists()
+
+
+@pytest.mark.parametrize(("batches", "batch_size"), [(2, 8), (1, 3)])
+def test_eval_reports_the_unigram_level_of_exactly_the_scored_blocks(
+    run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlm.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
+    report = evaluate_source(run_dir, batches=batches, batch_size=batch_size, mc_samples=2)
+    train = np.asarray(load_packed_dataset(tiny_data_dir, split="train").tokens).ravel()
+    scored = np.asarray(load_packed_dataset(tiny_data_dir, split="val").tokens[: batches * batch_size]).ravel()
+    counts = np.bincount(train, minlength=512) + 1.0
+    nats = -np.log(counts[scored] / counts.sum()).sum()
+    assert report.bytes is not None and report.unigram_bits_per_byte is not None
+    assert report.unigram_bits_per_byte == pytest.approx(nats / (report.bytes * math.log(2)), rel=1e-12)
+    assert report.to_dict()["unigram_bits_per_byte"] == report.unigram_bits_per_byte
+
+
+def test_eval_says_when_the_model_is_no_better_than_the_unigram_level(
+    run_dir: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = evaluate_source(run_dir, mc_samples=2, batches=1, batch_size=4)
+    assert report.unigram_bits_per_byte is not None and report.bits_per_byte is not None
+    verdicts = [note for note in report.notes if "unigram level" in note]
+    if report.bits_per_byte < report.unigram_bits_per_byte - 0.02:
+        assert verdicts == []
+    else:  # four steps of training: at the level, said with what to do
+        assert len(verdicts) == 1 and "dlm resume" in verdicts[0] and "--minutes" not in verdicts[0]
+    monkeypatch.setattr("dlm.cli.eval_cmd.wants_json", lambda flag: False)
+    result = run_cli("eval", run_dir, "--mc-samples", "2", "--batches", "1", "--batch-size", "4")
+    assert result.exit_code == 0, result.stderr
+    assert f"{report.unigram_bits_per_byte:.4f}" in result.stdout and "unigram level" in result.stdout
