@@ -7,7 +7,10 @@ byte per token): 1 where the token is learned (the reply, its end-of-document to
 Padding counts in the loss by default because that is how the model learns to stop; LLaDA's
 authors observed that many end-of-document tokens make the model answer too briefly, which is what
 `mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and counted.
-Files are written under temporary names and renamed at the end, metadata last, as `dlm pack` does.
+Examples are read one line at a time and each block goes to disk as soon as it is made, so memory
+stays flat in the size of the data. Files are written under temporary names and renamed at the end,
+metadata last, as `dlm pack` does: a failed pack (a bad record, an empty split, a full disk) leaves
+nothing that loads, and a split this pack does not write loses its old files.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,9 +26,9 @@ import numpy as np
 
 from dlm import __version__
 from dlm.chat import ChatTemplate, encode_example, parse_example
-from dlm.errors import UserError
-from dlm.fileio import atomic_path
-from dlm.pack import PACKED_FORMAT, _check_output_dir, token_dtype
+from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import atomic_path, temporary_path
+from dlm.pack import PACKED_FORMAT, SPLITS, _check_output_dir, _remove_empty, token_dtype
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 LongPolicy = Literal["truncate", "drop"]
@@ -38,20 +41,42 @@ def mask_path(bin_path: Path) -> Path:
     return bin_path.with_name(bin_path.stem + MASK_SUFFIX)
 
 
-@dataclass
-class ChatSplit:
-    """What one split received."""
+class _ChatWriter:
+    """Streams one split's blocks and masks to temporary files as they come, and counts them."""
 
-    name: str
-    tokens: list[np.ndarray] = field(default_factory=list)
-    masks: list[np.ndarray] = field(default_factory=list)
-    examples: int = 0
-    truncated: int = 0
-    dropped: int = 0
-    loss_tokens: int = 0
+    def __init__(self, name: str, output: Path, dtype: np.dtype):
+        self.name, self.dtype = name, dtype
+        self.bin_path = output / f"{name}.bin"
+        self.temporaries = [temporary_path(self.bin_path), temporary_path(mask_path(self.bin_path))]
+        self.tokens_handle = open(self.temporaries[0], "wb")  # noqa: SIM115 - closed by close()
+        self.mask_handle = open(self.temporaries[1], "wb")  # noqa: SIM115 - closed by close()
+        self.examples = self.truncated = self.dropped = self.loss_tokens = 0
+
+    def add(self, ids: list[int], prompt_length: int, options: dict[str, Any]) -> None:
+        seq_len = options["seq_len"]
+        if len(ids) > seq_len:
+            if options["long"] == "drop" or prompt_length >= seq_len:  # nothing of the reply would be left
+                self.dropped += 1
+                return
+            self.truncated += 1
+        tokens, mask = _block(ids, prompt_length, seq_len, options["eos"], options["mask_padding"])
+        # File writes, not ndarray.tofile: a full disk then raises OSError with its errno.
+        self.tokens_handle.write(tokens.astype(self.dtype).tobytes())
+        self.mask_handle.write(mask.tobytes())
+        self.examples += 1
+        self.loss_tokens += int(mask.sum())
+
+    def counts(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in ("examples", "truncated", "dropped", "loss_tokens")}
+
+    def close(self) -> None:
+        self.tokens_handle.close()
+        self.mask_handle.close()
 
 
-def _records(path: Path) -> Any:
+def _records(path: Path) -> Iterator[tuple[Any, str]]:
+    """Each non-blank line's JSON value and where it is (file:line), read one line at a time."""
+
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():
@@ -76,35 +101,50 @@ def _is_val(line: Any, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _add(split: ChatSplit, ids: list[int], prompt_length: int, options: dict[str, Any]) -> None:
-    seq_len = options["seq_len"]
-    if len(ids) > seq_len:
-        if options["long"] == "drop" or prompt_length >= seq_len:  # nothing of the reply would be left
-            split.dropped += 1
-            return
-        split.truncated += 1
-    tokens, mask = _block(ids, prompt_length, seq_len, options["eos"], options["mask_padding"])
-    split.tokens.append(tokens)
-    split.masks.append(mask)
-    split.examples += 1
-    split.loss_tokens += int(mask.sum())
+def _stream(sources: list[tuple[Path, bool]], tokenizer: Any, template: ChatTemplate,
+            writers: dict[str, _ChatWriter], options: dict[str, Any]) -> None:  # fmt: skip
+    """Encode each example of each (path, is a validation input) and write it to its split at once."""
+
+    fraction = options["val_fraction"]
+    for path, held_out in sources:
+        for record, where in _records(path):
+            ids, prompt_length = encode_example(tokenizer, template, parse_example(record, where), options["eos"])
+            val = held_out or (fraction > 0 and _is_val(record, options["seed"], fraction))
+            writers["val" if val else "train"].add(ids, prompt_length, options)
 
 
-def _write(split: ChatSplit, output: Path, metadata: dict[str, Any], dtype: np.dtype) -> None:
-    if not split.tokens:
-        raise UserError(f"the {split.name} split holds no example that fits a block", path=output,
+def _split_metadata(writer: _ChatWriter, metadata: dict[str, Any]) -> dict[str, Any]:
+    if writer.examples == 0:
+        raise UserError(f"the {writer.name} split holds no example that fits a block", path=writer.bin_path.parent,
                         fix="raise --seq-len or pass --long truncate")  # fmt: skip
-    bin_path = output / f"{split.name}.bin"
-    with atomic_path(bin_path) as temporary:
-        np.stack(split.tokens).astype(dtype).tofile(temporary)
-    with atomic_path(mask_path(bin_path)) as temporary:
-        np.stack(split.masks).tofile(temporary)
-    chat = {key: getattr(split, key) for key in ("examples", "truncated", "dropped", "loss_tokens")}
-    blocks = len(split.tokens)
-    meta = {**metadata, "split": split.name, "num_blocks": blocks, "num_tokens": blocks * metadata["seq_len"],
-            "loss_mask": mask_path(bin_path).name, "chat": {**metadata["chat"], **chat}}  # fmt: skip
-    with atomic_path(bin_path.with_suffix(".json")) as temporary:
-        temporary.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    blocks = writer.examples
+    return {**metadata, "split": writer.name, "num_blocks": blocks, "num_tokens": blocks * metadata["seq_len"],
+            "loss_mask": mask_path(writer.bin_path).name, "chat": {**metadata["chat"], **writer.counts()}}  # fmt: skip
+
+
+def _commit(output: Path, writers: list[_ChatWriter], metadata: dict[str, Any], tokenizer_path: Path) -> None:
+    """Rename everything into place, the metadata that makes a split loadable last; a split this pack
+    does not write loses its old files, so a stale one never loads beside the new."""
+
+    staged = {w.bin_path.with_suffix(".json"): json.dumps(_split_metadata(w, metadata), indent=2) + "\n"
+              for w in writers}  # fmt: skip
+    for final, text in staged.items():
+        temporary_path(final).write_text(text, encoding="utf-8")
+    tokenizer_copy = output / "tokenizer.json"
+    if not (tokenizer_copy.exists() and tokenizer_copy.samefile(tokenizer_path)):
+        with atomic_path(tokenizer_copy) as temporary:
+            shutil.copyfile(tokenizer_path, temporary)
+    written = {w.name for w in writers}
+    for name in SPLITS:
+        (output / f"{name}.json").unlink(missing_ok=True)
+        if name not in written:
+            (output / f"{name}.bin").unlink(missing_ok=True)
+            mask_path(output / f"{name}.bin").unlink(missing_ok=True)
+    for writer in writers:
+        writer.temporaries[0].replace(writer.bin_path)
+        writer.temporaries[1].replace(mask_path(writer.bin_path))
+    for final in staged:
+        temporary_path(final).replace(final)
 
 
 def pack_chat(
@@ -129,24 +169,33 @@ def pack_chat(
     template = ChatTemplate.for_tokenizer(tokenizer_path)
     _check_output_dir(output, tokenizer_path, overwrite)
     eos = special_token_id(tokenizer, "eos")
-    options = {"seq_len": seq_len, "long": long, "eos": eos, "mask_padding": mask_padding}
-    splits = {"train": ChatSplit("train"), "val": ChatSplit("val")}
-    for path, held_out in [*((Path(p), False) for p in inputs), *((Path(p), True) for p in val_inputs or [])]:
-        for record, where in _records(path):
-            ids, prompt_length = encode_example(tokenizer, template, parse_example(record, where), eos)
-            val = held_out or (val_fraction > 0 and _is_val(record, seed, val_fraction))
-            _add(splits["val" if val else "train"], ids, prompt_length, options)
+    options = {"seq_len": seq_len, "long": long, "eos": eos, "mask_padding": mask_padding,
+               "val_fraction": val_fraction, "seed": seed}  # fmt: skip
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     metadata = {"format": PACKED_FORMAT, "vocab_size": vocab_size, "seq_len": seq_len, "eos_token_id": eos,
                 "tokenizer_sha256": tokenizer_sha256(tokenizer_path), "dtype": token_dtype(vocab_size).name,
                 "dlm_version": __version__,
                 "chat": {"template": template.name, "long": long, "mask_padding": mask_padding},
                 "sources": [str(p) for p in [*inputs, *(val_inputs or [])]]}  # fmt: skip
-    output.mkdir(parents=True, exist_ok=True)
-    wanted = [s for s in splits.values() if s.name == "train" or s.tokens or val_inputs or val_fraction > 0]
-    for split in wanted:
-        _write(split, output, metadata, token_dtype(vocab_size))
-    tokenizer_copy = output / "tokenizer.json"
-    if not (tokenizer_copy.exists() and tokenizer_copy.samefile(tokenizer_path)):
-        shutil.copyfile(tokenizer_path, tokenizer_copy)
-    return {s.name: {k: getattr(s, k) for k in ("examples", "truncated", "dropped", "loss_tokens")} for s in wanted}
+    names = ("train", "val") if val_inputs or val_fraction > 0 else ("train",)
+    sources = [*((Path(p), False) for p in inputs), *((Path(p), True) for p in val_inputs or [])]
+    created = [d for d in (output, *output.absolute().parents) if not d.exists()]
+    writers: dict[str, _ChatWriter] = {}
+    committed = False
+    with reported_os_errors("the packed data", output):
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+            writers.update({name: _ChatWriter(name, output, token_dtype(vocab_size)) for name in names})
+            _stream(sources, tokenizer, template, writers, options)
+            for writer in writers.values():
+                writer.close()
+            _commit(output, list(writers.values()), metadata, tokenizer_path)
+            committed = True
+        finally:
+            for writer in writers.values():
+                writer.close()
+                for temporary in (*writer.temporaries, temporary_path(writer.bin_path.with_suffix(".json"))):
+                    temporary.unlink(missing_ok=True)
+            if not committed:
+                _remove_empty(created)
+    return {name: writer.counts() for name, writer in writers.items()}

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dlm.chat_pack import pack_chat
+from dlm.errors import UserError
 
 SEQ_LEN = 64
 EXPECTATION = Path(__file__).parent / "data" / "chat_pack_expectation.json"
@@ -76,3 +78,49 @@ def test_streamed_chat_pack_is_byte_identical_to_the_in_memory_one(
     expected = json.loads(EXPECTATION.read_text())[name]
     actual = pack_digests(tiny_tokenizer_path, tmp_path, CASES[name])
     assert json.dumps(actual) == json.dumps(expected)  # the metadata's key order too
+
+
+def packing_peak_bytes(tokenizer: Path, chat: Path, output: Path) -> int:
+    """Peak of Python and numpy allocations while packing `chat` (tracemalloc sees both)."""
+
+    tracemalloc.start()
+    try:
+        pack_chat([chat], tokenizer, SEQ_LEN, output, val_fraction=0.1)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_chat_packing_memory_is_flat_in_the_size_of_the_data(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    records = chat_records(1500)
+    peaks = []
+    for scale in (1, 4):
+        chat = write_chat(tmp_path / f"x{scale}.jsonl", records * scale)
+        peaks.append(packing_peak_bytes(tiny_tokenizer_path, chat, tmp_path / f"out{scale}"))
+        blocks = json.loads((tmp_path / f"out{scale}" / "train.json").read_text())["num_blocks"]
+        assert blocks > 500 * scale  # the larger pack did write four times the blocks
+    # Holding the blocks until the end (8 bytes a token and 1 a mask byte, ~0.6 MB per 1000 blocks)
+    # would add over 1 MB to the larger pack's peak.
+    assert peaks[1] <= peaks[0] + 256 * 1024, peaks
+
+
+def test_a_failed_pack_leaves_the_previous_one_whole(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    good = write_chat(tmp_path / "good.jsonl", chat_records(30))
+    pack_chat([good], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", val_fraction=0.25)
+    before = {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()}
+    bad = write_chat(tmp_path / "bad.jsonl", chat_records(40))
+    with bad.open("a", encoding="utf-8") as handle:
+        handle.write('{"prompt": "no response"}\n')
+    lines = len(bad.read_text(encoding="utf-8").splitlines())
+    with pytest.raises(UserError, match=rf"bad\.jsonl:{lines}: expected an object with prompt and response"):
+        pack_chat([good, bad], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", overwrite=True)
+    assert {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()} == before  # no temporaries
+
+
+def test_a_repack_without_validation_removes_the_old_split(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    chat = write_chat(tmp_path / "c.jsonl", chat_records(30))
+    pack_chat([chat], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", val_fraction=0.25)
+    counts = pack_chat([chat], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", overwrite=True)
+    assert list(counts) == ["train"]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        "tokenizer.json", "train.bin", "train.json", "train.mask.bin"]  # fmt: skip
