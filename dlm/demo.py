@@ -92,6 +92,8 @@ class DemoResult:
     model_dir: Path | None = None
     verdict: str | None = None  # said when the model ends at the unigram level
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # The samples' words pooled (`dlm.sample_quality`), beside the held-out plays' words per token.
+    sample_quality: dict[str, Any] = field(default_factory=dict)
     sample_length: int = 0  # tokens generated per sample: fits the model's context after a prompt
     seconds: float = 0.0
     exit_code: int = 0
@@ -388,7 +390,10 @@ def _export_stage(demo: _Demo, step: int) -> None:
 def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
     import torch
 
+    from dlm.assets import shakespeare_files
     from dlm.loading import load_model
+    from dlm.prompting import template_fixed_text
+    from dlm.sample_quality import corpus_words, pooled, sample_quality
     from dlm.sampling import generate
 
     device = demo.experiment.training.device
@@ -397,13 +402,20 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
     started = time.perf_counter()
     # float32 on the CPU: bf16 matmuls are slow there; elsewhere the exported bf16 is used as stored.
     model, tokenizer = load_model(demo.model_dir, device=device, dtype=torch.float32 if device == "cpu" else None)
-    samples = []
+    training, held_out = corpus_words(shakespeare_files("train")), corpus_words(shakespeare_files("val"), tokenizer)
+    samples, qualities = [], []
     for seed, (label, prompt, template) in enumerate(SAMPLE_REQUESTS):
         result = generate(model, tokenizer, prompt=prompt, text=template, length=length, steps=length, seed=seed)
+        fixed = prompt if template is None else template_fixed_text(template)
+        quality = sample_quality(result.texts[0], fixed, result.lengths[0], training.vocabulary)
+        qualities.append(quality)
         sample = {"label": label, "prompt": prompt, "template": template, "text": result.texts[0],
-                  "forward_passes": result.forward_passes, "seconds": round(result.seconds, 2)}  # fmt: skip
+                  "forward_passes": result.forward_passes, "seconds": round(result.seconds, 2),
+                  "quality": quality.to_dict()}  # fmt: skip
         samples.append(sample)
         demo.emit({"event": "demo_sample", **sample})
+    demo.result.sample_quality = {**pooled(qualities).to_dict(),
+                                  "held_out_words_per_token": round(held_out.words_per_token, 4)}  # fmt: skip
     atomic_write_json(demo.output / SAMPLES_NAME, samples, ensure_ascii=False)
     demo.stage("samples", "done", seconds=round(time.perf_counter() - started, 2), path=str(demo.output / SAMPLES_NAME))
     return samples

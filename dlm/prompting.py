@@ -141,3 +141,9 @@ def split_masked(tokenizer: Any, ids: Sequence[int], mask_token_id: int) -> list
     if masked:
         parts.append(masked)
     return parts
+
+
+def template_fixed_text(text: str) -> str:
+    """A template's fixed text: its `[MASK]` spans replaced by a space."""
+
+    return _MASK_SPAN.sub(" ", text)

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from dlm.config import load_config
+from dlm.assets import shakespeare_files
 from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte, unigram_verdict
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
 from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
+from dlm.prompting import template_fixed_text
+from dlm.sample_quality import corpus_words, sample_quality
 from dlm.tokenizer import tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +65,11 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
 
     output = tmp_path_factory.mktemp("demo") / "demo"
     events: list[StreamEvent] = []
-    result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    with pytest.MonkeyPatch.context() as patch:
+        # Planned to fill half the budget, not 0.9 of it: the schedule still completes when other
+        # work slows the machine down after calibration (the view of a run cut short is tested below).
+        patch.setattr("dlm.demo_train.SCHEDULE_SHARE", 0.5)
+        result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
     return DemoRun(output, result, events)
 
 
@@ -205,6 +212,17 @@ def test_the_samples_keep_their_prompt_and_template(demo_run: DemoRun) -> None:
     written = json.loads((demo_run.output / "samples.json").read_text())
     assert [sample["text"] for sample in written] == [sample["text"] for sample in demo_run.result.samples]
     assert [e["label"] for e in demo_events(demo_run.events, "demo_sample")] == list(samples)
+    # The words each sample wrote, scored against the training plays; pooled on the result.
+    vocabulary = corpus_words(shakespeare_files("train")).vocabulary
+    for sample, saved in zip(demo_run.result.samples, written, strict=True):
+        fixed = sample["prompt"] if sample["template"] is None else template_fixed_text(sample["template"])
+        generated = 16 if sample["label"] == "infill" else 48
+        expected = sample_quality(sample["text"], fixed, generated, vocabulary).to_dict()
+        assert sample["quality"] == saved["quality"] == expected
+    pooled_words = sum(sample["quality"]["words"] for sample in written)
+    quality = demo_run.result.sample_quality
+    assert quality["words"] == pooled_words and quality["generated_tokens"] == 48 + 48 + 16
+    assert 0.3 < quality["held_out_words_per_token"] < 0.9  # real text: about one word in two tokens
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from dlm.cli.common import DemoDeviceOption, JsonOption, console
-from dlm.cli.demo_view import DemoView
+from dlm.cli.demo_view import DemoView, sample_quality_line
 
 DemoOutputOption = Annotated[Path, typer.Option("--output", "-o", help="Directory for data, run, model and samples.")]
 MinutesOption = Annotated[
@@ -71,6 +71,8 @@ def demo_command(
                       f"{escape(str(result.model_dir))}", highlight=False, soft_wrap=True)  # fmt: skip
         if result.verdict is not None:
             console.print(f"[bold yellow]warning:[/] {escape(result.verdict)}", highlight=False)
+        if result.sample_quality:
+            console.print(sample_quality_line(result.sample_quality), highlight=False)
         console.print(f'try: dlm sample {escape(str(result.model_dir))} --prompt "ROMEO:" --length '
                       f"{result.sample_length}", highlight=False, soft_wrap=True)  # fmt: skip
 

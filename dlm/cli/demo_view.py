@@ -58,6 +58,14 @@ def samples_renderable(samples: list[dict[str, Any]], terminal: bool) -> Rendera
     return table
 
 
+def sample_quality_line(quality: dict[str, Any]) -> str:
+    """The samples' words in one line: how dense (beside real held-out text) and how real."""
+
+    return (f"samples: {quality['words_per_token']:.2f} words per generated token (the held-out plays: "
+            f"{quality['held_out_words_per_token']:.2f}); {quality['known_word_share']:.0%} of their "
+            f"{quality['words']} words occur in the training plays")  # fmt: skip
+
+
 class DemoView:
     """Renders `dlm demo` events on a terminal: a spinner or bar while a stage runs, a line when it
     ends, the training dashboard while the model trains, and the samples side by side."""
