@@ -14,6 +14,15 @@ weights are scaled by (1 - eps) / (1 - m(eps)): the loss then averages a masked 
 cross-entropy over the masking levels m in [m(eps), 1], as the ELBO averages it over [0, 1], and a
 uniform model scores exactly log V in expectation whatever the schedule. For linear the factor is 1.
 
+Two Monte Carlo estimators of that bound (`ESTIMATORS`, `elbo_nll`): `bernoulli` draws t and masks
+each token independently with probability m(t), as training does; `exact-count` (LLaDA's evaluator)
+draws a count l uniformly from {1, ..., L}, masks exactly l positions chosen uniformly at random
+and weights their cross-entropy sum by L / l. Given l masked tokens the set is uniform either way,
+and integrating the chance of l masked tokens times the weight 1 / m over the masking level gives
+exactly 1 / l, so both estimate the same continuous-time bound (for any schedule; bernoulli's times
+start at eps, which moves its expectation by O(eps)); exact-count spends no variance on the
+binomial spread of the count or on the 1 / t weight of nearly clean sequences.
+
 Noise must be reproducible whatever the number of processes: each micro-batch draws its times and
 masks from a generator seeded by (seed, global micro-batch index), and the stratification offset
 of an optimizer step from (seed, step); global RNG state is never touched.
@@ -23,17 +32,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dlm.choices import ElboEstimator
 from dlm.schedule import LinearSchedule, Schedule
 
 _SEED_DOMAIN = 0x646C6D  # "dlm": keeps our seeds apart from other SeedSequence users
 _OFFSET_TAG = 0x6F6666  # "off": separates step offsets from micro-batch generators
 _LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
+ESTIMATORS: tuple[str, ...] = get_args(ElboEstimator)
+Generators = torch.Generator | Sequence[torch.Generator] | None  # one for the batch, or one per row
 
 
 @dataclass(frozen=True)
@@ -297,6 +310,62 @@ def _per_masked_token(per_block: Tensor, block_size: int, length: int, slot: Ten
     return per_position.new_empty(count + 1).scatter_(0, slot, per_position)[:count]
 
 
+def corrupt_exact_count(
+    clean: Tensor,
+    mask_token_id: int,
+    units: Tensor,
+    keys: Tensor,
+    *,
+    block_size: int = 0,
+    loss_mask: Tensor | None = None,
+) -> Corruption:
+    """Mask exactly l of the n maskable positions of each sequence (each block), weight n / l.
+
+    `units` ([B], or [B, blocks] with a `block_size` shorter than the sequence) in [0, 1) give
+    l = floor(units x n) + 1, uniform on {1, ..., n} for uniform units; `keys` [B, L] (uniform in
+    [0, 1)) choose which l: the positions of the l smallest keys, a uniformly random l-subset. n
+    counts the positions that `loss_mask` allows (all without one); a block without any masks
+    nothing. `mask_probability` is l / n and `mask_rate` 1, so `diffusion_cross_entropy` weights
+    each masked token by n / l.
+    """
+
+    batch, length = clean.shape
+    size = block_size if 0 < block_size < length else length
+    blocks = -(-length // size)
+    allowed = torch.ones_like(clean, dtype=torch.bool) if loss_mask is None else loss_mask.to(clean.device, torch.bool)
+    pad = blocks * size - length
+    allowed_blocks = F.pad(allowed, (0, pad)).view(batch, blocks, size)
+    maskable = allowed_blocks.sum(dim=2)  # [B, blocks]
+    units = units.to(device=clean.device, dtype=torch.float32).reshape(batch, -1).expand(batch, blocks)
+    # The clamp keeps a unit that rounds up to 1.0 in float32 at l = n.
+    count = (units * maskable).floor().long().minimum((maskable - 1).clamp(min=0)) + 1
+    # Positions that may not be masked rank last; ties between keys break by position.
+    ranked = F.pad(keys.to(clean.device).masked_fill(~allowed, 2.0), (0, pad), value=2.0).view(batch, blocks, size)
+    ranks = ranked.argsort(dim=2).argsort(dim=2)
+    mask = ((ranks < count[..., None]) & allowed_blocks).view(batch, -1)[:, :length]
+    probability = count.float() / maskable.clamp(min=1).float()
+    if blocks == 1 and not 0 < block_size < length:
+        probability = probability[:, 0]
+    return Corruption(
+        clean.masked_fill(mask, mask_token_id),
+        mask,
+        time=probability,
+        mask_probability=probability,
+        mask_rate=torch.ones_like(probability),
+        loss_mask=None if loss_mask is None else allowed,
+    )
+
+
+def _uniform(generators: Generators, batch: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Uniform draws [batch, *shape]: row r from generators[r] when there is one per row."""
+
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.rand((batch, *shape), generator=generators, device=device)
+    if len(generators) != batch:
+        raise ValueError(f"{len(generators)} generators for {batch} sequences")
+    return torch.stack([torch.rand(shape, generator=generator, device=device) for generator in generators])
+
+
 @torch.no_grad()
 def elbo_nll(
     logits_fn: Callable[[Tensor, Tensor], Tensor],
@@ -304,38 +373,52 @@ def elbo_nll(
     mask_token_id: int,
     num_samples: int,
     eps: float,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     *,
     schedule: Schedule = _LINEAR,
     block_size: int = 0,
     loss_mask: Tensor | None = None,
+    estimator: str = "bernoulli",
 ) -> tuple[Tensor, Tensor]:
     """Monte Carlo negative ELBO per token of each sequence, and its standard error, both [B].
 
     `logits_fn(noisy_tokens, mask)` returns logits at the masked positions ([N, V]). Each sequence
     (each block, with a `block_size` shorter than the sequence) gets one random offset u0 and the K
-    antithetic times eps + (1 - eps) * ((u0 + k / K) mod 1), which `schedule` turns into mask
-    probabilities and weights. With a `loss_mask` it is the conditional ELBO of the loss positions
-    (a response given its prompt) per loss token.
+    antithetic units (u0 + k / K) mod 1. `bernoulli` maps them to the times eps + (1 - eps) x unit,
+    which `schedule` turns into mask probabilities and weights; `exact-count` maps them to the
+    counts l of `corrupt_exact_count` (it needs neither eps nor the schedule). With a `loss_mask` it
+    is the conditional ELBO of the loss positions (a response given its prompt) per loss token.
+
+    `exact-count` also takes one generator per row: each sequence's estimate then depends on its
+    own generator alone, not on the batch it was scored in.
     """
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     batch, length = clean.shape
-    shape = (batch, -(-length // block_size)) if 0 < block_size < length else (batch,)
-    offsets = torch.rand(shape, generator=generator, device=clean.device)
+    shape = (-(-length // block_size),) if 0 < block_size < length else ()
+    shared = generator if generator is None or isinstance(generator, torch.Generator) else None
+    if estimator == "bernoulli" and generator is not None and shared is None:
+        raise ValueError("the bernoulli estimator takes one generator for the batch")
+    offsets = _uniform(generator, batch, shape, clean.device)
     samples = []
     for k in range(num_samples):
-        times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
-        corruption = corrupt_tokens(
-            clean, mask_token_id, times, eps, generator, schedule=schedule, block_size=block_size,
-            loss_mask=loss_mask,
-        )
+        if estimator == "exact-count":
+            units = stratified_times(offsets, torch.full_like(offsets, k), num_samples, 0.0)
+            keys = _uniform(generator, batch, (length,), clean.device)
+            corruption = corrupt_exact_count(clean, mask_token_id, units, keys, block_size=block_size,
+                                             loss_mask=loss_mask)  # fmt: skip
+        else:
+            times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
+            corruption = corrupt_tokens(clean, mask_token_id, times, eps, shared,
+                                        schedule=schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     stacked = torch.stack(samples)  # [K, B]
     if num_samples == 1:
         return stacked[0], torch.full_like(stacked[0], float("nan"))
-    # Standard error as if the K samples were independent. Antithetic (evenly spread) times are
+    # Standard error as if the K samples were independent. Antithetic (evenly spread) units are
     # negatively correlated, so the true error of the mean is smaller: this bound is conservative.
     return stacked.mean(dim=0), stacked.std(dim=0) / num_samples**0.5

@@ -9,8 +9,8 @@ batches. It never touches the global RNG.
 `evaluate_model` (behind `dlm eval`) adds the figures that compare models:
 
 - the negative ELBO per token, a bound on the true NLL, estimated per sequence from K antithetic
-  diffusion times (`dlm.diffusion.elbo_nll`), with its standard error, and exp(NLL), a bound on
-  perplexity;
+  Monte Carlo samples (`dlm.diffusion.elbo_nll`; `estimator` picks how a sample masks the
+  sequence), with its standard error, and exp(NLL), a bound on perplexity;
 - bits per byte, NLL x tokens / (bytes x ln 2): the figure that compares across tokenizers. `bytes`
   are the exact UTF-8 bytes of the tokens scored (byte-level BPE decodes every id to fixed bytes;
   special tokens count 0), so the figure is exact for any number of blocks, and the report holds
@@ -21,8 +21,9 @@ The byte counting and the likelihood figures themselves live in `dlm.likelihood`
 
 Every figure comes from one noise schedule (`dlm.schedule`), the one the model was trained with.
 
-All noise comes from generators seeded by (seed, pass, batch index): the same checkpoint and data
-give the same report on every run, and the global RNG is left alone.
+All noise comes from generators seeded by (seed, pass, batch index), the exact-count estimator's by
+(seed, pass, sequence index) so that its figures do not depend on the batch size either: the same
+checkpoint and data give the same report on every run, and the global RNG is left alone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dlm.diffusion import Batch, corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed, split_batch
+from dlm.diffusion import ESTIMATORS, Batch, corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed, split_batch
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
 from dlm.likelihood import byte_table, likelihood_figures, scored_counts
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 # v2: `bytes` (exact UTF-8 bytes of the scored tokens) replaced v1's estimated `text_bytes`.
 EVAL_FORMAT = "dlm-eval-v2"
 # Each pass draws from its own generator stream, so adding a pass never shifts another's noise.
-_ELBO_PASS, _BUCKET_PASS = 1, 2
+_ELBO_PASS, _BUCKET_PASS, _EXACT_COUNT_PASS = 1, 2, 3
 Progress = Callable[[int, int], None]  # (batches done, batches in all)
 
 
@@ -136,6 +137,7 @@ class EvalReport:
     batches: int
     batch_size: int
     mc_samples: int
+    estimator: str  # how each Monte Carlo sample masks a sequence (`dlm.diffusion.ESTIMATORS`)
     mask_eps: float
     schedule: str  # the noise schedule every figure was computed with
     precision: str
@@ -231,16 +233,22 @@ def _elbo_pass(
     mc_samples: int,
     seed: int,
     schedule: Schedule,
+    estimator: str = "bernoulli",
 ) -> tuple[Tensor, Tensor]:
     """Per-sequence Monte Carlo NLL per token and its standard error, both [S] float64."""
 
     means, errors = [], []
+    first = 0  # index of the batch's first sequence in the data
     for index, batch in enumerate(batches):
-        generator = _pass_generator(seed, _ELBO_PASS, index, device)
         (clean, loss_mask), mask_id = _on_device(batch, device), model.config.mask_token_id
+        generator: torch.Generator | list[torch.Generator] = _pass_generator(seed, _ELBO_PASS, index, device)
+        if estimator == "exact-count":  # one generator per sequence: no dependence on the batch size
+            rows = range(first, first + clean.shape[0])
+            generator = [_pass_generator(seed, _EXACT_COUNT_PASS, row, device) for row in rows]
+        first += clean.shape[0]
         logits = _logits_fn(model, device, precision, clean)
         mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,
-                               block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
+                               block_size=_block_size(model), loss_mask=loss_mask, estimator=estimator)  # fmt: skip
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -297,10 +305,13 @@ def _bucket_pass(
     ]
 
 
-def _check_counts(batches: int, mc_samples: int, batch_size: int) -> None:
+def _check_counts(batches: int, mc_samples: int, batch_size: int, estimator: str = "bernoulli") -> None:
     for option, value in (("--batches", batches), ("--mc-samples", mc_samples), ("--batch-size", batch_size)):
         if value < 1:
             raise UserError(f"{option} must be at least 1 (got {value})", fix=f"pass {option} 1 or more")
+    if estimator not in ESTIMATORS:
+        raise UserError(f"--estimator must be one of {', '.join(ESTIMATORS)} (got {estimator!r})",
+                        fix="pass --estimator exact-count for the lower-variance one")  # fmt: skip
 
 
 def evaluate_model(
@@ -310,6 +321,7 @@ def evaluate_model(
     batches: int = 8,
     mc_samples: int = 8,
     batch_size: int = 8,
+    estimator: str = "bernoulli",
     device: str | torch.device = "cpu",
     precision: str = "float32",
     mask_eps: float = 1e-3,
@@ -324,11 +336,12 @@ def evaluate_model(
     Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
     `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
     `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records. `schedule` and
-    `mask_eps` are the model's `[diffusion]` settings. `progress(done, total)` counts the
-    batches scored over the three passes.
+    `mask_eps` are the model's `[diffusion]` settings. `estimator` (`dlm.diffusion.ESTIMATORS`) is
+    how the ELBO's Monte Carlo samples mask a sequence. `progress(done, total)` counts the batches
+    scored over the three passes.
     """
 
-    _check_counts(batches, mc_samples, batch_size)
+    _check_counts(batches, mc_samples, batch_size, estimator)
     device = torch.device(device)
     schedule = get_schedule(schedule)
     if metadata is None:
@@ -348,7 +361,8 @@ def evaluate_model(
     try:
         data = [_reported(_batches(dataset, batch_size, count), progress, i * count, 3 * count) for i in range(3)]
         fixed = fixed_noise_validation(model, data[0], device, precision, mask_eps, count, schedule=schedule)
-        means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule)
+        means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule,
+                                   estimator)  # fmt: skip
         buckets = _bucket_pass(model, data[2], device, precision, mask_eps, batch_size, seed, schedule)
     finally:
         model.train(was_training)
@@ -357,6 +371,7 @@ def evaluate_model(
         batches=count,
         batch_size=batch_size,
         mc_samples=mc_samples,
+        estimator=estimator,
         mask_eps=mask_eps,
         schedule=schedule.name,
         precision=precision,
@@ -406,6 +421,7 @@ def evaluate_source(
     batches: int | str | None = None,
     mc_samples: int = 8,
     batch_size: int | None = None,
+    estimator: str = "bernoulli",
     device: str | torch.device = "cpu",
     precision: str = "auto",
     use_ema: bool = True,
@@ -425,7 +441,7 @@ def evaluate_source(
     batches = batches if batches is not None else (training.eval_batches if training else 8)
     batch_size = batch_size if batch_size is not None else (training.batch_size if training else 8)
     batches = -(-len(dataset) // max(batch_size, 1)) if batches == "all" else int(batches)
-    _check_counts(batches, mc_samples, batch_size)
+    _check_counts(batches, mc_samples, batch_size, estimator)
     device = torch.device(device)
     # float32 weights: `precision` alone decides the compute dtype (autocast), whatever was stored.
     model = build_model(info.model, weights, device, torch.float32, source=info.path)
@@ -439,6 +455,7 @@ def evaluate_source(
         batches=batches,
         mc_samples=mc_samples,
         batch_size=batch_size,
+        estimator=estimator,
         device=device,
         precision=resolve_precision(precision, device),
         mask_eps=info.diffusion.mask_eps,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from dlm.choices import ElboEstimator
 from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
 from dlm.cli.progress import ProgressView
 
@@ -74,7 +75,8 @@ def render_report(report: EvalReport) -> None:
         table.add_row("weights", *_WEIGHTS[context["weights"]])
     table.add_row("masked CE (fixed noise)", _figure(report.fixed_noise_loss), f"{report.batches} fixed noise levels")
     table.add_row("masked accuracy (fixed noise)", _figure(report.fixed_noise_accuracy), "")
-    mc_note = f"K = {report.mc_samples} antithetic times; Monte Carlo part ± {_figure(report.nll_mc_stderr)}"
+    drawn = "counts" if report.estimator == "exact-count" else "times"
+    mc_note = f"K = {report.mc_samples} antithetic {drawn}; Monte Carlo part ± {_figure(report.nll_mc_stderr)}"
     table.add_row("ELBO NLL (nats / token)", _with_error(report.nll, report.nll_stderr), mc_note)
     table.add_row("perplexity bound", _figure(report.perplexity_bound, 2), "exp(NLL)")
     bits_note = "" if report.bytes is None else "exact UTF-8 bytes of the scored tokens"
@@ -131,7 +133,7 @@ def eval_command(
         bool, typer.Option("--all", help="Score the whole split (instead of --batches).", show_default=False)
     ] = False,
     mc_samples: Annotated[
-        int, typer.Option("--mc-samples", help="Monte Carlo diffusion times per sequence for the ELBO (K).")
+        int, typer.Option("--mc-samples", help="Monte Carlo samples per sequence for the ELBO (K).")
     ] = 8,
     batch_size: Annotated[
         int | None,
@@ -139,6 +141,15 @@ def eval_command(
             "--batch-size", help="Sequences per batch; default: the run's batch_size, else 8.", show_default=False
         ),
     ] = None,
+    estimator: Annotated[
+        ElboEstimator,
+        typer.Option(
+            "--estimator",
+            help="How each Monte Carlo sample masks a sequence: bernoulli (a random time, each token masked "
+            "independently, as in training) or exact-count (exactly l ~ U{1..L} tokens, weight L / l; "
+            "lower variance).",
+        ),
+    ] = "bernoulli",
     device: DeviceOption = "auto",
     ema: EmaOption = True,
     output: Annotated[
@@ -169,6 +180,7 @@ def eval_command(
                 batches="all" if every_batch else batches,
                 mc_samples=mc_samples,
                 batch_size=batch_size,
+                estimator=estimator,
                 device=str(resolve_device(device, "--device")),
                 use_ema=ema,
                 progress=progress.update,
