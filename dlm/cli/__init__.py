@@ -16,7 +16,17 @@ import typer.core
 from rich.markup import escape
 
 from dlm import __version__
-from dlm.cli import bench_cmd, config_cmd, data_cmd, demo_cmd, eval_cmd, export_cmd, sample_cmd, train_cmd
+from dlm.cli import (
+    bench_cmd,
+    config_cmd,
+    data_cmd,
+    demo_cmd,
+    eval_cmd,
+    export_cmd,
+    report_cmd,
+    sample_cmd,
+    train_cmd,
+)
 from dlm.cli.common import err_console
 from dlm.errors import UserError, UserNote
 
@@ -62,7 +72,7 @@ def _root(
 
 
 # The order of registration is the order of `dlm --help`.
-for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, export_cmd, bench_cmd, sample_cmd, demo_cmd):
+for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd, demo_cmd):
     _module.register(app)
 
 
