@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -154,25 +155,32 @@ def test_block_model_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path
     assert all(loss is not None and loss < 7 for loss in train_losses(straight_events))
 
 
-def _ddp_worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
+BLOCK_PARALLEL = {"ddp": (), "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true")}
+
+
+def _parallel_worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))  # fmt: skip
     try:
-        result = train(tiny(data_dir, root / "ddp", PER_PROCESS, "model.block_size=16"))
-        assert result.status == "complete"
+        for name, extra in BLOCK_PARALLEL.items():
+            result = train(tiny(data_dir, root / name, PER_PROCESS, "model.block_size=16", *extra))
+            assert result.status == "complete"
     finally:
         dist.destroy_process_group()
     end_process(0)
 
 
-@pytest.mark.slow
-def test_block_model_ddp_equals_one_process_with_twice_the_accumulation(tiny_data_dir: Path, tmp_path: Path) -> None:
-    train(tiny(tiny_data_dir, tmp_path / "reference", SINGLE, "model.block_size=16"))
-    context = mp.start_processes(_ddp_worker, args=(2, tiny_data_dir, tmp_path), nprocs=2, join=False,
+@pytest.fixture(scope="module")
+def parallel_block_runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-process reference with accumulation 4, and 2 processes with accumulation 2 under DDP, then FSDP."""
+
+    root = tmp_path_factory.mktemp("parallel-block")
+    train(tiny(tiny_data_dir, root / "reference", SINGLE, "model.block_size=16"))
+    context = mp.start_processes(_parallel_worker, args=(2, tiny_data_dir, root), nprocs=2, join=False,
                                  start_method="spawn")  # fmt: skip
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 900
     try:
         while not context.join(timeout=5):
             assert time.monotonic() < deadline, "the spawned training processes did not finish in time"
@@ -182,7 +190,19 @@ def test_block_model_ddp_equals_one_process_with_twice_the_accumulation(tiny_dat
                 if process.is_alive():
                     process.kill()
                     process.join()
-    assert_close_runs(tmp_path / "ddp", tmp_path / "reference")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", sorted(BLOCK_PARALLEL))
+def test_parallel_block_model_equals_one_process_with_twice_the_accumulation(
+    parallel_block_runs: Path, parallelism: str
+) -> None:
+    # FSDP runs with activation checkpointing: the recomputed 2L pass must give the same gradients.
+    run_dir = parallel_block_runs / parallelism
+    assert_close_runs(run_dir, parallel_block_runs / "reference")
+    start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["world_size"] == 2 and start["parallelism"] == parallelism
 
 
 @pytest.mark.parametrize("remasking", ["confidence", "random"])
