@@ -93,11 +93,18 @@ def test_round_trip_of_a_bfloat16_export(hf_dir: Path, run_dir: Path, tmp_path: 
     assert all(back[name].dtype == torch.bfloat16 and torch.equal(back[name], direct[name]) for name in direct)
 
 
-def test_block_diffusion_models_are_refused() -> None:
-    with pytest.raises(UserError, match=r"block diffusion model \(block_size 16\) cannot be exported"):
-        check_hf_exportable(ModelConfig(vocab_size=512, max_seq_len=64, block_size=16), DiffusionConfig())
-    # A block as long as the sequence is plain masked diffusion: accepted.
-    check_hf_exportable(ModelConfig(vocab_size=512, max_seq_len=64, block_size=64), DiffusionConfig())
+def test_block_models_export_with_their_block_size_and_come_back(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.block_size=16")
+    hf_dir = export_hf(run_dir, tmp_path / "hf", dtype="float32")
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["block_size"] == 16 and config["dlm"]["model"]["block_size"] == 16
+    # dlm reads the block size back from the transformers field, with the checkpoint's logits.
+    model, _ = dlm.load(hf_dir)
+    reference, _ = dlm.load(run_dir)
+    assert model.config.block_size == 16 and model.config.is_block_model
+    tokens = torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
     check_hf_exportable(ModelConfig(), DiffusionConfig(schedule="cosine"))
 
 

@@ -1,7 +1,8 @@
 """An `dlm export --format hf` directory in transformers (the `hf` extra; skipped without it).
 
-The logits equal dlm's, a seeded `generate` gives `dlm.sample`'s tokens, and the directory loads
-in a Python where dlm cannot be imported.
+The logits equal dlm's, a seeded `generate` gives `dlm.sample`'s tokens (block diffusion models too:
+block-causal attention, block-by-block sampling), and the directory loads in a Python where dlm
+cannot be imported.
 """
 
 from __future__ import annotations
@@ -140,6 +141,68 @@ def test_generation_refusals(hf_model: torch.nn.Module) -> None:
         hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, remasking="lowest")
     with pytest.raises(ValueError, match="exceed"):
         hf_model.generate(torch.tensor([[5]]), max_new_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def block_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A block diffusion run (block_size 16 of 64 positions) and its float32 export in transformers."""
+
+    root = tmp_path_factory.mktemp("hf-block")
+    run_dir = train_tiny_run(tiny_data_dir, root / "run", "model.block_size=16")
+    hf_dir = export_hf(run_dir, root / "hf", dtype="float32")
+    model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True)
+    return run_dir, model.float().eval()
+
+
+@pytest.mark.parametrize("length", [64, 37, 9])
+def test_block_model_logits_equal_dlm_s_block_causal_inference(block_run: tuple, length: int) -> None:
+    run_dir, hf_model = block_run
+    model, _ = dlm.load(run_dir)
+    tokens = sample_tokens(masked=True)[:, :length]
+    with torch.no_grad():
+        expected = model(tokens)  # no clean copy: dlm's inference pass, block b sees blocks <= b
+        logits = hf_model(input_ids=tokens).logits
+        # Changing a later block leaves every earlier block's logits as they were: causal across blocks.
+        changed = tokens.clone()
+        changed[:, 32:] = 5
+        later = hf_model(input_ids=changed).logits
+    assert hf_model.config.block_size == 16
+    assert (logits - expected).abs().max() < 1e-5
+    assert torch.equal(later[:, :32], logits[:, :32])
+    if length > 32:
+        assert not torch.equal(later[:, 32:], logits[:, 32:])
+
+
+BLOCK_SETTINGS = [
+    {"remasking": "random"},
+    {"remasking": "confidence", "steps": 5},
+    {"remasking": "margin", "temperature": 0.7, "top_k": 20, "block_length": 16},
+]
+
+
+@pytest.mark.parametrize("settings", BLOCK_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_block_model_generation_equals_dlm_sample(block_run: tuple, settings: dict) -> None:
+    run_dir, hf_model = block_run
+    model, tokenizer = dlm.load(run_dir)
+    options = {"steps": 12, **settings}
+    # The prompt ends inside the first block; 40 new tokens reach into the fourth.
+    expected = dlm.sample(model, tokenizer, prompt="ROMEO:", length=40, num_samples=3, seed=5, **options)
+    prompt = torch.tensor([tokenizer.encode("ROMEO:").ids])
+    ids = hf_model.generate(prompt, max_new_tokens=40, num_samples=3, seed=5, **options)
+    assert ids.tolist() == expected.token_ids
+    assert not (ids == 1).any()
+
+
+def test_block_model_infilling_and_refusals(block_run: tuple) -> None:
+    run_dir, hf_model = block_run
+    model, tokenizer = dlm.load(run_dir)
+    expected = dlm.sample(model, tokenizer, text="ROMEO: [MASK*20] fair Verona[MASK*4]", steps=8, seed=3)
+    ids = torch.tensor([tokenizer.encode("ROMEO: ").ids + [1] * 20 + tokenizer.encode(" fair Verona").ids + [1] * 4])
+    assert hf_model.generate(ids, max_new_tokens=0, steps=8, seed=3).tolist() == expected.token_ids
+    with pytest.raises(ValueError, match="block_length 8 differs from the model's block_size 16"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, block_length=8)
+    with pytest.raises(ValueError, match="fewer than the 3 blocks"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=40, steps=2)
 
 
 def test_bundled_sampler_knows_the_schedules_the_export_accepts() -> None:

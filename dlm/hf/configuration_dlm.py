@@ -17,7 +17,7 @@ SCHEDULES = ("linear", "cosine")
 
 
 class DlmDiffusionConfig(PretrainedConfig):
-    """Shapes of the bidirectional transformer, its special tokens and its noise schedule."""
+    """Shapes of the transformer, its block size, its special tokens and its noise schedule."""
 
     model_type = "dlm_diffusion"
 
@@ -36,6 +36,7 @@ class DlmDiffusionConfig(PretrainedConfig):
         eos_token_id: int = 0,
         pad_token_id: int = 2,
         schedule: str = "linear",
+        block_size: int = 0,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -50,6 +51,9 @@ class DlmDiffusionConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.mask_token_id = mask_token_id
         self.schedule = schedule
+        # Block diffusion: blocks of this many positions attend causally across blocks; 0 (or the
+        # whole sequence) is plain bidirectional masked diffusion.
+        self.block_size = block_size
         # The output head is the embedding itself (there is no separate lm_head weight).
         kwargs["tie_word_embeddings"] = True
         super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

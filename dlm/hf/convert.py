@@ -15,8 +15,9 @@ and `AutoTokenizer.from_pretrained(dir)` load without dlm:
 Writing needs no transformers. Reading (`read_hf_export`) turns the directory back into dlm weights
 and a `SourceInfo`, so `dlm.load`, `dlm sample` and `dlm export` accept it too (also after
 `save_pretrained` of a model fine-tuned with transformers: the config fields are read, not trusted
-from the metadata). Refused for now: block diffusion models (`[model] block_size`), whose attention
-and sampler the bundled file does not implement, and noise schedules other than linear and cosine.
+from the metadata). A block diffusion model (`[model] block_size`) exports with its block size: the
+bundled file attends block-causally and samples block by block, as dlm's inference does. Refused:
+noise schedules other than linear and cosine, which the bundled sampler does not implement.
 """
 
 from __future__ import annotations
@@ -101,12 +102,6 @@ def from_hf_names(weights: dict[str, Tensor]) -> dict[str, Tensor]:
 def check_hf_exportable(model: ModelConfig, diffusion: DiffusionConfig) -> None:
     """Refuse what the bundled modeling file cannot reproduce."""
 
-    if model.is_block_model:
-        raise UserError(
-            f"a block diffusion model (block_size {model.block_size}) cannot be exported to the Hugging Face "
-            "format yet: its block-causal attention and block sampler are not in the bundled modeling file",
-            fix="export it in dlm's own format (omit --format hf)",
-        )
     if diffusion.schedule not in HF_SCHEDULES:
         raise UserError(
             f"the {diffusion.schedule!r} noise schedule has no sampler in the Hugging Face modeling file "
@@ -137,6 +132,7 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
         "eos_token_id": special_ids["eos"],
         "pad_token_id": special_ids["pad"],
         "schedule": info.diffusion.schedule,
+        "block_size": model.block_size,
         "tie_word_embeddings": True,
         "torch_dtype": dtype,
         "dlm": {
@@ -263,6 +259,7 @@ def _model_config(config: dict[str, Any]) -> ModelConfig:
         "rope_theta": config["rope_theta"],
         "norm_eps": config["rms_norm_eps"],
         "mask_token_id": config["mask_token_id"],
+        "block_size": config.get("block_size", 0),  # absent from exports of whole-sequence models before it
     }
     recorded = dict((config.get("dlm") or {}).get("model") or {})
     padded = config.get("padded_vocab_size", config["vocab_size"])

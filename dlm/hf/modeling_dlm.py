@@ -10,12 +10,14 @@ for operation, so logits match dlm's bit for bit in float32:
 
 Each block is `x + attention(norm(x))` then `x + swiglu(norm(x))`, with one fused QKV matmul, a
 fused gate / up matmul, and rotary positions whose angles are formed in float64 and applied in
-float32. The model attends in both directions and gets no time input.
+float32. The model attends in both directions and gets no time input; a block diffusion model
+(`config.block_size`) attends block-causally: a query sees every key of its own and earlier blocks.
 
 `generate` (also `diffusion_generate`) runs dlm's reverse process: masks are revealed over `steps`
 steps, by low-confidence remasking (`confidence`, `margin`) or ancestrally (`random`), optionally
-block by block (`block_length`). It draws its random numbers in the same order as `dlm.sample`, so
-the same seed and settings give the same tokens.
+block by block (`block_length`; a block model always runs its own blocks left to right, each seeing
+the prefix up to its end). It draws its random numbers in the same order as `dlm.sample`, so the
+same seed and settings give the same tokens.
 """
 
 from __future__ import annotations
@@ -67,6 +69,22 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.float().split(half, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def model_block_size(config: DlmDiffusionConfig) -> int:
+    """The block size of a block diffusion model; 0 when one block covers every position."""
+
+    block_size = getattr(config, "block_size", 0) or 0
+    return block_size if block_size < config.max_position_embeddings else 0
+
+
+def block_causal_mask(length: int, block_size: int, device: torch.device) -> Tensor | None:
+    """[length, length] bool: a query sees the keys of its own and earlier blocks (None: one block)."""
+
+    if block_size == 0 or (length - 1) // block_size == 0:
+        return None
+    block = torch.arange(length, device=device) // block_size
+    return block[None, :] <= block[:, None]
 
 
 class DlmAttention(nn.Module):
@@ -172,9 +190,10 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds {self.config.max_position_embeddings} positions")
         cos, sin = self._tables(length, input_ids.device)
-        key_mask = None
+        key_mask = block_causal_mask(length, model_block_size(self.config), input_ids.device)
         if attention_mask is not None and not bool(attention_mask.all()):
-            key_mask = attention_mask.bool()[:, None, None, :]  # padding keys are ignored by every query
+            padding = attention_mask.bool()[:, None, None, :]  # padding keys are ignored by every query
+            key_mask = padding if key_mask is None else padding & key_mask
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, key_mask)
@@ -374,9 +393,11 @@ class _Reverse:
             raise ValueError(f"no sampler for the {self.schedule!r} noise schedule (have {', '.join(SCHEDULES)})")
         never = [self.mask_id, *(token for token in forbidden if token != self.mask_id)]
         self.forbidden = torch.tensor(never, device=generator.device)
+        self.end: int | None = None  # a block model sees the positions before the end of the current block
 
     def predict(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        logits = self.model.logits_at(tokens, positions).to(self.generator.device, torch.float64)
+        end = self.end
+        logits = self.model.logits_at(tokens[:, :end], positions[:, :end]).to(self.generator.device, torch.float64)
         logits[:, self.forbidden] = float("-inf")
         new = sample_tokens(logits, self.options, self.generator)
         confidence = None
@@ -424,12 +445,21 @@ class _Reverse:
         positions = fill[0].nonzero().squeeze(-1)
         if positions.numel() == 0:
             return tokens
-        options = self.options
-        blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
+        options, block_size = self.options, model_block_size(self.model.config)
+        if block_size:  # the model's own blocks, aligned to position 0 as in training
+            if options.block_length not in (None, block_size):
+                raise ValueError(f"block_length {options.block_length} differs from the model's block_size "
+                                 f"{block_size}: omit it")  # fmt: skip
+            index_of = positions // block_size
+            blocks = [positions[index_of == b] for b in index_of.unique().tolist()]
+        else:
+            blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
         if len(blocks) > options.steps:
             raise ValueError(f"steps ({options.steps}) are fewer than the {len(blocks)} blocks to generate")
         per_block = [options.steps // len(blocks) + (i < options.steps % len(blocks)) for i in range(len(blocks))]
         for block, block_steps in zip(blocks, per_block, strict=True):
+            if block_size:
+                self.end = min((int(block[0]) // block_size + 1) * block_size, tokens.shape[1])
             for index in range(block_steps):
                 t, s = Fraction(block_steps - index, block_steps), Fraction(block_steps - index - 1, block_steps)
                 if options.remasking == "random":
