@@ -86,7 +86,8 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     float32 input (4d), and one block's full set exists while it is recomputed. The head adds, for
     the masked half of the tokens on average, the logits and their float32 copy and log-softmax
     (a + 8 per vocabulary entry). A fused attention kernel is assumed: the math fallback also keeps
-    batch x heads x L x L scores per block.
+    batch x heads x L x L scores per block. A block diffusion model's transformer blocks run over
+    2L tokens (the noisy and the clean copy), so their share doubles; the head sees the noisy copy only.
     """
 
     a = 4 if precision == "float32" else 2
@@ -95,8 +96,9 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     full_block = a * (8 * d + 4 * ffn) + 16 * d
     # Checkpointed: every block's float32 input, plus the block being recomputed.
     blocks = model.n_layers * 4 * d + full_block if model.activation_checkpointing else model.n_layers * full_block
+    copies = 2 if model.is_block_model else 1
     head = (a + 8) * model.padded_vocab_size // 2
-    return tokens * (blocks + head)
+    return tokens * (copies * blocks + head)
 
 
 @dataclass(frozen=True)
