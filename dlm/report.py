@@ -64,6 +64,7 @@ class RunHistory:
     """Everything the report shows of one run."""
 
     run_dir: Path
+    name: str  # what the page is titled: the directory the user named (a demo's, not its `run`)
     starts: list[StartEvent] = field(default_factory=list)
     train: list[TrainEvent] = field(default_factory=list)
     validation: list[ValidationEvent] = field(default_factory=list)
@@ -106,7 +107,7 @@ class RunHistory:
     def summary(self) -> list[tuple[str, str]]:
         """The headline rows: how the run stands and its latest figures."""
 
-        rows: list[tuple[str, str]] = [("run directory", str(self.run_dir))]
+        rows: list[tuple[str, str]] = []
         start = self.starts[-1] if self.starts else None
         last = self.train[-1] if self.train else None
         step = max([0] + [event.step for event in self.train] + [event.step for event in self.checkpoints])
@@ -206,7 +207,7 @@ def gather_run(path: str | Path) -> RunHistory:
     """The history of the run in `path` (a run directory or a `dlm demo` output directory)."""
 
     run_dir, samples_path = find_run(Path(path))
-    history = RunHistory(run_dir)
+    history = RunHistory(run_dir, Path(path).resolve().name)
     for event in current_events(list(read_events(RunDir(run_dir).metrics))):
         if isinstance(event, StartEvent):
             history.starts.append(event)

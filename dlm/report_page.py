@@ -91,12 +91,14 @@ def _train_and_validation(go: Any, history: RunHistory, name: str, figure: Any) 
 
 
 def _loss_charts(go: Any, history: RunHistory, last: int) -> list[Any]:
-    loss = _train_and_validation(go, history, "loss", go.Figure(layout=_layout("Loss", "nats per token", last)))
+    layout = _layout("Loss", "nats per token", last, showlegend=True)
+    loss = _train_and_validation(go, history, "loss", go.Figure(layout=layout))
     elbo = _eval_trace(go, history, "nll", "nll_stderr", "dlm eval: ELBO NLL ± 1 s.e.")
     if elbo is not None:
         loss.add_trace(elbo)
     y_title = "share of masked tokens right"
-    layout = _layout("Masked accuracy", y_title, last, yaxis={"title": {"text": y_title}, "tickformat": ".0%"})
+    axis = {"title": {"text": y_title}, "tickformat": ".0%"}
+    layout = _layout("Masked accuracy", y_title, last, yaxis=axis, showlegend=True)
     return [loss, _train_and_validation(go, history, "masked_accuracy", go.Figure(layout=layout))]
 
 
@@ -119,7 +121,12 @@ def _bits_chart(go: Any, history: RunHistory, last: int) -> Any | None:
     if trace is None:
         return None
     layout = _layout("Validation bits per byte (dlm eval)", "bits per byte", last, showlegend=True)
-    return go.Figure(trace, layout=layout)
+    figure = go.Figure(trace, layout=layout)
+    steps, unigram, _ = history.eval_series("unigram_bits_per_byte", "")
+    if steps:  # the level of token frequencies alone: a model above it has learned nothing of context
+        figure.add_trace(go.Scatter(x=steps, y=unigram, name="unigram level (no context)", mode="markers",
+                                    marker={"color": "#7f7f7f", "symbol": "line-ew-open", "size": 18}))  # fmt: skip
+    return figure
 
 
 def build_charts(history: RunHistory) -> list[Any]:
@@ -163,13 +170,14 @@ def _eval_section(evals: list[EvalResult]) -> str:
     if not evals:
         return ('<p class="none">No eval reports in the run directory. Write one with '
                 "<code>dlm eval RUN_DIR --output RUN_DIR/eval.json</code>.</p>")  # fmt: skip
-    columns = ("report", "step", "bits per byte", "ELBO NLL (nats/token)", "perplexity bound",
+    columns = ("report", "step", "bits per byte", "unigram level", "ELBO NLL (nats/token)", "perplexity bound",
                "fixed-noise loss", "masked accuracy", "sequences", "tokens")  # fmt: skip
     rows = []
     for result in evals:
         figure = result.figure
         cells = (result.name, "n/a" if result.step is None else str(result.step),
                  _with_error(figure("bits_per_byte"), figure("bits_per_byte_stderr")),
+                 _with_error(figure("unigram_bits_per_byte"), None),
                  _with_error(figure("nll"), figure("nll_stderr")), _with_error(figure("perplexity_bound"), None, 2),
                  _with_error(figure("fixed_noise_loss"), None), _with_error(figure("fixed_noise_accuracy"), None),
                  str(result.report.get("sequences", "n/a")), str(result.report.get("tokens", "n/a")))  # fmt: skip
@@ -210,7 +218,7 @@ def render_page(history: RunHistory) -> str:
 
     figures = build_charts(history)
     plotly_js = importlib.import_module("plotly.offline").get_plotlyjs()
-    name = history.run_dir.resolve().name
+    name = history.name
     notes = "".join(f'<li class="note">{escape(note)}</li>' for note in history.notes)
     config = (_table(config_rows(history.config), ("field", "value")) if history.config is not None
               else '<p class="none">No config.json in the run directory.</p>')  # fmt: skip

@@ -42,6 +42,7 @@ EVAL_REPORT = {
     "nll_stderr": 0.125,
     "bits_per_byte": 3.5,
     "bits_per_byte_stderr": 0.0625,
+    "unigram_bits_per_byte": 4.125,
     "perplexity_bound": 70.1,
     "fixed_noise_loss": 4.5,
     "fixed_noise_accuracy": 0.25,
@@ -152,7 +153,9 @@ def test_a_demo_directory_is_its_run_with_the_samples_beside_it(run_copy: Path) 
     run_copy.rename(demo / "run")
     (demo / "samples.json").write_text(json.dumps([{"label": "prompt", "prompt": "ROMEO:", "text": "ROMEO: hi"}]))
     assert find_run(demo) == (demo / "run", demo / "samples.json")
-    assert gather_run(demo).samples[0]["text"] == "ROMEO: hi"
+    history = gather_run(demo)
+    assert history.samples[0]["text"] == "ROMEO: hi"
+    assert (history.run_dir, history.name) == (demo / "run", "demo")
 
 
 def test_not_a_run_directory_is_refused(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
@@ -220,6 +223,7 @@ def test_the_page_is_written_self_contained_with_the_runs_numbers(
     assert json.dumps(last["loss"]) in page  # the chart data
     assert f"{last['loss']:.4f} (step 4)" in page  # the summary
     assert "3.5000 ± 0.0625" in page and "4.2500 ± 0.1250" in page  # the eval report with its errors
+    assert "<td>4.1250</td>" in page  # and the unigram level beside it
     assert page.count('class="main-svg"') == 0  # drawn by the browser, not by Python
     assert len(re.findall(r'<div id="chart-\d+"', page)) == len(build_charts(gather_run(run_dir))) == 7
     # Escaped wherever the run's strings appear; never as markup.
