@@ -244,10 +244,10 @@ def write_report(run: str | Path, output: str | Path | None = None, overwrite: b
 
     An earlier report at `output` is replaced; any other file only with `overwrite`."""
 
-    require(PLOTLY)  # before any other work: the missing extra is the first thing to fix
     output = default_output(run) if output is None else Path(output)
-    history = gather_run(run)
+    history = gather_run(run)  # a wrong directory is said first, with or without the extra
     check_report_output(output, overwrite)
+    require(PLOTLY)
     page = render_page(history)
     with reported_os_errors("the report", output):
         atomic_write_text(output, page)
