@@ -120,7 +120,7 @@ def _bits_chart(go: Any, history: RunHistory, last: int) -> Any | None:
     trace = _eval_trace(go, history, "bits_per_byte", "bits_per_byte_stderr", "dlm eval ± 1 s.e.")
     if trace is None:
         return None
-    layout = _layout("Validation bits per byte (dlm eval)", "bits per byte", last, showlegend=True)
+    layout = _layout("Bits per byte (dlm eval reports)", "bits per byte", last, showlegend=True)
     figure = go.Figure(trace, layout=layout)
     steps, unigram, _ = history.eval_series("unigram_bits_per_byte", "")
     if steps:  # the level of token frequencies alone: a model above it has learned nothing of context
