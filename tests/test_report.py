@@ -244,6 +244,25 @@ def test_the_page_is_written_self_contained_with_the_runs_numbers(
     assert sorted(path.name for path in run_dir.iterdir() if path.name.startswith(".")) == []  # no temporaries left
 
 
+@pytest.mark.report_extra
+def test_a_person_is_told_where_the_page_is_on_one_line(
+    run_copy: Path, run_cli: Callable[..., CliResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("plotly", reason="plotly is not installed (pip install -e '.[report]')")
+    from rich.console import Console
+
+    from dlm.cli import report_cmd
+
+    monkeypatch.setattr(report_cmd, "wants_json", lambda flag: False)  # as on a terminal
+    monkeypatch.setattr(report_cmd, "console", Console(width=80))
+    output = run_copy / ("a-long-directory-name-" * 4) / "page.html"
+    output.parent.mkdir()
+    result = run_cli("report", run_copy, "-o", output)
+    assert result.exit_code == 0, result.stderr
+    size = output.stat().st_size / 1e6
+    assert result.stdout == f"wrote {output} ({size:.1f} MB): open it in a browser\n"
+
+
 # ------------------------------------------------------------------------------ the page in a browser
 
 
