@@ -366,6 +366,28 @@ def _uniform(generators: Generators, batch: int, shape: tuple[int, ...], device:
     return torch.stack([torch.rand(shape, generator=generator, device=device) for generator in generators])
 
 
+def _corrupt_rows(
+    clean: Tensor, mask_token_id: int, times: Tensor, eps: float, generators: Sequence[torch.Generator],
+    schedule: Schedule, block_size: int, loss_mask: Tensor | None,
+) -> Corruption:  # fmt: skip
+    """`corrupt_tokens` with row r's draws from generators[r]."""
+
+    if len(generators) != clean.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {clean.shape[0]} sequences")
+    rows = [
+        corrupt_tokens(clean[r : r + 1], mask_token_id, times[r : r + 1], eps, generator, schedule=schedule,
+                       block_size=block_size, loss_mask=None if loss_mask is None else loss_mask[r : r + 1])
+        for r, generator in enumerate(generators)
+    ]  # fmt: skip
+
+    def joined(name: str) -> Tensor:
+        return torch.cat([getattr(row, name) for row in rows])
+
+    noisy, mask, time, probability, rate = map(joined, ("noisy_tokens", "mask", "time", "mask_probability",
+                                                          "mask_rate"))  # fmt: skip
+    return Corruption(noisy, mask, time, probability, rate, None if loss_mask is None else joined("loss_mask"))
+
+
 @torch.no_grad()
 def elbo_nll(
     logits_fn: Callable[[Tensor, Tensor], Tensor],
@@ -389,8 +411,8 @@ def elbo_nll(
     counts l of `corrupt_exact_count` (it needs neither eps nor the schedule). With a `loss_mask` it
     is the conditional ELBO of the loss positions (a response given its prompt) per loss token.
 
-    `exact-count` also takes one generator per row: each sequence's estimate then depends on its
-    own generator alone, not on the batch it was scored in.
+    `generator` may be one per row: each sequence's estimate then depends on its own generator
+    alone, not on the batch it was scored in.
     """
 
     if num_samples < 1:
@@ -399,9 +421,12 @@ def elbo_nll(
         raise ValueError(f"estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     batch, length = clean.shape
     shape = (-(-length // block_size),) if 0 < block_size < length else ()
-    shared = generator if generator is None or isinstance(generator, torch.Generator) else None
-    if estimator == "bernoulli" and generator is not None and shared is None:
-        raise ValueError("the bernoulli estimator takes one generator for the batch")
+    shared: torch.Generator | None = None
+    per_row: Sequence[torch.Generator] | None = None
+    if generator is None or isinstance(generator, torch.Generator):
+        shared = generator
+    else:
+        per_row = generator
     offsets = _uniform(generator, batch, shape, clean.device)
     samples = []
     for k in range(num_samples):
@@ -412,8 +437,11 @@ def elbo_nll(
                                              loss_mask=loss_mask)  # fmt: skip
         else:
             times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
-            corruption = corrupt_tokens(clean, mask_token_id, times, eps, shared,
-                                        schedule=schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
+            if per_row is not None:
+                corruption = _corrupt_rows(clean, mask_token_id, times, eps, per_row, schedule, block_size, loss_mask)
+            else:
+                corruption = corrupt_tokens(clean, mask_token_id, times, eps, shared,
+                                            schedule=schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     stacked = torch.stack(samples)  # [K, B]

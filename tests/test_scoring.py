@@ -1,0 +1,118 @@
+"""`dlm.scoring`: conditional likelihoods, rolling windows and generation from token ids (what the
+lm-evaluation-harness adapter serves), on a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from dlm.config import ModelConfig
+from dlm.errors import UserError
+from dlm.model import DiffusionTransformer
+from dlm.scoring import Scorer, rolling_windows
+from dlm.tokenizer import load_tokenizer
+
+MASK_ID, LENGTH = 1, 32
+
+
+def tiny_model(block_size: int = 0) -> DiffusionTransformer:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=512, mask_token_id=MASK_ID, max_seq_len=LENGTH, d_model=32, n_layers=2,
+                         n_heads=4, pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    return DiffusionTransformer(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_path) -> Tokenizer:  # type: ignore[no-untyped-def]
+    return load_tokenizer(tiny_tokenizer_path)
+
+
+def ids(count: int, start: int = 10) -> list[int]:
+    return [start + (7 * i) % 300 for i in range(count)]
+
+
+@pytest.mark.parametrize("total", [0, 1, 31, 32, 33, 70])
+def test_rolling_windows_score_every_token_once_within_the_model_length(total: int) -> None:
+    tokens = ids(total)
+    windows = rolling_windows(tokens, 0, LENGTH)
+    assert [token for _, scored in windows for token in scored] == tokens
+    assert all(len(context) + len(scored) <= LENGTH and context for context, scored in windows)
+    if windows:
+        assert windows[0][0] == [0]  # the first window follows an end of document
+    for context, scored in windows[1:]:  # each later one follows the text just before it
+        end = tokens.index(scored[0]) if len(set(tokens)) == len(tokens) else None
+        assert end is None or context == tokens[end - len(context) : end]
+    if len(windows) > 1:
+        assert len(windows[-1][0]) + len(windows[-1][1]) == LENGTH  # the last one has all the context that fits
+
+
+@pytest.mark.parametrize("estimator", ["exact-count", "bernoulli"])
+def test_scores_do_not_depend_on_batch_size_order_or_neighbours(tokenizer: Tokenizer, estimator: str) -> None:
+    model = tiny_model()
+    requests = [(ids(5), ids(3, 40)), (ids(6), ids(2, 50)), (ids(4), ids(4, 60)), (ids(5), ids(3, 70))]
+    one = Scorer(model, tokenizer, mc_samples=4, batch_size=1, estimator=estimator).loglikelihood(requests)
+    many = Scorer(model, tokenizer, mc_samples=4, batch_size=8, estimator=estimator).loglikelihood(requests[::-1])
+    many = many[::-1]
+    alone = Scorer(model, tokenizer, mc_samples=4, batch_size=8, estimator=estimator).loglikelihood(requests[2:3])
+    for a, b in zip(one, many, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.is_greedy == b.is_greedy
+        assert a.tokens == b.tokens
+    assert alone[0].logprob == pytest.approx(one[2].logprob, abs=1e-5)
+    assert all(score.logprob < 0 and score.stderr is not None for score in one)
+
+
+@pytest.mark.parametrize("estimator", ["exact-count", "bernoulli"])
+def test_a_long_context_loses_its_oldest_tokens(tokenizer: Tokenizer, estimator: str) -> None:
+    scorer = Scorer(tiny_model(), tokenizer, mc_samples=3, estimator=estimator)
+    continuation = ids(4, 90)
+    long, kept = ids(60), ids(60)[-(LENGTH - 4) :]
+    [truncated], [same] = scorer.loglikelihood([(long, continuation)]), scorer.loglikelihood([(kept, continuation)])
+    assert truncated == same and truncated.tokens == 4
+    with pytest.raises(UserError, match="does not fit the model's 32 positions"):
+        scorer.loglikelihood([([], ids(LENGTH + 1))])
+
+
+def test_greedy_means_the_argmax_of_the_masked_continuation(tokenizer: Tokenizer) -> None:
+    model = tiny_model()
+    context = ids(8)
+    noisy = torch.tensor([context + [MASK_ID] * 3])
+    with torch.no_grad():
+        logits = model(noisy)[0, 8:]
+    logits[:, MASK_ID] = float("-inf")
+    best = logits.argmax(dim=-1).tolist()
+    other = [(best[0] + 1) % 500 + 2, *best[1:]]
+    scores = Scorer(model, tokenizer, mc_samples=2).loglikelihood([(context, best), (context, other)])
+    assert [score.is_greedy for score in scores] == [True, False]
+
+
+def test_block_models_are_scored_block_by_block(tokenizer: Tokenizer) -> None:
+    scorer = Scorer(tiny_model(block_size=1), tokenizer, mc_samples=3)
+    model, context, continuation = scorer.model, ids(6), ids(3, 80)
+    # Block size 1 is autoregressive: the bound is the exact log-likelihood, with no Monte Carlo noise.
+    [score] = scorer.loglikelihood([(context, continuation)])
+    total, sequence = 0.0, context + continuation
+    with torch.no_grad():
+        for i in range(len(context), len(sequence)):
+            prefix = torch.tensor([sequence[: i + 1]])
+            prefix[0, i] = MASK_ID
+            total += float(model(prefix)[0, i].double().log_softmax(-1)[sequence[i]])
+    assert score.logprob == pytest.approx(total, abs=1e-4) and score.stderr == 0.0
+
+
+def test_generation_stops_at_the_first_until_string(tokenizer: Tokenizer) -> None:
+    scorer = Scorer(tiny_model(), tokenizer, seed=3)
+    options = {"temperature": 1.0, "top_p": None, "remasking": "random"}
+    free = scorer.generate(ids(5), max_tokens=12, **options)
+    assert free == scorer.generate(ids(5), max_tokens=12, **options)  # seeded by the request
+    stop = free[len(free) // 2 : len(free) // 2 + 1]
+    cut = scorer.generate(ids(5), max_tokens=12, until=[stop], **options)
+    assert cut == free[: free.index(stop)]
+    assert scorer.generate(ids(40), max_tokens=100, **options) is not None  # both cut to fit the 32 positions
+
+
+def test_scorer_options_are_checked(tokenizer: Tokenizer) -> None:
+    for options, message in (({"mc_samples": 0}, "mc_samples"), ({"estimator": "x"}, "estimator"),
+                             ({"batch_size": 0}, "batch_size")):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            Scorer(tiny_model(), tokenizer, **options)  # type: ignore[arg-type]
