@@ -145,7 +145,9 @@ def build_charts(history: RunHistory) -> list[Any]:
         ("grad_norm", "Gradient norm (before clipping)", "L2 norm", "#9467bd"),
         ("tokens_per_second", "Throughput", "tokens per second", "#8c564b"),
     ):
-        figure = go.Figure(layout=_layout(title, y_title, last, showlegend=False))
+        # From zero: these are never negative, and a constant one (a flat learning rate) stays readable.
+        axis = {"title": {"text": y_title}, "rangemode": "tozero"}
+        figure = go.Figure(layout=_layout(title, y_title, last, showlegend=False, yaxis=axis))
         figure.add_trace(_trace(go, history.train_series(field), y_title, colour))
         figures.append(figure)
     return figures
