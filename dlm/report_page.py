@@ -122,10 +122,13 @@ def _bits_chart(go: Any, history: RunHistory, last: int) -> Any | None:
         return None
     layout = _layout("Bits per byte (dlm eval reports)", "bits per byte", last, showlegend=True)
     figure = go.Figure(trace, layout=layout)
+    # The level of token frequencies alone: a model at or above it has learned nothing of context.
     steps, unigram, _ = history.eval_series("unigram_bits_per_byte", "")
-    if steps:  # the level of token frequencies alone: a model above it has learned nothing of context
-        figure.add_trace(go.Scatter(x=steps, y=unigram, name="unigram level (no context)", mode="markers",
-                                    marker={"color": "#7f7f7f", "symbol": "line-ew-open", "size": 18}))  # fmt: skip
+    if len(set(unigram)) == 1:  # one data set: one level across the chart
+        steps, unigram = [0, last], unigram[:1] * 2
+    if steps:
+        figure.add_trace(go.Scatter(x=steps, y=unigram, name="unigram level (no context)", mode="lines+markers",
+                                    line={"color": "#7f7f7f", "dash": "dash"}, marker={"size": 4}))  # fmt: skip
     return figure
 
 
