@@ -32,8 +32,9 @@ def report_command(
 ) -> None:
     """Write one self-contained HTML page of a run: curves, loss by noise level, eval results, samples, config.
 
-    The page needs no network to view (the `report` extra's plotly is embedded). An earlier report
-    at --output is replaced; any other file only with --overwrite.
+    The page opens offline: the charts' JavaScript (plotly, the `report` extra) is inside it.
+
+    An earlier report at --output is replaced; any other file only with --overwrite.
     """
 
     from dlm.report_page import write_report
