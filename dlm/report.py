@@ -208,7 +208,11 @@ def gather_run(path: str | Path) -> RunHistory:
 
     run_dir, samples_path = find_run(Path(path))
     history = RunHistory(run_dir, Path(path).resolve().name)
-    for event in current_events(list(read_events(RunDir(run_dir).metrics))):
+    try:
+        events = list(read_events(RunDir(run_dir).metrics))
+    except OSError as exc:
+        raise UserError(f"cannot read {METRICS_NAME}: {exc.strerror or exc}", path=run_dir) from None
+    for event in current_events(events):
         if isinstance(event, StartEvent):
             history.starts.append(event)
         elif isinstance(event, TrainEvent):
