@@ -24,7 +24,7 @@ from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allow
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config import ModelConfig, load_config
-from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
+from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
 from dlm.distributed import end_process
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
@@ -111,6 +111,23 @@ def test_block_corruption_weights_each_token_by_its_block() -> None:
     first = corruption.mask[0, :4].sum() * ce / 0.25
     torch.testing.assert_close(loss.loss, (first + 4 * ce) / 8)
     torch.testing.assert_close(loss.per_block_nll, torch.stack([first / 4, ce])[None])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_elbo_of_a_uniform_model_is_log_vocab_within_its_standard_error(block_size: int) -> None:
+    # Each block is weighted by its own time: were a block's weight off, a uniform model (log V per
+    # masked token whatever it sees) would not score log V on average.
+    clean = torch.randint(2, 64, (32, 32), generator=torch.Generator().manual_seed(4))
+
+    def uniform(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(int(mask.sum()), 64)
+
+    nll, stderr = elbo_nll(uniform, clean, MASK_ID, 8, 1e-3, torch.Generator().manual_seed(5), block_size=block_size)
+    if block_size == 1:  # every token masked with weight 1: exact, no Monte Carlo error
+        assert torch.allclose(nll, torch.full((32,), math.log(64))) and torch.equal(stderr, torch.zeros(32))
+        return
+    combined = stderr.pow(2).sum().sqrt() / 32
+    assert 0 < combined.item() and abs(nll.mean().item() - math.log(64)) < 4 * combined.item()
 
 
 def test_block_times_split_across_ranks_like_accumulation() -> None:
