@@ -293,6 +293,7 @@ def test_the_page_renders_in_chromium_offline(run_copy: Path) -> None:
         browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(180_000)  # a loaded machine parses 5 MB of JavaScript slowly
             page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
             page.on("pageerror", lambda error: problems.append(str(error)))
             page.on("dialog", lambda dialog: (problems.append("dialog: " + dialog.message), dialog.dismiss()))
