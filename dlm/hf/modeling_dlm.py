@@ -88,7 +88,7 @@ def block_causal_mask(length: int, block_size: int, device: torch.device) -> Ten
 
 
 class DlmAttention(nn.Module):
-    """Bidirectional multi-head self-attention with one fused QKV projection."""
+    """Multi-head self-attention with one fused QKV projection; `key_mask` holds any block-causal pattern."""
 
     def __init__(self, config: DlmDiffusionConfig):
         super().__init__()
