@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlm.config import load_config
 from dlm.assets import shakespeare_files
+from dlm.config import load_config
 from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte, unigram_verdict
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError

@@ -43,7 +43,7 @@ def test_corpus_words_read_any_corpus_format_and_count_tokens(tmp_path: Path, ti
 
     plain, packed = tmp_path / "a.txt", tmp_path / "b.txt.gz"
     plain.write_text("To be, or not to be:\nthat is the question.\n", encoding="utf-8")
-    packed.write_bytes(gzip.compress("Whether 'tis nobler\n".encode()))
+    packed.write_bytes(gzip.compress(b"Whether 'tis nobler\n"))
     tokenizer = load_tokenizer(tiny_tokenizer_path)
     found = corpus_words([plain, packed], tokenizer)
     assert found.vocabulary == {"to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"}
