@@ -3,6 +3,9 @@ lm-evaluation-harness adapter serves), on a tiny random model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -116,3 +119,18 @@ def test_scorer_options_are_checked(tokenizer: Tokenizer) -> None:
                              ({"batch_size": 0}, "batch_size")):  # fmt: skip
         with pytest.raises(UserError, match=message):
             Scorer(tiny_model(), tokenizer, **options)  # type: ignore[arg-type]
+
+
+def test_without_lm_eval_the_harness_names_the_extra() -> None:
+    # lm_eval blocked as if it were not installed, in a fresh interpreter.
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; "
+            "runpy.run_module('dlm.harness', run_name='__main__', alter_sys=True)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (
+        "error: evaluating with lm-evaluation-harness needs lm_eval, which is not installed "
+        "(pip install 'dlm[lm-eval]')"
+    )
+    imported = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lm_eval'] = None; import dlm.harness"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert imported.returncode == 1 and "pip install 'dlm[lm-eval]'" in imported.stderr
