@@ -92,17 +92,34 @@ def bd3_mask(length: int, block_size: int, device: torch.device) -> AttentionMas
 
 
 @lru_cache(maxsize=64)
-def block_causal_mask(query_start: int, query_end: int, block_size: int, device: torch.device) -> AttentionMask:
-    """Queries [query_start, query_end) against keys [0, query_end): a key is seen from its block on.
+def block_causal_mask(
+    query_start: int, query_end: int, block_size: int, device: torch.device, key_start: int = 0
+) -> AttentionMask:
+    """Queries [query_start, query_end) against keys [key_start, query_end): a key is seen from its block on.
 
     Queries inside one block see every key (their own block and all earlier ones): no mask at all.
+    `key_start` > 0 is a cache whose oldest keys a sliding window dropped.
     """
 
     if query_start // block_size == (query_end - 1) // block_size:
         return AttentionMask("sdpa")
     query = torch.arange(query_start, query_end, device=device) // block_size
-    key = torch.arange(query_end, device=device) // block_size
+    key = torch.arange(key_start, query_end, device=device) // block_size
     return AttentionMask("sdpa-mask", key[None, :] <= query[:, None])
+
+
+def padded_mask(base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int,
+                pad_keys: Tensor) -> AttentionMask:  # fmt: skip
+    """`base` for a left-padded batch: row b's first `pad_keys[b]` keys (its padding) are seen by no
+    query but its own padding (columns < `pad[b]`), whose outputs are never used; a query seeing no
+    key at all would be NaN, and NaN values leak even through zero attention weights."""
+
+    key = torch.arange(keys, device=pad.device)
+    query = torch.arange(query_start, query_start + queries, device=pad.device)
+    allowed = (key[None, None, :] >= pad_keys[:, None, None]) | (query[None, :, None] < pad[:, None, None])
+    if base is not None and base.mask is not None:
+        allowed = allowed & base.mask
+    return AttentionMask("sdpa-mask", allowed[:, None])  # [B, 1 (heads), queries, keys]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
@@ -130,8 +147,26 @@ class KVCache:
     """
 
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
-    length: int = 0
+    length: int = 0  # the position (column) after the cached ones: where the next tokens go
     committing: bool = False
+    dropped: int = 0  # leading positions a sliding window removed (`trim`)
+
+    @property
+    def stored(self) -> int:
+        """Keys held per layer."""
+
+        first = self.layers[0] if self.layers else None
+        return 0 if first is None else first[0].shape[2]
+
+    def trim(self, keep: int, block_size: int) -> None:
+        """Drop the oldest keys, whole blocks of `block_size`, until at most `keep` are held."""
+
+        excess = self.stored - keep
+        if excess <= 0:
+            return
+        drop = -(-excess // block_size) * block_size
+        self.layers = [None if kv is None else (kv[0][:, :, drop:], kv[1][:, :, drop:]) for kv in self.layers]
+        self.dropped += drop
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's stored keys and values followed by `k`, `v`; stored if committing."""
@@ -149,4 +184,4 @@ class KVCache:
         """The cache of the sequences `rows` of the batch (a view for a sub-batch)."""
 
         layers = [None if kv is None else (kv[0][rows], kv[1][rows]) for kv in self.layers]
-        return KVCache(layers, self.length, self.committing)
+        return KVCache(layers, self.length, self.committing, self.dropped)

@@ -10,7 +10,18 @@ Blocks are the model's own, aligned to position 0 as in training; a block holdin
 generate is denoised with the reverse process of `dlm.sampling` (its share of the steps), positions
 of the prompt or template inside it stay fixed. With `stop_token_id`, generation ends after the
 first block that leaves every sample with that token (the end-of-document token) among its
-generated positions; later positions stay masked for the caller to cut off.
+generated positions; later positions stay masked for the caller to cut off. With a `threshold`
+a block's steps commit every position above it (`dlm.decoding.reveal_threshold`) and the block
+ends as soon as it is filled.
+
+Past the context: the model saw at most `max_seq_len` positions in training, so the cache keeps
+the most recent clean blocks that fit with the block being denoised (a sliding window of whole
+blocks) and drops older ones. Rotary positions keep counting past `max_seq_len`: attention with
+rotary embeddings depends only on the distance between positions, which stays within the window,
+so this is the same as re-numbering the window from 0. The approximation is in the kept keys: they
+were computed when the blocks before them were still visible, which a fresh pass over the window
+would not see. Until the sequence outgrows the context nothing is dropped, and generation is the
+same as without the window.
 """
 
 from __future__ import annotations
@@ -23,7 +34,9 @@ import torch
 from torch import Tensor
 
 from dlm.attention import KVCache
+from dlm.decoding import reveal_threshold
 from dlm.errors import UserError
+from dlm.noise import RowNoise
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, step_times
 from dlm.schedule import Schedule
 
@@ -49,20 +62,34 @@ class _BlockReverse(_Reverse):
     def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
         start, end, cache = self.window.start, self.window.end, self.window.cache
         if cache is None:  # reference: the whole prefix under the block-causal mask
-            return self.model(tokens[:, :end], output_positions=positions[:, :end])
+            return self.forward(tokens[:, :end], positions[:, :end], rows)
         cache = cache if rows is None else cache.select(rows)
-        return self.model(tokens[:, start:end], output_positions=positions[:, start:end], cache=cache)
+        return self.forward(tokens[:, start:end], positions[:, start:end], rows, cache)
 
 
-def _commit(model: Denoiser, tokens: Tensor, cache: KVCache, end: int) -> None:
-    """Store the keys and values of positions [cache.length, end), which are final."""
+def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, room: int) -> int:
+    """Store the keys and values of positions [cache.length, end), which are final, leaving room in
+    the model's context for `room` more positions; forward passes made.
 
-    final = tokens[:, cache.length : end]
-    cache.committing = True
-    try:  # no output positions: only the keys and values are wanted, not the vocabulary matmul
-        model(final, output_positions=torch.zeros_like(final, dtype=torch.bool), cache=cache)
-    finally:
-        cache.committing = False
+    Older blocks are dropped from the cache (whole blocks, oldest first) where the context would
+    overflow, and a long stretch is committed in chunks that fit.
+    """
+
+    config = reverse.model.config
+    block_size, context = config.block_size, config.max_seq_len
+    passes = 0
+    while cache.length < end:
+        cache.trim(context - block_size, block_size)
+        fits = (context - cache.stored) // block_size * block_size
+        chunk = tokens[:, cache.length : min(end, cache.length + fits)]
+        cache.committing = True
+        try:  # no output positions: only the keys and values are wanted, not the vocabulary matmul
+            reverse.forward(chunk, torch.zeros_like(chunk, dtype=torch.bool), None, cache)
+        finally:
+            cache.committing = False
+        passes += 1
+    cache.trim(context - room, block_size)
+    return passes
 
 
 def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
@@ -70,7 +97,12 @@ def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps:
 
     passes = 0
     for index in range(steps):
-        if reverse.options.remasking == "random":
+        if reverse.options.threshold is not None:
+            if not bool((tokens[:, block] == reverse.mask_id).any()):
+                break  # the threshold filled the block early
+            _, s = step_times(steps, index)
+            passes += reveal_threshold(reverse, tokens, block, schedule.masked_count(block.numel(), s))
+        elif reverse.options.remasking == "random":
             t, s = step_times(steps, index)
             passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
         else:
@@ -84,12 +116,13 @@ def denoise_blocks(
     fill_mask: Tensor,
     options: SamplingOptions,
     *,
-    generator: torch.Generator,
+    generator: torch.Generator | RowNoise,
     forbidden_token_ids: Sequence[int] = (),
     on_step: StepCallback | None = None,
     schedule: Schedule,
     kv_cache: bool = True,
     stop_token_id: int | None = None,
+    pad: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """`dlm.sampling.denoise` for a block model: the model's blocks left to right, cached prefix."""
 
@@ -104,8 +137,9 @@ def denoise_blocks(
     if len(blocks) > options.steps:
         raise UserError(f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
                         fix=f"use at least {len(blocks)} steps")  # fmt: skip
-    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=generator.device)
-    reverse = _BlockReverse(model, options, generator, mask_id, never)
+    noise = RowNoise.of(generator, tokens.shape[0])
+    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=noise.device)
+    reverse = _BlockReverse(model, options, noise, mask_id, never, pad=pad)
     cache = KVCache() if kv_cache else None
     passes, step = 0, 0
     if on_step is not None:
@@ -114,9 +148,8 @@ def denoise_blocks(
         start = int(block[0]) // block_size * block_size
         window = reverse.window
         window.start, window.end, window.cache = start, min(start + block_size, tokens.shape[1]), cache
-        if cache is not None and start > cache.length:
-            _commit(model, tokens, cache, start)
-            passes += 1
+        if cache is not None:
+            passes += _commit(reverse, tokens, cache, start, window.end - start)
         passes += _denoise_block(reverse, tokens, block, block_steps, schedule)
         step += block_steps
         if on_step is not None:

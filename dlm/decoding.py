@@ -30,6 +30,7 @@ from torch import Tensor
 
 from dlm.attention import KVCache
 from dlm.errors import UserError
+from dlm.noise import RowNoise
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, sample_tokens, step_times
 from dlm.schedule import Schedule
 
@@ -38,13 +39,11 @@ if TYPE_CHECKING:
 
 
 def check_block_model_options(options: SamplingOptions) -> None:
-    """A block model has its own exact cache and fixed-count steps: refuse what would be ignored."""
+    """A block model has its own exact cache: refuse the approximate one, which would be ignored."""
 
     if options.cache != "none":
         raise UserError(f"--cache {options.cache} is for whole-sequence models",
                         fix="omit --cache: a block model always reuses the exact cache of earlier blocks")  # fmt: skip
-    if options.threshold is not None:
-        raise UserError("--threshold is not supported for block models yet", fix="omit --threshold")
 
 
 @dataclass
@@ -66,12 +65,12 @@ class _FastReverse(_Reverse):
     def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
         mode, window = self.options.cache, self.window
         if mode == "none":
-            return self.model(tokens, output_positions=positions)
+            return self.forward(tokens, positions, rows)
         if window.cache is None:
             return self._refresh(positions, rows)
         cache = window.cache if rows is None else window.cache.select(rows)
         end = tokens.shape[1] if mode == "prefix" else window.end
-        return self.model(tokens[:, window.start : end], output_positions=positions[:, window.start : end], cache=cache)
+        return self.forward(tokens[:, window.start : end], positions[:, window.start : end], rows, cache)
 
     def _refresh(self, positions: Tensor, rows: Tensor | None) -> Tensor:
         """Run the whole batch over the whole sequence, keep the keys and values outside the block.
@@ -87,7 +86,7 @@ class _FastReverse(_Reverse):
             full = torch.zeros_like(window.tokens, dtype=torch.bool)
             full[rows] = positions
         cache = KVCache(committing=True)
-        logits = self.model(window.tokens, output_positions=full, cache=cache)
+        logits = self.forward(window.tokens, full, None, cache)
         if rows is not None:  # row-major gather: keep the entries of the rows that asked
             owner = full.nonzero()[:, 0]
             logits = logits[rows[owner]]
@@ -103,33 +102,34 @@ class _FastReverse(_Reverse):
         window.cache = KVCache(list(kept), length=window.start)  # rotary positions of the block start here
         return logits
 
-    def reveal_threshold(self, tokens: Tensor, block: Tensor, keep_masked: int) -> int:
-        """Commit the masked positions of `block` above the threshold: at least one, and at least
-        enough that no more than `keep_masked` stay masked."""
 
-        masked = tokens[:, block] == self.mask_id
-        if not bool(masked.any()):
-            return 0
-        candidates = torch.zeros_like(tokens, dtype=torch.bool)
-        candidates[:, block] = masked
-        logits = self.logits(tokens, candidates, None).to(self.generator.device, torch.float64)
-        logits[:, self.forbidden] = float("-inf")
-        options = self.options
-        new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-                            generator=self.generator)  # fmt: skip
-        top = logits.softmax(dim=-1).topk(2, dim=-1).values
-        confidence = top[:, 0] - top[:, 1] if options.remasking == "margin" else top[:, 0]
-        scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
-        scores[masked.to(scores.device)] = confidence
-        need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
-        rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
-        assert options.threshold is not None
-        commit = (scores > options.threshold) | (rank < need[:, None])
-        commit = commit.to(tokens.device) & masked
-        proposal = tokens[:, block].clone()
-        proposal[masked] = new.to(tokens.device)
-        tokens[:, block] = torch.where(commit, proposal, tokens[:, block])
-        return 1
+def reveal_threshold(reverse: _Reverse, tokens: Tensor, block: Tensor, keep_masked: int) -> int:
+    """Commit the masked positions of `block` above the threshold: at least one, and at least
+    enough that no more than `keep_masked` stay masked. Forward passes made (0 or 1)."""
+
+    masked = tokens[:, block] == reverse.mask_id
+    if not bool(masked.any()):
+        return 0
+    candidates = torch.zeros_like(tokens, dtype=torch.bool)
+    candidates[:, block] = masked
+    logits = reverse.logits(tokens, candidates, None).to(reverse.noise.device, torch.float64)
+    logits[:, reverse.forbidden] = float("-inf")
+    options = reverse.options
+    new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
+                        uniform=reverse.uniform(candidates, None))  # fmt: skip
+    top = logits.softmax(dim=-1).topk(2, dim=-1).values
+    confidence = top[:, 0] - top[:, 1] if options.remasking == "margin" else top[:, 0]
+    scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+    scores[masked.to(scores.device)] = confidence
+    need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
+    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
+    assert options.threshold is not None
+    commit = (scores > options.threshold) | (rank < need[:, None])
+    commit = commit.to(tokens.device) & masked
+    proposal = tokens[:, block].clone()
+    proposal[masked] = new.to(tokens.device)
+    tokens[:, block] = torch.where(commit, proposal, tokens[:, block])
+    return 1
 
 
 def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: int) -> bool:
@@ -150,7 +150,7 @@ def _step(reverse: _FastReverse, tokens: Tensor, block: Tensor, steps: int, inde
     options = reverse.options
     t, s = step_times(steps, index)
     if options.threshold is not None:
-        return reverse.reveal_threshold(tokens, block, schedule.masked_count(block.numel(), s))
+        return reveal_threshold(reverse, tokens, block, schedule.masked_count(block.numel(), s))
     if options.remasking == "random":
         return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
     return reverse.reveal_confident(tokens, block, reveal_count(block.numel(), steps, index, schedule))
@@ -163,17 +163,19 @@ def denoise_fast(
     options: SamplingOptions,
     blocks: list[Tensor],
     *,
-    generator: torch.Generator,
+    generator: torch.Generator | RowNoise,
     forbidden_token_ids: Sequence[int] = (),
     on_step: StepCallback | None = None,
     schedule: Schedule,
     stop_token_id: int | None = None,
+    pad: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """`dlm.sampling.denoise` with the options above, on tokens already masked where `fill_mask` is."""
 
     mask_id = model.config.mask_token_id
-    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=generator.device)
-    reverse = _FastReverse(model, options, generator, mask_id, never)
+    noise = RowNoise.of(generator, tokens.shape[0])
+    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=noise.device)
+    reverse = _FastReverse(model, options, noise, mask_id, never, pad=pad)
     positions = fill_mask.nonzero().squeeze(-1)
     passes, step = 0, 0
     for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):

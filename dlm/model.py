@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dlm.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask
+from dlm.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
 from dlm.config import ModelConfig
 
 
@@ -50,8 +50,14 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Te
     where float32 would already be off by a hundredth of a radian.
     """
 
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return rotary_at(torch.arange(seq_len), head_dim, theta)
+
+
+def rotary_at(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin [..., head_dim / 2] at integer `positions` (any shape), float32 on their device."""
+
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
 
@@ -64,7 +70,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     half = x.shape[-1] // 2
     x1, x2 = x.float().split(half, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads ([L, D/2] or per row [B, L, D/2])
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
@@ -170,27 +176,36 @@ class DiffusionTransformer(nn.Module):
         *,
         clean_tokens: Tensor | None = None,
         cache: KVCache | None = None,
+        pad: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
         A block model (`config.block_size`) scores noisy `tokens` given `clean_tokens` in one pass
         over both (the BD3 pattern of `dlm.attention`); without them it attends block-causally. With
         a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
-        `clean_tokens`.
+        `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
+        which no other position sees, and its positions count from the first one after them.
         """
 
         start = cache.length if cache is not None else 0
         length = tokens.shape[1]
-        if start + length > self.config.max_seq_len:
-            raise ValueError(f"sequence length {start + length} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[start : start + length].float(), self.rope_sin[start : start + length].float()
+        seen = (cache.stored if cache is not None else 0) + length
+        if seen > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seen} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self._rotary(start, length, pad)
         mask = None
         if self.config.is_block_model:
             if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
+                if pad is not None:
+                    raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
                 tokens, cos, sin = torch.cat((tokens, clean_tokens), 1), cos.repeat(2, 1), sin.repeat(2, 1)
                 mask = bd3_mask(length, self.config.block_size, tokens.device)
             else:
-                mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device)
+                key_start = cache.dropped if cache is not None else 0
+                mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device, key_start)
+        if pad is not None:
+            pad_keys = pad - (cache.dropped if cache is not None else 0)
+            mask = padded_mask(mask, pad, start, length, seen, pad_keys)
         x = self.token_embedding(tokens)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
@@ -210,6 +225,20 @@ class DiffusionTransformer(nn.Module):
             x = x[output_positions]
         # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
         return F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+
+    def _rotary(self, start: int, length: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """cos and sin of positions [start, start + length), per row when padded, past the table if need be."""
+
+        end = start + length
+        if pad is None and end <= self.rope_cos.shape[0]:
+            return self.rope_cos[start:end].float(), self.rope_sin[start:end].float()
+        positions = torch.arange(start, end, device=self.rope_cos.device)
+        if pad is not None:
+            positions = (positions[None, :] - pad.to(positions.device)[:, None]).clamp_min(0)
+        if end <= self.rope_cos.shape[0]:
+            return self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        # A sliding window past max_seq_len (block models): same values as a longer table.
+        return rotary_at(positions, self.config.head_dim, self.config.rope_theta)
 
     @property
     def num_parameters(self) -> int:

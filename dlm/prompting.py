@@ -88,12 +88,13 @@ def check_request(
 
 
 def build_sequence(
-    tokenizer: Any, parts: Sequence[TemplatePart], *, templated: bool, mask_token_id: int, max_seq_len: int
+    tokenizer: Any, parts: Sequence[TemplatePart], *, templated: bool, mask_token_id: int, max_seq_len: int | None
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the starting sequence and, per position, whether it is to be generated.
 
     Each fixed piece of text is tokenized on its own so that it stays exactly as given around the
     generated spans. `templated` says whether `parts` came from --text (for error messages).
+    `max_seq_len` None: no limit (a block model slides its context along a longer sequence).
     """
 
     option = "--text" if templated else "--prompt"
@@ -107,7 +108,7 @@ def build_sequence(
             piece = _encode(tokenizer, part, option, mask_token_id)
             ids += piece
             fill += [False] * len(piece)
-    if len(ids) > max_seq_len:
+    if max_seq_len is not None and len(ids) > max_seq_len:
         if templated:
             problem = f"the --text template is {len(ids)} tokens"
             fix = "shorten the template or its [MASK*N] spans"
@@ -115,7 +116,8 @@ def build_sequence(
             length = sum(fill)
             problem = f"--prompt ({len(ids) - length} tokens) plus --length ({length}) is {len(ids)} tokens"
             fix = "shorten the prompt or lower --length"
-        raise UserError(f"{problem}, more than the model's max_seq_len ({max_seq_len})", fix=fix)
+        raise UserError(f"{problem}, more than the model's max_seq_len ({max_seq_len})",
+                        fix=f"{fix} (a block model, [model] block_size, can generate past its context)")  # fmt: skip
     return ids, fill
 
 

@@ -23,7 +23,8 @@ class Denoiser(Protocol):
 
     Called with token ids [B, L] it returns logits [B, L, vocab_size], or [N, vocab_size] at the N
     true entries of the boolean `output_positions`. A block model (`config.is_block_model`) also
-    takes the clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`.
+    takes the clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`. `pad`
+    (sampling a batch of prompts) counts each row's leading padding positions.
     The rest is the part of `torch.nn.Module` that sampling and evaluation use: the train / eval
     mode, and the parameters and buffers that tell which device the model is on.
     """
@@ -40,6 +41,7 @@ class Denoiser(Protocol):
         *,
         clean_tokens: Tensor | None = None,
         cache: KVCache | None = None,
+        pad: Tensor | None = None,
     ) -> Tensor: ...
 
     def train(self, mode: bool = True) -> Any: ...

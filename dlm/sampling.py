@@ -41,6 +41,7 @@ import torch
 
 from dlm.choices import CacheMode
 from dlm.errors import UserError
+from dlm.noise import RowNoise
 from dlm.prompting import TemplatePart as TemplatePart
 from dlm.prompting import build_sequence as build_sequence
 from dlm.prompting import check_request as check_request
@@ -52,6 +53,7 @@ from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_sch
 from dlm.tokenizer import SPECIAL_TOKENS
 
 if TYPE_CHECKING:
+    from dlm.attention import KVCache
     from dlm.protocols import Denoiser
 
 CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
@@ -109,6 +111,8 @@ class SampleResult:
     seconds: float
     forward_tokens: int = 0  # token positions fed to the model over all passes (rows x length): compute
     lengths: list[int] = field(default_factory=list)  # generated tokens kept per sample
+    prompt_tokens: list[int] = field(default_factory=list)  # per sample: tokens before the first generated one
+    seeds: list[int] = field(default_factory=list)  # per sample: the seed of its random stream
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,18 +150,20 @@ def sample_tokens(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row of `logits` [N, V] by the Gumbel-max trick (argmax at temperature 0).
 
     The noise is float64: in 16-bit (or even 32-bit) precision the Gumbel tails are truncated and
-    repeated samples lose diversity.
+    repeated samples lose diversity. `uniform` [N, V] gives the uniform draws instead of `generator`.
     """
 
     logits = logits.double()
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
-    uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    if uniform is None:
+        uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float64).tiny)))
     return (logits + gumbel).argmax(dim=-1)
 
@@ -177,21 +183,44 @@ class _Reverse:
 
     model: Denoiser
     options: SamplingOptions
-    generator: torch.Generator
+    noise: RowNoise
     mask_id: int
     forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
+    pad: torch.Tensor | None = field(default=None, kw_only=True)  # leading padding per row of a batch of prompts
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """The model on `tokens` of the batch rows `rows` (None: all), with their padding if any."""
+
+        if self.pad is None:
+            if cache is None:
+                return self.model(tokens, output_positions=positions)
+            return self.model(tokens, output_positions=positions, cache=cache)
+        pad = self.pad if rows is None else self.pad[rows]
+        return self.model(tokens, output_positions=positions, cache=cache, pad=pad)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """The model's logits at `positions` of `tokens`, the batch rows `rows` (None: all) of the sequence."""
 
-        return self.model(tokens, output_positions=positions)
+        return self.forward(tokens, positions, rows)
+
+    def uniform(self, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Draws for `sample_tokens` at `positions` [R, L] of the rows `rows`, each row from its stream."""
+
+        if self.options.temperature == 0:
+            return None
+        counts = positions.sum(dim=1)
+        if rows is not None:
+            counts = torch.zeros(rows.shape, dtype=counts.dtype, device=counts.device).masked_scatter(rows, counts)
+        return self.noise.stacked(counts, self.model.config.vocab_size)
 
     def predict(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
 
-        logits = self.logits(tokens, positions, rows).to(self.generator.device, torch.float64)
+        logits = self.logits(tokens, positions, rows).to(self.noise.device, torch.float64)
         logits[:, self.forbidden] = float("-inf")
         options = self.options
         new = sample_tokens(
@@ -199,7 +228,7 @@ class _Reverse:
             temperature=options.temperature,
             top_k=options.top_k,
             top_p=options.top_p,
-            generator=self.generator,
+            uniform=self.uniform(positions, rows),
         )
         confidence = None
         if options.remasking != "random":
@@ -211,7 +240,7 @@ class _Reverse:
         """Ancestral step: reveal each masked position of `block` with `probability`."""
 
         masked = tokens[:, block] == self.mask_id
-        draws = torch.rand(masked.shape, dtype=torch.float64, device=self.generator.device, generator=self.generator)
+        draws = self.noise.per_row(tuple(masked.shape))
         # draws < p, written as draws x (1 / p) < 1: the linear schedule's exact 1 / p is the number
         # of steps left, so its draws compare exactly as they always have.
         odds = float(1 / probability) if probability > 0 else math.inf
@@ -272,11 +301,12 @@ def denoise(
     fill_mask: torch.Tensor,
     options: SamplingOptions,
     *,
-    generator: torch.Generator,
+    generator: torch.Generator | RowNoise,
     forbidden_token_ids: Sequence[int] = (),
     on_step: StepCallback | None = None,
     schedule: Schedule | None = None,
     stop_token_id: int | None = None,
+    pad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true.
 
@@ -285,10 +315,12 @@ def denoise(
     never predicted. `on_step(step, tokens)` gets a copy of the tokens: step 0 is the starting
     sequence, then steps 1 .. `options.steps`. `schedule` defaults to the one the model was trained
     with (`dlm.schedule.model_schedule`). Call it in eval mode under `torch.inference_mode()` (as
-    `generate` does).
+    `generate` does). A `dlm.noise.RowNoise` as `generator` gives groups of rows their own random
+    streams; `pad` [B] counts each row's leading padding positions, which no position attends to.
     """
 
     mask_id = model.config.mask_token_id
+    generator = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
     if getattr(model.config, "is_block_model", False):  # block by block, prefix cached, may stop early
         from dlm.block_sampling import denoise_blocks
@@ -298,11 +330,11 @@ def denoise(
 
         return denoise_blocks(model, tokens, fill_mask, options, generator=generator, schedule=schedule,
                               forbidden_token_ids=forbidden_token_ids, on_step=on_step,
-                              stop_token_id=stop_token_id)  # fmt: skip
+                              stop_token_id=stop_token_id, pad=pad)  # fmt: skip
     tokens = tokens.clone()
     tokens[:, fill_mask] = mask_id
     never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
-    reverse = _Reverse(model, options, generator, mask_id, torch.tensor(never, device=generator.device))
+    reverse = _Reverse(model, options, generator, mask_id, torch.tensor(never, device=generator.device), pad=pad)
     positions = fill_mask.nonzero().squeeze(-1)
     blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
     if len(blocks) > options.steps:
@@ -318,7 +350,7 @@ def denoise(
             on_step(0, tokens.clone())
         return denoise_fast(model, tokens, fill_mask, options, blocks, generator=generator, schedule=schedule,
                             forbidden_token_ids=forbidden_token_ids, on_step=on_step,
-                            stop_token_id=stop_token_id)  # fmt: skip
+                            stop_token_id=stop_token_id, pad=pad)  # fmt: skip
     forward_passes, step = 0, 0
     if on_step is not None:
         on_step(0, tokens.clone())
@@ -393,6 +425,7 @@ def generate(
     stop_at_end: bool = False,
     threshold: float | None = None,
     cache: CacheMode = "none",
+    prompts: Sequence[str] | None = None,
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
@@ -405,27 +438,36 @@ def generate(
     `stop_at_end` each sample ends at its first generated end-of-document token, and generation
     stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
     counts the generated tokens kept. `threshold` and `cache` are described in `dlm.decoding`.
+
+    `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
+    padded batch: the i-th gets exactly what `prompt=prompts[i], seed=seed + i` gives
+    (`dlm.prompt_batch`); `on_step` is not called then. A block model generates past its
+    `max_seq_len` with a sliding window (`dlm.block_sampling`).
     """
 
     options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
-    parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     config = model.config
-    ids, fill = build_sequence(
-        tokenizer,
-        parts,
-        templated=text is not None,
-        mask_token_id=config.mask_token_id,
-        max_seq_len=config.max_seq_len,
-    )
     device = _model_device(model) if device is None else torch.device(device)
     model.to(device)
-    generator = torch.Generator(device=_noise_device(device)).manual_seed(seed)
     pad_id = tokenizer.token_to_id(SPECIAL_TOKENS["pad"])
     forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
-    tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-    fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
     end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
+    if prompts is not None:
+        if prompt or text is not None:
+            raise UserError("a list of prompts cannot be combined with --prompt or --text")
+        from dlm.prompt_batch import generate_prompts
+
+        return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seed=seed,
+                                options=options, device=device, schedule=chosen, forbidden=forbidden,
+                                end_id=end_id)  # fmt: skip
+    parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
+    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
+    ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
+                               max_seq_len=limit)  # fmt: skip
+    generator = torch.Generator(device=_noise_device(device)).manual_seed(seed)
+    tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
     start = time.perf_counter()
     with _inference(model), _counting_tokens(model) as fed:
         tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
@@ -439,4 +481,6 @@ def generate(
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     lengths = [sum(fill[: len(row)]) for row in token_ids]
-    return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths)
+    prompt_tokens = fill.index(True) if True in fill else len(fill)
+    return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths,
+                        [prompt_tokens] * num_samples, [seed] * num_samples)  # fmt: skip

@@ -126,6 +126,16 @@ ThresholdOption = Annotated[
         show_default=False,
     ),
 ]
+PromptFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompt-file",
+        help="Sample every line of this text file as a prompt, in one padded batch; prints JSON lines, one per "
+        "sample: prompt, sample, seed, text (the generated part), tokens, stop (end or length). The i-th prompt "
+        "gets what --prompt with --seed SEED+i gives.",
+        show_default=False,
+    ),
+]
 CacheOption = Annotated[
     CacheMode,
     typer.Option(
@@ -168,6 +178,7 @@ def sample(
     stop_at_end: StopOption = False,
     threshold: ThresholdOption = None,
     cache: CacheOption = "none",
+    prompt_file: PromptFileOption = None,
     device: DeviceOption = "auto",
     chat: Annotated[
         str | None,
@@ -187,6 +198,9 @@ def sample(
     # Check every option before the (slow) model load.
     SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
     check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
+    prompts = None
+    if prompt_file is not None:
+        prompts = _read_prompts(prompt_file, prompt=prompt, text=text, chat=chat)
     from dlm.export import load_model
     from dlm.runtime import resolve_device
 
@@ -205,12 +219,39 @@ def sample(
         temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
         block_length=block_length, device=resolved, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
     )  # fmt: skip
+    if prompts is not None:
+        _sample_prompts(model, tokenizer, prompts, options)
+        return
     live_view = not as_json and console.is_terminal
     result = _generate_live(model, tokenizer, options) if live_view else generate(model, tokenizer, **options)
     if as_json:
         print_json(result.to_dict())
     else:
         _print_result(result, live_view)
+
+
+def _read_prompts(path: Path, *, prompt: str, text: str | None, chat: str | None) -> list[str]:
+    from dlm.errors import UserError
+    from dlm.prompt_batch import read_prompt_file
+
+    if prompt or text is not None or chat is not None:
+        raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
+    return read_prompt_file(path)
+
+
+def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], options: dict[str, Any]) -> None:
+    """Sample the prompts of --prompt-file as one batch and print a JSON line per sample."""
+
+    import json
+
+    from dlm.prompt_batch import prompt_records
+    from dlm.sampling import generate
+    from dlm.tokenizer import SPECIAL_TOKENS
+
+    result = generate(model, tokenizer, prompts=prompts, **(options | {"prompt": ""}))
+    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if options["stop_at_end"] else None
+    for record in prompt_records(result, prompts, tokenizer, end_id):
+        typer.echo(json.dumps(record, ensure_ascii=False))
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,156 @@
+"""Many prompts of different lengths sampled as one batch, with the results of one-by-one sampling.
+
+Rows are left-padded so that every prompt's generated positions share the same columns, which is
+what the sampler's steps, blocks and caches index. Padding changes nothing a row computes: the
+model gives each row its own positions (counted from its first real token) and no real position
+attends to padding (`DiffusionTransformer.forward(pad=...)`); each prompt draws its random numbers
+from its own generator, seeded with `seed + i` for the i-th prompt (`dlm.noise.RowNoise`). So prompt
+i of a batch gets the tokens `generate(prompt=prompts[i], seed=seed + i)` gives, up to the float
+rounding of a padded attention kernel against an unpadded one.
+
+A block model's blocks are aligned to its first position, so rows can share block columns only
+when padded by whole blocks: prompts whose lengths agree modulo the block size form one batch,
+and such batches run one after the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dlm.errors import UserError
+from dlm.noise import RowNoise
+from dlm.prompting import build_sequence, check_request
+
+if TYPE_CHECKING:
+    from dlm.protocols import Denoiser
+    from dlm.sampling import SampleResult, SamplingOptions
+    from dlm.schedule import Schedule
+
+
+def _groups(config: Any, prompt_lengths: list[int]) -> list[list[int]]:
+    """Indices of the prompts that share one padded batch."""
+
+    if not getattr(config, "is_block_model", False):
+        return [list(range(len(prompt_lengths)))]
+    by_phase: dict[int, list[int]] = {}
+    for index, size in enumerate(prompt_lengths):
+        by_phase.setdefault(size % config.block_size, []).append(index)
+    return list(by_phase.values())
+
+
+def _offsets(config: Any, sizes: list[int]) -> list[int]:
+    """Leading padding per prompt so that generation starts in the same column (whole blocks for a block model)."""
+
+    if not getattr(config, "is_block_model", False):
+        return [max(sizes) - size for size in sizes]
+    block = config.block_size
+    first = max(size // block for size in sizes)
+    return [(first - size // block) * block for size in sizes]
+
+
+def generate_prompts(
+    model: Denoiser,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    length: int,
+    num_samples: int,
+    seed: int,
+    options: SamplingOptions,
+    device: torch.device,
+    schedule: Schedule,
+    forbidden: list[int],
+    end_id: int | None,
+) -> SampleResult:
+    """`dlm.sampling.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt."""
+
+    from dlm.block_sampling import cut_after_stop
+    from dlm.sampling import SampleResult, _counting_tokens, _inference, _noise_device, denoise
+
+    if not prompts:
+        raise UserError("no prompts to sample", fix="give at least one prompt (one per line of --prompt-file)")
+    if seed + len(prompts) > 2**63:
+        raise UserError(f"--seed {seed} plus the {len(prompts)} prompts passes 2**63", fix="use a smaller --seed")
+    config = model.config
+    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seed + index)
+        ids, _ = build_sequence(tokenizer, parts, templated=False, mask_token_id=config.mask_token_id,
+                                max_seq_len=limit)  # fmt: skip
+        encoded.append(ids[: len(ids) - length])
+    filler = forbidden[0] if forbidden else 0  # what padding holds does not matter: nothing sees it
+    rows: dict[int, list[list[int]]] = {}
+    passes = fed_total = 0
+    start = time.perf_counter()
+    for group in _groups(config, [len(ids) for ids in encoded]):
+        offsets = _offsets(config, [len(encoded[i]) for i in group])
+        width = max(offset + len(encoded[i]) for offset, i in zip(offsets, group, strict=True)) + length
+        tokens = torch.full((len(group) * num_samples, width), filler, dtype=torch.long, device=device)
+        pad = torch.tensor([o for o in offsets for _ in range(num_samples)], dtype=torch.long, device=device)
+        for slot, (offset, index) in enumerate(zip(offsets, group, strict=True)):
+            prompt_ids = torch.tensor(encoded[index], dtype=torch.long, device=device)
+            tokens[slot * num_samples : (slot + 1) * num_samples, offset : offset + len(encoded[index])] = prompt_ids
+        fill_mask = torch.zeros(width, dtype=torch.bool, device=device)
+        fill_mask[width - length :] = True
+        generators = tuple(torch.Generator(device=_noise_device(device)).manual_seed(seed + i) for i in group)
+        noise = RowNoise(generators, (num_samples,) * len(group))
+        with _inference(model), _counting_tokens(model) as fed:
+            tokens, group_passes = denoise(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
+                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad)  # fmt: skip
+            result = tokens.tolist()
+        passes, fed_total = passes + group_passes, fed_total + fed[0]
+        for slot, index in enumerate(group):
+            rows[index] = [row[offsets[slot] :] for row in result[slot * num_samples : (slot + 1) * num_samples]]
+    seconds = time.perf_counter() - start
+    token_ids, lengths, prompt_tokens = [], [], []
+    for index, ids in enumerate(encoded):
+        fill = [False] * len(ids) + [True] * length
+        kept = rows[index] if end_id is None else cut_after_stop(rows[index], fill, end_id)
+        token_ids += kept
+        lengths += [len(row) - len(ids) for row in kept]
+        prompt_tokens += [len(ids)] * num_samples
+    texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
+    return SampleResult(texts, token_ids, options.steps, passes, seconds, fed_total, lengths, prompt_tokens,
+                        [seed + index for index in range(len(prompts)) for _ in range(num_samples)])  # fmt: skip
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """The prompts of a text file, one a line; blank lines are skipped."""
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError("no such prompt file", path=path, fix="pass a text file with one prompt a line") from None
+    except UnicodeDecodeError:
+        raise UserError("the prompt file is not UTF-8 text", path=path, fix="save it as UTF-8") from None
+    except OSError as exc:
+        raise UserError(f"cannot read the prompt file: {exc.strerror or exc}", path=path) from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UserError("the prompt file has no prompt", path=path, fix="write one prompt a line")
+    return prompts
+
+
+def prompt_records(
+    result: SampleResult, prompts: Sequence[str], tokenizer: Any, end_id: int | None
+) -> list[dict[str, Any]]:
+    """One record per sample: its prompt, sample number, seed, generated text and token count, and
+    why it stopped (`end`: at its end-of-document token, `length`: after all its tokens)."""
+
+    samples = len(result.token_ids) // len(prompts)
+    records = []
+    for row, ids in enumerate(result.token_ids):
+        generated = ids[result.prompt_tokens[row] :]
+        stopped = end_id is not None and bool(generated) and generated[-1] == end_id
+        records.append({
+            "prompt": prompts[row // samples], "sample": row % samples, "seed": result.seeds[row],
+            "text": tokenizer.decode(generated, skip_special_tokens=False), "tokens": result.lengths[row],
+            "stop": "end" if stopped else "length",
+        })  # fmt: skip
+    return records

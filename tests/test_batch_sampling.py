@@ -1,0 +1,162 @@
+"""Batches of prompts of different lengths, block models past their context, block-model thresholds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_sampling
+import torch
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
+
+from dlm.attention import KVCache
+from dlm.cli import app
+from dlm.config import ModelConfig
+from dlm.errors import UserError
+from dlm.model import DiffusionTransformer
+from dlm.noise import RowNoise
+from dlm.sampling import generate
+
+tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
+PROMPTS = ["ROMEO:", "", "JULIET: O Romeo, Romeo, wherefore", "To be"]
+
+
+def transformer(vocab_size: int, max_seq_len: int = 48, block_size: int = 0) -> DiffusionTransformer:
+    config = ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2,
+                         pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    torch.manual_seed(0)
+    return DiffusionTransformer(config).eval()
+
+
+def one_by_one(model: Any, tokenizer: Tokenizer, seed: int, **options: Any) -> list[list[int]]:
+    rows = []
+    for index, prompt in enumerate(PROMPTS):
+        rows += generate(model, tokenizer, prompt=prompt, seed=seed + index, **options).token_ids
+    return rows
+
+
+def test_prompt_lengths_differ(tokenizer: Tokenizer) -> None:
+    sizes = {len(tokenizer.encode(prompt).ids) for prompt in PROMPTS}
+    assert len(sizes) == len(PROMPTS)  # otherwise the padding would not be exercised
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"remasking": "confidence", "block_length": 4},
+        {"cache": "prefix", "block_length": 4},
+        {"cache": "dual", "block_length": 4},
+        {"cache": "dual", "block_length": 4, "threshold": 0.05, "remasking": "margin"},
+        {"stop_at_end": True, "threshold": 0.05, "block_length": 4},
+    ],
+)
+def test_a_batch_of_prompts_equals_one_by_one_sampling(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    common = {"length": 12, "steps": 12, "num_samples": 2} | options
+    batch = generate(model, tokenizer, prompts=PROMPTS, seed=5, **common)
+    assert batch.token_ids == one_by_one(model, tokenizer, 5, **common)
+    single = [generate(model, tokenizer, prompt=p, seed=5 + i, **common) for i, p in enumerate(PROMPTS)]
+    assert batch.texts == [text for result in single for text in result.texts]
+    assert batch.lengths == [n for result in single for n in result.lengths]
+    assert batch.prompt_tokens == [len(tokenizer.encode(p).ids) for p in PROMPTS for _ in range(2)]
+    assert batch.seeds == [5, 5, 6, 6, 7, 7, 8, 8]
+
+
+@pytest.mark.parametrize("options", [{}, {"remasking": "confidence"}, {"threshold": 0.05}])
+def test_a_batch_of_prompts_equals_one_by_one_for_a_block_model(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    common = {"length": 10, "steps": 12, "num_samples": 2} | options
+    batch = generate(model, tokenizer, prompts=PROMPTS * 2, seed=1, **common)  # each length twice: one batch
+    expected = [row for index, prompt in enumerate(PROMPTS * 2)
+                for row in generate(model, tokenizer, prompt=prompt, seed=1 + index, **common).token_ids]  # fmt: skip
+    assert batch.token_ids == expected
+
+
+def test_padding_changes_no_logit(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    tokens = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    padded = torch.cat((torch.full((1, 7), 5), tokens), dim=1)
+    with torch.inference_mode():
+        plain = model(tokens)
+        shifted = model(torch.cat((tokens, padded[:, :20])), pad=torch.tensor([0, 0]))[:1]
+        left = model(padded, pad=torch.tensor([7]))[:, 7:]
+    torch.testing.assert_close(left, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shifted, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_row_noise_gives_each_group_its_own_stream() -> None:
+    noise = RowNoise((torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)), (2, 1))
+    draws = noise.stacked(torch.tensor([2, 0, 3]), 5)
+    assert torch.equal(draws[:2], torch.rand((2, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(draws[2:], torch.rand((3, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
+    single = RowNoise.of(torch.Generator().manual_seed(9), 3).per_row((3, 4))
+    assert torch.equal(single, torch.rand((3, 4), dtype=torch.float64, generator=torch.Generator().manual_seed(9)))
+
+
+def test_a_block_model_generates_past_its_context(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size(), max_seq_len=16, block_size=4)
+    prompt = len(tokenizer.encode("ROMEO:").ids)
+
+    def blocks(length: int) -> int:  # model blocks holding a generated position: 2 steps each below
+        return (prompt + length - 1) // 4 - prompt // 4 + 1
+
+    long = generate(model, tokenizer, prompt="ROMEO:", length=40, steps=2 * blocks(40), seed=2)
+    assert long.lengths == [40] and len(long.token_ids[0]) == prompt + 40 > 16
+    assert 1 not in long.token_ids[0]  # nothing left masked
+    # Within the context nothing slides: the first window is what generating only it gives.
+    short = generate(model, tokenizer, prompt="ROMEO:", length=16 - prompt, steps=2 * blocks(16 - prompt), seed=2)
+    assert short.token_ids[0] == long.token_ids[0][:16]
+    assert long.token_ids[0][16:] != short.token_ids[0][prompt:][: len(long.token_ids[0]) - 16]
+
+
+def test_the_window_keeps_whole_recent_blocks() -> None:
+    cache = KVCache([(torch.zeros(1, 1, 12, 2), torch.ones(1, 1, 12, 2))], length=12)
+    cache.trim(8, 4)
+    assert cache.stored == 8 and cache.dropped == 4 and cache.length == 12
+    cache.trim(5, 4)
+    assert cache.stored == 4 and cache.dropped == 8
+
+
+def test_a_whole_sequence_model_refuses_more_than_its_context(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size(), max_seq_len=16)
+    with pytest.raises(UserError, match="max_seq_len \\(16\\)") as error:
+        generate(model, tokenizer, prompt="ROMEO:", length=40)
+    assert "block_size" in (error.value.fix or "")
+
+
+def test_threshold_decoding_of_a_block_model_saves_passes(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    common = {"prompt": "ROMEO:", "length": 16, "steps": 16, "temperature": 0.0}
+    fixed = generate(model, tokenizer, remasking="confidence", **common)
+    low = generate(model, tokenizer, threshold=1e-6, **common)  # every position clears it: one pass a block
+    assert 1 not in low.token_ids[0] and low.lengths == [16]
+    assert low.forward_passes < fixed.forward_passes
+    assert low.forward_passes <= 2 * 5  # at most one commit and one denoising pass per block
+
+
+def test_cli_prompt_file_writes_one_record_per_prompt(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    monkeypatch.setattr("dlm.export.load_model", lambda path, device: (model, tokenizer))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ROMEO:\n\nTo be\n", encoding="utf-8")
+    args = ["sample", "model", "--prompt-file", str(prompts), "--length", "8", "--steps", "8", "--seed", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.output.splitlines()]
+    assert [r["prompt"] for r in records] == ["ROMEO:", "To be"]  # a blank line is no prompt
+    assert [r["seed"] for r in records] == [3, 4]
+    direct = generate(model, tokenizer, prompt="To be", length=8, steps=8, seed=4)
+    assert records[1]["tokens"] == 8 and records[1]["stop"] == "length"
+    generated = direct.token_ids[0][direct.prompt_tokens[0] :]
+    assert records[1]["text"] == tokenizer.decode(generated, skip_special_tokens=False)
+
+
+def test_cli_prompt_file_errors_name_the_file(tmp_path: Path, run_cli: Any) -> None:
+    missing = tmp_path / "none.txt"
+    run_cli("sample", "model", "--prompt-file", missing).assert_refused("none.txt", "no such prompt file")
+    both = run_cli("sample", "model", "--prompt-file", missing, "--prompt", "x")
+    both.assert_refused("--prompt-file cannot be combined")
