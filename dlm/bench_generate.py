@@ -28,6 +28,7 @@ from dlm.errors import UserError
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser
+    from dlm.sampling import SampleResult
 
 # Sampler options a setting may name, and how each value is read ("none" turns an optional one off).
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
@@ -134,14 +135,9 @@ def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 
     return total / max(count, 1)
 
 
-def _measure(model: Denoiser, tokenizer: Any, judge: Denoiser, setting: dict[str, Any], base: dict[str, Any],
-             mc_samples: int, repeats: int) -> GenerateRow:  # fmt: skip
-    from dlm.sampling import generate
-
+def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_samples: int,
+             result: SampleResult) -> GenerateRow:  # fmt: skip
     options = base | setting
-    # The same seed repeats the same samples; the fastest run is the one least disturbed by other
-    # work on the machine.
-    result = min((generate(model, tokenizer, **options) for _ in range(repeats)), key=lambda r: r.seconds)
     generated = sum(result.lengths)
     per_sample = generated / max(len(result.lengths), 1)
     judge.eval()
@@ -174,8 +170,8 @@ def benchmark_generation(
     """Sample with every setting, timing it, and score the samples with `judge` (default: the model).
 
     `length` defaults to the model's context; the base setting takes one step per token (the
-    slowest, reference sampler) unless a setting names `steps`. Each setting runs `repeats` times
-    and reports its fastest run.
+    slowest, reference sampler) unless a setting names `steps`. The settings run in `repeats`
+    interleaved rounds and each reports its fastest run.
     """
 
     length = model.config.max_seq_len if length is None else length
@@ -185,10 +181,20 @@ def benchmark_generation(
     from dlm.sampling import generate
 
     generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels
-    for setting in settings:
-        if progress is not None:
-            progress(f"generating with {setting or 'the defaults'}")
-        report.rows.append(_measure(model, tokenizer, judge or model, setting, base, mc_samples, repeats))
+    # Rounds: every setting runs once per round, so other work on the machine slows them alike and
+    # the ratios stay fair. The same seed repeats the same samples; the fastest run of each setting
+    # is the one least disturbed.
+    fastest: list[SampleResult | None] = [None] * len(settings)
+    for round_index in range(repeats):
+        for index, setting in enumerate(settings):
+            if progress is not None:
+                progress(f"round {round_index + 1}/{repeats}: generating with {setting or 'the defaults'}")
+            result = generate(model, tokenizer, **(base | setting))
+            best = fastest[index]
+            fastest[index] = result if best is None or result.seconds < best.seconds else best
+    for setting, kept in zip(settings, fastest, strict=True):
+        assert kept is not None
+        report.rows.append(_measure(judge or model, setting, base, mc_samples, kept))
     return report
 
 

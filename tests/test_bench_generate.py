@@ -62,8 +62,12 @@ def test_autoregressive_judge_scores_the_exact_likelihood(tokenizer: Tokenizer) 
 
 def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     model = small_transformer(tokenizer.get_vocab_size())
+    runs: list[str] = []
     report = benchmark_generation(model, tokenizer, length=16, num_samples=2, mc_samples=2, repeats=2,
-                                  compare=["block_length=8", "cache=none,dual"])  # fmt: skip
+                                  compare=["block_length=8", "cache=none,dual"], progress=runs.append)  # fmt: skip
+    # Interleaved rounds: every setting once per round, so a busy machine slows them alike.
+    assert [(run.split(":")[0], "'dual'" in run) for run in runs] == [
+        ("round 1/2", False), ("round 1/2", True), ("round 2/2", False), ("round 2/2", True)]
     none, dual = report.rows
     assert none.generated_tokens == dual.generated_tokens == 32
     assert none.tokens_per_second > 0 and 0 < none.passes_per_token <= 1

@@ -70,7 +70,7 @@ LengthOption = Annotated[
 ]
 SamplesOption = Annotated[int, typer.Option("--num-samples", min=1, help="With --generate: samples per setting.")]
 RepeatsOption = Annotated[
-    int, typer.Option("--repeats", min=1, help="With --generate: runs per setting; the fastest is reported.")
+    int, typer.Option("--repeats", min=1, help="With --generate: rounds over the settings; the fastest run counts.")
 ]
 BenchFusedOption = Annotated[
     bool,
