@@ -82,6 +82,7 @@ class GenerateReport:
     judge: str
     repeats: int = 1
     rows: list[GenerateRow] = field(default_factory=list)
+    seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,7 +178,7 @@ def benchmark_generation(
     length = model.config.max_seq_len if length is None else length
     base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
-    report = GenerateReport(length, num_samples, judge_name, repeats)
+    report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)
     from dlm.sampling import generate
 
     generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels

@@ -79,10 +79,11 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
 
 def test_cli_bench_generate_json_and_table(fake_export: list[object]) -> None:
     args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
-    result = CliRunner().invoke(app, [*args, "--repeats", "2", "--json"])
+    result = CliRunner().invoke(app, [*args, "--repeats", "2", "--seed", "3", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert [row["setting"] for row in payload["rows"]] == [{"threshold": None}, {"threshold": 0.5}]
     assert payload["judge"] == "the model itself" and payload["length"] == 8 and payload["repeats"] == 2
+    assert payload["seed"] == 3
     missing = CliRunner().invoke(app, ["bench"])
     assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)

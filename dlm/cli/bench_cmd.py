@@ -72,6 +72,7 @@ SamplesOption = Annotated[int, typer.Option("--num-samples", min=1, help="With -
 RepeatsOption = Annotated[
     int, typer.Option("--repeats", min=1, help="With --generate: rounds over the settings; the fastest run counts.")
 ]
+BenchSeedOption = Annotated[int, typer.Option("--seed", min=0, help="With --generate: the seed of every setting.")]
 BenchFusedOption = Annotated[
     bool,
     typer.Option(
@@ -152,6 +153,7 @@ def bench_command(
     length: LengthOption = None,
     num_samples: SamplesOption = 4,
     repeats: RepeatsOption = 1,
+    seed: BenchSeedOption = 0,
 ) -> None:
     """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory.
 
@@ -164,7 +166,7 @@ def bench_command(
 
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
-        sampling["repeats"] = repeats
+        sampling |= {"repeats": repeats, "seed": seed}
         return _generate_command(generate, judge, sampling | {"device": device or "cpu"}, as_json)
     if config is None:
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
