@@ -26,7 +26,8 @@ step of 64 x 256 tokens, a few dozen steps in ten minutes, and ends at the unigr
 models at 256 tokens stayed on that plateau too (loss flat over every noise level, i.e. context
 unused, after 1.6M tokens): with 256 positions, the signal that teaches attention to look at the
 neighbours is diluted. With 64-token blocks, d_model 256 and 4 layers leave the plateau within
-~0.5M tokens and reach ~2.7 bits per byte in ten minutes (unigram: ~3.0).
+~0.5M tokens and reach ~2.7 bits per byte in ten minutes (unigram: ~3.0). That CPU model is
+configs/cpu.toml's, cosine noise schedule included (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ CPU_MODEL_OVERRIDES = (
     "training.batch_size=64",
     "training.learning_rate=2e-3",
     "training.eval_batches=4",
+    "diffusion.schedule=cosine",  # configs/cpu.toml's measured winner (docs/benchmarks.md, CPU recipe ablation)
 )
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
@@ -197,8 +199,9 @@ def demo_experiment(output: Path, config_path: Path | None, device: str | None) 
         notes.append(
             f"on the CPU the demo trains a smaller model than shakespeare.toml's 14M-parameter one: d_model "
             f"{model.d_model}, {model.n_layers} layers, {model.max_seq_len}-token blocks, batch "
-            f"{experiment.training.batch_size}; in minutes of CPU the full model learns no more than token "
-            "frequencies. A GPU trains the full config; --config trains any config as given"
+            f"{experiment.training.batch_size}, {experiment.diffusion.schedule} noise schedule (configs/cpu.toml); in "
+            "minutes of CPU the full model learns no more than token frequencies. A GPU trains the full config; "
+            "--config trains any config as given"
         )
     return experiment, notes
 

@@ -15,7 +15,15 @@ import pytest
 
 from dlm.assets import shakespeare_files
 from dlm.config import load_config
-from dlm.demo import DemoResult, SpreadBlocks, bundled_config, run_demo, unigram_bits_per_byte, unigram_verdict
+from dlm.demo import (
+    DemoResult,
+    SpreadBlocks,
+    bundled_config,
+    demo_experiment,
+    run_demo,
+    unigram_bits_per_byte,
+    unigram_verdict,
+)
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
 from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
@@ -409,3 +417,14 @@ def test_the_samples_sit_side_by_side_on_a_terminal() -> None:
     first = next(line for line in text.splitlines() if "alpha" in line)
     assert "beta" in first and "gamma" in first  # one row: the three texts next to each other
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_the_demos_cpu_model_is_the_cpu_recipe(tmp_path: Path) -> None:
+    """configs/cpu.toml ships what the demo trains on a CPU: one recipe, measured once."""
+
+    demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
+    recipe = load_config(ROOT / "configs" / "cpu.toml")
+    assert demo.model == recipe.model and demo.diffusion == recipe.diffusion
+    for name in ("batch_size", "learning_rate", "min_learning_rate", "weight_decay", "grad_clip"):
+        assert getattr(demo.training, name) == getattr(recipe.training, name), name
+    assert "cosine noise schedule (configs/cpu.toml)" in notes[0]
