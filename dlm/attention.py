@@ -183,5 +183,8 @@ class KVCache:
     def select(self, rows: Tensor) -> KVCache:
         """The cache of the sequences `rows` of the batch (a view for a sub-batch)."""
 
-        layers = [None if kv is None else (kv[0][rows], kv[1][rows]) for kv in self.layers]
+        if rows.dtype == torch.bool:  # one nonzero for all layers, not one per tensor
+            rows = rows.nonzero().squeeze(1)
+        layers = [None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
+                  for kv in self.layers]  # fmt: skip
         return KVCache(layers, self.length, self.committing, self.dropped)
