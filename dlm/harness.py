@@ -86,7 +86,7 @@ class DlmLM(TemplateLM):
 
     def __init__(
         self,
-        pretrained: str,
+        pretrained: str | None = None,
         device: str | None = "auto",
         batch_size: int | str = 16,
         mc_samples: int = 32,
@@ -98,8 +98,13 @@ class DlmLM(TemplateLM):
         remasking: str = "confidence",
         block_length: int | None = None,
         max_batch_size: int | None = None,  # lm-eval passes it; the batch size never searches
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown or pretrained is None:
+            what = f"unknown model_args {', '.join(sorted(unknown))}" if unknown else "model_args lacks pretrained"
+            raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
+                                      "steps, remasking, block_length")  # fmt: skip
         from dlm.loading import load_model_with_info
         from dlm.runtime import resolve_precision
 

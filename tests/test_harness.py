@@ -151,3 +151,15 @@ def test_a_model_the_adapter_cannot_load_is_one_error_line(
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "missing" in errors[0]
+
+
+def test_model_args_are_checked(exported: Path) -> None:
+    from dlm.errors import UserError
+    from dlm.harness import DlmLM
+
+    with pytest.raises(UserError, match="unknown model_args mc_sample"):
+        DlmLM(pretrained=str(exported), mc_sample=4)
+    with pytest.raises(UserError, match="lacks pretrained"):
+        DlmLM()
+    with pytest.raises(UserError, match="ema="):
+        DlmLM(pretrained=str(exported), ema="maybe")
