@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dlm.choices import ElboEstimator
 from dlm.config_rules import EXPERIMENT_RULES as EXPERIMENT_RULES
 from dlm.config_rules import MODEL_RULES as MODEL_RULES
 from dlm.config_rules import TRAINING_RULES as TRAINING_RULES
@@ -164,6 +165,12 @@ class TrainingConfig(_Strict):
     )
     clip_mask_max: float = Field(
         1.0, gt=0, le=1, description="Largest mask probability drawn in training, omega of the clipped schedule."
+    )
+    masking: ElboEstimator = Field(
+        "bernoulli",
+        description="How training masks a sequence: bernoulli draws a time t and masks each token with probability "
+        "m(t), weight 1/t (MDLM); exact-count masks exactly l ~ U{1..n} of its n tokens, weight n/l (LLaDA's "
+        "evaluator): the same ELBO, no noise from the masked count (stratified counts; no clipped range).",
     )
 
     @model_validator(mode="after")

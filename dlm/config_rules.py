@@ -118,6 +118,16 @@ TRAINING_RULES = (
         ),
         "use e.g. clip_mask_min = 0.3, clip_mask_max = 0.8",
     ),
+    Rule(
+        "masking",
+        '`training.masking = "exact-count"` draws counts over the whole range: no clipped range',
+        lambda t: (
+            "exact-count masking with clip_mask_min / clip_mask_max other than 0 and 1"
+            if t.masking == "exact-count" and (t.clip_mask_min, t.clip_mask_max) != (0.0, 1.0)
+            else None
+        ),
+        'set masking = "bernoulli" to clip the range, or clip_mask_min = 0 and clip_mask_max = 1',
+    ),
 )
 
 # Rules across sections; `field` is then the section a broken rule is reported on.

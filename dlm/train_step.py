@@ -22,6 +22,7 @@ from dlm.config import ExperimentConfig
 from dlm.diffusion import (
     TokenLosses,
     accumulation_mask_probabilities,
+    corrupt_exact_count,
     corrupt_tokens,
     diffusion_cross_entropy,
     masked_token_losses,
@@ -115,22 +116,30 @@ class TrainingStep:
         # the sampler hands it, and the same count whatever world size earlier steps ran with.
         global_index = self.counters.micro_batches_seen + world.rank
         generator = noise_generator(config.seed, global_index, self.device)
+        exact_count = config.masking == "exact-count"
+        # Stratified over the step: times in [eps, 1] (the linear schedule's time is the mask
+        # probability, hence the clipped range), or for exact-count the units in [0, 1) that pick l.
         times = accumulation_mask_probabilities(
             clean.shape[0],
             micro_index,
             steps,
             offset,
-            max(eps, low),  # the linear schedule's time is the mask probability
+            0.0 if exact_count else max(eps, low),
             self.device,
             rank=world.rank,
             world_size=world.world_size,
             blocks=self.blocks_per_sequence,
-            high=high,
+            high=1.0 if exact_count else high,
         )
         model = self.experiment.model
         block_size = model.block_size if model.is_block_model else 0
-        corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
-                                    schedule=self.schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
+        if exact_count:
+            keys = torch.rand(clean.shape, generator=generator, device=clean.device)
+            corruption = corrupt_exact_count(clean, model.mask_token_id, times, keys, block_size=block_size,
+                                             loss_mask=loss_mask)  # fmt: skip
+        else:
+            corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
+                                        schedule=self.schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
         # A block model scores the noisy blocks given the clean earlier ones; others ignore clean_tokens.
         context = {"clean_tokens": clean} if block_size else {}
         kernel = attention_kernel_context(self.device, config.attention_kernel)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from dlm.checkpoint import load_checkpoint
 from dlm.config import ExperimentConfig, load_config
+from dlm.events import Event, TrainEvent
 from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +36,22 @@ def train_tiny_run(data_dir: Path, run_dir: Path, *extra: str) -> Path:
                  "training.save_interval=4")
     train(tiny_experiment(data_dir, run_dir, *overrides, *extra))
     return run_dir
+
+
+def train_losses(events: list[Event]) -> list[float | None]:
+    """The loss of every train event, in order."""
+
+    return [event.loss for event in events if isinstance(event, TrainEvent)]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+def assert_same_weights(left: Path, right: Path) -> None:
+    """The model weights of two checkpoints are bit-identical."""
+
+    a, b = weights(left), weights(right)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_experiment
+from helpers import tiny_experiment, train_losses
 from torch import nn
 
 from dlm.checkpoint import load_checkpoint
 from dlm.config import ExperimentConfig, TrainingConfig, load_config
 from dlm.distributed import check_parallelism
 from dlm.errors import UserError
-from dlm.events import Event, StartEvent, TrainEvent
+from dlm.events import Event, StartEvent
 from dlm.optim import build_optimizer, check_state_layout
 from dlm.optimizers import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
 from dlm.run_dir import check_resumable
@@ -71,10 +71,6 @@ def toy_lion() -> Iterator[OptimizerSpec]:
     spec = register_optimizer(lion_spec())
     yield spec
     unregister_optimizer(spec.name)
-
-
-def train_losses(events: list[Event]) -> list[float | None]:
-    return [event.loss for event in events if isinstance(event, TrainEvent)]
 
 
 def test_a_registered_toy_optimizer_trains_and_resumes_bit_identically(

@@ -14,30 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_experiment
+from helpers import assert_same_weights, tiny_experiment, train_losses
 
 from dlm.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
 from dlm.checksum import with_checksum
 from dlm.errors import UserError
-from dlm.events import Event, TrainEvent, ValidationEvent
+from dlm.events import Event, ValidationEvent
 from dlm.train import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def train_losses(events: list[Event]) -> list[float | None]:
-    return [event.loss for event in events if isinstance(event, TrainEvent)]
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(path)["model"]
-
-
-def assert_same_weights(left: Path, right: Path) -> None:
-    a, b = weights(left), weights(right)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_loss_decreases_and_run_dir_is_complete(tiny_data_dir: Path, tmp_path: Path) -> None:
