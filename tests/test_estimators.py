@@ -3,6 +3,7 @@ exact-count one with less variance, loss masks, block models, seeding and `dlm e
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
@@ -20,6 +21,7 @@ from dlm.evaluate import evaluate_model
 from dlm.model import DiffusionTransformer
 
 VOCAB, MASK_ID, LENGTH = 6, 1, 5
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ContextLogits:
@@ -165,10 +167,15 @@ def test_block_size_one_estimators_give_the_same_exact_likelihood() -> None:
     assert reports[0].nll == reports[1].nll and reports[1].nll_mc_stderr == 0.0
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_run(tiny_data_dir, tmp_path_factory.mktemp("estimators") / "run")
+
+
 def test_cli_eval_estimator_option(
-    tiny_data_dir: Path, tmp_path: Path, run_cli, narrow_console: int, monkeypatch: pytest.MonkeyPatch
+    tiny_run: Path, run_cli, narrow_console: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")
+    run_dir = tiny_run
     result = run_cli("eval", str(run_dir), "--estimator", "exact-count", "--batches", "1", "--mc-samples", "2",
                      "--json")  # fmt: skip
     assert result.exit_code == 0, result.stderr
@@ -181,3 +188,21 @@ def test_cli_eval_estimator_option(
     assert wrong.exit_code == 2 and "poisson" in wrong.stderr and "Traceback" not in wrong.stderr
     with pytest.raises(UserError, match="--estimator must be one of bernoulli, exact-count"):
         evaluate_model(tiny_model(), torch.zeros(1, 32, dtype=torch.long), estimator="poisson")
+
+
+def test_the_variance_script_compares_the_estimators_on_one_model(
+    tiny_run: Path, tiny_data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location("estimator_variance", ROOT / "scripts" / "estimator_variance.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main([str(tiny_run), "--data", str(tiny_data_dir), "--sequences", "4", "--repeats", "3",
+                 "--mc-samples", "1", "2", "--json"])  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert (result["sequences"], result["repeats"], result["step"]) == (4, 3, 4)
+    assert [row["mc_samples"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        variance = row["mc_variance"]
+        assert row["variance_ratio"] == pytest.approx(variance["bernoulli"] / variance["exact-count"])
+        assert row["variance_ratio"] > 1  # a 4-step model's loss hardly depends on the context
