@@ -16,7 +16,8 @@
   sampling to the end and cutting there.
 
 Without a threshold and with `cache="none"` every step is the one `dlm.sampling` runs, drawing
-the same random numbers, so the tokens are those of the plain sampler.
+the same random numbers, so the tokens are those of the plain sampler. A block model's sampler
+(`dlm.block_sampling`) takes its threshold steps from here too (`reveal_threshold`).
 """
 
 from __future__ import annotations

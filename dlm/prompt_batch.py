@@ -53,6 +53,22 @@ def _offsets(config: Any, sizes: list[int]) -> list[int]:
     return [(first - size // block) * block for size in sizes]
 
 
+def _padded_batch(prompts: list[list[int]], offsets: list[int], num_samples: int, length: int, filler: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Tokens [prompts x num_samples, W] (prompt i after `offsets[i]` fillers, then `length` to
+    generate), the padding per row and the generated columns."""
+
+    width = max(offset + len(ids) for offset, ids in zip(offsets, prompts, strict=True)) + length
+    tokens = torch.full((len(prompts) * num_samples, width), filler, dtype=torch.long, device=device)
+    for slot, (offset, ids) in enumerate(zip(offsets, prompts, strict=True)):
+        rows = slice(slot * num_samples, (slot + 1) * num_samples)
+        tokens[rows, offset : offset + len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
+    pad = torch.tensor([offset for offset in offsets for _ in range(num_samples)], dtype=torch.long, device=device)
+    fill_mask = torch.zeros(width, dtype=torch.bool, device=device)
+    fill_mask[width - length :] = True
+    return tokens, pad, fill_mask
+
+
 def generate_prompts(
     model: Denoiser,
     tokenizer: Any,
@@ -90,14 +106,8 @@ def generate_prompts(
     start = time.perf_counter()
     for group in _groups(config, [len(ids) for ids in encoded]):
         offsets = _offsets(config, [len(encoded[i]) for i in group])
-        width = max(offset + len(encoded[i]) for offset, i in zip(offsets, group, strict=True)) + length
-        tokens = torch.full((len(group) * num_samples, width), filler, dtype=torch.long, device=device)
-        pad = torch.tensor([o for o in offsets for _ in range(num_samples)], dtype=torch.long, device=device)
-        for slot, (offset, index) in enumerate(zip(offsets, group, strict=True)):
-            prompt_ids = torch.tensor(encoded[index], dtype=torch.long, device=device)
-            tokens[slot * num_samples : (slot + 1) * num_samples, offset : offset + len(encoded[index])] = prompt_ids
-        fill_mask = torch.zeros(width, dtype=torch.bool, device=device)
-        fill_mask[width - length :] = True
+        tokens, pad, fill_mask = _padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler,
+                                               device)  # fmt: skip
         generators = tuple(torch.Generator(device=_noise_device(device)).manual_seed(seed + i) for i in group)
         noise = RowNoise(generators, (num_samples,) * len(group))
         with _inference(model), _counting_tokens(model) as fed:
