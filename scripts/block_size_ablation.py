@@ -125,6 +125,7 @@ def run_variant(args: argparse.Namespace, variant: Variant, data: Path) -> dict[
         "bits_per_byte_stderr": report["bits_per_byte_stderr"],
         "nll": report["nll"],
         "nll_mc_stderr": report["nll_mc_stderr"],
+        "unigram_bits_per_byte": report.get("unigram_bits_per_byte"),  # the same sequences' unigram level
         "train_losses": train_losses(run / "train.log"),
     }
 
@@ -145,6 +146,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {row['block_size']} | [{low:g}, {high:g}] | {row['bits_per_byte']:.3f} | "
             f"{row['bits_per_byte_stderr']:.3f} | {row['nll']:.3f} | {row['nll_mc_stderr']:.3f} |"
         )
+    unigram = rows[0].get("unigram_bits_per_byte")
+    if unigram is not None:
+        lines += ["", f"Unigram level of the same sequences: {unigram:.3f} bits/byte."]
     steps = [step for step, _ in rows[0]["train_losses"]]
     lines += ["", "| block size | clip | " + " | ".join(f"step {step}" for step in steps) + " |",
               "|---|---|" + "---|" * len(steps)]  # fmt: skip
