@@ -85,17 +85,33 @@ class Attention(nn.Module):
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None = None, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask | None = None,
+        cache: KVCache | None = None,
+        queries: slice | None = None,
     ) -> Tensor:
+        """Attention output [B, L, W]; with `queries`, only for those positions (keys and values of all)."""
+
         batch, length, width = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.unbind(dim=2)  # each [B, L, H, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if queries is None:
+            q = apply_rotary(q, cos, sin)
+        else:
+            q = apply_rotary(q[:, queries], cos[..., queries, :], sin[..., queries, :])
+            if mask is not None and mask.mask is not None:
+                mask = AttentionMask(mask.kernel, mask.mask[..., queries, :])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
+        if q.shape[2] == 0:  # keys and values only (a cache commit)
+            return x.new_zeros(batch, 0, width)
         y = attend(q, k, v, mask)
-        return self.out(y.transpose(1, 2).reshape(batch, length, width))
+        return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], width))
 
 
 class SwiGLU(nn.Module):
@@ -122,9 +138,16 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None = None, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask | None = None,
+        cache: KVCache | None = None,
+        queries: slice | None = None,
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
+        attended = self.attention(self.attention_norm(x), cos, sin, mask, cache, queries)
+        x = (x if queries is None else x[:, queries]) + attended
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -208,9 +231,19 @@ class DiffusionTransformer(nn.Module):
             mask = padded_mask(mask, pad, start, length, seen, pad_keys)
         x = self.token_embedding(tokens)
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.blocks:
+        queries = None
+        if cache is not None and cache.committing and output_positions is not None and clean_tokens is None:
+            # A pass that stores keys and values needs every position's, but outputs only at
+            # `output_positions`: the last layer's attention output and MLP run only over the
+            # columns holding them (none at all for a pure commit).
+            columns = output_positions.any(dim=0).nonzero()
+            queries = slice(int(columns[0]), int(columns[-1]) + 1) if len(columns) else slice(0, 0)
+        for index, block in enumerate(self.blocks):
             if recompute:
                 x = checkpoint(block, x, cos, sin, mask, cache, use_reentrant=False)
+            elif queries is not None and index == len(self.blocks) - 1:
+                x = block(x, cos, sin, mask, cache, queries)
+                output_positions = output_positions[:, queries] if output_positions is not None else None
             else:
                 x = block(x, cos, sin, mask, cache)
         if cache is not None and cache.committing:

@@ -169,3 +169,23 @@ def test_cli_prompt_file_errors_name_the_file(tmp_path: Path, run_cli: Any) -> N
     run_cli("sample", "model", "--prompt-file", missing).assert_refused("none.txt", "no such prompt file")
     both = run_cli("sample", "model", "--prompt-file", missing, "--prompt", "x")
     both.assert_refused("--prompt-file cannot be combined")
+
+
+def test_a_committing_pass_computes_the_last_layer_only_where_outputs_are(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    tokens = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.zeros_like(tokens, dtype=torch.bool)
+    positions[0, 9] = positions[1, 12] = True
+    with torch.inference_mode():
+        plain = KVCache(committing=True)
+        reference = model(tokens, output_positions=torch.ones_like(positions), cache=plain)[positions.flatten()]
+        kept = KVCache(committing=True)
+        narrowed = model(tokens, output_positions=positions, cache=kept)
+        stored = KVCache(committing=True)
+        none = model(tokens, output_positions=torch.zeros_like(positions), cache=stored)
+    torch.testing.assert_close(narrowed, reference, atol=1e-5, rtol=1e-5)
+    assert none.shape == (0, tokenizer.get_vocab_size())
+    for cache in (kept, stored):
+        assert cache.length == 24
+        for (k, v), (k0, v0) in zip(cache.layers, plain.layers, strict=True):  # type: ignore[misc]
+            assert torch.equal(k, k0) and torch.equal(v, v0)
