@@ -83,7 +83,7 @@ def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, ro
         fits = (context - cache.stored) // block_size * block_size
         chunk = tokens[:, cache.length : min(end, cache.length + fits)]
         cache.committing = True
-        try:  # no output positions: only the keys and values are wanted, not the vocabulary matmul
+        try:  # no output positions: keys and values only (no vocabulary matmul, no last-layer MLP)
             reverse.forward(chunk, torch.zeros_like(chunk, dtype=torch.bool), None, cache)
         finally:
             cache.committing = False
