@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -43,3 +45,18 @@ def test_tables_of_validation_and_training_loss() -> None:
     assert "Unigram level of the same sequences: 2.900 bits/byte." in lines
     assert "| block size | clip | step 20 | step 40 |" in lines
     assert lines[-1] == "| 4 | [0.3, 0.8] | 7.000 | 6.250 |"
+
+
+def test_paired_differences_use_the_same_sequences(tmp_path: Path) -> None:
+    ablation = script()
+    args = ablation.parse_args(["--out", str(tmp_path)])
+    variants = [ablation.parse_variant("4"), ablation.parse_variant("64")]
+    for variant, nlls in zip(variants, ([5.0, 6.0, 7.0, 8.0], [5.5, 6.5, 7.25, 8.75]), strict=True):
+        run = tmp_path / variant.name
+        run.mkdir()
+        (run / "sequence_nll.json").write_text(json.dumps(nlls))  # as sequence_nlls caches them
+    # ln 2 tokens per byte: nats per token are bits per byte.
+    (tmp_path / "B4" / "eval.json").write_text(json.dumps({"tokens": math.log(2), "bytes": 1.0}))
+    lines = ablation.paired_table(args, variants, tmp_path / "data").splitlines()
+    # Differences -0.5, -0.5, -0.25, -0.75: mean -0.5, standard deviation sqrt(1/24), s.e. that / 2.
+    assert lines[-1] == f"| B4 | B64 | -0.500 | {math.sqrt(1 / 24) / 2:.3f} |"
