@@ -10,7 +10,8 @@ authors observed that many end-of-document tokens make the model answer too brie
 Examples are read one line at a time and each block goes to disk as soon as it is made, so memory
 stays flat in the size of the data. Files are written under temporary names and renamed at the end,
 metadata last, as `dlm pack` does: a failed pack (a bad record, an empty split, a full disk) leaves
-nothing that loads, and a split this pack does not write loses its old files.
+nothing that loads, and a split this pack does not write loses its old files. Temporaries that a
+killed pack left behind are removed by the next.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import numpy as np
 from dlm import __version__
 from dlm.chat import ChatTemplate, encode_example, parse_example
 from dlm.errors import UserError, reported_os_errors
-from dlm.fileio import atomic_path, temporary_path
-from dlm.pack import PACKED_FORMAT, SPLITS, _check_output_dir, _remove_empty, token_dtype
+from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
+from dlm.pack import OUTPUT_FILES, PACKED_FORMAT, SPLITS, _check_output_dir, _remove_empty, token_dtype
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 LongPolicy = Literal["truncate", "drop"]
@@ -180,6 +181,7 @@ def pack_chat(
     names = ("train", "val") if val_inputs or val_fraction > 0 else ("train",)
     sources = [*((Path(p), False) for p in inputs), *((Path(p), True) for p in val_inputs or [])]
     created = [d for d in (output, *output.absolute().parents) if not d.exists()]
+    remove_stale_temporaries(output, [*OUTPUT_FILES, *(mask_path(output / f"{name}.bin").name for name in SPLITS)])
     writers: dict[str, _ChatWriter] = {}
     committed = False
     with reported_os_errors("the packed data", output):

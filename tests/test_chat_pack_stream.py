@@ -124,3 +124,11 @@ def test_a_repack_without_validation_removes_the_old_split(tiny_tokenizer_path: 
     assert list(counts) == ["train"]
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
         "tokenizer.json", "train.bin", "train.json", "train.mask.bin"]  # fmt: skip
+
+
+def test_a_killed_packs_temporaries_are_removed(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    dead = tmp_path / "out" / ".train.mask.bin.tmp-999999999"  # no such process
+    dead.write_bytes(b"partial")
+    pack_chat([write_chat(tmp_path / "c.jsonl", chat_records(10))], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out")
+    assert not dead.exists()
