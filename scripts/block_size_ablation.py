@@ -1,6 +1,6 @@
 """Validation bits/byte against block size (and clipped noise range) at one model size and budget.
 
-usage: python scripts/block_size_ablation.py [--steps N] [--variants 1,4,64,16,4@0.3-0.8] [--jobs 2]
+usage: python scripts/block_size_ablation.py [--steps N] [--variants 1,4,64,16,4@0.3-0.8] [--seed S] [--jobs 2]
        [--out DIR] [--d-model D] [--n-layers N] [--mc-samples K] [--paired] [--json]
 
 Every variant trains the same small model on the bundled Shakespeare split packed at 64 tokens with
@@ -38,25 +38,28 @@ SEQ_LEN = 64
 class Variant:
     block_size: int
     clip: tuple[float, float] = (0.0, 1.0)
+    seed: int | None = None  # None: the config's training seed
 
     @property
     def name(self) -> str:
         low, high = self.clip
-        return f"B{self.block_size}" + ("" if self.clip == (0.0, 1.0) else f"-clip{low:g}-{high:g}")
+        name = f"B{self.block_size}" + ("" if self.clip == (0.0, 1.0) else f"-clip{low:g}-{high:g}")
+        return name if self.seed is None else f"{name}-seed{self.seed}"
 
 
-def parse_variant(text: str) -> Variant:
+def parse_variant(text: str, seed: int | None = None) -> Variant:
     block, _, clip = text.partition("@")
     if not clip:
-        return Variant(int(block))
+        return Variant(int(block), seed=seed)
     low, high = clip.split("-")
-    return Variant(int(block), (float(low), float(high)))
+    return Variant(int(block), (float(low), float(high)), seed)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--variants", default="1,4,64,16,4@0.3-0.8", help="B or B@low-high, comma-separated")
+    parser.add_argument("--seed", type=int, default=None, help="training seed (data order and noise) of every variant")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "block-size-ablation")
     parser.add_argument("--d-model", type=int, default=128)
@@ -97,6 +100,7 @@ def train_command(args: argparse.Namespace, variant: Variant, data: Path, run: P
         "training.eval_interval": args.steps, "training.save_interval": args.steps,
         "training.eval_batches": 2, "training.log_interval": max(1, args.steps // 10),
         "training.clip_mask_min": low, "training.clip_mask_max": high,
+        **({} if variant.seed is None else {"training.seed": variant.seed}),
         "training.device": "cpu", "training.precision": "float32",
         "training.tokenizer": data / "tokenizer.json", "training.train_data": data / "train.bin",
         "training.val_data": data / "val.bin", "training.output_dir": run,
@@ -217,7 +221,7 @@ def paired_table(args: argparse.Namespace, variants: list[Variant], data: Path) 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out = args.out.resolve()
-    variants = [parse_variant(text) for text in args.variants.split(",")]
+    variants = [parse_variant(text, args.seed) for text in args.variants.split(",")]
     data = prepare_data(args.out)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(lambda variant: run_variant(args, variant, data), variants))

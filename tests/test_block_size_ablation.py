@@ -28,6 +28,9 @@ def test_variants_and_train_commands_are_valid_dlm_configs(tmp_path: Path) -> No
     clipped = ablation.parse_variant("4@0.3-0.8")
     assert (clipped.block_size, clipped.clip, clipped.name) == (4, (0.3, 0.8), "B4-clip0.3-0.8")
     assert ablation.parse_variant("64").name == "B64"
+    assert ablation.parse_variant("64", 7).name == "B64-seed7"
+    seeded = ablation.train_command(ablation.parse_args([]), ablation.parse_variant("4", 7), tmp_path, tmp_path / "r")
+    assert "training.seed=7" in seeded
     args = ablation.parse_args(["--steps", "200"])
     command = ablation.train_command(args, clipped, tmp_path / "data", tmp_path / "run")
     overrides = [command[i + 1] for i, part in enumerate(command) if part == "--set"]
