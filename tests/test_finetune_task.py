@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import CliResult
 from helpers import ROOT
 
@@ -98,6 +99,7 @@ def exact_replies(checkpoint: Path, prompts: list[str]) -> int:
     return hits
 
 
+@pytest.mark.slow  # about 25 s on one core; CI runs it
 def test_a_fine_tuned_model_repeats_held_out_prompts(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
     training, held_out = write_task(tmp_path)
     assert not set(held_out) & set(training)
