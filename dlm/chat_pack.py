@@ -29,7 +29,15 @@ from dlm import __version__
 from dlm.chat import ChatTemplate, encode_example, parse_example
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
-from dlm.pack import OUTPUT_FILES, PACKED_FORMAT, SPLITS, _check_output_dir, _remove_empty, token_dtype
+from dlm.pack import (
+    OUTPUT_FILES,
+    PACKED_FORMAT,
+    SPLITS,
+    _check_output_dir,
+    _remove_empty,
+    check_pack_arguments,
+    token_dtype,
+)
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 LongPolicy = Literal["truncate", "drop"]
@@ -165,6 +173,7 @@ def pack_chat(
 
     if long not in ("truncate", "drop"):
         raise UserError(f"--long must be truncate or drop, got {long!r}")
+    check_pack_arguments(seq_len, val_fraction, val_inputs or [])
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)

@@ -134,7 +134,9 @@ class _SplitWriter:
         self.handle.close()
 
 
-def _check_pack_arguments(seq_len: int, val_fraction: float, val_inputs: Sequence[Any]) -> None:
+def check_pack_arguments(seq_len: int, val_fraction: float, val_inputs: Sequence[Any]) -> None:
+    """The block length and validation options that `dlm pack` (plain or --chat) accepts."""
+
     if seq_len < 2:
         raise UserError(f"seq_len must be at least 2, got {seq_len}", fix="pass --seq-len 2 or more")
     if not 0.0 <= val_fraction < 1.0:
@@ -210,7 +212,7 @@ def pack_corpus(
 
     started = time.perf_counter()
     output, tokenizer_path = Path(output), Path(tokenizer)
-    _check_pack_arguments(seq_len, val_fraction, val_inputs)
+    check_pack_arguments(seq_len, val_fraction, val_inputs)
     loaded = load_tokenizer(tokenizer_path)
     # Text that spells a special token ("<|mask|>") is data: it must not become the real token.
     loaded.encode_special_tokens = True

@@ -132,3 +132,24 @@ def test_a_killed_packs_temporaries_are_removed(tiny_tokenizer_path: Path, tmp_p
     dead.write_bytes(b"partial")
     pack_chat([write_chat(tmp_path / "c.jsonl", chat_records(10))], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out")
     assert not dead.exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"val_fraction": 0.25, "val_inputs": "self"}, "either a validation fraction or validation inputs"),
+        ({"val_fraction": 1.5}, r"val_fraction must be in \[0, 1\)"),
+        ({"seq_len": 1}, "seq_len must be at least 2"),
+    ],
+)
+def test_chat_packing_takes_the_plain_packs_option_checks(
+    tiny_tokenizer_path: Path, tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    chat = write_chat(tmp_path / "c.jsonl", chat_records(10))
+    settings: dict[str, Any] = {"seq_len": SEQ_LEN, **options}
+    if settings.get("val_inputs") == "self":
+        settings["val_inputs"] = [chat]
+    seq_len = settings.pop("seq_len")
+    with pytest.raises(UserError, match=message):
+        pack_chat([chat], tiny_tokenizer_path, seq_len, tmp_path / "out", **settings)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
