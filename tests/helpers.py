@@ -55,3 +55,24 @@ def assert_same_weights(left: Path, right: Path) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def check_resume_is_exact(
+    data_dir: Path, tmp_path: Path, settings: tuple[str, ...], pause_at: int
+) -> list[float | None]:
+    """Train `settings` straight through, and again paused at `pause_at` then resumed: the final
+    weights must be bit-identical and the logged losses equal. Returns the straight run's losses."""
+
+    straight_events: list[Event] = []
+    straight = train(tiny_experiment(data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
+    split = tiny_experiment(data_dir, tmp_path / "split", *settings)
+    first: list[Event] = []
+    paused = train(split, max_run_steps=pause_at, sink=first.append)
+    assert paused.status == "paused" and paused.step == pause_at
+    second: list[Event] = []
+    resumed = train(split, resume=paused.checkpoint, sink=second.append)
+    assert resumed.status == "complete" and resumed.step == straight.step
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)
+    losses = train_losses(straight_events)
+    assert train_losses(first) + train_losses(second) == losses
+    return losses

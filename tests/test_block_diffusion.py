@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import tiny_experiment
+from helpers import assert_same_weights, check_resume_is_exact, tiny_experiment, train_losses
 from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
-from test_train import assert_same_weights, train_losses
 
 import dlm
 from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allowed, block_causal_mask, flex_attention
@@ -159,17 +158,8 @@ def test_block_model_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path
     settings = ("model.block_size=16", "training.max_steps=8", "training.log_interval=2",
                 "training.warmup_steps=2", "training.gradient_accumulation_steps=2", "training.eval_interval=4",
                 "training.save_interval=100")  # fmt: skip
-    straight_events: list[Event] = []
-    straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
-    split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
-    first: list[Event] = []
-    paused = train(split, max_run_steps=4, sink=first.append)
-    second: list[Event] = []
-    resumed = train(split, resume=paused.checkpoint, sink=second.append)
-    assert resumed.status == "complete" and resumed.step == 8
-    assert_same_weights(straight.checkpoint, resumed.checkpoint)
-    assert train_losses(first) + train_losses(second) == train_losses(straight_events)
-    assert all(loss is not None and loss < 7 for loss in train_losses(straight_events))
+    losses = check_resume_is_exact(tiny_data_dir, tmp_path, settings, pause_at=4)
+    assert all(loss is not None and loss < 7 for loss in losses)
 
 
 BLOCK_PARALLEL = {"ddp": (), "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true")}
