@@ -2,11 +2,12 @@
 
 usage: python scripts/cpu_compare.py [--mode steps|processes] [--rounds N] [--threads N] [--json]
 
---mode processes: each round runs the baseline's own script (`anchor_cpu.py`, its default size), then
+The baseline is scripts/baselines/plain_cpu.py (--baseline), built on scripts/baselines/plain_gpu.py.
+--mode processes: each round runs the baseline's own script (`plain_cpu.py`, its default size), then
   `dlm bench --device cpu --config configs/bench-cpu.toml` (the same size), each in its own process
   with 3 warmup and 10 timed steps; medians and best-of-rounds over the rounds.
 --mode steps (default): one process holds both training steps, the baseline's (its `Baseline` and
-  `diffusion_loss`, stepped exactly as `anchor_cpu.py` does) and dlm's `TrainingStep` (the step
+  `diffusion_loss`, stepped exactly as `plain_cpu.py` does) and dlm's `TrainingStep` (the step
   `dlm bench` times), and alternates them step by step, so both see the same load from other
   processes at nearly the same moment; --rounds is then the number of timed steps of each.
 Model GFLOP/s = (6 x params + 12 x layers x d_model x seq) x tokens/s for both, as the baseline counts.
@@ -33,7 +34,7 @@ BASELINE_LINE = re.compile(r"tokens/s=(?P<tokens>[\d.]+) model_GFLOP/s=(?P<gflop
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, default=ROOT / ".bench" / "anchor_cpu.py")
+    parser.add_argument("--baseline", type=Path, default=ROOT / "scripts" / "baselines" / "plain_cpu.py")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-cpu.toml")
     parser.add_argument("--mode", choices=("steps", "processes"), default="steps")
     parser.add_argument("--rounds", type=int, default=20, help="timed steps of each (steps) or process pairs")
@@ -100,7 +101,7 @@ def step_pair(
     import torch
 
     sys.path[:0] = [str(baseline_path.parent), str(ROOT)]
-    baseline = importlib.import_module("anchor_gpu")
+    baseline = importlib.import_module("plain_gpu")
     from dlm.bench import synthetic_batches
     from dlm.config import load_config
     from dlm.distributed import DistributedContext
@@ -109,7 +110,7 @@ def step_pair(
     experiment = load_config(config, overrides)
     size, batch, cpu = experiment.model, experiment.training.batch_size, torch.device("cpu")
     tokens = batch * size.max_seq_len
-    # The baseline exactly as anchor_cpu.py builds and steps it.
+    # The baseline exactly as plain_cpu.py builds and steps it.
     torch.manual_seed(0)
     model = baseline.Baseline(size.vocab_size, size.d_model, size.n_layers, size.n_heads, size.max_seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,7 +137,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, list[float]]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     baseline_step, dlm_step, baseline_flops, dlm_flops = step_pair(args.baseline, args.config, args.dlm_set)
-    for _ in range(3):  # warmup, as anchor_cpu.py
+    for _ in range(3):  # warmup, as plain_cpu.py
         baseline_step()
         dlm_step()
     gflops: dict[str, list[float]] = {"baseline": [], "dlm": []}

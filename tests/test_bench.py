@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
@@ -401,6 +402,19 @@ def test_cpu_compare_reads_the_baseline_line() -> None:
     assert cpu_compare.parse_args(["--rounds", "2", "--threads", "1"]).threads == 1
     with pytest.raises(SystemExit):
         cpu_compare.parse_args(["--rounds", "0"])
+
+
+def test_cpu_compare_runs_the_baseline_in_the_repository() -> None:
+    # The default baseline is the repository's own script; a tiny size prints the line cpu_compare parses.
+    cpu_compare = load_script("cpu_compare")
+    baseline = cpu_compare.parse_args([]).baseline
+    assert baseline == SCRIPTS / "baselines" / "plain_cpu.py" and baseline.is_file()
+    output = subprocess.run(
+        [sys.executable, str(baseline), "32", "1", "2", "16", "2", "64"], capture_output=True, text=True, check=True
+    )
+    match = cpu_compare.BASELINE_LINE.search(output.stdout)
+    assert match is not None and float(match["tokens"]) > 0
+    assert output.stdout.startswith("params=")
 
 
 def test_cli_table_at_80_columns_keeps_every_header_word_whole(capsys, tmp_path: Path, monkeypatch) -> None:
