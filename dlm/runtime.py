@@ -14,6 +14,7 @@ import os
 import random
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from dlm.fileio import GIB
 
 Precision = Literal["float32", "bfloat16", "float16"]
 PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
+BUSY_SAMPLE_SECONDS = 0.1  # how long `busy_cores` watches the CPUs before a run picks its threads
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -398,7 +400,7 @@ class ThreadPlan:
     """How many intra-op threads a CPU run uses, and why (shown when the run starts)."""
 
     cores: int
-    busy: float | None  # cores' worth of other work (1-minute load average); None when unknown
+    busy: float | None  # cores' worth of other work (`busy_cores`); None when unknown
     threads: int
     source: str  # "measured" or "OMP_NUM_THREADS"
 
@@ -416,20 +418,50 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs from /proc/stat (Linux), or None."""
+
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[3] + fields[4], sum(fields[:8])) if len(fields) >= 8 else None  # idle + iowait
+
+
+def busy_cores(sample_seconds: float = BUSY_SAMPLE_SECONDS) -> float | None:
+    """Cores' worth of work running now: the lower of the 1-minute load average and the CPU time
+    used over the last `sample_seconds` (/proc/stat). The load average alone lags by a minute: after
+    a job ends it still counts it, and a run starting then took one thread on an idle machine."""
+
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system
+        load = None
+    before = _cpu_times()
+    if before is None:
+        return load
+    time.sleep(sample_seconds)
+    after = _cpu_times()
+    if after is None or after[1] <= before[1]:
+        return load
+    idle, total = after[0] - before[0], after[1] - before[1]
+    sampled = (1.0 - idle / total) * (os.cpu_count() or 1)
+    return sampled if load is None else min(load, sampled)
+
+
 def plan_cpu_threads(processes: int = 1, load: float | None = None) -> ThreadPlan:
     """One thread per free core, at least one. Threads beyond the free cores spin against other
     work: a tiny model ran 20x slower on two oversubscribed threads than on one idle one.
-    `OMP_NUM_THREADS` overrides the measurement; `processes` share the cores (CPU data parallel)."""
+    `load` (cores' worth of other work) defaults to `busy_cores()`. `OMP_NUM_THREADS` overrides
+    the measurement; `processes` share the cores (CPU data parallel)."""
 
     cores = _usable_cores()
     requested = os.environ.get("OMP_NUM_THREADS", "").strip()
     if requested.isdigit() and int(requested) > 0:
         return ThreadPlan(cores, None, int(requested), "OMP_NUM_THREADS")
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average on this system
-            load = None
+        load = busy_cores()
     busy = None if load is None else min(float(cores), max(0.0, load))
     free = cores - (busy or 0.0)
     threads = max(1, math.floor(free / max(processes, 1) + 0.5))

@@ -261,3 +261,42 @@ def test_omp_num_threads_overrides_the_measurement(monkeypatch: pytest.MonkeyPat
     finally:
         torch.set_num_threads(previous)
     assert runtime.configure_cpu_threads(torch.device("meta")) is None  # only CPU runs are changed
+
+
+@pytest.mark.parametrize(
+    ("load", "idle_share", "expected"),
+    [
+        (1.8, 0.9, 0.2),  # a job just ended: the load average still counts it, the CPUs are idle
+        (1.1, 0.5, 1.0),  # one busy core all along: both agree
+        (0.3, 0.0, 0.3),  # a burst while sampling: the load average is the calmer figure
+    ],
+)
+def test_busy_cores_is_the_lower_of_the_load_average_and_a_short_sample(
+    load: float, idle_share: float, expected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    samples = iter([(1000, 10_000), (1000 + int(1000 * idle_share), 11_000)])  # (idle, total) jiffies
+    monkeypatch.setattr(runtime, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
+    slept: list[float] = []
+    monkeypatch.setattr(runtime.time, "sleep", slept.append)
+    assert runtime.busy_cores() == pytest.approx(expected) and slept == [runtime.BUSY_SAMPLE_SECONDS]
+
+
+def test_busy_cores_without_proc_stat_is_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_cpu_times", lambda: None)
+    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
+    assert runtime.busy_cores() == 1.25
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(runtime, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(runtime, "busy_cores", lambda: 0.2)  # what a run starting on an idle machine sees
+    assert runtime.plan_cpu_threads().describe() == "2 cores, 0.2 busy: 2 threads"
+
+
+def test_cpu_times_reads_this_machine() -> None:
+    times = runtime._cpu_times()
+    if times is None:
+        pytest.skip("no /proc/stat on this system")
+    idle, total = times
+    assert 0 <= idle <= total and total > 0
+    assert runtime.busy_cores(0.01) is not None
