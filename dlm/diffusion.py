@@ -356,6 +356,17 @@ def corrupt_exact_count(
     )
 
 
+def draw_exact_count(
+    clean: Tensor, mask_token_id: int, units: Tensor, generators: Generators, *, block_size: int = 0,
+    loss_mask: Tensor | None = None,
+) -> Corruption:  # fmt: skip
+    """`corrupt_exact_count` with its keys drawn from `generators` (one, or one per row): the one
+    exact-count draw of training (`training.masking`) and of the ELBO estimate (`elbo_nll`)."""
+
+    keys = _uniform(generators, clean.shape[0], (clean.shape[1],), clean.device)
+    return corrupt_exact_count(clean, mask_token_id, units, keys, block_size=block_size, loss_mask=loss_mask)
+
+
 def _uniform(generators: Generators, batch: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
     """Uniform draws [batch, *shape]: row r from generators[r] when there is one per row."""
 
@@ -432,9 +443,8 @@ def elbo_nll(
     for k in range(num_samples):
         if estimator == "exact-count":
             units = stratified_times(offsets, torch.full_like(offsets, k), num_samples, 0.0)
-            keys = _uniform(generator, batch, (length,), clean.device)
-            corruption = corrupt_exact_count(clean, mask_token_id, units, keys, block_size=block_size,
-                                             loss_mask=loss_mask)  # fmt: skip
+            corruption = draw_exact_count(clean, mask_token_id, units, generator, block_size=block_size,
+                                          loss_mask=loss_mask)  # fmt: skip
         else:
             times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
             if per_row is not None:

@@ -22,9 +22,9 @@ from dlm.config import ExperimentConfig
 from dlm.diffusion import (
     TokenLosses,
     accumulation_mask_probabilities,
-    corrupt_exact_count,
     corrupt_tokens,
     diffusion_cross_entropy,
+    draw_exact_count,
     masked_token_losses,
     noise_generator,
     split_batch,
@@ -134,9 +134,8 @@ class TrainingStep:
         model = self.experiment.model
         block_size = model.block_size if model.is_block_model else 0
         if exact_count:
-            keys = torch.rand(clean.shape, generator=generator, device=clean.device)
-            corruption = corrupt_exact_count(clean, model.mask_token_id, times, keys, block_size=block_size,
-                                             loss_mask=loss_mask)  # fmt: skip
+            corruption = draw_exact_count(clean, model.mask_token_id, times, generator, block_size=block_size,
+                                          loss_mask=loss_mask)  # fmt: skip
         else:
             corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
                                         schedule=self.schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
