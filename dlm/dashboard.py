@@ -283,6 +283,8 @@ class TrainingDashboard:
         rows: list[Any] = [self._header(), self._progress(), self._metrics()]
         if self.start is not None and self.start.cpu_threads:
             rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
+        if self.start is not None and self.start.precision_note:
+            rows.append(Text(self.start.precision_note, style="yellow"))
         warning = self._pace_warning()
         if warning is not None:
             rows.append(warning)

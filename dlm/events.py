@@ -79,6 +79,8 @@ class StartEvent(RunEvent):
     dlm_version: str
     # The CPU thread plan (`dlm.runtime.ThreadPlan.describe`); None off the CPU and in older files.
     cpu_threads: str | None = None
+    # A warning about the precision on this CPU (`dlm.runtime.cpu_precision_note`); None when all is well.
+    precision_note: str | None = None
     # The trained model whose weights the run started from (`training.init_from`); None otherwise.
     init_from: str | None = None
 

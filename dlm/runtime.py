@@ -180,6 +180,26 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
     return requested  # type: ignore[return-value]
 
 
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles).
+
+    There bfloat16 autocast trained configs/cpu.toml's model 2.3x faster than float32
+    (docs/benchmarks.md); without them oneDNN emulates bfloat16 and float32 is the safer bet.
+    The probes are private torch functions: a torch without them answers False.
+    """
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def cpu_precision_note(device: torch.device, precision: str) -> str | None:
+    """A warning for a CPU run in bfloat16 on a CPU that only emulates it; None otherwise."""
+
+    if device.type != "cpu" or precision != "bfloat16" or cpu_has_native_bfloat16():
+        return None
+    return "bfloat16 on a CPU without AVX512-BF16 or AMX is emulated: --set training.precision=float32 is likely faster"
+
+
 def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     """Mixed-precision autocast for bf16 / fp16; float32 runs without autocast."""
 

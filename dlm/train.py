@@ -72,6 +72,7 @@ from dlm.runtime import (
     capture_rng_state,
     configure_cpu_threads,
     configure_cuda_backends,
+    cpu_precision_note,
     memory_stats,
     peak_flops,
     resolve_compile,
@@ -378,6 +379,7 @@ class Trainer:
             data_changed=self.data_changed,
             dlm_version=__version__,
             cpu_threads=cpu_threads,
+            precision_note=cpu_precision_note(self.device, self.precision),
             init_from=None if config.init_from is None else str(config.init_from),
         )
 

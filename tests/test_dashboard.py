@@ -271,3 +271,21 @@ def test_a_start_line_without_the_thread_plan_still_reads(real_run: RealRun) -> 
     del line["cpu_threads"]
     event = event_from_dict(line)
     assert isinstance(event, StartEvent) and event.cpu_threads is None
+
+
+def test_bfloat16_on_a_cpu_that_emulates_it_is_said_at_the_start(
+    tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlm import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: False)
+    events: list[Event] = []
+    overrides = ("training.max_steps=1", "training.warmup_steps=0", "training.precision=bfloat16",
+                 "training.device=cpu")  # fmt: skip
+    train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=events.append)
+    start = one(events, StartEvent)
+    assert isinstance(start, StartEvent) and start.precision == "bfloat16"
+    assert start.precision_note is not None and "--set training.precision=float32" in start.precision_note
+    dashboard = TrainingDashboard(Console(file=io.StringIO()))
+    dashboard(start)
+    assert "AVX512-BF16" in frame(dashboard, width=200)

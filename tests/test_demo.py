@@ -425,6 +425,24 @@ def test_the_demos_cpu_model_is_the_cpu_recipe(tmp_path: Path) -> None:
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     recipe = load_config(ROOT / "configs" / "cpu.toml")
     assert demo.model == recipe.model and demo.diffusion == recipe.diffusion
-    for name in ("batch_size", "learning_rate", "min_learning_rate", "weight_decay", "grad_clip"):
+    names = ("batch_size", "learning_rate", "min_learning_rate", "weight_decay", "grad_clip", "clip_mask_min",
+             "clip_mask_max")  # fmt: skip
+    for name in names:
         assert getattr(demo.training, name) == getattr(recipe.training, name), name
-    assert "cosine noise schedule (configs/cpu.toml)" in notes[0]
+    assert "mask probabilities 0.3-0.8 in training" in notes[0] and "(configs/cpu.toml)" in notes[0]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """bfloat16 autocast (the recipe's precision) only on a CPU that multiplies it natively."""
+
+    from dlm import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: native)
+    demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
+    expected = "bfloat16" if native else "float32"
+    assert demo.training.precision == expected and f", {expected} (configs/cpu.toml)" in notes[0]
+    if native:
+        assert demo.training.precision == load_config(ROOT / "configs" / "cpu.toml").training.precision

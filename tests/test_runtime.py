@@ -300,3 +300,32 @@ def test_cpu_times_reads_this_machine() -> None:
     idle, total = times
     assert 0 <= idle <= total and total > 0
     assert runtime.busy_cores(0.01) is not None
+
+
+def test_cpu_bfloat16_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native bfloat16 is AVX512-BF16 or AMX; a torch without the private probes answers False."""
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, name, raising=False)
+    assert runtime.cpu_has_native_bfloat16() is False
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert runtime.cpu_has_native_bfloat16() is True
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "native", "warned"),
+    [
+        ("cpu", "bfloat16", False, True),
+        ("cpu", "bfloat16", True, False),
+        ("cpu", "float32", False, False),
+        ("cuda", "bfloat16", False, False),
+    ],
+)
+def test_cpu_precision_note(
+    monkeypatch: pytest.MonkeyPatch, device: str, precision: str, native: bool, warned: bool
+) -> None:
+    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: native)
+    note = runtime.cpu_precision_note(torch.device(device), precision)
+    assert (note is not None) == warned
+    if warned:
+        assert note is not None and "training.precision=float32" in note
