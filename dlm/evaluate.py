@@ -21,8 +21,9 @@ The byte counting and the likelihood figures themselves live in `dlm.likelihood`
 
 Every figure comes from one noise schedule (`dlm.schedule`), the one the model was trained with.
 
-All noise comes from generators seeded by (seed, pass, batch index), the exact-count estimator's by
-(seed, pass, sequence index) so that its figures do not depend on the batch size either: the same
+All noise comes from seeded generators: the Monte Carlo ELBO's (the bits per byte) by (seed, pass,
+sequence index), so that its figures do not depend on the batch size; the fixed-noise pass and the
+loss-by-noise buckets by (seed, pass, batch index), as training's validation draws them. The same
 checkpoint and data give the same report on every run, and the global RNG is left alone.
 """
 
@@ -239,12 +240,11 @@ def _elbo_pass(
 
     means, errors = [], []
     first = 0  # index of the batch's first sequence in the data
-    for index, batch in enumerate(batches):
+    for batch in batches:
         (clean, loss_mask), mask_id = _on_device(batch, device), model.config.mask_token_id
-        generator: torch.Generator | list[torch.Generator] = _pass_generator(seed, _ELBO_PASS, index, device)
-        if estimator == "exact-count":  # one generator per sequence: no dependence on the batch size
-            rows = range(first, first + clean.shape[0])
-            generator = [_pass_generator(seed, _EXACT_COUNT_PASS, row, device) for row in rows]
+        # One generator per sequence, seeded by its index in the data: no dependence on the batch size.
+        pass_id = _EXACT_COUNT_PASS if estimator == "exact-count" else _ELBO_PASS
+        generator = [_pass_generator(seed, pass_id, row, device) for row in range(first, first + clean.shape[0])]
         first += clean.shape[0]
         logits = _logits_fn(model, device, precision, clean)
         mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,

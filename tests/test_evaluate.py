@@ -199,8 +199,9 @@ def test_bits_per_byte_count_the_bytes_of_exactly_the_scored_blocks(
     assert all("\ufffd" not in text for text in texts)  # whole characters: the decoded size is exact
     assert report.tokens == blocks.size == batches * batch_size * 64
     assert report.bytes == sum(len(text.encode("utf-8")) for text in texts)
-    assert report.bits_per_byte == report.nll * report.tokens / (report.bytes * math.log(2))
-    assert report.bits_per_byte_stderr == report.nll_stderr * report.tokens / (report.bytes * math.log(2))
+    to_bits = report.tokens / (report.bytes * math.log(2))  # nats per token -> bits per byte
+    assert report.bits_per_byte == report.nll * to_bits
+    assert report.nll_stderr is not None and report.bits_per_byte_stderr == report.nll_stderr * to_bits
     saved = report.to_dict()
     assert (saved["tokens"], saved["bytes"]) == (report.tokens, report.bytes) and "text_bytes" not in saved
 
