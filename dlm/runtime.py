@@ -183,8 +183,8 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
 def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles).
 
-    There bfloat16 autocast trained configs/cpu.toml's model 2.3x faster than float32
-    (docs/benchmarks.md); without them oneDNN emulates bfloat16 and float32 is the safer bet.
+    There bfloat16 autocast trained configs/cpu.toml's model 1.8x faster than float32 on 2 threads
+    (`scripts/cpu_precision.py`, docs/benchmarks.md); without them bfloat16 is emulated, float32 the safer bet.
     The probes are private torch functions: a torch without them answers False.
     """
 
