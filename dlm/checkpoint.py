@@ -284,7 +284,39 @@ def load_checkpoint(path: str | Path, expected_format: str | None = None) -> dic
             fix="use latest.pt or step-*.pt to resume training, inference-latest.pt or an exported model to sample",
         )
     _verify_checksum(data, path)
+    check_finite_weights(data.get("model"), path, step=data.get("step"))
+    ema = data.get("ema")
+    if isinstance(ema, dict):
+        check_finite_weights(ema.get("shadow"), path, "EMA weights", step=data.get("step"))
     return data
+
+
+def check_finite_weights(weights: object, path: Path, what: str = "weights", step: object = None) -> None:
+    """Refuse weights that hold a NaN or an inf, naming the first such tensor.
+
+    Such a model computes NaN for every token, so evaluating, sampling, exporting or training it
+    would only spread the damage (an eval would print NaN figures and exit 0). One pass of
+    `isfinite` per tensor: cheap beside reading the file. Anything but a dict of tensors is left to
+    the caller's own checks.
+    """
+
+    if not isinstance(weights, Mapping):
+        return
+    bad = [
+        name
+        for name, tensor in weights.items()
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if not bad:
+        return
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    older = older_checkpoint(path, step) if path.suffix == ".pt" and path.is_file() else None
+    earlier = f"use the earlier checkpoint {older}" if older is not None else "use an earlier checkpoint or export"
+    raise UserError(
+        f"the {what} hold NaN or inf values: tensor {bad[0]}{more}; such a model computes only NaN",
+        path=path,
+        fix=f"{earlier}, or train it again (lower training.learning_rate or use bfloat16 instead of float16)",
+    )
 
 
 def _verify_checksum(data: dict[str, Any], path: Path) -> None:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
+from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
 from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
@@ -202,7 +202,9 @@ def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInf
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         from dlm.hf.convert import is_hf_export, read_hf_export  # imports this module
 
-        return read_hf_export(path) if is_hf_export(path) else _read_export(path)
+        info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
+        check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
+        return info, weights
     return _read_checkpoint(path, use_ema)
 
 
