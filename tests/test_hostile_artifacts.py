@@ -118,3 +118,23 @@ def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
     path = save_training_checkpoint(tmp_path, {"step": 1, "model": {"w": good}, "ema": {"shadow": {"w": bad}}}, 1, 0)
     with pytest.raises(UserError, match="the EMA weights hold NaN or inf values: tensor w;"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("export_format", ["dlm", "hf"])
+def test_export_overwrite_refuses_to_delete_a_users_files_beside_an_export(
+    run_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult], export_format: str
+) -> None:
+    output = tmp_path / "model"
+    first = run_cli("export", run_dir, "--output", output, "--format", export_format, "--json")
+    assert first.exit_code == 0, first.stderr
+    (output / "notes.txt").write_text("my notes")
+    (output / "plots").mkdir()
+    before = tree(output)
+    again = run_cli("export", run_dir, "--output", output, "--format", export_format, "--overwrite", "--json")
+    again.assert_refused("files an export does not write (notes.txt, plots/)", str(output))
+    assert tree(output) == before and (output / "plots").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary left beside it
+    (output / "notes.txt").unlink()
+    (output / "plots").rmdir()
+    replaced = run_cli("export", run_dir, "--output", output, "--format", export_format, "--overwrite", "--json")
+    assert replaced.exit_code == 0, replaced.stderr  # only what an export writes: replaced as before

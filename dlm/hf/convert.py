@@ -35,7 +35,7 @@ from torch import Tensor
 from dlm import __version__
 from dlm.config import DiffusionConfig, ModelConfig
 from dlm.errors import UserError, reported_os_errors
-from dlm.export import check_export_output
+from dlm.export import EXPORT_FILES, check_export_output
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import (
     CONFIG_NAME,
@@ -203,7 +203,8 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     output = Path(output)
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
-    check_export_output(output, overwrite, lambda path: is_hf_export(path) or _is_dlm_export(path), "an export")
+    ours = {*EXPORT_FILES, *CODE_FILES, *tokenizer_files(1)}  # a dlm export or an HF one may be replaced
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or _is_dlm_export(path), "an export", ours)
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
