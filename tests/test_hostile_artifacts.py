@@ -138,3 +138,61 @@ def test_export_overwrite_refuses_to_delete_a_users_files_beside_an_export(
     (output / "plots").rmdir()
     replaced = run_cli("export", run_dir, "--output", output, "--format", export_format, "--overwrite", "--json")
     assert replaced.exit_code == 0, replaced.stderr  # only what an export writes: replaced as before
+
+
+@pytest.fixture(scope="module")
+def exports(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from dlm.export import export_model
+    from dlm.hf.convert import export_hf
+
+    root = tmp_path_factory.mktemp("exports")
+    return {"dlm": export_model(run_dir, root / "dlm"), "hf": export_hf(run_dir, root / "hf")}
+
+
+def _drop(key: str) -> Callable[[dict[str, Any]], None]:
+    return lambda config: config.pop(key)
+
+
+def _set(*keys: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(config: dict[str, Any]) -> None:
+        for key in keys[:-1]:
+            config = config[key]
+        config[keys[-1]] = value
+
+    return change
+
+
+MALFORMED = {  # (export format, what is wrong, the change, what the error line names)
+    "dlm model missing": ("dlm", _drop("model"), "the field model is missing"),
+    "dlm model a list": ("dlm", _set("model", value=[1, 2]), "the field model is a list, not an object"),
+    "dlm training a string": ("dlm", _set("training", value="x"), "the field training is a string, not an object"),
+    "dlm diffusion a number": ("dlm", _set("diffusion", value=3), "the field diffusion is an integer, not an object"),
+    "dlm tied a list": ("dlm", _set("tied", value=["a"]), "the field tied is a list, not an object"),
+    "dlm tied to nothing": ("dlm", _set("tied", value={"x": "absent.weight"}), "tied names tensors"),
+    "dlm tied to a number": ("dlm", _set("tied", value={"x": 3}), "the field tied must map tensor names"),
+    "dlm step a string": ("dlm", _set("step", value="four"), "the field step is a string, not an integer or null"),
+    "dlm tokens_seen true": ("dlm", _set("tokens_seen", value=True), "the field tokens_seen is true or false"),
+    "hf dlm a list": ("hf", _set("dlm", value=[1]), "the field dlm is a list, not an object or null"),
+    "hf dlm a string": ("hf", _set("dlm", value="x"), "the field dlm is a string"),
+    "hf dlm.model a number": ("hf", _set("dlm", "model", value=3), "the field dlm.model is an integer"),
+    "hf dlm.training a list": ("hf", _set("dlm", "training", value=[]), "the field dlm.training is a list"),
+    "hf dlm.diffusion a string": ("hf", _set("dlm", "diffusion", value="x"), "the field dlm.diffusion is a string"),
+    "hf dlm.step a list": ("hf", _set("dlm", "step", value=[4]), "the field dlm.step is a list"),
+    "hf hidden_size missing": ("hf", _drop("hidden_size"), "the field hidden_size is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_export_config_is_one_error_naming_the_file_and_field(
+    exports: dict[str, Path], tmp_path: Path, run_cli: Callable[..., CliResult], case: str
+) -> None:
+    import json
+
+    kind, change, message = MALFORMED[case]
+    export = tmp_path / "model"
+    shutil.copytree(exports[kind], export)
+    config = json.loads((export / "config.json").read_text())
+    change(config)
+    (export / "config.json").write_text(json.dumps(config))
+    result = run_cli("sample", export, "--length", "4", "--steps", "1", "--json")
+    result.assert_refused(str(export / "config.json"), message)
