@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from torch import Tensor
 from dlm import __version__
 from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
-from dlm.errors import UserError, check_can_create, reported_os_errors
+from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.events import ValidationEvent, read_events
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
@@ -38,6 +39,7 @@ from dlm.loading import load_model_with_info as load_model_with_info
 from dlm.loading import read_export_config as read_export_config
 from dlm.loading import read_model_source as read_model_source
 from dlm.model import format_parameter_count
+from dlm.report import eval_report_problem
 from dlm.run_dir import RunDir
 
 CARD_NAME = "README.md"
@@ -125,6 +127,10 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
     try:
         report = json.loads(RunDir(run_dir).eval_report.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        report = None
+    if isinstance(report, dict) and (problem := eval_report_problem(report)) is not None:
+        path = RunDir(run_dir).eval_report
+        warnings.warn(f"{path}: a damaged eval report ({problem}); left out of the model card", UserNote, stacklevel=2)
         report = None
     if isinstance(report, dict) and isinstance(report.get("nll"), (int, float)):
         step = (report.get("context") or {}).get("step")

@@ -196,3 +196,18 @@ def test_a_malformed_export_config_is_one_error_naming_the_file_and_field(
     (export / "config.json").write_text(json.dumps(config))
     result = run_cli("sample", export, "--length", "4", "--steps", "1", "--json")
     result.assert_refused(str(export / "config.json"), message)
+
+
+def test_export_leaves_a_damaged_eval_report_out_of_the_model_card_with_a_warning(
+    run_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    import json
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "eval.json").write_text(json.dumps({"format": "dlm-eval-v2", "nll": 4.5, "context": [4]}))
+    result = run_cli("export", run, "--output", tmp_path / "model", "--json")
+    assert result.exit_code == 0, result.stderr
+    warning = f"warning: {run / 'eval.json'}: a damaged eval report (its context is not an object); left out"
+    assert result.stderr.splitlines() == [f"{warning} of the model card"]
+    assert "dlm eval" not in (tmp_path / "model" / "README.md").read_text().split("## Use")[0]
