@@ -452,6 +452,13 @@ def check_output_dir(output_dir: str | Path, bytes_needed: int) -> None:
     """Before training: the run directory exists, is writable and has room for a checkpoint."""
 
     directory = Path(output_dir)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    # Measured on the disk the directory will be on, before it is created: a refusal creates nothing.
+    if existing.is_dir():
+        fix = "free some space or set training.output_dir on a larger disk"
+        check_free_space(existing, bytes_needed, "one checkpoint", fix)
     check_directory(directory)
     try:
         probe_writable(directory)
@@ -461,5 +468,3 @@ def check_output_dir(output_dir: str | Path, bytes_needed: int) -> None:
             path=directory,
             fix="fix its permissions or choose another training.output_dir",
         ) from None
-    fix = "free some space or set training.output_dir on a larger disk"
-    check_free_space(directory, bytes_needed, "one checkpoint", fix)

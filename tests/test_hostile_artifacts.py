@@ -105,7 +105,7 @@ def test_export_init_from_and_resume_refuse_nan_weights_and_write_nothing(
     config = ROOT / "configs" / "tiny.toml"
     result = run_cli("train", "--config", config, *options, "--init-from", nan_run / "latest.pt", "--json")
     result.assert_refused(f"tensor {POISONED}", str(nan_run / "latest.pt"))
-    assert not (tmp_path / "new" / "config.json").exists()
+    assert not (tmp_path / "new").exists()
     resumed = run_cli("resume", nan_run, "--set", "training.max_steps=6", "--json")
     resumed.assert_refused(f"tensor {POISONED}", str(nan_run / "latest.pt"))
     assert tree(nan_run) == before

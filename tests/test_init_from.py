@@ -98,3 +98,37 @@ def test_a_different_shape_is_refused_naming_both(
 ) -> None:
     result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source_run / "latest.pt", "model.n_layers=3")
     result.assert_refused("--init-from", "n_layers=2", "n_layers=3")
+
+
+def _other_vocabulary(tmp_path: Path, source_run: Path) -> tuple[Path, tuple[str, ...]]:
+    inference: dict[str, Any] = load_checkpoint(source_run / "inference-latest.pt")
+    metadata = {k: v for k, v in inference.items() if k not in ("format", "model", "payload_sha256")}
+    metadata["tokenizer_sha256"] = "ab" * 32  # trained with another tokenizer: its ids mean other tokens
+    path = save_inference_checkpoint(tmp_path / "other", inference["model"], metadata)
+    return path, ("tokenizer sha256 abababababab",)
+
+
+def _not_a_model(tmp_path: Path, source_run: Path) -> tuple[Path, tuple[str, ...]]:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a model")
+    return path, ("not a dlm checkpoint",)
+
+
+REFUSED_SOURCES: dict[str, Callable[[Path, Path], tuple[Path, tuple[str, ...]]]] = {
+    "another vocabulary": _other_vocabulary,
+    "another shape": lambda tmp, run: (run / "latest.pt", ("--init-from", "d_model=64", "d_model=128")),
+    "not a model": _not_a_model,
+    "a missing path": lambda tmp, run: (tmp / "missing.pt", ("checkpoint not found",)),
+}
+OVERRIDES = {"another shape": ("model.d_model=128",)}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_SOURCES))
+def test_a_refused_source_leaves_no_run_directory(
+    tiny_data_dir: Path, source_run: Path, tmp_path: Path, run_cli: Callable[..., CliResult], case: str
+) -> None:
+    source, fragments = REFUSED_SOURCES[case](tmp_path, source_run)
+    output = tmp_path / "runs" / "new"
+    result = _train_cli(run_cli, tiny_data_dir, output, source, *OVERRIDES.get(case, ()))
+    result.assert_refused(str(source), *fragments)
+    assert not (tmp_path / "runs").exists()  # neither the run directory, its .lock, nor its parent
