@@ -211,3 +211,14 @@ def test_export_leaves_a_damaged_eval_report_out_of_the_model_card_with_a_warnin
     warning = f"warning: {run / 'eval.json'}: a damaged eval report (its context is not an object); left out"
     assert result.stderr.splitlines() == [f"{warning} of the model card"]
     assert "dlm eval" not in (tmp_path / "model" / "README.md").read_text().split("## Use")[0]
+
+
+def test_large_finite_weights_whose_sum_overflows_are_accepted(tmp_path: Path) -> None:
+    from dlm.checkpoint import check_finite_weights
+
+    large = torch.full((4,), 60000.0, dtype=torch.float16)  # finite, but its float16 sum is inf
+    assert not torch.isfinite(large.sum())
+    check_finite_weights({"w": large}, tmp_path / "x.pt")
+    large[2] = float("nan")
+    with pytest.raises(UserError, match="tensor w;"):
+        check_finite_weights({"w": large}, tmp_path / "x.pt")
