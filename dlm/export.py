@@ -17,7 +17,8 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import Tensor
 from dlm import __version__
 from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
-from dlm.errors import UserError, check_can_create, reported_os_errors
+from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.events import ValidationEvent, read_events
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
@@ -38,9 +39,12 @@ from dlm.loading import load_model_with_info as load_model_with_info
 from dlm.loading import read_export_config as read_export_config
 from dlm.loading import read_model_source as read_model_source
 from dlm.model import format_parameter_count
+from dlm.report import eval_report_problem
 from dlm.run_dir import RunDir
 
 CARD_NAME = "README.md"
+# What an export directory holds: all that `--overwrite` may replace.
+EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME)
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -66,9 +70,12 @@ def _store_once(weights: dict[str, Tensor], dtype: torch.dtype) -> tuple[dict[st
     return stored, tied
 
 
-def check_export_output(output: Path, overwrite: bool, replaceable: Callable[[Path], bool], kind: str) -> None:
-    """Refuse an --output that exists, unless --overwrite and it is a directory `replaceable` accepts:
-    --overwrite deletes the old directory, so it must be an export, never a user's folder."""
+def check_export_output(
+    output: Path, overwrite: bool, replaceable: Callable[[Path], bool], kind: str, ours: Collection[str] = EXPORT_FILES
+) -> None:
+    """Refuse an --output that exists, unless --overwrite and it is a directory `replaceable` accepts
+    holding only files an export writes (`ours`): --overwrite replaces the whole directory, so it
+    must be an export, never a user's folder, nor an export beside which the user kept a file."""
 
     check_can_create(output, "--output")
     if not output.exists():
@@ -77,6 +84,14 @@ def check_export_output(output: Path, overwrite: bool, replaceable: Callable[[Pa
         raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
     if not (output.is_dir() and replaceable(output)):
         raise UserError(f"output is not {kind}, refusing to replace it", path=output, fix="choose another --output")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"output holds files an export does not write ({shown}); --overwrite would delete them",
+            path=output,
+            fix="move them out of the directory, or choose another --output",
+        )
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -112,6 +127,10 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
     try:
         report = json.loads(RunDir(run_dir).eval_report.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        report = None
+    if isinstance(report, dict) and (problem := eval_report_problem(report)) is not None:
+        path = RunDir(run_dir).eval_report
+        warnings.warn(f"{path}: a damaged eval report ({problem}); left out of the model card", UserNote, stacklevel=2)
         report = None
     if isinstance(report, dict) and isinstance(report.get("nll"), (int, float)):
         step = (report.get("context") or {}).get("step")

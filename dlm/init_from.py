@@ -4,12 +4,15 @@ Only the weights are taken (the EMA's when the source has one, as evaluation and
 the optimizer, the learning-rate schedule, the counters and the data order start afresh. The
 source must have been trained with the very tokenizer file of the new run (sha256) and have the
 same model shape, else its token ids or tensors would mean something else; a refusal names both
-sides. The path stays in the run's config, yet a resume restores the run's own checkpoint and never
-reads the source again, so a fine-tuning run resumes exactly like any other.
+sides. The block size is no part of the shape (no tensor depends on it): a block diffusion model may
+start a whole-sequence run, or the reverse (a legitimate adaptation), and a warning says so. The
+path stays in the run's config, yet a resume restores the run's own checkpoint and never reads the
+source again, so a fine-tuning run resumes exactly like any other.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from dlm.config import ModelConfig
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.
 SHAPE_FIELDS = ("vocab_size", "padded_vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "ffn_size")
@@ -52,7 +55,29 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
             path=path,
             fix="copy the source model's [model] shape into the config",
         )
+    if _attention(info.model) != _attention(config):
+        # Legitimate (adapting a block model to whole-sequence diffusion, or back), but never silent.
+        warnings.warn(
+            f"--init-from: {path} was trained {_describe_attention(info.model)}; this run trains it "
+            f"{_describe_attention(config)} (the weights fit: only what each position attends to changes)",
+            UserNote,
+            stacklevel=2,
+        )
     return weights
+
+
+def _attention(config: ModelConfig) -> int:
+    """What a position attends to: 0 for the whole sequence, else the block size (1: autoregressive)."""
+
+    return config.block_size if config.is_block_model else 0
+
+
+def _describe_attention(config: ModelConfig) -> str:
+    block = _attention(config)
+    if block == 0:
+        return f"as a whole-sequence model (block_size {config.block_size})"
+    kind = "an autoregressive model" if block == 1 else "a block diffusion model"
+    return f"as {kind} (block_size {block})"
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ The layout of an exported directory is named here, where it is read; `dlm.export
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, load_checkpoint
+from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
 from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
@@ -153,6 +154,39 @@ def read_export_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
+# The JSON type of each field a loader reads; a wrong type is refused naming the field, never a traceback.
+FieldTypes = Mapping[str, tuple[type, ...]]
+_OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))
+_EXPORT_FIELDS: FieldTypes = {
+    "model": _OBJECT, "diffusion": _OBJECT, "training": _OBJECT, "tied": _OBJECT, "source": _OBJECT,
+    "step": _COUNT, "tokens_seen": _COUNT, "weights": _TEXT, "tokenizer_sha256": _TEXT, "name": _TEXT,
+}  # fmt: skip
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}  # fmt: skip
+
+
+def _json_type(value: object) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def check_config_fields(
+    config: Mapping[str, Any], fields: FieldTypes, path: Path, required: Iterable[str] = (), within: str = ""
+) -> None:
+    """Refuse a JSON object that lacks a `required` field or holds one of another type than `fields`
+    says, naming the file and the field (`within` prefixes nested fields, e.g. "dlm.")."""
+
+    fix = "export the model again, or restore the file"
+    for name in required:
+        if name not in config:
+            raise UserError(f"the field {within}{name} is missing", path=path, fix=fix)
+    for name, types in fields.items():
+        value = config.get(name)
+        # JSON true / false are Python bools, which are ints too: an integer field takes neither.
+        if name in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            expected = " or ".join(_JSON_NAMES.get(kind, kind.__name__) for kind in types)
+            raise UserError(f"the field {within}{name} is {_json_type(value)}, not {expected}", path=path, fix=fix)
+
+
 def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
     """The `[diffusion]` settings of an export; older exports hold only a training mask_eps, and
     were trained with the linear schedule (the only one there was)."""
@@ -168,15 +202,22 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     from safetensors.torch import load_file
 
     config = read_export_config(directory)
+    config_path = directory / CONFIG_NAME
+    check_config_fields(config, _EXPORT_FIELDS, config_path, required=("model",))
+    tied = config.get("tied", {})
+    if not all(isinstance(alias, str) and isinstance(name, str) for alias, name in tied.items()):
+        raise UserError("the field tied must map tensor names to tensor names", path=config_path)
     try:
         model_config = ModelConfig.model_validate(config["model"])
         diffusion = _export_diffusion(config)
         weights = load_file(str(directory / WEIGHTS_NAME), device="cpu")
     except ValidationError as exc:
-        raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
+        raise UserError(format_validation_error(exc), path=config_path) from None
     except (KeyError, OSError, SafetensorError) as exc:
         raise UserError(f"damaged export: {exc}", path=directory, fix="export the checkpoint again") from None
-    for alias, canonical in config.get("tied", {}).items():
+    if missing := sorted(name for name in tied.values() if name not in weights):
+        raise UserError(f"the field tied names tensors {WEIGHTS_NAME} lacks ({missing[:3]})", path=config_path)
+    for alias, canonical in tied.items():
         weights[alias] = weights[canonical]  # re-tie what was stored once
     info = SourceInfo(
         path=directory,
@@ -202,7 +243,9 @@ def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInf
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         from dlm.hf.convert import is_hf_export, read_hf_export  # imports this module
 
-        return read_hf_export(path) if is_hf_export(path) else _read_export(path)
+        info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
+        check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
+        return info, weights
     return _read_checkpoint(path, use_ema)
 
 

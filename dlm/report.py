@@ -181,14 +181,47 @@ def _read_json(path: Path, what: str, notes: list[str]) -> Any:
         return None
 
 
+# The fields of an eval report the page reads, by the JSON type each must have (absent is fine).
+EVAL_FIGURES = ("nll", "nll_stderr", "bits_per_byte", "bits_per_byte_stderr", "unigram_bits_per_byte",
+                "perplexity_bound", "fixed_noise_loss", "fixed_noise_accuracy")  # fmt: skip
+_EVAL_COUNTS = ("sequences", "tokens")
+
+
+def _is_number(value: object, allow_float: bool = True) -> bool:
+    kinds = (int, float) if allow_float else (int,)
+    return isinstance(value, kinds) and not isinstance(value, bool)  # JSON true is not a figure
+
+
+def eval_report_problem(report: dict[str, Any]) -> str | None:
+    """What makes an eval report unfit for the page (a field of the wrong type), or None."""
+
+    context = report.get("context", {})
+    if not isinstance(context, dict):
+        return "its context is not an object"
+    if context.get("step") is not None and not _is_number(context["step"], allow_float=False):
+        return "its context.step is not an integer"
+    if bad := [key for key in EVAL_FIGURES if report.get(key) is not None and not _is_number(report[key])]:
+        return f"{bad[0]} is not a number"
+    if bad := [key for key in _EVAL_COUNTS if report.get(key) is not None and not _is_number(report[key], False)]:
+        return f"{bad[0]} is not an integer"
+    notes = report.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
+        return "its notes are not a list of strings"
+    return None
+
+
 def _eval_reports(run_dir: Path, notes: list[str]) -> list[EvalResult]:
     results = []
     for path in sorted(run_dir.glob("*.json")):
         if path.name == CONFIG_NAME or not path.is_file():
             continue
         data = _read_json(path, "a JSON file", notes)
-        if isinstance(data, dict) and str(data.get("format", "")).startswith(EVAL_FORMAT_PREFIX):
-            results.append(EvalResult(path.name, data))
+        if not (isinstance(data, dict) and str(data.get("format", "")).startswith(EVAL_FORMAT_PREFIX)):
+            continue
+        if (problem := eval_report_problem(data)) is not None:
+            notes.append(f"{path.name}: a damaged eval report ({problem}); left out")
+            continue
+        results.append(EvalResult(path.name, data))
     return sorted(results, key=lambda result: (result.step is None, result.step or 0, result.name))
 
 

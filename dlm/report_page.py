@@ -9,12 +9,13 @@ and plotly escapes `</` in the chart data it embeds.
 from __future__ import annotations
 
 import importlib
+import warnings
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from dlm import __version__
-from dlm.errors import reported_os_errors
+from dlm.errors import UserNote, reported_os_errors
 from dlm.fileio import atomic_write_text
 from dlm.readers import Requirement, require
 from dlm.report import (
@@ -256,4 +257,6 @@ def write_report(run: str | Path, output: str | Path | None = None, overwrite: b
     page = render_page(history)
     with reported_os_errors("the report", output):
         atomic_write_text(output, page)
+    for note in history.notes:  # on the page too; said here as well, so that a file left out is not missed
+        warnings.warn(note, UserNote, stacklevel=2)
     return output

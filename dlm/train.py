@@ -54,6 +54,7 @@ from dlm.evaluate import fixed_noise_validation
 from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, TrainEvent, ValidationEvent, fan_out
 from dlm.init_from import initial_weights, load_initial_weights
 from dlm.loggers import check_loggers, open_loggers
+from dlm.memory import count_parameters
 from dlm.model import format_parameter_count
 from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.optimizers import optimizer_spec
@@ -163,10 +164,11 @@ class Trainer:
         )
         self.checkpoint_path = Path(path)
 
-    def start_from(self, path: Path) -> None:
-        """Take a trained model's weights (`training.init_from`); everything else starts afresh."""
+    def start_from(self, weights: dict[str, Tensor]) -> None:
+        """Take a trained model's weights (`training.init_from`, read and checked by
+        `dlm.init_from.initial_weights`); everything else starts afresh."""
 
-        load_initial_weights(self.model, initial_weights(path, self.experiment.model, self.tokenizer_sha256))
+        load_initial_weights(self.model, weights)
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.step.ema = ModelEMA(self.model, self.step.ema.decay)
 
@@ -397,10 +399,10 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
     return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}
 
 
-def _checkpoint_bytes(model: torch.nn.Module) -> int:
+def _checkpoint_bytes(parameters: int) -> int:
     """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
 
-    return sum(p.numel() for p in model.parameters()) * 4 * 3 * 2
+    return parameters * 4 * 3 * 2
 
 
 def train(
@@ -435,9 +437,13 @@ def train(
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)
+    initial = None  # a resumed run never re-applies init_from
+    if resume is None and config.init_from is not None:
+        # Read and checked before the run directory exists: a refused source leaves nothing behind.
+        initial = initial_weights(config.init_from, experiment.model, tokenizer_sha256(config.tokenizer))
     if world.is_main:  # only rank 0 logs, so only it needs the loggers' packages
         check_loggers(experiment.logging)
-        check_output_dir(run_dir, 0)  # writable at all; the free space is checked once the model exists
+        check_output_dir(run_dir, _checkpoint_bytes(count_parameters(experiment.model)))
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
     signals = StopSignals() if stop is None else contextlib.nullcontext(stop)
@@ -446,12 +452,11 @@ def train(
             check_run_file_kinds(run_dir)
             check_run_target(run_dir, resume, overwrite)
         trainer = Trainer(experiment, device, precision, world, fan_out([]))
-        if world.is_main:
-            check_output_dir(run_dir, _checkpoint_bytes(trainer.model))
         if resume is not None:
-            trainer.load(resume, allow_data_change)  # a resumed run never re-applies init_from
-        elif config.init_from is not None:
-            trainer.start_from(config.init_from)
+            trainer.load(resume, allow_data_change)
+        elif initial is not None:
+            trainer.start_from(initial)
+            del initial  # the model holds them now
         end_step = config.max_steps
         if max_run_steps is not None:
             end_step = min(end_step, trainer.counters.step + max_run_steps)

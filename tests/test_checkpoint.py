@@ -299,6 +299,13 @@ def test_check_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         check_output_dir(a_file, bytes_needed=1)
 
 
+def test_a_disk_too_small_is_refused_before_the_directory_is_created(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="GiB free") as info:
+        check_output_dir(tmp_path / "runs" / "new", bytes_needed=1 << 62)
+    assert str(tmp_path) in str(info.value)  # the disk it measured: where the directory would be
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_output_dir_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated, because chmod does not stop root (these tests may run as root in containers).
     def refuse(*args: object, **kwargs: object) -> None:

@@ -98,3 +98,65 @@ def test_a_different_shape_is_refused_naming_both(
 ) -> None:
     result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source_run / "latest.pt", "model.n_layers=3")
     result.assert_refused("--init-from", "n_layers=2", "n_layers=3")
+
+
+def _other_vocabulary(tmp_path: Path, source_run: Path) -> tuple[Path, tuple[str, ...]]:
+    inference: dict[str, Any] = load_checkpoint(source_run / "inference-latest.pt")
+    metadata = {k: v for k, v in inference.items() if k not in ("format", "model", "payload_sha256")}
+    metadata["tokenizer_sha256"] = "ab" * 32  # trained with another tokenizer: its ids mean other tokens
+    path = save_inference_checkpoint(tmp_path / "other", inference["model"], metadata)
+    return path, ("tokenizer sha256 abababababab",)
+
+
+def _not_a_model(tmp_path: Path, source_run: Path) -> tuple[Path, tuple[str, ...]]:
+    path = tmp_path / "notes.txt"
+    path.write_text("not a model")
+    return path, ("not a dlm checkpoint",)
+
+
+REFUSED_SOURCES: dict[str, Callable[[Path, Path], tuple[Path, tuple[str, ...]]]] = {
+    "another vocabulary": _other_vocabulary,
+    "another shape": lambda tmp, run: (run / "latest.pt", ("--init-from", "d_model=64", "d_model=128")),
+    "not a model": _not_a_model,
+    "a missing path": lambda tmp, run: (tmp / "missing.pt", ("checkpoint not found",)),
+}
+OVERRIDES = {"another shape": ("model.d_model=128",)}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_SOURCES))
+def test_a_refused_source_leaves_no_run_directory(
+    tiny_data_dir: Path, source_run: Path, tmp_path: Path, run_cli: Callable[..., CliResult], case: str
+) -> None:
+    source, fragments = REFUSED_SOURCES[case](tmp_path, source_run)
+    output = tmp_path / "runs" / "new"
+    result = _train_cli(run_cli, tiny_data_dir, output, source, *OVERRIDES.get(case, ()))
+    result.assert_refused(str(source), *fragments)
+    assert not (tmp_path / "runs").exists()  # neither the run directory, its .lock, nor its parent
+
+
+@pytest.fixture(scope="module")
+def block_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_run(tiny_data_dir, tmp_path_factory.mktemp("block") / "run", "model.block_size=4")
+
+
+@pytest.mark.parametrize(
+    ("source_blocks", "run_blocks", "said"),
+    [
+        (4, "0", "a block diffusion model (block_size 4); this run trains it as a whole-sequence model (block_size 0)"),
+        (0, "4", "a whole-sequence model (block_size 0); this run trains it as a block diffusion model (block_size 4)"),
+        (0, "1", "a whole-sequence model (block_size 0); this run trains it as an autoregressive model (block_size 1)"),
+        (4, "4", None),
+        (0, "64", None),  # one block of the whole sequence is the whole sequence
+    ],
+)
+def test_a_change_of_attention_blocks_is_said_and_trained(
+    tiny_data_dir: Path, source_run: Path, block_run: Path, tmp_path: Path, run_cli: Callable[..., CliResult],
+    source_blocks: int, run_blocks: str, said: str | None,
+) -> None:  # fmt: skip
+    source = (block_run if source_blocks else source_run) / "latest.pt"
+    result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source, f"model.block_size={run_blocks}")
+    assert result.exit_code == 0, result.stderr
+    expected = [] if said is None else [f"warning: --init-from: {source} was trained as {said} (the weights fit: "
+                                        "only what each position attends to changes)"]  # fmt: skip
+    assert result.stderr.splitlines() == expected
+    assert load_checkpoint(tmp_path / "run" / "latest.pt")["step"] == 6

@@ -147,6 +147,45 @@ def test_eval_reports_and_samples_are_read_and_bad_files_noted(run_copy: Path) -
     assert len(history.notes) == 1 and history.notes[0].startswith("broken.json: cannot read")
 
 
+DAMAGED_EVALS = {  # file name: (the report, the reason the note gives)
+    "eval-context.json": ({**EVAL_REPORT, "context": [4]}, "its context is not an object"),
+    "eval-step.json": ({**EVAL_REPORT, "context": {"step": "4"}}, "its context.step is not an integer"),
+    "eval-nll.json": ({**EVAL_REPORT, "nll": "4.25"}, "nll is not a number"),
+    "eval-bpb.json": ({**EVAL_REPORT, "bits_per_byte": True}, "bits_per_byte is not a number"),
+    "eval-tokens.json": ({**EVAL_REPORT, "tokens": [1024]}, "tokens is not an integer"),
+    "eval-notes.json": ({**EVAL_REPORT, "notes": 3}, "its notes are not a list of strings"),
+}
+
+
+def _damaged_evals(run_copy: Path) -> list[str]:
+    """eval.json plus the damaged reports; the notes each damaged one should get, by file name."""
+
+    (run_copy / "eval.json").write_text(json.dumps(EVAL_REPORT))
+    for name, (report, _) in DAMAGED_EVALS.items():
+        (run_copy / name).write_text(json.dumps(report))
+    damaged = sorted(DAMAGED_EVALS.items())
+    return [f"{name}: a damaged eval report ({reason}); left out" for name, (_, reason) in damaged]
+
+
+def test_an_eval_report_of_the_wrong_shape_is_left_out_with_a_note(run_copy: Path) -> None:
+    expected = _damaged_evals(run_copy)
+    history = gather_run(run_copy)
+    assert [result.name for result in history.evals] == ["eval.json"]
+    assert history.notes == expected
+
+
+@pytest.mark.report_extra
+def test_dlm_report_warns_of_each_eval_report_it_leaves_out(run_copy: Path, run_cli: Callable[..., CliResult]) -> None:
+    pytest.importorskip("plotly", reason="plotly is not installed (pip install -e '.[report]')")
+    expected = _damaged_evals(run_copy)
+    result = run_cli("report", run_copy, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines() == [f"warning: {note}" for note in expected]
+    page = (run_copy / "report.html").read_text(encoding="utf-8")
+    assert "<td>eval.json</td>" in page and "<td>eval-nll.json</td>" not in page
+    assert all(note in page for note in expected)  # said on the page as well
+
+
 def test_a_demo_directory_is_its_run_with_the_samples_beside_it(run_copy: Path) -> None:
     demo = run_copy.parent / "demo"
     demo.mkdir()

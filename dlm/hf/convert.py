@@ -35,7 +35,7 @@ from torch import Tensor
 from dlm import __version__
 from dlm.config import DiffusionConfig, ModelConfig
 from dlm.errors import UserError, reported_os_errors
-from dlm.export import check_export_output
+from dlm.export import EXPORT_FILES, check_export_output
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import (
     CONFIG_NAME,
@@ -43,6 +43,7 @@ from dlm.loading import (
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
+    check_config_fields,
     checked_tokenizer,
     read_model_source,
 )
@@ -203,7 +204,8 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     output = Path(output)
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
-    check_export_output(output, overwrite, lambda path: is_hf_export(path) or _is_dlm_export(path), "an export")
+    ours = {*EXPORT_FILES, *CODE_FILES, *tokenizer_files(1)}  # a dlm export or an HF one may be replaced
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or _is_dlm_export(path), "an export", ours)
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
@@ -274,6 +276,14 @@ def _model_config(config: dict[str, Any]) -> ModelConfig:
     return model
 
 
+# The transformers fields `_model_config` needs, and the JSON types of those read outside pydantic.
+_HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "rope_theta", "rms_norm_eps", "mask_token_id")  # fmt: skip
+_HF_FIELDS = {"dlm": (dict, type(None)), "schedule": (str,), "padded_vocab_size": (int,)}
+_HF_DLM_FIELDS = {"model": (dict, type(None)), "diffusion": (dict,), "training": (dict, type(None)),
+                  "step": (int, type(None)), "tokens_seen": (int, type(None)), "weights": (str,)}  # fmt: skip
+
+
 def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     """Metadata and dlm-named CPU weights of a Hugging Face export."""
 
@@ -284,7 +294,10 @@ def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     from dlm.config import format_validation_error
 
     config = _read_config(directory) or {}
+    path = directory / CONFIG_NAME
+    check_config_fields(config, _HF_FIELDS, path, required=_HF_REQUIRED)
     meta = config.get("dlm") or {}
+    check_config_fields(meta, _HF_DLM_FIELDS, path, within="dlm.")
     try:
         model = _model_config(config)
         schedule = config.get("schedule", "linear")  # the transformers field wins, as for the shapes
