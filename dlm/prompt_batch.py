@@ -5,8 +5,11 @@ what the sampler's steps, blocks and caches index. Padding changes nothing a row
 model gives each row its own positions (counted from its first real token) and no real position
 attends to padding (`DiffusionTransformer.forward(pad=...)`); each prompt draws its random numbers
 from its own generator, seeded with `seed + i` for the i-th prompt (`dlm.noise.RowNoise`). So prompt
-i of a batch gets the tokens `generate(prompt=prompts[i], seed=seed + i)` gives, up to the float
-rounding of a padded attention kernel against an unpadded one.
+i of a batch draws exactly the random numbers of `generate(prompt=prompts[i], seed=seed + i)`, and
+its logits agree with that run's up to float rounding: the float sums of a padded, wider batch may
+be split differently, and another CPU's kernels split them differently again. The tokens are the
+same unless a choice (a sampled token, a rank, a threshold) is a tie within that rounding; from
+such a tie on, the runs may differ (docs/reproducibility.md).
 
 A block model's blocks are aligned to its first position, so rows can share block columns only
 when padded by whole blocks: prompts whose lengths agree modulo the block size form one batch,

@@ -431,8 +431,9 @@ def generate(
 
     Templates: `[MASK]` is one token to generate, `[MASK*N]` is N tokens; the rest is fixed text,
     e.g. "ROMEO: [MASK*20] fair Verona". `prompt` and `text` are exclusive; `length` is ignored
-    with a template. Deterministic for a fixed `seed` on one device. `device` defaults to the
-    model's; another device moves the model there. Texts keep special tokens such as
+    with a template. A fixed `seed` repeats the tokens bit for bit on the same machine with the same
+    batch shape; elsewhere they are equal up to float rounding (docs/reproducibility.md). `device`
+    defaults to the model's; another device moves the model there. Texts keep special tokens such as
     `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
     defaults to the noise schedule the model was trained with, which `dlm.load` records. With
     `stop_at_end` each sample ends at its first generated end-of-document token, and generation
@@ -440,8 +441,9 @@ def generate(
     counts the generated tokens kept. `threshold` and `cache` are described in `dlm.decoding`.
 
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
-    padded batch: the i-th gets exactly what `prompt=prompts[i], seed=seed + i` gives
-    (`dlm.prompt_batch`); `on_step` is not called then. A block model generates past its
+    padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
+    and gets its tokens up to float rounding: a choice that is a tie within rounding can go either
+    way (`dlm.prompt_batch`, docs/reproducibility.md); `on_step` is not called then. A block model generates past its
     `max_seq_len` with a sliding window (`dlm.block_sampling`).
     """
 

@@ -132,7 +132,8 @@ PromptFileOption = Annotated[
         "--prompt-file",
         help="Sample every line of this text file as a prompt, in one padded batch; prints JSON lines, one per "
         "sample: prompt, sample, seed, text (the generated part), tokens, stop (end or length). The i-th prompt "
-        "gets what --prompt with --seed SEED+i gives.",
+        "draws the random numbers of --prompt with --seed SEED+i and gets its tokens up to float rounding (a "
+        "near-tie can go either way; docs/reproducibility.md).",
         show_default=False,
     ),
 ]
