@@ -2,10 +2,12 @@
 
 `dlm.sampling.denoise` hands a whole-sequence model to `denoise_fast` when any of these is asked for:
 
-- `threshold` P (Fast-dLLM's parallel decoding): a step commits every masked position of the
-  current block whose top probability (top-1 minus top-2 with `margin` remasking) exceeds P. It
-  commits at least one position, and at least as many as the schedule would, so a block never
-  needs more than its share of the steps; a block whose positions are all committed ends at once.
+- `threshold` P (Fast-dLLM's parallel decoding): a step samples every masked position of the
+  current block and commits each whose sampled token has probability above P (with `margin`
+  remasking: whose top-1 minus top-2 probability is above P, the score that remasking ranks by).
+  It commits at least one position, and at least as many as the schedule would (the highest
+  scores), so a block never needs more than its share of the steps; a block whose positions are
+  all committed ends at once. At temperature 0 the sampled token is the most probable one.
 - `cache` `prefix` or `dual` (Fast-dLLM's approximate KV cache): the first step of a block runs
   the whole sequence and keeps every layer's keys and values; later steps of that block feed only
   the block and everything after it (`prefix`) or only the block (`dual`), and attend to the kept
@@ -32,6 +34,7 @@ from torch import Tensor
 from dlm.attention import KVCache
 from dlm.errors import UserError
 from dlm.noise import RowNoise
+from dlm.remasking import token_confidence
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, sample_tokens, step_times
 from dlm.schedule import Schedule
 
@@ -118,8 +121,11 @@ def reveal_threshold(reverse: _Reverse, tokens: Tensor, block: Tensor, keep_mask
     options = reverse.options
     new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
                         uniform=reverse.uniform(candidates, None))  # fmt: skip
-    top = logits.softmax(dim=-1).topk(2, dim=-1).values
-    confidence = top[:, 0] - top[:, 1] if options.remasking == "margin" else top[:, 0]
+    # The probability of the token each position would commit (Fast-dLLM's rule, and what
+    # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
+    # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
+    ranking = "confidence" if options.remasking == "random" else options.remasking
+    confidence = token_confidence(logits.softmax(dim=-1), new, ranking)
     scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
     scores[masked.to(scores.device)] = confidence
     need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)

@@ -121,8 +121,9 @@ ThresholdOption = Annotated[
     typer.Option(
         "--threshold",
         metavar="P",
-        help="Parallel decoding: each step commits every masked position of the block whose top probability "
-        "exceeds P (at least one, at least the scheduled count).",
+        help="Parallel decoding: each step commits every masked position of the block whose sampled token has "
+        "probability above P (with --remasking margin: top-1 minus top-2 probability above P); at least one, at "
+        "least the scheduled count.",
         show_default=False,
     ),
 ]
