@@ -35,7 +35,16 @@ from dlm.attention import KVCache
 from dlm.errors import UserError
 from dlm.noise import RowNoise
 from dlm.remasking import token_confidence
-from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, sample_tokens, step_times
+from dlm.sampling import (
+    SamplingOptions,
+    StepCallback,
+    _block_steps,
+    _Reverse,
+    masked_after,
+    reveal_count,
+    sample_tokens,
+    step_times,
+)
 from dlm.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -154,13 +163,13 @@ def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: in
 def _step(reverse: _FastReverse, tokens: Tensor, block: Tensor, steps: int, index: int, schedule: Schedule) -> int:
     """One reverse step on `block`: forward passes made (0 or 1)."""
 
-    options = reverse.options
+    options, size, split = reverse.options, block.numel(), reverse.options.reveal_split
     t, s = step_times(steps, index)
     if options.threshold is not None:
-        return reveal_threshold(reverse, tokens, block, schedule.masked_count(block.numel(), s))
+        return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
     if options.remasking == "random":
         return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
-    return reverse.reveal_confident(tokens, block, reveal_count(block.numel(), steps, index, schedule))
+    return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
 
 
 def denoise_fast(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dlm.choices import CacheMode, Remasking
+from dlm.choices import CacheMode, Remasking, RevealSplit
 from dlm.cli.common import DeviceOption, JsonOption, console, print_json
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ PromptFileOption = Annotated[
         help="Sample every line of this text file as a prompt, in one padded batch; prints JSON lines, one per "
         "sample: prompt, sample, seed, text (the generated part), tokens, stop (end or length). The i-th prompt "
         "draws the random numbers of --prompt with --seed SEED+i and gets its tokens up to float rounding (a "
-        "near-tie can go either way; docs/reproducibility.md).",
+        "near-tie can go either way).",
         show_default=False,
     ),
 ]
@@ -144,6 +144,17 @@ CacheOption = Annotated[
         "--cache",
         help="Approximate KV cache of a whole-sequence model, refreshed at every block: none, prefix (keys before "
         "the block) or dual (before and after it).",
+    ),
+]
+
+RevealSplitOption = Annotated[
+    RevealSplit,
+    typer.Option(
+        "--reveal-split",
+        help="How a block's fixed-count steps (--remasking confidence or margin, the minimum of --threshold) "
+        "share its n positions: schedule, the differences of floor(n*m(t)) under the model's noise schedule, or "
+        "even, LLaDA's split: n // steps each, the first n % steps steps one more. 6 positions in 4 steps: "
+        "schedule 2,1,2,1, even 2,2,1,1.",
     ),
 ]
 
@@ -180,6 +191,7 @@ def sample(
     stop_at_end: StopOption = False,
     threshold: ThresholdOption = None,
     cache: CacheOption = "none",
+    reveal_split: RevealSplitOption = "schedule",
     prompt_file: PromptFileOption = None,
     device: DeviceOption = "auto",
     chat: Annotated[
@@ -198,7 +210,7 @@ def sample(
     from dlm.sampling import SamplingOptions, check_request, generate
 
     # Check every option before the (slow) model load.
-    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
+    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache, reveal_split)
     check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     prompts = None
     if prompt_file is not None:
@@ -220,6 +232,7 @@ def sample(
         prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
         temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
         block_length=block_length, device=resolved, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
+        reveal_split=reveal_split,
     )  # fmt: skip
     if prompts is not None:
         _sample_prompts(model, tokenizer, prompts, options)
