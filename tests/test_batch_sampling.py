@@ -195,6 +195,60 @@ def test_cli_prompt_file_writes_one_record_per_prompt(tokenizer: Tokenizer, tmp_
     assert records[1]["text"] == tokenizer.decode(generated, skip_special_tokens=False)
 
 
+@pytest.fixture()
+def prompt_file(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> Path:
+    """Five prompts of different lengths, and a float64 model behind `dlm sample`."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    monkeypatch.setattr("dlm.export.load_model", lambda path, device: (model, tokenizer))
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join([*RANKED, "Two households, both alike"]) + "\n", encoding="utf-8")
+    return path
+
+
+SAMPLE = ["--length", "8", "--steps", "8", "--seed", "3", "--num-samples", "2", "--remasking", "confidence",
+          "--threshold", "0.05", "--device", "cpu"]  # fmt: skip
+
+
+def test_cli_prompt_file_in_batches_equals_one_batch(prompt_file: Path, run_cli: Any) -> None:
+    whole = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "5")
+    assert whole.exit_code == 0, whole.stderr
+    records = [json.loads(line) for line in whole.stdout.splitlines()]
+    assert [r["seed"] for r in records] == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    assert [r["sample"] for r in records[:2]] == [0, 1]
+    for size in ("1", "2", "4"):
+        chunked = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", size)
+        assert chunked.exit_code == 0, chunked.stderr
+        assert chunked.stdout == whole.stdout, size
+
+
+def test_cli_prompt_file_prints_each_batch_as_it_ends(prompt_file: Path, run_cli: Any, monkeypatch: Any) -> None:
+    import sys
+
+    import dlm.sampling
+
+    printed: list[int] = []  # lines on stdout when each batch starts
+    real = dlm.sampling.generate
+
+    def generate_after_counting(*args: Any, **kwargs: Any) -> Any:
+        printed.append(sys.stdout.getvalue().count("\n"))  # type: ignore[attr-defined]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dlm.sampling, "generate", generate_after_counting)
+    result = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "2")
+    assert result.exit_code == 0, result.stderr
+    assert printed == [0, 4, 8]  # 2 prompts x 2 samples a batch, the last batch holds one prompt
+
+
+def test_cli_prompt_file_checks_every_prompt_before_printing(prompt_file: Path, run_cli: Any) -> None:
+    lines = prompt_file.read_text(encoding="utf-8").splitlines()
+    prompt_file.write_text("\n".join([*lines, "ROMEO: <|mask|>"]) + "\n", encoding="utf-8")
+    refused = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "1")
+    refused.assert_refused("--prompt contains the mask token itself")
+    assert refused.stdout == ""  # not the first five prompts' lines, then an error
+    run_cli("sample", "model", "--batch-size", "4").assert_refused("--batch-size applies to --prompt-file only")
+
+
 def test_cli_prompt_file_errors_name_the_file(tmp_path: Path, run_cli: Any) -> None:
     missing = tmp_path / "none.txt"
     run_cli("sample", "model", "--prompt-file", missing).assert_refused("none.txt", "no such prompt file")

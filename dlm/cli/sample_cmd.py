@@ -132,11 +132,20 @@ PromptFileOption = Annotated[
     Path | None,
     typer.Option(
         "--prompt-file",
-        help="Sample every line of this text file as a prompt, in one padded batch; prints JSON lines, one per "
-        "sample: prompt, sample, seed, text (the generated part), tokens, stop (end or length). The i-th prompt "
-        "draws the random numbers of --prompt with --seed SEED+i and gets its tokens up to float rounding (a "
-        "near-tie can go either way).",
+        help="Sample every line of this text file as a prompt, in padded batches of --batch-size prompts; prints a "
+        "JSON line per sample as each batch finishes: prompt, sample, seed, text (the generated part), tokens, stop "
+        "(end or length). The i-th prompt draws the random numbers of --prompt with --seed SEED+i and gets its "
+        "tokens up to float rounding (a near-tie can go either way).",
         show_default=False,
+    ),
+]
+BatchSizeOption = Annotated[
+    int,
+    typer.Option(
+        "--batch-size",
+        min=1,
+        help="With --prompt-file: prompts sampled together (each with --num-samples rows); memory grows with it. "
+        "On one machine the same seed and batch size repeat a run bit for bit.",
     ),
 ]
 CacheOption = Annotated[
@@ -185,6 +194,7 @@ class SampleRequest:
     seed: int
     stop_at_end: bool
     device: str
+    batch_size: int = 16  # --prompt-file only: prompts per padded batch
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `dlm.sampling.generate` (and `dlm.chat.chat_replies`), prompt aside."""
@@ -205,6 +215,8 @@ def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, pr
     given = {name for name, source in sources.items() if source != "DEFAULT"}
     if prompt_file is not None and given & {"prompt", "text", "chat"}:
         raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
+    if prompt_file is None and "batch_size" in given:
+        raise UserError("--batch-size applies to --prompt-file only", fix="drop it, or sample a --prompt-file")
     if chat is not None and given & {"prompt", "text"}:
         flag = "--prompt" if "prompt" in given else "--text"
         raise UserError(f"--chat cannot be combined with {flag}: the question is the prompt",
@@ -222,7 +234,7 @@ def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, pr
 def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: str | None,
                    prompt_file: Path | None, device: str, **values: Any) -> SampleRequest:  # fmt: skip
     """The checked request of `dlm sample`'s options: `values` are the `SamplingOptions` fields and
-    length, num_samples, seed, stop_at_end. Every refusal happens here, before a model loads."""
+    length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads."""
 
     from dataclasses import fields
 
@@ -272,6 +284,7 @@ def sample(
     cache: CacheOption = "none",
     reveal_split: RevealSplitOption = "schedule",
     prompt_file: PromptFileOption = None,
+    batch_size: BatchSizeOption = 16,
     device: DeviceOption = "auto",
     chat: ChatOption = None,
     as_json: JsonOption = False,
@@ -288,7 +301,7 @@ def sample(
         ctx, prompt=prompt, text=text, chat=chat, prompt_file=prompt_file, device=device, length=length, steps=steps,
         num_samples=num_samples, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
         block_length=block_length, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
-        reveal_split=reveal_split,
+        reveal_split=reveal_split, batch_size=batch_size,
     )  # fmt: skip
     if chat is not None:
         from dlm.chat import chat_replies
@@ -317,18 +330,22 @@ def sample(
 
 
 def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: SampleRequest) -> None:
-    """Sample the prompts of --prompt-file as one batch and print a JSON line per sample."""
+    """Sample the prompts of --prompt-file in batches of --batch-size, printing a JSON line per sample
+    as each batch finishes; every prompt is checked before the first line is printed."""
 
     import json
 
-    from dlm.prompt_batch import prompt_records
+    from dlm.prompt_batch import encode_prompts, prompt_chunks, prompt_records
     from dlm.sampling import generate
     from dlm.tokenizer import SPECIAL_TOKENS
 
-    result = generate(model, tokenizer, prompts=prompts, **request.generate_kwargs())
+    encode_prompts(tokenizer, model.config, prompts, length=request.length, num_samples=request.num_samples,
+                   seed=request.seed)  # fmt: skip
     end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if request.stop_at_end else None
-    for record in prompt_records(result, prompts, tokenizer, end_id):
-        typer.echo(json.dumps(record, ensure_ascii=False))
+    for chunk, seed in prompt_chunks(prompts, request.batch_size, request.seed):
+        result = generate(model, tokenizer, prompts=chunk, **(request.generate_kwargs() | {"seed": seed}))
+        for record in prompt_records(result, chunk, tokenizer, end_id):
+            typer.echo(json.dumps(record, ensure_ascii=False))  # click's echo flushes: out as its batch ends
 
 
 def register(app: typer.Typer) -> None:
