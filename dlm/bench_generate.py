@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # Sampler options a setting may name, and how each value is read ("none" turns an optional one off).
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "steps": int, "block_length": int, "threshold": float, "cache": str, "remasking": str,
-    "temperature": float, "top_k": int, "top_p": float,
+    "temperature": float, "top_k": int, "top_p": float, "reveal_split": str,
 }  # fmt: skip
 Progress = Callable[[str], None]
 

@@ -37,7 +37,7 @@ from dlm.attention import KVCache
 from dlm.decoding import reveal_threshold
 from dlm.errors import UserError
 from dlm.noise import RowNoise
-from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, step_times
+from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, masked_after, reveal_count, step_times
 from dlm.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -95,18 +95,17 @@ def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, ro
 def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
     """Run `steps` reverse steps on the positions `block` of one model block; forward passes made."""
 
-    passes = 0
+    passes, size, split = 0, block.numel(), reverse.options.reveal_split
     for index in range(steps):
         if reverse.options.threshold is not None:
             if not bool((tokens[:, block] == reverse.mask_id).any()):
                 break  # the threshold filled the block early
-            _, s = step_times(steps, index)
-            passes += reveal_threshold(reverse, tokens, block, schedule.masked_count(block.numel(), s))
+            passes += reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
         elif reverse.options.remasking == "random":
             t, s = step_times(steps, index)
             passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
         else:
-            passes += reverse.reveal_confident(tokens, block, reveal_count(block.numel(), steps, index, schedule))
+            passes += reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
     return passes
 
 

@@ -134,7 +134,8 @@ def reply(tokenizer: Any, ids: list[int], prompt_length: int, eos: int) -> str:
 
 def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[str]:
     """`dlm sample --chat`: each sample's reply to `question`, generated after the templated prompt
-    (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`."""
+    (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`,
+    all of them; `stop_at_end` is always on (a reply ends there either way, stopping saves the rest)."""
 
     from dlm.loading import load_model_with_info
     from dlm.sampling import generate
@@ -142,7 +143,7 @@ def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[
 
     loaded = load_model_with_info(model_path, device=options.get("device") or "cpu")
     prompt = chat_prompt(loaded.info.tokenizer_path, question)
-    result = generate(loaded.model, loaded.tokenizer, prompt=prompt, stop_at_end=True, **options)
+    result = generate(loaded.model, loaded.tokenizer, prompt=prompt, **(options | {"stop_at_end": True}))
     prompt_length = len(loaded.tokenizer.encode(prompt, add_special_tokens=False).ids)
     eos = special_token_id(loaded.tokenizer, "eos")
     return [reply(loaded.tokenizer, ids, prompt_length, eos) for ids in result.token_ids]

@@ -11,6 +11,9 @@ from typing import Literal
 
 # `dlm.remasking`: which predictions a denoising step keeps (the built-in names; more can be registered there).
 Remasking = Literal["random", "confidence", "margin"]
+# `dlm.sampling.reveal_count`: how a block's fixed-count steps share its positions (the noise schedule's
+# floor(n m(t)) differences, or LLaDA's even split).
+RevealSplit = Literal["schedule", "even"]
 # `dlm.decoding`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
 CacheMode = Literal["none", "prefix", "dual"]
 # `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).

@@ -2,10 +2,12 @@
 
 `dlm.sampling.denoise` hands a whole-sequence model to `denoise_fast` when any of these is asked for:
 
-- `threshold` P (Fast-dLLM's parallel decoding): a step commits every masked position of the
-  current block whose top probability (top-1 minus top-2 with `margin` remasking) exceeds P. It
-  commits at least one position, and at least as many as the schedule would, so a block never
-  needs more than its share of the steps; a block whose positions are all committed ends at once.
+- `threshold` P (Fast-dLLM's parallel decoding): a step samples every masked position of the
+  current block and commits each whose sampled token has probability above P (with `margin`
+  remasking: whose top-1 minus top-2 probability is above P, the score that remasking ranks by).
+  It commits at least one position, and at least as many as the schedule would (the highest
+  scores), so a block never needs more than its share of the steps; a block whose positions are
+  all committed ends at once. At temperature 0 the sampled token is the most probable one.
 - `cache` `prefix` or `dual` (Fast-dLLM's approximate KV cache): the first step of a block runs
   the whole sequence and keeps every layer's keys and values; later steps of that block feed only
   the block and everything after it (`prefix`) or only the block (`dual`), and attend to the kept
@@ -32,7 +34,17 @@ from torch import Tensor
 from dlm.attention import KVCache
 from dlm.errors import UserError
 from dlm.noise import RowNoise
-from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, reveal_count, sample_tokens, step_times
+from dlm.remasking import token_confidence
+from dlm.sampling import (
+    SamplingOptions,
+    StepCallback,
+    _block_steps,
+    _Reverse,
+    masked_after,
+    reveal_count,
+    sample_tokens,
+    step_times,
+)
 from dlm.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -118,8 +130,11 @@ def reveal_threshold(reverse: _Reverse, tokens: Tensor, block: Tensor, keep_mask
     options = reverse.options
     new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
                         uniform=reverse.uniform(candidates, None))  # fmt: skip
-    top = logits.softmax(dim=-1).topk(2, dim=-1).values
-    confidence = top[:, 0] - top[:, 1] if options.remasking == "margin" else top[:, 0]
+    # The probability of the token each position would commit (Fast-dLLM's rule, and what
+    # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
+    # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
+    ranking = "confidence" if options.remasking == "random" else options.remasking
+    confidence = token_confidence(logits.softmax(dim=-1), new, ranking)
     scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
     scores[masked.to(scores.device)] = confidence
     need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
@@ -148,13 +163,13 @@ def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: in
 def _step(reverse: _FastReverse, tokens: Tensor, block: Tensor, steps: int, index: int, schedule: Schedule) -> int:
     """One reverse step on `block`: forward passes made (0 or 1)."""
 
-    options = reverse.options
+    options, size, split = reverse.options, block.numel(), reverse.options.reveal_split
     t, s = step_times(steps, index)
     if options.threshold is not None:
-        return reveal_threshold(reverse, tokens, block, schedule.masked_count(block.numel(), s))
+        return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
     if options.remasking == "random":
         return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
-    return reverse.reveal_confident(tokens, block, reveal_count(block.numel(), steps, index, schedule))
+    return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
 
 
 def denoise_fast(

@@ -13,9 +13,10 @@ line (`lm_eval ARGS`) with `dlm` known; from Python, `import dlm.harness` before
 reads), `mc_samples` (Monte Carlo samples per log-likelihood, default 32), `estimator`
 (`exact-count` or `bernoulli`), `seed`, `precision`, `ema` (a checkpoint's EMA weights, default
 true), and for generation `steps` (default: one per generated token), `remasking` (default
-`confidence`) and `block_length`. `batch_size` counts the requests scored in one forward pass and
-`device` is cpu, cuda, mps or auto (a CUDA device, lm-eval's default, falls back to auto on a
-machine without one). The numbers are `dlm.scoring.Scorer`'s.
+`confidence`), `block_length` and `reveal_split` (`schedule`, or `even` for LLaDA's split).
+`batch_size` counts the requests scored in one forward pass and `device` is cpu, cuda, mps or auto
+(a CUDA device, lm-eval's default, falls back to auto on a machine without one). The numbers are
+`dlm.scoring.Scorer`'s.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class DlmLM(TemplateLM):
         steps: int | None = None,
         remasking: str = "confidence",
         block_length: int | None = None,
+        reveal_split: str = "schedule",
         max_batch_size: int | None = None,  # lm-eval passes it; the batch size never searches
         **unknown: Any,
     ) -> None:
@@ -104,7 +106,7 @@ class DlmLM(TemplateLM):
         if unknown or pretrained is None:
             what = f"unknown model_args {', '.join(sorted(unknown))}" if unknown else "model_args lacks pretrained"
             raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
-                                      "steps, remasking, block_length")  # fmt: skip
+                                      "steps, remasking, block_length, reveal_split")  # fmt: skip
         from dlm.loading import load_model_with_info
         from dlm.runtime import resolve_precision
 
@@ -124,6 +126,7 @@ class DlmLM(TemplateLM):
         )
         self.steps = None if steps is None else int(steps)
         self.remasking, self.block_length = remasking, None if block_length is None else int(block_length)
+        self.reveal_split = reveal_split
 
     @property
     def eot_token_id(self) -> int:
@@ -174,6 +177,7 @@ class DlmLM(TemplateLM):
                 top_k=kwargs.get("top_k"),
                 remasking=self.remasking,
                 block_length=self.block_length,
+                reveal_split=self.reveal_split,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)

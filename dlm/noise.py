@@ -3,8 +3,9 @@
 A batch of one prompt (its `num_samples` rows) draws from one generator, as it always has. A batch
 of several prompts gives each prompt its own generator and draws every random number of a row
 from its prompt's generator, in the order a batch of that prompt alone would draw them. So a
-prompt's samples do not depend on which other prompts share the batch: prompt i of a list sampled
-with seed S is exactly the prompt sampled alone with seed S + i.
+prompt's random numbers do not depend on which other prompts share the batch: prompt i of a list
+sampled with seed S draws exactly those of the prompt sampled alone with seed S + i (its tokens
+agree up to float rounding, docs/reproducibility.md).
 
 Draws are sequential on a generator (a draw of a + b numbers equals a draw of a then one of b),
 which is what lets a group's share of a batched draw be cut out and drawn on its own.

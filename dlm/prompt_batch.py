@@ -5,18 +5,25 @@ what the sampler's steps, blocks and caches index. Padding changes nothing a row
 model gives each row its own positions (counted from its first real token) and no real position
 attends to padding (`DiffusionTransformer.forward(pad=...)`); each prompt draws its random numbers
 from its own generator, seeded with `seed + i` for the i-th prompt (`dlm.noise.RowNoise`). So prompt
-i of a batch gets the tokens `generate(prompt=prompts[i], seed=seed + i)` gives, up to the float
-rounding of a padded attention kernel against an unpadded one.
+i of a batch draws exactly the random numbers of `generate(prompt=prompts[i], seed=seed + i)`, and
+its logits agree with that run's up to float rounding: the float sums of a padded, wider batch may
+be split differently, and another CPU's kernels split them differently again. The tokens are the
+same unless a choice (a sampled token, a rank, a threshold) is a tie within that rounding; from
+such a tie on, the runs may differ (docs/reproducibility.md).
 
 A block model's blocks are aligned to its first position, so rows can share block columns only
 when padded by whole blocks: prompts whose lengths agree modulo the block size form one batch,
 and such batches run one after the other.
+
+A long list is sampled in chunks (`prompt_chunks`, `dlm sample --prompt-file --batch-size`): the
+chunk that starts at prompt i is seeded seed + i, so every prompt keeps its own seed and stream,
+and memory grows with the chunk, not the list.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,18 +95,8 @@ def generate_prompts(
     from dlm.block_sampling import cut_after_stop
     from dlm.sampling import SampleResult, _counting_tokens, _inference, _noise_device, denoise
 
-    if not prompts:
-        raise UserError("no prompts to sample", fix="give at least one prompt (one per line of --prompt-file)")
-    if seed + len(prompts) > 2**63:
-        raise UserError(f"--seed {seed} plus the {len(prompts)} prompts passes 2**63", fix="use a smaller --seed")
     config = model.config
-    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
-    encoded = []
-    for index, prompt in enumerate(prompts):
-        parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seed + index)
-        ids, _ = build_sequence(tokenizer, parts, templated=False, mask_token_id=config.mask_token_id,
-                                max_seq_len=limit)  # fmt: skip
-        encoded.append(ids[: len(ids) - length])
+    encoded = encode_prompts(tokenizer, config, prompts, length=length, num_samples=num_samples, seed=seed)
     filler = forbidden[0] if forbidden else 0  # what padding holds does not matter: nothing sees it
     rows: dict[int, list[list[int]]] = {}
     passes = fed_total = 0
@@ -128,6 +125,32 @@ def generate_prompts(
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     return SampleResult(texts, token_ids, options.steps, passes, seconds, fed_total, lengths, prompt_tokens,
                         [seed + index for index in range(len(prompts)) for _ in range(num_samples)])  # fmt: skip
+
+
+def encode_prompts(
+    tokenizer: Any, config: Any, prompts: Sequence[str], *, length: int, num_samples: int, seed: int
+) -> list[list[int]]:
+    """The tokens of every prompt, each checked as `--prompt` with `--seed seed + i` would be."""
+
+    if not prompts:
+        raise UserError("no prompts to sample", fix="give at least one prompt (one per line of --prompt-file)")
+    if seed + len(prompts) > 2**63:
+        raise UserError(f"--seed {seed} plus the {len(prompts)} prompts passes 2**63", fix="use a smaller --seed")
+    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seed + index)
+        ids, _ = build_sequence(tokenizer, parts, templated=False, mask_token_id=config.mask_token_id,
+                                max_seq_len=limit)  # fmt: skip
+        encoded.append(ids[: len(ids) - length])
+    return encoded
+
+
+def prompt_chunks(prompts: Sequence[str], batch_size: int, seed: int) -> Iterator[tuple[list[str], int]]:
+    """`prompts` in chunks of `batch_size`, each with its seed: that of its first prompt, so prompt i keeps seed + i."""
+
+    for start in range(0, len(prompts), batch_size):
+        yield list(prompts[start : start + batch_size]), seed + start
 
 
 def read_prompt_file(path: str | Path) -> list[str]:

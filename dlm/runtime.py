@@ -180,14 +180,36 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
     return requested  # type: ignore[return-value]
 
 
+# oneDNN's instruction sets below AVX512_CORE_BF16 (its names, any case): none multiplies bfloat16.
+_ONEDNN_BELOW_BFLOAT16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def cpu_kernels_capped_below_bfloat16() -> bool:
+    """Whether the process's kernels are kept off the bfloat16 instructions by an instruction-set cap.
+
+    `ONEDNN_MAX_CPU_ISA` (or its old name `DNNL_MAX_CPU_ISA`) caps oneDNN, which runs torch's bfloat16
+    matrix products; `ATEN_CPU_CAPABILITY` (`default` or `avx2`, case-sensitive as ATen reads it)
+    caps ATen's own kernels below AVX-512. Both are read once when the process starts;
+    docs/reproducibility.md uses them to run the kernels of another CPU.
+    """
+
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    aten_capped = os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
+    return onednn.strip().upper() in _ONEDNN_BELOW_BFLOAT16 or aten_capped
+
+
 def cpu_has_native_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles).
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles) and the kernels may.
 
     There bfloat16 autocast trained configs/cpu.toml's model 1.8x faster than float32 on 2 threads
     (`scripts/cpu_precision.py`, docs/benchmarks.md); without them bfloat16 is emulated, float32 the safer bet.
-    The probes are private torch functions: a torch without them answers False.
+    Under an instruction-set cap below them (`cpu_kernels_capped_below_bfloat16`) the CPU runs as one
+    without them, so the answer is False there too. The probes are private torch functions: a torch
+    without them answers False.
     """
 
+    if cpu_kernels_capped_below_bfloat16():
+        return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 

@@ -12,7 +12,10 @@ Which masked positions are revealed at a step from t to s = t - 1/steps:
   last step ((t - s) / t for linear).
 - `confidence`: LLaDA's low-confidence remasking; the model's distribution is sampled at every
   masked position and the k most probable samples are kept, the rest stay masked. k follows the
-  schedule: floor(n * m(s)) of a block's n positions stay masked at time s, none after the last step.
+  schedule: floor(n * m(s)) of a block's n positions stay masked at time s, none after the last step
+  (`reveal_split="schedule"`, the default). `reveal_split="even"` is LLaDA's own split
+  (`get_num_transfer_tokens`): n // steps each, the first n % steps steps one more, whatever the
+  schedule. For 6 positions in 4 steps the schedule reveals 2, 1, 2, 1 and the even split 2, 2, 1, 1.
 - `margin`: as `confidence`, but a position's confidence is top-1 minus top-2 probability.
 
 `block_length` B makes the sampler semi-autoregressive: the positions to generate are split, left
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-from dlm.choices import CacheMode
+from dlm.choices import CacheMode, RevealSplit
 from dlm.errors import UserError
 from dlm.noise import RowNoise
 from dlm.prompting import TemplatePart as TemplatePart
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from dlm.protocols import Denoiser
 
 CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
+REVEAL_SPLITS: tuple[str, ...] = get_args(RevealSplit)
 _LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
 StepCallback = Callable[[int, torch.Tensor], None]
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class SamplingOptions:
     block_length: int | None = None
     threshold: float | None = None  # `dlm.decoding`: commit every position above this confidence
     cache: CacheMode = "none"  # `dlm.decoding`: approximate KV cache of a whole-sequence model
+    reveal_split: RevealSplit = "schedule"  # `reveal_count`: how fixed-count steps share a block's positions
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -98,6 +103,12 @@ class SamplingOptions:
             raise UserError(f"--threshold must be in (0, 1) (got {self.threshold})", fix="try --threshold 0.9")
         if self.cache not in CACHE_CHOICES:
             raise UserError(f"--cache must be one of {', '.join(CACHE_CHOICES)} (got {self.cache!r})")
+        if self.reveal_split not in REVEAL_SPLITS:
+            raise UserError(f"--reveal-split must be one of {', '.join(REVEAL_SPLITS)} (got {self.reveal_split!r})")
+        if self.reveal_split != "schedule" and self.remasking == "random" and self.threshold is None:
+            raise UserError(f"--reveal-split {self.reveal_split} sets how many positions a step reveals, which "
+                            "ancestral steps (--remasking random) draw at random",
+                            fix="add --remasking confidence or margin, or a --threshold")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -288,11 +299,27 @@ def step_times(steps: int, step: int) -> tuple[Fraction, Fraction]:
     return Fraction(steps - step, steps), Fraction(steps - step - 1, steps)
 
 
-def reveal_count(num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR) -> int:
-    """Positions to reveal at `step` (0-based) so that floor(n * m(s)) stay masked at time s."""
+def reveal_count(
+    num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR, split: RevealSplit = "schedule"
+) -> int:
+    """Positions to reveal at `step` (0-based): so that floor(n * m(s)) stay masked at time s, or by
+    the `even` split n // steps, one more in each of the first n % steps steps (LLaDA)."""
 
+    if split == "even":
+        return num_positions // steps + (step < num_positions % steps)
     t, s = step_times(steps, step)
     return schedule.masked_count(num_positions, t) - schedule.masked_count(num_positions, s)
+
+
+def masked_after(
+    num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR, split: RevealSplit = "schedule"
+) -> int:
+    """Positions of `num_positions` still masked after `step` (0-based) when every step reveals its `reveal_count`."""
+
+    if split == "even":
+        done = step + 1
+        return num_positions - done * (num_positions // steps) - min(done, num_positions % steps)
+    return schedule.masked_count(num_positions, step_times(steps, step)[1])
 
 
 def denoise(
@@ -360,7 +387,7 @@ def denoise(
                 t, s = step_times(block_steps, index)
                 forward_passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
             else:
-                count = reveal_count(block.numel(), block_steps, index, schedule)
+                count = reveal_count(block.numel(), block_steps, index, schedule, options.reveal_split)
                 forward_passes += reverse.reveal_confident(tokens, block, count)
             step += 1
             if on_step is not None:
@@ -426,26 +453,32 @@ def generate(
     threshold: float | None = None,
     cache: CacheMode = "none",
     prompts: Sequence[str] | None = None,
+    reveal_split: RevealSplit = "schedule",
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
     Templates: `[MASK]` is one token to generate, `[MASK*N]` is N tokens; the rest is fixed text,
     e.g. "ROMEO: [MASK*20] fair Verona". `prompt` and `text` are exclusive; `length` is ignored
-    with a template. Deterministic for a fixed `seed` on one device. `device` defaults to the
-    model's; another device moves the model there. Texts keep special tokens such as
+    with a template. A fixed `seed` repeats the tokens bit for bit on the same machine with the same
+    batch shape; elsewhere they are equal up to float rounding (docs/reproducibility.md). `device`
+    defaults to the model's; another device moves the model there. Texts keep special tokens such as
     `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
     defaults to the noise schedule the model was trained with, which `dlm.load` records. With
     `stop_at_end` each sample ends at its first generated end-of-document token, and generation
     stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
-    counts the generated tokens kept. `threshold` and `cache` are described in `dlm.decoding`.
+    counts the generated tokens kept. `threshold` and `cache` are described in `dlm.decoding`;
+    `reveal_split` (`schedule` or LLaDA's `even`) at the top of this module.
 
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
-    padded batch: the i-th gets exactly what `prompt=prompts[i], seed=seed + i` gives
-    (`dlm.prompt_batch`); `on_step` is not called then. A block model generates past its
+    padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
+    and gets its tokens up to float rounding: a choice that is a tie within rounding can go either
+    way (`dlm.prompt_batch`, docs/reproducibility.md); `on_step` is not called then. A block model generates past its
     `max_seq_len` with a sliding window (`dlm.block_sampling`).
     """
 
-    options = SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
+    options = SamplingOptions(steps=steps, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
+                              block_length=block_length, threshold=threshold, cache=cache,
+                              reveal_split=reveal_split)  # fmt: skip
     config = model.config
     device = _model_device(model) if device is None else torch.device(device)
     model.to(device)

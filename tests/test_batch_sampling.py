@@ -1,4 +1,14 @@
-"""Batches of prompts of different lengths, block models past their context, block-model thresholds."""
+"""Batches of prompts of different lengths, block models past their context, block-model thresholds.
+
+A batch equals one-by-one sampling up to float rounding (docs/reproducibility.md): the random
+streams are the same exactly, the model's outputs agree to rounding, and a token can differ only
+where a choice is a tie within that rounding. The token-for-token comparisons run the model in
+float64, where rounding is about 1e-16, far below any gap between the choices these seeds make, so
+they hold whatever kernels the CPU dispatches (in float32, threshold ranks flip between AVX-512 and
+AVX2 kernels). An empty prompt's first step sees only mask tokens, so every position gets the same
+distribution and any ranking of them is an exact tie that rounding decides: it is sampled only with
+ancestral (unranked) reveals.
+"""
 
 from __future__ import annotations
 
@@ -22,62 +32,83 @@ from dlm.sampling import generate
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 PROMPTS = ["ROMEO:", "", "JULIET: O Romeo, Romeo, wherefore", "To be"]
+# For options that rank positions: no empty prompt (its symmetric tie); 13 and 9 tokens share a block
+# model's phase, so its batches are padded too.
+RANKED = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But soft"]
 
 
-def transformer(vocab_size: int, max_seq_len: int = 48, block_size: int = 0) -> DiffusionTransformer:
+def transformer(
+    vocab_size: int, max_seq_len: int = 48, block_size: int = 0, dtype: torch.dtype = torch.float64
+) -> DiffusionTransformer:
     config = ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2,
                          pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
     torch.manual_seed(0)
-    return DiffusionTransformer(config).eval()
+    return DiffusionTransformer(config).to(dtype).eval()
 
 
-def one_by_one(model: Any, tokenizer: Tokenizer, seed: int, **options: Any) -> list[list[int]]:
+def one_by_one(model: Any, tokenizer: Tokenizer, prompts: list[str], seed: int, **options: Any) -> list[list[int]]:
     rows = []
-    for index, prompt in enumerate(PROMPTS):
+    for index, prompt in enumerate(prompts):
         rows += generate(model, tokenizer, prompt=prompt, seed=seed + index, **options).token_ids
     return rows
 
 
 def test_prompt_lengths_differ(tokenizer: Tokenizer) -> None:
-    sizes = {len(tokenizer.encode(prompt).ids) for prompt in PROMPTS}
-    assert len(sizes) == len(PROMPTS)  # otherwise the padding would not be exercised
+    for prompts in (PROMPTS, RANKED):
+        sizes = [len(tokenizer.encode(prompt).ids) for prompt in prompts]
+        assert len(set(sizes)) == len(prompts)  # otherwise the padding would not be exercised
+        assert len({size % 4 for size in sizes}) < len(prompts)  # nor a block model's
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "prompts"),
     [
-        {},
-        {"remasking": "confidence", "block_length": 4},
-        {"cache": "prefix", "block_length": 4},
-        {"cache": "dual", "block_length": 4},
-        {"cache": "dual", "block_length": 4, "threshold": 0.05, "remasking": "margin"},
-        {"stop_at_end": True, "threshold": 0.05, "block_length": 4},
+        ({}, PROMPTS),
+        ({"remasking": "confidence", "block_length": 4}, RANKED),
+        ({"cache": "prefix", "block_length": 4}, PROMPTS),
+        ({"cache": "dual", "block_length": 4}, PROMPTS),
+        ({"cache": "dual", "block_length": 4, "threshold": 0.05, "remasking": "margin"}, RANKED),
+        ({"stop_at_end": True, "threshold": 0.05, "block_length": 4}, RANKED),
     ],
 )
-def test_a_batch_of_prompts_equals_one_by_one_sampling(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+def test_a_batch_of_prompts_equals_one_by_one_sampling(
+    tokenizer: Tokenizer, options: dict[str, Any], prompts: list[str]
+) -> None:
     model = transformer(tokenizer.get_vocab_size())
     common = {"length": 12, "steps": 12, "num_samples": 2} | options
-    batch = generate(model, tokenizer, prompts=PROMPTS, seed=5, **common)
-    assert batch.token_ids == one_by_one(model, tokenizer, 5, **common)
-    single = [generate(model, tokenizer, prompt=p, seed=5 + i, **common) for i, p in enumerate(PROMPTS)]
+    batch = generate(model, tokenizer, prompts=prompts, seed=5, **common)
+    assert batch.token_ids == one_by_one(model, tokenizer, prompts, 5, **common)
+    single = [generate(model, tokenizer, prompt=p, seed=5 + i, **common) for i, p in enumerate(prompts)]
     assert batch.texts == [text for result in single for text in result.texts]
     assert batch.lengths == [n for result in single for n in result.lengths]
-    assert batch.prompt_tokens == [len(tokenizer.encode(p).ids) for p in PROMPTS for _ in range(2)]
-    assert batch.seeds == [5, 5, 6, 6, 7, 7, 8, 8]
+    assert batch.prompt_tokens == [len(tokenizer.encode(p).ids) for p in prompts for _ in range(2)]
+    assert batch.seeds == [5 + i for i in range(len(prompts)) for _ in range(2)]
 
 
-@pytest.mark.parametrize("options", [{}, {"remasking": "confidence"}, {"threshold": 0.05}])
-def test_a_batch_of_prompts_equals_one_by_one_for_a_block_model(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("options", "prompts"), [({}, PROMPTS), ({"remasking": "confidence"}, RANKED), ({"threshold": 0.05}, RANKED)]
+)
+def test_a_batch_of_prompts_equals_one_by_one_for_a_block_model(
+    tokenizer: Tokenizer, options: dict[str, Any], prompts: list[str]
+) -> None:
     model = transformer(tokenizer.get_vocab_size(), block_size=4)
     common = {"length": 10, "steps": 12, "num_samples": 2} | options
-    batch = generate(model, tokenizer, prompts=PROMPTS * 2, seed=1, **common)  # each length twice: one batch
-    expected = [row for index, prompt in enumerate(PROMPTS * 2)
-                for row in generate(model, tokenizer, prompt=prompt, seed=1 + index, **common).token_ids]  # fmt: skip
-    assert batch.token_ids == expected
+    batch = generate(model, tokenizer, prompts=prompts * 2, seed=1, **common)  # each length twice: one batch
+    assert batch.token_ids == one_by_one(model, tokenizer, prompts * 2, 1, **common)
 
 
-def test_padding_changes_no_logit(tokenizer: Tokenizer) -> None:
-    model = transformer(tokenizer.get_vocab_size())
+def test_the_same_batch_repeats_bit_for_bit_in_float32(tokenizer: Tokenizer) -> None:
+    # Same machine, same batch shape: every sum runs the same kernel in the same order, so even the
+    # near-ties of a float32 model and an empty prompt's symmetric first step come out the same.
+    model = transformer(tokenizer.get_vocab_size(), dtype=torch.float32)
+    common = {"length": 12, "steps": 12, "num_samples": 2, "cache": "dual", "block_length": 4, "threshold": 0.05,
+              "remasking": "margin"}  # fmt: skip
+    first = generate(model, tokenizer, prompts=PROMPTS, seed=5, **common)
+    assert generate(model, tokenizer, prompts=PROMPTS, seed=5, **common).token_ids == first.token_ids
+
+
+def test_padding_changes_no_logit_beyond_float32_rounding(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size(), dtype=torch.float32)
     tokens = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
     padded = torch.cat((torch.full((1, 7), 5), tokens), dim=1)
     with torch.inference_mode():
@@ -164,6 +195,60 @@ def test_cli_prompt_file_writes_one_record_per_prompt(tokenizer: Tokenizer, tmp_
     assert records[1]["text"] == tokenizer.decode(generated, skip_special_tokens=False)
 
 
+@pytest.fixture()
+def prompt_file(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> Path:
+    """Five prompts of different lengths, and a float64 model behind `dlm sample`."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    monkeypatch.setattr("dlm.export.load_model", lambda path, device: (model, tokenizer))
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join([*RANKED, "Two households, both alike"]) + "\n", encoding="utf-8")
+    return path
+
+
+SAMPLE = ["--length", "8", "--steps", "8", "--seed", "3", "--num-samples", "2", "--remasking", "confidence",
+          "--threshold", "0.05", "--device", "cpu"]  # fmt: skip
+
+
+def test_cli_prompt_file_in_batches_equals_one_batch(prompt_file: Path, run_cli: Any) -> None:
+    whole = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "5")
+    assert whole.exit_code == 0, whole.stderr
+    records = [json.loads(line) for line in whole.stdout.splitlines()]
+    assert [r["seed"] for r in records] == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    assert [r["sample"] for r in records[:2]] == [0, 1]
+    for size in ("1", "2", "4"):
+        chunked = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", size)
+        assert chunked.exit_code == 0, chunked.stderr
+        assert chunked.stdout == whole.stdout, size
+
+
+def test_cli_prompt_file_prints_each_batch_as_it_ends(prompt_file: Path, run_cli: Any, monkeypatch: Any) -> None:
+    import sys
+
+    import dlm.sampling
+
+    printed: list[int] = []  # lines on stdout when each batch starts
+    real = dlm.sampling.generate
+
+    def generate_after_counting(*args: Any, **kwargs: Any) -> Any:
+        printed.append(sys.stdout.getvalue().count("\n"))  # type: ignore[attr-defined]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dlm.sampling, "generate", generate_after_counting)
+    result = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "2")
+    assert result.exit_code == 0, result.stderr
+    assert printed == [0, 4, 8]  # 2 prompts x 2 samples a batch, the last batch holds one prompt
+
+
+def test_cli_prompt_file_checks_every_prompt_before_printing(prompt_file: Path, run_cli: Any) -> None:
+    lines = prompt_file.read_text(encoding="utf-8").splitlines()
+    prompt_file.write_text("\n".join([*lines, "ROMEO: <|mask|>"]) + "\n", encoding="utf-8")
+    refused = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "1")
+    refused.assert_refused("--prompt contains the mask token itself")
+    assert refused.stdout == ""  # not the first five prompts' lines, then an error
+    run_cli("sample", "model", "--batch-size", "4").assert_refused("--batch-size applies to --prompt-file only")
+
+
 def test_cli_prompt_file_errors_name_the_file(tmp_path: Path, run_cli: Any) -> None:
     missing = tmp_path / "none.txt"
     run_cli("sample", "model", "--prompt-file", missing).assert_refused("none.txt", "no such prompt file")
@@ -172,7 +257,7 @@ def test_cli_prompt_file_errors_name_the_file(tmp_path: Path, run_cli: Any) -> N
 
 
 def test_a_committing_pass_computes_the_last_layer_only_where_outputs_are(tokenizer: Tokenizer) -> None:
-    model = transformer(tokenizer.get_vocab_size())
+    model = transformer(tokenizer.get_vocab_size(), dtype=torch.float32)
     tokens = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(1))
     positions = torch.zeros_like(tokens, dtype=torch.bool)
     positions[0, 9] = positions[1, 12] = True

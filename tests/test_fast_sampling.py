@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,28 @@ def test_threshold_commits_every_confident_position_and_at_least_one(tokenizer: 
     # Few steps: the schedule's count is the floor, so the block still ends within its steps.
     _, few = recorded_generate(model, tokenizer, 8, steps=2, threshold=0.9, temperature=0)
     assert few.forward_passes == 2 and MASK not in few.token_ids[0]
+
+
+def test_threshold_ranks_by_the_probability_of_the_sampled_token(tokenizer: Tokenizer) -> None:
+    # At every position token 10 has probability 0.6 and token 11 0.35: at temperature 1 about four
+    # samples in ten are token 11, whose own probability is below the threshold though the top-1 is above.
+    table = torch.full((16, tokenizer.get_vocab_size()), math.log(0.05 / (tokenizer.get_vocab_size() - 2)))
+    table[:, 10], table[:, 11] = math.log(0.6), math.log(0.35)
+    table[:, [MASK, PAD]] = float("-inf")  # never predicted: the probabilities the sampler sees
+    probability = table.softmax(dim=-1)[0]
+    threshold, length = 0.5, 16
+    history, result = recorded_generate(TableModel(table), tokenizer, length, steps=length, threshold=threshold,
+                                        temperature=1.0, top_p=None, seed=0)  # fmt: skip
+    assert MASK not in result.token_ids[0]
+    for step, (before, after) in enumerate(itertools.pairwise(history)):
+        committed = after[0][(before[0] == MASK) & (after[0] != MASK)]
+        # Below the threshold only when the schedule forces a count: at least one, and enough that
+        # no more than floor(n * (1 - (step + 1) / steps)) stay masked.
+        need = max(1, int((before[0] == MASK).sum()) - (length - step - 1))
+        low = probability[committed] <= threshold
+        assert not bool(low.any()) or len(committed) == need, (step, committed.tolist())
+    # The first step commits its token-10 samples only (by top-1 probability it would commit all 16).
+    assert 0 < history[1][0].tolist().count(MASK) < length
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])

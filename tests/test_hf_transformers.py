@@ -84,6 +84,7 @@ SETTINGS = [
     {"remasking": "random", "top_p": 0.9},
     {"remasking": "random", "block_length": 6, "steps": 7},
     {"remasking": "confidence", "temperature": 0.0, "steps": 5},
+    {"remasking": "confidence", "reveal_split": "even", "steps": 12},
 ]
 
 
@@ -139,6 +140,8 @@ def test_generation_refusals(hf_model: torch.nn.Module) -> None:
         hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, block_length=2, steps=3)
     with pytest.raises(ValueError, match="remasking"):
         hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, remasking="lowest")
+    with pytest.raises(ValueError, match="reveal_split"):
+        hf_model.generate(torch.tensor([[5]]), max_new_tokens=8, reveal_split="even")  # random remasking
     with pytest.raises(ValueError, match="exceed"):
         hf_model.generate(torch.tensor([[5]]), max_new_tokens=64)
 
@@ -177,6 +180,7 @@ BLOCK_SETTINGS = [
     {"remasking": "random"},
     {"remasking": "confidence", "steps": 5},
     {"remasking": "margin", "temperature": 0.7, "top_k": 20, "block_length": 16},
+    {"remasking": "confidence", "reveal_split": "even", "steps": 7},
 ]
 
 

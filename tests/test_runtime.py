@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,14 +303,67 @@ def test_cpu_times_reads_this_machine() -> None:
     assert runtime.busy_cores(0.01) is not None
 
 
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def test_cpu_bfloat16_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Native bfloat16 is AVX512-BF16 or AMX; a torch without the private probes answers False."""
 
+    for name in ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.delattr(torch.cpu, name, raising=False)
     assert runtime.cpu_has_native_bfloat16() is False
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert runtime.cpu_has_native_bfloat16() is True
+
+
+@pytest.mark.parametrize(
+    ("caps", "native"),
+    [
+        ({}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx2"}, False),  # oneDNN reads its cap in any case
+        ({"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, False),  # the old name; AVX-512 without bfloat16
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}, False),
+        ({"ATEN_CPU_CAPABILITY": "default"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),  # a cap at or above the instructions
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "ATEN_CPU_CAPABILITY": "avx512"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+        ({"ATEN_CPU_CAPABILITY": "AVX2"}, True),  # ATen ignores a value it does not know (it is lower case)
+        ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, True),  # MKL multiplies float32 only here, not bfloat16
+    ],
+)
+def test_cpu_bfloat16_probe_honours_instruction_set_caps(
+    monkeypatch: pytest.MonkeyPatch, caps: dict[str, str], native: bool
+) -> None:
+    """Under a cap the kernels cannot use AVX512-BF16 or AMX, so the CPU recipe must not pick bfloat16."""
+
+    for name in ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert runtime.cpu_kernels_capped_below_bfloat16() is not native
+    assert runtime.cpu_has_native_bfloat16() is native
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capped: bool
+) -> None:
+    """On an AVX512-BF16 CPU the demo's recipe trains in bfloat16; capped to AVX2, as that CPU class, in float32."""
+
+    from dlm.demo import demo_experiment
+
+    for name in ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    if capped:
+        for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    experiment, _ = demo_experiment(tmp_path / "demo", None, "cpu")
+    assert experiment.training.precision == ("float32" if capped else "bfloat16")
 
 
 @pytest.mark.parametrize(

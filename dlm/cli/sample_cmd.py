@@ -6,19 +6,20 @@ character each) are revealed step by step; otherwise the final texts, or JSON wi
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dlm.choices import CacheMode, Remasking
+from dlm.choices import CacheMode, Remasking, RevealSplit
 from dlm.cli.common import DeviceOption, JsonOption, console, print_json
 
 if TYPE_CHECKING:
     import torch
     from rich.console import RenderableType
 
-    from dlm.sampling import SampleResult
+    from dlm.sampling import SampleResult, SamplingOptions
 
 MASK_GLYPH = "░"
 
@@ -121,8 +122,9 @@ ThresholdOption = Annotated[
     typer.Option(
         "--threshold",
         metavar="P",
-        help="Parallel decoding: each step commits every masked position of the block whose top probability "
-        "exceeds P (at least one, at least the scheduled count).",
+        help="Parallel decoding: each step commits every masked position of the block whose sampled token has "
+        "probability above P (with --remasking margin: top-1 minus top-2 probability above P); at least one, at "
+        "least the scheduled count.",
         show_default=False,
     ),
 ]
@@ -130,10 +132,20 @@ PromptFileOption = Annotated[
     Path | None,
     typer.Option(
         "--prompt-file",
-        help="Sample every line of this text file as a prompt, in one padded batch; prints JSON lines, one per "
-        "sample: prompt, sample, seed, text (the generated part), tokens, stop (end or length). The i-th prompt "
-        "gets what --prompt with --seed SEED+i gives.",
+        help="Sample every line of this text file as a prompt, in padded batches of --batch-size prompts; prints a "
+        "JSON line per sample as each batch finishes: prompt, sample, seed, text (the generated part), tokens, stop "
+        "(end or length). The i-th prompt draws the random numbers of --prompt with --seed SEED+i and gets its "
+        "tokens up to float rounding (a near-tie can go either way).",
         show_default=False,
+    ),
+]
+BatchSizeOption = Annotated[
+    int,
+    typer.Option(
+        "--batch-size",
+        min=1,
+        help="With --prompt-file: prompts sampled together (each with --num-samples rows); memory grows with it. "
+        "On one machine the same seed and batch size repeat a run bit for bit.",
     ),
 ]
 CacheOption = Annotated[
@@ -145,8 +157,99 @@ CacheOption = Annotated[
     ),
 ]
 
+RevealSplitOption = Annotated[
+    RevealSplit,
+    typer.Option(
+        "--reveal-split",
+        help="How a block's fixed-count steps (--remasking confidence or margin, the minimum of --threshold) "
+        "share its n positions: schedule, the differences of floor(n*m(t)) under the model's noise schedule, or "
+        "even, LLaDA's split: n // steps each, the first n % steps steps one more. 6 positions in 4 steps: "
+        "schedule 2,1,2,1, even 2,2,1,1.",
+    ),
+]
 
-def _generate_live(model: Any, tokenizer: Any, options: dict[str, Any]) -> SampleResult:
+
+ChatOption = Annotated[
+    str | None,
+    typer.Option(
+        "--chat",
+        help="Ask a fine-tuned model: QUESTION in the chat template of `dlm pack --chat`; prints the reply, "
+        "ended at its end-of-document token (--stop-at-end is implied). Every sampling option applies.",
+        show_default=False,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What `dlm sample` hands the sampler, checked before the model loads.
+
+    Plain sampling, `--chat` and `--prompt-file` all pass `generate_kwargs()` on, so an option of
+    `SamplingOptions` reaches every one of them or none.
+    """
+
+    options: SamplingOptions
+    length: int
+    num_samples: int
+    seed: int
+    stop_at_end: bool
+    device: str
+    batch_size: int = 16  # --prompt-file only: prompts per padded batch
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `dlm.sampling.generate` (and `dlm.chat.chat_replies`), prompt aside."""
+
+        settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
+                    "stop_at_end": self.stop_at_end, "device": self.device}  # fmt: skip
+        return asdict(self.options) | settings
+
+
+def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, prompt_file: Path | None,
+                   temperature: float) -> None:  # fmt: skip
+    """One `error:` line for an option given on the command line that the request would ignore."""
+
+    from dlm.errors import UserError
+
+    # By the source's name: typer may bring its own copy of click, with its own ParameterSource enum.
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
+    given = {name for name, source in sources.items() if source != "DEFAULT"}
+    if prompt_file is not None and given & {"prompt", "text", "chat"}:
+        raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
+    if prompt_file is None and "batch_size" in given:
+        raise UserError("--batch-size applies to --prompt-file only", fix="drop it, or sample a --prompt-file")
+    if chat is not None and given & {"prompt", "text"}:
+        flag = "--prompt" if "prompt" in given else "--text"
+        raise UserError(f"--chat cannot be combined with {flag}: the question is the prompt",
+                        fix="pass the question to --chat alone")  # fmt: skip
+    if text is not None and "length" in given:
+        raise UserError("--length does nothing with --text: its [MASK*N] spans say how many tokens to generate",
+                        fix="drop --length, or change the spans")  # fmt: skip
+    if temperature == 0:
+        for name, flag in (("top_k", "--top-k"), ("top_p", "--top-p")):
+            if name in given:
+                raise UserError(f"{flag} does nothing at --temperature 0, which takes the most likely token",
+                                fix=f"drop {flag}, or sample with a temperature above 0")  # fmt: skip
+
+
+def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: str | None,
+                   prompt_file: Path | None, device: str, **values: Any) -> SampleRequest:  # fmt: skip
+    """The checked request of `dlm sample`'s options: `values` are the `SamplingOptions` fields and
+    length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads."""
+
+    from dataclasses import fields
+
+    from dlm.runtime import resolve_device
+    from dlm.sampling import SamplingOptions, check_request
+
+    names = {field.name for field in fields(SamplingOptions)}
+    options = SamplingOptions(**{name: value for name, value in values.items() if name in names})
+    rest = {name: value for name, value in values.items() if name not in names}
+    check_request(prompt=prompt, text=text, length=rest["length"], num_samples=rest["num_samples"], seed=rest["seed"])
+    _refuse_unused(ctx, text=text, chat=chat, prompt_file=prompt_file, temperature=options.temperature)
+    return SampleRequest(options, device=str(resolve_device(device, "--device")), **rest)
+
+
+def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> SampleResult:
     """Generate while a transient Live view redraws the samples after every step."""
 
     from rich.live import Live
@@ -157,12 +260,13 @@ def _generate_live(model: Any, tokenizer: Any, options: dict[str, Any]) -> Sampl
     with Live(console=console, refresh_per_second=15, transient=True) as live:
 
         def show(step: int, tokens: torch.Tensor) -> None:
-            live.update(render_samples(tokenizer, tokens, mask_id, step, options["steps"]))
+            live.update(render_samples(tokenizer, tokens, mask_id, step, kwargs["steps"]))
 
-        return generate(model, tokenizer, on_step=show, **options)
+        return generate(model, tokenizer, on_step=show, **kwargs)
 
 
 def sample(
+    ctx: typer.Context,
     model_path: ModelArgument,
     prompt: PromptOption = "",
     text: TextOption = None,
@@ -178,80 +282,70 @@ def sample(
     stop_at_end: StopOption = False,
     threshold: ThresholdOption = None,
     cache: CacheOption = "none",
+    reveal_split: RevealSplitOption = "schedule",
     prompt_file: PromptFileOption = None,
+    batch_size: BatchSizeOption = 16,
     device: DeviceOption = "auto",
-    chat: Annotated[
-        str | None,
-        typer.Option("--chat", help="Ask a fine-tuned model: QUESTION in the chat template of `dlm pack --chat`; "
-                     "prints the reply, ended at its end-of-document token.", show_default=False),
-    ] = None,
+    chat: ChatOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Generate text by reversing the masking process; a terminal shows it denoise live.
 
     Masked positions are drawn as dim blocks while they wait to be revealed. Without a terminal
     the final texts are printed, or with --json the texts, steps, forward passes and seconds.
+
+    An option that the others would make do nothing is refused with one error line.
     """
 
-    from dlm.sampling import SamplingOptions, check_request, generate
-
-    # Check every option before the (slow) model load.
-    SamplingOptions(steps, temperature, top_k, top_p, remasking, block_length, threshold, cache)
-    check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
-    prompts = None
-    if prompt_file is not None:
-        prompts = _read_prompts(prompt_file, prompt=prompt, text=text, chat=chat)
-    from dlm.export import load_model
-    from dlm.runtime import resolve_device
-
-    resolved = str(resolve_device(device, "--device"))
+    request = sample_request(
+        ctx, prompt=prompt, text=text, chat=chat, prompt_file=prompt_file, device=device, length=length, steps=steps,
+        num_samples=num_samples, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
+        block_length=block_length, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
+        reveal_split=reveal_split, batch_size=batch_size,
+    )  # fmt: skip
     if chat is not None:
         from dlm.chat import chat_replies
 
-        replies = chat_replies(model_path, chat, length=length, steps=steps, num_samples=num_samples, seed=seed,
-                               temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-                               block_length=block_length, device=resolved)  # fmt: skip
+        replies = chat_replies(model_path, chat, **request.generate_kwargs())
         print_json({"replies": replies}) if as_json else typer.echo("\n".join(replies))
         return
-    model, tokenizer = load_model(model_path, device=resolved)
-    options: dict[str, Any] = dict(
-        prompt=prompt, text=text, length=length, steps=steps, num_samples=num_samples, seed=seed,
-        temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-        block_length=block_length, device=resolved, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
-    )  # fmt: skip
+    from dlm.prompt_batch import read_prompt_file
+
+    prompts = None if prompt_file is None else read_prompt_file(prompt_file)
+    from dlm.export import load_model
+
+    model, tokenizer = load_model(model_path, device=request.device)
     if prompts is not None:
-        _sample_prompts(model, tokenizer, prompts, options)
+        _sample_prompts(model, tokenizer, prompts, request)
         return
+    from dlm.sampling import generate
+
+    kwargs = request.generate_kwargs() | {"prompt": prompt, "text": text}
     live_view = not as_json and console.is_terminal
-    result = _generate_live(model, tokenizer, options) if live_view else generate(model, tokenizer, **options)
+    result = _generate_live(model, tokenizer, kwargs) if live_view else generate(model, tokenizer, **kwargs)
     if as_json:
         print_json(result.to_dict())
     else:
         _print_result(result, live_view)
 
 
-def _read_prompts(path: Path, *, prompt: str, text: str | None, chat: str | None) -> list[str]:
-    from dlm.errors import UserError
-    from dlm.prompt_batch import read_prompt_file
-
-    if prompt or text is not None or chat is not None:
-        raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
-    return read_prompt_file(path)
-
-
-def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], options: dict[str, Any]) -> None:
-    """Sample the prompts of --prompt-file as one batch and print a JSON line per sample."""
+def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: SampleRequest) -> None:
+    """Sample the prompts of --prompt-file in batches of --batch-size, printing a JSON line per sample
+    as each batch finishes; every prompt is checked before the first line is printed."""
 
     import json
 
-    from dlm.prompt_batch import prompt_records
+    from dlm.prompt_batch import encode_prompts, prompt_chunks, prompt_records
     from dlm.sampling import generate
     from dlm.tokenizer import SPECIAL_TOKENS
 
-    result = generate(model, tokenizer, prompts=prompts, **(options | {"prompt": ""}))
-    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if options["stop_at_end"] else None
-    for record in prompt_records(result, prompts, tokenizer, end_id):
-        typer.echo(json.dumps(record, ensure_ascii=False))
+    encode_prompts(tokenizer, model.config, prompts, length=request.length, num_samples=request.num_samples,
+                   seed=request.seed)  # fmt: skip
+    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if request.stop_at_end else None
+    for chunk, seed in prompt_chunks(prompts, request.batch_size, request.seed):
+        result = generate(model, tokenizer, prompts=chunk, **(request.generate_kwargs() | {"seed": seed}))
+        for record in prompt_records(result, chunk, tokenizer, end_id):
+            typer.echo(json.dumps(record, ensure_ascii=False))  # click's echo flushes: out as its batch ends
 
 
 def register(app: typer.Typer) -> None:

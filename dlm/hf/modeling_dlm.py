@@ -16,7 +16,8 @@ float32. The model attends in both directions and gets no time input; a block di
 `generate` (also `diffusion_generate`) runs dlm's reverse process: masks are revealed over `steps`
 steps, by low-confidence remasking (`confidence`, `margin`) or ancestrally (`random`), optionally
 block by block (`block_length`; a block model always runs its own blocks left to right, each seeing
-the prefix up to its end). It draws its random numbers in the same order as `dlm.sample`, so the
+the prefix up to its end); `reveal_split="even"` gives remasking steps LLaDA's split of the
+reveals instead of the noise schedule's. It draws its random numbers in the same order as `dlm.sample`, so the
 same seed and settings give the same tokens.
 """
 
@@ -36,6 +37,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 from .configuration_dlm import SCHEDULES, DlmDiffusionConfig
 
 REMASKING = ("confidence", "margin", "random")
+REVEAL_SPLITS = ("schedule", "even")
 
 
 class DlmRMSNorm(nn.Module):
@@ -258,6 +260,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         seed: int = 0,
         generator: torch.Generator | None = None,
         forbidden_token_ids: Sequence[int] | None = None,
+        reveal_split: str = "schedule",
     ) -> Tensor:
         """Token ids [B * num_samples, L]: `input_ids` followed by `max_new_tokens` generated tokens.
 
@@ -266,7 +269,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         generated. The default generator is seeded with `seed` on the model's device.
         """
 
-        options = _Options(steps, temperature, top_k, top_p, remasking, block_length)
+        options = _Options(steps, temperature, top_k, top_p, remasking, block_length, reveal_split)
         device = self.model.embed_tokens.weight.device
         tokens = _starting_tokens(input_ids, max_new_tokens, num_samples, self.config.mask_token_id, device)
         if tokens.shape[1] > self.config.max_position_embeddings:
@@ -295,7 +298,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
 
 class _Options:
     def __init__(self, steps: int, temperature: float, top_k: int | None, top_p: float | None, remasking: str,
-                 block_length: int | None) -> None:  # fmt: skip
+                 block_length: int | None, reveal_split: str = "schedule") -> None:  # fmt: skip
         if steps < 1:
             raise ValueError(f"steps must be at least 1 (got {steps})")
         if not math.isfinite(temperature) or temperature < 0:
@@ -308,6 +311,10 @@ class _Options:
             raise ValueError(f"remasking must be one of {', '.join(REMASKING)} (got {remasking!r})")
         if block_length is not None and block_length < 1:
             raise ValueError(f"block_length must be at least 1 (got {block_length})")
+        if reveal_split not in REVEAL_SPLITS or (reveal_split != "schedule" and remasking == "random"):
+            raise ValueError(f"reveal_split must be one of {', '.join(REVEAL_SPLITS)}, and schedule for random "
+                             f"remasking (got {reveal_split!r})")  # fmt: skip
+        self.reveal_split = reveal_split
         self.steps, self.temperature, self.top_k, self.top_p = steps, temperature, top_k, top_p
         self.remasking, self.block_length = remasking, block_length
 
@@ -467,5 +474,7 @@ class _Reverse:
                 else:
                     size = block.numel()
                     count = masked_count(self.schedule, size, t) - masked_count(self.schedule, size, s)
+                    if options.reveal_split == "even":  # LLaDA's get_num_transfer_tokens
+                        count = size // block_steps + (index < size % block_steps)
                     self.reveal_confident(tokens, block, count)
         return tokens
