@@ -177,6 +177,7 @@ def pack_chat(
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)
+    template.check()
     _check_output_dir(output, tokenizer_path, overwrite)
     eos = special_token_id(tokenizer, "eos")
     options = {"seq_len": seq_len, "long": long, "eos": eos, "mask_padding": mask_padding,
