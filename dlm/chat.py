@@ -27,6 +27,7 @@ from typing import Any
 from dlm.errors import UserError
 
 ROLES = ("system", "user", "assistant")
+FIELDS = ("prompt", "response", "messages")  # what an example is read for: other fields are never read
 DEFAULT_TEMPLATE = {role: f"<|{role}|>\n{{content}}\n" for role in ROLES}  # the reply opens the assistant's
 CONFIG_NAME = "tokenizer_config.json"
 
@@ -60,6 +61,37 @@ def _turn(message: Any, where: str) -> Turn:
 # What a template may be told to fix, whatever went wrong in it.
 TEMPLATE_FIX = "correct the chat_template, or move the file away to use dlm's default template"
 MIN_JINJA = (3, 1, 6)  # older versions have known sandbox escapes (transformers requires it too)
+
+
+def read_chat_template(config: Path) -> str | None:
+    """The `chat_template` of a tokenizer_config.json, or None when it has none.
+
+    Hugging Face also writes a list of named templates; as in transformers, the one named "default"
+    is the chat template."""
+
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read it: {exc.strerror or exc}", path=config) from None
+    except UnicodeDecodeError:
+        raise UserError("is not UTF-8 text", path=config, fix=TEMPLATE_FIX) from None
+    except ValueError as exc:  # json.JSONDecodeError
+        raise UserError(f"is not valid JSON ({exc})", path=config, fix=TEMPLATE_FIX) from None
+    except RecursionError:
+        raise UserError("is not valid JSON (nested too deeply)", path=config, fix=TEMPLATE_FIX) from None
+    if not isinstance(settings, dict):
+        raise UserError("does not hold a JSON object", path=config, fix=TEMPLATE_FIX)
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        if "default" not in named:
+            names = ", ".join(str(name) for name in named) or "none"
+            raise UserError(f"chat_template lists templates ({names}) but none named default", path=config,
+                            fix=TEMPLATE_FIX)  # fmt: skip
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"chat_template is a {type(template).__name__}, not a string", path=config, fix=TEMPLATE_FIX)
+    return template
 
 
 def _raise_exception(message: str) -> None:
@@ -205,11 +237,10 @@ class ChatTemplate:
         """The tokenizer's own template when a tokenizer_config.json beside it has one, else the default."""
 
         config = Path(tokenizer_path).parent / CONFIG_NAME
-        if config.is_file():
-            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-            if isinstance(template, str):
-                return cls(template, config)
-        return cls()
+        if not config.is_file():
+            return cls()
+        template = read_chat_template(config)
+        return cls() if template is None else cls(template, config)
 
     @property
     def name(self) -> str:

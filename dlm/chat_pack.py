@@ -7,11 +7,13 @@ byte per token): 1 where the token is learned (the reply, its end-of-document to
 Padding counts in the loss by default because that is how the model learns to stop; LLaDA's
 authors observed that many end-of-document tokens make the model answer too briefly, which is what
 `mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and counted.
-Examples are read one line at a time and each block goes to disk as soon as it is made, so memory
-stays flat in the size of the data. Files are written under temporary names and renamed at the end,
-metadata last, as `dlm pack` does: a failed pack (a bad record, an empty split, a full disk) leaves
-nothing that loads, and a split this pack does not write loses its old files. Temporaries that a
-killed pack left behind are removed by the next.
+Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.readers` that
+holds records (JSONL, Parquet, saved datasets). Examples are read one line or row batch at a time
+and each block goes to disk as soon as it is made, so memory stays flat in the size of the data.
+Files are written under temporary names and renamed at the end, metadata last, as `dlm pack` does:
+a failed pack (a bad record, an empty split, a full disk) leaves nothing that loads, and a split
+this pack does not write loses its old files. Temporaries that a killed pack left behind are
+removed by the next.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from dlm import __version__
-from dlm.chat import ChatTemplate, encode_example, parse_example
+from dlm.chat import FIELDS, ChatTemplate, encode_example, parse_example
+from dlm.corpus import discover_corpus
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
 from dlm.pack import (
@@ -38,10 +41,12 @@ from dlm.pack import (
     check_pack_arguments,
     token_dtype,
 )
+from dlm.readers import RECORDS_SUPPORTED, ReadContext, Record, Utf8Decoder, format_of
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 LongPolicy = Literal["truncate", "drop"]
 MASK_SUFFIX = ".mask.bin"
+INPUT_FIX = "name the files of prompt/response or messages examples, e.g. 'data/*.jsonl'"
 
 
 def mask_path(bin_path: Path) -> Path:
@@ -83,16 +88,29 @@ class _ChatWriter:
         self.mask_handle.close()
 
 
-def _records(path: Path) -> Iterator[tuple[Any, str]]:
-    """Each non-blank line's JSON value and where it is (file:line), read one line at a time."""
+def chat_inputs(inputs: list[Path], option: str) -> list[Path]:
+    """The inputs that `inputs` name, found as `dlm pack` finds them (files, directories searched
+    recursively, globs), each in a format that holds records; any other file is refused by name."""
 
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line), f"{path}:{number}"
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not inputs:
+        raise UserError(f"no {option} given", fix=INPUT_FIX)
+    for item in inputs:  # an explicit file dlm cannot read at all is refused in the words of --chat
+        if item.is_file() and format_of(item) is None:
+            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=item, fix=INPUT_FIX)
+    found = discover_corpus(inputs)
+    for path in [*found.paths, *found.skipped]:
+        readable = format_of(path)
+        if readable is None or readable.records is None:
+            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=path, fix=INPUT_FIX)
+    return found.paths
+
+
+def _records(path: Path, decoder: Utf8Decoder) -> Iterator[Record]:
+    """Each example of `path` as read, the chat fields of its line or row, and where it is."""
+
+    readable = format_of(path)
+    assert readable is not None and readable.records is not None, "chat_inputs admits only such inputs"
+    return readable.records(ReadContext(path, "", 1 << 16, decoder), FIELDS)
 
 
 def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int, mask_padding: bool) -> tuple[Any, Any]:
@@ -106,7 +124,9 @@ def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int, mask_padd
 def _is_val(line: Any, seed: int, fraction: float) -> bool:
     """A held-out draw that depends on the example and the seed only, not on its position."""
 
-    digest = hashlib.blake2b(f"{seed}:{json.dumps(line, sort_keys=True)}".encode(), digest_size=8).digest()
+    # repr for a value JSON has no form for (bytes nested in a Parquet column): the draw still depends on it.
+    text = json.dumps(line, sort_keys=True, default=repr)
+    digest = hashlib.blake2b(f"{seed}:{text}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
@@ -115,8 +135,10 @@ def _stream(sources: list[tuple[Path, bool]], tokenizer: Any, template: ChatTemp
     """Encode each example of each (path, is a validation input) and write it to its split at once."""
 
     fraction = options["val_fraction"]
+    # --errors does not apply to --chat: the fix for a bad byte is the file's encoding.
+    decoder = Utf8Decoder("strict", fix="convert the file to UTF-8")
     for path, held_out in sources:
-        for record, where in _records(path):
+        for record, where in _records(path, decoder):
             ids, prompt_length = encode_example(tokenizer, template, parse_example(record, where), options["eos"])
             val = held_out or (fraction > 0 and _is_val(record, options["seed"], fraction))
             writers["val" if val else "train"].add(ids, prompt_length, options)
@@ -169,11 +191,14 @@ def pack_chat(
     mask_padding: bool = False,
     overwrite: bool = False,
 ) -> dict[str, dict[str, int]]:
-    """Pack JSONL instruction data into `output`; returns each split's counts."""
+    """Pack instruction data into `output`; returns each split's counts. Everything is checked (the
+    options, the inputs, the tokenizer and its chat template, the output) before anything is written."""
 
     if long not in ("truncate", "drop"):
         raise UserError(f"--long must be truncate or drop, got {long!r}")
     check_pack_arguments(seq_len, val_fraction, val_inputs or [])
+    train_paths = chat_inputs([Path(p) for p in inputs], "inputs")
+    val_paths = chat_inputs([Path(p) for p in val_inputs], "--val-input") if val_inputs else []
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)
@@ -187,9 +212,20 @@ def pack_chat(
                 "tokenizer_sha256": tokenizer_sha256(tokenizer_path), "dtype": token_dtype(vocab_size).name,
                 "dlm_version": __version__,
                 "chat": {"template": template.name, "long": long, "mask_padding": mask_padding},
-                "sources": [str(p) for p in [*inputs, *(val_inputs or [])]]}  # fmt: skip
-    names = ("train", "val") if val_inputs or val_fraction > 0 else ("train",)
-    sources = [*((Path(p), False) for p in inputs), *((Path(p), True) for p in val_inputs or [])]
+                "sources": [str(p) for p in [*train_paths, *val_paths]]}  # fmt: skip
+    names = ("train", "val") if val_paths or val_fraction > 0 else ("train",)
+    sources = [*((p, False) for p in train_paths), *((p, True) for p in val_paths)]
+    writers = _write(output, names, token_dtype(vocab_size),
+                     lambda writers: _stream(sources, tokenizer, template, writers, options),
+                     lambda writers: _commit(output, writers, metadata, tokenizer_path))  # fmt: skip
+    return {name: writer.counts() for name, writer in writers.items()}
+
+
+def _write(output: Path, names: tuple[str, ...], dtype: np.dtype, stream: Callable[[dict[str, _ChatWriter]], None],
+           commit: Callable[[list[_ChatWriter]], None]) -> dict[str, _ChatWriter]:  # fmt: skip
+    """Stream the splits to temporaries and commit them; on any failure remove every temporary and each
+    directory this created. A failed write (a full disk) is a `UserError`."""
+
     created = [d for d in (output, *output.absolute().parents) if not d.exists()]
     remove_stale_temporaries(output, [*OUTPUT_FILES, *(mask_path(output / f"{name}.bin").name for name in SPLITS)])
     writers: dict[str, _ChatWriter] = {}
@@ -197,11 +233,11 @@ def pack_chat(
     with reported_os_errors("the packed data", output):
         try:
             output.mkdir(parents=True, exist_ok=True)
-            writers.update({name: _ChatWriter(name, output, token_dtype(vocab_size)) for name in names})
-            _stream(sources, tokenizer, template, writers, options)
+            writers.update({name: _ChatWriter(name, output, dtype) for name in names})
+            stream(writers)
             for writer in writers.values():
                 writer.close()
-            _commit(output, list(writers.values()), metadata, tokenizer_path)
+            commit(list(writers.values()))
             committed = True
         finally:
             for writer in writers.values():
@@ -210,4 +246,4 @@ def pack_chat(
                     temporary.unlink(missing_ok=True)
             if not committed:
                 _remove_empty(created)
-    return {name: writer.counts() for name, writer in writers.items()}
+    return writers

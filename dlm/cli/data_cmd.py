@@ -34,7 +34,8 @@ SOURCE_HELP = (
     "A weighted training input PATH:WEIGHT (repeatable; a file, directory or glob). Each of its training "
     "documents is packed floor(WEIGHT) times, and a share frac(WEIGHT) of them, drawn with --seed, once "
     "more: 2 = every document twice, 0.5 = a seeded half, 1.5 = all once and a seeded half twice. Repeats "
-    "are whole passes over the source; validation documents are never repeated. Plain INPUTS weigh 1."
+    "are whole passes over the source; validation documents are never repeated. Plain INPUTS weigh 1; "
+    "WEIGHT is at most 1000."
 )
 ErrorsOption = Annotated[
     DecodeErrors,
@@ -133,8 +134,9 @@ def pack(
     overwrite: OverwriteOption = False,
     chat: Annotated[
         bool,
-        typer.Option("--chat", help="Instruction data: JSONL of prompt/response or messages, one example per block, "
-                     "with a loss mask that leaves the prompt out (see docs/finetune.md)."),
+        typer.Option("--chat", help="Instruction data: JSONL (or Parquet, saved datasets) of prompt/response or "
+                     "messages, one example per block, with a loss mask that leaves the prompt out (see "
+                     "docs/finetune.md)."),
     ] = False,
     long: Annotated[
         str, typer.Option("--long", help="--chat: an example longer than a block is truncated or dropped (counted).")
