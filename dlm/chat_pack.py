@@ -6,7 +6,8 @@ byte per token): 1 where the token is learned (the reply, its end-of-document to
 `mask_padding`, the padding), 0 on the prompt, which training never masks and never scores.
 Padding counts in the loss by default because that is how the model learns to stop; LLaDA's
 authors observed that many end-of-document tokens make the model answer too briefly, which is what
-`mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and counted.
+`mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and examples
+whose reply is empty or blank are skipped: all counted.
 Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.readers` that
 holds records (JSONL, Parquet, saved datasets). Examples are read one line or row batch at a time
 and each block goes to disk as soon as it is made, so memory stays flat in the size of the data.
@@ -33,6 +34,7 @@ from dlm.corpus import discover_corpus
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
 from dlm.pack import (
+    MASK_FILES,
     OUTPUT_FILES,
     PACKED_FORMAT,
     SPLITS,
@@ -64,7 +66,7 @@ class _ChatWriter:
         self.temporaries = [temporary_path(self.bin_path), temporary_path(mask_path(self.bin_path))]
         self.tokens_handle = open(self.temporaries[0], "wb")  # noqa: SIM115 - closed by close()
         self.mask_handle = open(self.temporaries[1], "wb")  # noqa: SIM115 - closed by close()
-        self.examples = self.truncated = self.dropped = self.loss_tokens = 0
+        self.examples = self.truncated = self.dropped = self.empty = self.loss_tokens = 0
 
     def add(self, ids: list[int], prompt_length: int, options: dict[str, Any]) -> None:
         seq_len = options["seq_len"]
@@ -81,7 +83,7 @@ class _ChatWriter:
         self.loss_tokens += int(mask.sum())
 
     def counts(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in ("examples", "truncated", "dropped", "loss_tokens")}
+        return {key: getattr(self, key) for key in ("examples", "truncated", "dropped", "empty", "loss_tokens")}
 
     def close(self) -> None:
         self.tokens_handle.close()
@@ -139,15 +141,33 @@ def _stream(sources: list[tuple[Path, bool]], tokenizer: Any, template: ChatTemp
     decoder = Utf8Decoder("strict", fix="convert the file to UTF-8")
     for path, held_out in sources:
         for record, where in _records(path, decoder):
-            ids, prompt_length = encode_example(tokenizer, template, parse_example(record, where), options["eos"])
+            turns = parse_example(record, where)
             val = held_out or (fraction > 0 and _is_val(record, options["seed"], fraction))
-            writers["val" if val else "train"].add(ids, prompt_length, options)
+            writer = writers["val" if val else "train"]
+            if not turns[-1].content.strip():  # nothing to learn but an immediate end: a data mistake
+                writer.empty += 1
+                continue
+            writer.add(*encode_example(tokenizer, template, turns, options["eos"]), options)
+
+
+def _empty_split_error(writer: _ChatWriter, long: LongPolicy) -> UserError:
+    """Why a split holds no example, and the fix for that reason."""
+
+    reasons = [f"{writer.dropped:,} longer than a block"] if writer.dropped else []
+    reasons += [f"{writer.empty:,} with an empty reply"] if writer.empty else []
+    if writer.dropped:  # with --long truncate, only examples whose prompt alone fills a block are dropped
+        fix = "raise --seq-len" + (" or pass --long truncate" if long == "drop" else ": their prompts fill a block")
+    elif writer.empty:
+        fix = "give each example a non-empty reply"
+    else:
+        fix = "pass more examples" + (" or a larger --val-fraction" if writer.name == "val" else "")
+    found = f" ({', '.join(reasons)})" if reasons else ""
+    return UserError(f"the {writer.name} split holds no example to pack{found}", path=writer.bin_path.parent, fix=fix)
 
 
 def _split_metadata(writer: _ChatWriter, metadata: dict[str, Any]) -> dict[str, Any]:
     if writer.examples == 0:
-        raise UserError(f"the {writer.name} split holds no example that fits a block", path=writer.bin_path.parent,
-                        fix="raise --seq-len or pass --long truncate")  # fmt: skip
+        raise _empty_split_error(writer, metadata["chat"]["long"])
     blocks = writer.examples
     return {**metadata, "split": writer.name, "num_blocks": blocks, "num_tokens": blocks * metadata["seq_len"],
             "loss_mask": mask_path(writer.bin_path).name, "chat": {**metadata["chat"], **writer.counts()}}  # fmt: skip
@@ -227,7 +247,7 @@ def _write(output: Path, names: tuple[str, ...], dtype: np.dtype, stream: Callab
     directory this created. A failed write (a full disk) is a `UserError`."""
 
     created = [d for d in (output, *output.absolute().parents) if not d.exists()]
-    remove_stale_temporaries(output, [*OUTPUT_FILES, *(mask_path(output / f"{name}.bin").name for name in SPLITS)])
+    remove_stale_temporaries(output, [*OUTPUT_FILES, *MASK_FILES])
     writers: dict[str, _ChatWriter] = {}
     committed = False
     with reported_os_errors("the packed data", output):

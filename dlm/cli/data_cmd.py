@@ -196,6 +196,9 @@ def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, v
     for name, counts in splits.items():
         console.print(f"{name}: {counts['examples']:,} examples ({counts['truncated']:,} truncated, "
                       f"{counts['dropped']:,} dropped), {counts['loss_tokens']:,} loss tokens", highlight=False)
+        if counts["empty"]:
+            console.print(f"[yellow]{name}: skipped {_count(counts['empty'], 'example')} with an empty reply[/]",
+                          highlight=False)  # fmt: skip
 
 
 def _render_pack(summary: PackSummary) -> None:
