@@ -2,8 +2,9 @@
 
 A chat template comes from a file downloaded with a model: it is rendered in Jinja's sandbox and never
 runs code. Every bad input (a template, its config file, a chat file's bytes, an input in a format
-without records) is one `error:` line naming what to fix, with exit code 2, no traceback, and
-nothing written. Chat data is read in every format that holds records.
+without records, an option of the other mode of `dlm pack`) is one `error:` line naming what to
+fix, with exit code 2, no traceback, and nothing written. Chat data is read in every format that
+holds records.
 """
 
 from __future__ import annotations
@@ -226,4 +227,27 @@ def test_bad_rows_and_tables_of_chat_data_are_named(tmp_path: Path, tiny_tokeniz
         str(no_columns), "has none of the columns prompt, response, messages (its columns: text)")
     pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / "out", null_row).assert_refused(
         f"{null_row}: row 1 (0-based): expected an object with prompt and response strings")
+    assert not (tmp_path / "out").exists()
+
+
+MODE_OPTIONS = {
+    "--long without --chat": ([], ["--long", "truncate"], ["--long does not apply to a plain pack", "pass --chat"]),
+    "--long drop without --chat": ([], ["--long", "drop"], ["--long does not apply to a plain pack"]),
+    "--mask-padding without --chat": ([], ["--mask-padding"], ["--mask-padding does not apply to a plain pack"]),
+    "--source with --chat": (["--chat"], ["--source", "SELF:2"], ["--source does not apply to --chat"]),
+    "--text-field with --chat": (["--chat"], ["--text-field", "body"], ["--text-field does not apply to --chat"]),
+    "--errors with --chat": (["--chat"], ["--errors", "replace"], ["--errors does not apply to --chat"]),
+    "two at once": (["--chat"], ["--errors", "strict", "--text-field", "text"], ["--text-field, --errors do not"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MODE_OPTIONS))
+def test_an_option_of_the_other_mode_is_refused_not_ignored(
+    case: str, tmp_path: Path, tiny_tokenizer_path: Path, run_cli
+) -> None:
+    mode, extra, fragments = MODE_OPTIONS[case]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{**record, "text": "plain"} for record in EXAMPLES])
+    extra = [f"{chat}:2" if item == "SELF:2" else item for item in extra]
+    result = run_cli("pack", *mode, chat, *extra, "-t", tiny_tokenizer_path, "-l", "8", "-o", tmp_path / "out")
+    result.assert_refused(*fragments)
     assert not (tmp_path / "out").exists()

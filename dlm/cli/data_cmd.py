@@ -112,6 +112,7 @@ def tokenizer_train(
 
 
 def pack(
+    ctx: typer.Context,
     tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="tokenizer.json to encode with.")],
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per block (model.max_seq_len).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train/val .bin/.json.")],
@@ -152,6 +153,7 @@ def pack(
     cannot read are skipped and listed. With --chat, instruction examples are packed one per block.
     """
 
+    _check_mode_options(ctx, chat)
     if chat:
         _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
                    long, mask_padding, overwrite, wants_json(as_json))  # fmt: skip
@@ -181,6 +183,22 @@ def pack(
         print_json({"event": "summary", **vars(summary), "splits": splits})
     else:
         _render_pack(summary)
+
+
+# Options that only one mode of `dlm pack` reads: given to the other, they are refused, never ignored.
+CHAT_ONLY = ("long", "mask_padding")
+PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dlm.chat, in UTF-8
+
+
+def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
+    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
+    sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params}
+    names = {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+    wrong = [names[n] for n in (PLAIN_ONLY if chat else CHAT_ONLY) if n in names]
+    if wrong:
+        mode = "--chat" if chat else "a plain pack (without --chat)"
+        raise UserError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to {mode}",
+                        fix=f"drop {', '.join(wrong)}" + ("" if chat else ", or pass --chat"))  # fmt: skip
 
 
 def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
