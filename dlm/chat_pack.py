@@ -2,12 +2,11 @@
 
 Each example (`dlm.chat`) becomes exactly one block of `seq_len` tokens: prompt, reply, then
 end-of-document tokens up to the block's end. Beside `NAME.bin` goes `NAME.mask.bin` (uint8, one
-byte per token): 1 where the token is learned (the reply, its end-of-document token and, unless
-`mask_padding`, the padding), 0 on the prompt, which training never masks and never scores.
-Padding counts in the loss by default because that is how the model learns to stop; LLaDA's
-authors observed that many end-of-document tokens make the model answer too briefly, which is what
-`mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and examples
-whose reply is empty or blank are skipped: all counted.
+byte per token): 1 where the token is learned (the reply, its end-of-document token and the
+padding), 0 on the prompt, which training never masks and never scores. Padding counts in the loss
+because that is how the model learns to stop, and it is masked like the reply so that the model
+never sees where a reply ends (it does not when sampling). Examples longer than a block are
+truncated or dropped (`long`), and examples whose reply is empty or blank are skipped: all counted.
 Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.readers` that
 holds records (JSONL, Parquet, saved datasets). Examples are read one line or row batch at a time
 and each block goes to disk as soon as it is made, so memory stays flat in the size of the data.
@@ -75,7 +74,7 @@ class _ChatWriter:
                 self.dropped += 1
                 return
             self.truncated += 1
-        tokens, mask = _block(ids, prompt_length, seq_len, options["eos"], options["mask_padding"])
+        tokens, mask = _block(ids, prompt_length, seq_len, options["eos"])
         # File writes, not ndarray.tofile: a full disk then raises OSError with its errno.
         self.tokens_handle.write(tokens.astype(self.dtype).tobytes())
         self.mask_handle.write(mask.tobytes())
@@ -115,11 +114,11 @@ def _records(path: Path, decoder: Utf8Decoder) -> Iterator[Record]:
     return readable.records(ReadContext(path, "", 1 << 16, decoder), FIELDS)
 
 
-def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int, mask_padding: bool) -> tuple[Any, Any]:
+def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int) -> tuple[Any, Any]:
     tokens = np.full(seq_len, eos, dtype=np.int64)
     tokens[: len(ids)] = ids[:seq_len]
     mask = np.zeros(seq_len, dtype=np.uint8)
-    mask[prompt_length : min(len(ids), seq_len) if mask_padding else seq_len] = 1
+    mask[prompt_length:] = 1
     return tokens, mask
 
 
@@ -208,7 +207,6 @@ def pack_chat(
     val_fraction: float = 0.0,
     seed: int = 0,
     long: LongPolicy = "drop",
-    mask_padding: bool = False,
     overwrite: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Pack instruction data into `output`; returns each split's counts. Everything is checked (the
@@ -225,13 +223,11 @@ def pack_chat(
     template.check()
     _check_output_dir(output, tokenizer_path, overwrite)
     eos = special_token_id(tokenizer, "eos")
-    options = {"seq_len": seq_len, "long": long, "eos": eos, "mask_padding": mask_padding,
-               "val_fraction": val_fraction, "seed": seed}  # fmt: skip
+    options = {"seq_len": seq_len, "long": long, "eos": eos, "val_fraction": val_fraction, "seed": seed}
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     metadata = {"format": PACKED_FORMAT, "vocab_size": vocab_size, "seq_len": seq_len, "eos_token_id": eos,
                 "tokenizer_sha256": tokenizer_sha256(tokenizer_path), "dtype": token_dtype(vocab_size).name,
-                "dlm_version": __version__,
-                "chat": {"template": template.name, "long": long, "mask_padding": mask_padding},
+                "dlm_version": __version__, "chat": {"template": template.name, "long": long},
                 "sources": [str(p) for p in [*train_paths, *val_paths]]}  # fmt: skip
     names = ("train", "val") if val_paths or val_fraction > 0 else ("train",)
     sources = [*((p, False) for p in train_paths), *((p, True) for p in val_paths)]

@@ -55,16 +55,18 @@ def test_pack_chat_masks_the_prompt_and_counts_the_padding(
     assert tokenizer.decode(ids[:prompt_length]) == "<|user|>\nsay to\n<|assistant|>\n"
 
 
-def test_mask_padding_and_truncation_options(chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path) -> None:
-    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", mask_padding=True, long="truncate")
+def test_truncation_and_the_learned_padding(chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", long="truncate")
     # The long example's prompt alone fills the block: nothing of its reply would be learned, so it is dropped.
     assert counts["train"]["truncated"] == 0 and counts["train"]["dropped"] == 1
     dataset = load_packed_dataset(tmp_path / "out", SEQ_LEN)
-    tokens, loss_mask = dataset[0]
-    end = int(loss_mask.nonzero().max()) + 1
-    assert tokens[end - 1] == 0 and not loss_mask[end:].any()  # the reply's own end token is learned, no padding
+    for index in range(len(dataset)):  # every block's loss runs from the reply to the block's end: padding too
+        tokens, loss_mask = dataset[index]
+        start = int(loss_mask.nonzero().min())
+        assert loss_mask[start:].all() and not loss_mask[:start].any() and tokens[-1] == 0
     masks = np.fromfile(mask_path(tmp_path / "out" / "train.bin"), dtype=np.uint8)
     assert masks.size == dataset.num_blocks * SEQ_LEN
+    assert "mask_padding" not in dataset.metadata["chat"]
 
 
 def test_truncation_keeps_a_long_reply(tiny_tokenizer_path: Path, tmp_path: Path) -> None:

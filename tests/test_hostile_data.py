@@ -233,7 +233,8 @@ def test_bad_rows_and_tables_of_chat_data_are_named(tmp_path: Path, tiny_tokeniz
 MODE_OPTIONS = {
     "--long without --chat": ([], ["--long", "truncate"], ["--long does not apply to a plain pack", "pass --chat"]),
     "--long drop without --chat": ([], ["--long", "drop"], ["--long does not apply to a plain pack"]),
-    "--mask-padding without --chat": ([], ["--mask-padding"], ["--mask-padding does not apply to a plain pack"]),
+    "--mask-padding": (["--chat"], ["--mask-padding"], ["--mask-padding was removed", "drop it"]),
+    "--mask-padding without --chat": ([], ["--mask-padding"], ["--mask-padding was removed"]),
     "--source with --chat": (["--chat"], ["--source", "SELF:2"], ["--source does not apply to --chat"]),
     "--text-field with --chat": (["--chat"], ["--text-field", "body"], ["--text-field does not apply to --chat"]),
     "--errors with --chat": (["--chat"], ["--errors", "replace"], ["--errors does not apply to --chat"]),

@@ -142,9 +142,7 @@ def pack(
     long: Annotated[
         str, typer.Option("--long", help="--chat: an example longer than a block is truncated or dropped (counted).")
     ] = "drop",
-    mask_padding: Annotated[
-        bool, typer.Option("--mask-padding", help="--chat: the end-of-document padding carries no loss.")
-    ] = False,
+    mask_padding: Annotated[bool, typer.Option("--mask-padding", hidden=True)] = False,  # removed: refused
     as_json: JsonOption = False,
 ) -> None:
     """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks.
@@ -156,7 +154,7 @@ def pack(
     _check_mode_options(ctx, chat)
     if chat:
         _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
-                   long, mask_padding, overwrite, wants_json(as_json))  # fmt: skip
+                   long, overwrite, wants_json(as_json))  # fmt: skip
         return
     from dlm.mixture import parse_source
     from dlm.pack import pack_corpus
@@ -186,7 +184,7 @@ def pack(
 
 
 # Options that only one mode of `dlm pack` reads: given to the other, they are refused, never ignored.
-CHAT_ONLY = ("long", "mask_padding")
+CHAT_ONLY = ("long",)
 PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dlm.chat, in UTF-8
 
 
@@ -194,6 +192,11 @@ def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
     # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
     sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params}
     names = {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+    if "mask_padding" in names:
+        raise UserError("--mask-padding was removed: it left the padding visible and unlearned, which shows the "
+                        "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",
+                        fix="drop it: the padding is learned as end-of-document tokens, which is how the model "
+                        "learns to stop")  # fmt: skip
     wrong = [names[n] for n in (PLAIN_ONLY if chat else CHAT_ONLY) if n in names]
     if wrong:
         mode = "--chat" if chat else "a plain pack (without --chat)"
@@ -202,12 +205,11 @@ def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
 
 
 def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
-               val_fraction: float, seed: int, long: str, mask_padding: bool, overwrite: bool, json_mode: bool) -> None:
+               val_fraction: float, seed: int, long: str, overwrite: bool, json_mode: bool) -> None:
     from dlm.chat_pack import pack_chat
 
     splits = pack_chat([Path(p) for p in inputs], tokenizer, seq_len, output, val_inputs=[Path(p) for p in val_inputs],
-                       val_fraction=val_fraction, seed=seed, long=long, mask_padding=mask_padding,  # type: ignore[arg-type]
-                       overwrite=overwrite)  # fmt: skip
+                       val_fraction=val_fraction, seed=seed, long=long, overwrite=overwrite)  # type: ignore[arg-type]  # fmt: skip
     if json_mode:
         print_json({"event": "summary", "output": str(output), "chat": True, "splits": splits})
         return
