@@ -2,16 +2,18 @@
 
 Each example (`dlm.chat`) becomes exactly one block of `seq_len` tokens: prompt, reply, then
 end-of-document tokens up to the block's end. Beside `NAME.bin` goes `NAME.mask.bin` (uint8, one
-byte per token): 1 where the token is learned (the reply, its end-of-document token and, unless
-`mask_padding`, the padding), 0 on the prompt, which training never masks and never scores.
-Padding counts in the loss by default because that is how the model learns to stop; LLaDA's
-authors observed that many end-of-document tokens make the model answer too briefly, which is what
-`mask_padding` is for. Examples longer than a block are truncated or dropped (`long`), and counted.
-Examples are read one line at a time and each block goes to disk as soon as it is made, so memory
-stays flat in the size of the data. Files are written under temporary names and renamed at the end,
-metadata last, as `dlm pack` does: a failed pack (a bad record, an empty split, a full disk) leaves
-nothing that loads, and a split this pack does not write loses its old files. Temporaries that a
-killed pack left behind are removed by the next.
+byte per token): 1 where the token is learned (the reply, its end-of-document token and the
+padding), 0 on the prompt, which training never masks and never scores. Padding counts in the loss
+because that is how the model learns to stop, and it is masked like the reply so that the model
+never sees where a reply ends (it does not when sampling). Examples longer than a block are
+truncated or dropped (`long`), and examples whose reply is empty or blank are skipped: all counted.
+Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.readers` that
+holds records (JSONL, Parquet, saved datasets). Examples are read one line or row batch at a time
+and each block goes to disk as soon as it is made, so memory stays flat in the size of the data.
+Files are written under temporary names and renamed at the end, metadata last, as `dlm pack` does:
+a failed pack (a bad record, an empty split, a full disk) leaves nothing that loads, and a split
+this pack does not write loses its old files. Temporaries that a killed pack left behind are
+removed by the next.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from dlm import __version__
-from dlm.chat import ChatTemplate, encode_example, parse_example
+from dlm.chat import FIELDS, ChatTemplate, encode_example, parse_example
+from dlm.corpus import discover_corpus
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
 from dlm.pack import (
+    MASK_FILES,
     OUTPUT_FILES,
     PACKED_FORMAT,
     SPLITS,
@@ -38,10 +42,12 @@ from dlm.pack import (
     check_pack_arguments,
     token_dtype,
 )
+from dlm.readers import RECORDS_SUPPORTED, ReadContext, Record, Utf8Decoder, format_of
 from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 LongPolicy = Literal["truncate", "drop"]
 MASK_SUFFIX = ".mask.bin"
+INPUT_FIX = "name the files of prompt/response or messages examples, e.g. 'data/*.jsonl'"
 
 
 def mask_path(bin_path: Path) -> Path:
@@ -59,7 +65,7 @@ class _ChatWriter:
         self.temporaries = [temporary_path(self.bin_path), temporary_path(mask_path(self.bin_path))]
         self.tokens_handle = open(self.temporaries[0], "wb")  # noqa: SIM115 - closed by close()
         self.mask_handle = open(self.temporaries[1], "wb")  # noqa: SIM115 - closed by close()
-        self.examples = self.truncated = self.dropped = self.loss_tokens = 0
+        self.examples = self.truncated = self.dropped = self.empty = self.loss_tokens = 0
 
     def add(self, ids: list[int], prompt_length: int, options: dict[str, Any]) -> None:
         seq_len = options["seq_len"]
@@ -68,7 +74,7 @@ class _ChatWriter:
                 self.dropped += 1
                 return
             self.truncated += 1
-        tokens, mask = _block(ids, prompt_length, seq_len, options["eos"], options["mask_padding"])
+        tokens, mask = _block(ids, prompt_length, seq_len, options["eos"])
         # File writes, not ndarray.tofile: a full disk then raises OSError with its errno.
         self.tokens_handle.write(tokens.astype(self.dtype).tobytes())
         self.mask_handle.write(mask.tobytes())
@@ -76,37 +82,52 @@ class _ChatWriter:
         self.loss_tokens += int(mask.sum())
 
     def counts(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in ("examples", "truncated", "dropped", "loss_tokens")}
+        return {key: getattr(self, key) for key in ("examples", "truncated", "dropped", "empty", "loss_tokens")}
 
     def close(self) -> None:
         self.tokens_handle.close()
         self.mask_handle.close()
 
 
-def _records(path: Path) -> Iterator[tuple[Any, str]]:
-    """Each non-blank line's JSON value and where it is (file:line), read one line at a time."""
+def chat_inputs(inputs: list[Path], option: str) -> list[Path]:
+    """The inputs that `inputs` name, found as `dlm pack` finds them (files, directories searched
+    recursively, globs), each in a format that holds records; any other file is refused by name."""
 
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line), f"{path}:{number}"
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not inputs:
+        raise UserError(f"no {option} given", fix=INPUT_FIX)
+    for item in inputs:  # an explicit file dlm cannot read at all is refused in the words of --chat
+        if item.is_file() and format_of(item) is None:
+            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=item, fix=INPUT_FIX)
+    found = discover_corpus(inputs)
+    for path in [*found.paths, *found.skipped]:
+        readable = format_of(path)
+        if readable is None or readable.records is None:
+            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=path, fix=INPUT_FIX)
+    return found.paths
 
 
-def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int, mask_padding: bool) -> tuple[Any, Any]:
+def _records(path: Path, decoder: Utf8Decoder) -> Iterator[Record]:
+    """Each example of `path` as read, the chat fields of its line or row, and where it is."""
+
+    readable = format_of(path)
+    assert readable is not None and readable.records is not None, "chat_inputs admits only such inputs"
+    return readable.records(ReadContext(path, "", 1 << 16, decoder), FIELDS)
+
+
+def _block(ids: list[int], prompt_length: int, seq_len: int, eos: int) -> tuple[Any, Any]:
     tokens = np.full(seq_len, eos, dtype=np.int64)
     tokens[: len(ids)] = ids[:seq_len]
     mask = np.zeros(seq_len, dtype=np.uint8)
-    mask[prompt_length : min(len(ids), seq_len) if mask_padding else seq_len] = 1
+    mask[prompt_length:] = 1
     return tokens, mask
 
 
 def _is_val(line: Any, seed: int, fraction: float) -> bool:
     """A held-out draw that depends on the example and the seed only, not on its position."""
 
-    digest = hashlib.blake2b(f"{seed}:{json.dumps(line, sort_keys=True)}".encode(), digest_size=8).digest()
+    # repr for a value JSON has no form for (bytes nested in a Parquet column): the draw still depends on it.
+    text = json.dumps(line, sort_keys=True, default=repr)
+    digest = hashlib.blake2b(f"{seed}:{text}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
@@ -115,17 +136,37 @@ def _stream(sources: list[tuple[Path, bool]], tokenizer: Any, template: ChatTemp
     """Encode each example of each (path, is a validation input) and write it to its split at once."""
 
     fraction = options["val_fraction"]
+    # --errors does not apply to --chat: the fix for a bad byte is the file's encoding.
+    decoder = Utf8Decoder("strict", fix="convert the file to UTF-8")
     for path, held_out in sources:
-        for record, where in _records(path):
-            ids, prompt_length = encode_example(tokenizer, template, parse_example(record, where), options["eos"])
+        for record, where in _records(path, decoder):
+            turns = parse_example(record, where)
             val = held_out or (fraction > 0 and _is_val(record, options["seed"], fraction))
-            writers["val" if val else "train"].add(ids, prompt_length, options)
+            writer = writers["val" if val else "train"]
+            if not turns[-1].content.strip():  # nothing to learn but an immediate end: a data mistake
+                writer.empty += 1
+                continue
+            writer.add(*encode_example(tokenizer, template, turns, options["eos"]), options)
+
+
+def _empty_split_error(writer: _ChatWriter, long: LongPolicy) -> UserError:
+    """Why a split holds no example, and the fix for that reason."""
+
+    reasons = [f"{writer.dropped:,} longer than a block"] if writer.dropped else []
+    reasons += [f"{writer.empty:,} with an empty reply"] if writer.empty else []
+    if writer.dropped:  # with --long truncate, only examples whose prompt alone fills a block are dropped
+        fix = "raise --seq-len" + (" or pass --long truncate" if long == "drop" else ": their prompts fill a block")
+    elif writer.empty:
+        fix = "give each example a non-empty reply"
+    else:
+        fix = "pass more examples" + (" or a larger --val-fraction" if writer.name == "val" else "")
+    found = f" ({', '.join(reasons)})" if reasons else ""
+    return UserError(f"the {writer.name} split holds no example to pack{found}", path=writer.bin_path.parent, fix=fix)
 
 
 def _split_metadata(writer: _ChatWriter, metadata: dict[str, Any]) -> dict[str, Any]:
     if writer.examples == 0:
-        raise UserError(f"the {writer.name} split holds no example that fits a block", path=writer.bin_path.parent,
-                        fix="raise --seq-len or pass --long truncate")  # fmt: skip
+        raise _empty_split_error(writer, metadata["chat"]["long"])
     blocks = writer.examples
     return {**metadata, "split": writer.name, "num_blocks": blocks, "num_tokens": blocks * metadata["seq_len"],
             "loss_mask": mask_path(writer.bin_path).name, "chat": {**metadata["chat"], **writer.counts()}}  # fmt: skip
@@ -166,41 +207,53 @@ def pack_chat(
     val_fraction: float = 0.0,
     seed: int = 0,
     long: LongPolicy = "drop",
-    mask_padding: bool = False,
     overwrite: bool = False,
 ) -> dict[str, dict[str, int]]:
-    """Pack JSONL instruction data into `output`; returns each split's counts."""
+    """Pack instruction data into `output`; returns each split's counts. Everything is checked (the
+    options, the inputs, the tokenizer and its chat template, the output) before anything is written."""
 
     if long not in ("truncate", "drop"):
         raise UserError(f"--long must be truncate or drop, got {long!r}")
     check_pack_arguments(seq_len, val_fraction, val_inputs or [])
+    train_paths = chat_inputs([Path(p) for p in inputs], "inputs")
+    val_paths = chat_inputs([Path(p) for p in val_inputs], "--val-input") if val_inputs else []
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)
+    template.check()
     _check_output_dir(output, tokenizer_path, overwrite)
     eos = special_token_id(tokenizer, "eos")
-    options = {"seq_len": seq_len, "long": long, "eos": eos, "mask_padding": mask_padding,
-               "val_fraction": val_fraction, "seed": seed}  # fmt: skip
+    options = {"seq_len": seq_len, "long": long, "eos": eos, "val_fraction": val_fraction, "seed": seed}
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     metadata = {"format": PACKED_FORMAT, "vocab_size": vocab_size, "seq_len": seq_len, "eos_token_id": eos,
                 "tokenizer_sha256": tokenizer_sha256(tokenizer_path), "dtype": token_dtype(vocab_size).name,
-                "dlm_version": __version__,
-                "chat": {"template": template.name, "long": long, "mask_padding": mask_padding},
-                "sources": [str(p) for p in [*inputs, *(val_inputs or [])]]}  # fmt: skip
-    names = ("train", "val") if val_inputs or val_fraction > 0 else ("train",)
-    sources = [*((Path(p), False) for p in inputs), *((Path(p), True) for p in val_inputs or [])]
+                "dlm_version": __version__, "chat": {"template": template.name, "long": long},
+                "sources": [str(p) for p in [*train_paths, *val_paths]]}  # fmt: skip
+    names = ("train", "val") if val_paths or val_fraction > 0 else ("train",)
+    sources = [*((p, False) for p in train_paths), *((p, True) for p in val_paths)]
+    writers = _write(output, names, token_dtype(vocab_size),
+                     lambda writers: _stream(sources, tokenizer, template, writers, options),
+                     lambda writers: _commit(output, writers, metadata, tokenizer_path))  # fmt: skip
+    return {name: writer.counts() for name, writer in writers.items()}
+
+
+def _write(output: Path, names: tuple[str, ...], dtype: np.dtype, stream: Callable[[dict[str, _ChatWriter]], None],
+           commit: Callable[[list[_ChatWriter]], None]) -> dict[str, _ChatWriter]:  # fmt: skip
+    """Stream the splits to temporaries and commit them; on any failure remove every temporary and each
+    directory this created. A failed write (a full disk) is a `UserError`."""
+
     created = [d for d in (output, *output.absolute().parents) if not d.exists()]
-    remove_stale_temporaries(output, [*OUTPUT_FILES, *(mask_path(output / f"{name}.bin").name for name in SPLITS)])
+    remove_stale_temporaries(output, [*OUTPUT_FILES, *MASK_FILES])
     writers: dict[str, _ChatWriter] = {}
     committed = False
     with reported_os_errors("the packed data", output):
         try:
             output.mkdir(parents=True, exist_ok=True)
-            writers.update({name: _ChatWriter(name, output, token_dtype(vocab_size)) for name in names})
-            _stream(sources, tokenizer, template, writers, options)
+            writers.update({name: _ChatWriter(name, output, dtype) for name in names})
+            stream(writers)
             for writer in writers.values():
                 writer.close()
-            _commit(output, list(writers.values()), metadata, tokenizer_path)
+            commit(list(writers.values()))
             committed = True
         finally:
             for writer in writers.values():
@@ -209,4 +262,4 @@ def pack_chat(
                     temporary.unlink(missing_ok=True)
             if not committed:
                 _remove_empty(created)
-    return {name: writer.counts() for name, writer in writers.items()}
+    return writers

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.pack import PACKED_FORMAT, PackSummary, SplitSummary, pack_corpus, token_dtype
 
 if TYPE_CHECKING:
@@ -137,6 +138,10 @@ def load_packed_dataset(path: str | Path, seq_len: int | None = None, split: str
     if mask is not None and (not mask.is_file() or mask.stat().st_size != tokens):
         raise UserError(f"the loss mask {mask.name} is missing or not one byte per token", path=bin_path,
                         fix="re-run `dlm pack --chat`")  # fmt: skip
+    if isinstance(metadata.get("chat"), dict) and metadata["chat"].get("mask_padding"):
+        warnings.warn(UserNote(f"{bin_path}: packed with --mask-padding, which dlm no longer offers: its padding "
+                               "is visible and unlearned, which shows the model in training where each reply ends, "
+                               "as it never sees when sampling (docs/finetune.md); re-pack without it"), stacklevel=2)
     return PackedDataset(bin_path, metadata)
 
 

@@ -1,7 +1,7 @@
 """Weighted sources for `dlm pack`: blend corpora by repeating or sampling each one's documents.
 
-`--source PATH:WEIGHT` names a file, directory or glob and a weight w > 0. Every training document of
-the source is packed floor(w) times, and round(frac(w) x n) of its n training documents (halves
+`--source PATH:WEIGHT` names a file, directory or glob and a weight 0 < w <= 1000. Every training
+document of the source is packed floor(w) times, and round(frac(w) x n) of its n training documents (halves
 rounded up), drawn with the pack seed, once more: 2 packs each document twice, 0.5 a seeded half of
 them, 1.5 every document once and a seeded half a second time. The same seed draws the same ones.
 
@@ -28,6 +28,10 @@ from dlm.errors import UserError
 from dlm.pack_plan import TRAIN, PackPlan
 
 SOURCE_FIX = "write --source PATH:WEIGHT, for example --source web/:2 or --source books.parquet:0.5"
+# Each unit of weight is one more whole pass over the source (`read_order` lists them, and a document's
+# copies are a uint32), so a huge weight would read for ever or overflow. Weights are relative: a
+# larger ratio than this is a smaller weight for the other sources.
+MAX_WEIGHT = 1000
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ def parse_source(text: str) -> WeightedSource:
         raise UserError(f"--source {text!r}: the weight {weight!r} is not a number", fix=SOURCE_FIX) from None
     if not (math.isfinite(value) and value > 0):
         raise UserError(f"--source {text!r}: the weight must be a positive number", fix=SOURCE_FIX)
+    if value > MAX_WEIGHT:
+        raise UserError(f"--source {text!r}: the weight is over {MAX_WEIGHT:,} (each unit is one more pass over the "
+                        "source)", fix="weights are relative: give the other sources smaller ones")  # fmt: skip
     return WeightedSource(path, value)
 
 

@@ -36,6 +36,9 @@ from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 PACKED_FORMAT = "dlm-packed-v1"
 SPLITS = ("train", "val")
 OUTPUT_FILES = ("tokenizer.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
+# Written by `dlm pack --chat` only (`dlm.chat_pack`): a loss mask beside a split's tokens. A plain pack
+# removes them, since a mask that another pack's tokens left behind describes nothing.
+MASK_FILES = tuple(f"{s}.mask.bin" for s in SPLITS)
 # Encode about this much text per `encode_batch_fast` call: enough pieces for every core, little RAM.
 BATCH_TEXT_BYTES = 1 << 20
 PackProgress = Callable[[int, int, int], None]  # (bytes read, total bytes, tokens written)
@@ -151,7 +154,7 @@ def check_pack_arguments(seq_len: int, val_fraction: float, val_inputs: Sequence
 def _check_output_dir(output: Path, tokenizer: Path, overwrite: bool) -> None:
     if output.exists() and not output.is_dir():
         raise UserError("output exists and is not a directory", path=output, fix="name a directory")
-    existing = [name for name in OUTPUT_FILES if (output / name).exists()]
+    existing = [name for name in (*OUTPUT_FILES, *MASK_FILES) if (output / name).exists()]
     if "tokenizer.json" in existing and (output / "tokenizer.json").samefile(tokenizer):
         existing.remove("tokenizer.json")  # packing beside the tokenizer it was given is fine
     if existing and not overwrite:
@@ -222,7 +225,7 @@ def pack_corpus(
     if not plan.fates:
         raise UserError("the corpus is empty: no text in any input file", path=found.paths[found.val_files])
     apply_weights(plan, found, seed)
-    removed = remove_stale_temporaries(output, OUTPUT_FILES)
+    removed = remove_stale_temporaries(output, [*OUTPUT_FILES, *MASK_FILES])
     reader = CorpusReader(found.paths, text_field=text_field, errors=errors, order=read_order(found))
     job = _Job(output, tokenizer_path, loaded, seq_len, seed, val_fraction, found)
     wanted = ("train", "val") if val_fraction > 0 or found.val_files else ("train",)
@@ -365,6 +368,7 @@ def _commit(
             shutil.copyfile(tokenizer, temporary)
     for name in SPLITS:  # stale metadata goes first: a half-replaced split must never load
         (output / f"{name}.json").unlink(missing_ok=True)
+        (output / f"{name}.mask.bin").unlink(missing_ok=True)  # a chat pack's (MASK_FILES)
         if name not in writers:
             (output / f"{name}.bin").unlink(missing_ok=True)
     for writer in writers.values():

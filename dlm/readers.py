@@ -7,6 +7,10 @@ the trailing suffix (`COMPRESSIONS`), so `notes.jsonl.zst` is jsonl read through
 `dlm tokenizer train`, `dlm pack`, the missing-package errors and the list of supported inputs all
 follow the registry: adding a format is one read function and one `Format` entry.
 
+A format whose inputs hold fields (JSONL objects, the columns of Parquet and of saved datasets) also
+has a `records` function: instruction data (`dlm pack --chat`) reads each line or row as one record,
+of the fields it asks for, named with its file and line or row.
+
 Every reader streams: memory is bounded by a piece of text (`piece_bytes`), a JSON line, a Parquet
 row group's text column, or an Arrow record batch, never by the size of the input. Readers decode
 bytes with `ReadContext.decode`, so invalid UTF-8 is refused (with where it is) or replaced the same
@@ -21,7 +25,7 @@ import importlib
 import io
 import json
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +39,9 @@ DecodeErrors = Literal["strict", "replace"]
 DECODE_ERRORS: tuple[str, ...] = get_args(DecodeErrors)
 _REPLACEMENT_UTF8 = "\ufffd".encode()
 _T = TypeVar("_T")
+# An instruction example as read (`dlm pack --chat`): a JSON-like value and where it is, "FILE:LINE" or
+# "FILE: row N (0-based)"; `dlm.chat.parse_example` judges it.
+Record = tuple[Any, str]
 
 
 class Chunk(NamedTuple):
@@ -73,13 +80,16 @@ SAVED_DATASET = Requirement("pyarrow", "datasets", "reading a saved Hugging Face
 ZSTD = Requirement("zstandard", "zstd", "reading .zst files")
 
 
+UTF8_FIX = "convert the file to UTF-8, or pass --errors replace to substitute U+FFFD"
+
+
 class Utf8Decoder:
     """UTF-8 decoding under the `--errors` policy; counts the characters it replaced."""
 
-    def __init__(self, errors: str = "strict"):
+    def __init__(self, errors: str = "strict", fix: str = UTF8_FIX):
         if errors not in DECODE_ERRORS:
             raise UserError(f"errors must be one of {', '.join(DECODE_ERRORS)}, got {errors!r}")
-        self.errors = errors
+        self.errors, self.fix = errors, fix  # what the error for invalid UTF-8 says to do
         self.replaced_characters = 0
 
     def decode(self, data: bytes, path: Path, offset: int, within: str) -> tuple[str, int]:
@@ -92,7 +102,7 @@ class Utf8Decoder:
                 raise UserError(
                     f"invalid UTF-8 at byte {offset + exc.start}{within}",
                     path=path,
-                    fix="convert the file to UTF-8, or pass --errors replace to substitute U+FFFD",
+                    fix=self.fix,
                 ) from None
         text = data.decode("utf-8", errors="replace")
         # U+FFFD characters already in the file are valid UTF-8; only the rest are replacements.
@@ -274,32 +284,50 @@ def read_text(context: ReadContext) -> Iterator[Chunk]:
             yield Chunk(text, size, last)
 
 
-def read_jsonl(context: ReadContext) -> Iterator[Chunk]:
-    """Each non-blank line is a JSON object; its `text_field` string is one document."""
+def _jsonl_values(context: ReadContext) -> Iterator[tuple[int, Any]]:
+    """Each non-blank line's JSON value, with its line number; a line that is not UTF-8 or not JSON is
+    named with its number."""
 
     with context.open() as handle:
         offset = 0
+        within = " of the decompressed text," if compression_of(context.path) else ""
         for line_number, line in enumerate(handle, start=1):
             start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
+            text = context.decode(line, start, f"{within} on line {line_number}")[0]
             try:
-                record = json.loads(context.decode(line, start)[0])
-            except json.JSONDecodeError as exc:
+                yield line_number, json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
                 raise UserError(
-                    f"line {line_number} is not valid JSON ({exc.msg})",
+                    f"line {line_number} is not valid JSON ({reason})",
                     path=context.path,
                     fix="write one JSON object per line",
                 ) from None
-            text = record.get(context.text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise UserError(
-                    f"line {line_number} has no string field {context.text_field!r}",
-                    path=context.path,
-                    fix="pass --text-field with the name of the field holding the text",
-                )
-            if text:
-                yield Chunk(text, len(text.encode("utf-8")), True)
+
+
+def read_jsonl(context: ReadContext) -> Iterator[Chunk]:
+    """Each non-blank line is a JSON object; its `text_field` string is one document."""
+
+    for line_number, record in _jsonl_values(context):
+        text = record.get(context.text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(
+                f"line {line_number} has no string field {context.text_field!r}",
+                path=context.path,
+                fix="pass --text-field with the name of the field holding the text",
+            )
+        if text:
+            yield Chunk(text, len(text.encode("utf-8")), True)
+
+
+def read_jsonl_records(context: ReadContext, fields: Sequence[str]) -> Iterator[Record]:
+    """Each non-blank line's JSON value, keeping only `fields` of an object, named `FILE:LINE`."""
+
+    for line_number, value in _jsonl_values(context):
+        record = {key: value[key] for key in fields if key in value} if isinstance(value, dict) else value
+        yield record, f"{context.path}:{line_number}"
 
 
 # The text column of an Arrow batch (Parquet, saved datasets): read as bytes, so that `decode` is the
@@ -341,25 +369,71 @@ def _arrow_documents(context: ReadContext, column: Any, first_row: int, where: s
             yield Chunk(text, size, True)
 
 
-def read_parquet(context: ReadContext) -> Iterator[Chunk]:
-    """Each row's `text_field` is one document, read one row group (in batches) at a time."""
+def _arrow_records(context: ReadContext, batch: Any, first_row: int, where: str) -> Iterator[Record]:
+    """Each row of a batch as a dict, named `FILE: row N (0-based)`; a binary value is decoded as text is."""
+
+    for row, record in enumerate(batch.to_pylist(), start=first_row):
+        for key, value in record.items():
+            if isinstance(value, bytes):
+                record[key] = context.decode(value, 0, f" of {key!r} in row {row} (0-based){where}")[0]
+        yield record, f"{context.path}: row {row} (0-based){where}"
+
+
+def _record_columns(schema: Any, context: ReadContext, fields: Sequence[str]) -> list[str]:
+    """The `fields` that `schema` has, in its order; refuse a schema with none of them."""
+
+    if not (columns := [name for name in schema.names if name in fields]):
+        raise UserError(
+            f"has none of the columns {', '.join(fields)} (its columns: {', '.join(schema.names)})",
+            path=context.path,
+        )
+    return columns
+
+
+# What reads one Arrow batch: (context, batch of the selected columns, its first row, where) -> items.
+_Convert = Callable[[ReadContext, Any, int, str], Iterator[_T]]
+_Select = Callable[[Any], list[str]]  # schema -> the columns to read
+
+
+def _parquet_rows(context: ReadContext, select: _Select, convert: _Convert[_T]) -> Iterator[_T]:
+    """`convert` of each batch of the `select`ed columns, read one row group (in batches) at a time."""
 
     parquet = require(PARQUET, context.path)
     import pyarrow  # a dependency of pyarrow.parquet
 
     try:
-        # No pre-buffering and a bounded read buffer: only a part of one row group's text column is held.
+        # No pre-buffering and a bounded read buffer: only a part of one row group's columns is held.
         handle = parquet.ParquetFile(context.path, pre_buffer=False, buffer_size=1 << 20)
-        _text_column_index(handle.schema_arrow, context)
+        columns = select(handle.schema_arrow)
         rows, size, done = handle.metadata.num_rows, context.path.stat().st_size, 0
-        for batch in handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[context.text_field]):
-            yield from _arrow_documents(context, batch.column(0), done, "")
+        for batch in handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            yield from convert(context, batch, done, "")
             done += batch.num_rows
             context.bytes_read = size * done // max(rows, 1)
     except (pyarrow.ArrowException, OSError) as exc:
         raise UserError(f"cannot read file: {exc}", path=context.path) from None
     # Parquet is read by seeking (the footer first): its bytes are hashed in one more sequential read.
     context.hash_file(context.path)
+
+
+def _text_column(context: ReadContext) -> _Select:
+    return lambda schema: [schema.field(_text_column_index(schema, context)).name]
+
+
+def _text_documents(context: ReadContext, batch: Any, first_row: int, where: str) -> Iterator[Chunk]:
+    return _arrow_documents(context, batch.column(0), first_row, where)
+
+
+def read_parquet(context: ReadContext) -> Iterator[Chunk]:
+    """Each row's `text_field` is one document."""
+
+    return _parquet_rows(context, _text_column(context), _text_documents)
+
+
+def read_parquet_records(context: ReadContext, fields: Sequence[str]) -> Iterator[Record]:
+    """Each row's `fields` (the columns it has of them) as one record."""
+
+    return _parquet_rows(context, lambda schema: _record_columns(schema, context, fields), _arrow_records)
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -381,8 +455,8 @@ def saved_dataset_files(path: Path) -> list[Path]:
     return files
 
 
-def read_saved_dataset(context: ReadContext) -> Iterator[Chunk]:
-    """Each row's `text_field` is one document; the Arrow files stream one record batch at a time."""
+def _saved_dataset_rows(context: ReadContext, select: _Select, convert: _Convert[_T]) -> Iterator[_T]:
+    """`convert` of each record batch of the `select`ed columns; the Arrow files stream in row order."""
 
     pyarrow = require(SAVED_DATASET, context.path)
     first_row = 0
@@ -390,12 +464,24 @@ def read_saved_dataset(context: ReadContext) -> Iterator[Chunk]:
         with context.open(data_file) as handle:
             try:
                 stream = pyarrow.ipc.open_stream(handle)
-                column = _text_column_index(stream.schema, context)
+                columns = select(stream.schema)
                 for batch in stream:
-                    yield from _arrow_documents(context, batch.column(column), first_row, " of the dataset")
+                    yield from convert(context, batch.select(columns), first_row, " of the dataset")
                     first_row += batch.num_rows
             except pyarrow.ArrowException as exc:
                 raise UserError(f"cannot read file: {exc}", path=data_file) from None
+
+
+def read_saved_dataset(context: ReadContext) -> Iterator[Chunk]:
+    """Each row's `text_field` is one document."""
+
+    return _saved_dataset_rows(context, _text_column(context), _text_documents)
+
+
+def read_saved_dataset_records(context: ReadContext, fields: Sequence[str]) -> Iterator[Record]:
+    """Each row's `fields` (the columns it has of them) as one record."""
+
+    return _saved_dataset_rows(context, lambda schema: _record_columns(schema, context, fields), _arrow_records)
 
 
 def _file_size(path: Path) -> int:
@@ -418,12 +504,14 @@ class Format:
     compressible: bool = False  # read through `COMPRESSIONS` when the name ends in one
     needs: Requirement | None = None
     size: Callable[[Path], int] = _file_size  # on-disk bytes read: the unit of progress
+    # Reads the input as records holding the given fields (`dlm pack --chat`); None: text only.
+    records: Callable[[ReadContext, Sequence[str]], Iterator[Record]] | None = None
 
 
 FORMATS = (
     Format("text", "`.txt`, `.md`", read_text, suffixes=(".txt", ".md"), compressible=True),
-    Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True),
-    Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET),
+    Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True, records=read_jsonl_records),
+    Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET, records=read_parquet_records),
     Format(
         "saved-dataset",
         "saved Hugging Face datasets (`save_to_disk` directories)",
@@ -431,13 +519,22 @@ FORMATS = (
         directory=is_saved_dataset,
         needs=SAVED_DATASET,
         size=_saved_dataset_size,
+        records=read_saved_dataset_records,
     ),
 )
-SUPPORTED = (
-    ", ".join(f.label for f in FORMATS if f.compressible)
-    + f" (each optionally {' or '.join(f'`{c.suffix}`' for c in COMPRESSIONS)}), "
-    + ", ".join(f.label for f in FORMATS if not f.compressible)
-)
+
+
+def describe(formats: Iterable[Format]) -> str:
+    """The inputs `formats` read, in words (with Markdown backticks)."""
+
+    formats = list(formats)
+    compressions = " or ".join(f"`{c.suffix}`" for c in COMPRESSIONS)
+    return ", ".join([", ".join(f.label for f in formats if f.compressible) + f" (each optionally {compressions})",
+                      *(f.label for f in formats if not f.compressible)])  # fmt: skip
+
+
+SUPPORTED = describe(FORMATS)
+RECORDS_SUPPORTED = describe(f for f in FORMATS if f.records is not None)  # what `dlm pack --chat` reads
 
 
 def format_of(path: Path) -> Format | None:

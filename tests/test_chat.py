@@ -55,23 +55,63 @@ def test_pack_chat_masks_the_prompt_and_counts_the_padding(
     assert tokenizer.decode(ids[:prompt_length]) == "<|user|>\nsay to\n<|assistant|>\n"
 
 
-def test_mask_padding_and_truncation_options(chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path) -> None:
-    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", mask_padding=True, long="truncate")
+def test_truncation_and_the_learned_padding(chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", long="truncate")
     # The long example's prompt alone fills the block: nothing of its reply would be learned, so it is dropped.
     assert counts["train"]["truncated"] == 0 and counts["train"]["dropped"] == 1
     dataset = load_packed_dataset(tmp_path / "out", SEQ_LEN)
-    tokens, loss_mask = dataset[0]
-    end = int(loss_mask.nonzero().max()) + 1
-    assert tokens[end - 1] == 0 and not loss_mask[end:].any()  # the reply's own end token is learned, no padding
+    for index in range(len(dataset)):  # every block's loss runs from the reply to the block's end: padding too
+        tokens, loss_mask = dataset[index]
+        start = int(loss_mask.nonzero().min())
+        assert loss_mask[start:].all() and not loss_mask[:start].any() and tokens[-1] == 0
     masks = np.fromfile(mask_path(tmp_path / "out" / "train.bin"), dtype=np.uint8)
     assert masks.size == dataset.num_blocks * SEQ_LEN
+    assert "mask_padding" not in dataset.metadata["chat"]
 
 
 def test_truncation_keeps_a_long_reply(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "q", "response": "word " * 100}])
     assert pack_chat([path], tiny_tokenizer_path, SEQ_LEN, tmp_path / "a", long="truncate")["train"]["truncated"] == 1
-    with pytest.raises(UserError, match="no example that fits"):
+    with pytest.raises(UserError, match=r"no example to pack \(1 longer than a block\).*--long truncate"):
         pack_chat([path], tiny_tokenizer_path, SEQ_LEN, tmp_path / "b", long="drop")
+
+
+def test_examples_with_an_empty_reply_are_skipped_and_counted(
+    tiny_tokenizer_path: Path, tmp_path: Path, run_cli: Callable[..., CliResult], monkeypatch: pytest.MonkeyPatch,
+    narrow_console: int,
+) -> None:  # fmt: skip
+    good = [{"prompt": f"say {w}", "response": f"{w} {w}"} for w in ("to", "be", "or")]
+    empty: list[dict[str, object]] = [{"prompt": "say nothing", "response": ""},
+                                      {"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": " \n"}]}]  # fmt: skip
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [good[0], empty[0], good[1], empty[1], good[2]])
+    counts = pack_chat([mixed], tiny_tokenizer_path, SEQ_LEN, tmp_path / "mixed")["train"]
+    clean = pack_chat([write_jsonl(tmp_path / "clean.jsonl", good)], tiny_tokenizer_path, SEQ_LEN, tmp_path / "clean")
+    assert counts == {**clean["train"], "empty": 2} and counts["examples"] == 3
+    for name in ("train.bin", "train.mask.bin"):  # the same blocks as the data without them
+        assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+    assert load_packed_dataset(tmp_path / "mixed", SEQ_LEN).metadata["chat"]["empty"] == 2
+
+    monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
+    args = ("-t", tiny_tokenizer_path, "-l", str(SEQ_LEN), "-o", tmp_path / "cli")
+    result = run_cli("pack", "--chat", mixed, *args)
+    assert result.exit_code == 0, result.stderr
+    assert "train: skipped 2 examples with an empty reply" in result.stdout
+    only_empty = write_jsonl(tmp_path / "empty.jsonl", empty)
+    run_cli("pack", "--chat", only_empty, *args, "--overwrite").assert_refused(
+        "the train split holds no example to pack (2 with an empty reply)", "give each example a non-empty reply")
+
+
+def test_an_empty_split_names_its_cause_and_a_fix_that_helps(
+    tiny_tokenizer_path: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "long " * 80, "response": "x"}])
+    args = ("pack", "--chat", path, "-t", tiny_tokenizer_path, "-l", str(SEQ_LEN), "-o", tmp_path / "out")
+    cause = "no example to pack (1 longer than a block)"
+    run_cli(*args).assert_refused(cause, "raise --seq-len or pass --long truncate")
+    truncating = run_cli(*args, "--long", "truncate")  # the prompt alone fills the block: truncating cannot help
+    truncating.assert_refused(cause, "raise --seq-len: their prompts fill a block")
+    assert "--long truncate" not in truncating.stderr and not (tmp_path / "out").exists()
 
 
 def test_a_bad_record_is_named_with_file_and_line(tiny_tokenizer_path: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from dlm.corpus import discover_inputs
 from dlm.data import DeterministicBatchSampler, PackedDataset, load_packed_dataset, pack_corpus
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.tokenizer import load_tokenizer
 
 EOS = 0
@@ -209,6 +209,21 @@ def test_truncated_file_and_wrong_seq_len_are_refused(tmp_path: Path, tiny_data_
     (data / "val.json").unlink()
     with pytest.raises(UserError, match=r"metadata file val\.json is missing"):
         load_packed_dataset(data, 64, split="val")
+
+
+def test_a_pack_made_with_the_removed_mask_padding_option_loads_with_a_warning(
+    tmp_path: Path, tiny_tokenizer_path: Path
+) -> None:
+    from dlm.chat_pack import pack_chat
+
+    lines = [json.dumps({"prompt": f"q{i}", "response": "a"}) + "\n" for i in range(4)]
+    (tmp_path / "c.jsonl").write_text("".join(lines))
+    pack_chat([tmp_path / "c.jsonl"], tiny_tokenizer_path, 32, tmp_path / "out")
+    metadata = json.loads((tmp_path / "out" / "train.json").read_text())
+    metadata["chat"]["mask_padding"] = True  # what such a pack recorded
+    (tmp_path / "out" / "train.json").write_text(json.dumps(metadata))
+    with pytest.warns(UserNote, match="packed with --mask-padding, which dlm no longer offers.*re-pack without it"):
+        assert len(load_packed_dataset(tmp_path / "out")) == 4
 
 
 def test_interrupted_pack_leaves_nothing_that_loads(

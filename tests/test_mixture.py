@@ -132,11 +132,25 @@ def test_without_sources_the_mixture_is_not_recorded(tmp_path: Path, tiny_tokeni
         ("web.jsonl:-1", "must be a positive number"),
         ("web.jsonl:nan", "must be a positive number"),
         ("web.jsonl:inf", "must be a positive number"),
+        ("web.jsonl:1000.5", "the weight is over 1,000"),
+        ("web.jsonl:1e30", "the weight is over 1,000"),  # once: a uint32 overflow in apply_weights
+        ("web.jsonl:1e308", "the weight is over 1,000"),  # once: range(1e308) passes in read_order
     ],
 )
 def test_bad_source_specifications_are_refused(text: str, message: str) -> None:
     with pytest.raises(UserError, match=message):
         parse_source(text)
+
+
+def test_the_largest_weight_packs(tmp_path: Path, tiny_tokenizer_path: Path, run_cli) -> None:
+    assert parse_source("a:b.txt:1000") == WeightedSource("a:b.txt", 1000.0)
+    (tmp_path / "one.txt").write_text("a short document")
+    args = ("pack", "-t", tiny_tokenizer_path, "-l", "64", "-o", tmp_path / "out", "--source")
+    run_cli(*args, f"{tmp_path / 'one.txt'}:1e30").assert_refused("the weight is over 1,000", "smaller ones")
+    assert not (tmp_path / "out").exists()
+    result = run_cli(*args, f"{tmp_path / 'one.txt'}:1000", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["mixture"][0]["documents_taken"] == 1000
 
 
 def test_cli_sources_metadata_notes_and_refusals(tmp_path: Path, tiny_tokenizer_path: Path, run_cli) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlm.chat_pack import mask_path
 from dlm.data import load_packed_dataset
-from dlm.pack import pack_corpus
+from dlm.pack import MASK_FILES, pack_corpus
 from dlm.tokenizer import load_tokenizer
 
 EOS = 0
@@ -208,6 +209,31 @@ def test_temporaries_of_killed_packs_are_removed_but_not_a_live_ones(
     finally:
         live.kill()
         live.wait()
+
+
+# ------------------------------------------------------------------------------- a chat pack's files
+
+
+def test_a_plain_pack_over_a_chat_pack_removes_its_loss_masks_only(
+    tmp_path: Path, tiny_tokenizer_path: Path, run_cli
+) -> None:
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i} {i}"}) + "\n" for i in range(20)))
+    output = tmp_path / "data"
+    assert run_cli("pack", "--chat", chat, "-t", tiny_tokenizer_path, "-l", "32", "-o", output,
+                   "--val-fraction", "0.3").exit_code == 0  # fmt: skip
+    mine = [output / "notes.mask.bin", output / "train.mask.bin.bak", output / "mask.bin"]
+    for path in mine:
+        path.write_bytes(b"the user's own")
+    (tmp_path / "play.txt").write_text(play(1))
+    args = ("pack", tmp_path / "play.txt", "-t", tiny_tokenizer_path, "-l", "8", "-o", output)
+    run_cli(*args).assert_refused("output already holds", "train.mask.bin, val.mask.bin", "--overwrite")
+    assert run_cli(*args, "--overwrite").exit_code == 0
+    assert sorted(path.name for path in output.iterdir()) == sorted(
+        ["tokenizer.json", "train.bin", "train.json", *(path.name for path in mine)])  # fmt: skip
+    assert all(path.read_bytes() == b"the user's own" for path in mine)
+    assert "loss_mask" not in metadata(output, "train")
+    assert tuple(mask_path(output / f"{name}.bin").name for name in ("train", "val")) == MASK_FILES
 
 
 # ------------------------------------------------------------------------------- a full disk

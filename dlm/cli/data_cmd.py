@@ -34,7 +34,8 @@ SOURCE_HELP = (
     "A weighted training input PATH:WEIGHT (repeatable; a file, directory or glob). Each of its training "
     "documents is packed floor(WEIGHT) times, and a share frac(WEIGHT) of them, drawn with --seed, once "
     "more: 2 = every document twice, 0.5 = a seeded half, 1.5 = all once and a seeded half twice. Repeats "
-    "are whole passes over the source; validation documents are never repeated. Plain INPUTS weigh 1."
+    "are whole passes over the source; validation documents are never repeated. Plain INPUTS weigh 1; "
+    "WEIGHT is at most 1000."
 )
 ErrorsOption = Annotated[
     DecodeErrors,
@@ -111,6 +112,7 @@ def tokenizer_train(
 
 
 def pack(
+    ctx: typer.Context,
     tokenizer: Annotated[Path, typer.Option("--tokenizer", "-t", help="tokenizer.json to encode with.")],
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per block (model.max_seq_len).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for train/val .bin/.json.")],
@@ -133,15 +135,14 @@ def pack(
     overwrite: OverwriteOption = False,
     chat: Annotated[
         bool,
-        typer.Option("--chat", help="Instruction data: JSONL of prompt/response or messages, one example per block, "
-                     "with a loss mask that leaves the prompt out (see docs/finetune.md)."),
+        typer.Option("--chat", help="Instruction data: JSONL (or Parquet, saved datasets) of prompt/response or "
+                     "messages, one example per block, with a loss mask that leaves the prompt out (see "
+                     "docs/finetune.md)."),
     ] = False,
     long: Annotated[
         str, typer.Option("--long", help="--chat: an example longer than a block is truncated or dropped (counted).")
     ] = "drop",
-    mask_padding: Annotated[
-        bool, typer.Option("--mask-padding", help="--chat: the end-of-document padding carries no loss.")
-    ] = False,
+    mask_padding: Annotated[bool, typer.Option("--mask-padding", hidden=True)] = False,  # removed: refused
     as_json: JsonOption = False,
 ) -> None:
     """Tokenize documents, separate them with end-of-document tokens and cut fixed-length blocks.
@@ -150,9 +151,10 @@ def pack(
     cannot read are skipped and listed. With --chat, instruction examples are packed one per block.
     """
 
+    _check_mode_options(ctx, chat)
     if chat:
         _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
-                   long, mask_padding, overwrite, wants_json(as_json))  # fmt: skip
+                   long, overwrite, wants_json(as_json))  # fmt: skip
         return
     from dlm.mixture import parse_source
     from dlm.pack import pack_corpus
@@ -181,19 +183,42 @@ def pack(
         _render_pack(summary)
 
 
+# Options that only one mode of `dlm pack` reads: given to the other, they are refused, never ignored.
+CHAT_ONLY = ("long",)
+PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dlm.chat, in UTF-8
+
+
+def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
+    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
+    sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params}
+    names = {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+    if "mask_padding" in names:
+        raise UserError("--mask-padding was removed: it left the padding visible and unlearned, which shows the "
+                        "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",
+                        fix="drop it: the padding is learned as end-of-document tokens, which is how the model "
+                        "learns to stop")  # fmt: skip
+    wrong = [names[n] for n in (PLAIN_ONLY if chat else CHAT_ONLY) if n in names]
+    if wrong:
+        mode = "--chat" if chat else "a plain pack (without --chat)"
+        raise UserError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to {mode}",
+                        fix=f"drop {', '.join(wrong)}" + ("" if chat else ", or pass --chat"))  # fmt: skip
+
+
 def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
-               val_fraction: float, seed: int, long: str, mask_padding: bool, overwrite: bool, json_mode: bool) -> None:
+               val_fraction: float, seed: int, long: str, overwrite: bool, json_mode: bool) -> None:
     from dlm.chat_pack import pack_chat
 
     splits = pack_chat([Path(p) for p in inputs], tokenizer, seq_len, output, val_inputs=[Path(p) for p in val_inputs],
-                       val_fraction=val_fraction, seed=seed, long=long, mask_padding=mask_padding,  # type: ignore[arg-type]
-                       overwrite=overwrite)  # fmt: skip
+                       val_fraction=val_fraction, seed=seed, long=long, overwrite=overwrite)  # type: ignore[arg-type]  # fmt: skip
     if json_mode:
         print_json({"event": "summary", "output": str(output), "chat": True, "splits": splits})
         return
     for name, counts in splits.items():
         console.print(f"{name}: {counts['examples']:,} examples ({counts['truncated']:,} truncated, "
                       f"{counts['dropped']:,} dropped), {counts['loss_tokens']:,} loss tokens", highlight=False)
+        if counts["empty"]:
+            console.print(f"[yellow]{name}: skipped {_count(counts['empty'], 'example')} with an empty reply[/]",
+                          highlight=False)  # fmt: skip
 
 
 def _render_pack(summary: PackSummary) -> None:
