@@ -269,8 +269,9 @@ def diffusion_cross_entropy(
     loss = sum_i CE_i x w_b(i) / (B x L) with the weight w = mask_rate / mask_probability of the
     corruption (1 / t for linear); `token_losses` gives CE_i (a compiled copy in training). With a
     loss mask (instruction data) each sequence's sum is divided by its own number of loss tokens
-    and the loss is the mean over sequences, as in LLaDA's fine-tuning and as `dlm eval` averages
-    sequences; without one both rules give the same number, and the B x L division is kept.
+    and the loss is the mean over sequences, as in LLaDA's fine-tuning (`dlm eval` weights each
+    sequence by its loss tokens instead: total NLL over total tokens); without a loss mask both
+    rules give the same number, and the B x L division is kept.
     """
 
     batch, length = clean.shape
