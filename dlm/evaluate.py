@@ -221,6 +221,15 @@ def _logits_fn(
     return logits
 
 
+def _loss_mask_path(dataset: Any, metadata: Mapping[str, Any] | None) -> Path | None:
+    """The loss mask file beside a packed dataset (what an error about its masks names), else its data."""
+
+    path, mask_name = getattr(dataset, "path", None), (metadata or {}).get("loss_mask")
+    if path is None:
+        return None
+    return Path(path).parent / mask_name if isinstance(mask_name, str) else Path(path)
+
+
 def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(noise_seed(seed, pass_id, batch_index))
 
@@ -357,6 +366,12 @@ def evaluate_model(
     table, why = byte_table(token_bytes, dataset, metadata)
     notes += [why] if why else []
     counts, text_bytes = scored_counts(_batches(dataset, batch_size, count), table)
+    if not bool(counts.any()):
+        raise UserError(
+            f"none of the {counts.numel()} sequences evaluated holds a token to score: their loss mask is all 0",
+            path=_loss_mask_path(dataset, metadata),
+            fix="pack the instruction data again with `dlm pack --chat`, which keeps only examples with a reply",
+        )
     was_training = model.training
     model.eval()
     try:

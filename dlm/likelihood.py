@@ -68,7 +68,7 @@ def scored_counts(batches: Iterable[Batch], table: Tensor | None) -> tuple[Tenso
         clean, loss_mask = split_batch(batch)
         counts.append(torch.full(clean.shape[:1], clean.shape[1]) if loss_mask is None else loss_mask.sum(dim=1))
         clean = clean if loss_mask is None else clean[loss_mask.bool()]
-        if table is not None:
+        if table is not None and clean.numel():
             if int(clean.max()) >= table.numel():
                 raise UserError(
                     f"the data holds token id {int(clean.max())}, beyond the tokenizer's {table.numel()} ids",

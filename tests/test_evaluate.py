@@ -366,3 +366,26 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
     assert report.nll == pytest.approx(total / 18, rel=1e-5)
     assert report.bits_per_byte == pytest.approx(total / (text_bytes * math.log(2)), rel=1e-5)
 
+
+def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
+    run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
+) -> None:
+    from dlm.chat_pack import mask_path, pack_chat
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))
+    data = tmp_path / "chat"
+    pack_chat([chat], tiny_data_dir / "tokenizer.json", 64, data, val_inputs=[chat])
+    masks = mask_path(data / "val.bin")
+    kept = masks.read_bytes()
+    masks.write_bytes(bytes(64) + kept[64:])  # the first example's loss mask all 0: it is left out
+    partly = run_cli("eval", run_dir, "--data", data, "--mc-samples", "2", "--json")
+    assert partly.exit_code == 0, partly.stderr
+    report = json.loads(partly.stdout)
+    assert report["sequences"] == 1 and report["tokens"] == sum(kept[64:])
+    assert "1 of 2 sequences hold no scored token (a loss mask of zeros): left out" in report["notes"]
+    masks.write_bytes(bytes(len(kept)))  # every loss mask all 0: nothing to evaluate
+    output = tmp_path / "eval.json"
+    result = run_cli("eval", run_dir, "--data", data, "--mc-samples", "2", "--output", output)
+    result.assert_refused("none of the 2 sequences", "loss mask is all 0", "val.mask.bin", "dlm pack --chat")
+    assert not output.exists()
