@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from dlm.config import ModelConfig
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
+from dlm.sampling import SamplingOptions, denoise
 from dlm.scoring import Scorer, rolling_windows
 from dlm.tokenizer import load_tokenizer
 
@@ -78,17 +79,29 @@ def test_a_long_context_loses_its_oldest_tokens(tokenizer: Tokenizer, estimator:
         scorer.loglikelihood([([], ids(LENGTH + 1))])
 
 
-def test_greedy_means_the_argmax_of_the_masked_continuation(tokenizer: Tokenizer) -> None:
-    model = tiny_model()
-    context = ids(8)
-    noisy = torch.tensor([context + [MASK_ID] * 3])
-    with torch.no_grad():
-        logits = model(noisy)[0, 8:]
-    logits[:, MASK_ID] = float("-inf")
-    best = logits.argmax(dim=-1).tolist()
-    other = [(best[0] + 1) % 500 + 2, *best[1:]]
-    scores = Scorer(model, tokenizer, mc_samples=2).loglikelihood([(context, best), (context, other)])
-    assert [score.is_greedy for score in scores] == [True, False]
+def greedy_continuation(model: DiffusionTransformer, context: list[int], count: int) -> list[int]:
+    """What dlm's sampler writes after `context` at temperature 0, one token per step, confidence order."""
+
+    tokens = torch.tensor([context + [MASK_ID] * count])
+    fill = torch.tensor([False] * len(context) + [True] * count)
+    options = SamplingOptions(steps=count, temperature=0.0, top_p=None, remasking="confidence")
+    with torch.inference_mode():
+        written, _ = denoise(model, tokens, fill, options, generator=torch.Generator(), forbidden_token_ids=[2])
+    return written[0, len(context) :].tolist()
+
+
+@pytest.mark.parametrize("block_size", [0, 4])
+def test_greedy_means_what_the_greedy_sampler_writes(tokenizer: Tokenizer, block_size: int) -> None:
+    model = tiny_model(block_size)
+    # Contexts of two lengths (rows of one length share a reverse process), continuations of 3 to 6 tokens.
+    requests = [(ids(length, start), count) for length, start, count in
+                ((8, 10, 3), (8, 150, 3), (8, 60, 4), (8, 110, 6), (12, 20, 5), (12, 90, 6), (5, 30, 6))]  # fmt: skip
+    written = [(context, greedy_continuation(model, context, count)) for context, count in requests]
+    changed = [(context, [(new[0] + 1) % 500 + 3, *new[1:]]) for context, new in written]
+    scorer = Scorer(model, tokenizer, mc_samples=1, batch_size=4)
+    assert [score.is_greedy for score in scorer.loglikelihood(written)] == [True] * len(written)
+    assert [score.is_greedy for score in scorer.loglikelihood(changed)] == [False] * len(changed)
+    assert scorer.rolling([ids(40)]) and scorer.loglikelihood(written[:1], greedy=False)[0].is_greedy is None
 
 
 def test_block_models_are_scored_block_by_block(tokenizer: Tokenizer) -> None:
