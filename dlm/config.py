@@ -37,6 +37,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+MaskLogit = Literal["plain", "subs"]
+
+
 class ModelConfig(_Strict):
     """The network: a bidirectional pre-norm transformer with rotary positions and a tied head."""
 
@@ -63,6 +66,12 @@ class ModelConfig(_Strict):
         ge=0,
         description="Block diffusion: tokens per block, attended bidirectionally inside a block and causally "
         "across blocks; 1 is autoregressive, 0 (default) is the whole sequence (plain masked diffusion).",
+    )
+    mask_logit: MaskLogit = Field(
+        "plain",
+        description="plain: the head scores the mask token like any other token (probability the reverse process "
+        "never uses); subs: MDLM's SUBS parameterisation, the mask token's logit is -inf and an unmasked position "
+        "predicts its own token (probability 1).",
     )
 
     @property

@@ -64,6 +64,9 @@ class Corruption:
     # [B, L] bool: the positions that may be masked and scored (instruction data: not the prompt);
     # None for plain text, where every position is.
     loss_mask: Tensor | None = None
+    # Tokens per block of a block corruption (the model's block_size), 0 for the whole sequence. The
+    # per-block tensors cannot say it: a row that is not a whole number of blocks ends in a short one.
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,13 +134,14 @@ def _corrupt_blocks(
         # A block of one token is either masked or contributes nothing, and E_t[m'(t)] = 1: the
         # exact ELBO of a one-token block is its cross-entropy when masked, weight 1, no noise.
         ones = torch.ones_like(time)
-        return Corruption(torch.full_like(clean, mask_token_id), torch.ones_like(clean, dtype=torch.bool), *(ones,) * 3)
+        everything = torch.ones_like(clean, dtype=torch.bool)
+        return Corruption(torch.full_like(clean, mask_token_id), everything, *(ones,) * 3, block_size=1)
     time = time.clamp(eps, 1.0)
     probability = schedule.mask_probability(time)
     draws = torch.rand(clean.shape, generator=generator, device=clean.device)
     mask = draws < probability.repeat_interleave(block_size, dim=1)[:, :length]
     rate = schedule.mask_rate(time) * truncation_factor(schedule, eps)
-    return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate)
+    return Corruption(clean.masked_fill(mask, mask_token_id), mask, time, probability, rate, block_size=block_size)
 
 
 Batch = Tensor | tuple[Tensor, Tensor]  # token ids [B, L], or with instruction data (ids, loss mask)
@@ -265,8 +269,9 @@ def diffusion_cross_entropy(
     loss = sum_i CE_i x w_b(i) / (B x L) with the weight w = mask_rate / mask_probability of the
     corruption (1 / t for linear); `token_losses` gives CE_i (a compiled copy in training). With a
     loss mask (instruction data) each sequence's sum is divided by its own number of loss tokens
-    and the loss is the mean over sequences, as in LLaDA's fine-tuning and as `dlm eval` averages
-    sequences; without one both rules give the same number, and the B x L division is kept.
+    and the loss is the mean over sequences, as in LLaDA's fine-tuning (`dlm eval` weights each
+    sequence by its loss tokens instead: total NLL over total tokens); without a loss mask both
+    rules give the same number, and the B x L division is kept.
     """
 
     batch, length = clean.shape
@@ -280,9 +285,9 @@ def diffusion_cross_entropy(
     rows = torch.repeat_interleave(torch.arange(batch, device=clean.device), masked_per_sequence, output_size=count)
     ce, hits = token_losses(logits, targets)  # [N] each
     rate, probability = corruption.mask_rate, corruption.mask_probability
-    blocks = rate.shape[1] if rate.dim() == 2 else 0
+    blocks, block_size = (rate.shape[1] if rate.dim() == 2 else 0), corruption.block_size
     if blocks:  # each token takes its block's weight, gathered as the targets were
-        block_size = -(-length // blocks)
+        _check_blocks(blocks, block_size, length)
         rate, probability = (_per_masked_token(value, block_size, length, slot, count) for value in (rate, probability))
     else:
         rate, probability = rate[rows], probability[rows]
@@ -297,10 +302,20 @@ def diffusion_cross_entropy(
     per_block = None
     if blocks:
         padded = F.pad(per_token, (0, blocks * block_size - length))
-        per_block = padded.view(batch, blocks, block_size).sum(dim=2) / block_size
+        sizes = torch.full((blocks,), block_size, device=clean.device)
+        sizes[-1] = length - (blocks - 1) * block_size  # a row that is not whole blocks ends in a short one
+        per_block = padded.view(batch, blocks, block_size).sum(dim=2) / sizes
     masked_tokens = masked_per_sequence.sum()
     accuracy = hits.sum().float() / masked_tokens.clamp(min=1).float()
     return DiffusionLoss(loss, accuracy, masked_tokens, per_sequence, per_block)
+
+
+def _check_blocks(blocks: int, block_size: int, length: int) -> None:
+    """Refuse per-block weights whose block size is unknown or does not tile the row into `blocks`."""
+
+    if block_size < 1 or -(-length // block_size) != blocks:
+        raise ValueError(f"{blocks} per-block weights for {length} tokens need the corruption's block_size "
+                         f"(got {block_size})")  # fmt: skip
 
 
 def _per_masked_token(per_block: Tensor, block_size: int, length: int, slot: Tensor, count: int) -> Tensor:
@@ -353,6 +368,7 @@ def corrupt_exact_count(
         mask_probability=probability,
         mask_rate=torch.ones_like(probability),
         loss_mask=None if loss_mask is None else allowed,
+        block_size=size if blocks > 1 else 0,
     )
 
 
@@ -396,7 +412,8 @@ def _corrupt_rows(
 
     noisy, mask, time, probability, rate = map(joined, ("noisy_tokens", "mask", "time", "mask_probability",
                                                           "mask_rate"))  # fmt: skip
-    return Corruption(noisy, mask, time, probability, rate, None if loss_mask is None else joined("loss_mask"))
+    return Corruption(noisy, mask, time, probability, rate, None if loss_mask is None else joined("loss_mask"),
+                      rows[0].block_size)  # fmt: skip
 
 
 @torch.no_grad()

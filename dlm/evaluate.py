@@ -11,7 +11,8 @@ batches. It never touches the global RNG.
 - the negative ELBO per token, a bound on the true NLL, estimated per sequence from K antithetic
   Monte Carlo samples (`dlm.diffusion.elbo_nll`; `estimator` picks how a sample masks the
   sequence), with its standard error, and exp(NLL), a bound on perplexity;
-- bits per byte, NLL x tokens / (bytes x ln 2): the figure that compares across tokenizers. `bytes`
+- bits per byte, NLL x tokens / (bytes x ln 2): the figure that compares across tokenizers (the NLL
+  is total NLL over total tokens, so this is total NLL over total bytes, in bits). `bytes`
   are the exact UTF-8 bytes of the tokens scored (byte-level BPE decodes every id to fixed bytes;
   special tokens count 0), so the figure is exact for any number of blocks, and the report holds
   `tokens` and `bytes` to recompute it;
@@ -133,7 +134,7 @@ class NoiseBucket:
 class EvalReport:
     """Everything `dlm eval` reports; `to_dict()` is its JSON form (`eval.json`)."""
 
-    sequences: int
+    sequences: int  # sequences scored (with a loss mask, those holding at least one loss token)
     tokens: int
     batches: int
     batch_size: int
@@ -145,7 +146,7 @@ class EvalReport:
     device: str
     fixed_noise_loss: float
     fixed_noise_accuracy: float
-    nll: float  # negative ELBO per token (nats): an upper bound on the model's NLL
+    nll: float  # negative ELBO per token (nats), total over tokens: an upper bound on the model's NLL
     nll_stderr: float | None  # over sequences and Monte Carlo samples together
     nll_mc_stderr: float | None  # Monte Carlo part only: how much a larger K would still move nll
     perplexity_bound: float
@@ -218,6 +219,15 @@ def _logits_fn(
             return model(noisy_tokens, output_positions=mask, **context)
 
     return logits
+
+
+def _loss_mask_path(dataset: Any, metadata: Mapping[str, Any] | None) -> Path | None:
+    """The loss mask file beside a packed dataset (what an error about its masks names), else its data."""
+
+    path, mask_name = getattr(dataset, "path", None), (metadata or {}).get("loss_mask")
+    if path is None:
+        return None
+    return Path(path).parent / mask_name if isinstance(mask_name, str) else Path(path)
 
 
 def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.device) -> torch.Generator:
@@ -355,7 +365,13 @@ def evaluate_model(
         notes.append("instruction data: the conditional ELBO of the responses given their prompts, per response token")
     table, why = byte_table(token_bytes, dataset, metadata)
     notes += [why] if why else []
-    tokens, text_bytes = scored_counts(_batches(dataset, batch_size, count), table)
+    counts, text_bytes = scored_counts(_batches(dataset, batch_size, count), table)
+    if not bool(counts.any()):
+        raise UserError(
+            f"none of the {counts.numel()} sequences evaluated holds a token to score: their loss mask is all 0",
+            path=_loss_mask_path(dataset, metadata),
+            fix="pack the instruction data again with `dlm pack --chat`, which keeps only examples with a reply",
+        )
     was_training = model.training
     model.eval()
     try:
@@ -367,7 +383,6 @@ def evaluate_model(
     finally:
         model.train(was_training)
     return EvalReport(
-        sequences=int(means.numel()),
         batches=count,
         batch_size=batch_size,
         mc_samples=mc_samples,
@@ -378,7 +393,7 @@ def evaluate_model(
         device=str(device),
         fixed_noise_loss=fixed["loss"],
         fixed_noise_accuracy=fixed["masked_accuracy"],
-        **likelihood_figures(means, errors, mc_samples, tokens, text_bytes, notes),
+        **likelihood_figures(means, errors, counts, mc_samples, text_bytes, notes),
         loss_by_t=buckets,
         notes=notes,
     )

@@ -12,10 +12,11 @@ line (`lm_eval ARGS`) with `dlm` known; from Python, `import dlm.harness` before
 `model_args`: `pretrained` (an exported directory, a checkpoint or a run directory, as `dlm.load`
 reads), `mc_samples` (Monte Carlo samples per log-likelihood, default 32), `estimator`
 (`exact-count` or `bernoulli`), `seed`, `precision`, `ema` (a checkpoint's EMA weights, default
-true), and for generation `steps` (default: one per generated token), `remasking` (default
-`confidence`), `block_length` and `reveal_split` (`schedule`, or `even` for LLaDA's split).
-`batch_size` counts the requests scored in one forward pass and `device` is cpu, cuda, mps or auto
-(a CUDA device, lm-eval's default, falls back to auto on a machine without one). The numbers are
+true), and for generation and the greedy check of `loglikelihood` `steps` (default: one per
+generated token), `remasking` (default `confidence`), `block_length` and `reveal_split`
+(`schedule`, or `even` for LLaDA's split). `batch_size` counts the
+requests scored in one forward pass and `device` is cpu, cuda, mps or auto (a CUDA device,
+lm-eval's default, falls back to auto on a machine without one). The numbers are
 `dlm.scoring.Scorer`'s.
 """
 
@@ -123,10 +124,11 @@ class DlmLM(TemplateLM):
             batch_size=_batch_size(batch_size),
             precision=resolve_precision(precision, resolved),
             mask_eps=loaded.info.diffusion.mask_eps,
+            steps=None if steps is None else int(steps),
+            remasking=remasking,
+            block_length=None if block_length is None else int(block_length),
+            reveal_split=reveal_split,  # type: ignore[arg-type]  # SamplingOptions refuses other values
         )
-        self.steps = None if steps is None else int(steps)
-        self.remasking, self.block_length = remasking, None if block_length is None else int(block_length)
-        self.reveal_split = reveal_split
 
     @property
     def eot_token_id(self) -> int:
@@ -171,13 +173,9 @@ class DlmLM(TemplateLM):
                 self.tok_encode(context),
                 max_tokens=int(kwargs["max_gen_toks"]),
                 until=until,
-                steps=self.steps,
                 temperature=float(kwargs.get("temperature", 0.0)),
                 top_p=kwargs.get("top_p"),
                 top_k=kwargs.get("top_k"),
-                remasking=self.remasking,
-                block_length=self.block_length,
-                reveal_split=self.reveal_split,
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             outputs.append(text)

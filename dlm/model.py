@@ -212,6 +212,7 @@ class DiffusionTransformer(nn.Module):
 
         start = cache.length if cache is not None else 0
         length = tokens.shape[1]
+        inputs = tokens  # the noisy tokens, before a block model appends its clean copy
         seen = (cache.stored if cache is not None else 0) + length
         if seen > self.config.max_seq_len:
             raise ValueError(f"sequence length {seen} exceeds max_seq_len {self.config.max_seq_len}")
@@ -244,6 +245,7 @@ class DiffusionTransformer(nn.Module):
             elif queries is not None and index == len(self.blocks) - 1:
                 x = block(x, cos, sin, mask, cache, queries)
                 output_positions = output_positions[:, queries] if output_positions is not None else None
+                inputs = inputs[:, queries]
             else:
                 x = block(x, cos, sin, mask, cache)
         if cache is not None and cache.committing:
@@ -256,8 +258,12 @@ class DiffusionTransformer(nn.Module):
             # then paid only at masked positions. The gather's size depends on the data, so it
             # sits after every block, outside the part torch.compile wants as one graph.
             x = x[output_positions]
+            inputs = inputs[output_positions]
         # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
-        return F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+        logits = F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+        if self.config.mask_logit == "subs":
+            return subs_logits(logits, inputs, self.config.mask_token_id)
+        return logits
 
     def _rotary(self, start: int, length: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos and sin of positions [start, start + length), per row when padded, past the table if need be."""
@@ -292,6 +298,23 @@ class DiffusionTransformer(nn.Module):
         if self.config.is_block_model:
             return 2 * 6 * self.num_parameters + 4 * attention
         return 6 * self.num_parameters + attention
+
+
+def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
+    """MDLM's SUBS parameterisation of logits [..., V] at positions holding `inputs` [...], in place.
+
+    The mask token gets logit -inf: the clean data never holds it, so probability spent on it only
+    loosens the ELBO (and the sampler would forbid it anyway). A position that is not masked keeps
+    its token in the reverse process, so it predicts that token with probability 1 (logit 0, all
+    others -inf); the ELBO never scores such positions, and training never computes them. Every
+    step is in place, and autograd keeps only [..., 1] tensors for the backward pass.
+    """
+
+    unmasked = (inputs != mask_token_id)[..., None]
+    logits.masked_fill_(unmasked, float("-inf"))
+    # A masked row gets -inf at its input, the mask token; an unmasked row gets 0 at its own token.
+    kept = torch.zeros_like(unmasked, dtype=logits.dtype).masked_fill_(~unmasked, float("-inf"))
+    return logits.scatter_(-1, inputs[..., None], kept)
 
 
 def format_parameter_count(n: int) -> str:

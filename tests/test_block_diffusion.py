@@ -8,6 +8,7 @@ import math
 import os
 import time
 import warnings
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -110,6 +111,22 @@ def test_block_corruption_weights_each_token_by_its_block() -> None:
     first = corruption.mask[0, :4].sum() * ce / 0.25
     torch.testing.assert_close(loss.loss, (first + 4 * ce) / 8)
     torch.testing.assert_close(loss.per_block_nll, torch.stack([first / 4, ce])[None])
+
+
+def test_a_row_that_is_not_whole_blocks_weights_its_short_last_block_by_its_own_time() -> None:
+    # Block size 4 on 6 tokens: blocks [0, 4) at t = 0.5 and [4, 6) at t = 1, everything masked, so
+    # with uniform logits over 10 tokens the loss is (4 / 0.5 + 2 / 1) x log 10 / 6, not the
+    # (3 / 0.5 + 3 / 1) x log 10 / 6 of blocks of ceil(6 / 2) = 3.
+    clean = torch.tensor([[2, 3, 4, 5, 6, 7]])
+    drawn = corrupt_tokens(clean, MASK_ID, torch.tensor([[0.5, 1.0]], dtype=torch.float64), 1e-3, block_size=4)
+    everything = torch.ones_like(clean, dtype=torch.bool)
+    corruption = replace(drawn, noisy_tokens=torch.full_like(clean, MASK_ID), mask=everything)
+    loss = diffusion_cross_entropy(torch.zeros(6, 10, dtype=torch.float64), clean, corruption)
+    log10 = math.log(10)
+    assert loss.loss.item() == pytest.approx((4 / 0.5 + 2 / 1) * log10 / 6, rel=1e-6)
+    assert loss.loss.item() == pytest.approx(3.8376, abs=5e-5)
+    # Per token of each block: the short block divides by its own 2 tokens.
+    torch.testing.assert_close(loss.per_block_nll, torch.tensor([[2 * log10, log10]], dtype=torch.float32))
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

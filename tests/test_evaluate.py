@@ -18,6 +18,8 @@ from dlm.data import load_packed_dataset
 from dlm.errors import UserError
 from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
 from dlm.export import export_model, load_model
+from dlm.likelihood import likelihood_figures
+from dlm.model import DiffusionTransformer
 from dlm.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -310,3 +312,80 @@ def test_eval_says_when_the_model_is_no_better_than_the_unigram_level(
     result = run_cli("eval", run_dir, "--mc-samples", "2", "--batches", "1", "--batch-size", "4")
     assert result.exit_code == 0, result.stderr
     assert f"{report.unigram_bits_per_byte:.4f}" in result.stdout and "unigram level" in result.stdout
+
+
+# --------------------------------------------------------------------------- instruction data
+
+
+def test_likelihood_figures_are_total_nll_over_total_tokens() -> None:
+    # Three replies of 4, 14 and 2 tokens at 2.0, 0.5 and 1.0 nats per token: 8 + 7 + 2 = 17 nats
+    # over 20 tokens, not the 1.1667 of the per-sequence mean; 40 bytes in all.
+    means = torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)
+    errors = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
+    counts = torch.tensor([4, 14, 2, 0])  # the last sequence has nothing to score
+    notes: list[str] = []
+    figures = likelihood_figures(torch.cat((means, torch.zeros(1))), torch.cat((errors, torch.zeros(1))), counts,
+                                 8, 40, notes)  # fmt: skip
+    assert figures["nll"] == pytest.approx(17 / 20, rel=1e-12) and figures["tokens"] == 20
+    assert figures["bits_per_byte"] == pytest.approx(17 / (40 * math.log(2)), rel=1e-12)
+    # Ratio estimator: residuals n_s (m_s - 0.85) = 4.6, -4.9, 0.3 over 3 sequences.
+    stderr = math.sqrt((4.6**2 + 4.9**2 + 0.3**2) * 3 / 2) / 20
+    assert figures["nll_stderr"] == pytest.approx(stderr, rel=1e-12)
+    assert figures["bits_per_byte_stderr"] == pytest.approx(stderr * 20 / (40 * math.log(2)), rel=1e-12)
+    assert figures["nll_mc_stderr"] == pytest.approx(math.sqrt(0.4**2 + 2.8**2 + 0.6**2) / 20, rel=1e-12)
+    assert figures["sequences"] == 3 and notes == ["1 of 4 sequences hold no scored token (a loss mask of zeros): "
+                                                   "left out"]
+    # Equal counts (plain text): the plain mean and its usual standard error.
+    plain = likelihood_figures(means, errors, torch.full((3,), 64), 8, None, [])
+    assert plain["nll"] == pytest.approx(float(means.mean()), rel=1e-12)
+    assert plain["nll_stderr"] == pytest.approx(float(means.std() / math.sqrt(3)), rel=1e-12)
+
+
+def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_a_block_size_one_model() -> None:
+    # Block size 1 makes the ELBO the exact left-to-right likelihood, so bits per byte must be
+    # the replies' total -log2 p over their total bytes.
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, mask_token_id=1, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                         pad_vocab_multiple=64, block_size=1)  # fmt: skip
+    model = DiffusionTransformer(config).double().eval()
+    ids = torch.randint(2, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    masks = torch.zeros(2, 16, dtype=torch.bool)
+    masks[0, 12:], masks[1, 2:] = True, True  # replies of 4 and 14 tokens after their prompts
+    token_bytes = np.arange(64) % 5 + 1
+    total, text_bytes = 0.0, 0
+    with torch.no_grad():
+        for row, position in masks.nonzero().tolist():
+            prefix = ids[row : row + 1, : position + 1].clone()
+            prefix[0, -1] = 1
+            total -= float(model(prefix)[0, -1].log_softmax(-1)[ids[row, position]])
+            text_bytes += int(token_bytes[ids[row, position]])
+    data = [(ids[0], masks[0]), (ids[1], masks[1])]
+    report = evaluate_model(model, data, batches=1, batch_size=2, mc_samples=2, token_bytes=token_bytes,
+                            metadata={"loss_mask": "val.mask.bin"})  # fmt: skip
+    assert report.tokens == 18 and report.bytes == text_bytes and report.sequences == 2
+    assert report.nll == pytest.approx(total / 18, rel=1e-5)
+    assert report.bits_per_byte == pytest.approx(total / (text_bytes * math.log(2)), rel=1e-5)
+
+
+def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
+    run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
+) -> None:
+    from dlm.chat_pack import mask_path, pack_chat
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))
+    data = tmp_path / "chat"
+    pack_chat([chat], tiny_data_dir / "tokenizer.json", 64, data, val_inputs=[chat])
+    masks = mask_path(data / "val.bin")
+    kept = masks.read_bytes()
+    masks.write_bytes(bytes(64) + kept[64:])  # the first example's loss mask all 0: it is left out
+    partly = run_cli("eval", run_dir, "--data", data, "--mc-samples", "2", "--json")
+    assert partly.exit_code == 0, partly.stderr
+    report = json.loads(partly.stdout)
+    assert report["sequences"] == 1 and report["tokens"] == sum(kept[64:])
+    assert "1 of 2 sequences hold no scored token (a loss mask of zeros): left out" in report["notes"]
+    masks.write_bytes(bytes(len(kept)))  # every loss mask all 0: nothing to evaluate
+    output = tmp_path / "eval.json"
+    result = run_cli("eval", run_dir, "--data", data, "--mc-samples", "2", "--output", output)
+    result.assert_refused("none of the 2 sequences", "loss mask is all 0", "val.mask.bin", "dlm pack --chat")
+    assert not output.exists()

@@ -176,6 +176,28 @@ def test_block_model_logits_equal_dlm_s_block_causal_inference(block_run: tuple,
         assert not torch.equal(later[:, 32:], logits[:, 32:])
 
 
+def test_subs_model_logits_equal_dlm_s_and_old_exports_stay_plain(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.mask_logit=subs")
+    hf_dir = export_hf(run_dir, tmp_path / "hf", dtype="float32")
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["mask_logit"] == "subs" and config["dlm"]["model"]["mask_logit"] == "subs"
+    hf_model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True).float().eval()
+    model, _ = dlm.load(run_dir)
+    back, _ = dlm.load(hf_dir)  # and back into dlm, with the parameterisation
+    tokens = sample_tokens(masked=True)
+    with torch.no_grad():
+        expected, logits = model(tokens), hf_model(input_ids=tokens).logits
+    assert back.config.mask_logit == "subs" and bool((expected[tokens == 1][:, 1] == float("-inf")).all())
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)  # -inf where dlm has it, close elsewhere
+    # An export made before the setting existed was trained plain, and is read so by both sides.
+    del config["mask_logit"], config["dlm"]["model"]["mask_logit"]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    old = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True).float().eval()
+    with torch.no_grad():
+        assert bool(torch.isfinite(old(input_ids=tokens).logits).all())
+    assert dlm.load(hf_dir)[0].config.mask_logit == "plain"
+
+
 BLOCK_SETTINGS = [
     {"remasking": "random"},
     {"remasking": "confidence", "steps": 5},

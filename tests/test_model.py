@@ -254,3 +254,45 @@ def test_tiny_model_overfits_one_batch() -> None:
 )
 def test_format_parameter_count(count: int, text: str) -> None:
     assert format_parameter_count(count) == text
+
+
+@pytest.mark.parametrize("block_size", [0, 4])
+def test_subs_gives_the_mask_token_no_probability_and_copies_unmasked_tokens(block_size: int) -> None:
+    model = tiny_model(mask_logit="subs", block_size=block_size).double()
+    plain = tiny_model(mask_logit="plain", block_size=block_size).double()  # the same weights (seed 0)
+    clean = torch.randint(2, 100, (3, 16), generator=torch.Generator().manual_seed(2))
+    corruption = corrupt_tokens(clean, 1, torch.tensor([0.3, 0.6, 0.9]), 1e-3, torch.Generator().manual_seed(3),
+                                block_size=block_size)  # fmt: skip
+    noisy, mask = corruption.noisy_tokens, corruption.mask
+    context = {"clean_tokens": clean} if block_size else {}
+    logits = model(noisy, output_positions=mask, **context)
+    probabilities = logits.softmax(dim=-1)
+    assert torch.equal(probabilities[:, 1], torch.zeros(int(mask.sum()), dtype=torch.float64))
+    # The other tokens keep the plain model's logits, so their probabilities are its, renormalised
+    # without the mask token: what the mask would have taken is given back to the real tokens.
+    reference = plain(noisy, output_positions=mask, **context)
+    reference[:, 1] = float("-inf")
+    torch.testing.assert_close(probabilities, reference.softmax(dim=-1), rtol=1e-12, atol=1e-15)
+    # An unmasked position predicts its own token with probability 1.
+    full = model(noisy, **context).softmax(dim=-1)
+    own = full[~mask].gather(1, noisy[~mask][:, None])
+    assert torch.equal(own, torch.ones_like(own)) and bool((full[~mask].sum(dim=1) == 1).all())
+    torch.testing.assert_close(full[mask], probabilities, rtol=1e-12, atol=1e-15)  # gathered before the head
+    # The loss is finite and lower than the plain model's on the same masks; gradients are finite.
+    loss = diffusion_cross_entropy(logits, clean, corruption).loss
+    assert torch.isfinite(loss) and loss < diffusion_cross_entropy(plain(noisy, output_positions=mask, **context),
+                                                                   clean, corruption).loss  # fmt: skip
+    loss.backward()
+    assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters())
+
+
+def test_subs_trains_under_bfloat16_autocast() -> None:
+    model = tiny_model(mask_logit="subs").train()
+    clean = torch.randint(2, 100, (4, 16), generator=torch.Generator().manual_seed(4))
+    corruption = corrupt_tokens(clean, 1, torch.tensor([0.2, 0.5, 0.7, 1.0]), 1e-3, torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(corruption.noisy_tokens, output_positions=corruption.mask)
+    assert logits.dtype == torch.bfloat16 and bool((logits[:, 1] == float("-inf")).all())
+    loss = diffusion_cross_entropy(logits, clean, corruption).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())

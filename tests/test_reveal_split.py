@@ -142,7 +142,12 @@ def test_the_harness_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.M
                              info=SimpleNamespace(diffusion=SimpleNamespace(mask_eps=1e-3)))  # fmt: skip
     monkeypatch.setattr(dlm.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
     model = DlmLM(pretrained="model", device="cpu", reveal_split="even")
-    seen: list[dict[str, Any]] = []
-    monkeypatch.setattr(model.scorer, "generate", lambda ids, **options: seen.append(options) or "")
+    seen: list[Any] = []
+
+    def reverse(contexts: list[list[int]], count: int, sampling: Any, *, stop: bool) -> torch.Tensor:
+        seen.append(sampling)
+        return torch.zeros((len(contexts), count), dtype=torch.long)
+
+    monkeypatch.setattr(model.scorer, "_reverse", reverse)
     model.generate_until([Instance("generate_until", {}, ("ROMEO:", {"max_gen_toks": 4}), 0)])
-    assert seen[0]["reveal_split"] == "even" and seen[0]["remasking"] == "confidence"
+    assert seen[0].reveal_split == "even" and seen[0].remasking == "confidence"

@@ -3,6 +3,8 @@ lm-evaluation-harness adapter serves), on a tiny random model."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from tokenizers import Tokenizer
 from dlm.config import ModelConfig
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
+from dlm.sampling import SamplingOptions, denoise
 from dlm.scoring import Scorer, rolling_windows
 from dlm.tokenizer import load_tokenizer
 
@@ -76,17 +79,29 @@ def test_a_long_context_loses_its_oldest_tokens(tokenizer: Tokenizer, estimator:
         scorer.loglikelihood([([], ids(LENGTH + 1))])
 
 
-def test_greedy_means_the_argmax_of_the_masked_continuation(tokenizer: Tokenizer) -> None:
-    model = tiny_model()
-    context = ids(8)
-    noisy = torch.tensor([context + [MASK_ID] * 3])
-    with torch.no_grad():
-        logits = model(noisy)[0, 8:]
-    logits[:, MASK_ID] = float("-inf")
-    best = logits.argmax(dim=-1).tolist()
-    other = [(best[0] + 1) % 500 + 2, *best[1:]]
-    scores = Scorer(model, tokenizer, mc_samples=2).loglikelihood([(context, best), (context, other)])
-    assert [score.is_greedy for score in scores] == [True, False]
+def greedy_continuation(model: DiffusionTransformer, context: list[int], count: int) -> list[int]:
+    """What dlm's sampler writes after `context` at temperature 0, one token per step, confidence order."""
+
+    tokens = torch.tensor([context + [MASK_ID] * count])
+    fill = torch.tensor([False] * len(context) + [True] * count)
+    options = SamplingOptions(steps=count, temperature=0.0, top_p=None, remasking="confidence")
+    with torch.inference_mode():
+        written, _ = denoise(model, tokens, fill, options, generator=torch.Generator(), forbidden_token_ids=[2])
+    return written[0, len(context) :].tolist()
+
+
+@pytest.mark.parametrize("block_size", [0, 4])
+def test_greedy_means_what_the_greedy_sampler_writes(tokenizer: Tokenizer, block_size: int) -> None:
+    model = tiny_model(block_size)
+    # Contexts of two lengths (rows of one length share a reverse process), continuations of 3 to 6 tokens.
+    requests = [(ids(length, start), count) for length, start, count in
+                ((8, 10, 3), (8, 150, 3), (8, 60, 4), (8, 110, 6), (12, 20, 5), (12, 90, 6), (5, 30, 6))]  # fmt: skip
+    written = [(context, greedy_continuation(model, context, count)) for context, count in requests]
+    changed = [(context, [(new[0] + 1) % 500 + 3, *new[1:]]) for context, new in written]
+    scorer = Scorer(model, tokenizer, mc_samples=1, batch_size=4)
+    assert [score.is_greedy for score in scorer.loglikelihood(written)] == [True] * len(written)
+    assert [score.is_greedy for score in scorer.loglikelihood(changed)] == [False] * len(changed)
+    assert scorer.rolling([ids(40)]) and scorer.loglikelihood(written[:1], greedy=False)[0].is_greedy is None
 
 
 def test_block_models_are_scored_block_by_block(tokenizer: Tokenizer) -> None:
@@ -101,6 +116,38 @@ def test_block_models_are_scored_block_by_block(tokenizer: Tokenizer) -> None:
             prefix[0, i] = MASK_ID
             total += float(model(prefix)[0, i].double().log_softmax(-1)[sequence[i]])
     assert score.logprob == pytest.approx(total, abs=1e-4) and score.stderr == 0.0
+
+
+def exact_conditional_elbo(model: DiffusionTransformer, ids: list[int], start: int) -> float:
+    """The negative ELBO of ids[start:] given ids[:start], summed, by enumerating every mask: each
+    block's n scored positions, each subset S of them masked with weight 1 / (|S| x C(n, |S|)) (the
+    continuous-time bound, exact-count form), the earlier blocks clean (the model's BD3 pass)."""
+
+    clean, size, total = torch.tensor([ids]), model.config.block_size, 0.0
+    for first in range(0, len(ids), size):
+        scored = [i for i in range(first, min(first + size, len(ids))) if i >= start]
+        n = len(scored)
+        for subset in (s for k in range(1, n + 1) for s in itertools.combinations(scored, k)):
+            mask = torch.zeros_like(clean, dtype=torch.bool)
+            mask[0, list(subset)] = True
+            with torch.no_grad():
+                logits = model(clean.masked_fill(mask, MASK_ID), output_positions=mask, clean_tokens=clean)
+            ce = float(torch.nn.functional.cross_entropy(logits.double(), clean[mask], reduction="sum"))
+            total += ce / (len(subset) * math.comb(n, len(subset)))
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_row_that_is_not_whole_blocks_is_scored_as_its_exact_elbo(tokenizer: Tokenizer, seed: int) -> None:
+    # Block size 4, a 5-token row: blocks [0, 4) and [4, 5). The last block is short, and its
+    # tokens must not lend their weight to the first block's (as blocks of ceil(5 / 2) = 3 would).
+    model = tiny_model(block_size=4).double()
+    ids = [int(i) for i in torch.randint(2, 500, (5,), generator=torch.Generator().manual_seed(seed))]
+    exact = exact_conditional_elbo(model, ids, 1)
+    [score] = Scorer(model, tokenizer, mc_samples=128, seed=seed).loglikelihood([(ids[:1], ids[1:])])
+    assert score.stderr is not None and score.tokens == 4
+    # The Monte Carlo error of this near-uniform model is ~0.02 nats; misplaced weights cost ~1.5.
+    assert abs(score.logprob + exact) < min(0.15, 4 * score.stderr + 0.02)
 
 
 def test_generation_stops_at_the_first_until_string(tokenizer: Tokenizer) -> None:

@@ -134,6 +134,7 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
         "pad_token_id": special_ids["pad"],
         "schedule": info.diffusion.schedule,
         "block_size": model.block_size,
+        "mask_logit": model.mask_logit,  # modeling_dlm.py applies SUBS to its logits when it is "subs"
         "tie_word_embeddings": True,
         "torch_dtype": dtype,
         "dlm": {
@@ -262,6 +263,7 @@ def _model_config(config: dict[str, Any]) -> ModelConfig:
         "norm_eps": config["rms_norm_eps"],
         "mask_token_id": config["mask_token_id"],
         "block_size": config.get("block_size", 0),  # absent from exports of whole-sequence models before it
+        "mask_logit": config.get("mask_logit", "plain"),  # absent from exports made before SUBS, all plain
     }
     recorded = dict((config.get("dlm") or {}).get("model") or {})
     padded = config.get("padded_vocab_size", config["vocab_size"])

@@ -73,6 +73,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
+def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
+    """MDLM's SUBS parameterisation of logits [..., V] at positions holding `inputs` [...], in place:
+    the mask token never predicted, an unmasked position predicting its own token (dlm's own)."""
+
+    unmasked = (inputs != mask_token_id)[..., None]
+    logits.masked_fill_(unmasked, float("-inf"))
+    kept = torch.zeros_like(unmasked, dtype=logits.dtype).masked_fill_(~unmasked, float("-inf"))
+    return logits.scatter_(-1, inputs[..., None], kept)
+
+
 def model_block_size(config: DlmDiffusionConfig) -> int:
     """The block size of a block diffusion model; 0 when one block covers every position."""
 
@@ -218,13 +228,20 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
 
     def logits_at(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
                   ) -> Tensor:  # fmt: skip
-        """Logits [B, L, vocab_size], or [N, vocab_size] at the true entries of bool `positions`."""
+        """Logits [B, L, vocab_size], or [N, vocab_size] at the true entries of bool `positions`.
+
+        A model trained with SUBS (`config.mask_logit`) gives the mask token logit -inf and an
+        unmasked position logit 0 for its own token, -inf for every other (probability 1)."""
 
         x = self.model(input_ids, attention_mask)
+        inputs = input_ids
         if positions is not None:
-            x = x[positions]  # gathered before the head, as dlm does, so the matmul is the same one
+            x, inputs = x[positions], input_ids[positions]  # gathered before the head, as dlm does
         # The padded rows take part in the matmul (dlm's shapes) and are dropped from the logits.
-        return F.linear(x, self.model.embed_tokens.weight)[..., : self.config.vocab_size]
+        logits = F.linear(x, self.model.embed_tokens.weight)[..., : self.config.vocab_size]
+        if getattr(self.config, "mask_logit", "plain") == "subs":  # absent from exports made before SUBS
+            return subs_logits(logits, inputs, self.config.mask_token_id)
+        return logits
 
     def forward(
         self,
@@ -234,7 +251,8 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs: object,
     ) -> MaskedLMOutput | tuple[Tensor, ...]:
-        """Logits [B, L, vocab_size]; with `labels` (-100 where ignored) also their mean cross-entropy."""
+        """Logits [B, L, vocab_size]; with `labels` (-100 where ignored) also their mean cross-entropy
+        (a SUBS model predicts an unmasked position's own token: label it so, or -100)."""
 
         logits = self.logits_at(input_ids, None, attention_mask)
         loss = None
