@@ -27,7 +27,7 @@ import sys
 from typing import Any
 
 from dlm.errors import UserError
-from dlm.readers import Requirement, require
+from dlm.extras import Requirement, require
 
 LM_EVAL = Requirement("lm_eval", "lm-eval", "evaluating with lm-evaluation-harness")
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 from dlm.config import ExperimentConfig, LoggingConfig
 from dlm.events import CheckpointEvent, EndEvent, Event, TrainEvent, ValidationEvent
-from dlm.readers import Requirement, require
+from dlm.extras import Requirement, require
 
 _L = TypeVar("_L", bound="type[Logger]")
 

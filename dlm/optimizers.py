@@ -11,11 +11,11 @@ config must stay importable without torch for a fast `dlm --help`.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dlm.errors import UserError
+from dlm.extras import optional_module
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -67,15 +67,13 @@ class OptimizerSpec:
 
         if self.requires is None:
             return
-        try:
-            importlib.import_module(self.requires)
-        except ImportError:
+        if optional_module(self.requires) is None:
             install = f"pip install 'dlm[{self.needs_extra}]' (the `{self.needs_extra}` extra)"
             raise UserError(
                 f"training.optimizer: {self.name} needs the {self.requires} package, which is not installed",
                 fix=f"{install if self.needs_extra else f'pip install {self.requires}'} "
                 'or set training.optimizer = "adamw"',
-            ) from None
+            )
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}

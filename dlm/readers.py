@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib
 import io
 import json
 import zlib
@@ -33,6 +32,7 @@ from types import ModuleType
 from typing import Any, BinaryIO, Literal, NamedTuple, TypeVar, get_args
 
 from dlm.errors import UserError
+from dlm.extras import Requirement, require
 
 # What to do with bytes that are not UTF-8: stop with their offset, or read U+FFFD.
 DecodeErrors = Literal["strict", "replace"]
@@ -50,29 +50,6 @@ class Chunk(NamedTuple):
     text: str
     text_bytes: int  # UTF-8 bytes of `text`
     last: bool  # the document ends with this chunk
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """An optional package a format needs, and the dlm extra that installs it."""
-
-    module: str
-    extra: str
-    what: str  # "reading .parquet files"
-
-
-def require(requirement: Requirement, path: str | Path | None = None) -> ModuleType:
-    """The module, or one `UserError` naming the extra to install."""
-
-    try:
-        return importlib.import_module(requirement.module)
-    except ImportError:
-        package = requirement.module.split(".")[0]
-        raise UserError(
-            f"{requirement.what} needs {package}, which is not installed",
-            path=path,
-            fix=f"pip install 'dlm[{requirement.extra}]'",
-        ) from None
 
 
 PARQUET = Requirement("pyarrow.parquet", "parquet", "reading .parquet files")

@@ -16,8 +16,8 @@ from typing import Any
 
 from dlm import __version__
 from dlm.errors import UserNote, reported_os_errors
+from dlm.extras import Requirement, require
 from dlm.fileio import atomic_write_text
-from dlm.readers import Requirement, require
 from dlm.report import (
     GENERATOR_TAG,
     EvalResult,

@@ -20,8 +20,8 @@ import pytest
 from helpers import ROOT, tiny_experiment
 
 from dlm.events import Event, TrainEvent, ValidationEvent, read_events
+from dlm.extras import Requirement
 from dlm.loggers import Logger, bucket_names, event_scalars, register_logger
-from dlm.readers import Requirement
 from dlm.train import train
 
 SHORT_RUN = ("training.max_steps=10", "training.log_interval=5", "training.eval_interval=5")
