@@ -99,8 +99,8 @@ def unigram_entropy(token_ids: list[list[int]]) -> float:
 def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: torch.Generator) -> float:
     """NLL per token of one sequence [1, L]: exact for an autoregressive judge, else the MC ELBO."""
 
-    from dlm.diffusion import elbo_nll
-    from dlm.schedule import model_schedule
+    from dlm.diffusion.objective import elbo_nll
+    from dlm.diffusion.schedules import model_schedule
 
     config = judge.config
     if config.is_block_model and config.block_size == 1:  # every position sees only the clean prefix

@@ -35,10 +35,10 @@ from torch import Tensor
 
 from dlm.attention import KVCache
 from dlm.decoding import reveal_threshold
+from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
 from dlm.noise import RowNoise
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, masked_after, reveal_count, step_times
-from dlm.schedule import Schedule
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser

@@ -20,5 +20,5 @@ CacheMode = Literal["none", "prefix", "dual"]
 ExportDtype = Literal["bfloat16", "float32"]
 # `dlm export --format`: dlm's own directory (`dlm.export`) or Hugging Face transformers' (`dlm.hf.convert`).
 ExportFormat = Literal["dlm", "hf"]
-# `dlm.diffusion.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
+# `dlm.diffusion.objective.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
 ElboEstimator = Literal["bernoulli", "exact-count"]

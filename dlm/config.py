@@ -23,9 +23,9 @@ from dlm.config_rules import TRAINING_RULES as TRAINING_RULES
 from dlm.config_rules import FieldProblem as FieldProblem
 from dlm.config_rules import Rule as Rule
 from dlm.config_rules import check_rules as _check_rules
+from dlm.diffusion.schedules import DEFAULT_SCHEDULE, describe_schedules, schedule_names
 from dlm.errors import UserError, UserNote
 from dlm.optimizers import describe_optimizers, registered_optimizers
-from dlm.schedule import DEFAULT_SCHEDULE, describe_schedules, schedule_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -205,7 +205,7 @@ class DiffusionConfig(_Strict):
 
     schedule: str = Field(
         DEFAULT_SCHEDULE,
-        description=f"Noise schedule, a name registered in `dlm/schedule.py`: {describe_schedules()}.",
+        description=f"Noise schedule, a name registered in `dlm/diffusion/schedules.py`: {describe_schedules()}.",
     )
     mask_eps: float = Field(
         1e-3, gt=0, lt=1, description="Smallest diffusion time: training and evaluation draw t from [mask_eps, 1]."

@@ -69,7 +69,7 @@ class PackedDataset:
         return self._tokens
 
     def __getitem__(self, index: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A block's tokens, or (tokens, loss mask) for instruction data (`dlm.diffusion.split_batch`)."""
+        """A block's tokens, or (tokens, loss mask) for instruction data (`dlm.diffusion.objective.split_batch`)."""
 
         import torch
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dlm.attention import KVCache
+from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
 from dlm.noise import RowNoise
 from dlm.remasking import token_confidence
@@ -45,7 +46,6 @@ from dlm.sampling import (
     sample_tokens,
     step_times,
 )
-from dlm.schedule import Schedule
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser

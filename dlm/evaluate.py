@@ -9,7 +9,7 @@ batches. It never touches the global RNG.
 `evaluate_model` (behind `dlm eval`) adds the figures that compare models:
 
 - the negative ELBO per token, a bound on the true NLL, estimated per sequence from K antithetic
-  Monte Carlo samples (`dlm.diffusion.elbo_nll`; `estimator` picks how a sample masks the
+  Monte Carlo samples (`dlm.diffusion.objective.elbo_nll`; `estimator` picks how a sample masks the
   sequence), with its standard error, and exp(NLL), a bound on perplexity;
 - bits per byte, NLL x tokens / (bytes x ln 2): the figure that compares across tokenizers (the NLL
   is total NLL over total tokens, so this is total NLL over total bytes, in bits). `bytes`
@@ -20,7 +20,7 @@ batches. It never touches the global RNG.
 
 The byte counting and the likelihood figures themselves live in `dlm.likelihood`.
 
-Every figure comes from one noise schedule (`dlm.schedule`), the one the model was trained with.
+Every figure comes from one noise schedule (`dlm.diffusion.schedules`), the one the model was trained with.
 
 All noise comes from seeded generators: the Monte Carlo ELBO's (the bits per byte) by (seed, pass,
 sequence index), so that its figures do not depend on the batch size; the fixed-noise pass and the
@@ -39,13 +39,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dlm.diffusion import ESTIMATORS, Batch, corrupt_tokens, diffusion_cross_entropy, elbo_nll, noise_seed, split_batch
+from dlm.diffusion.objective import (
+    ESTIMATORS,
+    Batch,
+    corrupt_tokens,
+    diffusion_cross_entropy,
+    elbo_nll,
+    noise_seed,
+    split_batch,
+)
+from dlm.diffusion.schedules import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
 from dlm.likelihood import byte_table, likelihood_figures, scored_counts
 from dlm.likelihood import packed_token_bytes as packed_token_bytes
 from dlm.runtime import autocast_context
-from dlm.schedule import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 
 if TYPE_CHECKING:
     from dlm.protocols import Denoiser
@@ -139,7 +147,7 @@ class EvalReport:
     batches: int
     batch_size: int
     mc_samples: int
-    estimator: str  # how each Monte Carlo sample masks a sequence (`dlm.diffusion.ESTIMATORS`)
+    estimator: str  # how each Monte Carlo sample masks a sequence (`dlm.diffusion.objective.ESTIMATORS`)
     mask_eps: float
     schedule: str  # the noise schedule every figure was computed with
     precision: str
@@ -346,7 +354,7 @@ def evaluate_model(
     Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
     `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
     `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records. `schedule` and
-    `mask_eps` are the model's `[diffusion]` settings. `estimator` (`dlm.diffusion.ESTIMATORS`) is
+    `mask_eps` are the model's `[diffusion]` settings. `estimator` (`dlm.diffusion.objective.ESTIMATORS`) is
     how the ELBO's Monte Carlo samples mask a sequence. `progress(done, total)` counts the batches
     scored over the three passes.
     """

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dlm.diffusion import Batch, split_batch
+from dlm.diffusion.objective import Batch, split_batch
 from dlm.errors import UserError
 from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 

@@ -4,7 +4,7 @@
 checkpoint, an inference checkpoint or a run directory (its `latest.pt`); checkpoints go through
 `dlm.checkpoint.load_checkpoint` (`weights_only=True`) and exports through safetensors, so no path
 ever unpickles code. The model it returns carries its noise schedule
-(`dlm.schedule.model_schedule`), which sampling uses; an export written before the `[diffusion]`
+(`dlm.diffusion.schedules.model_schedule`), which sampling uses; an export written before the `[diffusion]`
 section existed was trained with the linear schedule.
 
 The layout of an exported directory is named here, where it is read; `dlm.export` writes it.
@@ -25,10 +25,10 @@ from torch import Tensor
 
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
 from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
+from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.run_dir import RunDir
-from dlm.schedule import attach_schedule
 from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
 EXPORT_FORMAT = "dlm-export-v1"

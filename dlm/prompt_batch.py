@@ -34,9 +34,9 @@ from dlm.noise import RowNoise
 from dlm.prompting import build_sequence, check_request
 
 if TYPE_CHECKING:
+    from dlm.diffusion.schedules import Schedule
     from dlm.protocols import Denoiser
     from dlm.sampling import SampleResult, SamplingOptions
-    from dlm.schedule import Schedule
 
 
 def _groups(config: Any, prompt_lengths: list[int]) -> list[list[int]]:

@@ -3,7 +3,7 @@
 A sequence starts as the prompt followed by `length` mask tokens. Time runs from t = 1 (all
 generated positions masked) to t = 0 over `steps` equal steps; each step predicts the masked
 positions and reveals ("commits") some of them. A revealed token never changes. How many depends on
-the noise schedule the model was trained with (`dlm.schedule`; m(t) = t for the default linear one).
+the noise schedule the model was trained with (`dlm.diffusion.schedules`; m(t) = t for the default linear one).
 
 Which masked positions are revealed at a step from t to s = t - 1/steps:
 
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
+from dlm.diffusion.schedules import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.errors import UserError
 from dlm.noise import RowNoise
 from dlm.prompting import TemplatePart as TemplatePart
@@ -52,7 +53,6 @@ from dlm.prompting import parse_template as parse_template
 from dlm.prompting import split_masked as split_masked
 from dlm.remasking import remasking_names
 from dlm.remasking import token_confidence as token_confidence
-from dlm.schedule import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
 
 if TYPE_CHECKING:
@@ -341,7 +341,7 @@ def denoise(
     number of model forward passes. `model.config.mask_token_id` and `forbidden_token_ids` are
     never predicted. `on_step(step, tokens)` gets a copy of the tokens: step 0 is the starting
     sequence, then steps 1 .. `options.steps`. `schedule` defaults to the one the model was trained
-    with (`dlm.schedule.model_schedule`). Call it in eval mode under `torch.inference_mode()` (as
+    with (`dlm.diffusion.schedules.model_schedule`). Call it in eval mode under `torch.inference_mode()` (as
     `generate` does). A `dlm.noise.RowNoise` as `generator` gives groups of rows their own random
     streams; `pad` [B] counts each row's leading padding positions, which no position attends to.
     """

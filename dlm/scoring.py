@@ -5,7 +5,7 @@ lm-evaluation-harness; they need nothing of it):
 
 - `loglikelihood`: log p(continuation | context), bounded from below by the conditional ELBO of the
   continuation (the context is never masked), estimated from `mc_samples` Monte Carlo samples
-  (`dlm.diffusion.elbo_nll`, the exact-count estimator by default), and whether the continuation
+  (`dlm.diffusion.objective.elbo_nll`, the exact-count estimator by default), and whether the continuation
   is greedy: what `generate` writes after the context at temperature 0, with this scorer's steps,
   remasking and block length, the reverse process a diffusion model decodes greedily by (one
   argmax of the fully masked continuation is not it: each step conditions on the tokens already
@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
-from dlm.diffusion import ESTIMATORS, elbo_nll, noise_seed
+from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
+from dlm.diffusion.schedules import model_schedule
 from dlm.errors import UserError
 from dlm.runtime import autocast_context
-from dlm.schedule import model_schedule
 from dlm.tokenizer import SPECIAL_TOKENS
 
 _GENERATE_PASS = 1  # keeps generation noise apart from scoring noise of the same ids

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dlm.config import ExperimentConfig
-from dlm.diffusion import (
+from dlm.diffusion.objective import (
     TokenLosses,
     accumulation_mask_probabilities,
     corrupt_tokens,
@@ -30,11 +30,11 @@ from dlm.diffusion import (
     split_batch,
     step_time_offset,
 )
+from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.model import DiffusionTransformer
 from dlm.optim import ModelEMA, build_optimizer, learning_rate
 from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
-from dlm.schedule import NOISE_BUCKETS, get_schedule
 
 
 @dataclass

@@ -177,7 +177,7 @@ def sequence_nlls(run: Path, data: Path, mc_samples: int) -> list[float]:
 
     import dlm
     from dlm.data import load_packed_dataset
-    from dlm.diffusion import elbo_nll
+    from dlm.diffusion.objective import elbo_nll
 
     torch.set_num_threads(1)
     model, _ = dlm.load(run)

@@ -5,7 +5,7 @@ usage: python scripts/estimator_variance.py MODEL --data DATA [--sequences 64] [
 
 MODEL is anything `dlm eval` reads (a checkpoint, a run directory or an export); DATA a `dlm pack`
 directory (its val split) or .bin file. For each estimator and each K of --mc-samples, the first
---sequences blocks are scored --repeats times with independent noise (`dlm.diffusion.elbo_nll`,
+--sequences blocks are scored --repeats times with independent noise (`dlm.diffusion.objective.elbo_nll`,
 K antithetic samples each, as `dlm eval --mc-samples K` does). Per sequence, the variance of the
 K-sample estimate across repeats is the Monte Carlo variance; its mean over sequences, bernoulli's
 over exact-count's, is how many times more samples bernoulli needs for the same standard error.
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from dlm.data import load_packed_dataset
-from dlm.diffusion import ESTIMATORS, elbo_nll, noise_seed, split_batch
+from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed, split_batch
+from dlm.diffusion.schedules import model_schedule
 from dlm.loading import load_model_with_info
-from dlm.schedule import model_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,7 +24,8 @@ from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allow
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config import ModelConfig, load_config
-from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
+from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
+from dlm.diffusion.schedules import LinearSchedule
 from dlm.distributed import end_process
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
@@ -32,7 +33,6 @@ from dlm.events import Event, ValidationEvent
 from dlm.export import export_model
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions
-from dlm.schedule import LinearSchedule
 from dlm.train import train
 
 MASK_ID = 1

@@ -15,7 +15,7 @@ from helpers import tiny_experiment
 from dlm.chat import ChatTemplate, encode_example, parse_example
 from dlm.chat_pack import mask_path, pack_chat
 from dlm.data import load_packed_dataset
-from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy
+from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
 from dlm.errors import UserError
 from dlm.tokenizer import load_tokenizer
 from dlm.train import train

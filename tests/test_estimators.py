@@ -15,7 +15,7 @@ from helpers import train_tiny_run
 from torch import Tensor
 
 from dlm.config import ModelConfig
-from dlm.diffusion import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
+from dlm.diffusion.objective import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model
 from dlm.model import DiffusionTransformer

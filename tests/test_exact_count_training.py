@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_same_weights, check_resume_is_exact, tiny_experiment
 
-from dlm.diffusion import draw_exact_count
+from dlm.diffusion.objective import draw_exact_count
 from dlm.errors import UserError
 from dlm.train import train
 

@@ -23,10 +23,10 @@ from dlm.block_sampling import cut_after_stop
 from dlm.cli import app
 from dlm.config import ModelConfig
 from dlm.decoding import _FastReverse, _Window, denoise_fast
+from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, denoise, generate
-from dlm.schedule import LinearSchedule
 
 END = 0  # <|endoftext|>
 

@@ -10,7 +10,7 @@ import torch
 
 from dlm import memory
 from dlm.config import ExperimentConfig, ModelConfig
-from dlm.diffusion import masked_token_losses
+from dlm.diffusion.objective import masked_token_losses
 from dlm.memory import (
     AvailableMemory,
     activation_bytes,

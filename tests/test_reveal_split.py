@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from dlm.cli import app
 from dlm.config import ModelConfig
+from dlm.diffusion.schedules import get_schedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, generate, masked_after, reveal_count
-from dlm.schedule import get_schedule
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)

@@ -17,20 +17,14 @@ from helpers import ROOT, tiny_experiment
 from rich.console import Console
 
 import dlm
-import dlm.schedule as schedule_module
+import dlm.diffusion.schedules as schedule_module
 from dlm.checkpoint import LATEST_NAME, load_checkpoint
 from dlm.checksum import with_checksum
 from dlm.config import ExperimentConfig, MovedFieldNote, load_config
 from dlm.dashboard import TrainingDashboard
 from dlm.data import load_packed_dataset
-from dlm.diffusion import corrupt_tokens, elbo_nll, truncation_factor
-from dlm.errors import UserError
-from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.events import Event, StartEvent, TrainEvent, ValidationEvent
-from dlm.export import export_model, load_model_with_info
-from dlm.run_dir import load_run
-from dlm.sampling import reveal_count
-from dlm.schedule import (
+from dlm.diffusion.objective import corrupt_tokens, elbo_nll, truncation_factor
+from dlm.diffusion.schedules import (
     NOISE_BUCKETS,
     CosineSchedule,
     LinearSchedule,
@@ -40,6 +34,12 @@ from dlm.schedule import (
     register_schedule,
     schedule_names,
 )
+from dlm.errors import UserError
+from dlm.evaluate import evaluate_model, evaluate_source
+from dlm.events import Event, StartEvent, TrainEvent, ValidationEvent
+from dlm.export import export_model, load_model_with_info
+from dlm.run_dir import load_run
+from dlm.sampling import reveal_count
 from dlm.train import train
 
 VOCAB, MASK_ID, EPS = 50, 1, 1e-3

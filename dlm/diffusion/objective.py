@@ -2,7 +2,7 @@
 
 Forward process (MDLM / SMDM / LLaDA): at time t in [eps, 1] every token is independently replaced
 by the mask token with probability m(t) = 1 - α(t), where α is the noise schedule
-(`dlm.schedule`; linear, α(t) = 1 - t, by default). The reverse model predicts the clean token at
+(`dlm.diffusion.schedules`; linear, α(t) = 1 - t, by default). The reverse model predicts the clean token at
 masked positions, and the negative ELBO per token of a sequence x of length L is
 
     NLL(x) <= E_{t ~ U[0, 1]} [ w(t) * sum over masked positions i of -log p(x_i | x_t) ] / L
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dlm.choices import ElboEstimator
-from dlm.schedule import LinearSchedule, Schedule
+from dlm.diffusion.schedules import LinearSchedule, Schedule
 
 _SEED_DOMAIN = 0x646C6D  # "dlm": keeps our seeds apart from other SeedSequence users
 _OFFSET_TAG = 0x6F6666  # "off": separates step offsets from micro-batch generators

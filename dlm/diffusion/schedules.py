@@ -104,7 +104,7 @@ def register_schedule(name: str) -> Callable[[S], S]:
 
     def register(cls: S) -> S:
         if not issubclass(cls, Schedule):
-            raise TypeError(f"{cls!r} is not a dlm.schedule.Schedule subclass")
+            raise TypeError(f"{cls!r} is not a dlm.diffusion.schedules.Schedule subclass")
         if _SCHEDULES.get(name, cls) is not cls:
             raise ValueError(f"a schedule named {name!r} is already registered ({_SCHEDULES[name].__name__})")
         cls.name = name
@@ -135,7 +135,7 @@ def get_schedule(schedule: str | Schedule) -> Schedule:
     if schedule not in _SCHEDULES:
         raise UserError(
             f"unknown noise schedule {schedule!r}",
-            fix=f"use one of: {', '.join(_SCHEDULES)} (or register it with dlm.schedule.register_schedule)",
+            fix=f"use one of: {', '.join(_SCHEDULES)} (or register it with dlm.diffusion.schedules.register_schedule)",
         )
     return _SCHEDULES[schedule]()
 
