@@ -42,7 +42,7 @@ from dlm.bench_setup import (
     reset_peak_rss,
     set_memory_limit,
 )
-from dlm.config import ExperimentConfig, ModelConfig, with_overrides
+from dlm.config.schema import ExperimentConfig, ModelConfig, with_overrides
 from dlm.distributed import DistributedContext
 from dlm.errors import UserError
 from dlm.fileio import GIB

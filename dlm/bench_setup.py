@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from dlm import runtime
 from dlm.attention import training_kernel
-from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
 from dlm.device_support import fused_attention_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB

@@ -42,7 +42,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlm.config import ExperimentConfig, load_config, with_overrides
+from dlm.config.schema import ExperimentConfig, load_config, with_overrides
 from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError

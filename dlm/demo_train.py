@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.config import ExperimentConfig, with_overrides
+from dlm.config.schema import ExperimentConfig, with_overrides
 from dlm.errors import UserError
 from dlm.events import CheckpointEvent, Event, StreamSink, TrainEvent
 from dlm.fileio import atomic_write_json

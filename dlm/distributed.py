@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dlm.config import ExperimentConfig, TrainingConfig
+from dlm.config.optimizer_registry import check_fsdp_support
+from dlm.config.schema import ExperimentConfig, TrainingConfig
 from dlm.errors import UserError
-from dlm.optimizers import check_fsdp_support
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError, UserNote
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
-from dlm.config import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
+from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer

@@ -8,7 +8,7 @@ until its logger is switched on: a run without `[logging]` imports neither.
 
 To add a logger: subclass `Logger`, give it a `name` (also the folder it writes in the run directory)
 and the `Requirement` naming its package and dlm extra, decorate it with `@register_logger`, and add a
-boolean field of the same name to `dlm.config.LoggingConfig`.
+boolean field of the same name to `dlm.config.schema.LoggingConfig`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from dlm.config import ExperimentConfig, LoggingConfig
+from dlm.config.schema import ExperimentConfig, LoggingConfig
 from dlm.events import CheckpointEvent, EndEvent, Event, TrainEvent, ValidationEvent
 from dlm.extras import Requirement, require
 
@@ -104,7 +104,9 @@ def register_logger(cls: _L) -> _L:
     """Make `[logging] NAME = true` open this logger (NAME must be a field of `LoggingConfig`)."""
 
     if cls.name not in LoggingConfig.model_fields:
-        raise ValueError(f"logger {cls.name!r} has no switch: add `{cls.name}: bool` to dlm.config.LoggingConfig")
+        raise ValueError(
+            f"logger {cls.name!r} has no switch: add `{cls.name}: bool` to dlm.config.schema.LoggingConfig"
+        )
     LOGGERS[cls.name] = cls
     return cls
 

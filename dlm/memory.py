@@ -10,7 +10,7 @@ The estimate is per process, in bytes:
   second resident copy),
 - gradients: 4 per parameter,
 - optimizer state: as its registry entry counts it (`OptimizerSpec.state_bytes` in
-  `dlm/optimizers.py`; AdamW's two float32 moments are 8 per parameter),
+  `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
 - EMA: a float32 copy of the weights (4 per parameter) when `ema_decay` is set,
 - activations: what one micro-batch saves for its backward pass (see `activation_bytes`).
 
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from dlm.config import ExperimentConfig, ModelConfig, TrainingConfig
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.model import format_parameter_count
-from dlm.optimizers import optimizer_spec
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dlm.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 
 
 class RMSNorm(nn.Module):

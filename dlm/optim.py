@@ -1,6 +1,6 @@
 """Optimisation: parameter groups, building the configured optimizer, its resume, the LR schedule, EMA.
 
-Which optimizers exist and how each is built lives in the registry, `dlm.optimizers`. Parameter
+Which optimizers exist and how each is built lives in the registry, `dlm.config.optimizer_registry`. Parameter
 groups are always `[decay, no_decay]` in that order: resume matches optimizer state to parameters
 by group position, so the order is part of the checkpoint format.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlm.config import TrainingConfig
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
-from dlm.optimizers import optimizer_spec
 
 # Prefixes that wrappers add to parameter names (torch.compile, DDP); EMA names drop them so a
 # checkpoint taken from a compiled or wrapped model loads into a plain one and back.
@@ -40,7 +40,8 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
 
 
 def build_optimizer(model: nn.Module, training: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer `training.optimizer` names in the registry (`dlm.optimizers`), over `parameter_groups`."""
+    """The optimizer `training.optimizer` names in the registry (`dlm.config.optimizer_registry`), over
+    `parameter_groups`."""
 
     spec = optimizer_spec(training.optimizer)
     spec.check_installed()

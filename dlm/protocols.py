@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
     from dlm.attention import KVCache
-    from dlm.config import ModelConfig
+    from dlm.config.schema import ModelConfig
 
 
 class Denoiser(Protocol):

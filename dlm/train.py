@@ -36,7 +36,8 @@ from dlm.checkpoint import (
     save_inference_checkpoint,
     save_training_checkpoint,
 )
-from dlm.config import ExperimentConfig
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import ExperimentConfig
 from dlm.data import DeterministicBatchSampler, load_packed_dataset
 from dlm.distributed import (
     DistributedContext,
@@ -57,7 +58,6 @@ from dlm.loggers import check_loggers, open_loggers
 from dlm.memory import count_parameters
 from dlm.model import format_parameter_count
 from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
-from dlm.optimizers import optimizer_spec
 from dlm.run_dir import (
     MetricsFile,
     RunDir,

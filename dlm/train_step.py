@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dlm.config import ExperimentConfig
+from dlm.config.schema import ExperimentConfig
 from dlm.diffusion.objective import (
     TokenLosses,
     accumulation_mask_probabilities,

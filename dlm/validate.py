@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 from dlm.data import PackedDataset, load_packed_dataset
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory

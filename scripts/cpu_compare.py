@@ -103,7 +103,7 @@ def step_pair(
     sys.path[:0] = [str(baseline_path.parent), str(ROOT)]
     baseline = importlib.import_module("plain_gpu")
     from dlm.bench import synthetic_batches
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
     from dlm.distributed import DistributedContext
     from dlm.train_step import LogWindow, TrainingStep
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dlm.bench import synthetic_batches
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
     from dlm.distributed import DistributedContext
     from dlm.runtime import cpu_has_native_bfloat16
     from dlm.train_step import LogWindow, TrainingStep

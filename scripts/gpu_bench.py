@@ -188,7 +188,7 @@ def dlm_case(
     size: str, name: str, overrides: list[str], steps: int, warmup: int, ceiling: float, records: Records
 ) -> None:
     from dlm.bench import run_benchmark
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
 
     spec = SIZES[size]
     result = None
@@ -238,7 +238,7 @@ def quality_step_times(steps: int, warmup: int, records: Records) -> None:
     """The step time of each quality variant (compiled, its own batch), for fitting its schedule later."""
 
     from dlm.bench import run_benchmark
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
 
     for variant in QUALITY_DEFAULT:
         overrides = QUALITY_VARIANTS[variant]
@@ -266,7 +266,7 @@ def memory_search(records: Records) -> None:
     """`dlm bench --find-max-batch --memory-limit 24` for 1.3B with adamw8bit and checkpointing (eager)."""
 
     from dlm.bench import find_max_batch
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
 
     size, case, limit = MEMORY_CASE
     overrides = ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"]
@@ -339,7 +339,7 @@ def fitted_max_steps(
 
 
 def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
     from dlm.evaluate import evaluate_source
     from dlm.events import Event, ValidationEvent
     from dlm.train import train

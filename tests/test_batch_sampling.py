@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from dlm.attention import KVCache
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.noise import RowNoise

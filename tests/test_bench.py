@@ -18,7 +18,7 @@ from dlm import bench
 from dlm.bench import BenchOutOfMemoryError, benchmark, report_table, run_benchmark, search_max_batch
 from dlm.bench_setup import compare_settings, config_key, parse_compare
 from dlm.cli import main
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 

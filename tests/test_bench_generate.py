@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dlm.bench_generate import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 

@@ -23,7 +23,7 @@ import dlm
 from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allowed, block_causal_mask, flex_attention
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
-from dlm.config import ModelConfig, load_config
+from dlm.config.schema import ModelConfig, load_config
 from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
 from dlm.diffusion.schedules import LinearSchedule
 from dlm.distributed import end_process

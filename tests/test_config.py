@@ -6,13 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm.config import (
-    ExperimentConfig,
-    ModelConfig,
-    TrainingConfig,
-    config_reference_markdown,
-    load_config,
-)
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, config_reference_markdown, load_config
 from dlm.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dlm.assets import shakespeare_files
-from dlm.config import load_config
+from dlm.config.schema import load_config
 from dlm.demo import (
     DemoResult,
     SpreadBlocks,

@@ -14,7 +14,7 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor
 
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.diffusion.objective import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model

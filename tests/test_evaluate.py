@@ -13,7 +13,7 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor, nn
 
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.data import load_packed_dataset
 from dlm.errors import UserError
 from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report

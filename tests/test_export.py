@@ -17,7 +17,7 @@ import dlm
 from dlm.card_data import NEUTRAL_PROMPT, usage_prompt
 from dlm.checkpoint import load_checkpoint
 from dlm.checksum import with_checksum
-from dlm.config import ExperimentConfig
+from dlm.config.schema import ExperimentConfig
 from dlm.data import load_packed_dataset
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info

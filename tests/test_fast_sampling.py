@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from dlm.block_sampling import cut_after_stop
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.decoding import _FastReverse, _Window, denoise_fast
 from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError

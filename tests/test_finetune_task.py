@@ -27,7 +27,7 @@ from helpers import ROOT
 
 from dlm.chat import chat_prompt, reply
 from dlm.chat_pack import pack_chat
-from dlm.config import load_config
+from dlm.config.schema import load_config
 from dlm.data import pack_corpus
 from dlm.loading import load_model_with_info
 from dlm.sampling import generate

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dlm.bench import find_max_batch, run_benchmark, synthetic_batches
-from dlm.config import ExperimentConfig, ModelConfig
+from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.distributed import DistributedContext
 from dlm.errors import UserError
 from dlm.runtime import configure_cuda_backends, enabled_sdpa_backends

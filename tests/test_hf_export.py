@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import dlm
 import dlm.diffusion.schedules
-from dlm.config import DiffusionConfig, ModelConfig
+from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.diffusion.schedules import Schedule, register_schedule
 from dlm.errors import UserError
 from dlm.export import export_model

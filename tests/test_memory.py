@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dlm import memory
-from dlm.config import ExperimentConfig, ModelConfig
+from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, unregister_optimizer
+from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.diffusion.objective import masked_token_losses
 from dlm.memory import (
     AvailableMemory,
@@ -24,7 +25,6 @@ from dlm.memory import (
 )
 from dlm.model import DiffusionTransformer
 from dlm.optim import build_optimizer
-from dlm.optimizers import OptimizerSpec, register_optimizer, unregister_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

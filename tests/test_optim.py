@@ -13,7 +13,7 @@ from helpers import tiny_experiment
 from torch import nn
 
 from dlm.checkpoint import load_checkpoint
-from dlm.config import TrainingConfig
+from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
 from dlm.optim import ModelEMA, build_optimizer, learning_rate, parameter_groups
 

@@ -12,12 +12,12 @@ from helpers import tiny_experiment, train_losses
 from torch import nn
 
 from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, TrainingConfig, load_config
+from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
+from dlm.config.schema import ExperimentConfig, TrainingConfig, load_config
 from dlm.distributed import check_parallelism
 from dlm.errors import UserError
 from dlm.events import Event, StartEvent
 from dlm.optim import build_optimizer, check_state_layout
-from dlm.optimizers import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
 from dlm.run_dir import check_resumable
 from dlm.train import train
 

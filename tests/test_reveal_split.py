@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.diffusion.schedules import get_schedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 import dlm.sampling
 from dlm.chat import chat_prompt, reply
 from dlm.cli.sample_cmd import SampleRequest
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, generate
 

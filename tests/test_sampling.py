@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from dlm.cli import app, main
 from dlm.cli.sample_cmd import MASK_GLYPH, render_samples
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.sampling import (
     SampleResult,

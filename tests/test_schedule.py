@@ -20,7 +20,7 @@ import dlm
 import dlm.diffusion.schedules as schedule_module
 from dlm.checkpoint import LATEST_NAME, load_checkpoint
 from dlm.checksum import with_checksum
-from dlm.config import ExperimentConfig, MovedFieldNote, load_config
+from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
 from dlm.dashboard import TrainingDashboard
 from dlm.data import load_packed_dataset
 from dlm.diffusion.objective import corrupt_tokens, elbo_nll, truncation_factor

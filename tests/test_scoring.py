@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, denoise

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm.config import load_config
+from dlm.config.schema import load_config
 from dlm.errors import UserError
 from dlm.validate import ensure_valid, validate_config_file
 

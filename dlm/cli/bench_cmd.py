@@ -172,7 +172,7 @@ def bench_command(
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
 
     from dlm.bench import BenchReport, Progress, benchmark, report_summary, report_table
-    from dlm.config import load_config
+    from dlm.config.schema import load_config
 
     experiment = load_config(config, overrides)
     options: dict[str, Any] = {"steps": steps, "warmup": warmup, "batch_size": batch_size}

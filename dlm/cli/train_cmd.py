@@ -22,7 +22,7 @@ from dlm.cli.common import (
     err_console,
     wants_json,
 )
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 
 MaxRunSteps = Annotated[
     int | None,

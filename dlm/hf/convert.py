@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
-from dlm.config import DiffusionConfig, ModelConfig
+from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.errors import UserError, reported_os_errors
 from dlm.export import EXPORT_FILES, check_export_output
 from dlm.fileio import swap_directory_into_place, temporary_path
@@ -293,7 +293,7 @@ def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from dlm.config import format_validation_error
+    from dlm.config.schema import format_validation_error
 
     config = _read_config(directory) or {}
     path = directory / CONFIG_NAME

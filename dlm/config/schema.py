@@ -1,7 +1,7 @@
 """Typed experiment configuration: pydantic models, TOML loading and `--set` overrides.
 
 One `ExperimentConfig` holds a `ModelConfig` (what the network is) and a `TrainingConfig` (how it is
-trained). Every field is bounded; cross-field rules (declared in `dlm.config_rules`) live in
+trained). Every field is bounded; cross-field rules (declared in `dlm.config.rules`) live in
 validators that name the field and the fix, and `load_config` turns pydantic's errors into one
 readable `UserError` naming the file.
 """
@@ -17,15 +17,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.choices import ElboEstimator
-from dlm.config_rules import EXPERIMENT_RULES as EXPERIMENT_RULES
-from dlm.config_rules import MODEL_RULES as MODEL_RULES
-from dlm.config_rules import TRAINING_RULES as TRAINING_RULES
-from dlm.config_rules import FieldProblem as FieldProblem
-from dlm.config_rules import Rule as Rule
-from dlm.config_rules import check_rules as _check_rules
+from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
+from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES, FieldProblem
+from dlm.config.rules import check_rules as _check_rules
 from dlm.diffusion.schedules import DEFAULT_SCHEDULE, describe_schedules, schedule_names
 from dlm.errors import UserError, UserNote
-from dlm.optimizers import describe_optimizers, registered_optimizers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -120,7 +116,7 @@ class TrainingConfig(_Strict):
     )
     seed: int = Field(1337, ge=0, lt=2**63, description="Seed for weights, data order and diffusion noise.")
     optimizer: str = Field(
-        "adamw", description=f"A registered optimizer (`dlm/optimizers.py`): {describe_optimizers()}."
+        "adamw", description=f"A registered optimizer (`dlm/config/optimizer_registry.py`): {describe_optimizers()}."
     )
     optimizer_embedding_32bit: bool = Field(
         True, description="adamw8bit: keep 32-bit optimizer state for the tied embedding / head."
@@ -463,7 +459,7 @@ def config_reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `dlm/config.py` by `dlm config docs`; a test fails when this file is stale.",
+        "Generated from `dlm/config/schema.py` by `dlm config docs`; a test fails when this file is stale.",
         "Config files are TOML with `[model]`, `[diffusion]`, `[training]` and `[logging]` tables. Any command",
         "that takes `--config` also takes repeated `--set section.field=value` overrides, parsed with the",
         "field's own type (`none` clears an optional field). Relative paths are relative to the",

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from dlm.config import TrainingConfig
+    from dlm.config.schema import TrainingConfig
 
     # (model, parameter groups, training config, device) -> optimizer over exactly those groups.
     # The groups are `[decay, no_decay]` (`dlm.optim.parameter_groups`); keep them as given,
