@@ -81,8 +81,8 @@ def data_lines(info: SourceInfo) -> list[str]:
 def usage_prompt(info: SourceInfo) -> str:
     """The first words of the validation (else training) text, so the example suits the data."""
 
-    from dlm.data import load_packed_dataset
-    from dlm.tokenizer import load_tokenizer
+    from dlm.data.dataset import load_packed_dataset
+    from dlm.data.tokenizer import load_tokenizer
 
     for split in ("val", "train"):
         path = _data_path(info, split)

@@ -232,7 +232,7 @@ def _check_existing_run(demo: _Demo) -> None:
 
 def _tokenizer_stage(demo: _Demo) -> None:
     from dlm.assets import shakespeare_files
-    from dlm.tokenizer import load_tokenizer, train_tokenizer
+    from dlm.data.tokenizer import load_tokenizer, train_tokenizer
 
     wanted = demo.experiment.model.vocab_size
 
@@ -268,8 +268,8 @@ def _read_split_metadata(demo: _Demo) -> dict[str, dict[str, Any]] | None:
 
 def _data_stage(demo: _Demo) -> dict[str, Any]:
     from dlm.assets import shakespeare_files
-    from dlm.data import pack_corpus
-    from dlm.tokenizer import tokenizer_sha256
+    from dlm.data.pack import pack_corpus
+    from dlm.data.tokenizer import tokenizer_sha256
 
     seq_len = demo.experiment.model.max_seq_len
 
@@ -332,7 +332,7 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
 
     import torch
 
-    from dlm.data import load_packed_dataset
+    from dlm.data.dataset import load_packed_dataset
     from dlm.evaluate import evaluate_model, packed_token_bytes, write_report
     from dlm.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision

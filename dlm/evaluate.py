@@ -352,7 +352,7 @@ def evaluate_model(
     """Evaluate `model` on the first `batches` batches of `dataset` (blocks of token ids).
 
     Bits per byte need the UTF-8 bytes of every token id: `token_bytes` (a table indexed by id, as
-    `dlm.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
+    `dlm.data.tokenizer.token_byte_lengths` makes), else the table of the tokenizer.json beside a packed
     `dataset` whose sha256 `metadata` (default: `dataset.metadata`) records. `schedule` and
     `mask_eps` are the model's `[diffusion]` settings. `estimator` (`dlm.diffusion.objective.ESTIMATORS`) is
     how the ELBO's Monte Carlo samples mask a sequence. `progress(done, total)` counts the batches
@@ -411,7 +411,7 @@ def _evaluation_dataset(data: str | Path | None, info: Any) -> Any:
     """The packed split to evaluate on: `data` (a `dlm pack` directory's val split, or a .bin), or
     the run's own validation data; refuse data tokenized for another model."""
 
-    from dlm.data import load_packed_dataset
+    from dlm.data.dataset import load_packed_dataset
 
     if data is None:
         if info.experiment is None:

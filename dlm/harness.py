@@ -44,8 +44,8 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
+from dlm.data.tokenizer import SPECIAL_TOKENS  # noqa: E402
 from dlm.scoring import Scorer  # noqa: E402
-from dlm.tokenizer import SPECIAL_TOKENS  # noqa: E402
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dlm.data.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 from dlm.diffusion.objective import Batch, split_batch
 from dlm.errors import UserError
-from dlm.tokenizer import load_tokenizer, token_byte_lengths, tokenizer_sha256
 
 
 def packed_token_bytes(

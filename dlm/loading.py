@@ -25,11 +25,11 @@ from torch import Tensor
 
 from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
+from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.run_dir import RunDir
-from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"

@@ -42,7 +42,7 @@ def corpus_words(paths: Sequence[Path], tokenizer: Any | None = None) -> CorpusW
     """Read `paths` (any corpus format dlm packs) for their words; with a `tokenizer`, also count
     the tokens their text encodes to, for the words-per-token density of real text."""
 
-    from dlm.corpus import CorpusReader
+    from dlm.data.corpus import CorpusReader
 
     vocabulary: set[str] = set()
     total_words = total_tokens = 0

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
+from dlm.data.tokenizer import SPECIAL_TOKENS
 from dlm.diffusion.schedules import LinearSchedule, Schedule, Time, get_schedule, model_schedule
 from dlm.errors import UserError
 from dlm.noise import RowNoise
@@ -53,7 +54,6 @@ from dlm.prompting import parse_template as parse_template
 from dlm.prompting import split_masked as split_masked
 from dlm.remasking import remasking_names
 from dlm.remasking import token_confidence as token_confidence
-from dlm.tokenizer import SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     from dlm.attention import KVCache

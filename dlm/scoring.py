@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
+from dlm.data.tokenizer import SPECIAL_TOKENS
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
 from dlm.diffusion.schedules import model_schedule
 from dlm.errors import UserError
 from dlm.runtime import autocast_context
-from dlm.tokenizer import SPECIAL_TOKENS
 
 _GENERATE_PASS = 1  # keeps generation noise apart from scoring noise of the same ids
 

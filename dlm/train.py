@@ -38,7 +38,8 @@ from dlm.checkpoint import (
 )
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
-from dlm.data import DeterministicBatchSampler, load_packed_dataset
+from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
+from dlm.data.tokenizer import tokenizer_sha256
 from dlm.distributed import (
     DistributedContext,
     check_parallelism,
@@ -82,7 +83,6 @@ from dlm.runtime import (
     restore_rng_state,
 )
 from dlm.stop import StopSignals
-from dlm.tokenizer import tokenizer_sha256
 from dlm.train_step import LogWindow, RunCounters, TrainingStep
 from dlm.validate import ensure_valid
 

@@ -39,7 +39,7 @@ def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: An
     ignores all context. The bytes are those of exactly these blocks, from `token_bytes` (UTF-8
     bytes per id) or the data's own tokenizer.json. None without a byte count."""
 
-    from dlm.data import load_packed_dataset
+    from dlm.data.dataset import load_packed_dataset
     from dlm.likelihood import packed_token_bytes
 
     train = load_packed_dataset(data_dir, split="train")

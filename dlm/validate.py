@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from dlm.config.schema import ExperimentConfig, load_config
-from dlm.data import PackedDataset, load_packed_dataset
+from dlm.data.dataset import PackedDataset, load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.memory import check_training_memory
 from dlm.runtime import resolve_device, resolve_precision
-from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 
 @dataclass(frozen=True)

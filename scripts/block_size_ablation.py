@@ -80,11 +80,11 @@ def prepare_data(out: Path) -> Path:
     data = out / "data"
     tokenizer = data / "tokenizer.json"
     if not tokenizer.exists():  # the demo's tokenizer: byte-level BPE of 8192 tokens on the training works
-        from dlm.tokenizer import train_tokenizer
+        from dlm.data.tokenizer import train_tokenizer
 
         train_tokenizer(shakespeare_files("train"), 8192, tokenizer)
     if not (data / "val.bin").exists():
-        from dlm.data import pack_corpus
+        from dlm.data.pack import pack_corpus
 
         pack_corpus(shakespeare_files("train"), tokenizer, SEQ_LEN, data, val_inputs=shakespeare_files("val"))
     return data
@@ -176,7 +176,7 @@ def sequence_nlls(run: Path, data: Path, mc_samples: int) -> list[float]:
     import torch
 
     import dlm
-    from dlm.data import load_packed_dataset
+    from dlm.data.dataset import load_packed_dataset
     from dlm.diffusion.objective import elbo_nll
 
     torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dlm.data import load_packed_dataset
+from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed, split_batch
 from dlm.diffusion.schedules import model_schedule
 from dlm.loading import load_model_with_info

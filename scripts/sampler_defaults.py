@@ -56,8 +56,8 @@ def train_model(work: Path, steps: int) -> Path:
 
     from dlm.assets import shakespeare_files
     from dlm.config.schema import load_config
-    from dlm.data import pack_corpus
-    from dlm.tokenizer import train_tokenizer
+    from dlm.data.pack import pack_corpus
+    from dlm.data.tokenizer import train_tokenizer
     from dlm.train import train
 
     files = shakespeare_files("train")[:4]

@@ -15,6 +15,7 @@ import pytest
 
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
+from dlm.data.tokenizer import tokenizer_sha256
 from dlm.demo import (
     DemoResult,
     SpreadBlocks,
@@ -29,7 +30,6 @@ from dlm.errors import UserError
 from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
 from dlm.prompting import template_fixed_text
 from dlm.sample_quality import corpus_words, sample_quality
-from dlm.tokenizer import tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"

@@ -14,13 +14,13 @@ from helpers import train_tiny_run
 from torch import Tensor, nn
 
 from dlm.config.schema import ModelConfig
-from dlm.data import load_packed_dataset
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
 from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
 from dlm.export import export_model, load_model
 from dlm.likelihood import likelihood_figures
 from dlm.model import DiffusionTransformer
-from dlm.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH, SEQUENCES = 32, 64, 256
@@ -175,7 +175,7 @@ def test_cli_eval_json_output_file_and_errors(run_dir: Path, tmp_path: Path, run
 
 
 def test_token_byte_table_sums_to_the_utf8_size_of_any_text(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
-    from dlm.tokenizer import token_byte_lengths
+    from dlm.data.tokenizer import token_byte_lengths
 
     tokenizer = load_tokenizer(tiny_tokenizer_path)
     tokenizer.add_tokens(["日本", "<|extra|>"])  # added tokens: outside and inside the byte alphabet
@@ -370,7 +370,7 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
 def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
     run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
 ) -> None:
-    from dlm.chat_pack import mask_path, pack_chat
+    from dlm.data.chat_pack import mask_path, pack_chat
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))

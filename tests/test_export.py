@@ -18,11 +18,11 @@ from dlm.card_data import NEUTRAL_PROMPT, usage_prompt
 from dlm.checkpoint import load_checkpoint
 from dlm.checksum import with_checksum
 from dlm.config.schema import ExperimentConfig
-from dlm.data import load_packed_dataset
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
 from dlm.model import DiffusionTransformer
-from dlm.tokenizer import load_tokenizer, tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from dlm import readers
-from dlm.corpus import CorpusReader, discover_inputs
-from dlm.readers import Chunk, Format, ReadContext
-from dlm.tokenizer import train_tokenizer
+from dlm.data import readers
+from dlm.data.corpus import CorpusReader, discover_inputs
+from dlm.data.readers import Chunk, Format, ReadContext
+from dlm.data.tokenizer import train_tokenizer
 
 # Documents with what a reader could get wrong: line endings, no final newline, U+FFFD already in the
 # text, a special token's spelling, non-ASCII, and one longer than a text piece (64 KB).

@@ -16,9 +16,9 @@ import torch
 from tokenizers import Tokenizer
 
 import dlm.sampling
-from dlm.chat import chat_prompt, reply
 from dlm.cli.sample_cmd import SampleRequest
 from dlm.config.schema import ModelConfig
+from dlm.data.chat import chat_prompt, reply
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, generate
 

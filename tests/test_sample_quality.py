@@ -39,7 +39,7 @@ def test_pooled_figures_sum_words_and_tokens() -> None:
 
 
 def test_corpus_words_read_any_corpus_format_and_count_tokens(tmp_path: Path, tiny_tokenizer_path: Path) -> None:
-    from dlm.tokenizer import load_tokenizer
+    from dlm.data.tokenizer import load_tokenizer
 
     plain, packed = tmp_path / "a.txt", tmp_path / "b.txt.gz"
     plain.write_text("To be, or not to be:\nthat is the question.\n", encoding="utf-8")

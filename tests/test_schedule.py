@@ -22,7 +22,7 @@ from dlm.checkpoint import LATEST_NAME, load_checkpoint
 from dlm.checksum import with_checksum
 from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
 from dlm.dashboard import TrainingDashboard
-from dlm.data import load_packed_dataset
+from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import corrupt_tokens, elbo_nll, truncation_factor
 from dlm.diffusion.schedules import (
     NOISE_BUCKETS,

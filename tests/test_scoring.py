@@ -13,11 +13,11 @@ import torch
 from tokenizers import Tokenizer
 
 from dlm.config.schema import ModelConfig
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
 from dlm.model import DiffusionTransformer
 from dlm.sampling import SamplingOptions, denoise
 from dlm.scoring import Scorer, rolling_windows
-from dlm.tokenizer import load_tokenizer
 
 MASK_ID, LENGTH = 1, 32
 

@@ -160,7 +160,7 @@ def test_adamw8bit_and_ema_train_on_cpu(tiny_data_dir: Path, tmp_path: Path) -> 
 def test_validation_leaves_global_rng_untouched(tiny_data_dir: Path, tmp_path: Path) -> None:
     from torch.utils.data import DataLoader
 
-    from dlm.data import load_packed_dataset
+    from dlm.data.dataset import load_packed_dataset
     from dlm.evaluate import fixed_noise_validation
     from dlm.model import DiffusionTransformer
 

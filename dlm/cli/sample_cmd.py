@@ -197,7 +197,7 @@ class SampleRequest:
     batch_size: int = 16  # --prompt-file only: prompts per padded batch
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `dlm.sampling.generate` (and `dlm.chat.chat_replies`), prompt aside."""
+        """The keyword arguments of `dlm.sampling.generate` (and `dlm.sampling.chat.chat_replies`), prompt aside."""
 
         settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
                     "stop_at_end": self.stop_at_end, "device": self.device}  # fmt: skip
@@ -304,7 +304,7 @@ def sample(
         reveal_split=reveal_split, batch_size=batch_size,
     )  # fmt: skip
     if chat is not None:
-        from dlm.chat import chat_replies
+        from dlm.data.chat import chat_replies
 
         replies = chat_replies(model_path, chat, **request.generate_kwargs())
         print_json({"replies": replies}) if as_json else typer.echo("\n".join(replies))
@@ -335,9 +335,9 @@ def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: Sam
 
     import json
 
+    from dlm.data.tokenizer import SPECIAL_TOKENS
     from dlm.prompt_batch import encode_prompts, prompt_chunks, prompt_records
     from dlm.sampling import generate
-    from dlm.tokenizer import SPECIAL_TOKENS
 
     encode_prompts(tokenizer, model.config, prompts, length=request.length, num_samples=request.num_samples,
                    seed=request.seed)  # fmt: skip

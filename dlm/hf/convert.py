@@ -34,6 +34,7 @@ from torch import Tensor
 
 from dlm import __version__
 from dlm.config.schema import DiffusionConfig, ModelConfig
+from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError, reported_os_errors
 from dlm.export import EXPORT_FILES, check_export_output
 from dlm.fileio import swap_directory_into_place, temporary_path
@@ -47,7 +48,6 @@ from dlm.loading import (
     checked_tokenizer,
     read_model_source,
 )
-from dlm.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 
 HF_FORMAT = "dlm-hf-v1"
 MODEL_TYPE = "dlm_diffusion"
@@ -210,7 +210,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
-    from dlm.tokenizer import load_tokenizer, special_token_id
+    from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
     special_ids = {name: special_token_id(loaded, name) for name in SPECIAL_TOKENS}

@@ -40,7 +40,7 @@ DECODE_ERRORS: tuple[str, ...] = get_args(DecodeErrors)
 _REPLACEMENT_UTF8 = "\ufffd".encode()
 _T = TypeVar("_T")
 # An instruction example as read (`dlm pack --chat`): a JSON-like value and where it is, "FILE:LINE" or
-# "FILE: row N (0-based)"; `dlm.chat.parse_example` judges it.
+# "FILE: row N (0-based)"; `dlm.data.chat.parse_example` judges it.
 Record = tuple[Any, str]
 
 

@@ -3,7 +3,7 @@
 `pack_corpus` tokenizes documents, ends each with the end-of-document token, concatenates them and
 cuts the stream into blocks of exactly `seq_len` tokens, streaming straight to disk (memory grows
 only by a hash per document, never with the text). Byte-identical documents are kept once and the
-validation fraction is a share of the text bytes (`dlm.pack_plan`). A split is `NAME.bin` (raw
+validation fraction is a share of the text bytes (`dlm.data.pack_plan`). A split is `NAME.bin` (raw
 little-endian uint16, or uint32 when the vocabulary does not fit) plus `NAME.json` (metadata).
 Everything is written under temporary names and renamed at the end, metadata last, so an interrupted
 or failed pack (a full disk included) leaves nothing that loads; the next pack removes the
@@ -26,17 +26,24 @@ from typing import Any
 import numpy as np
 
 from dlm import __version__
-from dlm.corpus import CorpusReader, Piece
+from dlm.data.corpus import CorpusReader, Piece
+from dlm.data.mixture import (
+    MixtureInputs,
+    WeightedSource,
+    apply_weights,
+    discover_sources,
+    mixture_metadata,
+    read_order,
+)
+from dlm.data.pack_plan import PackPlan, plan_pack
+from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, check_writable_directory, remove_stale_temporaries, temporary_path
-from dlm.mixture import MixtureInputs, WeightedSource, apply_weights, discover_sources, mixture_metadata, read_order
-from dlm.pack_plan import PackPlan, plan_pack
-from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 
 PACKED_FORMAT = "dlm-packed-v1"
 SPLITS = ("train", "val")
 OUTPUT_FILES = ("tokenizer.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
-# Written by `dlm pack --chat` only (`dlm.chat_pack`): a loss mask beside a split's tokens. A plain pack
+# Written by `dlm pack --chat` only (`dlm.data.chat_pack`): a loss mask beside a split's tokens. A plain pack
 # removes them, since a mask that another pack's tokens left behind describes nothing.
 MASK_FILES = tuple(f"{s}.mask.bin" for s in SPLITS)
 # Encode about this much text per `encode_batch_fast` call: enough pieces for every core, little RAM.
@@ -111,7 +118,7 @@ class _SplitWriter:
         self.pending: list[np.ndarray] = []
         self.tokens = self.documents = self.text_bytes = 0
         self.sources: set[int] = set()
-        # By input file: what each weighted source put into the split (`dlm.mixture`).
+        # By input file: what each weighted source put into the split (`dlm.data.mixture`).
         self.file_tokens: Counter[int] = Counter()
         self.file_documents: Counter[int] = Counter()
 
@@ -210,7 +217,7 @@ def pack_corpus(
 
     Byte-identical documents are kept once, validation inputs' copies first; `val_fraction` is the
     share of the text's UTF-8 bytes held out, in whole documents drawn with `seed`; then each
-    source's training documents are repeated or sampled by its weight (`dlm.mixture`), with `seed`.
+    source's training documents are repeated or sampled by its weight (`dlm.data.mixture`), with `seed`.
     """
 
     started = time.perf_counter()

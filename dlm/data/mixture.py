@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from dlm.corpus import discover_corpus
+from dlm.data.corpus import discover_corpus
+from dlm.data.pack_plan import TRAIN, PackPlan
 from dlm.errors import UserError
-from dlm.pack_plan import TRAIN, PackPlan
 
 SOURCE_FIX = "write --source PATH:WEIGHT, for example --source web/:2 or --source books.parquet:0.5"
 # Each unit of weight is one more whole pass over the source (`read_order` lists them, and a document's

@@ -308,9 +308,9 @@ def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[
     (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`,
     all of them; `stop_at_end` is always on (a reply ends there either way, stopping saves the rest)."""
 
+    from dlm.data.tokenizer import special_token_id
     from dlm.loading import load_model_with_info
     from dlm.sampling import generate
-    from dlm.tokenizer import special_token_id
 
     loaded = load_model_with_info(model_path, device=options.get("device") or "cpu")
     prompt = chat_prompt(loaded.info.tokenizer_path, question)

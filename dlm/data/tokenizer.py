@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dlm.corpus import CorpusReader, check_output_file, discover_inputs
+from dlm.data.corpus import CorpusReader, check_output_file, discover_inputs
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_write_text
 

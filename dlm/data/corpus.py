@@ -1,7 +1,7 @@
 """Files in and out: finding corpus inputs, streaming their documents, and safe output paths.
 
 Inputs are files, directories (searched recursively) and glob patterns. How a file becomes documents
-is its format's business (`dlm.readers`, the registry of formats): a `.txt` or `.md` file is one
+is its format's business (`dlm.data.readers`, the registry of formats): a `.txt` or `.md` file is one
 document, every non-blank line of a `.jsonl` file is one (its `text_field`), and so is every row of
 a `.parquet` file or of a saved Hugging Face dataset (a directory, read as one input). Text and jsonl
 may be compressed (`.gz`, `.zst`). Files are read in pieces, so memory never grows with file size.
@@ -26,14 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from dlm.data.readers import SUPPORTED, ReadContext, Utf8Decoder, check_requirements, format_of
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
-
-# DECODE_ERRORS, DecodeErrors and SUPPORTED are re-exported: callers name the decode policy and the
-# readable inputs through this module.
-from dlm.readers import DECODE_ERRORS as DECODE_ERRORS
-from dlm.readers import SUPPORTED, ReadContext, Utf8Decoder, check_requirements, format_of
-from dlm.readers import DecodeErrors as DecodeErrors
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm.corpus import CorpusReader
+from dlm.data.corpus import CorpusReader
 
 TRAIN, VAL, DUPLICATE = 0, 1, 2
 _SPLIT_NAMES = {TRAIN: "train", VAL: "val"}
@@ -40,7 +40,7 @@ class PackPlan:
     files: array = field(default_factory=lambda: array("I"))  # the input each document comes from
     duplicates: int = 0
     duplicate_bytes: int = 0
-    copies: np.ndarray | None = None  # training copies of each document (`dlm.mixture`); None: one each
+    copies: np.ndarray | None = None  # training copies of each document (`dlm.data.mixture`); None: one each
 
     def split_of(self, document: int, copy: int = 0) -> str | None:
         """"train" or "val" for reading `copy` of a document; None for a duplicate or a copy not taken."""

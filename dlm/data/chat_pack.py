@@ -1,13 +1,13 @@
 """`dlm pack --chat`: instruction data in, one block per example plus a per-token loss mask out.
 
-Each example (`dlm.chat`) becomes exactly one block of `seq_len` tokens: prompt, reply, then
+Each example (`dlm.data.chat`) becomes exactly one block of `seq_len` tokens: prompt, reply, then
 end-of-document tokens up to the block's end. Beside `NAME.bin` goes `NAME.mask.bin` (uint8, one
 byte per token): 1 where the token is learned (the reply, its end-of-document token and the
 padding), 0 on the prompt, which training never masks and never scores. Padding counts in the loss
 because that is how the model learns to stop, and it is masked like the reply so that the model
 never sees where a reply ends (it does not when sampling). Examples longer than a block are
 truncated or dropped (`long`), and examples whose reply is empty or blank are skipped: all counted.
-Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.readers` that
+Inputs are named as for `dlm pack` (files, directories, globs) in any format of `dlm.data.readers` that
 holds records (JSONL, Parquet, saved datasets). Examples are read one line or row batch at a time
 and each block goes to disk as soon as it is made, so memory stays flat in the size of the data.
 Files are written under temporary names and renamed at the end, metadata last, as `dlm pack` does:
@@ -28,11 +28,9 @@ from typing import Any, Literal
 import numpy as np
 
 from dlm import __version__
-from dlm.chat import FIELDS, ChatTemplate, encode_example, parse_example
-from dlm.corpus import discover_corpus
-from dlm.errors import UserError, reported_os_errors
-from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
-from dlm.pack import (
+from dlm.data.chat import FIELDS, ChatTemplate, encode_example, parse_example
+from dlm.data.corpus import discover_corpus
+from dlm.data.pack import (
     MASK_FILES,
     OUTPUT_FILES,
     PACKED_FORMAT,
@@ -42,8 +40,10 @@ from dlm.pack import (
     check_pack_arguments,
     token_dtype,
 )
-from dlm.readers import RECORDS_SUPPORTED, ReadContext, Record, Utf8Decoder, format_of
-from dlm.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
+from dlm.data.readers import RECORDS_SUPPORTED, ReadContext, Record, Utf8Decoder, format_of
+from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
+from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
 
 LongPolicy = Literal["truncate", "drop"]
 MASK_SUFFIX = ".mask.bin"

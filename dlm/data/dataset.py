@@ -1,6 +1,6 @@
 """Packed token data: the memory-mapped dataset and the deterministic batch sampler.
 
-`dlm pack` (`dlm.pack.pack_corpus`, re-exported here) writes a split as `NAME.bin` (raw little-endian
+`dlm pack` (`dlm.data.pack.pack_corpus`) writes a split as `NAME.bin` (raw little-endian
 uint16, or uint32 when the vocabulary does not fit) plus `NAME.json` (metadata); `load_packed_dataset`
 opens one, checking the file against its metadata.
 
@@ -19,23 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlm.data.pack import PACKED_FORMAT
 from dlm.errors import UserError, UserNote
-from dlm.pack import PACKED_FORMAT, PackSummary, SplitSummary, pack_corpus, token_dtype
 
 if TYPE_CHECKING:
     import torch
-
-# The packer's names stay importable from here, where they were first defined.
-__all__ = [
-    "PACKED_FORMAT",
-    "DeterministicBatchSampler",
-    "PackSummary",
-    "PackedDataset",
-    "SplitSummary",
-    "load_packed_dataset",
-    "pack_corpus",
-    "token_dtype",
-]
 
 
 class PackedDataset:
