@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # torch loads only when a function is called
     import torch
     from tokenizers import Tokenizer
 
-    from dlm.model import DiffusionTransformer
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
+    from dlm.model.transformer import DiffusionTransformer
     from dlm.sampling import SampleResult
 
 __version__ = "0.1.0"

@@ -27,7 +27,7 @@ from dlm.bench_setup import compare_settings
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
     from dlm.sampling import SampleResult
 
 # Sampler options a setting may name, and how each value is read ("none" turns an optional one off).

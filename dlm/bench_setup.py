@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from dlm import runtime
-from dlm.attention import training_kernel
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
 from dlm.device_support import fused_attention_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB
+from dlm.model.attention import training_kernel
 
 # ---- Config: overrides and --compare ----------------------------------------------------------
 

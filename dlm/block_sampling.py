@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dlm.attention import KVCache
 from dlm.decoding import reveal_threshold
 from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
+from dlm.model.attention import KVCache
 from dlm.noise import RowNoise
 from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, masked_after, reveal_count, step_times
 
 if TYPE_CHECKING:
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
 
 
 @dataclass

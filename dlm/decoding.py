@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dlm.attention import KVCache
 from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
+from dlm.model.attention import KVCache
 from dlm.noise import RowNoise
 from dlm.remasking import token_confidence
 from dlm.sampling import (
@@ -48,7 +48,7 @@ from dlm.sampling import (
 )
 
 if TYPE_CHECKING:
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
 
 
 def check_block_model_options(options: SamplingOptions) -> None:

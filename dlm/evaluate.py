@@ -56,7 +56,7 @@ from dlm.likelihood import packed_token_bytes as packed_token_bytes
 from dlm.runtime import autocast_context
 
 if TYPE_CHECKING:
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
 
 # v2: `bytes` (exact UTF-8 bytes of the scored tokens) replaced v1's estimated `text_bytes`.
 EVAL_FORMAT = "dlm-eval-v2"

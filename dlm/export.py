@@ -38,7 +38,7 @@ from dlm.loading import load_model as load_model
 from dlm.loading import load_model_with_info as load_model_with_info
 from dlm.loading import read_export_config as read_export_config
 from dlm.loading import read_model_source as read_model_source
-from dlm.model import format_parameter_count
+from dlm.model.transformer import format_parameter_count
 from dlm.report import eval_report_problem
 from dlm.run_dir import RunDir
 

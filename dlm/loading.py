@@ -28,7 +28,7 @@ from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, fo
 from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.run_dir import RunDir
 
 EXPORT_FORMAT = "dlm-export-v1"

@@ -31,7 +31,7 @@ import torch
 
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
-from dlm.model import format_parameter_count
+from dlm.model.transformer import format_parameter_count
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")

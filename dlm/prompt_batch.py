@@ -35,7 +35,7 @@ from dlm.prompting import build_sequence, check_request
 
 if TYPE_CHECKING:
     from dlm.diffusion.schedules import Schedule
-    from dlm.protocols import Denoiser
+    from dlm.model.denoiser import Denoiser
     from dlm.sampling import SampleResult, SamplingOptions
 
 

@@ -56,8 +56,8 @@ from dlm.remasking import remasking_names
 from dlm.remasking import token_confidence as token_confidence
 
 if TYPE_CHECKING:
-    from dlm.attention import KVCache
-    from dlm.protocols import Denoiser
+    from dlm.model.attention import KVCache
+    from dlm.model.denoiser import Denoiser
 
 CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
 REVEAL_SPLITS: tuple[str, ...] = get_args(RevealSplit)

@@ -57,7 +57,7 @@ from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, T
 from dlm.init_from import initial_weights, load_initial_weights
 from dlm.loggers import check_loggers, open_loggers
 from dlm.memory import count_parameters
-from dlm.model import format_parameter_count
+from dlm.model.transformer import format_parameter_count
 from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.run_dir import (
     MetricsFile,

@@ -32,7 +32,7 @@ from dlm.diffusion.objective import (
 )
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.optim import ModelEMA, build_optimizer, learning_rate
 from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
 

@@ -22,11 +22,11 @@ import torch
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dlm.attention import KVCache
 from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.attention import KVCache
+from dlm.model.transformer import DiffusionTransformer
 from dlm.noise import RowNoise
 from dlm.sampling import generate
 

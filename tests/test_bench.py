@@ -20,7 +20,7 @@ from dlm.bench_setup import compare_settings, config_key, parse_compare
 from dlm.cli import main
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -16,7 +16,7 @@ from dlm.bench_generate import benchmark_generation, judge_nll, parse_generate_c
 from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)
 fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)

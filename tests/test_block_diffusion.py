@@ -20,7 +20,6 @@ from helpers import assert_same_weights, check_resume_is_exact, tiny_experiment,
 from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 
 import dlm
-from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allowed, block_causal_mask, flex_attention
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config.schema import ModelConfig, load_config
@@ -31,7 +30,16 @@ from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
 from dlm.events import Event, ValidationEvent
 from dlm.export import export_model
-from dlm.model import DiffusionTransformer
+from dlm.model.attention import (
+    AttentionMask,
+    _bd3_bool,
+    _bd3_flex,
+    attend,
+    bd3_allowed,
+    block_causal_mask,
+    flex_attention,
+)
+from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling import SamplingOptions
 from dlm.train import train
 

@@ -20,7 +20,7 @@ from dlm.errors import UserError
 from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
 from dlm.export import export_model, load_model
 from dlm.likelihood import likelihood_figures
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH, SEQUENCES = 32, 64, 256

@@ -22,7 +22,7 @@ from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.errors import UserError
 from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from dlm.config.schema import ModelConfig
 from dlm.decoding import _FastReverse, _Window, denoise_fast
 from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling import SamplingOptions, denoise, generate
 
 END = 0  # <|endoftext|>

@@ -23,7 +23,7 @@ from dlm.memory import (
     optimizer_state_bytes,
     parameter_shapes,
 )
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.diffusion.schedules import get_schedule
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling import SamplingOptions, generate, masked_after, reveal_count
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer

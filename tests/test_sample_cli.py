@@ -19,7 +19,7 @@ import dlm.sampling
 from dlm.cli.sample_cmd import SampleRequest
 from dlm.config.schema import ModelConfig
 from dlm.data.chat import chat_prompt, reply
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling import SamplingOptions, generate
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer

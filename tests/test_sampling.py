@@ -268,7 +268,7 @@ def test_generate_runs_in_eval_inference_mode_and_restores_training(tokenizer: T
 
 
 def test_real_transformer_smoke(tokenizer: Tokenizer) -> None:
-    from dlm.model import DiffusionTransformer
+    from dlm.model.transformer import DiffusionTransformer
 
     config = ModelConfig(
         vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=1, n_heads=2,

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from dlm.config.schema import ModelConfig
 from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling import SamplingOptions, denoise
 from dlm.scoring import Scorer, rolling_windows
 

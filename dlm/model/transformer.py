@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dlm.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
 from dlm.config.schema import ModelConfig
+from dlm.model.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +75,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; one fused QKV matmul, `dlm.attention` applies the mask and kernel."""
+    """Multi-head self-attention; one fused QKV matmul, `dlm.model.attention` applies the mask and kernel."""
 
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
@@ -204,7 +204,7 @@ class DiffusionTransformer(nn.Module):
         """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
         A block model (`config.block_size`) scores noisy `tokens` given `clean_tokens` in one pass
-        over both (the BD3 pattern of `dlm.attention`); without them it attends block-causally. With
+        over both (the BD3 pattern of `dlm.model.attention`); without them it attends block-causally. With
         a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
         `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
         which no other position sees, and its positions count from the first one after them.

@@ -1,7 +1,7 @@
 """The contract between a model and the code that runs it, as a type the checker verifies.
 
 Sampling (`dlm.sampling`, `dlm.block_sampling`) and evaluation (`dlm.evaluate`) accept any
-`Denoiser`: `dlm.model.DiffusionTransformer` is one, and so is a module that wraps one as long as it
+`Denoiser`: `dlm.model.transformer.DiffusionTransformer` is one, and so is a module that wraps one as long as it
 keeps the same call and exposes the same `config`. Nothing here imports torch at run time.
 """
 
@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
-    from dlm.attention import KVCache
     from dlm.config.schema import ModelConfig
+    from dlm.model.attention import KVCache
 
 
 class Denoiser(Protocol):
@@ -56,7 +56,7 @@ class Denoiser(Protocol):
 
 
 if TYPE_CHECKING:
-    from dlm.model import DiffusionTransformer
+    from dlm.model.transformer import DiffusionTransformer
 
     def _model_is_a_denoiser(model: DiffusionTransformer) -> Denoiser:
         return model  # the checker verifies that the model meets the contract
