@@ -1,23 +1,19 @@
-"""Event sinks: how training events reach people and files.
+"""The terminal's event sink: `TrainingDashboard`, a rich Live view of a training run.
 
-The training loop calls `sink(event)` with the typed events of `dlm.events` and knows nothing of
-terminals. A person at a terminal gets `TrainingDashboard` (a rich Live view); a program, a pipe or
-`--json` gets `JsonLinesSink`; the run directory always gets `JsonLinesFileSink` (metrics.jsonl).
-Tests pass `list.append`. The JSON sinks also write the plain-dict events of `dlm demo`'s stages,
-which share the demo's stream with the training events it passes on.
+The training loop calls `sink(event)` with the typed events of `dlm.artifacts.events` and knows
+nothing of terminals. A person at a terminal gets this dashboard; a program, a pipe or `--json` gets
+`dlm.artifacts.events.JsonLinesSink`, and the run directory always gets `JsonLinesFileSink`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -26,50 +22,18 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from dlm.events import (
+from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
     Event,
-    RunEvent,
     StartEvent,
     TrainEvent,
     ValidationEvent,
-    to_json_line,
 )
 
 SPARK_CHARACTERS = "▁▂▃▄▅▆▇█"
 SPARK_QUANTILES = (0.05, 0.95)  # the sparkline's range: one spike must not flatten the trend
 SLOWER_THAN_PLANNED = 0.7  # a measured step rate below this share of the planned one is reported
-
-
-def _json_line(event: RunEvent | Mapping[str, Any]) -> str:
-    return to_json_line(event.to_dict() if isinstance(event, RunEvent) else event)
-
-
-class JsonLinesSink:
-    """One JSON object per event on a stream (stdout when not a TTY, or with --json)."""
-
-    def __init__(self, stream: IO[str] | None = None):
-        self.stream = stream or sys.stdout
-
-    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
-        self.stream.write(_json_line(event) + "\n")
-        self.stream.flush()
-
-
-class JsonLinesFileSink:
-    """Appends every event to a file (the run's metrics.jsonl), flushed per line."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = path.open("a", encoding="utf-8")
-
-    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
-        self.handle.write(_json_line(event) + "\n")
-        self.handle.flush()
-
-    def close(self) -> None:
-        self.handle.close()
 
 
 def _quantile(ordered: list[float], share: float) -> float:

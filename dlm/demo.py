@@ -42,18 +42,18 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dlm.artifacts.events import StreamEvent, StreamSink
 from dlm.config.schema import ExperimentConfig, load_config, with_overrides
 from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
-from dlm.events import StreamEvent, StreamSink
 from dlm.fileio import atomic_write_json
 from dlm.unigram import UNIGRAM_MARGIN as UNIGRAM_MARGIN
 from dlm.unigram import unigram_bits_per_byte as unigram_bits_per_byte
 from dlm.unigram import unigram_verdict as unigram_verdict
 
 if TYPE_CHECKING:
-    from dlm.run_dir import RunDir
+    from dlm.artifacts.run_dir import RunDir
 
 SAMPLES_NAME = "samples.json"
 EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth of a shorter budget)
@@ -130,7 +130,7 @@ class _Demo:
 
     @property
     def run(self) -> RunDir:
-        from dlm.run_dir import RunDir  # imports torch: not at import, so `dlm --help` stays fast
+        from dlm.artifacts.run_dir import RunDir  # imports torch: not at import, so `dlm --help` stays fast
 
         return RunDir(self.run_dir)
 

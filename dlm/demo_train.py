@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.events import CheckpointEvent, Event, StreamSink, TrainEvent
 from dlm.config.schema import ExperimentConfig, with_overrides
 from dlm.errors import UserError
-from dlm.events import CheckpointEvent, Event, StreamSink, TrainEvent
 from dlm.fileio import atomic_write_json
 
 PLAN_FORMAT, PLAN_NAME = "dlm-demo-plan-v1", "demo-plan.json"
@@ -128,8 +128,8 @@ def plan_schedule(
 def latest_step(run_dir: Path) -> int | None:
     """The step of the run's latest.pt, read from the numbered file it links to (no load)."""
 
-    from dlm.checkpoint import load_checkpoint
-    from dlm.run_dir import RunDir
+    from dlm.artifacts.checkpoint import load_checkpoint
+    from dlm.artifacts.run_dir import RunDir
 
     run = RunDir(run_dir)
     latest = run.latest
@@ -282,7 +282,7 @@ class TrainingStage:
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> Any:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
 
-        from dlm.run_dir import RunDir
+        from dlm.artifacts.run_dir import RunDir
         from dlm.train import train
 
         experiment = with_overrides(self.experiment, plan.overrides(), "the demo's plan")

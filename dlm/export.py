@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
+from dlm.artifacts.events import ValidationEvent, read_events
+from dlm.artifacts.run_dir import RunDir
 from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
-from dlm.events import ValidationEvent, read_events
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
 from dlm.loading import LoadedModel as LoadedModel
@@ -40,7 +41,6 @@ from dlm.loading import read_export_config as read_export_config
 from dlm.loading import read_model_source as read_model_source
 from dlm.model.transformer import format_parameter_count
 from dlm.report import eval_report_problem
-from dlm.run_dir import RunDir
 
 CARD_NAME = "README.md"
 # What an export directory holds: all that `--overwrite` may replace.

@@ -2,7 +2,7 @@
 
 `load_model` (and `dlm.load`) reads an exported directory (written by `dlm.export`), a training
 checkpoint, an inference checkpoint or a run directory (its `latest.pt`); checkpoints go through
-`dlm.checkpoint.load_checkpoint` (`weights_only=True`) and exports through safetensors, so no path
+`dlm.artifacts.checkpoint.load_checkpoint` (`weights_only=True`) and exports through safetensors, so no path
 ever unpickles code. The model it returns carries its noise schedule
 (`dlm.diffusion.schedules.model_schedule`), which sampling uses; an export written before the `[diffusion]`
 section existed was trained with the linear schedule.
@@ -23,13 +23,13 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from dlm.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
+from dlm.artifacts.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
+from dlm.artifacts.run_dir import RunDir
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
-from dlm.run_dir import RunDir
 
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"

@@ -20,8 +20,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, TrainEvent, ValidationEvent
 from dlm.config.schema import ExperimentConfig, LoggingConfig
-from dlm.events import CheckpointEvent, EndEvent, Event, TrainEvent, ValidationEvent
 from dlm.extras import Requirement, require
 
 _L = TypeVar("_L", bound="type[Logger]")

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, StartEvent, TrainEvent, ValidationEvent, read_events
+from dlm.artifacts.run_dir import CONFIG_NAME, METRICS_NAME, RunDir
 from dlm.errors import UserError, check_can_create
-from dlm.events import CheckpointEvent, EndEvent, Event, StartEvent, TrainEvent, ValidationEvent, read_events
 from dlm.loggers import bucket_names
-from dlm.run_dir import CONFIG_NAME, METRICS_NAME, RunDir
 
 REPORT_NAME = "report.html"
 SAMPLES_NAME = "samples.json"  # what `dlm demo` writes beside its run

@@ -1,4 +1,4 @@
-"""The training loop. It emits the typed events of `dlm.events` to a sink and never prints.
+"""The training loop. It emits the typed events of `dlm.artifacts.events` to a sink and never prints.
 
 The usual parts of a training loop: seeding, device and precision resolution, CUDA backend setup
 with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
@@ -11,7 +11,7 @@ index) and the data order is a pure function of (seed, batch index), so a resume
 bit-identical to an uninterrupted one and independent of world size; metrics stay on the device
 between log steps (no host sync per step); Ctrl-C / SIGTERM finish the step and save; a non-finite
 loss stops the run before a bad model can become `latest.pt`; one run per directory (lock file), never
-started on top of another run, and every check of a resume (`dlm.run_dir`) done before any write.
+started on top of another run, and every check of a resume (`dlm.artifacts.run_dir`) done before any write.
 """
 
 from __future__ import annotations
@@ -28,13 +28,34 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from dlm import __version__
-from dlm.checkpoint import (
+from dlm.artifacts.checkpoint import (
     TRAINING_FORMAT,
     RunLock,
     check_output_dir,
     load_checkpoint,
     save_inference_checkpoint,
     save_training_checkpoint,
+)
+from dlm.artifacts.events import (
+    CheckpointEvent,
+    EndEvent,
+    EndStatus,
+    Sink,
+    StartEvent,
+    TrainEvent,
+    ValidationEvent,
+    fan_out,
+)
+from dlm.artifacts.run_dir import (
+    MetricsFile,
+    RunDir,
+    check_resumable,
+    check_run_file_kinds,
+    check_run_target,
+    check_same_data,
+    metadata_sha256,
+    remove_run_files,
+    write_config,
 )
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
@@ -53,23 +74,11 @@ from dlm.distributed import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import fixed_noise_validation
-from dlm.events import CheckpointEvent, EndEvent, EndStatus, Sink, StartEvent, TrainEvent, ValidationEvent, fan_out
 from dlm.init_from import initial_weights, load_initial_weights
 from dlm.loggers import check_loggers, open_loggers
 from dlm.memory import count_parameters
 from dlm.model.transformer import format_parameter_count
 from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
-from dlm.run_dir import (
-    MetricsFile,
-    RunDir,
-    check_resumable,
-    check_run_file_kinds,
-    check_run_target,
-    check_same_data,
-    metadata_sha256,
-    remove_run_files,
-    write_config,
-)
 from dlm.runtime import (
     capture_rng_state,
     configure_cpu_threads,

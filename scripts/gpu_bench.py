@@ -339,9 +339,9 @@ def fitted_max_steps(
 
 
 def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
+    from dlm.artifacts.events import Event, ValidationEvent
     from dlm.config.schema import load_config
     from dlm.evaluate import evaluate_source
-    from dlm.events import Event, ValidationEvent
     from dlm.train import train
 
     data = args.data_dir

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.events import Event, TrainEvent
 from dlm.config.schema import ExperimentConfig, load_config
-from dlm.events import Event, TrainEvent
 from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

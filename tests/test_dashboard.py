@@ -14,11 +14,12 @@ import pytest
 from helpers import tiny_experiment
 from rich.console import Console
 
-from dlm.dashboard import SPARK_CHARACTERS, Budget, JsonLinesFileSink, JsonLinesSink, TrainingDashboard, sparkline
-from dlm.events import (
+from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
     Event,
+    JsonLinesFileSink,
+    JsonLinesSink,
     StartEvent,
     TrainEvent,
     ValidationEvent,
@@ -27,6 +28,7 @@ from dlm.events import (
     read_events,
     to_json_line,
 )
+from dlm.dashboard import SPARK_CHARACTERS, Budget, TrainingDashboard, sparkline
 from dlm.train import train
 
 # Lines in the format metrics.jsonl has always had: reading them into the types must keep working.

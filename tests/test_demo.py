@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlm.artifacts.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
 from dlm.data.tokenizer import tokenizer_sha256
@@ -27,7 +28,6 @@ from dlm.demo import (
 )
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
-from dlm.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
 from dlm.prompting import template_fixed_text
 from dlm.sample_quality import corpus_words, sample_quality
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.distributed import check_parallelism, check_world_size, end_process
 from dlm.errors import UserError

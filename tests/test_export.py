@@ -14,9 +14,9 @@ from helpers import train_tiny_run
 from safetensors import safe_open
 
 import dlm
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.checksum import with_checksum
 from dlm.card_data import NEUTRAL_PROMPT, usage_prompt
-from dlm.checkpoint import load_checkpoint
-from dlm.checksum import with_checksum
 from dlm.config.schema import ExperimentConfig
 from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256

@@ -13,8 +13,8 @@ import torch
 from conftest import CliResult
 from helpers import ROOT, train_tiny_run
 
-from dlm.checkpoint import load_checkpoint
-from dlm.checksum import with_checksum
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.checksum import with_checksum
 from dlm.errors import UserError
 
 POISONED = "blocks.1.attention.qkv.weight"  # the tensor that holds the NaN / inf
@@ -112,7 +112,7 @@ def test_export_init_from_and_resume_refuse_nan_weights_and_write_nothing(
 
 
 def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
-    from dlm.checkpoint import save_training_checkpoint
+    from dlm.artifacts.checkpoint import save_training_checkpoint
 
     good, bad = torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])
     path = save_training_checkpoint(tmp_path, {"step": 1, "model": {"w": good}, "ema": {"shadow": {"w": bad}}}, 1, 0)
@@ -214,7 +214,7 @@ def test_export_leaves_a_damaged_eval_report_out_of_the_model_card_with_a_warnin
 
 
 def test_large_finite_weights_whose_sum_overflows_are_accepted(tmp_path: Path) -> None:
-    from dlm.checkpoint import check_finite_weights
+    from dlm.artifacts.checkpoint import check_finite_weights
 
     large = torch.full((4,), 60000.0, dtype=torch.float16)  # finite, but its float16 sum is inf
     assert not torch.isfinite(large.sum())

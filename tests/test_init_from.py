@@ -11,8 +11,8 @@ import torch
 from conftest import CliResult
 from helpers import ROOT, tiny_experiment, train_tiny_run
 
-from dlm.checkpoint import load_checkpoint, save_inference_checkpoint
-from dlm.events import Event, StartEvent
+from dlm.artifacts.checkpoint import load_checkpoint, save_inference_checkpoint
+from dlm.artifacts.events import Event, StartEvent
 from dlm.train import train
 from dlm.train_step import LogWindow, TrainingStep
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_experiment
 
-from dlm.events import Event, TrainEvent, ValidationEvent, read_events
+from dlm.artifacts.events import Event, TrainEvent, ValidationEvent, read_events
 from dlm.extras import Requirement
 from dlm.loggers import Logger, bucket_names, event_scalars, register_logger
 from dlm.train import train

@@ -12,7 +12,7 @@ import torch
 from helpers import tiny_experiment
 from torch import nn
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
 from dlm.optim import ModelEMA, build_optimizer, learning_rate, parameter_groups

@@ -11,14 +11,14 @@ import torch
 from helpers import tiny_experiment, train_losses
 from torch import nn
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.events import Event, StartEvent
+from dlm.artifacts.run_dir import check_resumable
 from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
 from dlm.config.schema import ExperimentConfig, TrainingConfig, load_config
 from dlm.distributed import check_parallelism
 from dlm.errors import UserError
-from dlm.events import Event, StartEvent
 from dlm.optim import build_optimizer, check_state_layout
-from dlm.run_dir import check_resumable
 from dlm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

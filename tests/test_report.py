@@ -19,8 +19,8 @@ import pytest
 from conftest import CliResult
 from helpers import tiny_experiment
 
+from dlm.artifacts.events import EndEvent, StartEvent, TrainEvent, ValidationEvent
 from dlm.errors import UserError
-from dlm.events import EndEvent, StartEvent, TrainEvent, ValidationEvent
 from dlm.report import (
     GENERATOR_TAG,
     check_report_output,

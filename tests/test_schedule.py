@@ -18,8 +18,10 @@ from rich.console import Console
 
 import dlm
 import dlm.diffusion.schedules as schedule_module
-from dlm.checkpoint import LATEST_NAME, load_checkpoint
-from dlm.checksum import with_checksum
+from dlm.artifacts.checkpoint import LATEST_NAME, load_checkpoint
+from dlm.artifacts.checksum import with_checksum
+from dlm.artifacts.events import Event, StartEvent, TrainEvent, ValidationEvent
+from dlm.artifacts.run_dir import load_run
 from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
 from dlm.dashboard import TrainingDashboard
 from dlm.data.dataset import load_packed_dataset
@@ -36,9 +38,7 @@ from dlm.diffusion.schedules import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.events import Event, StartEvent, TrainEvent, ValidationEvent
 from dlm.export import export_model, load_model_with_info
-from dlm.run_dir import load_run
 from dlm.sampling import reveal_count
 from dlm.train import train
 

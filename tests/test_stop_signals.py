@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.fileio import temporaries
 from dlm.stop import SignalStop, StopSignals
 

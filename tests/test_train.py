@@ -16,10 +16,10 @@ import pytest
 import torch
 from helpers import assert_same_weights, tiny_experiment, train_losses
 
-from dlm.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
-from dlm.checksum import with_checksum
+from dlm.artifacts.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
+from dlm.artifacts.checksum import with_checksum
+from dlm.artifacts.events import Event, ValidationEvent
 from dlm.errors import UserError
-from dlm.events import Event, ValidationEvent
 from dlm.train import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]

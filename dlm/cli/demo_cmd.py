@@ -46,8 +46,8 @@ def demo_command(
     shakespeare.toml's is trained (the output says so); a GPU trains it whole.
     """
 
+    from dlm.artifacts.events import JsonLinesSink
     from dlm.cli.common import err_console, wants_json
-    from dlm.dashboard import JsonLinesSink
     from dlm.demo import run_demo
 
     json_mode = wants_json(as_json)

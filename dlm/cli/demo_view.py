@@ -9,8 +9,8 @@ from rich.console import RenderableType
 from rich.markup import escape
 from rich.text import Text
 
+from dlm.artifacts.events import StreamEvent
 from dlm.cli.common import console
-from dlm.events import StreamEvent
 
 
 def _stage_summary(event: dict[str, Any]) -> str:

@@ -75,7 +75,8 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
 
 
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
-    from dlm.dashboard import JsonLinesSink, TrainingDashboard
+    from dlm.artifacts.events import JsonLinesSink
+    from dlm.dashboard import TrainingDashboard
     from dlm.distributed import launched_rank
     from dlm.train import train
 
@@ -167,7 +168,7 @@ def resume_command(
     the copy, never where it was first trained.
     """
 
-    from dlm.run_dir import load_run
+    from dlm.artifacts.run_dir import load_run
 
     experiment, source = load_run(run_dir, checkpoint, _overrides(overrides, device, precision))
     _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,

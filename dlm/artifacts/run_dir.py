@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlm.checkpoint import INFERENCE_NAME, LATEST_NAME, numbered_checkpoints, step_checkpoint_name
+from dlm.artifacts.checkpoint import INFERENCE_NAME, LATEST_NAME, numbered_checkpoints, step_checkpoint_name
+from dlm.artifacts.events import Event, JsonLinesFileSink
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, load_config
-from dlm.dashboard import JsonLinesFileSink
 from dlm.errors import UserError
-from dlm.events import Event
 from dlm.fileio import atomic_write_json, temporaries
 
 CONFIG_NAME = "config.json"

@@ -5,7 +5,7 @@ same directory (`dlm.fileio.atomic_path`), is fsynced, then renamed into place (
 is a hard link to the newest numbered file, itself swapped in atomically, so `kill -9` at any
 moment leaves the previous `latest.pt` intact; a save that fails (a full disk) removes its
 temporary file and reports a `UserError`. Every payload carries a sha256 of its contents
-(`dlm.checksum`), verified on load: a damaged file is refused, naming the next-older checkpoint.
+(`dlm.artifacts.checksum`), verified on load: a damaged file is refused, naming the next-older checkpoint.
 Loading always uses `torch.load(weights_only=True)`: a file that would need arbitrary pickle code is
 refused, never loaded unsafely.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dlm.checksum import CHECKSUM_KEY, payload_sha256, with_checksum
+from dlm.artifacts.checksum import CHECKSUM_KEY, payload_sha256, with_checksum
 from dlm.errors import UserError, UserNote
 from dlm.fileio import atomic_path, check_free_space, probe_writable, remove_stale_temporaries
 

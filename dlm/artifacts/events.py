@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import IO, Any, ClassVar, Literal, TypeVar
 
 EndStatus = Literal["complete", "paused", "interrupted"]
 
@@ -213,3 +214,35 @@ def fan_out(sinks: list[Sink]) -> Sink:
             target(event)
 
     return forward
+
+
+# The JSON sinks. They also write the plain-dict events of `dlm demo`'s stages, which share the demo's
+# stream with the training events it passes on. Tests pass `list.append` as a sink.
+def _json_line(event: RunEvent | Mapping[str, Any]) -> str:
+    return to_json_line(event.to_dict() if isinstance(event, RunEvent) else event)
+
+
+class JsonLinesSink:
+    """One JSON object per event on a stream (stdout when not a TTY, or with --json)."""
+
+    def __init__(self, stream: IO[str] | None = None):
+        self.stream = stream or sys.stdout
+
+    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
+        self.stream.write(_json_line(event) + "\n")
+        self.stream.flush()
+
+
+class JsonLinesFileSink:
+    """Appends every event to a file (the run's metrics.jsonl), flushed per line."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = path.open("a", encoding="utf-8")
+
+    def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
+        self.handle.write(_json_line(event) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
