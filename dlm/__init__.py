@@ -32,7 +32,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Diffusio
     The model records the noise schedule it was trained with, which `sample` then follows.
     """
 
-    from dlm.loading import load_model
+    from dlm.artifacts.loading import load_model
 
     return load_model(path, device=device)
 

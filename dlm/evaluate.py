@@ -455,7 +455,7 @@ def evaluate_source(
     fixed-noise figures of a training checkpoint repeat its last validation event; `batches="all"`
     scores the whole split; the context's `data_sequences` is the split's size."""
 
-    from dlm.loading import build_model, read_model_source
+    from dlm.artifacts.loading import build_model, read_model_source
     from dlm.runtime import resolve_precision
 
     info, weights = read_model_source(source, use_ema)

@@ -108,7 +108,7 @@ class DlmLM(TemplateLM):
             what = f"unknown model_args {', '.join(sorted(unknown))}" if unknown else "model_args lacks pretrained"
             raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
                                       "steps, remasking, block_length, reveal_split")  # fmt: skip
-        from dlm.loading import load_model_with_info
+        from dlm.artifacts.loading import load_model_with_info
         from dlm.runtime import resolve_precision
 
         resolved = _device(device)

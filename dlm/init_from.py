@@ -37,7 +37,7 @@ def _describe(shape: dict[str, int], other: dict[str, int]) -> str:
 def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> dict[str, Tensor]:
     """The CPU weights of `path` after checking its tokenizer and shape against the new run's."""
 
-    from dlm.loading import read_model_source  # imports the export readers: only when asked for
+    from dlm.artifacts.loading import read_model_source  # imports the export readers: only when asked for
 
     info, weights = read_model_source(path, use_ema=True)
     if info.tokenizer_sha256 != tokenizer_sha256:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.eval_report import EVAL_FORMAT_PREFIX, eval_report_problem
 from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, StartEvent, TrainEvent, ValidationEvent, read_events
 from dlm.artifacts.run_dir import CONFIG_NAME, METRICS_NAME, RunDir
 from dlm.errors import UserError, check_can_create
@@ -28,7 +29,6 @@ from dlm.loggers import bucket_names
 REPORT_NAME = "report.html"
 SAMPLES_NAME = "samples.json"  # what `dlm demo` writes beside its run
 DEMO_RUN_NAME = "run"  # the run inside a `dlm demo` output directory
-EVAL_FORMAT_PREFIX = "dlm-eval"
 # Written into every report's <head>: an existing file that carries it is ours to replace.
 GENERATOR_TAG = '<meta name="generator" content="dlm report">'
 
@@ -179,35 +179,6 @@ def _read_json(path: Path, what: str, notes: list[str]) -> Any:
     except (OSError, ValueError) as exc:
         notes.append(f"{path.name}: cannot read {what}: {exc}")
         return None
-
-
-# The fields of an eval report the page reads, by the JSON type each must have (absent is fine).
-EVAL_FIGURES = ("nll", "nll_stderr", "bits_per_byte", "bits_per_byte_stderr", "unigram_bits_per_byte",
-                "perplexity_bound", "fixed_noise_loss", "fixed_noise_accuracy")  # fmt: skip
-_EVAL_COUNTS = ("sequences", "tokens")
-
-
-def _is_number(value: object, allow_float: bool = True) -> bool:
-    kinds = (int, float) if allow_float else (int,)
-    return isinstance(value, kinds) and not isinstance(value, bool)  # JSON true is not a figure
-
-
-def eval_report_problem(report: dict[str, Any]) -> str | None:
-    """What makes an eval report unfit for the page (a field of the wrong type), or None."""
-
-    context = report.get("context", {})
-    if not isinstance(context, dict):
-        return "its context is not an object"
-    if context.get("step") is not None and not _is_number(context["step"], allow_float=False):
-        return "its context.step is not an integer"
-    if bad := [key for key in EVAL_FIGURES if report.get(key) is not None and not _is_number(report[key])]:
-        return f"{bad[0]} is not a number"
-    if bad := [key for key in _EVAL_COUNTS if report.get(key) is not None and not _is_number(report[key], False)]:
-        return f"{bad[0]} is not an integer"
-    notes = report.get("notes", [])
-    if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
-        return "its notes are not a list of strings"
-    return None
 
 
 def _eval_reports(run_dir: Path, notes: list[str]) -> list[EvalResult]:

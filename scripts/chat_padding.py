@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from dlm.artifacts.loading import load_model_with_info
 from dlm.data.chat import reply
 from dlm.data.chat_pack import mask_path, pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import train_tokenizer
-from dlm.loading import load_model_with_info
 from dlm.sampling import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from dlm.artifacts.loading import load_model_with_info
 from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed, split_batch
 from dlm.diffusion.schedules import model_schedule
-from dlm.loading import load_model_with_info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

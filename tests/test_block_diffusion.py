@@ -21,6 +21,7 @@ from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 
 import dlm
 from dlm.artifacts.events import Event, ValidationEvent
+from dlm.artifacts.export import export_model
 from dlm.bench import run_benchmark
 from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config.schema import ModelConfig, load_config
@@ -29,7 +30,6 @@ from dlm.diffusion.schedules import LinearSchedule
 from dlm.distributed import end_process
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.export import export_model
 from dlm.model.attention import (
     AttentionMask,
     _bd3_bool,

@@ -148,8 +148,8 @@ def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_pa
 def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
     chat_file: Path, tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
 ) -> None:
+    from dlm.artifacts.loading import load_model_with_info
     from dlm.data.chat import chat_prompt
-    from dlm.loading import load_model_with_info
     from dlm.sampling import generate
 
     pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])

@@ -13,12 +13,13 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor, nn
 
+from dlm.artifacts.export import export_model
+from dlm.artifacts.loading import load_model
 from dlm.config.schema import ModelConfig
 from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
 from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
-from dlm.export import export_model, load_model
 from dlm.likelihood import likelihood_figures
 from dlm.model.transformer import DiffusionTransformer
 

@@ -25,12 +25,12 @@ import pytest
 from conftest import CliResult
 from helpers import ROOT
 
+from dlm.artifacts.loading import load_model_with_info
 from dlm.config.schema import load_config
 from dlm.data.chat import chat_prompt, reply
 from dlm.data.chat_pack import pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import load_tokenizer, train_tokenizer
-from dlm.loading import load_model_with_info
 from dlm.sampling import generate
 from dlm.train import train
 

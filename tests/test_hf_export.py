@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 
 import dlm
 import dlm.diffusion.schedules
+from dlm.artifacts.export import export_model
+from dlm.artifacts.hf.names import from_hf_names, to_hf_names
+from dlm.artifacts.hf_export import AUTO_MAP, CODE_FILES, check_hf_exportable, export_hf
+from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.diffusion.schedules import Schedule, register_schedule
 from dlm.errors import UserError
-from dlm.export import export_model
-from dlm.hf.convert import AUTO_MAP, CODE_FILES, check_hf_exportable, export_hf, from_hf_names, to_hf_names
-from dlm.loading import read_model_source
 
 
 @pytest.fixture(scope="module")

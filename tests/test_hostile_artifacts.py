@@ -60,7 +60,7 @@ def nan_run(run_dir: Path, tmp_path: Path) -> Path:
 def _nan_export(run_dir: Path, tmp_path: Path, value: float) -> Path:
     from safetensors.torch import load_file, save_file
 
-    from dlm.export import export_model
+    from dlm.artifacts.export import export_model
 
     export = export_model(run_dir, tmp_path / "export", dtype="float32")
     weights = load_file(str(export / "model.safetensors"))
@@ -86,7 +86,7 @@ def test_an_export_with_non_finite_weights_is_refused_by_sample_and_the_harness(
     export = _nan_export(run_dir, tmp_path, value)
     result = run_cli("sample", export, "--length", "8", "--steps", "2", "--json")
     result.assert_refused("NaN or inf", f"tensor {POISONED}", str(export / "model.safetensors"))
-    from dlm.loading import load_model_with_info  # what the lm-eval adapter (dlm.harness) loads with
+    from dlm.artifacts.loading import load_model_with_info  # what the lm-eval adapter (dlm.harness) loads with
 
     with pytest.raises(UserError, match=f"tensor {POISONED}"):
         load_model_with_info(export)
@@ -142,8 +142,8 @@ def test_export_overwrite_refuses_to_delete_a_users_files_beside_an_export(
 
 @pytest.fixture(scope="module")
 def exports(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from dlm.export import export_model
-    from dlm.hf.convert import export_hf
+    from dlm.artifacts.export import export_model
+    from dlm.artifacts.hf_export import export_hf
 
     root = tmp_path_factory.mktemp("exports")
     return {"dlm": export_model(run_dir, root / "dlm"), "hf": export_hf(run_dir, root / "hf")}

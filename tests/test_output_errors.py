@@ -15,7 +15,7 @@ import pytest
 from helpers import train_tiny_run
 
 import dlm.errors
-from dlm.export import export_model
+from dlm.artifacts.export import export_model
 
 LONG = "a-directory-with-a-rather-long-name-" * 3
 

@@ -135,12 +135,12 @@ def test_the_harness_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.M
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[lm-eval]')")
     from lm_eval.api.instance import Instance
 
-    import dlm.loading
+    import dlm.artifacts.loading
     from dlm.harness import DlmLM
 
     loaded = SimpleNamespace(model=random_model(tokenizer), tokenizer=tokenizer,
                              info=SimpleNamespace(diffusion=SimpleNamespace(mask_eps=1e-3)))  # fmt: skip
-    monkeypatch.setattr(dlm.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
+    monkeypatch.setattr(dlm.artifacts.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
     model = DlmLM(pretrained="model", device="cpu", reveal_split="even")
     seen: list[Any] = []
 

@@ -65,8 +65,10 @@ def loaded(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, tmp_path: Path
     model = DiffusionTransformer(config).double().eval()  # float64: equal to a direct call on any CPU
     info = SimpleNamespace(tokenizer_path=tmp_path / "tokenizer.json")  # no tokenizer_config.json: default template
     loads: list[str] = []
-    monkeypatch.setattr("dlm.export.load_model", lambda path, device: loads.append("export") or (model, tokenizer))
-    monkeypatch.setattr("dlm.loading.load_model_with_info", lambda path, device: loads.append("chat")
+    monkeypatch.setattr(
+        "dlm.artifacts.loading.load_model", lambda path, device: loads.append("export") or (model, tokenizer)
+    )
+    monkeypatch.setattr("dlm.artifacts.loading.load_model_with_info", lambda path, device: loads.append("chat")
                         or SimpleNamespace(model=model, tokenizer=tokenizer, info=info))  # fmt: skip
     calls: list[dict[str, Any]] = []
     real = dlm.sampling.generate

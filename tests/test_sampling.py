@@ -7,8 +7,6 @@ confidence is known in advance and the order in which positions are revealed can
 from __future__ import annotations
 
 import json
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -393,7 +391,7 @@ def test_split_masked_and_live_rendering(tokenizer: Tokenizer) -> None:
 
 @pytest.fixture()
 def fake_export(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> Iterator[list[object]]:
-    """`dlm.export.load_model` replaced by one returning a stand-in model and the tiny tokenizer."""
+    """`dlm.artifacts.loading.load_model` replaced by one returning a stand-in model and the tiny tokenizer."""
 
     loaded: list[object] = []
 
@@ -401,7 +399,7 @@ def fake_export(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> Iterat
         loaded.append((path, device))
         return random_model(tokenizer), tokenizer
 
-    monkeypatch.setitem(sys.modules, "dlm.export", types.SimpleNamespace(load_model=load_model))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", load_model)
     yield loaded
 
 
@@ -471,7 +469,7 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
     assert {name: getattr(options, name) for name in expected} == expected
     functions: list[Any] = [generate, sample_command]
     try:  # the exported model's sampler needs transformers (the hf extra)
-        from dlm.hf.modeling_dlm import DlmDiffusionForMaskedLM
+        from dlm.artifacts.hf.modeling_dlm import DlmDiffusionForMaskedLM
 
         functions.append(DlmDiffusionForMaskedLM.diffusion_generate)
     except ImportError:

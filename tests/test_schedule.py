@@ -21,6 +21,8 @@ import dlm.diffusion.schedules as schedule_module
 from dlm.artifacts.checkpoint import LATEST_NAME, load_checkpoint
 from dlm.artifacts.checksum import with_checksum
 from dlm.artifacts.events import Event, StartEvent, TrainEvent, ValidationEvent
+from dlm.artifacts.export import export_model
+from dlm.artifacts.loading import load_model_with_info
 from dlm.artifacts.run_dir import load_run
 from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
 from dlm.dashboard import TrainingDashboard
@@ -38,7 +40,6 @@ from dlm.diffusion.schedules import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.export import export_model, load_model_with_info
 from dlm.sampling import reveal_count
 from dlm.train import train
 

@@ -113,8 +113,8 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
     from rich.table import Table
 
+    from dlm.artifacts.loading import load_model
     from dlm.bench_generate import benchmark_generation, report_table
-    from dlm.export import load_model
 
     device = options.pop("device")
     model, tokenizer = load_model(model_path, device=device)

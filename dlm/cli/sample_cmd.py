@@ -312,7 +312,7 @@ def sample(
     from dlm.prompt_batch import read_prompt_file
 
     prompts = None if prompt_file is None else read_prompt_file(prompt_file)
-    from dlm.export import load_model
+    from dlm.artifacts.loading import load_model
 
     model, tokenizer = load_model(model_path, device=request.device)
     if prompts is not None:

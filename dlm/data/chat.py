@@ -308,8 +308,8 @@ def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[
     (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`,
     all of them; `stop_at_end` is always on (a reply ends there either way, stopping saves the rest)."""
 
+    from dlm.artifacts.loading import load_model_with_info
     from dlm.data.tokenizer import special_token_id
-    from dlm.loading import load_model_with_info
     from dlm.sampling import generate
 
     loaded = load_model_with_info(model_path, device=options.get("device") or "cpu")

@@ -7,8 +7,8 @@ An exported directory holds everything needed to use the model on another machin
     tokenizer.json      the exact tokenizer the model was trained with (hash checked)
     README.md           a short model card: how it was trained, eval figures, how to load it
 
-`dlm.loading` reads exports (and checkpoints) back; `load_model` and the other loading names stay
-importable from here for the callers that import them from `dlm.export`.
+`dlm.artifacts.loading` reads exports (and checkpoints) back; `dlm.artifacts.export_layout` names the
+files and the format both sides share.
 """
 
 from __future__ import annotations
@@ -26,21 +26,24 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
+from dlm.artifacts.card_data import card_title, data_lines, usage_prompt
+from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
+from dlm.artifacts.export_layout import (
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    SourceInfo,
+    checked_tokenizer,
+    read_export_config,
+)
+from dlm.artifacts.loading import read_model_source
 from dlm.artifacts.run_dir import RunDir
-from dlm.card_data import card_title, data_lines, usage_prompt
 from dlm.choices import ExportDtype
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
-from dlm.loading import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, WEIGHTS_NAME, SourceInfo, checked_tokenizer
-from dlm.loading import LoadedModel as LoadedModel
-from dlm.loading import build_model as build_model
-from dlm.loading import load_model as load_model
-from dlm.loading import load_model_with_info as load_model_with_info
-from dlm.loading import read_export_config as read_export_config
-from dlm.loading import read_model_source as read_model_source
 from dlm.model.transformer import format_parameter_count
-from dlm.report import eval_report_problem
 
 CARD_NAME = "README.md"
 # What an export directory holds: all that `--overwrite` may replace.

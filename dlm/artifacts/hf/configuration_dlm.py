@@ -2,7 +2,7 @@
 
 Shipped inside every `dlm export --format hf` directory next to `modeling_dlm.py`, so it imports
 only transformers: the directory must load where dlm is not installed. The names follow the usual
-transformers conventions (hidden_size, num_hidden_layers, ...); `dlm.hf.convert` maps them from
+transformers conventions (hidden_size, num_hidden_layers, ...); `dlm.artifacts.hf_export` maps them from
 dlm's `[model]` settings.
 """
 

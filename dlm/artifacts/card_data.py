@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dlm.loading import SourceInfo
+from dlm.artifacts.export_layout import SourceInfo
 
 NEUTRAL_PROMPT = "The"  # when no text of the run's data can be read
 _PROMPT_WORDS = 3  # enough to steer a sample, short enough to leave it room

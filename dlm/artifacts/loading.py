@@ -1,20 +1,19 @@
 """Load any model source without pickle: an exported directory, a checkpoint or a run directory.
 
-`load_model` (and `dlm.load`) reads an exported directory (written by `dlm.export`), a training
+`load_model` (and `dlm.load`) reads an exported directory (written by `dlm.artifacts.export`), a training
 checkpoint, an inference checkpoint or a run directory (its `latest.pt`); checkpoints go through
 `dlm.artifacts.checkpoint.load_checkpoint` (`weights_only=True`) and exports through safetensors, so no path
 ever unpickles code. The model it returns carries its noise schedule
 (`dlm.diffusion.schedules.model_schedule`), which sampling uses; an export written before the `[diffusion]`
 section existed was trained with the linear schedule.
 
-The layout of an exported directory is named here, where it is read; `dlm.export` writes it.
+The layout of an exported directory is named in `dlm.artifacts.export_layout`; `dlm.artifacts.export`
+writes it.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,50 +23,26 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from dlm.artifacts.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
+from dlm.artifacts.export_layout import (
+    CONFIG_NAME,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    FieldTypes,
+    SourceInfo,
+    check_config_fields,
+    checked_tokenizer,
+    read_export_config,
+)
+from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
-from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
+from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
 
-EXPORT_FORMAT = "dlm-export-v1"
-WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
 _PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir", "init_from")
-
-
-@dataclass
-class SourceInfo:
-    """What is known about a model source besides its weights."""
-
-    path: Path  # the checkpoint file or the exported directory actually read
-    kind: str  # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.hf.convert`)
-    model: ModelConfig
-    weights: str  # "ema" | "live"
-    step: int | None
-    tokens_seen: int | None
-    tokenizer_sha256: str
-    tokenizer_path: Path  # where the tokenizer should be (checked when it is loaded)
-    diffusion: DiffusionConfig  # the noise schedule and mask_eps the model was trained with
-    experiment: ExperimentConfig | None = None  # full config: checkpoints only
-    training: dict[str, Any] = field(default_factory=dict)  # path-free training settings
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory a checkpoint lives in (its metrics feed the model card)."""
-
-        return None if self.kind in ("export", "hf") else self.path.parent
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path),
-            "kind": self.kind,
-            "weights": self.weights,
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "tokenizer_sha256": self.tokenizer_sha256,
-        }
 
 
 @dataclass
@@ -135,58 +110,11 @@ def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, T
     return info, weights
 
 
-def read_export_config(directory: str | Path) -> dict[str, Any]:
-    """The `config.json` of an exported directory, refused unless it is a dlm export."""
-
-    path = Path(directory) / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"no {CONFIG_NAME} here, so this is not an exported dlm model", path=directory) from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"unreadable {CONFIG_NAME}: {exc}", path=path) from None
-    if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
-        raise UserError(
-            f"not a dlm export: {CONFIG_NAME} lacks format {EXPORT_FORMAT!r}",
-            path=path,
-            fix="pass a directory written by `dlm export`, a checkpoint or a run directory",
-        )
-    return config
-
-
-# The JSON type of each field a loader reads; a wrong type is refused naming the field, never a traceback.
-FieldTypes = Mapping[str, tuple[type, ...]]
 _OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))
 _EXPORT_FIELDS: FieldTypes = {
     "model": _OBJECT, "diffusion": _OBJECT, "training": _OBJECT, "tied": _OBJECT, "source": _OBJECT,
     "step": _COUNT, "tokens_seen": _COUNT, "weights": _TEXT, "tokenizer_sha256": _TEXT, "name": _TEXT,
 }  # fmt: skip
-_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true or false", type(None): "null"}  # fmt: skip
-
-
-def _json_type(value: object) -> str:
-    return _JSON_NAMES.get(type(value), type(value).__name__)
-
-
-def check_config_fields(
-    config: Mapping[str, Any], fields: FieldTypes, path: Path, required: Iterable[str] = (), within: str = ""
-) -> None:
-    """Refuse a JSON object that lacks a `required` field or holds one of another type than `fields`
-    says, naming the file and the field (`within` prefixes nested fields, e.g. "dlm.")."""
-
-    fix = "export the model again, or restore the file"
-    for name in required:
-        if name not in config:
-            raise UserError(f"the field {within}{name} is missing", path=path, fix=fix)
-    for name, types in fields.items():
-        value = config.get(name)
-        # JSON true / false are Python bools, which are ints too: an integer field takes neither.
-        if name in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-            expected = " or ".join(_JSON_NAMES.get(kind, kind.__name__) for kind in types)
-            raise UserError(f"the field {within}{name} is {_json_type(value)}, not {expected}", path=path, fix=fix)
-
-
 def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
     """The `[diffusion]` settings of an export; older exports hold only a training mask_eps, and
     were trained with the linear schedule (the only one there was)."""
@@ -241,8 +169,6 @@ def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInf
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
-        from dlm.hf.convert import is_hf_export, read_hf_export  # imports this module
-
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
         return info, weights
@@ -289,25 +215,6 @@ def build_model(
             parameter.data = parameter.data.to(dtype)
         model.load_state_dict(weights, strict=True)
     return model.to(device).eval()
-
-
-def checked_tokenizer(info: SourceInfo) -> Path:
-    """The tokenizer file the model was trained with, refused when missing or changed."""
-
-    path = info.tokenizer_path
-    if not path.is_file():
-        raise UserError(
-            "the tokenizer the model was trained with is missing",
-            path=path,
-            fix="restore that file (the checkpoint records its sha256), or work on the machine that trained it",
-        )
-    if tokenizer_sha256(path) != info.tokenizer_sha256:
-        raise UserError(
-            f"the tokenizer file changed since training (sha256 differs from the one {info.path} records)",
-            path=path,
-            fix="restore the tokenizer the model was trained with",
-        )
-    return path
 
 
 def load_model_with_info(
