@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # torch loads only when a function is called
 
     from dlm.model.denoiser import Denoiser
     from dlm.model.transformer import DiffusionTransformer
-    from dlm.sampling import SampleResult
+    from dlm.sampling.options import SampleResult
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "load", "sample"]
@@ -38,8 +38,8 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Diffusio
 
 
 def sample(model: Denoiser, tokenizer: Tokenizer, **options: Any) -> SampleResult:
-    """Generate text with the reverse diffusion process; see `dlm.sampling.generate` for the options."""
+    """Generate text with the reverse diffusion process; see `dlm.sampling.generation.generate` for the options."""
 
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     return generate(model, tokenizer, **options)

@@ -9,7 +9,7 @@ setting also reports two quality figures of its samples:
   upper bound on its NLL, with the estimator of `dlm.evaluate`.
 - unigram entropy (bits) of all generated tokens pooled: repetition lowers it.
 
-Settings are sampler options of `dlm.sampling.generate` (`steps`, `block_length`, `threshold`,
+Settings are sampler options of `dlm.sampling.generation.generate` (`steps`, `block_length`, `threshold`,
 `cache`, `remasking`, ...), one row per combination of the `--compare key=v1,v2` values.
 """
 
@@ -28,7 +28,7 @@ from dlm.errors import UserError
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
-    from dlm.sampling import SampleResult
+    from dlm.sampling.options import SampleResult
 
 # Sampler options a setting may name, and how each value is read ("none" turns an optional one off).
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
@@ -179,7 +179,7 @@ def benchmark_generation(
     base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
     report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels
     # Rounds: every setting runs once per round, so other work on the machine slows them alike and

@@ -403,9 +403,9 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
 
     from dlm.artifacts.loading import load_model
     from dlm.assets import shakespeare_files
-    from dlm.prompting import template_fixed_text
     from dlm.sample_quality import corpus_words, pooled, sample_quality
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
+    from dlm.sampling.prompting import template_fixed_text
 
     device = demo.experiment.training.device
     length = demo.result.sample_length = min(64, demo.experiment.model.max_seq_len * 3 // 4)  # room for a prompt

@@ -14,7 +14,7 @@ lm-evaluation-harness; they need nothing of it):
   scored once: the first window after an end-of-document token, each later one after the last
   token of the window before (lm-evaluation-harness's rolling windows, context 1), the last one
   after as much of the text as fits.
-- `generate`: a continuation by the reverse process (`dlm.sampling.denoise`; `steps`, default one
+- `generate`: a continuation by the reverse process (`dlm.sampling.dispatch.denoise`; `steps`, default one
   per token, `remasking`, default `confidence`, and `block_length`), cut at the first
   end-of-document token and at the first of the `until` strings.
 
@@ -95,7 +95,7 @@ class Scorer:
         block_length: int | None = None,
         reveal_split: RevealSplit = "schedule",
     ) -> None:
-        from dlm.sampling import SamplingOptions
+        from dlm.sampling.options import SamplingOptions
 
         if mc_samples < 1:
             raise UserError(f"mc_samples must be at least 1 (got {mc_samples})", fix="pass mc_samples=32")
@@ -184,7 +184,7 @@ class Scorer:
         an end-of-document token: `generate` keeps the same tokens up to the first one and drops
         the rest, so the written text is the tokens up to and including it."""
 
-        from dlm.sampling import SamplingOptions
+        from dlm.sampling.options import SamplingOptions
 
         verdicts = [True] * len(rows)
         for start in sorted({start for ids, start in rows if len(ids) > start}):
@@ -205,8 +205,8 @@ class Scorer:
         """The `count` ids [R, count] that the reverse process writes after each context (all of one
         length), each row with the noise of its context alone; `stop` ends at end-of-document tokens."""
 
-        from dlm.noise import RowNoise
-        from dlm.sampling import denoise
+        from dlm.sampling.dispatch import denoise
+        from dlm.sampling.row_noise import RowNoise
 
         mask_id, width = self.config.mask_token_id, len(contexts[0])
         tokens = torch.tensor([context + [mask_id] * count for context in contexts], dtype=torch.long,
@@ -237,7 +237,7 @@ class Scorer:
         they do not fit), cut at the first `until` string; `options` are `SamplingOptions` fields,
         `steps`, `remasking`, `block_length` and `reveal_split` by default the scorer's."""
 
-        from dlm.sampling import SamplingOptions
+        from dlm.sampling.options import SamplingOptions
 
         limit = self.config.max_seq_len
         count = max(1, min(max_tokens, limit - 1 if context else limit))

@@ -34,7 +34,7 @@ from dlm.data.chat import reply
 from dlm.data.chat_pack import mask_path, pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import train_tokenizer
-from dlm.sampling import generate
+from dlm.sampling.generation import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_finetune_task as task  # the task as the tests define it

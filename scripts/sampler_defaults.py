@@ -88,7 +88,7 @@ def text_figures(texts: list[str], tokens: list[list[int]], tokenizer: Any, voca
 
 def measure(run_dir: Path, vocabulary: set[str], samples: int, length: int) -> list[tuple[Candidate, dict[str, float]]]:
     from dlm.artifacts.loading import load_model
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     model, tokenizer = load_model(run_dir, device="cpu")
     rows = []

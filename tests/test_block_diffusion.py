@@ -23,7 +23,6 @@ import dlm
 from dlm.artifacts.events import Event, ValidationEvent
 from dlm.artifacts.export import export_model
 from dlm.bench import run_benchmark
-from dlm.block_sampling import cut_after_stop, denoise_blocks
 from dlm.config.schema import ModelConfig, load_config
 from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
 from dlm.diffusion.schedules import LinearSchedule
@@ -40,7 +39,9 @@ from dlm.model.attention import (
     flex_attention,
 )
 from dlm.model.transformer import DiffusionTransformer
-from dlm.sampling import SamplingOptions
+from dlm.sampling.block_model import denoise_blocks
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.reverse import cut_after_stop
 from dlm.train import train
 
 MASK_ID = 1

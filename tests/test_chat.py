@@ -150,7 +150,7 @@ def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
 ) -> None:
     from dlm.artifacts.loading import load_model_with_info
     from dlm.data.chat import chat_prompt
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1",

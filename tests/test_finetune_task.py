@@ -31,7 +31,7 @@ from dlm.data.chat import chat_prompt, reply
 from dlm.data.chat_pack import pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import load_tokenizer, train_tokenizer
-from dlm.sampling import generate
+from dlm.sampling.generation import generate
 from dlm.train import train
 
 WORDS = ("red", "blue", "green", "black", "white", "gold", "pink", "grey")

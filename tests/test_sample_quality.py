@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm.prompting import template_fixed_text
 from dlm.sample_quality import SampleQuality, corpus_words, pooled, sample_quality, words
+from dlm.sampling.prompting import template_fixed_text
 
 
 def test_words_are_runs_of_letters_in_lower_case_with_inner_apostrophes() -> None:

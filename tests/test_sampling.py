@@ -22,18 +22,11 @@ from dlm.cli import app, main
 from dlm.cli.sample_cmd import MASK_GLYPH, render_samples
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.sampling import (
-    SampleResult,
-    SamplingOptions,
-    build_sequence,
-    check_request,
-    filter_logits,
-    generate,
-    parse_template,
-    reveal_count,
-    sample_tokens,
-    split_masked,
-)
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SampleResult, SamplingOptions
+from dlm.sampling.prompting import build_sequence, check_request, parse_template, split_masked
+from dlm.sampling.reverse import reveal_count
+from dlm.sampling.tokens import filter_logits, sample_tokens
 
 MASK, PAD = 1, 2
 CORPUS = [
@@ -480,7 +473,7 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
 
 
 def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(tokenizer: Tokenizer) -> None:
-    from dlm.remasking import register_remasking, remasking_names, unregister_remasking
+    from dlm.sampling.remasking import register_remasking, remasking_names, unregister_remasking
 
     model = random_model(tokenizer)
     calls: list[int] = []

@@ -40,7 +40,7 @@ from dlm.diffusion.schedules import (
 )
 from dlm.errors import UserError
 from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.sampling import reveal_count
+from dlm.sampling.reverse import reveal_count
 from dlm.train import train
 
 VOCAB, MASK_ID, EPS = 50, 1, 1e-3

@@ -16,7 +16,8 @@ from dlm.config.schema import ModelConfig
 from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
-from dlm.sampling import SamplingOptions, denoise
+from dlm.sampling.dispatch import denoise
+from dlm.sampling.options import SamplingOptions
 from dlm.scoring import Scorer, rolling_windows
 
 MASK_ID, LENGTH = 1, 32

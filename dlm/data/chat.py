@@ -301,20 +301,3 @@ def reply(tokenizer: Any, ids: list[int], prompt_length: int, eos: int) -> str:
     generated = ids[prompt_length:]
     end = generated.index(eos) if eos in generated else len(generated)
     return str(tokenizer.decode(generated[:end], skip_special_tokens=False))
-
-
-def chat_replies(model_path: str | Path, question: str, **options: Any) -> list[str]:
-    """`dlm sample --chat`: each sample's reply to `question`, generated after the templated prompt
-    (which stays fixed) and ended at the first end-of-document token. `options` go to `generate`,
-    all of them; `stop_at_end` is always on (a reply ends there either way, stopping saves the rest)."""
-
-    from dlm.artifacts.loading import load_model_with_info
-    from dlm.data.tokenizer import special_token_id
-    from dlm.sampling import generate
-
-    loaded = load_model_with_info(model_path, device=options.get("device") or "cpu")
-    prompt = chat_prompt(loaded.info.tokenizer_path, question)
-    result = generate(loaded.model, loaded.tokenizer, prompt=prompt, **(options | {"stop_at_end": True}))
-    prompt_length = len(loaded.tokenizer.encode(prompt, add_special_tokens=False).ids)
-    eos = special_token_id(loaded.tokenizer, "eos")
-    return [reply(loaded.tokenizer, ids, prompt_length, eos) for ids in result.token_ids]

@@ -1,7 +1,7 @@
 """A dlm masked diffusion language model for Hugging Face transformers, with its sampler.
 
 Shipped inside every `dlm export --format hf` directory and loaded with `trust_remote_code=True`,
-so it imports only torch and transformers: it repeats `dlm/model/transformer.py` and `dlm/sampling.py` on
+so it imports only torch and transformers: it repeats `dlm/model/transformer.py` and `dlm/sampling/generation.py` on
 purpose, so that an exported directory runs without dlm installed (tests check that the two agree).
 The network is dlm's `DiffusionTransformer`, operation
 for operation, so logits match dlm's bit for bit in float32:

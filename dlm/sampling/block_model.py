@@ -11,7 +11,7 @@ generate is denoised with the reverse process of `dlm.sampling` (its share of th
 of the prompt or template inside it stay fixed. With `stop_token_id`, generation ends after the
 first block that leaves every sample with that token (the end-of-document token) among its
 generated positions; later positions stay masked for the caller to cut off. With a `threshold`
-a block's steps commit every position above it (`dlm.decoding.reveal_threshold`) and the block
+a block's steps commit every position above it (`dlm.sampling.reverse.reveal_threshold`) and the block
 ends as soon as it is filled.
 
 Past the context: the model saw at most `max_seq_len` positions in training, so the cache keeps
@@ -33,15 +33,23 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dlm.decoding import reveal_threshold
 from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
 from dlm.model.attention import KVCache
-from dlm.noise import RowNoise
-from dlm.sampling import SamplingOptions, StepCallback, _block_steps, _Reverse, masked_after, reveal_count, step_times
+from dlm.sampling.options import SamplingOptions, StepCallback
+from dlm.sampling.reverse import Reverse, masked_after, reveal_count, reveal_threshold, step_times, steps_per_block
+from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
+
+
+def check_block_model_options(options: SamplingOptions) -> None:
+    """A block model has its own exact cache: refuse the approximate one, which would be ignored."""
+
+    if options.cache != "none":
+        raise UserError(f"--cache {options.cache} is for whole-sequence models",
+                        fix="omit --cache: a block model always reuses the exact cache of earlier blocks")  # fmt: skip
 
 
 @dataclass
@@ -54,7 +62,7 @@ class _Window:
 
 
 @dataclass(frozen=True)
-class _BlockReverse(_Reverse):
+class _BlockReverse(Reverse):
     """The reverse process of one model block: the model sees the prefix (or its cache) and the block."""
 
     window: _Window = field(default_factory=_Window)
@@ -123,7 +131,7 @@ def denoise_blocks(
     stop_token_id: int | None = None,
     pad: Tensor | None = None,
 ) -> tuple[Tensor, int]:
-    """`dlm.sampling.denoise` for a block model: the model's blocks left to right, cached prefix."""
+    """`dlm.sampling.dispatch.denoise` for a block model: the model's blocks left to right, cached prefix."""
 
     block_size, mask_id = model.config.block_size, model.config.mask_token_id
     if options.block_length not in (None, block_size):
@@ -143,7 +151,7 @@ def denoise_blocks(
     passes, step = 0, 0
     if on_step is not None:
         on_step(0, tokens.clone())
-    for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):
+    for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
         start = int(block[0]) // block_size * block_size
         window = reverse.window
         window.start, window.end, window.cache = start, min(start + block_size, tokens.shape[1]), cache
@@ -157,13 +165,3 @@ def denoise_blocks(
         if stop_token_id is not None and bool((generated == stop_token_id).any(dim=1).all()):
             break
     return tokens, passes
-
-
-def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_id: int) -> list[list[int]]:
-    """Each row up to and including the first `stop_token_id` at a generated position."""
-
-    cut = []
-    for row in token_ids:
-        end = next((i + 1 for i, (t, f) in enumerate(zip(row, fill, strict=True)) if f and t == stop_token_id), None)
-        cut.append(row if end is None else row[:end])
-    return cut

@@ -1,6 +1,6 @@
 """Fast decoding for a whole-sequence model: confidence thresholds, approximate KV caches, early stop.
 
-`dlm.sampling.denoise` hands a whole-sequence model to `denoise_fast` when any of these is asked for:
+`dlm.sampling.dispatch.denoise` hands a whole-sequence model to `denoise_fast` when any of these is asked for:
 
 - `threshold` P (Fast-dLLM's parallel decoding): a step samples every masked position of the
   current block and commits each whose sampled token has probability above P (with `margin`
@@ -19,7 +19,7 @@
 
 Without a threshold and with `cache="none"` every step is the one `dlm.sampling` runs, drawing
 the same random numbers, so the tokens are those of the plain sampler. A block model's sampler
-(`dlm.block_sampling`) takes its threshold steps from here too (`reveal_threshold`).
+(`dlm.sampling.block_model`) takes its threshold steps from here too (`reveal_threshold`).
 """
 
 from __future__ import annotations
@@ -32,31 +32,13 @@ import torch
 from torch import Tensor
 
 from dlm.diffusion.schedules import Schedule
-from dlm.errors import UserError
 from dlm.model.attention import KVCache
-from dlm.noise import RowNoise
-from dlm.remasking import token_confidence
-from dlm.sampling import (
-    SamplingOptions,
-    StepCallback,
-    _block_steps,
-    _Reverse,
-    masked_after,
-    reveal_count,
-    sample_tokens,
-    step_times,
-)
+from dlm.sampling.options import SamplingOptions, StepCallback
+from dlm.sampling.reverse import Reverse, masked_after, reveal_count, reveal_threshold, step_times, steps_per_block
+from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
-
-
-def check_block_model_options(options: SamplingOptions) -> None:
-    """A block model has its own exact cache: refuse the approximate one, which would be ignored."""
-
-    if options.cache != "none":
-        raise UserError(f"--cache {options.cache} is for whole-sequence models",
-                        fix="omit --cache: a block model always reuses the exact cache of earlier blocks")  # fmt: skip
 
 
 @dataclass
@@ -70,8 +52,8 @@ class _Window:
 
 
 @dataclass(frozen=True)
-class _FastReverse(_Reverse):
-    """`_Reverse` with the cached forward pass and the threshold step."""
+class _FastReverse(Reverse):
+    """`Reverse` with the cached forward pass and the threshold step."""
 
     window: _Window = field(default_factory=_Window)
 
@@ -116,38 +98,6 @@ class _FastReverse(_Reverse):
         return logits
 
 
-def reveal_threshold(reverse: _Reverse, tokens: Tensor, block: Tensor, keep_masked: int) -> int:
-    """Commit the masked positions of `block` above the threshold: at least one, and at least
-    enough that no more than `keep_masked` stay masked. Forward passes made (0 or 1)."""
-
-    masked = tokens[:, block] == reverse.mask_id
-    if not bool(masked.any()):
-        return 0
-    candidates = torch.zeros_like(tokens, dtype=torch.bool)
-    candidates[:, block] = masked
-    logits = reverse.logits(tokens, candidates, None).to(reverse.noise.device, torch.float64)
-    logits[:, reverse.forbidden] = float("-inf")
-    options = reverse.options
-    new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-                        uniform=reverse.uniform(candidates, None))  # fmt: skip
-    # The probability of the token each position would commit (Fast-dLLM's rule, and what
-    # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
-    # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
-    ranking = "confidence" if options.remasking == "random" else options.remasking
-    confidence = token_confidence(logits.softmax(dim=-1), new, ranking)
-    scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
-    scores[masked.to(scores.device)] = confidence
-    need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
-    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
-    assert options.threshold is not None
-    commit = (scores > options.threshold) | (rank < need[:, None])
-    commit = commit.to(tokens.device) & masked
-    proposal = tokens[:, block].clone()
-    proposal[masked] = new.to(tokens.device)
-    tokens[:, block] = torch.where(commit, proposal, tokens[:, block])
-    return 1
-
-
 def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: int) -> bool:
     """Whether every row has a generated stop token with no masked generated position before it."""
 
@@ -186,7 +136,7 @@ def denoise_fast(
     stop_token_id: int | None = None,
     pad: Tensor | None = None,
 ) -> tuple[Tensor, int]:
-    """`dlm.sampling.denoise` with the options above, on tokens already masked where `fill_mask` is."""
+    """`dlm.sampling.dispatch.denoise` with the options above, on tokens already masked where `fill_mask` is."""
 
     mask_id = model.config.mask_token_id
     noise = RowNoise.of(generator, tokens.shape[0])
@@ -194,7 +144,7 @@ def denoise_fast(
     reverse = _FastReverse(model, options, noise, mask_id, never, pad=pad)
     positions = fill_mask.nonzero().squeeze(-1)
     passes, step = 0, 0
-    for block, block_steps in zip(blocks, _block_steps(options.steps, len(blocks)), strict=True):
+    for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
         window = reverse.window
         window.start, window.end, window.tokens, window.cache = int(block[0]), int(block[-1]) + 1, tokens, None
         for index in range(block_steps):

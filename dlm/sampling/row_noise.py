@@ -64,3 +64,10 @@ class RowNoise:
             bounds.append(bounds[-1] + size)
         groups = [sum(per_row[bounds[i] : bounds[i + 1]]) for i in range(len(self.sizes))]
         return self._draw(groups, (width,))
+
+
+def noise_device(device: torch.device) -> torch.device:
+    """The device of the sampling noise and its generators for a model on `device`."""
+
+    # MPS has no float64, so the sampling noise (and the generator) live on the CPU there.
+    return torch.device("cpu") if device.type == "mps" else device

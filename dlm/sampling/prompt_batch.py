@@ -4,7 +4,7 @@ Rows are left-padded so that every prompt's generated positions share the same c
 what the sampler's steps, blocks and caches index. Padding changes nothing a row computes: the
 model gives each row its own positions (counted from its first real token) and no real position
 attends to padding (`DiffusionTransformer.forward(pad=...)`); each prompt draws its random numbers
-from its own generator, seeded with `seed + i` for the i-th prompt (`dlm.noise.RowNoise`). So prompt
+from its own generator, seeded with `seed + i` for the i-th prompt (`dlm.sampling.row_noise.RowNoise`). So prompt
 i of a batch draws exactly the random numbers of `generate(prompt=prompts[i], seed=seed + i)`, and
 its logits agree with that run's up to float rounding: the float sums of a padded, wider batch may
 be split differently, and another CPU's kernels split them differently again. The tokens are the
@@ -30,13 +30,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.errors import UserError
-from dlm.noise import RowNoise
-from dlm.prompting import build_sequence, check_request
+from dlm.sampling.dispatch import counting_tokens, denoise, inference
+from dlm.sampling.options import SampleResult
+from dlm.sampling.prompting import build_sequence, check_request
+from dlm.sampling.reverse import cut_after_stop
+from dlm.sampling.row_noise import RowNoise, noise_device
 
 if TYPE_CHECKING:
     from dlm.diffusion.schedules import Schedule
     from dlm.model.denoiser import Denoiser
-    from dlm.sampling import SampleResult, SamplingOptions
+    from dlm.sampling.options import SamplingOptions
 
 
 def _groups(config: Any, prompt_lengths: list[int]) -> list[list[int]]:
@@ -90,10 +93,8 @@ def generate_prompts(
     forbidden: list[int],
     end_id: int | None,
 ) -> SampleResult:
-    """`dlm.sampling.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt."""
+    """`dlm.sampling.generation.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt."""
 
-    from dlm.block_sampling import cut_after_stop
-    from dlm.sampling import SampleResult, _counting_tokens, _inference, _noise_device, denoise
 
     config = model.config
     encoded = encode_prompts(tokenizer, config, prompts, length=length, num_samples=num_samples, seed=seed)
@@ -105,9 +106,9 @@ def generate_prompts(
         offsets = _offsets(config, [len(encoded[i]) for i in group])
         tokens, pad, fill_mask = _padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler,
                                                device)  # fmt: skip
-        generators = tuple(torch.Generator(device=_noise_device(device)).manual_seed(seed + i) for i in group)
+        generators = tuple(torch.Generator(device=noise_device(device)).manual_seed(seed + i) for i in group)
         noise = RowNoise(generators, (num_samples,) * len(group))
-        with _inference(model), _counting_tokens(model) as fed:
+        with inference(model), counting_tokens(model) as fed:
             tokens, group_passes = denoise(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
                                            forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad)  # fmt: skip
             result = tokens.tolist()
