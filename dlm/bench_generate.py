@@ -6,7 +6,7 @@ setting also reports two quality figures of its samples:
 - generative perplexity under a judge model: exp of the judge's negative log-likelihood per token.
   A block model with `block_size = 1` is autoregressive and scores the exact NLL (every position
   masked, the clean sequence as context); any other model scores its Monte Carlo negative ELBO, an
-  upper bound on its NLL, with the estimator of `dlm.evaluate`.
+  upper bound on its NLL, with the estimator of `dlm.evaluation.evaluate`.
 - unigram entropy (bits) of all generated tokens pooled: repetition lowers it.
 
 Settings are sampler options of `dlm.sampling.generation.generate` (`steps`, `block_length`, `threshold`,

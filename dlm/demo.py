@@ -9,7 +9,7 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     calibrate  time a few real training steps on the device
     train      `dlm.train.train` until the planned last step or the end of the time budget
     evaluate   bits per byte on the validation plays (DIR/run/eval.json) beside a unigram baseline
-               (`dlm.unigram`)
+               (`dlm.evaluation.unigram`)
     export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
@@ -47,10 +47,8 @@ from dlm.config.schema import ExperimentConfig, load_config, with_overrides
 from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
 from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
+from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
-from dlm.unigram import UNIGRAM_MARGIN as UNIGRAM_MARGIN
-from dlm.unigram import unigram_bits_per_byte as unigram_bits_per_byte
-from dlm.unigram import unigram_verdict as unigram_verdict
 
 if TYPE_CHECKING:
     from dlm.artifacts.run_dir import RunDir
@@ -99,7 +97,7 @@ class DemoResult:
     model_dir: Path | None = None
     verdict: str | None = None  # said when the model ends at the unigram level
     samples: list[dict[str, Any]] = field(default_factory=list)
-    # The samples' words pooled (`dlm.sample_quality`), beside the held-out plays' words per token.
+    # The samples' words pooled (`dlm.evaluation.sample_quality`), beside the held-out plays' words per token.
     sample_quality: dict[str, Any] = field(default_factory=dict)
     sample_length: int = 0  # tokens generated per sample: fits the model's context after a prompt
     seconds: float = 0.0
@@ -334,7 +332,8 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
 
     from dlm.artifacts.loading import build_model, read_model_source
     from dlm.data.dataset import load_packed_dataset
-    from dlm.evaluate import evaluate_model, packed_token_bytes, write_report
+    from dlm.evaluation.evaluate import evaluate_model, write_report
+    from dlm.evaluation.likelihood import packed_token_bytes
     from dlm.runtime import resolve_precision
 
     device = torch.device(demo.experiment.training.device)
@@ -365,7 +364,7 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
     sequences = max(16, min(val_blocks, int(seconds / per_sequence)))
 
     def reuse() -> dict[str, Any] | None:
-        from dlm.evaluate import EVAL_FORMAT
+        from dlm.evaluation.evaluate import EVAL_FORMAT
 
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
@@ -403,7 +402,7 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
 
     from dlm.artifacts.loading import load_model
     from dlm.assets import shakespeare_files
-    from dlm.sample_quality import corpus_words, pooled, sample_quality
+    from dlm.evaluation.sample_quality import corpus_words, pooled, sample_quality
     from dlm.sampling.generation import generate
     from dlm.sampling.prompting import template_fixed_text
 

@@ -1,5 +1,5 @@
 """Which validation blocks the demo scores: `SpreadBlocks` picks blocks spread evenly over the
-split, so that the model and its unigram level (`dlm.unigram`) are judged on all three plays."""
+split, so that the model and its unigram level (`dlm.evaluation.unigram`) are judged on all three plays."""
 
 from __future__ import annotations
 

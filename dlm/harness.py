@@ -17,7 +17,7 @@ generated token), `remasking` (default `confidence`), `block_length` and `reveal
 (`schedule`, or `even` for LLaDA's split). `batch_size` counts the
 requests scored in one forward pass and `device` is cpu, cuda, mps or auto (a CUDA device,
 lm-eval's default, falls back to auto on a machine without one). The numbers are
-`dlm.scoring.Scorer`'s.
+`dlm.evaluation.scoring.Scorer`'s.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
 from dlm.data.tokenizer import SPECIAL_TOKENS  # noqa: E402
-from dlm.scoring import Scorer  # noqa: E402
+from dlm.evaluation.scoring import Scorer  # noqa: E402
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _batch_size(value: Any) -> int:
 
 
 class DlmLM(TemplateLM):
-    """lm-eval's model interface over `dlm.scoring.Scorer`; model_args in the module docstring."""
+    """lm-eval's model interface over `dlm.evaluation.scoring.Scorer`; model_args in the module docstring."""
 
     def __init__(
         self,

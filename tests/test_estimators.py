@@ -17,7 +17,7 @@ from torch import Tensor
 from dlm.config.schema import ModelConfig
 from dlm.diffusion.objective import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
 from dlm.errors import UserError
-from dlm.evaluate import evaluate_model
+from dlm.evaluation.evaluate import evaluate_model
 from dlm.model.transformer import DiffusionTransformer
 
 VOCAB, MASK_ID, LENGTH = 6, 1, 5

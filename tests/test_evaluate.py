@@ -18,9 +18,10 @@ from dlm.artifacts.loading import load_model
 from dlm.config.schema import ModelConfig
 from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer
+from dlm.diffusion.schedules import NOISE_BUCKETS
 from dlm.errors import UserError
-from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
-from dlm.likelihood import likelihood_figures
+from dlm.evaluation.evaluate import EVAL_FORMAT, evaluate_model, evaluate_source, write_report
+from dlm.evaluation.likelihood import likelihood_figures, packed_token_bytes
 from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,7 +278,7 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("dlm.evaluate.evaluate_source", interrupted)
+    monkeypatch.setattr("dlm.evaluation.evaluate.evaluate_source", interrupted)
     result = run_cli("eval", run_dir, "--output", tmp_path / "eval.json")
     assert result.exit_code == 130
     assert result.stderr == "interrupted: evaluation stopped, nothing written\n"
@@ -288,7 +289,7 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
 def test_eval_reports_the_unigram_level_of_exactly_the_scored_blocks(
     run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dlm.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
+    monkeypatch.setattr("dlm.evaluation.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
     report = evaluate_source(run_dir, batches=batches, batch_size=batch_size, mc_samples=2)
     train = np.asarray(load_packed_dataset(tiny_data_dir, split="train").tokens).ravel()
     scored = np.asarray(load_packed_dataset(tiny_data_dir, split="val").tokens[: batches * batch_size]).ravel()

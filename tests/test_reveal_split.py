@@ -118,7 +118,7 @@ def test_cli_reveal_split(fake_export: list[object], tokenizer: Tokenizer, run_c
 
 def test_the_scorer_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     import dlm.sampling.dispatch
-    from dlm.scoring import Scorer
+    from dlm.evaluation.scoring import Scorer
 
     seen: list[SamplingOptions] = []
     real = dlm.sampling.dispatch.denoise

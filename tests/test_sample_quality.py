@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm.sample_quality import SampleQuality, corpus_words, pooled, sample_quality, words
+from dlm.evaluation.sample_quality import SampleQuality, corpus_words, pooled, sample_quality, words
 from dlm.sampling.prompting import template_fixed_text
 
 

@@ -39,7 +39,7 @@ from dlm.diffusion.schedules import (
     schedule_names,
 )
 from dlm.errors import UserError
-from dlm.evaluate import evaluate_model, evaluate_source
+from dlm.evaluation.evaluate import evaluate_model, evaluate_source
 from dlm.sampling.reverse import reveal_count
 from dlm.train import train
 

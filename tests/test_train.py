@@ -161,7 +161,7 @@ def test_validation_leaves_global_rng_untouched(tiny_data_dir: Path, tmp_path: P
     from torch.utils.data import DataLoader
 
     from dlm.data.dataset import load_packed_dataset
-    from dlm.evaluate import fixed_noise_validation
+    from dlm.evaluation.evaluate import fixed_noise_validation
     from dlm.model.transformer import DiffusionTransformer
 
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")

@@ -114,7 +114,7 @@ class TrainEvent(RunEvent):
 @register_event
 @dataclass(frozen=True)
 class ValidationEvent(RunEvent):
-    """Fixed-noise validation (`dlm.evaluate.fixed_noise_validation`) at `step`."""
+    """Fixed-noise validation (`dlm.evaluation.evaluate.fixed_noise_validation`) at `step`."""
 
     kinds: ClassVar[tuple[str, ...]] = ("validation",)
     step: int

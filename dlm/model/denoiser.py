@@ -1,6 +1,6 @@
 """The contract between a model and the code that runs it, as a type the checker verifies.
 
-Sampling (`dlm.sampling`, `dlm.sampling.block_model`) and evaluation (`dlm.evaluate`) accept any
+Sampling (`dlm.sampling`, `dlm.sampling.block_model`) and evaluation (`dlm.evaluation.evaluate`) accept any
 `Denoiser`: `dlm.model.transformer.DiffusionTransformer` is one, and so is a module that wraps one as long as it
 keeps the same call and exposes the same `config`. Nothing here imports torch at run time.
 """

@@ -18,7 +18,7 @@ batches. It never touches the global RNG.
   `tokens` and `bytes` to recompute it;
 - the loss in `NOISE_BUCKETS` buckets of the diffusion time t (how hard denoising is at each level).
 
-The byte counting and the likelihood figures themselves live in `dlm.likelihood`.
+The byte counting and the likelihood figures themselves live in `dlm.evaluation.likelihood`.
 
 Every figure comes from one noise schedule (`dlm.diffusion.schedules`), the one the model was trained with.
 
@@ -50,9 +50,8 @@ from dlm.diffusion.objective import (
 )
 from dlm.diffusion.schedules import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.errors import UserError
+from dlm.evaluation.likelihood import byte_table, likelihood_figures, packed_token_bytes, scored_counts
 from dlm.fileio import atomic_write_json
-from dlm.likelihood import byte_table, likelihood_figures, scored_counts
-from dlm.likelihood import packed_token_bytes as packed_token_bytes
 from dlm.runtime import autocast_context
 
 if TYPE_CHECKING:
@@ -162,7 +161,7 @@ class EvalReport:
     bits_per_byte_stderr: float | None
     bytes: int | None  # exact UTF-8 bytes of the scored tokens: bits_per_byte = nll x tokens / (bytes x ln 2)
     loss_by_t: list[NoiseBucket] = field(default_factory=list)
-    # Bits per byte of the training split's token frequencies on the same scored tokens (`dlm.unigram`).
+    # Bits per byte of the training split's token frequencies on the same scored tokens (`dlm.evaluation.unigram`).
     unigram_bits_per_byte: float | None = None
     notes: list[str] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)  # model and data it came from
@@ -498,7 +497,7 @@ def _add_unigram_level(report: EvalReport, dataset: Any, token_bytes: Any) -> No
     """The unigram level of the scored sequences beside the model's bits per byte, from the
     training split packed with the data, with a verdict when the model is no better."""
 
-    from dlm.unigram import TRAINING_ADVICE, unigram_bits_per_byte, unigram_verdict
+    from dlm.evaluation.unigram import TRAINING_ADVICE, unigram_bits_per_byte, unigram_verdict
 
     train = dataset.path.parent / "train.bin"
     if report.bits_per_byte is None or dataset.metadata.get("loss_mask"):

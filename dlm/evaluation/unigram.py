@@ -40,7 +40,7 @@ def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: An
     bytes per id) or the data's own tokenizer.json. None without a byte count."""
 
     from dlm.data.dataset import load_packed_dataset
-    from dlm.likelihood import packed_token_bytes
+    from dlm.evaluation.likelihood import packed_token_bytes
 
     train = load_packed_dataset(data_dir, split="train")
     evaluated = evaluated if evaluated is not None else load_packed_dataset(data_dir, split="val")
