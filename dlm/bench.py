@@ -43,7 +43,6 @@ from dlm.bench_setup import (
     set_memory_limit,
 )
 from dlm.config.schema import ExperimentConfig, ModelConfig, with_overrides
-from dlm.distributed import DistributedContext
 from dlm.errors import UserError
 from dlm.fileio import GIB
 from dlm.runtime import (
@@ -55,7 +54,8 @@ from dlm.runtime import (
     resolve_precision,
     synchronize,
 )
-from dlm.train_step import LogWindow, TrainingStep
+from dlm.train.distributed import DistributedContext
+from dlm.train.step import LogWindow, TrainingStep
 
 MAX_BATCH_LIMIT = 1 << 16  # the batch finder never probes beyond this many sequences
 Progress = Callable[[str], None]

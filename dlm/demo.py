@@ -1,13 +1,13 @@
 """`dlm demo`: the whole pipeline on the bundled Shakespeare corpus, in one resumable call.
 
 Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "running" | "done" |
-"reused", ...}`; the training stage also passes on every event of `dlm.train.train`.
+"reused", ...}`; the training stage also passes on every event of `dlm.train.loop.train`.
 
     tokenizer  byte-level BPE of model.vocab_size tokens on the 39 training works
     data       packed at model.max_seq_len; Hamlet, Macbeth and Twelfth Night are the validation split
     validate   the config's pre-flight checks against those files
     calibrate  time a few real training steps on the device
-    train      `dlm.train.train` until the planned last step or the end of the time budget
+    train      `dlm.train.loop.train` until the planned last step or the end of the time budget
     evaluate   bits per byte on the validation plays (DIR/run/eval.json) beside a unigram baseline
                (`dlm.evaluation.unigram`)
     export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
@@ -303,7 +303,7 @@ def _data_stage(demo: _Demo) -> dict[str, Any]:
 
 
 def _validate_stage(demo: _Demo) -> None:
-    from dlm.validate import validate_experiment
+    from dlm.train.preflight import validate_experiment
 
     def work() -> dict[str, Any]:
         results = validate_experiment(demo.experiment)

@@ -223,7 +223,7 @@ class TrainingStage:
     def continued(self, plan: TrainingPlan, step: int) -> TrainingPlan | None:
         """The plan to go on from `step` within this call's budget, or None: nothing to train."""
 
-        from dlm.optim import learning_rate
+        from dlm.train.optimizer import learning_rate
 
         finished = step >= plan.max_steps or plan.trained_seconds >= plan.budget_seconds
         if finished and self.budget <= plan.budget_seconds:
@@ -283,7 +283,7 @@ class TrainingStage:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
 
         from dlm.artifacts.run_dir import RunDir
-        from dlm.train import train
+        from dlm.train.loop import train
 
         experiment = with_overrides(self.experiment, plan.overrides(), "the demo's plan")
         started, before = time.perf_counter(), plan.trained_seconds

@@ -24,7 +24,7 @@ from dlm.artifacts.eval_report import EVAL_FORMAT_PREFIX, eval_report_problem
 from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, StartEvent, TrainEvent, ValidationEvent, read_events
 from dlm.artifacts.run_dir import CONFIG_NAME, METRICS_NAME, RunDir
 from dlm.errors import UserError, check_can_create
-from dlm.loggers import bucket_names
+from dlm.train.loggers import bucket_names
 
 REPORT_NAME = "report.html"
 SAMPLES_NAME = "samples.json"  # what `dlm demo` writes beside its run

@@ -104,8 +104,8 @@ def step_pair(
     baseline = importlib.import_module("plain_gpu")
     from dlm.bench import synthetic_batches
     from dlm.config.schema import load_config
-    from dlm.distributed import DistributedContext
-    from dlm.train_step import LogWindow, TrainingStep
+    from dlm.train.distributed import DistributedContext
+    from dlm.train.step import LogWindow, TrainingStep
 
     experiment = load_config(config, overrides)
     size, batch, cpu = experiment.model, experiment.training.batch_size, torch.device("cpu")

@@ -342,7 +342,7 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
     from dlm.artifacts.events import Event, ValidationEvent
     from dlm.config.schema import load_config
     from dlm.evaluation.evaluate import evaluate_source
-    from dlm.train import train
+    from dlm.train.loop import train
 
     data = args.data_dir
     overrides = [

@@ -58,7 +58,7 @@ def train_model(work: Path, steps: int) -> Path:
     from dlm.config.schema import load_config
     from dlm.data.pack import pack_corpus
     from dlm.data.tokenizer import train_tokenizer
-    from dlm.train import train
+    from dlm.train.loop import train
 
     files = shakespeare_files("train")[:4]
     data = work / "data"

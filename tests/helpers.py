@@ -9,7 +9,7 @@ import torch
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.events import Event, TrainEvent
 from dlm.config.schema import ExperimentConfig, load_config
-from dlm.train import train
+from dlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

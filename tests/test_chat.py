@@ -18,7 +18,7 @@ from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
 from dlm.errors import UserError
-from dlm.train import train
+from dlm.train.loop import train
 
 SEQ_LEN = 64
 

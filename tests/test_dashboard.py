@@ -29,7 +29,7 @@ from dlm.artifacts.events import (
     to_json_line,
 )
 from dlm.dashboard import SPARK_CHARACTERS, Budget, TrainingDashboard, sparkline
-from dlm.train import train
+from dlm.train.loop import train
 
 # Lines in the format metrics.jsonl has always had: reading them into the types must keep working.
 EXISTING_LINES = (

@@ -237,7 +237,7 @@ def test_cli_eval_human_output_shows_the_counts_behind_bits_per_byte(
 def test_cli_eval_says_which_weights_it_scored(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch) -> None:
     from helpers import tiny_experiment
 
-    from dlm.train import train
+    from dlm.train.loop import train
 
     overrides = ("training.max_steps=3", "training.warmup_steps=1", "training.ema_decay=0.9")
     run = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=lambda event: None).run_dir

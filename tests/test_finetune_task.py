@@ -32,7 +32,7 @@ from dlm.data.chat_pack import pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import load_tokenizer, train_tokenizer
 from dlm.sampling.generation import generate
-from dlm.train import train
+from dlm.train.loop import train
 
 WORDS = ("red", "blue", "green", "black", "white", "gold", "pink", "grey")
 PHRASE_WORDS = 4  # 8**4 = 4096 phrases: 1200 to learn from, 30 held out

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm import memory
 from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, unregister_optimizer
 from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.diffusion.objective import masked_token_losses
-from dlm.memory import (
+from dlm.model.transformer import DiffusionTransformer
+from dlm.train import memory
+from dlm.train.memory import (
     AvailableMemory,
     activation_bytes,
     available_ram,
@@ -23,8 +24,7 @@ from dlm.memory import (
     optimizer_state_bytes,
     parameter_shapes,
 )
-from dlm.model.transformer import DiffusionTransformer
-from dlm.optim import build_optimizer
+from dlm.train.optimizer import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

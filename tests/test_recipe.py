@@ -14,7 +14,7 @@ import pytest
 from helpers import tiny_experiment
 
 from dlm.evaluation.evaluate import evaluate_source
-from dlm.train import train
+from dlm.train.loop import train
 
 # About 600k training tokens. Fewer leave the tiny model near its unigram level, or past it by
 # luck: measured on the tiny data, 60 steps of batch 8 end 0.03 bits/byte above the level, 200

@@ -29,7 +29,7 @@ from dlm.report import (
     find_run,
     gather_run,
 )
-from dlm.train import train
+from dlm.train.loop import train
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Offline and quiet: no first-run pages, no background or component traffic, no QUIC probing.

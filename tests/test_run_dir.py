@@ -22,7 +22,7 @@ from dlm.artifacts.checkpoint import UnverifiedCheckpointWarning, load_checkpoin
 from dlm.artifacts.checksum import CHECKSUM_KEY
 from dlm.errors import UserError
 from dlm.fileio import temporaries
-from dlm.train import train
+from dlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # Long enough that an error line naming it twice would wrap at 80 columns if it could.

@@ -41,7 +41,7 @@ from dlm.diffusion.schedules import (
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import evaluate_model, evaluate_source
 from dlm.sampling.reverse import reveal_count
-from dlm.train import train
+from dlm.train.loop import train
 
 VOCAB, MASK_ID, EPS = 50, 1, 1e-3
 SCHEDULES = ("linear", "cosine")

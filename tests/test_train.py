@@ -20,7 +20,7 @@ from dlm.artifacts.checkpoint import RunLock, load_checkpoint, numbered_checkpoi
 from dlm.artifacts.checksum import with_checksum
 from dlm.artifacts.events import Event, ValidationEvent
 from dlm.errors import UserError
-from dlm.train import NonFiniteLossError, train
+from dlm.train.loop import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_unsafe_checkpoint_is_refused(tiny_data_dir: Path, tmp_path: Path) -> No
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlm.train_step as train_module
+    import dlm.train.step as train_module
 
     real = train_module.diffusion_cross_entropy
     calls = {"count": 0}

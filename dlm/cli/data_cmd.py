@@ -290,7 +290,7 @@ def _pack_notes(summary: PackSummary) -> list[str]:
 def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
     """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure."""
 
-    from dlm.validate import validate_config_file
+    from dlm.train.preflight import validate_config_file
 
     _, results = validate_config_file(config, overrides)
     failed = [result.name for result in results if not result.passed]

@@ -1,7 +1,7 @@
 """The optimizer registry: one table from a `training.optimizer` name to how that optimizer is built.
 
 Adding an optimizer is one `register_optimizer(OptimizerSpec(...))` call. Everything else reads
-this table: the config (which names it accepts), `dlm.optim.build_optimizer`, resume (which
+this table: the config (which names it accepts), `dlm.train.optimizer.build_optimizer`, resume (which
 param-group hyperparameters the current config overrides, which settings must not change) and the
 FSDP check. Resume restores the state dict generically, so a builder never writes resume code.
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dlm.config.schema import TrainingConfig
 
     # (model, parameter groups, training config, device) -> optimizer over exactly those groups.
-    # The groups are `[decay, no_decay]` (`dlm.optim.parameter_groups`); keep them as given,
+    # The groups are `[decay, no_decay]` (`dlm.train.optimizer.parameter_groups`); keep them as given,
     # because a checkpoint's state is matched to the parameters by group position.
     Builder = Callable[[nn.Module, list[dict[str, Any]], TrainingConfig, torch.device], torch.optim.Optimizer]
     # (every parameter as (name, element count), training config) -> bytes of optimizer state.
@@ -51,7 +51,7 @@ class OptimizerSpec:
     # Why the optimizer cannot run on FSDP-sharded (DTensor) parameters; None when it can.
     fsdp_refusal: str | None = None
     # Bytes of state it keeps for the model's parameters before any sharding: what the memory
-    # estimate (`dlm.memory`) counts. None when unknown; the estimate then counts no state, which
+    # estimate (`dlm.train.memory`) counts. None when unknown; the estimate then counts no state, which
     # errs towards running rather than refusing a run that fits.
     state_bytes: StateBytes | None = None
     # A module that must be importable to build it, and the `dlm` extra that installs it.

@@ -220,7 +220,7 @@ class DiffusionConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    """Experiment trackers beside `metrics.jsonl` (`dlm/loggers.py`); none by default, so nothing is sent."""
+    """Experiment trackers beside `metrics.jsonl` (`dlm/train/loggers.py`); none by default, so nothing is sent."""
 
     tensorboard: bool = Field(False, description="Write TensorBoard files in RUN/tensorboard (`dlm[tensorboard]`).")
     wandb: bool = Field(False, description="Log to Weights & Biases, its files in RUN/wandb (`dlm[wandb]`).")

@@ -20,8 +20,8 @@ from dlm.data.dataset import PackedDataset, load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
-from dlm.memory import check_training_memory
 from dlm.runtime import resolve_device, resolve_precision
+from dlm.train.memory import check_training_memory
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def _describe_attention(config: ModelConfig) -> str:
 def load_initial_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
     """Copy `weights` into `model`'s parameters, each in the parameter's own dtype and device."""
 
-    from dlm.distributed import is_sharded
+    from dlm.train.distributed import is_sharded
 
     state = model.state_dict()
     converted = {name: weights[name].to(state[name].dtype) for name in state if name in weights}

@@ -31,10 +31,10 @@ from dlm.diffusion.objective import (
     step_time_offset,
 )
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
-from dlm.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.model.transformer import DiffusionTransformer
-from dlm.optim import ModelEMA, build_optimizer, learning_rate
 from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
+from dlm.train.distributed import DistributedContext, build_model, replicated, wrap_model
+from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
 
 
 @dataclass

@@ -61,24 +61,9 @@ from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
 from dlm.data.tokenizer import tokenizer_sha256
-from dlm.distributed import (
-    DistributedContext,
-    check_parallelism,
-    check_world_size,
-    current_context,
-    full_model_state,
-    full_optimizer_state,
-    full_tensors,
-    load_full_state,
-    shard_like,
-)
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
-from dlm.init_from import initial_weights, load_initial_weights
-from dlm.loggers import check_loggers, open_loggers
-from dlm.memory import count_parameters
 from dlm.model.transformer import format_parameter_count
-from dlm.optim import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.runtime import (
     capture_rng_state,
     configure_cpu_threads,
@@ -91,9 +76,24 @@ from dlm.runtime import (
     resolve_precision,
     restore_rng_state,
 )
-from dlm.stop import StopSignals
-from dlm.train_step import LogWindow, RunCounters, TrainingStep
-from dlm.validate import ensure_valid
+from dlm.train.distributed import (
+    DistributedContext,
+    check_parallelism,
+    check_world_size,
+    current_context,
+    full_model_state,
+    full_optimizer_state,
+    full_tensors,
+    load_full_state,
+    shard_like,
+)
+from dlm.train.init_from import initial_weights, load_initial_weights
+from dlm.train.loggers import check_loggers, open_loggers
+from dlm.train.memory import count_parameters
+from dlm.train.optimizer import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
+from dlm.train.preflight import ensure_valid
+from dlm.train.step import LogWindow, RunCounters, TrainingStep
+from dlm.train.stop import StopSignals
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Trainer:
 
     def start_from(self, weights: dict[str, Tensor]) -> None:
         """Take a trained model's weights (`training.init_from`, read and checked by
-        `dlm.init_from.initial_weights`); everything else starts afresh."""
+        `dlm.train.init_from.initial_weights`); everything else starts afresh."""
 
         load_initial_weights(self.model, weights)
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
