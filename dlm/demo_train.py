@@ -191,7 +191,7 @@ class TrainingStage:
         return plan, result.step, result
 
     def calibrate(self) -> TrainingPlan:
-        from dlm.bench import run_benchmark
+        from dlm.bench.throughput import run_benchmark
 
         device = self.experiment.training.device
         self.stage("calibrate", "running", detail=f"timing {CALIBRATION_STEPS} training steps on {device}")

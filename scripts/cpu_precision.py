@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from dlm.bench import synthetic_batches
+    from dlm.bench.throughput import synthetic_batches
     from dlm.config.schema import load_config
     from dlm.runtime import cpu_has_native_bfloat16
     from dlm.train.distributed import DistributedContext

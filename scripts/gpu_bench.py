@@ -146,7 +146,7 @@ def import_from(directory: Path, name: str) -> ModuleType:
 def free_cuda() -> None:
     import torch
 
-    from dlm.bench_setup import release_memory
+    from dlm.bench.setup import release_memory
     from dlm.runtime import configure_cuda_backends
 
     release_memory(torch.device("cuda"))
@@ -187,7 +187,7 @@ def baseline_case(baseline: ModuleType, size: str, ceiling: float, records: Reco
 def dlm_case(
     size: str, name: str, overrides: list[str], steps: int, warmup: int, ceiling: float, records: Records
 ) -> None:
-    from dlm.bench import run_benchmark
+    from dlm.bench.throughput import run_benchmark
     from dlm.config.schema import load_config
 
     spec = SIZES[size]
@@ -237,7 +237,7 @@ def dlm_case(
 def quality_step_times(steps: int, warmup: int, records: Records) -> None:
     """The step time of each quality variant (compiled, its own batch), for fitting its schedule later."""
 
-    from dlm.bench import run_benchmark
+    from dlm.bench.throughput import run_benchmark
     from dlm.config.schema import load_config
 
     for variant in QUALITY_DEFAULT:
@@ -265,7 +265,7 @@ def quality_step_times(steps: int, warmup: int, records: Records) -> None:
 def memory_search(records: Records) -> None:
     """`dlm bench --find-max-batch --memory-limit 24` for 1.3B with adamw8bit and checkpointing (eager)."""
 
-    from dlm.bench import find_max_batch
+    from dlm.bench.throughput import find_max_batch
     from dlm.config.schema import load_config
 
     size, case, limit = MEMORY_CASE

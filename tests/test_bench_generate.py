@@ -12,7 +12,7 @@ from test_fast_sampling import small_transformer
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dlm.bench_generate import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
+from dlm.bench.generation import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
 from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError

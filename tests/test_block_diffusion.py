@@ -22,7 +22,7 @@ from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 import dlm
 from dlm.artifacts.events import Event, ValidationEvent
 from dlm.artifacts.export import export_model
-from dlm.bench import run_benchmark
+from dlm.bench.throughput import run_benchmark
 from dlm.config.schema import ModelConfig, load_config
 from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
 from dlm.diffusion.schedules import LinearSchedule

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dlm.bench import find_max_batch, run_benchmark, synthetic_batches
+from dlm.bench.throughput import find_max_batch, run_benchmark, synthetic_batches
 from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.errors import UserError
 from dlm.runtime import configure_cuda_backends, enabled_sdpa_backends

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlm.bench_setup import compare_settings
+from dlm.bench.setup import compare_settings
 from dlm.errors import UserError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ baselines in docs/benchmarks.md, so activation checkpointing's recomputation is 
 work. A block model's step is a forward and backward over 2L tokens (noisy and clean copies), and its
 count says so: twice the matmuls, four times the attention; `attention_backend` names the kernel of
 that masked pass. MFU is reported only for devices in `dlm.runtime`'s peak table, else None ("n/a").
-The results and what the CLI shows of them live in `dlm.bench_report`.
+The results and what the CLI shows of them live in `dlm.bench.results`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dlm.bench_report import BatchSearch as BatchSearch
-from dlm.bench_report import BenchReport as BenchReport
-from dlm.bench_report import BenchResult as BenchResult
-from dlm.bench_report import report_summary as report_summary
-from dlm.bench_report import report_table as report_table
-from dlm.bench_setup import (
+from dlm.bench.results import BatchSearch, BenchReport, BenchResult
+from dlm.bench.setup import (
     attention_backend,
     bench_config,
     compare_settings,
