@@ -1,4 +1,4 @@
-"""What `dlm report` shows of a run, gathered from its files; the page itself is `dlm.report_page`.
+"""What `dlm report` shows of a run, gathered from its files; the page itself is `dlm.report.page`.
 
 A `RunHistory` holds a run's events (`metrics.jsonl`), its `config.json`, the `dlm eval` reports
 saved beside them (any `*.json` whose `format` is an eval report, `eval.json` included) and the

@@ -18,7 +18,7 @@ from dlm import __version__
 from dlm.errors import UserNote, reported_os_errors
 from dlm.extras import Requirement, require
 from dlm.fileio import atomic_write_text
-from dlm.report import (
+from dlm.report.history import (
     GENERATOR_TAG,
     EvalResult,
     RunHistory,
