@@ -48,7 +48,7 @@ def demo_command(
 
     from dlm.artifacts.events import JsonLinesSink
     from dlm.cli.common import err_console, wants_json
-    from dlm.demo import run_demo
+    from dlm.demo.run import run_demo
 
     json_mode = wants_json(as_json)
     view = None if json_mode else DemoView()

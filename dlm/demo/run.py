@@ -14,7 +14,7 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
 How the time budget becomes a complete learning-rate schedule (calibration, CPU segments, the
-warm restart of a larger --minutes) is `dlm.demo_train`'s concern.
+warm restart of a larger --minutes) is `dlm.demo.training`'s concern.
 
 Reuse: every stage checks its artifacts on disk (the tokenizer's vocabulary; the packed metadata's
 tokenizer hash and seq_len; the plan and latest.pt; the step recorded in eval.json and in the
@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from dlm.artifacts.events import StreamEvent, StreamSink
 from dlm.config.schema import ExperimentConfig, load_config, with_overrides
-from dlm.demo_baseline import SpreadBlocks as SpreadBlocks
-from dlm.demo_train import FORWARD_SHARE, TrainingPlan, TrainingStage
+from dlm.demo.baseline import SpreadBlocks
+from dlm.demo.training import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
