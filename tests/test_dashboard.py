@@ -28,7 +28,7 @@ from dlm.artifacts.events import (
     read_events,
     to_json_line,
 )
-from dlm.dashboard import SPARK_CHARACTERS, Budget, TrainingDashboard, sparkline
+from dlm.cli.dashboard import SPARK_CHARACTERS, Budget, TrainingDashboard, sparkline
 from dlm.train.loop import train
 
 # Lines in the format metrics.jsonl has always had: reading them into the types must keep working.

@@ -24,8 +24,8 @@ from dlm.artifacts.events import Event, StartEvent, TrainEvent, ValidationEvent
 from dlm.artifacts.export import export_model
 from dlm.artifacts.loading import load_model_with_info
 from dlm.artifacts.run_dir import load_run
+from dlm.cli.dashboard import TrainingDashboard
 from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
-from dlm.dashboard import TrainingDashboard
 from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import corrupt_tokens, elbo_nll, truncation_factor
 from dlm.diffusion.schedules import (

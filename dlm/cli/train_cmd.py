@@ -76,7 +76,7 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
 
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     from dlm.artifacts.events import JsonLinesSink
-    from dlm.dashboard import TrainingDashboard
+    from dlm.cli.dashboard import TrainingDashboard
     from dlm.train.distributed import launched_rank
     from dlm.train.loop import train
 
