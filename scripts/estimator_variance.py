@@ -27,6 +27,7 @@ from dlm.artifacts.loading import load_model_with_info
 from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed, split_batch
 from dlm.diffusion.schedules import model_schedule
+from dlm.model.denoiser import block_size, masked_logits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,11 +53,10 @@ def estimates(
 
     clean, loss_mask = split_batch(batch)
     config = model.config
-    extra = {"clean_tokens": clean} if config.is_block_model else {}
-    block = config.block_size if config.is_block_model else 0
+    block = block_size(config)
 
     def logits(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(noisy, output_positions=mask, **extra)
+        return masked_logits(model, noisy, mask, clean)
 
     rows = []
     for repeat in range(repeats):

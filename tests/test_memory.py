@@ -11,6 +11,7 @@ import torch
 from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, unregister_optimizer
 from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.diffusion.objective import masked_token_losses
+from dlm.model.denoiser import masked_logits
 from dlm.model.transformer import DiffusionTransformer
 from dlm.train import memory
 from dlm.train.memory import (
@@ -139,8 +140,7 @@ def saved_activation_bytes(config: ExperimentConfig, precision: str) -> int:
     mask = torch.rand(tokens.shape) < 0.5
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), autocast:
-        clean = {"clean_tokens": tokens} if config.model.is_block_model else {}  # the 2L pass of training
-        masked_token_losses(model(tokens, output_positions=mask, **clean), tokens[mask])
+        masked_token_losses(masked_logits(model, tokens, mask, tokens), tokens[mask])  # a block model's 2L pass
     return sum(size for pointer, size in saved.items() if pointer not in weights)
 
 

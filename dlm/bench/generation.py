@@ -25,6 +25,7 @@ import torch
 
 from dlm.bench.setup import compare_settings
 from dlm.errors import UserError
+from dlm.model.denoiser import block_size, masked_logits
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
@@ -100,21 +101,18 @@ def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: t
     """NLL per token of one sequence [1, L]: exact for an autoregressive judge, else the MC ELBO."""
 
     from dlm.diffusion.objective import elbo_nll
-    from dlm.diffusion.schedules import model_schedule
+    from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 
     config = judge.config
-    if config.is_block_model and config.block_size == 1:  # every position sees only the clean prefix
+    if block_size(config) == 1:  # every position sees only the clean prefix
         noisy = torch.full_like(clean, config.mask_token_id)
-        logits = judge(noisy, output_positions=torch.ones_like(clean, dtype=torch.bool), clean_tokens=clean)
+        logits = masked_logits(judge, noisy, torch.ones_like(clean, dtype=torch.bool), clean)
         return float(torch.nn.functional.cross_entropy(logits.double(), clean[0], reduction="mean"))
-    context: dict[str, Any] = {"clean_tokens": clean} if config.is_block_model else {}
-
     def logits_fn(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return judge(noisy, output_positions=mask, **context)
+        return masked_logits(judge, noisy, mask, clean)
 
-    block = config.block_size if config.is_block_model else 0
-    mean, _ = elbo_nll(logits_fn, clean, config.mask_token_id, mc_samples, 1e-3, generator,
-                       schedule=model_schedule(judge), block_size=block)  # fmt: skip
+    mean, _ = elbo_nll(logits_fn, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator,
+                       schedule=model_schedule(judge), block_size=block_size(config))  # fmt: skip
     return float(mean[0])
 
 

@@ -25,6 +25,7 @@ from dlm.device_support import fused_attention_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB
 from dlm.model.attention import training_kernel
+from dlm.model.denoiser import needs_clean_copy
 
 # ---- Config: overrides and --compare ----------------------------------------------------------
 
@@ -127,7 +128,7 @@ def attention_backend(model: ModelConfig, device: torch.device, precision: str) 
     torch picks, or for a block model that of its 2L pass, flex or SDPA with a boolean mask."""
 
     mask = None
-    if model.is_block_model:
+    if needs_clean_copy(model):
         kernel = training_kernel(device)
         if kernel == "flex":
             return "flex (block mask, 2L)"

@@ -20,7 +20,7 @@ from dlm.choices import ElboEstimator
 from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES, FieldProblem
 from dlm.config.rules import check_rules as _check_rules
-from dlm.diffusion.schedules import DEFAULT_SCHEDULE, describe_schedules, schedule_names
+from dlm.diffusion.schedules import DEFAULT_MASK_EPS, DEFAULT_SCHEDULE, describe_schedules, schedule_names
 from dlm.errors import UserError, UserNote
 
 if sys.version_info >= (3, 11):
@@ -204,7 +204,10 @@ class DiffusionConfig(_Strict):
         description=f"Noise schedule, a name registered in `dlm/diffusion/schedules.py`: {describe_schedules()}.",
     )
     mask_eps: float = Field(
-        1e-3, gt=0, lt=1, description="Smallest diffusion time: training and evaluation draw t from [mask_eps, 1]."
+        DEFAULT_MASK_EPS,
+        gt=0,
+        lt=1,
+        description="Smallest diffusion time: training and evaluation draw t from [mask_eps, 1].",
     )
 
     @model_validator(mode="after")

@@ -42,6 +42,7 @@ T = TypeVar("T", "Tensor", float)  # a tensor of times, or one time
 S = TypeVar("S", bound="type[Schedule]")
 Time = float | Fraction  # the sampler's times: exact fractions k / steps of its grid
 
+DEFAULT_MASK_EPS = 1e-3  # the smallest diffusion time t drawn, unless `[diffusion] mask_eps` says otherwise
 NOISE_BUCKETS = 10  # losses are also reported per tenth of the diffusion time t (training and eval)
 DEFAULT_SCHEDULE = "linear"
 _MODEL_ATTRIBUTE = "diffusion_schedule"  # where a loaded model keeps the schedule it was trained with

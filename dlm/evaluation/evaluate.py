@@ -48,10 +48,11 @@ from dlm.diffusion.objective import (
     noise_seed,
     split_batch,
 )
-from dlm.diffusion.schedules import DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
+from dlm.diffusion.schedules import DEFAULT_MASK_EPS, DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.errors import UserError
 from dlm.evaluation.likelihood import byte_table, likelihood_figures, packed_token_bytes, scored_counts
 from dlm.fileio import atomic_write_json
+from dlm.model.denoiser import block_size, masked_logits
 from dlm.runtime import autocast_context
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def fixed_noise_validation(
             level = fixed_noise_level(batch_index, max_batches, mask_eps)
             times = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
             corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule,
-                                        block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
+                                        block_size=block_size(model.config), loss_mask=loss_mask)  # fmt: skip
             logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
             output = diffusion_cross_entropy(logits, clean, corruption)
             loss_sum += output.loss.to(accumulate)
@@ -208,22 +209,14 @@ def _reported(batches: Iterable[Batch], progress: Progress | None, start: int, t
             progress(done, total)
 
 
-def _block_size(model: Denoiser) -> int:
-    """The model's block size if it is a block model, else 0 (the whole sequence is one block)."""
-
-    return model.config.block_size if model.config.is_block_model else 0
-
-
 def _logits_fn(
     model: Denoiser, device: torch.device, precision: str, clean: Tensor
 ) -> Callable[[Tensor, Tensor], Tensor]:
     """Logits at the masked positions of a corruption of `clean` (a block model also reads `clean`)."""
 
-    context: dict[str, Any] = {"clean_tokens": clean} if _block_size(model) else {}
-
     def logits(noisy_tokens: Tensor, mask: Tensor) -> Tensor:
         with autocast_context(device, precision):
-            return model(noisy_tokens, output_positions=mask, **context)
+            return masked_logits(model, noisy_tokens, mask, clean)
 
     return logits
 
@@ -257,6 +250,7 @@ def _elbo_pass(
 
     means, errors = [], []
     first = 0  # index of the batch's first sequence in the data
+    blocks = block_size(model.config)
     for batch in batches:
         (clean, loss_mask), mask_id = _on_device(batch, device), model.config.mask_token_id
         # One generator per sequence, seeded by its index in the data: no dependence on the batch size.
@@ -265,7 +259,7 @@ def _elbo_pass(
         first += clean.shape[0]
         logits = _logits_fn(model, device, precision, clean)
         mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,
-                               block_size=_block_size(model), loss_mask=loss_mask, estimator=estimator)  # fmt: skip
+                               block_size=blocks, loss_mask=loss_mask, estimator=estimator)  # fmt: skip
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -288,6 +282,7 @@ def _bucket_pass(
     low = torch.tensor(edges[:-1], dtype=torch.float64).clamp(min=mask_eps)
     high = torch.tensor(edges[1:], dtype=torch.float64)
     totals = torch.zeros(4, NOISE_BUCKETS, dtype=torch.float64)  # loss, ce, masked, sequences
+    blocks = block_size(model.config)
     for index, batch in enumerate(batches):
         clean, loss_mask = _on_device(batch, device)
         generator = _pass_generator(seed, _BUCKET_PASS, index, device)
@@ -295,7 +290,7 @@ def _bucket_pass(
         unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
         times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
         corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator,
-                                    schedule=schedule, block_size=_block_size(model), loss_mask=loss_mask)  # fmt: skip
+                                    schedule=schedule, block_size=blocks, loss_mask=loss_mask)  # fmt: skip
         logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
         output = diffusion_cross_entropy(logits, clean, corruption)
         nll = output.per_sequence_nll.cpu().double()
@@ -341,7 +336,7 @@ def evaluate_model(
     estimator: str = "bernoulli",
     device: str | torch.device = "cpu",
     precision: str = "float32",
-    mask_eps: float = 1e-3,
+    mask_eps: float = DEFAULT_MASK_EPS,
     schedule: str | Schedule = DEFAULT_SCHEDULE,
     metadata: Mapping[str, Any] | None = None,
     seed: int = 0,

@@ -35,8 +35,9 @@ from torch import Tensor
 from dlm.choices import RevealSplit
 from dlm.data.tokenizer import SPECIAL_TOKENS
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
-from dlm.diffusion.schedules import model_schedule
+from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
+from dlm.model.denoiser import block_size, masked_logits
 from dlm.runtime import autocast_context
 
 _GENERATE_PASS = 1  # keeps generation noise apart from scoring noise of the same ids
@@ -89,7 +90,7 @@ class Scorer:
         seed: int = 0,
         batch_size: int = 16,
         precision: str = "float32",
-        mask_eps: float = 1e-3,
+        mask_eps: float = DEFAULT_MASK_EPS,
         steps: int | None = None,
         remasking: str = "confidence",
         block_length: int | None = None,
@@ -119,11 +120,9 @@ class Scorer:
     # ---------------------------------------------------------------------------- likelihood
 
     def _logits(self, clean: Tensor) -> Any:
-        extra = {"clean_tokens": clean} if self.config.is_block_model else {}
-
         def logits(noisy: Tensor, positions: Tensor) -> Tensor:
             with autocast_context(self.device, self.precision):
-                return self.model(noisy, output_positions=positions, **extra)
+                return masked_logits(self.model, noisy, positions, clean)
 
         return logits
 
@@ -167,7 +166,7 @@ class Scorer:
         if clean.shape[1] == 0 or not any(counts):  # nothing to score
             return [Score(0.0, None, True if greedy else None, 0) for _ in rows]
         generators = [torch.Generator(device=self.device).manual_seed(key) for key in keys]
-        block = self.config.block_size if self.config.is_block_model else 0
+        block = block_size(self.config)
         means, errors = elbo_nll(self._logits(clean), clean, self.config.mask_token_id, self.mc_samples,
                                  self.mask_eps, generators, schedule=model_schedule(self.model), block_size=block,
                                  loss_mask=scored, estimator=self.estimator)  # fmt: skip

@@ -7,8 +7,8 @@ keeps the same call and exposes the same `config`. Nothing here imports torch at
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +22,9 @@ class Denoiser(Protocol):
     """A network that predicts the clean tokens of a partly masked sequence.
 
     Called with token ids [B, L] it returns logits [B, L, vocab_size], or [N, vocab_size] at the N
-    true entries of the boolean `output_positions`. A block model (`config.is_block_model`) also
-    takes the clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`. `pad`
+    true entries of the boolean `output_positions`. A model declares its variant through `config`,
+    read only through `block_size()` and `needs_clean_copy()` below: a block model also takes the
+    clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`. `pad`
     (sampling a batch of prompts) counts each row's leading padding positions.
     The rest is the part of `torch.nn.Module` that sampling and evaluation use: the train / eval
     mode, and the parameters and buffers that tell which device the model is on.
@@ -60,3 +61,29 @@ if TYPE_CHECKING:
 
     def _model_is_a_denoiser(model: DiffusionTransformer) -> Denoiser:
         return model  # the checker verifies that the model meets the contract
+
+
+def block_size(config: ModelConfig) -> int:
+    """The model's block size when it is a block model (block-causal attention), else 0: the whole
+    sequence is one block. The one reading of the model's variant outside the model itself."""
+
+    return config.block_size if getattr(config, "is_block_model", False) else 0
+
+
+def needs_clean_copy(config: ModelConfig) -> bool:
+    """Whether a scored pass feeds the clean sequence beside the noisy one (a block model's 2L pass)."""
+
+    return block_size(config) > 0
+
+
+def masked_logits(
+    model: Denoiser | Callable[..., Tensor], noisy: Tensor, mask: Tensor, clean: Tensor, *,
+    config: ModelConfig | None = None,
+) -> Tensor:  # fmt: skip
+    """Logits [N, V] at the N true entries of `mask` in `noisy`, a corruption of `clean`: the one forward
+    pass of training, validation, `dlm eval`, scoring and the generation benchmark's judge. `config`
+    names the model when `model` is a wrapper without one (the DDP or compiled training model)."""
+
+    if needs_clean_copy(cast("Denoiser", model).config if config is None else config):
+        return model(noisy, output_positions=mask, clean_tokens=clean)
+    return model(noisy, output_positions=mask)

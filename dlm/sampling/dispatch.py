@@ -14,6 +14,7 @@ import torch
 
 from dlm.diffusion.schedules import Schedule, model_schedule
 from dlm.errors import UserError
+from dlm.model.denoiser import block_size
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import Reverse, reveal_count, step_times, steps_per_block
 from dlm.sampling.row_noise import RowNoise
@@ -49,7 +50,7 @@ def denoise(
     mask_id = model.config.mask_token_id
     generator = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
-    if getattr(model.config, "is_block_model", False):  # block by block, prefix cached, may stop early
+    if block_size(model.config):  # block by block, prefix cached, may stop early
         from dlm.sampling.block_model import check_block_model_options, denoise_blocks
 
         check_block_model_options(options)

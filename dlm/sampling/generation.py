@@ -12,6 +12,7 @@ from dlm.choices import CacheMode, RevealSplit
 from dlm.data.tokenizer import SPECIAL_TOKENS
 from dlm.diffusion.schedules import Schedule, get_schedule, model_schedule
 from dlm.errors import UserError
+from dlm.model.denoiser import block_size
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
 from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback
 from dlm.sampling.prompting import build_sequence, check_request
@@ -91,7 +92,7 @@ def generate(
                                 options=options, device=device, schedule=chosen, forbidden=forbidden,
                                 end_id=end_id)  # fmt: skip
     parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
-    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
+    limit = None if block_size(config) else config.max_seq_len  # a block model slides on
     ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
                                max_seq_len=limit)  # fmt: skip
     generator = torch.Generator(device=noise_device(device)).manual_seed(seed)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.errors import UserError
+from dlm.model.denoiser import block_size
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
 from dlm.sampling.options import SampleResult
 from dlm.sampling.prompting import build_sequence, check_request
@@ -45,20 +46,21 @@ if TYPE_CHECKING:
 def _groups(config: Any, prompt_lengths: list[int]) -> list[list[int]]:
     """Indices of the prompts that share one padded batch."""
 
-    if not getattr(config, "is_block_model", False):
+    block = block_size(config)
+    if not block:
         return [list(range(len(prompt_lengths)))]
     by_phase: dict[int, list[int]] = {}
     for index, size in enumerate(prompt_lengths):
-        by_phase.setdefault(size % config.block_size, []).append(index)
+        by_phase.setdefault(size % block, []).append(index)
     return list(by_phase.values())
 
 
 def _offsets(config: Any, sizes: list[int]) -> list[int]:
     """Leading padding per prompt so that generation starts in the same column (whole blocks for a block model)."""
 
-    if not getattr(config, "is_block_model", False):
+    block = block_size(config)
+    if not block:
         return [max(sizes) - size for size in sizes]
-    block = config.block_size
     first = max(size // block for size in sizes)
     return [(first - size // block) * block for size in sizes]
 
@@ -137,7 +139,7 @@ def encode_prompts(
         raise UserError("no prompts to sample", fix="give at least one prompt (one per line of --prompt-file)")
     if seed + len(prompts) > 2**63:
         raise UserError(f"--seed {seed} plus the {len(prompts)} prompts passes 2**63", fix="use a smaller --seed")
-    limit = None if getattr(config, "is_block_model", False) else config.max_seq_len  # a block model slides on
+    limit = None if block_size(config) else config.max_seq_len  # a block model slides on
     encoded = []
     for index, prompt in enumerate(prompts):
         parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seed + index)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError, UserNote
+from dlm.model.denoiser import block_size
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.
 SHAPE_FIELDS = ("vocab_size", "padded_vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "ffn_size")
@@ -69,7 +70,7 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
 def _attention(config: ModelConfig) -> int:
     """What a position attends to: 0 for the whole sequence, else the block size (1: autoregressive)."""
 
-    return config.block_size if config.is_block_model else 0
+    return block_size(config)
 
 
 def _describe_attention(config: ModelConfig) -> str:

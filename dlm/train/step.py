@@ -31,6 +31,7 @@ from dlm.diffusion.objective import (
     step_time_offset,
 )
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
+from dlm.model.denoiser import block_size, masked_logits
 from dlm.model.transformer import DiffusionTransformer
 from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
 from dlm.train.distributed import DistributedContext, build_model, replicated, wrap_model
@@ -90,7 +91,8 @@ class TrainingStep:
         self.step_model: nn.Module = self.model  # compiled / DDP-wrapped view, see `prepare`
         self.token_losses: TokenLosses = masked_token_losses
         model = experiment.model
-        self.blocks_per_sequence = model.max_seq_len // model.block_size if model.is_block_model else 1
+        blocks = block_size(model)
+        self.blocks_per_sequence = model.max_seq_len // blocks if blocks else 1
 
     def prepare(self) -> None:
         """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
@@ -132,18 +134,16 @@ class TrainingStep:
             high=1.0 if exact_count else high,
         )
         model = self.experiment.model
-        block_size = model.block_size if model.is_block_model else 0
+        size = block_size(model)
         if exact_count:
-            corruption = draw_exact_count(clean, model.mask_token_id, times, generator, block_size=block_size,
+            corruption = draw_exact_count(clean, model.mask_token_id, times, generator, block_size=size,
                                           loss_mask=loss_mask)  # fmt: skip
         else:
             corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
-                                        schedule=self.schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
-        # A block model scores the noisy blocks given the clean earlier ones; others ignore clean_tokens.
-        context = {"clean_tokens": clean} if block_size else {}
+                                        schedule=self.schedule, block_size=size, loss_mask=loss_mask)  # fmt: skip
         kernel = attention_kernel_context(self.device, config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
-            logits = self.step_model(corruption.noisy_tokens, output_positions=corruption.mask, **context)
+            logits = masked_logits(self.step_model, corruption.noisy_tokens, corruption.mask, clean, config=model)
         output = diffusion_cross_entropy(logits, clean, corruption, self.token_losses)
         self.scaler.scale(output.loss / steps).backward()
 
