@@ -472,6 +472,39 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
         assert defaults == expected, function
 
 
+def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_process(tokenizer: Tokenizer) -> None:
+    from dlm.sampling.dispatch import register_strategy, strategy_names, unregister_strategy
+    from dlm.sampling.reverse import Strategy, sequence_blocks
+
+    def left_to_right(model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions, *,
+                      forbidden_token_ids: Any, **_: Any) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """Greedy, one position per forward pass, left to right."""
+        tokens, _blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
+        for position in fill_mask.nonzero().squeeze(-1).tolist():
+            logits = model(tokens)[:, position].clone()
+            logits[:, [model.config.mask_token_id, *forbidden_token_ids]] = float("-inf")
+            tokens[:, position] = logits.argmax(dim=-1)
+        return tokens, int(fill_mask.sum())
+
+    model = random_model(tokenizer)
+    assert strategy_names() == ("block model", "fast", "plain")
+    register_strategy(Strategy("left to right", lambda model, options, stop: options.temperature == 0, left_to_right))
+    try:
+        assert strategy_names() == ("left to right", "block model", "fast", "plain")
+        ours = generate(model, tokenizer, prompt="ROMEO:", length=6, steps=3, temperature=0)
+        start = ours.prompt_tokens[0]
+        table = model.table.detach()[start : start + 6].clone()
+        table[:, [1, 2]] = float("-inf")  # the mask and pad tokens are never predicted
+        assert ours.forward_passes == 6 and ours.token_ids[0][start:] == table.argmax(dim=-1).tolist()
+        sampled = generate(model, tokenizer, prompt="ROMEO:", length=6, steps=3, seed=1)  # temperature 1: plain
+        assert sampled.forward_passes <= 3
+        with pytest.raises(ValueError, match="already registered"):
+            register_strategy(Strategy("left to right", lambda *args: True, left_to_right))
+    finally:
+        unregister_strategy("left to right")
+    assert strategy_names() == ("block model", "fast", "plain")
+
+
 def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(tokenizer: Tokenizer) -> None:
     from dlm.sampling.remasking import register_remasking, remasking_names, unregister_remasking
 

@@ -36,8 +36,17 @@ from torch import Tensor
 from dlm.diffusion.schedules import Schedule
 from dlm.errors import UserError
 from dlm.model.attention import KVCache
+from dlm.model.denoiser import block_size
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.reverse import Reverse, masked_after, reveal_count, reveal_threshold, step_times, steps_per_block
+from dlm.sampling.reverse import (
+    Reverse,
+    Strategy,
+    masked_after,
+    reveal_count,
+    reveal_threshold,
+    step_times,
+    steps_per_block,
+)
 from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
@@ -165,3 +174,26 @@ def denoise_blocks(
         if stop_token_id is not None and bool((generated == stop_token_id).any(dim=1).all()):
             break
     return tokens, passes
+
+
+def _run(
+    model: Denoiser,
+    tokens: Tensor,
+    fill_mask: Tensor,
+    options: SamplingOptions,
+    *,
+    noise: RowNoise,
+    schedule: Schedule,
+    forbidden_token_ids: Sequence[int],
+    on_step: StepCallback | None,
+    stop_token_id: int | None,
+    pad: Tensor | None,
+) -> tuple[Tensor, int]:
+    check_block_model_options(options)
+    return denoise_blocks(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
+                          forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
+                          pad=pad)  # fmt: skip
+
+
+# A block model always samples block by block (prefix cached, may stop early).
+STRATEGY = Strategy("block model", lambda model, options, stop_token_id: block_size(model.config) > 0, _run)

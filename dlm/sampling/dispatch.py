@@ -1,7 +1,10 @@
-"""The one entry to the reverse process: `denoise` picks the sampler a model and its options need.
+"""The one entry to the reverse process: `denoise` runs the sampler strategy a model and its options need.
 
-A block model samples block by block (`dlm.sampling.block_model`); a threshold, a cache or a stop
-token take the fast path (`dlm.sampling.fast`); everything else runs the plain loop here.
+Strategies are registered here, each a `dlm.sampling.reverse.Strategy` (a name, when it applies, how
+it runs); the newest registered one that applies runs. The built-ins, in the order they are tried: a
+block model samples block by block (`dlm.sampling.block_model`); a threshold, a cache or a stop token
+take the fast path (`dlm.sampling.fast`); everything else runs the plain loop (`dlm.sampling.plain`).
+Adding a sampler is one module with its `Strategy` and one `register_strategy` call.
 """
 
 from __future__ import annotations
@@ -13,14 +16,43 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.diffusion.schedules import Schedule, model_schedule
-from dlm.errors import UserError
-from dlm.model.denoiser import block_size
+from dlm.sampling import block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.reverse import Reverse, reveal_count, step_times, steps_per_block
+from dlm.sampling.reverse import Strategy
 from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
+
+_STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy, replace: bool = False) -> None:
+    """Make `strategy` a sampler `denoise` may run; it is tried before every strategy registered earlier."""
+
+    if strategy.name in _STRATEGIES and not replace:
+        raise ValueError(f"sampler strategy {strategy.name!r} is already registered")
+    _STRATEGIES.pop(strategy.name, None)
+    _STRATEGIES[strategy.name] = strategy
+
+
+def unregister_strategy(name: str) -> None:
+    _STRATEGIES.pop(name, None)
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The registered strategies in the order `denoise` tries them."""
+
+    return tuple(reversed(_STRATEGIES))
+
+
+def strategy_for(model: Denoiser, options: SamplingOptions, stop_token_id: int | None) -> Strategy:
+    """The strategy `denoise` runs for `model` with `options`: the newest registered one that applies."""
+
+    for name in strategy_names():
+        if _STRATEGIES[name].applies(model, options, stop_token_id):
+            return _STRATEGIES[name]
+    raise LookupError("no sampler strategy applies (the plain one always should: was it unregistered?)")
 
 
 def denoise(
@@ -42,57 +74,18 @@ def denoise(
     number of model forward passes. `model.config.mask_token_id` and `forbidden_token_ids` are
     never predicted. `on_step(step, tokens)` gets a copy of the tokens: step 0 is the starting
     sequence, then steps 1 .. `options.steps`. `schedule` defaults to the one the model was trained
-    with (`dlm.diffusion.schedules.model_schedule`). Call it in eval mode under `torch.inference_mode()` (as
-    `generate` does). A `dlm.sampling.row_noise.RowNoise` as `generator` gives groups of rows their own random
-    streams; `pad` [B] counts each row's leading padding positions, which no position attends to.
+    with (`dlm.diffusion.schedules.model_schedule`). Call it in eval mode under `torch.inference_mode()`
+    (as `generate` does). A `dlm.sampling.row_noise.RowNoise` as `generator` gives groups of rows their
+    own random streams; `pad` [B] counts each row's leading padding positions, which no position
+    attends to. The newest registered strategy that applies runs (see `register_strategy`).
     """
 
-    mask_id = model.config.mask_token_id
-    generator = RowNoise.of(generator, tokens.shape[0])
+    noise = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
-    if block_size(model.config):  # block by block, prefix cached, may stop early
-        from dlm.sampling.block_model import check_block_model_options, denoise_blocks
-
-        check_block_model_options(options)
-
-        return denoise_blocks(model, tokens, fill_mask, options, generator=generator, schedule=schedule,
-                              forbidden_token_ids=forbidden_token_ids, on_step=on_step,
-                              stop_token_id=stop_token_id, pad=pad)  # fmt: skip
-    tokens = tokens.clone()
-    tokens[:, fill_mask] = mask_id
-    never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
-    reverse = Reverse(model, options, generator, mask_id, torch.tensor(never, device=generator.device), pad=pad)
-    positions = fill_mask.nonzero().squeeze(-1)
-    blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
-    if len(blocks) > options.steps:
-        raise UserError(
-            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks of --block-length "
-            f"{options.block_length}",
-            fix=f"use at least {len(blocks)} steps or a larger --block-length",
-        )
-    if options.threshold is not None or options.cache != "none" or stop_token_id is not None:
-        from dlm.sampling.fast import denoise_fast
-
-        if on_step is not None:
-            on_step(0, tokens.clone())
-        return denoise_fast(model, tokens, fill_mask, options, blocks, generator=generator, schedule=schedule,
-                            forbidden_token_ids=forbidden_token_ids, on_step=on_step,
-                            stop_token_id=stop_token_id, pad=pad)  # fmt: skip
-    forward_passes, step = 0, 0
-    if on_step is not None:
-        on_step(0, tokens.clone())
-    for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
-        for index in range(block_steps):
-            if options.remasking == "random":
-                t, s = step_times(block_steps, index)
-                forward_passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
-            else:
-                count = reveal_count(block.numel(), block_steps, index, schedule, options.reveal_split)
-                forward_passes += reverse.reveal_confident(tokens, block, count)
-            step += 1
-            if on_step is not None:
-                on_step(step, tokens.clone())
-    return tokens, forward_passes
+    strategy = strategy_for(model, options, stop_token_id)
+    return strategy.run(model, tokens, fill_mask, options, noise=noise, schedule=schedule,
+                        forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
+                        pad=pad)  # fmt: skip
 
 
 @contextmanager
@@ -123,3 +116,9 @@ def counting_tokens(model: Denoiser) -> Iterator[list[int]]:
     finally:
         if handle is not None:
             handle.remove()
+
+
+# Tried last to first: the plain loop is the fallback, a block model never takes the whole-sequence paths.
+register_strategy(plain.STRATEGY)
+register_strategy(fast.STRATEGY)
+register_strategy(block_model.STRATEGY)

@@ -34,7 +34,16 @@ from torch import Tensor
 from dlm.diffusion.schedules import Schedule
 from dlm.model.attention import KVCache
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.reverse import Reverse, masked_after, reveal_count, reveal_threshold, step_times, steps_per_block
+from dlm.sampling.reverse import (
+    Reverse,
+    Strategy,
+    masked_after,
+    reveal_count,
+    reveal_threshold,
+    sequence_blocks,
+    step_times,
+    steps_per_block,
+)
 from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
@@ -157,3 +166,31 @@ def denoise_fast(
             if stop_token_id is not None and _finished(tokens, positions, stop_token_id, mask_id):
                 return tokens, passes
     return tokens, passes
+
+
+def _applies(model: Denoiser, options: SamplingOptions, stop_token_id: int | None) -> bool:
+    return options.threshold is not None or options.cache != "none" or stop_token_id is not None
+
+
+def _run(
+    model: Denoiser,
+    tokens: Tensor,
+    fill_mask: Tensor,
+    options: SamplingOptions,
+    *,
+    noise: RowNoise,
+    schedule: Schedule,
+    forbidden_token_ids: Sequence[int],
+    on_step: StepCallback | None,
+    stop_token_id: int | None,
+    pad: Tensor | None,
+) -> tuple[Tensor, int]:
+    tokens, blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
+    if on_step is not None:
+        on_step(0, tokens.clone())
+    return denoise_fast(model, tokens, fill_mask, options, blocks, generator=noise, schedule=schedule,
+                        forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
+                        pad=pad)  # fmt: skip
+
+
+STRATEGY = Strategy("fast", _applies, _run)

@@ -33,17 +33,18 @@ predictions while the noisy sequence is unchanged). `SampleResult.forward_passes
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
 from dlm.diffusion.schedules import LinearSchedule, Schedule, Time
-from dlm.sampling.options import SamplingOptions
+from dlm.errors import UserError
+from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.remasking import token_confidence
 from dlm.sampling.row_noise import RowNoise
 from dlm.sampling.tokens import sample_tokens
@@ -229,3 +230,55 @@ def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_
         end = next((i + 1 for i, (t, f) in enumerate(zip(row, fill, strict=True)) if f and t == stop_token_id), None)
         cut.append(row if end is None else row[:end])
     return cut
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: the ways to run a whole reverse process, one of which `dlm.sampling.dispatch.denoise` picks
+
+
+class RunReverse(Protocol):
+    """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true; return the completed
+    tokens and the number of model forward passes (the contract of `dlm.sampling.dispatch.denoise`)."""
+
+    def __call__(
+        self,
+        model: Denoiser,
+        tokens: Tensor,
+        fill_mask: Tensor,
+        options: SamplingOptions,
+        *,
+        noise: RowNoise,
+        schedule: Schedule,
+        forbidden_token_ids: Sequence[int],
+        on_step: StepCallback | None,
+        stop_token_id: int | None,
+        pad: Tensor | None,
+    ) -> tuple[Tensor, int]: ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One sampler: `run` is used for a model, its options and its stop token when `applies` says so."""
+
+    name: str
+    applies: Callable[[Denoiser, SamplingOptions, int | None], bool]
+    run: RunReverse
+
+
+def sequence_blocks(
+    tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, mask_id: int
+) -> tuple[Tensor, list[Tensor]]:
+    """A whole-sequence sampler's start: a copy of `tokens` masked where `fill_mask` is, and the
+    positions of each `block_length` block (one block without it); refused with fewer steps than blocks."""
+
+    tokens = tokens.clone()
+    tokens[:, fill_mask] = mask_id
+    positions = fill_mask.nonzero().squeeze(-1)
+    blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
+    if len(blocks) > options.steps:
+        raise UserError(
+            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks of --block-length "
+            f"{options.block_length}",
+            fix=f"use at least {len(blocks)} steps or a larger --block-length",
+        )
+    return tokens, blocks
