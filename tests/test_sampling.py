@@ -474,15 +474,15 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
 
 def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_process(tokenizer: Tokenizer) -> None:
     from dlm.sampling.dispatch import register_strategy, strategy_names, unregister_strategy
-    from dlm.sampling.reverse import Strategy, sequence_blocks
+    from dlm.sampling.reverse import ReverseContext, Strategy, sequence_blocks
 
-    def left_to_right(model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions, *,
-                      forbidden_token_ids: Any, **_: Any) -> tuple[torch.Tensor, int]:  # fmt: skip
+    def left_to_right(model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions,
+                      context: ReverseContext) -> tuple[torch.Tensor, int]:  # fmt: skip
         """Greedy, one position per forward pass, left to right."""
         tokens, _blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
         for position in fill_mask.nonzero().squeeze(-1).tolist():
             logits = model(tokens)[:, position].clone()
-            logits[:, [model.config.mask_token_id, *forbidden_token_ids]] = float("-inf")
+            logits[:, [model.config.mask_token_id, *context.forbidden_token_ids]] = float("-inf")
             tokens[:, position] = logits.argmax(dim=-1)
         return tokens, int(fill_mask.sum())
 

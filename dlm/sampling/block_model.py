@@ -40,6 +40,7 @@ from dlm.model.denoiser import block_size
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import (
     Reverse,
+    ReverseContext,
     Strategy,
     masked_after,
     reveal_count,
@@ -176,23 +177,10 @@ def denoise_blocks(
     return tokens, passes
 
 
-def _run(
-    model: Denoiser,
-    tokens: Tensor,
-    fill_mask: Tensor,
-    options: SamplingOptions,
-    *,
-    noise: RowNoise,
-    schedule: Schedule,
-    forbidden_token_ids: Sequence[int],
-    on_step: StepCallback | None,
-    stop_token_id: int | None,
-    pad: Tensor | None,
-) -> tuple[Tensor, int]:
+def _run(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
+         ) -> tuple[Tensor, int]:  # fmt: skip
     check_block_model_options(options)
-    return denoise_blocks(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
-                          forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
-                          pad=pad)  # fmt: skip
+    return denoise_blocks(model, tokens, fill_mask, options, generator=context.noise, **context.keywords())
 
 
 # A block model always samples block by block (prefix cached, may stop early).

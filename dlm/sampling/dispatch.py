@@ -18,7 +18,7 @@ import torch
 from dlm.diffusion.schedules import Schedule, model_schedule
 from dlm.sampling import block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.reverse import Strategy
+from dlm.sampling.reverse import ReverseContext, Strategy
 from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
@@ -83,9 +83,8 @@ def denoise(
     noise = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
     strategy = strategy_for(model, options, stop_token_id)
-    return strategy.run(model, tokens, fill_mask, options, noise=noise, schedule=schedule,
-                        forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
-                        pad=pad)  # fmt: skip
+    context = ReverseContext(noise, schedule, forbidden_token_ids, on_step, stop_token_id, pad)
+    return strategy.run(model, tokens, fill_mask, options, context)
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from dlm.model.attention import KVCache
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import (
     Reverse,
+    ReverseContext,
     Strategy,
     masked_after,
     reveal_count,
@@ -172,25 +173,12 @@ def _applies(model: Denoiser, options: SamplingOptions, stop_token_id: int | Non
     return options.threshold is not None or options.cache != "none" or stop_token_id is not None
 
 
-def _run(
-    model: Denoiser,
-    tokens: Tensor,
-    fill_mask: Tensor,
-    options: SamplingOptions,
-    *,
-    noise: RowNoise,
-    schedule: Schedule,
-    forbidden_token_ids: Sequence[int],
-    on_step: StepCallback | None,
-    stop_token_id: int | None,
-    pad: Tensor | None,
-) -> tuple[Tensor, int]:
+def _run(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
+         ) -> tuple[Tensor, int]:  # fmt: skip
     tokens, blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
-    if on_step is not None:
-        on_step(0, tokens.clone())
-    return denoise_fast(model, tokens, fill_mask, options, blocks, generator=noise, schedule=schedule,
-                        forbidden_token_ids=forbidden_token_ids, on_step=on_step, stop_token_id=stop_token_id,
-                        pad=pad)  # fmt: skip
+    if context.on_step is not None:
+        context.on_step(0, tokens.clone())
+    return denoise_fast(model, tokens, fill_mask, options, blocks, generator=context.noise, **context.keywords())
 
 
 STRATEGY = Strategy("fast", _applies, _run)

@@ -5,40 +5,36 @@ The fallback strategy: a whole-sequence model without a threshold, a cache or a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from dlm.diffusion.schedules import Schedule
-from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.reverse import Reverse, Strategy, reveal_count, sequence_blocks, step_times, steps_per_block
-from dlm.sampling.row_noise import RowNoise
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.reverse import (
+    Reverse,
+    ReverseContext,
+    Strategy,
+    reveal_count,
+    sequence_blocks,
+    step_times,
+    steps_per_block,
+)
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
 
 
 def denoise_plain(
-    model: Denoiser,
-    tokens: Tensor,
-    fill_mask: Tensor,
-    options: SamplingOptions,
-    *,
-    noise: RowNoise,
-    schedule: Schedule,
-    forbidden_token_ids: Sequence[int] = (),
-    on_step: StepCallback | None = None,
-    stop_token_id: int | None = None,
-    pad: Tensor | None = None,
+    model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
 ) -> tuple[Tensor, int]:
-    """`dlm.sampling.dispatch.denoise` by the plain loop (`stop_token_id` is the fast sampler's, not used here)."""
+    """`dlm.sampling.dispatch.denoise` by the plain loop (which never stops early: no stop token here)."""
 
     mask_id = model.config.mask_token_id
     tokens, blocks = sequence_blocks(tokens, fill_mask, options, mask_id)
-    never = [mask_id, *(token for token in forbidden_token_ids if token != mask_id)]
-    reverse = Reverse(model, options, noise, mask_id, torch.tensor(never, device=noise.device), pad=pad)
+    never = [mask_id, *(token for token in context.forbidden_token_ids if token != mask_id)]
+    noise, schedule, on_step = context.noise, context.schedule, context.on_step
+    reverse = Reverse(model, options, noise, mask_id, torch.tensor(never, device=noise.device), pad=context.pad)
     forward_passes, step = 0, 0
     if on_step is not None:
         on_step(0, tokens.clone())

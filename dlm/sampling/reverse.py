@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -236,24 +236,27 @@ def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_
 # Strategies: the ways to run a whole reverse process, one of which `dlm.sampling.dispatch.denoise` picks
 
 
-class RunReverse(Protocol):
-    """Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true; return the completed
-    tokens and the number of model forward passes (the contract of `dlm.sampling.dispatch.denoise`)."""
+@dataclass(frozen=True)
+class ReverseContext:
+    """What `dlm.sampling.dispatch.denoise` hands a strategy besides the model, tokens and options."""
 
-    def __call__(
-        self,
-        model: Denoiser,
-        tokens: Tensor,
-        fill_mask: Tensor,
-        options: SamplingOptions,
-        *,
-        noise: RowNoise,
-        schedule: Schedule,
-        forbidden_token_ids: Sequence[int],
-        on_step: StepCallback | None,
-        stop_token_id: int | None,
-        pad: Tensor | None,
-    ) -> tuple[Tensor, int]: ...
+    noise: RowNoise  # the random streams, one per group of rows
+    schedule: Schedule
+    forbidden_token_ids: Sequence[int] = ()  # never predicted (nor is the mask token)
+    on_step: StepCallback | None = None
+    stop_token_id: int | None = None  # end generation once every row has it (strategies that can)
+    pad: Tensor | None = None  # leading padding positions per row (a batch of prompts)
+
+    def keywords(self) -> dict[str, Any]:
+        """The keyword arguments `denoise_fast` and `denoise_blocks` take besides their generator."""
+
+        return {"schedule": self.schedule, "forbidden_token_ids": self.forbidden_token_ids, "on_step": self.on_step,
+                "stop_token_id": self.stop_token_id, "pad": self.pad}  # fmt: skip
+
+
+# Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true: the completed tokens and
+# the number of model forward passes (the contract of `dlm.sampling.dispatch.denoise`).
+RunReverse = Callable[["Denoiser", Tensor, Tensor, SamplingOptions, ReverseContext], tuple[Tensor, int]]
 
 
 @dataclass(frozen=True)
