@@ -111,7 +111,7 @@ def test_block_models_export_with_their_block_size_and_come_back(tiny_data_dir: 
 
 def test_schedules_without_a_bundled_sampler_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # Registered into a copy of the registry, so no other test sees the extra schedule.
-    monkeypatch.setattr(dlm.diffusion.schedules, "_SCHEDULES", dict(dlm.diffusion.schedules._SCHEDULES))
+    monkeypatch.setattr(dlm.diffusion.schedules, "_SCHEDULES", dlm.diffusion.schedules._SCHEDULES.copy())
 
     @register_schedule("hf-test-quadratic")
     class Quadratic(Schedule):

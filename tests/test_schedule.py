@@ -158,7 +158,7 @@ def test_reveal_counts_follow_the_schedule(name: str) -> None:
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A private copy of the registry, so schedules registered by a test leave with it."""
 
-    monkeypatch.setattr(schedule_module, "_SCHEDULES", dict(schedule_module._SCHEDULES))
+    monkeypatch.setattr(schedule_module, "_SCHEDULES", schedule_module._SCHEDULES.copy())
 
 
 def test_registry_names_builds_and_refuses() -> None:

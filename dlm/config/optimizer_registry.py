@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlm.errors import UserError
 from dlm.extras import optional_module
+from dlm.registry import Registry
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -76,30 +77,25 @@ class OptimizerSpec:
             )
 
 
-_REGISTRY: dict[str, OptimizerSpec] = {}
+_REGISTRY: Registry[OptimizerSpec] = Registry("optimizer")
 
 
 def register_optimizer(spec: OptimizerSpec, *, replace: bool = False) -> OptimizerSpec:
     """Make `spec.name` a valid `training.optimizer`; returns the spec."""
 
-    if not spec.name or spec.name != spec.name.strip():
-        raise ValueError(f"optimizer name {spec.name!r} is empty or has surrounding spaces")
-    if spec.name in _REGISTRY and not replace:
-        raise ValueError(f"optimizer {spec.name!r} is already registered; pass replace=True to override it")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return _REGISTRY.add(spec.name, spec, replace=replace)
 
 
 def unregister_optimizer(name: str) -> None:
     """Remove a registered optimizer (a plugin unloading, a test cleaning up)."""
 
-    _REGISTRY.pop(name, None)
+    _REGISTRY.remove(name)
 
 
 def registered_optimizers() -> tuple[str, ...]:
     """The names `training.optimizer` accepts, in registration order."""
 
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
@@ -115,7 +111,7 @@ def optimizer_spec(name: str) -> OptimizerSpec:
 def describe_optimizers() -> str:
     """`name = description` of each registered optimizer, for the config reference."""
 
-    return "; ".join(f"{spec.name} = {spec.description}" for spec in _REGISTRY.values())
+    return "; ".join(f"{spec.name} = {spec.description}" for _, spec in _REGISTRY.items())
 
 
 def check_fsdp_support(name: str) -> None:

@@ -34,6 +34,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from dlm.errors import UserError
+from dlm.registry import Registry
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -46,7 +47,7 @@ DEFAULT_MASK_EPS = 1e-3  # the smallest diffusion time t drawn, unless `[diffusi
 NOISE_BUCKETS = 10  # losses are also reported per tenth of the diffusion time t (training and eval)
 DEFAULT_SCHEDULE = "linear"
 _MODEL_ATTRIBUTE = "diffusion_schedule"  # where a loaded model keeps the schedule it was trained with
-_SCHEDULES: dict[str, type[Schedule]] = {}
+_SCHEDULES: Registry[type[Schedule]] = Registry("noise schedule")
 
 
 class Schedule(ABC):
@@ -100,25 +101,27 @@ class Schedule(ABC):
         return f"<{self.name or type(self).__name__} schedule>"
 
 
-def register_schedule(name: str) -> Callable[[S], S]:
+def register_schedule(name: str, replace: bool = False) -> Callable[[S], S]:
     """Class decorator: make a `Schedule` subclass available as `[diffusion] schedule = name`."""
 
     def register(cls: S) -> S:
         if not issubclass(cls, Schedule):
             raise TypeError(f"{cls!r} is not a dlm.diffusion.schedules.Schedule subclass")
-        if _SCHEDULES.get(name, cls) is not cls:
-            raise ValueError(f"a schedule named {name!r} is already registered ({_SCHEDULES[name].__name__})")
+        _SCHEDULES.add(name, cls, replace=replace)
         cls.name = name
-        _SCHEDULES[name] = cls
         return cls
 
     return register
 
 
+def unregister_schedule(name: str) -> None:
+    _SCHEDULES.remove(name)
+
+
 def schedule_names() -> tuple[str, ...]:
     """The registered schedule names, in registration order (the built-in ones first)."""
 
-    return tuple(_SCHEDULES)
+    return _SCHEDULES.names()
 
 
 def describe_schedules() -> str:
@@ -133,12 +136,14 @@ def get_schedule(schedule: str | Schedule) -> Schedule:
 
     if isinstance(schedule, Schedule):
         return schedule
-    if schedule not in _SCHEDULES:
+    cls = _SCHEDULES.get(schedule)
+    if cls is None:
         raise UserError(
             f"unknown noise schedule {schedule!r}",
-            fix=f"use one of: {', '.join(_SCHEDULES)} (or register it with dlm.diffusion.schedules.register_schedule)",
+            fix=f"use one of: {', '.join(schedule_names())} "
+            "(or register it with dlm.diffusion.schedules.register_schedule)",
         )
-    return _SCHEDULES[schedule]()
+    return cls()
 
 
 def attach_schedule(model: Any, schedule: str | Schedule) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.diffusion.schedules import Schedule, model_schedule
+from dlm.registry import Registry
 from dlm.sampling import block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import ReverseContext, Strategy
@@ -24,34 +25,34 @@ from dlm.sampling.row_noise import RowNoise
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
 
-_STRATEGIES: dict[str, Strategy] = {}
+_STRATEGIES: Registry[Strategy] = Registry("sampler strategy")
 
 
 def register_strategy(strategy: Strategy, replace: bool = False) -> None:
     """Make `strategy` a sampler `denoise` may run; it is tried before every strategy registered earlier."""
 
-    if strategy.name in _STRATEGIES and not replace:
-        raise ValueError(f"sampler strategy {strategy.name!r} is already registered")
-    _STRATEGIES.pop(strategy.name, None)
-    _STRATEGIES[strategy.name] = strategy
+    if replace:
+        _STRATEGIES.remove(strategy.name)  # a replacement is tried first, as any newer registration
+    _STRATEGIES.add(strategy.name, strategy)
 
 
 def unregister_strategy(name: str) -> None:
-    _STRATEGIES.pop(name, None)
+    _STRATEGIES.remove(name)
 
 
 def strategy_names() -> tuple[str, ...]:
     """The registered strategies in the order `denoise` tries them."""
 
-    return tuple(reversed(_STRATEGIES))
+    return tuple(reversed(_STRATEGIES.names()))
 
 
 def strategy_for(model: Denoiser, options: SamplingOptions, stop_token_id: int | None) -> Strategy:
     """The strategy `denoise` runs for `model` with `options`: the newest registered one that applies."""
 
     for name in strategy_names():
-        if _STRATEGIES[name].applies(model, options, stop_token_id):
-            return _STRATEGIES[name]
+        strategy = _STRATEGIES.get(name)
+        if strategy is not None and strategy.applies(model, options, stop_token_id):
+            return strategy
     raise LookupError("no sampler strategy applies (the plain one always should: was it unregistered?)")
 
 

@@ -14,34 +14,38 @@ from collections.abc import Callable
 
 import torch
 
+from dlm.registry import Registry
+
 # (probs [N, V], sampled tokens [N]) -> confidence [N]; higher is revealed first.
 Confidence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ANCESTRAL = "random"
-_CONFIDENCES: dict[str, Confidence] = {}
+_CONFIDENCES: Registry[Confidence] = Registry("remasking strategy")
 
 
 def register_remasking(name: str, confidence: Confidence, replace: bool = False) -> None:
     """Make `name` a remasking strategy ranked by `confidence`."""
 
-    if name == ANCESTRAL or (name in _CONFIDENCES and not replace):
-        raise ValueError(f"remasking strategy {name!r} is already registered")
-    _CONFIDENCES[name] = confidence
+    if name == ANCESTRAL:
+        raise ValueError(f"remasking strategy {name!r} is already registered (ancestral sampling)")
+    _CONFIDENCES.add(name, confidence, replace=replace)
 
 
 def unregister_remasking(name: str) -> None:
-    _CONFIDENCES.pop(name, None)
+    _CONFIDENCES.remove(name)
 
 
 def remasking_names() -> tuple[str, ...]:
     """Every strategy the sampler accepts: ancestral sampling first, then the registered ones."""
 
-    return (ANCESTRAL, *_CONFIDENCES)
+    return (ANCESTRAL, *_CONFIDENCES.names())
 
 
 def token_confidence(probs: torch.Tensor, tokens: torch.Tensor, remasking: str) -> torch.Tensor:
     """Confidence [N] of sampled `tokens` [N] under `probs` [N, V] by the strategy `remasking`."""
 
-    return _CONFIDENCES[remasking](probs, tokens)
+    confidence = _CONFIDENCES.get(remasking)
+    assert confidence is not None, remasking  # SamplingOptions accepts registered names only
+    return confidence(probs, tokens)
 
 
 def _sampled_probability(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, TrainEvent, ValidationEvent
 from dlm.config.schema import ExperimentConfig, LoggingConfig
 from dlm.extras import Requirement, require
+from dlm.registry import Registry
 
 _L = TypeVar("_L", bound="type[Logger]")
 
@@ -97,22 +98,30 @@ class Logger(ABC):
         """Finish the tracker's run; called once, also when training fails."""
 
 
-LOGGERS: dict[str, type[Logger]] = {}
+_LOGGERS: Registry[type[Logger]] = Registry("logger")
 
 
-def register_logger(cls: _L) -> _L:
+def register_logger(cls: _L, replace: bool = False) -> _L:
     """Make `[logging] NAME = true` open this logger (NAME must be a field of `LoggingConfig`)."""
 
     if cls.name not in LoggingConfig.model_fields:
         raise ValueError(
             f"logger {cls.name!r} has no switch: add `{cls.name}: bool` to dlm.config.schema.LoggingConfig"
         )
-    LOGGERS[cls.name] = cls
+    _LOGGERS.add(cls.name, cls, replace=replace)
     return cls
 
 
+def unregister_logger(name: str) -> None:
+    _LOGGERS.remove(name)
+
+
+def logger_names() -> tuple[str, ...]:
+    return _LOGGERS.names()
+
+
 def enabled_loggers(settings: LoggingConfig) -> list[type[Logger]]:
-    return [cls for name, cls in LOGGERS.items() if getattr(settings, name) is True]
+    return [cls for name, cls in _LOGGERS.items() if getattr(settings, name) is True]
 
 
 def check_loggers(settings: LoggingConfig) -> None:
