@@ -1,8 +1,8 @@
 """The one idiom of dlm's extension points: a registry of named items of one kind.
 
-Noise schedules, optimizers, remasking strategies, training loggers and sampler strategies each keep
-one `Registry` and offer `register_*` (refusing a taken name unless `replace=True`), `unregister_*`
-and the registered names, in registration order.
+Noise schedules, optimizers, remasking strategies, training loggers, sampler strategies and corpus
+formats each keep one `Registry` and offer `register_*` (refusing a taken name unless
+`replace=True`), `unregister_*` and the registered names, in registration order.
 """
 
 from __future__ import annotations

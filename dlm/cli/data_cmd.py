@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
 from dlm.cli.progress import ProgressView
-from dlm.data.readers import SUPPORTED, DecodeErrors
+from dlm.data.readers import DecodeErrors, supported_inputs
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ tokenizer_app = typer.Typer(help="Train byte-level BPE tokenizers.", no_args_is_
 
 
 # The formats as the registry in `dlm.data.readers` lists them, without the backticks of its Markdown.
-INPUTS_HELP = f"Files, directories (recursive) or globs: {SUPPORTED.replace('`', '')}."
+INPUTS_HELP = f"Files, directories (recursive) or globs: {supported_inputs().replace('`', '')}."
 InputsArgument = Annotated[list[str], typer.Argument(help=INPUTS_HELP)]
 TextFieldOption = Annotated[
     str,
@@ -275,7 +275,7 @@ def _pack_notes(summary: PackSummary) -> list[str]:
         notes.append(
             f"[yellow]skipped {_count(skipped['count'], 'file')} dlm cannot read[/]: {names}"
             + (f" and {more:,} more" if more else "")
-            + f"; it reads {escape(SUPPORTED)}"
+            + f"; it reads {escape(supported_inputs())}"
         )
     if summary.removed_temporaries:
         notes.append(f"removed {_count(len(summary.removed_temporaries), 'temporary file')} left by a killed pack")

@@ -40,7 +40,7 @@ from dlm.data.pack import (
     check_pack_arguments,
     token_dtype,
 )
-from dlm.data.readers import RECORDS_SUPPORTED, ReadContext, Record, Utf8Decoder, format_of
+from dlm.data.readers import ReadContext, Record, Utf8Decoder, format_of, record_inputs
 from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
@@ -97,12 +97,12 @@ def chat_inputs(inputs: list[Path], option: str) -> list[Path]:
         raise UserError(f"no {option} given", fix=INPUT_FIX)
     for item in inputs:  # an explicit file dlm cannot read at all is refused in the words of --chat
         if item.is_file() and format_of(item) is None:
-            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=item, fix=INPUT_FIX)
+            raise UserError(f"dlm pack --chat reads {record_inputs()}, not this file", path=item, fix=INPUT_FIX)
     found = discover_corpus(inputs)
     for path in [*found.paths, *found.skipped]:
         readable = format_of(path)
         if readable is None or readable.records is None:
-            raise UserError(f"dlm pack --chat reads {RECORDS_SUPPORTED}, not this file", path=path, fix=INPUT_FIX)
+            raise UserError(f"dlm pack --chat reads {record_inputs()}, not this file", path=path, fix=INPUT_FIX)
     return found.paths
 
 

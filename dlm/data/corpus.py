@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from dlm.data.readers import SUPPORTED, ReadContext, Utf8Decoder, check_requirements, format_of
+from dlm.data.readers import ReadContext, Utf8Decoder, check_requirements, format_of, supported_inputs
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 
@@ -47,7 +47,7 @@ def _partition(entries: Iterable[Path], what: str, where: str | Path) -> Discove
         (found.paths if format_of(path) is not None else found.skipped).append(path)
     if not found.paths:
         others = f" (only {len(found.skipped)} other files, e.g. {found.skipped[0].name})" if found.skipped else ""
-        raise UserError(f"{what} no input dlm reads ({SUPPORTED}){others}", path=where)
+        raise UserError(f"{what} no input dlm reads ({supported_inputs()}){others}", path=where)
     return found
 
 
@@ -84,7 +84,7 @@ def _expand(item: str | Path) -> Discovered:
     path = Path(item).expanduser()
     if path.is_file():
         if format_of(path) is None:
-            raise UserError(f"unsupported file type; dlm reads {SUPPORTED}", path=path)
+            raise UserError(f"unsupported file type; dlm reads {supported_inputs()}", path=path)
         return Discovered([path])
     if path.is_dir():
         return Discovered([path]) if format_of(path) is not None else _partition(_walk(path), "directory holds", path)
@@ -182,7 +182,7 @@ class CorpusReader:
             path = self.paths[index]
             reader = format_of(path)
             if reader is None:
-                raise UserError(f"unsupported file type; dlm reads {SUPPORTED}", path=path)
+                raise UserError(f"unsupported file type; dlm reads {supported_inputs()}", path=path)
             context = ReadContext(path, self.text_field, self.piece_bytes, self.decoder)
             self._current = context
             document = self._first_document.setdefault(index, self.documents)

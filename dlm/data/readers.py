@@ -1,11 +1,11 @@
 """Corpus formats: the one place that knows how an input file (or a saved dataset) becomes documents.
 
-Each format is a `Format` in `FORMATS`: the suffixes (or the directory test) that select it, the
+Each format is a `Format` registered with `register_format`: the suffixes (or the directory test) that select it, the
 optional package it needs and the extra that installs it, and a `read` function that yields the
 documents of one input as `Chunk`s. Compression is a layer under the byte-stream formats, chosen by
 the trailing suffix (`COMPRESSIONS`), so `notes.jsonl.zst` is jsonl read through zstd. Discovery,
 `dlm tokenizer train`, `dlm pack`, the missing-package errors and the list of supported inputs all
-follow the registry: adding a format is one read function and one `Format` entry.
+follow the registry: adding a format is one read function and one `register_format` call.
 
 A format whose inputs hold fields (JSONL objects, the columns of Parquet and of saved datasets) also
 has a `records` function: instruction data (`dlm pack --chat`) reads each line or row as one record,
@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Literal, NamedTuple, TypeVar, get_args
 
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
+from dlm.registry import Registry
 
 # What to do with bytes that are not UTF-8: stop with their offset, or read U+FFFD.
 DecodeErrors = Literal["strict", "replace"]
@@ -485,10 +486,31 @@ class Format:
     records: Callable[[ReadContext, Sequence[str]], Iterator[Record]] | None = None
 
 
-FORMATS = (
-    Format("text", "`.txt`, `.md`", read_text, suffixes=(".txt", ".md"), compressible=True),
-    Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True, records=read_jsonl_records),
-    Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET, records=read_parquet_records),
+_FORMATS: Registry[Format] = Registry("corpus format")
+
+
+def register_format(spec: Format, replace: bool = False) -> Format:
+    """Make dlm read the inputs `spec` selects (after the formats registered before it)."""
+
+    return _FORMATS.add(spec.name, spec, replace=replace)
+
+
+def unregister_format(name: str) -> None:
+    _FORMATS.remove(name)
+
+
+def formats() -> tuple[Format, ...]:
+    """The registered formats, in registration order (the built-in ones first)."""
+
+    return tuple(spec for _, spec in _FORMATS.items())
+
+
+register_format(Format("text", "`.txt`, `.md`", read_text, suffixes=(".txt", ".md"), compressible=True))
+register_format(Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True,
+                       records=read_jsonl_records))  # fmt: skip
+register_format(Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET,
+                       records=read_parquet_records))  # fmt: skip
+register_format(
     Format(
         "saved-dataset",
         "saved Hugging Face datasets (`save_to_disk` directories)",
@@ -497,33 +519,41 @@ FORMATS = (
         needs=SAVED_DATASET,
         size=_saved_dataset_size,
         records=read_saved_dataset_records,
-    ),
+    )
 )
 
 
-def describe(formats: Iterable[Format]) -> str:
-    """The inputs `formats` read, in words (with Markdown backticks)."""
+def describe(chosen: Iterable[Format]) -> str:
+    """The inputs the `chosen` formats read, in words (with Markdown backticks)."""
 
-    formats = list(formats)
+    chosen = list(chosen)
     compressions = " or ".join(f"`{c.suffix}`" for c in COMPRESSIONS)
-    return ", ".join([", ".join(f.label for f in formats if f.compressible) + f" (each optionally {compressions})",
-                      *(f.label for f in formats if not f.compressible)])  # fmt: skip
+    return ", ".join([", ".join(f.label for f in chosen if f.compressible) + f" (each optionally {compressions})",
+                      *(f.label for f in chosen if not f.compressible)])  # fmt: skip
 
 
-SUPPORTED = describe(FORMATS)
-RECORDS_SUPPORTED = describe(f for f in FORMATS if f.records is not None)  # what `dlm pack --chat` reads
+def supported_inputs() -> str:
+    """The inputs dlm reads, in words: every registered format."""
+
+    return describe(formats())
+
+
+def record_inputs() -> str:
+    """The inputs `dlm pack --chat` reads: the formats with records."""
+
+    return describe(f for f in formats() if f.records is not None)
 
 
 def format_of(path: Path) -> Format | None:
     """The format that reads `path`; None when dlm cannot read it."""
 
     if path.is_dir():
-        return next((f for f in FORMATS if f.directory is not None and f.directory(path)), None)
+        return next((f for f in formats() if f.directory is not None and f.directory(path)), None)
     name = path.name.lower()
     compression = compression_of(path)
     if compression is not None:
         name = name[: -len(compression.suffix)]
-    for candidate in FORMATS:
+    for candidate in formats():
         if candidate.suffixes and name.endswith(candidate.suffixes) and (candidate.compressible or not compression):
             return candidate
     return None
