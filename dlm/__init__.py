@@ -18,11 +18,11 @@ if TYPE_CHECKING:  # torch loads only when a function is called
     import torch
     from tokenizers import Tokenizer
 
-    from dlm.model import DiffusionTransformer
-    from dlm.protocols import Denoiser
-    from dlm.sampling import SampleResult
+    from dlm.model.denoiser import Denoiser
+    from dlm.model.transformer import DiffusionTransformer
+    from dlm.sampling.options import SampleResult
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["__version__", "load", "sample"]
 
 
@@ -32,14 +32,14 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Diffusio
     The model records the noise schedule it was trained with, which `sample` then follows.
     """
 
-    from dlm.loading import load_model
+    from dlm.artifacts.loading import load_model
 
     return load_model(path, device=device)
 
 
 def sample(model: Denoiser, tokenizer: Tokenizer, **options: Any) -> SampleResult:
-    """Generate text with the reverse diffusion process; see `dlm.sampling.generate` for the options."""
+    """Generate text with the reverse diffusion process; see `dlm.sampling.generation.generate` for the options."""
 
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     return generate(model, tokenizer, **options)

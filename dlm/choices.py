@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-# `dlm.remasking`: which predictions a denoising step keeps (the built-in names; more can be registered there).
+# `dlm.sampling.remasking`: which predictions a denoising step keeps (the built-in names; more can be registered there).
 Remasking = Literal["random", "confidence", "margin"]
-# `dlm.sampling.reveal_count`: how a block's fixed-count steps share its positions (the noise schedule's
+# `dlm.sampling.reverse.reveal_count`: how a block's fixed-count steps share its positions (the noise schedule's
 # floor(n m(t)) differences, or LLaDA's even split).
 RevealSplit = Literal["schedule", "even"]
-# `dlm.decoding`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
+# `dlm.sampling.fast`: which keys and values a whole-sequence model reuses within a block (`_FastReverse`).
 CacheMode = Literal["none", "prefix", "dual"]
-# `dlm.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
+# `dlm.artifacts.export`: the dtype of the exported weights (`EXPORT_DTYPES` maps each to a torch dtype).
 ExportDtype = Literal["bfloat16", "float32"]
-# `dlm export --format`: dlm's own directory (`dlm.export`) or Hugging Face transformers' (`dlm.hf.convert`).
+# `dlm export --format`: dlm's own directory (`dlm.artifacts.export`) or Hugging Face transformers'
+# (`dlm.artifacts.hf_export`).
 ExportFormat = Literal["dlm", "hf"]
-# `dlm.diffusion.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
+# `dlm.diffusion.objective.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
 ElboEstimator = Literal["bernoulli", "exact-count"]

@@ -17,7 +17,7 @@ generated token), `remasking` (default `confidence`), `block_length` and `reveal
 (`schedule`, or `even` for LLaDA's split). `batch_size` counts the
 requests scored in one forward pass and `device` is cpu, cuda, mps or auto (a CUDA device,
 lm-eval's default, falls back to auto on a machine without one). The numbers are
-`dlm.scoring.Scorer`'s.
+`dlm.evaluation.scoring.Scorer`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 from typing import Any
 
 from dlm.errors import UserError
-from dlm.readers import Requirement, require
+from dlm.extras import Requirement, require
 
 LM_EVAL = Requirement("lm_eval", "lm-eval", "evaluating with lm-evaluation-harness")
 
@@ -44,8 +44,8 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
-from dlm.scoring import Scorer  # noqa: E402
-from dlm.tokenizer import SPECIAL_TOKENS  # noqa: E402
+from dlm.data.tokenizer import SPECIAL_TOKENS  # noqa: E402
+from dlm.evaluation.scoring import Scorer  # noqa: E402
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _batch_size(value: Any) -> int:
 
 
 class DlmLM(TemplateLM):
-    """lm-eval's model interface over `dlm.scoring.Scorer`; model_args in the module docstring."""
+    """lm-eval's model interface over `dlm.evaluation.scoring.Scorer`; model_args in the module docstring."""
 
     def __init__(
         self,
@@ -108,7 +108,7 @@ class DlmLM(TemplateLM):
             what = f"unknown model_args {', '.join(sorted(unknown))}" if unknown else "model_args lacks pretrained"
             raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
                                       "steps, remasking, block_length, reveal_split")  # fmt: skip
-        from dlm.loading import load_model_with_info
+        from dlm.artifacts.loading import load_model_with_info
         from dlm.runtime import resolve_precision
 
         resolved = _device(device)

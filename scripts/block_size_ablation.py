@@ -80,11 +80,11 @@ def prepare_data(out: Path) -> Path:
     data = out / "data"
     tokenizer = data / "tokenizer.json"
     if not tokenizer.exists():  # the demo's tokenizer: byte-level BPE of 8192 tokens on the training works
-        from dlm.tokenizer import train_tokenizer
+        from dlm.data.tokenizer import train_tokenizer
 
         train_tokenizer(shakespeare_files("train"), 8192, tokenizer)
     if not (data / "val.bin").exists():
-        from dlm.data import pack_corpus
+        from dlm.data.pack import pack_corpus
 
         pack_corpus(shakespeare_files("train"), tokenizer, SEQ_LEN, data, val_inputs=shakespeare_files("val"))
     return data
@@ -176,25 +176,26 @@ def sequence_nlls(run: Path, data: Path, mc_samples: int) -> list[float]:
     import torch
 
     import dlm
-    from dlm.data import load_packed_dataset
-    from dlm.diffusion import elbo_nll
+    from dlm.data.dataset import load_packed_dataset
+    from dlm.diffusion.objective import elbo_nll
+    from dlm.diffusion.schedules import DEFAULT_MASK_EPS
+    from dlm.model.denoiser import block_size, masked_logits
 
     torch.set_num_threads(1)
     model, _ = dlm.load(run)
     config = model.config
-    block_size = config.block_size if config.is_block_model else 0
+    blocks = block_size(config)
     dataset = load_packed_dataset(data, SEQ_LEN, split="val")
     values: list[float] = []
     with torch.no_grad():
         for start in range(0, 512, 64):
             clean = torch.stack([torch.as_tensor(dataset[i]) for i in range(start, start + 64)])
-            context = {"clean_tokens": clean} if block_size else {}
-
             def logits(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                return model(noisy, output_positions=mask, **context)  # noqa: B023 - used within the iteration
+                return masked_logits(model, noisy, mask, clean)  # noqa: B023 - used within the iteration
 
             generator = torch.Generator().manual_seed(start)
-            nll, _ = elbo_nll(logits, clean, config.mask_token_id, mc_samples, 1e-3, generator, block_size=block_size)
+            nll, _ = elbo_nll(logits, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator,
+                              block_size=blocks)  # fmt: skip
             values += nll.double().tolist()
     cached.write_text(json.dumps(values))
     return values

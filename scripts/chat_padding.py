@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from dlm.chat import reply
-from dlm.chat_pack import mask_path, pack_chat
-from dlm.data import pack_corpus
-from dlm.loading import load_model_with_info
-from dlm.sampling import generate
-from dlm.tokenizer import train_tokenizer
+from dlm.artifacts.loading import load_model_with_info
+from dlm.data.chat import reply
+from dlm.data.chat_pack import mask_path, pack_chat
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import train_tokenizer
+from dlm.sampling.generation import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_finetune_task as task  # the task as the tests define it

@@ -102,10 +102,10 @@ def step_pair(
 
     sys.path[:0] = [str(baseline_path.parent), str(ROOT)]
     baseline = importlib.import_module("plain_gpu")
-    from dlm.bench import synthetic_batches
-    from dlm.config import load_config
-    from dlm.distributed import DistributedContext
-    from dlm.train_step import LogWindow, TrainingStep
+    from dlm.bench.throughput import synthetic_batches
+    from dlm.config.schema import load_config
+    from dlm.train.distributed import DistributedContext
+    from dlm.train.step import LogWindow, TrainingStep
 
     experiment = load_config(config, overrides)
     size, batch, cpu = experiment.model, experiment.training.batch_size, torch.device("cpu")

@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from dlm.bench import synthetic_batches
-    from dlm.config import load_config
-    from dlm.distributed import DistributedContext
+    from dlm.bench.throughput import synthetic_batches
+    from dlm.config.schema import load_config
     from dlm.runtime import cpu_has_native_bfloat16
-    from dlm.train_step import LogWindow, TrainingStep
+    from dlm.train.distributed import DistributedContext
+    from dlm.train.step import LogWindow, TrainingStep
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@ usage: python scripts/estimator_variance.py MODEL --data DATA [--sequences 64] [
 
 MODEL is anything `dlm eval` reads (a checkpoint, a run directory or an export); DATA a `dlm pack`
 directory (its val split) or .bin file. For each estimator and each K of --mc-samples, the first
---sequences blocks are scored --repeats times with independent noise (`dlm.diffusion.elbo_nll`,
+--sequences blocks are scored --repeats times with independent noise (`dlm.diffusion.objective.elbo_nll`,
 K antithetic samples each, as `dlm eval --mc-samples K` does). Per sequence, the variance of the
 K-sample estimate across repeats is the Monte Carlo variance; its mean over sequences, bernoulli's
 over exact-count's, is how many times more samples bernoulli needs for the same standard error.
@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from dlm.data import load_packed_dataset
-from dlm.diffusion import ESTIMATORS, elbo_nll, noise_seed, split_batch
-from dlm.loading import load_model_with_info
-from dlm.schedule import model_schedule
+from dlm.artifacts.loading import load_model_with_info
+from dlm.data.dataset import load_packed_dataset
+from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed, split_batch
+from dlm.diffusion.schedules import model_schedule
+from dlm.model.denoiser import block_size, masked_logits
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,11 +53,10 @@ def estimates(
 
     clean, loss_mask = split_batch(batch)
     config = model.config
-    extra = {"clean_tokens": clean} if config.is_block_model else {}
-    block = config.block_size if config.is_block_model else 0
+    block = block_size(config)
 
     def logits(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(noisy, output_positions=mask, **extra)
+        return masked_logits(model, noisy, mask, clean)
 
     rows = []
     for repeat in range(repeats):

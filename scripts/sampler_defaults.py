@@ -55,10 +55,10 @@ def train_model(work: Path, steps: int) -> Path:
     """Tokenizer, packed data and a run of `steps` steps in `work`; returns the run directory."""
 
     from dlm.assets import shakespeare_files
-    from dlm.config import load_config
-    from dlm.data import pack_corpus
-    from dlm.tokenizer import train_tokenizer
-    from dlm.train import train
+    from dlm.config.schema import load_config
+    from dlm.data.pack import pack_corpus
+    from dlm.data.tokenizer import train_tokenizer
+    from dlm.train.loop import train
 
     files = shakespeare_files("train")[:4]
     data = work / "data"
@@ -87,8 +87,8 @@ def text_figures(texts: list[str], tokens: list[list[int]], tokenizer: Any, voca
 
 
 def measure(run_dir: Path, vocabulary: set[str], samples: int, length: int) -> list[tuple[Candidate, dict[str, float]]]:
-    from dlm.loading import load_model
-    from dlm.sampling import generate
+    from dlm.artifacts.loading import load_model
+    from dlm.sampling.generation import generate
 
     model, tokenizer = load_model(run_dir, device="cpu")
     rows = []

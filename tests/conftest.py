@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dlm.assets import shakespeare_files
-from dlm.data import pack_corpus
-from dlm.tokenizer import train_tokenizer
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import train_tokenizer
 
 # Tiny models gain nothing from intra-op threads, and OpenMP threads that spin while other
 # processes (DataLoader workers, CLI subprocesses, a busy machine) hold the cores make a step

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, load_config
-from dlm.events import Event, TrainEvent
-from dlm.train import train
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.events import Event, TrainEvent
+from dlm.config.schema import ExperimentConfig, load_config
+from dlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

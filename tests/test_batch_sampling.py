@@ -22,13 +22,13 @@ import torch
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dlm.attention import KVCache
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
-from dlm.noise import RowNoise
-from dlm.sampling import generate
+from dlm.model.attention import KVCache
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.generation import generate
+from dlm.sampling.row_noise import RowNoise
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 PROMPTS = ["ROMEO:", "", "JULIET: O Romeo, Romeo, wherefore", "To be"]
@@ -180,7 +180,7 @@ def test_threshold_decoding_of_a_block_model_saves_passes(tokenizer: Tokenizer) 
 
 def test_cli_prompt_file_writes_one_record_per_prompt(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> None:
     model = transformer(tokenizer.get_vocab_size())
-    monkeypatch.setattr("dlm.export.load_model", lambda path, device: (model, tokenizer))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device: (model, tokenizer))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO:\n\nTo be\n", encoding="utf-8")
     args = ["sample", "model", "--prompt-file", str(prompts), "--length", "8", "--steps", "8", "--seed", "3"]
@@ -200,7 +200,7 @@ def prompt_file(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> Path:
     """Five prompts of different lengths, and a float64 model behind `dlm sample`."""
 
     model = transformer(tokenizer.get_vocab_size())
-    monkeypatch.setattr("dlm.export.load_model", lambda path, device: (model, tokenizer))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device: (model, tokenizer))
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join([*RANKED, "Two households, both alike"]) + "\n", encoding="utf-8")
     return path
@@ -225,16 +225,16 @@ def test_cli_prompt_file_in_batches_equals_one_batch(prompt_file: Path, run_cli:
 def test_cli_prompt_file_prints_each_batch_as_it_ends(prompt_file: Path, run_cli: Any, monkeypatch: Any) -> None:
     import sys
 
-    import dlm.sampling
+    import dlm.sampling.generation
 
     printed: list[int] = []  # lines on stdout when each batch starts
-    real = dlm.sampling.generate
+    real = dlm.sampling.generation.generate
 
     def generate_after_counting(*args: Any, **kwargs: Any) -> Any:
         printed.append(sys.stdout.getvalue().count("\n"))  # type: ignore[attr-defined]
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dlm.sampling, "generate", generate_after_counting)
+    monkeypatch.setattr(dlm.sampling.generation, "generate", generate_after_counting)
     result = run_cli("sample", "model", "--prompt-file", prompt_file, *SAMPLE, "--batch-size", "2")
     assert result.exit_code == 0, result.stderr
     assert printed == [0, 4, 8]  # 2 prompts x 2 samples a batch, the last batch holds one prompt

@@ -14,13 +14,14 @@ from types import ModuleType
 import pytest
 import torch
 
-from dlm import bench
-from dlm.bench import BenchOutOfMemoryError, benchmark, report_table, run_benchmark, search_max_batch
-from dlm.bench_setup import compare_settings, config_key, parse_compare
+from dlm.bench import results, throughput
+from dlm.bench.results import report_table
+from dlm.bench.setup import compare_settings, config_key, parse_compare
+from dlm.bench.throughput import BenchOutOfMemoryError, benchmark, run_benchmark, search_max_batch
 from dlm.cli import main
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -64,7 +65,7 @@ def test_cpu_bench_gives_consistent_figures_without_any_data(tmp_path: Path) -> 
 
 def test_synthetic_tokens_never_contain_the_mask_id() -> None:
     experiment = load_config(TINY, ["model.vocab_size=4", "model.mask_token_id=1"])
-    tokens = next(bench.synthetic_batches(experiment.model, 64, torch.device("cpu"), seed=0))
+    tokens = next(throughput.synthetic_batches(experiment.model, 64, torch.device("cpu"), seed=0))
     assert tokens.shape == (64, experiment.model.max_seq_len)
     assert set(tokens.unique().tolist()) == {0, 2, 3}
 
@@ -112,14 +113,14 @@ def test_a_compared_value_is_validated_like_the_config(tmp_path: Path) -> None:
 
 
 def test_out_of_memory_becomes_a_user_error_and_a_failure_row(tmp_path: Path, monkeypatch) -> None:
-    real_measure = bench._measure
+    real_measure = throughput._measure
 
     def measure(experiment: ExperimentConfig, *args, **kwargs):  # the allocator refusing batches above 2
         if experiment.training.batch_size > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_measure(experiment, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(throughput, "_measure", measure)
     with pytest.raises(BenchOutOfMemoryError, match="batch size 4 does not fit"):
         run_benchmark(tiny(tmp_path), steps=1, warmup=0, batch_size=4)
     report = benchmark(tiny(tmp_path), steps=1, warmup=0, compare=["batch_size=2,4"])
@@ -133,7 +134,7 @@ def test_other_runtime_errors_are_not_mistaken_for_out_of_memory(tmp_path: Path,
     def measure(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(throughput, "_measure", measure)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         run_benchmark(tiny(tmp_path), steps=1, warmup=0)
 
@@ -147,7 +148,7 @@ def test_bad_arguments_are_user_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="--fused-attention: the flash"):
         run_benchmark(experiment, steps=1, warmup=0, fused_attention=True)
     with pytest.raises(UserError, match="CUDA device"):
-        bench.find_max_batch(experiment)
+        throughput.find_max_batch(experiment)
 
 
 # ---- the batch search, with a fake "fits in memory" predicate ----------------------------------
@@ -259,7 +260,7 @@ def test_measured_peak_gives_a_second_mfu_column(tmp_path: Path) -> None:
     assert row.mfu is None  # the datasheet MFU stays unknown on a CPU
     headers, rows = report_table(report)
     assert rows[0][headers.index("MFU measured")] == f"{100 * row.mfu_measured:.1f}%"
-    summary = bench.report_summary(report)
+    summary = results.report_summary(report)
     assert any(line.startswith("measured ceiling: a large float32 matmul ran at") for line in summary)
     # Without the flag neither the column nor the figure appears.
     plain = benchmark(tiny(tmp_path), steps=1, warmup=0, batch_size=2)

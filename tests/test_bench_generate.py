@@ -12,11 +12,11 @@ from test_fast_sampling import small_transformer
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dlm.bench_generate import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
+from dlm.bench.generation import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)
 fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)

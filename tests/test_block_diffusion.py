@@ -20,20 +20,29 @@ from helpers import assert_same_weights, check_resume_is_exact, tiny_experiment,
 from test_distributed import PER_PROCESS, SINGLE, assert_close_runs, tiny
 
 import dlm
-from dlm.attention import AttentionMask, _bd3_bool, _bd3_flex, attend, bd3_allowed, block_causal_mask, flex_attention
-from dlm.bench import run_benchmark
-from dlm.block_sampling import cut_after_stop, denoise_blocks
-from dlm.config import ModelConfig, load_config
-from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
-from dlm.distributed import end_process
+from dlm.artifacts.events import Event, ValidationEvent
+from dlm.artifacts.export import export_model
+from dlm.bench.throughput import run_benchmark
+from dlm.config.schema import ModelConfig, load_config
+from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy, elbo_nll
+from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError
-from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.events import Event, ValidationEvent
-from dlm.export import export_model
-from dlm.model import DiffusionTransformer
-from dlm.sampling import SamplingOptions
-from dlm.schedule import LinearSchedule
-from dlm.train import train
+from dlm.evaluation.evaluate import evaluate_model, evaluate_source
+from dlm.model.attention import (
+    AttentionMask,
+    _bd3_bool,
+    _bd3_flex,
+    attend,
+    bd3_allowed,
+    block_causal_mask,
+    flex_attention,
+)
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.block_model import denoise_blocks
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.reverse import cut_after_stop
+from dlm.train.distributed import end_process
+from dlm.train.loop import train
 
 MASK_ID = 1
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,7 +354,7 @@ def test_clipped_training_range_keeps_block_times_inside_it(tiny_data_dir: Path,
                                  "training.warmup_steps=1", "training.clip_mask_min=0.3",
                                  "training.clip_mask_max=0.8")  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("dlm.train_step.corrupt_tokens", spy)
+        patch.setattr("dlm.train.step.corrupt_tokens", spy)
         train(experiment)
     assert seen and all(bool(((t >= 0.3) & (t <= 0.8)).all()) for t in seen)
     with pytest.raises(UserError, match="clip_mask_min"):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from dlm.config import load_config
+from dlm.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,13 +12,13 @@ import torch
 from conftest import CliResult
 from helpers import tiny_experiment
 
-from dlm.chat import ChatTemplate, encode_example, parse_example
-from dlm.chat_pack import mask_path, pack_chat
-from dlm.data import load_packed_dataset
-from dlm.diffusion import corrupt_tokens, diffusion_cross_entropy
+from dlm.data.chat import ChatTemplate, encode_example, parse_example
+from dlm.data.chat_pack import mask_path, pack_chat
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer
+from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
 from dlm.errors import UserError
-from dlm.tokenizer import load_tokenizer
-from dlm.train import train
+from dlm.train.loop import train
 
 SEQ_LEN = 64
 
@@ -148,9 +148,9 @@ def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_pa
 def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
     chat_file: Path, tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
 ) -> None:
-    from dlm.chat import chat_prompt
-    from dlm.loading import load_model_with_info
-    from dlm.sampling import generate
+    from dlm.artifacts.loading import load_model_with_info
+    from dlm.data.chat import chat_prompt
+    from dlm.sampling.generation import generate
 
     pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dlm.chat_pack import pack_chat
+from dlm.data.chat_pack import pack_chat
 from dlm.errors import UserError
 
 SEQ_LEN = 64

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from dlm import checkpoint as ckpt
-from dlm.checkpoint import (
+from dlm.artifacts import checkpoint as ckpt
+from dlm.artifacts.checkpoint import (
     INFERENCE_FORMAT,
     TRAINING_FORMAT,
     RunLock,
@@ -26,7 +26,7 @@ from dlm.checkpoint import (
     save_inference_checkpoint,
     save_training_checkpoint,
 )
-from dlm.checksum import CHECKSUM_KEY, payload_sha256
+from dlm.artifacts.checksum import CHECKSUM_KEY, payload_sha256
 from dlm.errors import UserError
 from dlm.fileio import temporaries
 

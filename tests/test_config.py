@@ -6,13 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlm.config import (
-    ExperimentConfig,
-    ModelConfig,
-    TrainingConfig,
-    config_reference_markdown,
-    load_config,
-)
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, config_reference_markdown, load_config
 from dlm.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +34,7 @@ def test_every_shipped_config_loads() -> None:
 
 
 def test_shipped_sizes_match_their_names() -> None:
-    from dlm.model import DiffusionTransformer
+    from dlm.model.transformer import DiffusionTransformer
 
     def params(name: str) -> int:
         model_config = load_config(ROOT / "configs" / f"{name}.toml").model
@@ -60,7 +54,7 @@ def test_cpu_recipe_builds_and_trains_on_a_cpu() -> None:
 
     import torch
 
-    from dlm.model import DiffusionTransformer
+    from dlm.model.transformer import DiffusionTransformer
 
     experiment = load_config(ROOT / "configs" / "cpu.toml")
     assert experiment.model.max_seq_len == 64

@@ -14,11 +14,12 @@ import pytest
 from helpers import tiny_experiment
 from rich.console import Console
 
-from dlm.dashboard import SPARK_CHARACTERS, Budget, JsonLinesFileSink, JsonLinesSink, TrainingDashboard, sparkline
-from dlm.events import (
+from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
     Event,
+    JsonLinesFileSink,
+    JsonLinesSink,
     StartEvent,
     TrainEvent,
     ValidationEvent,
@@ -27,7 +28,8 @@ from dlm.events import (
     read_events,
     to_json_line,
 )
-from dlm.train import train
+from dlm.cli.dashboard import SPARK_CHARACTERS, Budget, TrainingDashboard, sparkline
+from dlm.train.loop import train
 
 # Lines in the format metrics.jsonl has always had: reading them into the types must keep working.
 EXISTING_LINES = (

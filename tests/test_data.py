@@ -16,10 +16,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from dlm.corpus import discover_inputs
-from dlm.data import DeterministicBatchSampler, PackedDataset, load_packed_dataset, pack_corpus
+from dlm.data.corpus import discover_inputs
+from dlm.data.dataset import DeterministicBatchSampler, PackedDataset, load_packed_dataset
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError, UserNote
-from dlm.tokenizer import load_tokenizer
 
 EOS = 0
 
@@ -214,7 +215,7 @@ def test_truncated_file_and_wrong_seq_len_are_refused(tmp_path: Path, tiny_data_
 def test_a_pack_made_with_the_removed_mask_padding_option_loads_with_a_warning(
     tmp_path: Path, tiny_tokenizer_path: Path
 ) -> None:
-    from dlm.chat_pack import pack_chat
+    from dlm.data.chat_pack import pack_chat
 
     lines = [json.dumps({"prompt": f"q{i}", "response": "a"}) + "\n" for i in range(4)]
     (tmp_path / "c.jsonl").write_text("".join(lines))

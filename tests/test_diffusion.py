@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dlm.diffusion import (
+from dlm.diffusion.objective import (
     Corruption,
     accumulation_mask_probabilities,
     corrupt_tokens,
@@ -186,7 +186,10 @@ def test_noise_seeds_are_distinct_order_sensitive_and_unambiguous() -> None:
 
 def test_noise_seed_is_identical_in_a_fresh_interpreter() -> None:
     # A fresh process has a different str-hash salt: this fails if mixing used hash().
-    code = "from dlm.diffusion import noise_seed, step_time_offset; print(noise_seed(1337, 42), step_time_offset(1, 9))"
+    code = (
+        "from dlm.diffusion.objective import noise_seed, step_time_offset; "
+        "print(noise_seed(1337, 42), step_time_offset(1, 9))"
+    )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(output[0]) == noise_seed(1337, 42)
     assert float(output[1]) == step_time_offset(1, 9)

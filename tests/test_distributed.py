@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, load_config
-from dlm.distributed import check_parallelism, check_world_size, end_process
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.train import train
-from dlm.train_step import LogWindow, TrainingStep
+from dlm.train.distributed import check_parallelism, check_world_size, end_process
+from dlm.train.loop import train
+from dlm.train.step import LogWindow, TrainingStep
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5

@@ -14,11 +14,11 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor
 
-from dlm.config import ModelConfig
-from dlm.diffusion import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
+from dlm.config.schema import ModelConfig
+from dlm.diffusion.objective import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
 from dlm.errors import UserError
-from dlm.evaluate import evaluate_model
-from dlm.model import DiffusionTransformer
+from dlm.evaluation.evaluate import evaluate_model
+from dlm.model.transformer import DiffusionTransformer
 
 VOCAB, MASK_ID, LENGTH = 6, 1, 5
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,16 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor, nn
 
-from dlm.config import ModelConfig
-from dlm.data import load_packed_dataset
+from dlm.artifacts.export import export_model
+from dlm.artifacts.loading import load_model
+from dlm.config.schema import ModelConfig
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer
+from dlm.diffusion.schedules import NOISE_BUCKETS
 from dlm.errors import UserError
-from dlm.evaluate import EVAL_FORMAT, NOISE_BUCKETS, evaluate_model, evaluate_source, packed_token_bytes, write_report
-from dlm.export import export_model, load_model
-from dlm.likelihood import likelihood_figures
-from dlm.model import DiffusionTransformer
-from dlm.tokenizer import load_tokenizer
+from dlm.evaluation.evaluate import EVAL_FORMAT, evaluate_model, evaluate_source, write_report
+from dlm.evaluation.likelihood import likelihood_figures, packed_token_bytes
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH, SEQUENCES = 32, 64, 256
@@ -175,7 +177,7 @@ def test_cli_eval_json_output_file_and_errors(run_dir: Path, tmp_path: Path, run
 
 
 def test_token_byte_table_sums_to_the_utf8_size_of_any_text(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
-    from dlm.tokenizer import token_byte_lengths
+    from dlm.data.tokenizer import token_byte_lengths
 
     tokenizer = load_tokenizer(tiny_tokenizer_path)
     tokenizer.add_tokens(["日本", "<|extra|>"])  # added tokens: outside and inside the byte alphabet
@@ -235,7 +237,7 @@ def test_cli_eval_human_output_shows_the_counts_behind_bits_per_byte(
 def test_cli_eval_says_which_weights_it_scored(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch) -> None:
     from helpers import tiny_experiment
 
-    from dlm.train import train
+    from dlm.train.loop import train
 
     overrides = ("training.max_steps=3", "training.warmup_steps=1", "training.ema_decay=0.9")
     run = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=lambda event: None).run_dir
@@ -276,7 +278,7 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("dlm.evaluate.evaluate_source", interrupted)
+    monkeypatch.setattr("dlm.evaluation.evaluate.evaluate_source", interrupted)
     result = run_cli("eval", run_dir, "--output", tmp_path / "eval.json")
     assert result.exit_code == 130
     assert result.stderr == "interrupted: evaluation stopped, nothing written\n"
@@ -287,7 +289,7 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
 def test_eval_reports_the_unigram_level_of_exactly_the_scored_blocks(
     run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dlm.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
+    monkeypatch.setattr("dlm.evaluation.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
     report = evaluate_source(run_dir, batches=batches, batch_size=batch_size, mc_samples=2)
     train = np.asarray(load_packed_dataset(tiny_data_dir, split="train").tokens).ravel()
     scored = np.asarray(load_packed_dataset(tiny_data_dir, split="val").tokens[: batches * batch_size]).ravel()
@@ -370,7 +372,7 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
 def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
     run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
 ) -> None:
-    from dlm.chat_pack import mask_path, pack_chat
+    from dlm.data.chat_pack import mask_path, pack_chat
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import assert_same_weights, check_resume_is_exact, tiny_experiment
 
-from dlm.diffusion import draw_exact_count
+from dlm.diffusion.objective import draw_exact_count
 from dlm.errors import UserError
-from dlm.train import train
+from dlm.train.loop import train
 
 STEPS = ("training.max_steps=6", "training.warmup_steps=1", "training.log_interval=1",
          "training.eval_interval=100", "training.save_interval=100", "training.masking=exact-count")  # fmt: skip
@@ -33,7 +33,7 @@ def test_every_sequence_masks_a_stratified_exact_count(tiny_data_dir: Path, tmp_
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *STEPS, "training.gradient_accumulation_steps=2",
                                  *extra)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("dlm.train_step.draw_exact_count", _spy(seen))
+        patch.setattr("dlm.train.step.draw_exact_count", _spy(seen))
         result = train(experiment)
     assert result.status == "complete" and len(seen) == 12  # 6 steps x 2 micro-batches
     size = 64 if block_size is None else block_size

@@ -14,15 +14,17 @@ from helpers import train_tiny_run
 from safetensors import safe_open
 
 import dlm
-from dlm.card_data import NEUTRAL_PROMPT, usage_prompt
-from dlm.checkpoint import load_checkpoint
-from dlm.checksum import with_checksum
-from dlm.config import ExperimentConfig
-from dlm.data import load_packed_dataset
+from dlm.artifacts.card_data import NEUTRAL_PROMPT, usage_prompt
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.checksum import with_checksum
+from dlm.artifacts.export import _store_once, export_model
+from dlm.artifacts.export_layout import EXPORT_FORMAT
+from dlm.artifacts.loading import load_model, load_model_with_info
+from dlm.config.schema import ExperimentConfig
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.errors import UserError
-from dlm.export import EXPORT_FORMAT, _store_once, export_model, load_model, load_model_with_info
-from dlm.model import DiffusionTransformer
-from dlm.tokenizer import load_tokenizer, tokenizer_sha256
+from dlm.model.transformer import DiffusionTransformer
 
 ROOT = Path(__file__).resolve().parents[1]
 

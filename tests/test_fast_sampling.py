@@ -19,14 +19,16 @@ from test_sampling import MASK, PAD, TableModel, recorded_generate
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from dlm.block_sampling import cut_after_stop
 from dlm.cli import app
-from dlm.config import ModelConfig
-from dlm.decoding import _FastReverse, _Window, denoise_fast
+from dlm.config.schema import ModelConfig
+from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
-from dlm.sampling import SamplingOptions, denoise, generate
-from dlm.schedule import LinearSchedule
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.dispatch import denoise
+from dlm.sampling.fast import _FastReverse, _Window, denoise_fast
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.reverse import cut_after_stop
 
 END = 0  # <|endoftext|>
 

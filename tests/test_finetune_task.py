@@ -25,14 +25,14 @@ import pytest
 from conftest import CliResult
 from helpers import ROOT
 
-from dlm.chat import chat_prompt, reply
-from dlm.chat_pack import pack_chat
-from dlm.config import load_config
-from dlm.data import pack_corpus
-from dlm.loading import load_model_with_info
-from dlm.sampling import generate
-from dlm.tokenizer import load_tokenizer, train_tokenizer
-from dlm.train import train
+from dlm.artifacts.loading import load_model_with_info
+from dlm.config.schema import load_config
+from dlm.data.chat import chat_prompt, reply
+from dlm.data.chat_pack import pack_chat
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import load_tokenizer, train_tokenizer
+from dlm.sampling.generation import generate
+from dlm.train.loop import train
 
 WORDS = ("red", "blue", "green", "black", "white", "gold", "pink", "grey")
 PHRASE_WORDS = 4  # 8**4 = 4096 phrases: 1200 to learn from, 30 held out

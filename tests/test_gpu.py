@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dlm.bench import find_max_batch, run_benchmark, synthetic_batches
-from dlm.config import ExperimentConfig, ModelConfig
-from dlm.distributed import DistributedContext
+from dlm.bench.throughput import find_max_batch, run_benchmark, synthetic_batches
+from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.errors import UserError
 from dlm.runtime import configure_cuda_backends, enabled_sdpa_backends
-from dlm.train_step import LogWindow, TrainingStep
+from dlm.train.distributed import DistributedContext
+from dlm.train.step import LogWindow, TrainingStep
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from helpers import train_tiny_run
 
-from dlm.export import export_model
+from dlm.artifacts.export import export_model
 
 pytestmark = pytest.mark.lm_eval_extra
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[lm-eval]')")

@@ -14,13 +14,14 @@ from helpers import train_tiny_run
 from safetensors.torch import load_file
 
 import dlm
-import dlm.schedule
-from dlm.config import DiffusionConfig, ModelConfig
+import dlm.diffusion.schedules
+from dlm.artifacts.export import export_model
+from dlm.artifacts.hf.names import from_hf_names, to_hf_names
+from dlm.artifacts.hf_export import AUTO_MAP, CODE_FILES, check_hf_exportable, export_hf
+from dlm.artifacts.loading import read_model_source
+from dlm.config.schema import DiffusionConfig, ModelConfig
+from dlm.diffusion.schedules import Schedule, register_schedule
 from dlm.errors import UserError
-from dlm.export import export_model
-from dlm.hf.convert import AUTO_MAP, CODE_FILES, check_hf_exportable, export_hf, from_hf_names, to_hf_names
-from dlm.loading import read_model_source
-from dlm.schedule import Schedule, register_schedule
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_block_models_export_with_their_block_size_and_come_back(tiny_data_dir: 
 
 def test_schedules_without_a_bundled_sampler_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # Registered into a copy of the registry, so no other test sees the extra schedule.
-    monkeypatch.setattr(dlm.schedule, "_SCHEDULES", dict(dlm.schedule._SCHEDULES))
+    monkeypatch.setattr(dlm.diffusion.schedules, "_SCHEDULES", dlm.diffusion.schedules._SCHEDULES.copy())
 
     @register_schedule("hf-test-quadratic")
     class Quadratic(Schedule):

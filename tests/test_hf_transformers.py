@@ -22,7 +22,7 @@ import dlm
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf_extra
 
-from dlm.hf.convert import HF_SCHEDULES, export_hf  # noqa: E402
+from dlm.artifacts.hf_export import HF_SCHEDULES, export_hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_block_model_infilling_and_refusals(block_run: tuple) -> None:
 
 
 def test_bundled_sampler_knows_the_schedules_the_export_accepts() -> None:
-    from dlm.hf.configuration_dlm import SCHEDULES
+    from dlm.artifacts.hf.configuration_dlm import SCHEDULES
 
     assert tuple(SCHEDULES) == HF_SCHEDULES
 

@@ -13,8 +13,8 @@ import torch
 from conftest import CliResult
 from helpers import ROOT, train_tiny_run
 
-from dlm.checkpoint import load_checkpoint
-from dlm.checksum import with_checksum
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.checksum import with_checksum
 from dlm.errors import UserError
 
 POISONED = "blocks.1.attention.qkv.weight"  # the tensor that holds the NaN / inf
@@ -60,7 +60,7 @@ def nan_run(run_dir: Path, tmp_path: Path) -> Path:
 def _nan_export(run_dir: Path, tmp_path: Path, value: float) -> Path:
     from safetensors.torch import load_file, save_file
 
-    from dlm.export import export_model
+    from dlm.artifacts.export import export_model
 
     export = export_model(run_dir, tmp_path / "export", dtype="float32")
     weights = load_file(str(export / "model.safetensors"))
@@ -86,7 +86,7 @@ def test_an_export_with_non_finite_weights_is_refused_by_sample_and_the_harness(
     export = _nan_export(run_dir, tmp_path, value)
     result = run_cli("sample", export, "--length", "8", "--steps", "2", "--json")
     result.assert_refused("NaN or inf", f"tensor {POISONED}", str(export / "model.safetensors"))
-    from dlm.loading import load_model_with_info  # what the lm-eval adapter (dlm.harness) loads with
+    from dlm.artifacts.loading import load_model_with_info  # what the lm-eval adapter (dlm.harness) loads with
 
     with pytest.raises(UserError, match=f"tensor {POISONED}"):
         load_model_with_info(export)
@@ -112,7 +112,7 @@ def test_export_init_from_and_resume_refuse_nan_weights_and_write_nothing(
 
 
 def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
-    from dlm.checkpoint import save_training_checkpoint
+    from dlm.artifacts.checkpoint import save_training_checkpoint
 
     good, bad = torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])
     path = save_training_checkpoint(tmp_path, {"step": 1, "model": {"w": good}, "ema": {"shadow": {"w": bad}}}, 1, 0)
@@ -142,8 +142,8 @@ def test_export_overwrite_refuses_to_delete_a_users_files_beside_an_export(
 
 @pytest.fixture(scope="module")
 def exports(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from dlm.export import export_model
-    from dlm.hf.convert import export_hf
+    from dlm.artifacts.export import export_model
+    from dlm.artifacts.hf_export import export_hf
 
     root = tmp_path_factory.mktemp("exports")
     return {"dlm": export_model(run_dir, root / "dlm"), "hf": export_hf(run_dir, root / "hf")}
@@ -214,7 +214,7 @@ def test_export_leaves_a_damaged_eval_report_out_of_the_model_card_with_a_warnin
 
 
 def test_large_finite_weights_whose_sum_overflows_are_accepted(tmp_path: Path) -> None:
-    from dlm.checkpoint import check_finite_weights
+    from dlm.artifacts.checkpoint import check_finite_weights
 
     large = torch.full((4,), 60000.0, dtype=torch.float16)  # finite, but its float16 sum is inf
     assert not torch.isfinite(large.sum())

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import CliResult
 
-from dlm.chat import ChatTemplate, Turn
+from dlm.data.chat import ChatTemplate, Turn
 
 SEQ_LEN = 64
 CONVERSATION = [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi <b>é</b>"},

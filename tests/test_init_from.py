@@ -11,10 +11,10 @@ import torch
 from conftest import CliResult
 from helpers import ROOT, tiny_experiment, train_tiny_run
 
-from dlm.checkpoint import load_checkpoint, save_inference_checkpoint
-from dlm.events import Event, StartEvent
-from dlm.train import train
-from dlm.train_step import LogWindow, TrainingStep
+from dlm.artifacts.checkpoint import load_checkpoint, save_inference_checkpoint
+from dlm.artifacts.events import Event, StartEvent
+from dlm.train.loop import train
+from dlm.train.step import LogWindow, TrainingStep
 
 SETTINGS = ("training.max_steps=6", "training.warmup_steps=1", "training.save_interval=100",
             "training.eval_interval=100", "training.log_interval=1")  # fmt: skip

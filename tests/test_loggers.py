@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from helpers import ROOT, tiny_experiment
 
-from dlm.events import Event, TrainEvent, ValidationEvent, read_events
-from dlm.loggers import Logger, bucket_names, event_scalars, register_logger
-from dlm.readers import Requirement
-from dlm.train import train
+from dlm.artifacts.events import Event, TrainEvent, ValidationEvent, read_events
+from dlm.extras import Requirement
+from dlm.train.loggers import Logger, bucket_names, event_scalars, register_logger
+from dlm.train.loop import train
 
 SHORT_RUN = ("training.max_steps=10", "training.log_interval=5", "training.eval_interval=5")
 
@@ -77,7 +77,7 @@ import sys
 sys.path.insert(0, {str(ROOT / "tests")!r})
 from pathlib import Path
 from helpers import tiny_experiment
-from dlm.train import train
+from dlm.train.loop import train
 experiment = tiny_experiment(Path({str(tiny_data_dir)!r}), Path({str(tmp_path / "run")!r}), *{SHORT_RUN!r})
 train(experiment)
 print(sorted(name for name in sys.modules if name.split(".")[0] in ("tensorboard", "wandb")

@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm import memory
-from dlm.config import ExperimentConfig, ModelConfig
-from dlm.diffusion import masked_token_losses
-from dlm.memory import (
+from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, unregister_optimizer
+from dlm.config.schema import ExperimentConfig, ModelConfig
+from dlm.diffusion.objective import masked_token_losses
+from dlm.model.denoiser import masked_logits
+from dlm.model.transformer import DiffusionTransformer
+from dlm.train import memory
+from dlm.train.memory import (
     AvailableMemory,
     activation_bytes,
     available_ram,
@@ -22,9 +25,7 @@ from dlm.memory import (
     optimizer_state_bytes,
     parameter_shapes,
 )
-from dlm.model import DiffusionTransformer
-from dlm.optim import build_optimizer
-from dlm.optimizers import OptimizerSpec, register_optimizer, unregister_optimizer
+from dlm.train.optimizer import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -139,8 +140,7 @@ def saved_activation_bytes(config: ExperimentConfig, precision: str) -> int:
     mask = torch.rand(tokens.shape) < 0.5
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), autocast:
-        clean = {"clean_tokens": tokens} if config.model.is_block_model else {}  # the 2L pass of training
-        masked_token_losses(model(tokens, output_positions=mask, **clean), tokens[mask])
+        masked_token_losses(masked_logits(model, tokens, mask, tokens), tokens[mask])  # a block model's 2L pass
     return sum(size for pointer, size in saved.items() if pointer not in weights)
 
 

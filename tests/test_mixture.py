@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlm.data import load_packed_dataset, pack_corpus
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.mixture import WeightedSource, parse_source
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
-from dlm.mixture import WeightedSource, parse_source
-from dlm.tokenizer import load_tokenizer
 
 EOS = 0
 

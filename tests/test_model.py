@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlm.config import ModelConfig
-from dlm.diffusion import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
-from dlm.model import DiffusionTransformer, apply_rotary, format_parameter_count, rotary_tables
+from dlm.config.schema import ModelConfig
+from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
+from dlm.model.transformer import DiffusionTransformer, apply_rotary, format_parameter_count, rotary_tables
 
 
 def tiny_config(**overrides: object) -> ModelConfig:

@@ -12,10 +12,10 @@ import torch
 from helpers import tiny_experiment
 from torch import nn
 
-from dlm.checkpoint import load_checkpoint
-from dlm.config import TrainingConfig
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
-from dlm.optim import ModelEMA, build_optimizer, learning_rate, parameter_groups
+from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate, parameter_groups
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -234,7 +234,7 @@ def test_ema_state_without_an_update_count_loads_past_the_warmup() -> None:
 
 
 def test_resume_keeps_the_ema_warmup_exact(tiny_data_dir: Path, tmp_path: Path) -> None:
-    from dlm.train import train
+    from dlm.train.loop import train
 
     # 8 updates at decay 0.999 stay inside the warmup (the 8th uses 8 / 17): a resume that lost
     # the update count would restart the warmup and average differently.

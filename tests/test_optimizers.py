@@ -11,15 +11,15 @@ import torch
 from helpers import tiny_experiment, train_losses
 from torch import nn
 
-from dlm.checkpoint import load_checkpoint
-from dlm.config import ExperimentConfig, TrainingConfig, load_config
-from dlm.distributed import check_parallelism
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.events import Event, StartEvent
+from dlm.artifacts.run_dir import check_resumable
+from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
+from dlm.config.schema import ExperimentConfig, TrainingConfig, load_config
 from dlm.errors import UserError
-from dlm.events import Event, StartEvent
-from dlm.optim import build_optimizer, check_state_layout
-from dlm.optimizers import OptimizerSpec, register_optimizer, registered_optimizers, unregister_optimizer
-from dlm.run_dir import check_resumable
-from dlm.train import train
+from dlm.train.distributed import check_parallelism
+from dlm.train.loop import train
+from dlm.train.optimizer import build_optimizer, check_state_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("training.max_steps=8", "training.warmup_steps=2", "training.log_interval=2", "training.save_interval=100",

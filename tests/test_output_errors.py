@@ -15,7 +15,7 @@ import pytest
 from helpers import train_tiny_run
 
 import dlm.errors
-from dlm.export import export_model
+from dlm.artifacts.export import export_model
 
 LONG = "a-directory-with-a-rather-long-name-" * 3
 
@@ -88,12 +88,12 @@ def test_export_into_an_unwritable_directory_is_one_error_line(
 def test_eval_output_into_an_unwritable_directory_is_refused_before_evaluating(
     run_dir: Path, locked_dir: Path, run_cli, narrow_console: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlm.evaluate
+    import dlm.evaluation.evaluate
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("evaluated although the report could not be written")
 
-    monkeypatch.setattr(dlm.evaluate, "evaluate_source", never)
+    monkeypatch.setattr(dlm.evaluation.evaluate, "evaluate_source", never)
     run_cli("eval", run_dir, "--output", locked_dir / "eval.json").assert_refused(
         f"{locked_dir / 'eval.json'}: --output: {locked_dir} is not writable"
     )

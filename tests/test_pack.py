@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlm.chat_pack import mask_path
-from dlm.data import load_packed_dataset
-from dlm.pack import MASK_FILES, pack_corpus
-from dlm.tokenizer import load_tokenizer
+from dlm.data.chat_pack import mask_path
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.pack import MASK_FILES, pack_corpus
+from dlm.data.tokenizer import load_tokenizer
 
 EOS = 0
 
@@ -294,7 +294,7 @@ def test_no_space_while_committing_keeps_the_previous_pack(
     def no_space(source: str | Path, target: str | Path) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
 
-    monkeypatch.setattr("dlm.pack.shutil.copyfile", no_space)
+    monkeypatch.setattr("dlm.data.pack.shutil.copyfile", no_space)
     run_cli(*args[:2], tiny_corpus["train"][1], *args[2:]).assert_refused(
         str(output), "cannot write the packed data: No space left on device"
     )

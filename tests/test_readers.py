@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from dlm import readers
-from dlm.corpus import CorpusReader, discover_inputs
-from dlm.readers import Chunk, Format, ReadContext
-from dlm.tokenizer import train_tokenizer
+from dlm.data import readers
+from dlm.data.corpus import CorpusReader, discover_inputs
+from dlm.data.readers import Chunk, Format, ReadContext
+from dlm.data.tokenizer import train_tokenizer
 
 # Documents with what a reader could get wrong: line endings, no final newline, U+FFFD already in the
 # text, a special token's spelling, non-ASCII, and one longer than a text piece (64 KB).
@@ -285,8 +285,9 @@ def read_lines(context: ReadContext) -> Iterator[Chunk]:
 def test_a_new_format_is_one_read_function_and_one_registry_entry(
     tmp_path: Path, tiny_tokenizer_path: Path, run_cli, monkeypatch
 ) -> None:
-    lines = Format("lines", "`.lines`", read_lines, suffixes=(".lines",), compressible=True)
-    monkeypatch.setattr(readers, "FORMATS", (*readers.FORMATS, lines))
+    monkeypatch.setattr(readers, "_FORMATS", readers._FORMATS.copy())  # the registration leaves with the test
+    readers.register_format(Format("lines", "`.lines`", read_lines, suffixes=(".lines",), compressible=True))
+    assert readers.formats()[-1].name == "lines"
     documents = ["first line", "second, with é", "third"]
     corpus = tmp_path / "corpus"
     corpus.mkdir()

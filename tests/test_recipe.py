@@ -1,7 +1,7 @@
 """The recipe kept honest at test scale: a tiny model must learn context, not just token frequencies.
 
 A model that only learns how often each token occurs scores its data's unigram level in bits per
-byte; `dlm eval` reports that level beside the model (`dlm.unigram`). The tiny config, at the batch
+byte; `dlm eval` reports that level beside the model (`dlm.evaluation.unigram`). The tiny config, at the batch
 and learning rate below, passes it within seconds of one CPU core; if a change to the model, the
 loss or the optimizer stops it from learning context, this fails where a loss-went-down test would not.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import tiny_experiment
 
-from dlm.evaluate import evaluate_source
-from dlm.train import train
+from dlm.evaluation.evaluate import evaluate_source
+from dlm.train.loop import train
 
 # About 600k training tokens. Fewer leave the tiny model near its unigram level, or past it by
 # luck: measured on the tiny data, 60 steps of batch 8 end 0.03 bits/byte above the level, 200

@@ -1,6 +1,6 @@
 """`dlm report`: the run's history read back exactly, the page it writes, and the page in a browser.
 
-The data part (`dlm.report`) needs no extra. The page needs plotly (the `report` extra): those tests
+The data part (`dlm.report.history`) needs no extra. The page needs plotly (the `report` extra): those tests
 are marked `report_extra`. The browser test needs playwright and pillow (the `report-test` extra)
 and Chromium at /usr/bin/chromium: it is marked `browser`. Each skips cleanly without its packages.
 """
@@ -19,17 +19,10 @@ import pytest
 from conftest import CliResult
 from helpers import tiny_experiment
 
+from dlm.artifacts.events import EndEvent, StartEvent, TrainEvent, ValidationEvent
 from dlm.errors import UserError
-from dlm.events import EndEvent, StartEvent, TrainEvent, ValidationEvent
-from dlm.report import (
-    GENERATOR_TAG,
-    check_report_output,
-    config_rows,
-    current_events,
-    find_run,
-    gather_run,
-)
-from dlm.train import train
+from dlm.report.history import GENERATOR_TAG, check_report_output, config_rows, current_events, find_run, gather_run
+from dlm.train.loop import train
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Offline and quiet: no first-run pages, no background or component traffic, no QUIC probing.
@@ -249,7 +242,7 @@ def test_the_page_is_written_self_contained_with_the_runs_numbers(
     plotly_offline = pytest.importorskip(
         "plotly.offline", reason="plotly is not installed (pip install -e '.[report]')"
     )
-    from dlm.report_page import build_charts
+    from dlm.report.page import build_charts
 
     run_dir = _report_run(run_copy)
     result = run_cli("report", run_dir, "--json")
@@ -314,7 +307,7 @@ def test_the_page_renders_in_chromium_offline(run_copy: Path) -> None:
     image = pytest.importorskip("PIL.Image", reason="pillow is not installed (pip install -e '.[report-test]')")
     if not CHROMIUM.exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    from dlm.report_page import build_charts, write_report
+    from dlm.report.page import build_charts, write_report
 
     page_path = write_report(_report_run(run_copy))
     charts = len(build_charts(gather_run(run_copy)))

@@ -14,11 +14,13 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from dlm.cli import app
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
+from dlm.diffusion.schedules import get_schedule
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
-from dlm.sampling import SamplingOptions, generate, masked_after, reveal_count
-from dlm.schedule import get_schedule
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.reverse import masked_after, reveal_count
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)
@@ -77,15 +79,15 @@ def test_a_threshold_keeps_the_chosen_split_as_its_minimum(tokenizer: Tokenizer)
 
 
 def test_a_block_model_reveals_by_the_chosen_split(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlm.block_sampling
+    import dlm.sampling.block_model
 
     config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
                          pad_vocab_multiple=64, block_size=8)  # fmt: skip
     torch.manual_seed(0)
     model = DiffusionTransformer(config)
     counts: list[int] = []
-    real = dlm.block_sampling.reveal_count
-    monkeypatch.setattr(dlm.block_sampling, "reveal_count", lambda *a: counts.append(real(*a)) or counts[-1])
+    real = dlm.sampling.block_model.reveal_count
+    monkeypatch.setattr(dlm.sampling.block_model, "reveal_count", lambda *a: counts.append(real(*a)) or counts[-1])
     for split, expected in (("schedule", [2, 1, 2, 1] * 2), ("even", [2, 2, 1, 1] * 2)):
         counts.clear()
         result = generate(model, tokenizer, length=12, prompt="ROMEO:", steps=8, remasking="confidence",
@@ -115,12 +117,12 @@ def test_cli_reveal_split(fake_export: list[object], tokenizer: Tokenizer, run_c
 
 
 def test_the_scorer_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlm.sampling
-    from dlm.scoring import Scorer
+    import dlm.sampling.dispatch
+    from dlm.evaluation.scoring import Scorer
 
     seen: list[SamplingOptions] = []
-    real = dlm.sampling.denoise
-    monkeypatch.setattr(dlm.sampling, "denoise", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    real = dlm.sampling.dispatch.denoise
+    monkeypatch.setattr(dlm.sampling.dispatch, "denoise", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
     config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
                          pad_vocab_multiple=64)  # fmt: skip
     scorer = Scorer(DiffusionTransformer(config).eval(), tokenizer)
@@ -135,12 +137,12 @@ def test_the_harness_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.M
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[lm-eval]')")
     from lm_eval.api.instance import Instance
 
-    import dlm.loading
+    import dlm.artifacts.loading
     from dlm.harness import DlmLM
 
     loaded = SimpleNamespace(model=random_model(tokenizer), tokenizer=tokenizer,
                              info=SimpleNamespace(diffusion=SimpleNamespace(mask_eps=1e-3)))  # fmt: skip
-    monkeypatch.setattr(dlm.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
+    monkeypatch.setattr(dlm.artifacts.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
     model = DlmLM(pretrained="model", device="cpu", reveal_split="even")
     seen: list[Any] = []
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from helpers import tiny_experiment
 
-from dlm.checkpoint import UnverifiedCheckpointWarning, load_checkpoint
-from dlm.checksum import CHECKSUM_KEY
+from dlm.artifacts.checkpoint import UnverifiedCheckpointWarning, load_checkpoint
+from dlm.artifacts.checksum import CHECKSUM_KEY
 from dlm.errors import UserError
 from dlm.fileio import temporaries
-from dlm.train import train
+from dlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # Long enough that an error line naming it twice would wrap at 80 columns if it could.
@@ -306,7 +306,7 @@ def test_disk_full_while_saving_a_checkpoint_keeps_latest(tiny_data_dir: Path, t
 
 
 def test_run_dir_owns_the_layout_and_what_a_resume_continues(tiny_data_dir: Path, tmp_path: Path) -> None:
-    from dlm.run_dir import RunDir, load_run
+    from dlm.artifacts.run_dir import RunDir, load_run
 
     run_dir = tiny_run(tiny_data_dir, tmp_path / "run", "training.max_steps=6", steps=4)
     run = RunDir(run_dir)

@@ -354,7 +354,7 @@ def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
 ) -> None:
     """On an AVX512-BF16 CPU the demo's recipe trains in bfloat16; capped to AVX2, as that CPU class, in float32."""
 
-    from dlm.demo import demo_experiment
+    from dlm.demo.run import demo_experiment
 
     for name in ISA_CAPS:
         monkeypatch.delenv(name, raising=False)

@@ -15,12 +15,13 @@ import test_sampling
 import torch
 from tokenizers import Tokenizer
 
-import dlm.sampling
-from dlm.chat import chat_prompt, reply
+import dlm.sampling.generation
 from dlm.cli.sample_cmd import SampleRequest
-from dlm.config import ModelConfig
-from dlm.model import DiffusionTransformer
-from dlm.sampling import SamplingOptions, generate
+from dlm.config.schema import ModelConfig
+from dlm.data.chat import chat_prompt, reply
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SamplingOptions
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 QUESTION = "say be"
@@ -65,12 +66,16 @@ def loaded(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, tmp_path: Path
     model = DiffusionTransformer(config).double().eval()  # float64: equal to a direct call on any CPU
     info = SimpleNamespace(tokenizer_path=tmp_path / "tokenizer.json")  # no tokenizer_config.json: default template
     loads: list[str] = []
-    monkeypatch.setattr("dlm.export.load_model", lambda path, device: loads.append("export") or (model, tokenizer))
-    monkeypatch.setattr("dlm.loading.load_model_with_info", lambda path, device: loads.append("chat")
+    monkeypatch.setattr(
+        "dlm.artifacts.loading.load_model", lambda path, device: loads.append("export") or (model, tokenizer)
+    )
+    monkeypatch.setattr("dlm.artifacts.loading.load_model_with_info", lambda path, device: loads.append("chat")
                         or SimpleNamespace(model=model, tokenizer=tokenizer, info=info))  # fmt: skip
     calls: list[dict[str, Any]] = []
-    real = dlm.sampling.generate
-    monkeypatch.setattr(dlm.sampling, "generate", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    real = dlm.sampling.generation.generate
+    monkeypatch.setattr(
+        dlm.sampling.generation, "generate", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs)
+    )
     return Loaded(model, calls, loads)
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm.prompting import template_fixed_text
-from dlm.sample_quality import SampleQuality, corpus_words, pooled, sample_quality, words
+from dlm.evaluation.sample_quality import SampleQuality, corpus_words, pooled, sample_quality, words
+from dlm.sampling.prompting import template_fixed_text
 
 
 def test_words_are_runs_of_letters_in_lower_case_with_inner_apostrophes() -> None:
@@ -39,7 +39,7 @@ def test_pooled_figures_sum_words_and_tokens() -> None:
 
 
 def test_corpus_words_read_any_corpus_format_and_count_tokens(tmp_path: Path, tiny_tokenizer_path: Path) -> None:
-    from dlm.tokenizer import load_tokenizer
+    from dlm.data.tokenizer import load_tokenizer
 
     plain, packed = tmp_path / "a.txt", tmp_path / "b.txt.gz"
     plain.write_text("To be, or not to be:\nthat is the question.\n", encoding="utf-8")

@@ -7,8 +7,6 @@ confidence is known in advance and the order in which positions are revealed can
 from __future__ import annotations
 
 import json
-import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,20 +20,13 @@ from typer.testing import CliRunner
 
 from dlm.cli import app, main
 from dlm.cli.sample_cmd import MASK_GLYPH, render_samples
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
-from dlm.sampling import (
-    SampleResult,
-    SamplingOptions,
-    build_sequence,
-    check_request,
-    filter_logits,
-    generate,
-    parse_template,
-    reveal_count,
-    sample_tokens,
-    split_masked,
-)
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SampleResult, SamplingOptions
+from dlm.sampling.prompting import build_sequence, check_request, parse_template, split_masked
+from dlm.sampling.reverse import reveal_count
+from dlm.sampling.tokens import filter_logits, sample_tokens
 
 MASK, PAD = 1, 2
 CORPUS = [
@@ -268,7 +259,7 @@ def test_generate_runs_in_eval_inference_mode_and_restores_training(tokenizer: T
 
 
 def test_real_transformer_smoke(tokenizer: Tokenizer) -> None:
-    from dlm.model import DiffusionTransformer
+    from dlm.model.transformer import DiffusionTransformer
 
     config = ModelConfig(
         vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=1, n_heads=2,
@@ -393,7 +384,7 @@ def test_split_masked_and_live_rendering(tokenizer: Tokenizer) -> None:
 
 @pytest.fixture()
 def fake_export(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> Iterator[list[object]]:
-    """`dlm.export.load_model` replaced by one returning a stand-in model and the tiny tokenizer."""
+    """`dlm.artifacts.loading.load_model` replaced by one returning a stand-in model and the tiny tokenizer."""
 
     loaded: list[object] = []
 
@@ -401,7 +392,7 @@ def fake_export(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> Iterat
         loaded.append((path, device))
         return random_model(tokenizer), tokenizer
 
-    monkeypatch.setitem(sys.modules, "dlm.export", types.SimpleNamespace(load_model=load_model))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", load_model)
     yield loaded
 
 
@@ -471,7 +462,7 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
     assert {name: getattr(options, name) for name in expected} == expected
     functions: list[Any] = [generate, sample_command]
     try:  # the exported model's sampler needs transformers (the hf extra)
-        from dlm.hf.modeling_dlm import DlmDiffusionForMaskedLM
+        from dlm.artifacts.hf.modeling_dlm import DlmDiffusionForMaskedLM
 
         functions.append(DlmDiffusionForMaskedLM.diffusion_generate)
     except ImportError:
@@ -481,8 +472,41 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
         assert defaults == expected, function
 
 
+def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_process(tokenizer: Tokenizer) -> None:
+    from dlm.sampling.dispatch import register_strategy, strategy_names, unregister_strategy
+    from dlm.sampling.reverse import ReverseContext, Strategy, sequence_blocks
+
+    def left_to_right(model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions,
+                      context: ReverseContext) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """Greedy, one position per forward pass, left to right."""
+        tokens, _blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
+        for position in fill_mask.nonzero().squeeze(-1).tolist():
+            logits = model(tokens)[:, position].clone()
+            logits[:, [model.config.mask_token_id, *context.forbidden_token_ids]] = float("-inf")
+            tokens[:, position] = logits.argmax(dim=-1)
+        return tokens, int(fill_mask.sum())
+
+    model = random_model(tokenizer)
+    assert strategy_names() == ("block model", "fast", "plain")
+    register_strategy(Strategy("left to right", lambda model, options, stop: options.temperature == 0, left_to_right))
+    try:
+        assert strategy_names() == ("left to right", "block model", "fast", "plain")
+        ours = generate(model, tokenizer, prompt="ROMEO:", length=6, steps=3, temperature=0)
+        start = ours.prompt_tokens[0]
+        table = model.table.detach()[start : start + 6].clone()
+        table[:, [1, 2]] = float("-inf")  # the mask and pad tokens are never predicted
+        assert ours.forward_passes == 6 and ours.token_ids[0][start:] == table.argmax(dim=-1).tolist()
+        sampled = generate(model, tokenizer, prompt="ROMEO:", length=6, steps=3, seed=1)  # temperature 1: plain
+        assert sampled.forward_passes <= 3
+        with pytest.raises(ValueError, match="already registered"):
+            register_strategy(Strategy("left to right", lambda *args: True, left_to_right))
+    finally:
+        unregister_strategy("left to right")
+    assert strategy_names() == ("block model", "fast", "plain")
+
+
 def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(tokenizer: Tokenizer) -> None:
-    from dlm.remasking import register_remasking, remasking_names, unregister_remasking
+    from dlm.sampling.remasking import register_remasking, remasking_names, unregister_remasking
 
     model = random_model(tokenizer)
     calls: list[int] = []

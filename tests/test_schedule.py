@@ -17,20 +17,18 @@ from helpers import ROOT, tiny_experiment
 from rich.console import Console
 
 import dlm
-import dlm.schedule as schedule_module
-from dlm.checkpoint import LATEST_NAME, load_checkpoint
-from dlm.checksum import with_checksum
-from dlm.config import ExperimentConfig, MovedFieldNote, load_config
-from dlm.dashboard import TrainingDashboard
-from dlm.data import load_packed_dataset
-from dlm.diffusion import corrupt_tokens, elbo_nll, truncation_factor
-from dlm.errors import UserError
-from dlm.evaluate import evaluate_model, evaluate_source
-from dlm.events import Event, StartEvent, TrainEvent, ValidationEvent
-from dlm.export import export_model, load_model_with_info
-from dlm.run_dir import load_run
-from dlm.sampling import reveal_count
-from dlm.schedule import (
+import dlm.diffusion.schedules as schedule_module
+from dlm.artifacts.checkpoint import LATEST_NAME, load_checkpoint
+from dlm.artifacts.checksum import with_checksum
+from dlm.artifacts.events import Event, StartEvent, TrainEvent, ValidationEvent
+from dlm.artifacts.export import export_model
+from dlm.artifacts.loading import load_model_with_info
+from dlm.artifacts.run_dir import load_run
+from dlm.cli.dashboard import TrainingDashboard
+from dlm.config.schema import ExperimentConfig, MovedFieldNote, load_config
+from dlm.data.dataset import load_packed_dataset
+from dlm.diffusion.objective import corrupt_tokens, elbo_nll, truncation_factor
+from dlm.diffusion.schedules import (
     NOISE_BUCKETS,
     CosineSchedule,
     LinearSchedule,
@@ -40,7 +38,10 @@ from dlm.schedule import (
     register_schedule,
     schedule_names,
 )
-from dlm.train import train
+from dlm.errors import UserError
+from dlm.evaluation.evaluate import evaluate_model, evaluate_source
+from dlm.sampling.reverse import reveal_count
+from dlm.train.loop import train
 
 VOCAB, MASK_ID, EPS = 50, 1, 1e-3
 SCHEDULES = ("linear", "cosine")
@@ -157,7 +158,7 @@ def test_reveal_counts_follow_the_schedule(name: str) -> None:
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """A private copy of the registry, so schedules registered by a test leave with it."""
 
-    monkeypatch.setattr(schedule_module, "_SCHEDULES", dict(schedule_module._SCHEDULES))
+    monkeypatch.setattr(schedule_module, "_SCHEDULES", schedule_module._SCHEDULES.copy())
 
 
 def test_registry_names_builds_and_refuses() -> None:

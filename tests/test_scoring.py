@@ -1,4 +1,4 @@
-"""`dlm.scoring`: conditional likelihoods, rolling windows and generation from token ids (what the
+"""`dlm.evaluation.scoring`: conditional likelihoods, rolling windows and generation from token ids (what the
 lm-evaluation-harness adapter serves), on a tiny random model."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from dlm.config import ModelConfig
+from dlm.config.schema import ModelConfig
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError
-from dlm.model import DiffusionTransformer
-from dlm.sampling import SamplingOptions, denoise
-from dlm.scoring import Scorer, rolling_windows
-from dlm.tokenizer import load_tokenizer
+from dlm.evaluation.scoring import Scorer, rolling_windows
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.dispatch import denoise
+from dlm.sampling.options import SamplingOptions
 
 MASK_ID, LENGTH = 1, 32
 

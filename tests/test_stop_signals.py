@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dlm.checkpoint import load_checkpoint
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.fileio import temporaries
-from dlm.stop import SignalStop, StopSignals
+from dlm.train.stop import SignalStop, StopSignals
 
 ROOT = Path(__file__).resolve().parents[1]
 

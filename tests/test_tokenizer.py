@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dlm.errors import UserError
-from dlm.tokenizer import (
+from dlm.data.tokenizer import (
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     load_tokenizer,
@@ -19,6 +18,7 @@ from dlm.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
+from dlm.errors import UserError
 
 AWKWARD_TEXTS = [
     "plain ASCII, with punctuation!?",

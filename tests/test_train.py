@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import assert_same_weights, tiny_experiment, train_losses
 
-from dlm.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
-from dlm.checksum import with_checksum
+from dlm.artifacts.checkpoint import RunLock, load_checkpoint, numbered_checkpoints
+from dlm.artifacts.checksum import with_checksum
+from dlm.artifacts.events import Event, ValidationEvent
 from dlm.errors import UserError
-from dlm.events import Event, ValidationEvent
-from dlm.train import NonFiniteLossError, train
+from dlm.train.loop import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_unsafe_checkpoint_is_refused(tiny_data_dir: Path, tmp_path: Path) -> No
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlm.train_step as train_module
+    import dlm.train.step as train_module
 
     real = train_module.diffusion_cross_entropy
     calls = {"count": 0}
@@ -160,9 +160,9 @@ def test_adamw8bit_and_ema_train_on_cpu(tiny_data_dir: Path, tmp_path: Path) -> 
 def test_validation_leaves_global_rng_untouched(tiny_data_dir: Path, tmp_path: Path) -> None:
     from torch.utils.data import DataLoader
 
-    from dlm.data import load_packed_dataset
-    from dlm.evaluate import fixed_noise_validation
-    from dlm.model import DiffusionTransformer
+    from dlm.data.dataset import load_packed_dataset
+    from dlm.evaluation.evaluate import fixed_noise_validation
+    from dlm.model.transformer import DiffusionTransformer
 
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")
     model = DiffusionTransformer(experiment.model)

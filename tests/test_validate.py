@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlm.config import load_config
+from dlm.config.schema import load_config
 from dlm.errors import UserError
-from dlm.validate import ensure_valid, validate_config_file
+from dlm.train.preflight import ensure_valid, validate_config_file
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 

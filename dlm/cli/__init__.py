@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         _main(argv)
     except SystemExit as stop:
         # Only modules that are loaded can have joined a group (`dlm pack` never imports torch).
-        distributed = sys.modules.get("dlm.distributed")
+        distributed = sys.modules.get("dlm.train.distributed")
         if distributed is not None and distributed.joined_process_group():
             if isinstance(stop.code, str):
                 print(stop.code, file=sys.stderr)  # as the interpreter would

@@ -113,8 +113,8 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
     from rich.table import Table
 
-    from dlm.bench_generate import benchmark_generation, report_table
-    from dlm.export import load_model
+    from dlm.artifacts.loading import load_model
+    from dlm.bench.generation import benchmark_generation, report_table
 
     device = options.pop("device")
     model, tokenizer = load_model(model_path, device=device)
@@ -171,8 +171,9 @@ def bench_command(
     if config is None:
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
 
-    from dlm.bench import BenchReport, Progress, benchmark, report_summary, report_table
-    from dlm.config import load_config
+    from dlm.bench.results import BenchReport, report_summary, report_table
+    from dlm.bench.throughput import Progress, benchmark
+    from dlm.config.schema import load_config
 
     experiment = load_config(config, overrides)
     options: dict[str, Any] = {"steps": steps, "warmup": warmup, "batch_size": batch_size}

@@ -14,17 +14,17 @@ from rich.markup import escape
 
 from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
 from dlm.cli.progress import ProgressView
-from dlm.corpus import SUPPORTED, DecodeErrors
+from dlm.data.readers import DecodeErrors, supported_inputs
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
-    from dlm.pack import PackSummary
+    from dlm.data.pack import PackSummary
 
 tokenizer_app = typer.Typer(help="Train byte-level BPE tokenizers.", no_args_is_help=True)
 
 
-# The formats as the registry in `dlm.readers` lists them, without the backticks of its Markdown.
-INPUTS_HELP = f"Files, directories (recursive) or globs: {SUPPORTED.replace('`', '')}."
+# The formats as the registry in `dlm.data.readers` lists them, without the backticks of its Markdown.
+INPUTS_HELP = f"Files, directories (recursive) or globs: {supported_inputs().replace('`', '')}."
 InputsArgument = Annotated[list[str], typer.Argument(help=INPUTS_HELP)]
 TextFieldOption = Annotated[
     str,
@@ -76,7 +76,7 @@ def tokenizer_train(
 ) -> None:
     """Train a byte-level BPE tokenizer with dlm's special tokens, streaming the corpus."""
 
-    from dlm.tokenizer import train_tokenizer
+    from dlm.data.tokenizer import train_tokenizer
 
     json_mode = wants_json(as_json)
     with _ProgressView("reading", json_mode) as view:
@@ -156,8 +156,8 @@ def pack(
         _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
                    long, overwrite, wants_json(as_json))  # fmt: skip
         return
-    from dlm.mixture import parse_source
-    from dlm.pack import pack_corpus
+    from dlm.data.mixture import parse_source
+    from dlm.data.pack import pack_corpus
 
     sources = [parse_source(text) for text in source or []]
     json_mode = wants_json(as_json)
@@ -185,7 +185,7 @@ def pack(
 
 # Options that only one mode of `dlm pack` reads: given to the other, they are refused, never ignored.
 CHAT_ONLY = ("long",)
-PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dlm.chat, in UTF-8
+PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dlm.data.chat, in UTF-8
 
 
 def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
@@ -206,7 +206,7 @@ def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
 
 def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
                val_fraction: float, seed: int, long: str, overwrite: bool, json_mode: bool) -> None:
-    from dlm.chat_pack import pack_chat
+    from dlm.data.chat_pack import pack_chat
 
     splits = pack_chat([Path(p) for p in inputs], tokenizer, seq_len, output, val_inputs=[Path(p) for p in val_inputs],
                        val_fraction=val_fraction, seed=seed, long=long, overwrite=overwrite)  # type: ignore[arg-type]  # fmt: skip
@@ -275,7 +275,7 @@ def _pack_notes(summary: PackSummary) -> list[str]:
         notes.append(
             f"[yellow]skipped {_count(skipped['count'], 'file')} dlm cannot read[/]: {names}"
             + (f" and {more:,} more" if more else "")
-            + f"; it reads {escape(SUPPORTED)}"
+            + f"; it reads {escape(supported_inputs())}"
         )
     if summary.removed_temporaries:
         notes.append(f"removed {_count(len(summary.removed_temporaries), 'temporary file')} left by a killed pack")
@@ -290,7 +290,7 @@ def _pack_notes(summary: PackSummary) -> list[str]:
 def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
     """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure."""
 
-    from dlm.validate import validate_config_file
+    from dlm.train.preflight import validate_config_file
 
     _, results = validate_config_file(config, overrides)
     failed = [result.name for result in results if not result.passed]

@@ -9,8 +9,8 @@ from rich.console import RenderableType
 from rich.markup import escape
 from rich.text import Text
 
+from dlm.artifacts.events import StreamEvent
 from dlm.cli.common import console
-from dlm.events import StreamEvent
 
 
 def _stage_summary(event: dict[str, Any]) -> str:
@@ -110,7 +110,7 @@ class DemoView:
         from rich.markup import escape
         from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-        from dlm.dashboard import Budget, TrainingDashboard
+        from dlm.cli.dashboard import Budget, TrainingDashboard
 
         stage, status = event["stage"], event["status"]
         if stage == "train" and status == "done" and self.dashboard is not None:

@@ -1,4 +1,4 @@
-"""`dlm eval`: parse, call the library (`dlm.evaluate`), render the report.
+"""`dlm eval`: parse, call the library (`dlm.evaluation.evaluate`), render the report.
 
 Libraries load inside the command so that `dlm --help` never pays for torch.
 """
@@ -18,7 +18,7 @@ from dlm.cli.progress import ProgressView
 
 if TYPE_CHECKING:
 
-    from dlm.evaluate import EvalReport
+    from dlm.evaluation.evaluate import EvalReport
 
 
 def _figure(value: float | None, digits: int = 4) -> str:
@@ -164,7 +164,7 @@ def eval_command(
     """
 
     from dlm.errors import check_can_create, reported_os_errors
-    from dlm.evaluate import evaluate_source, write_report
+    from dlm.evaluation.evaluate import evaluate_source, write_report
     from dlm.runtime import resolve_device
 
     if output is not None:  # before the evaluation, which can take minutes

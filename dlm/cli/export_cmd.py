@@ -1,4 +1,4 @@
-"""`dlm export`: parse, call the library (`dlm.export`), render what the export holds.
+"""`dlm export`: parse, call the library (`dlm.artifacts.export`), render what the export holds.
 
 The library loads inside the command so that `dlm --help` never pays for torch.
 """
@@ -25,8 +25,8 @@ def _human_size(size: int) -> str:
 def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
-    from dlm.hf.convert import hf_summary, is_hf_export
-    from dlm.loading import read_export_config
+    from dlm.artifacts.export_layout import read_export_config
+    from dlm.artifacts.hf.reader import hf_summary, is_hf_export
 
     config = hf_summary(output) if is_hf_export(output) else read_export_config(output)
     files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
@@ -52,8 +52,8 @@ def export_command(
 ) -> None:
     """Export a checkpoint as safetensors weights, config, tokenizer and a model card."""
 
-    from dlm.export import export_model
-    from dlm.hf.convert import export_hf
+    from dlm.artifacts.export import export_model
+    from dlm.artifacts.hf_export import export_hf
 
     export = export_hf if export_format == "hf" else export_model
     summary = export_summary(export(checkpoint, output, dtype=dtype, use_ema=ema, overwrite=overwrite))

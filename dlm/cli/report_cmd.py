@@ -1,4 +1,4 @@
-"""`dlm report`: parse, call the library (`dlm.report_page`), say where the page is.
+"""`dlm report`: parse, call the library (`dlm.report.page`), say where the page is.
 
 The library loads inside the command so that `dlm --help` never pays for torch or plotly.
 """
@@ -37,7 +37,7 @@ def report_command(
     An earlier report at --output is replaced; any other file only with --overwrite.
     """
 
-    from dlm.report_page import write_report
+    from dlm.report.page import write_report
 
     path = write_report(run_dir, output, overwrite)
     size = path.stat().st_size

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from rich.console import RenderableType
 
-    from dlm.sampling import SampleResult, SamplingOptions
+    from dlm.sampling.options import SampleResult, SamplingOptions
 
 MASK_GLYPH = "░"
 
@@ -31,7 +31,7 @@ def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, ste
     from rich.panel import Panel
     from rich.text import Text
 
-    from dlm.sampling import split_masked
+    from dlm.sampling.prompting import split_masked
 
     panels = []
     rows = tokens.tolist()
@@ -197,7 +197,8 @@ class SampleRequest:
     batch_size: int = 16  # --prompt-file only: prompts per padded batch
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `dlm.sampling.generate` (and `dlm.chat.chat_replies`), prompt aside."""
+        """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_replies`),
+        prompt aside."""
 
         settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
                     "stop_at_end": self.stop_at_end, "device": self.device}  # fmt: skip
@@ -239,7 +240,8 @@ def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: s
     from dataclasses import fields
 
     from dlm.runtime import resolve_device
-    from dlm.sampling import SamplingOptions, check_request
+    from dlm.sampling.options import SamplingOptions
+    from dlm.sampling.prompting import check_request
 
     names = {field.name for field in fields(SamplingOptions)}
     options = SamplingOptions(**{name: value for name, value in values.items() if name in names})
@@ -254,7 +256,7 @@ def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> Sample
 
     from rich.live import Live
 
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     mask_id = model.config.mask_token_id
     with Live(console=console, refresh_per_second=15, transient=True) as live:
@@ -304,21 +306,24 @@ def sample(
         reveal_split=reveal_split, batch_size=batch_size,
     )  # fmt: skip
     if chat is not None:
-        from dlm.chat import chat_replies
+        from dlm.artifacts.loading import load_model_with_info
+        from dlm.sampling.chat import chat_replies
 
-        replies = chat_replies(model_path, chat, **request.generate_kwargs())
+        loaded = load_model_with_info(model_path, device=request.device or "cpu")
+        replies = chat_replies(loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat,
+                               **request.generate_kwargs())  # fmt: skip
         print_json({"replies": replies}) if as_json else typer.echo("\n".join(replies))
         return
-    from dlm.prompt_batch import read_prompt_file
+    from dlm.sampling.prompt_batch import read_prompt_file
 
     prompts = None if prompt_file is None else read_prompt_file(prompt_file)
-    from dlm.export import load_model
+    from dlm.artifacts.loading import load_model
 
     model, tokenizer = load_model(model_path, device=request.device)
     if prompts is not None:
         _sample_prompts(model, tokenizer, prompts, request)
         return
-    from dlm.sampling import generate
+    from dlm.sampling.generation import generate
 
     kwargs = request.generate_kwargs() | {"prompt": prompt, "text": text}
     live_view = not as_json and console.is_terminal
@@ -335,9 +340,9 @@ def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: Sam
 
     import json
 
-    from dlm.prompt_batch import encode_prompts, prompt_chunks, prompt_records
-    from dlm.sampling import generate
-    from dlm.tokenizer import SPECIAL_TOKENS
+    from dlm.data.tokenizer import SPECIAL_TOKENS
+    from dlm.sampling.generation import generate
+    from dlm.sampling.prompt_batch import encode_prompts, prompt_chunks, prompt_records
 
     encode_prompts(tokenizer, model.config, prompts, length=request.length, num_samples=request.num_samples,
                    seed=request.seed)  # fmt: skip

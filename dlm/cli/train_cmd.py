@@ -1,4 +1,4 @@
-"""`dlm train` and `dlm resume`: the live dashboard (or JSON lines) around `dlm.train.train`.
+"""`dlm train` and `dlm resume`: the live dashboard (or JSON lines) around `dlm.train.loop.train`.
 
 Exit codes: 0 complete or paused, 2 a user error, 128 + N after signal N (130 for Ctrl-C, 143 for
 SIGTERM), whether the run stopped safely after the first signal or at once after a second one.
@@ -22,7 +22,7 @@ from dlm.cli.common import (
     err_console,
     wants_json,
 )
-from dlm.config import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, load_config
 
 MaxRunSteps = Annotated[
     int | None,
@@ -56,9 +56,9 @@ def _overrides(overrides: list[str] | None, device: str | None, precision: str |
 
 
 def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
-    """Train with `options` (those of `dlm.train.train`) and exit with the run's code."""
+    """Train with `options` (those of `dlm.train.loop.train`) and exit with the run's code."""
 
-    from dlm.stop import SignalStop, StopSignals
+    from dlm.train.stop import SignalStop, StopSignals
 
     # Installed for the whole command, so that a signal after the run (while its result is
     # printed) cannot kill the process with another exit code or a traceback.
@@ -75,9 +75,10 @@ def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
 
 
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
-    from dlm.dashboard import JsonLinesSink, TrainingDashboard
-    from dlm.distributed import launched_rank
-    from dlm.train import train
+    from dlm.artifacts.events import JsonLinesSink
+    from dlm.cli.dashboard import TrainingDashboard
+    from dlm.train.distributed import launched_rank
+    from dlm.train.loop import train
 
     minutes = options.pop("max_run_minutes")
     options["max_run_seconds"] = None if minutes is None else minutes * 60
@@ -134,7 +135,7 @@ def train_command(
     """Train a model from a config; Ctrl-C saves a checkpoint you can resume."""
 
     if nproc is not None and nproc > 1:
-        from dlm.distributed import launch_local
+        from dlm.train.distributed import launch_local
 
         sys.exit(launch_local(nproc, sys.argv[1:]))
     extra = _overrides(overrides, device, precision)
@@ -167,7 +168,7 @@ def resume_command(
     the copy, never where it was first trained.
     """
 
-    from dlm.run_dir import load_run
+    from dlm.artifacts.run_dir import load_run
 
     experiment, source = load_run(run_dir, checkpoint, _overrides(overrides, device, precision))
     _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,

@@ -1,0 +1,99 @@
+"""What an export's model card says about the run behind it: a title, the data, a usage prompt.
+
+Everything here is best effort: an export made from a checkpoint whose data has moved still gets a
+card, with a neutral prompt and without the data section's counts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from dlm.artifacts.export_layout import SourceInfo
+
+NEUTRAL_PROMPT = "The"  # when no text of the run's data can be read
+_PROMPT_WORDS = 3  # enough to steer a sample, short enough to leave it room
+
+
+def _data_path(info: SourceInfo, split: str) -> Path | None:
+    if info.experiment is None:
+        return None
+    training = info.experiment.training
+    path = training.train_data if split == "train" else training.val_data
+    return None if path is None else Path(path)
+
+
+def _split_metadata(info: SourceInfo, split: str) -> dict[str, Any] | None:
+    """The `dlm pack` metadata (train.json / val.json) of the run's data, if it can be read."""
+
+    path = _data_path(info, split)
+    if path is None:
+        return None
+    meta = path / f"{split}.json" if path.is_dir() else path.with_suffix(".json")
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def data_name(info: SourceInfo) -> str | None:
+    """The name of the run's training data: its packed directory (or .bin file) name."""
+
+    path = _data_path(info, "train")
+    if path is None:
+        return None
+    return path.name if path.is_dir() or path.suffix != ".bin" else path.parent.name
+
+
+def card_title(info: SourceInfo, parameters: str) -> str:
+    """E.g. "1.2M-parameter diffusion LM on shakespeare-data, step 600" (not the export's folder name)."""
+
+    name = data_name(info)
+    title = f"{parameters}-parameter diffusion language model"
+    title += f" on {name}" if name else ""
+    return title + (f", step {info.step}" if info.step is not None else "")
+
+
+def _source_names(metadata: dict[str, Any], shown: int = 4) -> str:
+    names = [Path(str(source.get("path", "?"))).name for source in metadata.get("sources") or []]
+    text = ", ".join(f"`{name}`" for name in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def data_lines(info: SourceInfo) -> list[str]:
+    """Markdown lines: for each split, the tokens, blocks and text bytes packed and the source files."""
+
+    lines = []
+    for split, label in (("train", "training"), ("val", "validation")):
+        metadata = _split_metadata(info, split)
+        if metadata is None:
+            continue
+        text = f"- {label}: {int(metadata.get('num_tokens', 0)):,} tokens in {int(metadata.get('num_blocks', 0)):,}"
+        text += f" blocks of {metadata.get('seq_len')}, {int(metadata.get('text_bytes', 0)):,} bytes of text"
+        sources = _source_names(metadata)
+        lines.append(text + (f", from {sources}" if sources else ""))
+    return lines
+
+
+def usage_prompt(info: SourceInfo) -> str:
+    """The first words of the validation (else training) text, so the example suits the data."""
+
+    from dlm.data.dataset import load_packed_dataset
+    from dlm.data.tokenizer import load_tokenizer
+
+    for split in ("val", "train"):
+        path = _data_path(info, split)
+        if path is None:
+            continue
+        try:
+            tokens = load_packed_dataset(path, split=split)[0]
+            text = load_tokenizer(info.tokenizer_path).decode([int(t) for t in tokens])
+        except Exception:  # any unreadable data means the neutral prompt, never a failed export
+            continue
+        words = re.findall(r"[^\s\"'`\\$]+", text)[:_PROMPT_WORDS]  # nothing a shell or Python string mangles
+        if words:
+            return " ".join(words)
+    return NEUTRAL_PROMPT

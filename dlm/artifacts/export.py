@@ -1,0 +1,267 @@
+"""Export a trained model to a self-contained directory.
+
+An exported directory holds everything needed to use the model on another machine:
+
+    model.safetensors   the weights (bf16 or fp32), each storage written once
+    config.json         format "dlm-export-v1", model and diffusion config, step, tokenizer sha256, ...
+    tokenizer.json      the exact tokenizer the model was trained with (hash checked)
+    README.md           a short model card: how it was trained, eval figures, how to load it
+
+`dlm.artifacts.loading` reads exports (and checkpoints) back; `dlm.artifacts.export_layout` names the
+files and the format both sides share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dlm import __version__
+from dlm.artifacts.card_data import card_title, data_lines, usage_prompt
+from dlm.artifacts.eval_report import eval_report_problem
+from dlm.artifacts.events import ValidationEvent, read_events
+from dlm.artifacts.export_layout import (
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    SourceInfo,
+    checked_tokenizer,
+    read_export_config,
+)
+from dlm.artifacts.loading import read_model_source
+from dlm.artifacts.run_dir import RunDir
+from dlm.choices import ExportDtype
+from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
+from dlm.fileio import swap_directory_into_place, temporary_path
+from dlm.model.transformer import format_parameter_count
+
+CARD_NAME = "README.md"
+# What an export directory holds: all that `--overwrite` may replace.
+EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME)
+EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------ exporting
+
+
+def _store_once(weights: dict[str, Tensor], dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Cast floating tensors to `dtype`, keeping each shared storage once (safetensors refuses
+    aliases); returns the tensors to store and {alias: stored name} to re-tie on load."""
+
+    stored: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in sorted(weights):
+        tensor = weights[name]
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if key in seen:
+            tied[name] = seen[key]
+            continue
+        seen[key] = name
+        value = tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+        stored[name] = value.contiguous()
+    return stored, tied
+
+
+def check_export_output(
+    output: Path, overwrite: bool, replaceable: Callable[[Path], bool], kind: str, ours: Collection[str] = EXPORT_FILES
+) -> None:
+    """Refuse an --output that exists, unless --overwrite and it is a directory `replaceable` accepts
+    holding only files an export writes (`ours`): --overwrite replaces the whole directory, so it
+    must be an export, never a user's folder, nor an export beside which the user kept a file."""
+
+    check_can_create(output, "--output")
+    if not output.exists():
+        return
+    if not overwrite:
+        raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
+    if not (output.is_dir() and replaceable(output)):
+        raise UserError(f"output is not {kind}, refusing to replace it", path=output, fix="choose another --output")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in output.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"output holds files an export does not write ({shown}); --overwrite would delete them",
+            path=output,
+            fix="move them out of the directory, or choose another --output",
+        )
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "a dlm export")
+    if output.exists():
+        read_export_config(output)  # a damaged export is said so, not silently replaced
+
+
+def _last_validation(run_dir: Path) -> ValidationEvent | None:
+    path = RunDir(run_dir).metrics
+    if not path.is_file():
+        return None
+    validations = [event for event in read_events(path) if isinstance(event, ValidationEvent)]
+    return validations[-1] if validations else None
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value  # metrics.jsonl writes a non-finite loss as null
+
+
+def _eval_figures(run_dir: Path | None) -> list[str]:
+    """Markdown lines of the run's evaluation figures, if it has any."""
+
+    if run_dir is None:
+        return []
+    lines = []
+    validation = _last_validation(run_dir)
+    if validation is not None:
+        lines.append(
+            f"- validation at step {validation.step}: masked CE {_or_nan(validation.loss):.4f} nats, "
+            f"masked accuracy {_or_nan(validation.masked_accuracy):.3f} (fixed noise levels)"
+        )
+    try:
+        report = json.loads(RunDir(run_dir).eval_report.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        report = None
+    if isinstance(report, dict) and (problem := eval_report_problem(report)) is not None:
+        path = RunDir(run_dir).eval_report
+        warnings.warn(f"{path}: a damaged eval report ({problem}); left out of the model card", UserNote, stacklevel=2)
+        report = None
+    if isinstance(report, dict) and isinstance(report.get("nll"), (int, float)):
+        step = (report.get("context") or {}).get("step")
+        stderr, bpb = report.get("nll_stderr"), report.get("bits_per_byte")
+        text = f"- `dlm eval` at step {step}: ELBO NLL {report['nll']:.4f} nats/token"
+        text += f" (± {stderr:.4f})" if isinstance(stderr, (int, float)) else ""
+        text += f", perplexity <= {math.exp(min(report['nll'], 700.0)):.2f}"
+        text += f", {bpb:.4f} bits per byte" if isinstance(bpb, (int, float)) else ""
+        lines.append(text)
+    return lines
+
+
+def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> str:
+    """The README.md of an export: what the model is, how it was trained, how to use it."""
+
+    model, training = info.model, info.training
+    name, prompt = config["name"], usage_prompt(info)
+    lines = [
+        f"# {card_title(info, format_parameter_count(config['parameters']))}",
+        "",
+        f"A masked discrete diffusion language model (MDLM / LLaDA family) trained with dlm {__version__}.",
+        "",
+        "## Model",
+        "",
+        f"- {format_parameter_count(config['parameters'])} parameters: {model.n_layers} layers, d_model "
+        f"{model.d_model}, {model.n_heads} heads, rotary positions, tied embedding / output head",
+        f"- vocabulary {model.vocab_size} (byte-level BPE, `tokenizer.json`), context {model.max_seq_len} tokens",
+        f"- weights: {info.weights} ({'exponential moving average' if info.weights == 'ema' else 'as trained'}), "
+        f"stored as {config['dtype']}",
+        "",
+        "## Training",
+        "",
+        f"- {info.step} optimizer steps, {info.tokens_seen:,} tokens seen",
+    ]
+    if training:
+        lines.append(
+            f"- {training.get('optimizer')} lr {training.get('learning_rate')} (warmup {training.get('warmup_steps')}, "
+            f"cosine to {training.get('min_learning_rate')}), batch {training.get('batch_size')} x "
+            f"{training.get('gradient_accumulation_steps')} accumulation, {training.get('precision')} precision, "
+            f"seed {training.get('seed')}"
+        )
+    lines.append(f"- {info.diffusion.schedule} noise schedule, diffusion times in [{info.diffusion.mask_eps}, 1]")
+    lines += ["", "## Data", ""] + (data_lines(info) or ["The run's packed data could not be read at export time."])
+    lines += ["", "## Evaluation", ""] + (figures or ["No evaluation figures were recorded for this run."])
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "import dlm",
+        "",
+        f'model, tokenizer = dlm.load("{name}")',
+        f'print(dlm.sample(model, tokenizer, prompt="{prompt}", length=32).texts[0])',
+        "```",
+        "",
+        "```bash",
+        f'dlm sample {name} --prompt "{prompt}" --length 32',
+        f"dlm eval {name} --data DATA_DIR",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_export(
+    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": EXPORT_FORMAT})
+    # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
+    os.chmod(directory / WEIGHTS_NAME, 0o666 & ~_umask())
+    shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    (directory / CARD_NAME).write_text(card, encoding="utf-8")
+    # config.json last: it is what marks the directory as a complete export.
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def export_model(
+    source: str | Path,
+    output: str | Path,
+    dtype: ExportDtype = "bfloat16",
+    use_ema: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Write an exported model directory from a training / inference checkpoint or a run dir."""
+
+    output = Path(output)
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
+    _check_output(output, overwrite)
+    info, weights = read_model_source(source, use_ema)
+    if info.kind == "export":
+        raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
+    tokenizer = checked_tokenizer(info)
+    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
+    config = {
+        "format": EXPORT_FORMAT,
+        "name": output.name,
+        "dlm_version": __version__,
+        "model": info.model.model_dump(mode="json"),
+        "diffusion": info.diffusion.model_dump(mode="json"),
+        "parameters": sum(t.numel() for t in stored.values()),
+        "dtype": dtype,
+        "weights": info.weights,
+        "step": info.step,
+        "tokens_seen": info.tokens_seen,
+        "tokenizer_sha256": info.tokenizer_sha256,
+        "tied": tied,
+        "training": info.training,
+        "source": {"kind": info.kind, "file": info.path.name},
+    }
+    card = model_card(info, config, _eval_figures(info.run_dir))
+    building = temporary_path(output)
+    # A full disk or a file size limit fails the build, never the old export: it is replaced last.
+    with reported_os_errors("the export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
+        try:
+            _write_export(building, stored, config, card, tokenizer)
+            swap_directory_into_place(building, output)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return output

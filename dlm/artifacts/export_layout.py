@@ -1,0 +1,136 @@
+"""The layout of an exported model directory: its file names, its format tag, what is known of a model
+source, and the checks every reader of an export shares.
+
+`dlm.artifacts.export` writes a dlm export, `dlm.artifacts.hf_export` the Hugging Face format;
+`dlm.artifacts.loading` and `dlm.artifacts.hf.reader` read them back. The names live here so that
+readers and writers import one module and never each other.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig
+from dlm.data.tokenizer import tokenizer_sha256
+from dlm.errors import UserError
+
+EXPORT_FORMAT = "dlm-export-v1"
+WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
+
+@dataclass
+class SourceInfo:
+    """What is known about a model source besides its weights."""
+
+    path: Path  # the checkpoint file or the exported directory actually read
+    kind: str  # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`)
+    model: ModelConfig
+    weights: str  # "ema" | "live"
+    step: int | None
+    tokens_seen: int | None
+    tokenizer_sha256: str
+    tokenizer_path: Path  # where the tokenizer should be (checked when it is loaded)
+    diffusion: DiffusionConfig  # the noise schedule and mask_eps the model was trained with
+    experiment: ExperimentConfig | None = None  # full config: checkpoints only
+    training: dict[str, Any] = field(default_factory=dict)  # path-free training settings
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory a checkpoint lives in (its metrics feed the model card)."""
+
+        return None if self.kind in ("export", "hf") else self.path.parent
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "weights": self.weights,
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
+
+
+def read_export_config(directory: str | Path) -> dict[str, Any]:
+    """The `config.json` of an exported directory, refused unless it is a dlm export."""
+
+    path = Path(directory) / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"no {CONFIG_NAME} here, so this is not an exported dlm model", path=directory) from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"unreadable {CONFIG_NAME}: {exc}", path=path) from None
+    if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
+        raise UserError(
+            f"not a dlm export: {CONFIG_NAME} lacks format {EXPORT_FORMAT!r}",
+            path=path,
+            fix="pass a directory written by `dlm export`, a checkpoint or a run directory",
+        )
+    return config
+
+
+# The JSON type of each field a loader reads; a wrong type is refused naming the field, never a traceback.
+FieldTypes = Mapping[str, tuple[type, ...]]
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}  # fmt: skip
+
+
+def _json_type(value: object) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def check_config_fields(
+    config: Mapping[str, Any], fields: FieldTypes, path: Path, required: Iterable[str] = (), within: str = ""
+) -> None:
+    """Refuse a JSON object that lacks a `required` field or holds one of another type than `fields`
+    says, naming the file and the field (`within` prefixes nested fields, e.g. "dlm.")."""
+
+    fix = "export the model again, or restore the file"
+    for name in required:
+        if name not in config:
+            raise UserError(f"the field {within}{name} is missing", path=path, fix=fix)
+    for name, types in fields.items():
+        value = config.get(name)
+        # JSON true / false are Python bools, which are ints too: an integer field takes neither.
+        if name in config and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            expected = " or ".join(_JSON_NAMES.get(kind, kind.__name__) for kind in types)
+            raise UserError(f"the field {within}{name} is {_json_type(value)}, not {expected}", path=path, fix=fix)
+
+
+def checked_tokenizer(info: SourceInfo) -> Path:
+    """The tokenizer file the model was trained with, refused when missing or changed."""
+
+    path = info.tokenizer_path
+    if not path.is_file():
+        raise UserError(
+            "the tokenizer the model was trained with is missing",
+            path=path,
+            fix="restore that file (the checkpoint records its sha256), or work on the machine that trained it",
+        )
+    if tokenizer_sha256(path) != info.tokenizer_sha256:
+        raise UserError(
+            f"the tokenizer file changed since training (sha256 differs from the one {info.path} records)",
+            path=path,
+            fix="restore the tokenizer the model was trained with",
+        )
+    return path
+
+
+def read_config_json(directory: Path) -> dict[str, Any] | None:
+    """The `config.json` object of a directory, or None when it is missing, unreadable or not an object."""
+
+    try:
+        config = json.loads((directory / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_dlm_export(directory: Path) -> bool:
+    """Whether `directory` holds a dlm export (not the Hugging Face format)."""
+
+    return (read_config_json(directory) or {}).get("format") == EXPORT_FORMAT

@@ -1,0 +1,191 @@
+"""Write the Hugging Face transformers format (`dlm export --format hf`).
+
+An HF export is a directory that `AutoModelForMaskedLM.from_pretrained(dir, trust_remote_code=True)`
+and `AutoTokenizer.from_pretrained(dir)` load without dlm:
+
+    config.json              model_type "dlm_diffusion", auto_map, the shapes; dlm's own settings under "dlm"
+    configuration_dlm.py     the config class       } copied from `dlm/artifacts/hf/`: they import
+    modeling_dlm.py          the model and sampler  } only torch and transformers
+    model.safetensors        the weights under transformers-style names, the tied embedding once
+    tokenizer.json           the tokenizer the model was trained with (byte for byte)
+    tokenizer_config.json    PreTrainedTokenizerFast with the eos / mask / pad special tokens
+    special_tokens_map.json
+    README.md                how to load and sample it
+
+Writing needs no transformers. `dlm.artifacts.hf.reader` turns the directory back into dlm weights
+and a `SourceInfo`, so `dlm.load`, `dlm sample` and `dlm export` accept it too. A block diffusion
+model (`[model] block_size`) exports with its block size: the bundled file attends block-causally and
+samples block by block, as dlm's inference does. Refused: noise schedules other than linear and
+cosine, which the bundled sampler does not implement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dlm import __version__
+from dlm.artifacts.export import EXPORT_FILES, check_export_output
+from dlm.artifacts.export_layout import (
+    CONFIG_NAME,
+    TOKENIZER_NAME,
+    WEIGHTS_NAME,
+    SourceInfo,
+    checked_tokenizer,
+    is_dlm_export,
+)
+from dlm.artifacts.hf.names import to_hf_names
+from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
+from dlm.artifacts.loading import read_model_source
+from dlm.config.schema import DiffusionConfig, ModelConfig
+from dlm.data.tokenizer import SPECIAL_TOKENS
+from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import swap_directory_into_place, temporary_path
+
+HF_FORMAT = "dlm-hf-v1"
+CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
+# The schedules modeling_dlm.py's sampler implements (its SCHEDULES; a test keeps them equal).
+HF_SCHEDULES = ("linear", "cosine")
+AUTO_MAP = {
+    "AutoConfig": "configuration_dlm.DlmDiffusionConfig",
+    "AutoModel": "modeling_dlm.DlmDiffusionModel",
+    "AutoModelForMaskedLM": "modeling_dlm.DlmDiffusionForMaskedLM",
+}
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def check_hf_exportable(model: ModelConfig, diffusion: DiffusionConfig) -> None:
+    """Refuse what the bundled modeling file cannot reproduce."""
+
+    if diffusion.schedule not in HF_SCHEDULES:
+        raise UserError(
+            f"the {diffusion.schedule!r} noise schedule has no sampler in the Hugging Face modeling file "
+            f"(it has {', '.join(HF_SCHEDULES)})",
+            fix="export it in dlm's own format (omit --format hf)",
+        )
+
+
+def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict[str, Any]:
+    """config.json: the transformers fields, and dlm's own settings under "dlm" for the way back."""
+
+    model = info.model
+    return {
+        "architectures": ["DlmDiffusionForMaskedLM"],
+        "model_type": MODEL_TYPE,
+        "auto_map": AUTO_MAP,
+        "vocab_size": model.vocab_size,
+        "padded_vocab_size": model.padded_vocab_size,
+        "hidden_size": model.d_model,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "intermediate_size": model.ffn_size,
+        "max_position_embeddings": model.max_seq_len,
+        "rope_theta": model.rope_theta,
+        "rms_norm_eps": model.norm_eps,
+        "initializer_range": model.init_std,
+        "mask_token_id": model.mask_token_id,
+        "eos_token_id": special_ids["eos"],
+        "pad_token_id": special_ids["pad"],
+        "schedule": info.diffusion.schedule,
+        "block_size": model.block_size,
+        "mask_logit": model.mask_logit,  # modeling_dlm.py applies SUBS to its logits when it is "subs"
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+        "dlm": {
+            "format": HF_FORMAT,
+            "dlm_version": __version__,
+            "model": model.model_dump(mode="json"),
+            "diffusion": info.diffusion.model_dump(mode="json"),
+            "weights": info.weights,
+            "step": info.step,
+            "tokens_seen": info.tokens_seen,
+            "training": info.training,
+        },
+    }
+
+
+def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json and special_tokens_map.json declaring dlm's special tokens."""
+
+    special = {"eos_token": SPECIAL_TOKENS["eos"], "mask_token": SPECIAL_TOKENS["mask"],
+               "pad_token": SPECIAL_TOKENS["pad"]}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    return {"tokenizer_config.json": config, "special_tokens_map.json": special}
+
+
+def hf_card(name: str) -> str:
+    return "\n".join([
+        f"# {name}",
+        "",
+        "A masked discrete diffusion language model trained with dlm, in the Hugging Face transformers format.",
+        "",
+        "```python",
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForMaskedLM.from_pretrained("{name}", trust_remote_code=True)',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        'prompt = tokenizer("ROMEO:", return_tensors="pt").input_ids',
+        "ids = model.generate(prompt, max_new_tokens=32, steps=32, seed=0)",
+        "print(tokenizer.decode(ids[0]))",
+        "```",
+        "",
+    ])  # fmt: skip
+
+
+def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": HF_FORMAT})
+    os.chmod(directory / WEIGHTS_NAME, 0o644)  # safetensors creates 0600; an export is for sharing
+    shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    for name in CODE_FILES:
+        shutil.copyfile(Path(__file__).with_name("hf") / name, directory / name)
+    for name, content in tokenizer_files(config["max_position_embeddings"]).items():
+        (directory / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    (directory / "README.md").write_text(hf_card(name), encoding="utf-8")
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True,
+              overwrite: bool = False) -> Path:  # fmt: skip
+    """Write a Hugging Face directory from a checkpoint, a run dir, a dlm export or an HF export."""
+
+    output = Path(output)
+    if dtype not in _DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
+    ours = {*EXPORT_FILES, *CODE_FILES, *tokenizer_files(1)}  # a dlm export or an HF one may be replaced
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export", ours)
+    info, weights = read_model_source(source, use_ema)
+    check_hf_exportable(info.model, info.diffusion)
+    tokenizer = checked_tokenizer(info)
+    from dlm.data.tokenizer import load_tokenizer, special_token_id
+
+    loaded = load_tokenizer(tokenizer)
+    special_ids = {name: special_token_id(loaded, name) for name in SPECIAL_TOKENS}
+    stored = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in to_hf_names(weights).items()}
+    config = hf_config(info, dtype, special_ids)
+    building = temporary_path(output)
+    with reported_os_errors("the export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(building, ignore_errors=True)
+        try:
+            _write(building, output.name, stored, config, tokenizer)
+            swap_directory_into_place(building, output)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return output

@@ -1,0 +1,280 @@
+"""The run directory: what it holds, and the checks that keep a run from being lost or replaced.
+
+A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints,
+`latest.pt`, `inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
+directory it was resumed from, wherever that is now. Every check here runs before the run writes
+anything, so a refused command leaves the directory exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlm.artifacts.checkpoint import INFERENCE_NAME, LATEST_NAME, numbered_checkpoints, step_checkpoint_name
+from dlm.artifacts.events import Event, JsonLinesFileSink
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import ExperimentConfig, load_config
+from dlm.errors import UserError
+from dlm.fileio import atomic_write_json, temporaries
+
+CONFIG_NAME = "config.json"
+METRICS_NAME = "metrics.jsonl"
+EVAL_NAME = "eval.json"
+# The files whose presence means a run already lives here (besides step-*.pt).
+RUN_FILE_NAMES = (CONFIG_NAME, METRICS_NAME, LATEST_NAME, INFERENCE_NAME)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where each file of a run lives: callers ask for `run.latest`, never spell out `latest.pt`."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG_NAME
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_NAME
+
+    @property
+    def latest(self) -> Path:
+        return self.path / LATEST_NAME
+
+    @property
+    def inference(self) -> Path:
+        return self.path / INFERENCE_NAME
+
+    @property
+    def eval_report(self) -> Path:
+        return self.path / EVAL_NAME
+
+    def step_checkpoint(self, step: int) -> Path:
+        return self.path / step_checkpoint_name(step)
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """`(step, path)` of the numbered checkpoints, oldest first."""
+
+        return numbered_checkpoints(self.path)
+
+    def resume_checkpoint(self, name: Path | None = None) -> Path:
+        """The checkpoint a resume starts from: latest.pt, or the one named, which must be in this run."""
+
+        if name is None:
+            return self.latest
+        chosen = self.path / name if name.parent == Path(".") else name
+        if chosen.resolve().parent != self.path.resolve():
+            raise UserError(
+                "--checkpoint must be a checkpoint of this run, in its directory",
+                path=name,
+                fix=f"pass a file name from {self.path}, e.g. --checkpoint {step_checkpoint_name(20)}",
+            )
+        return chosen
+
+
+def run_files(directory: Path) -> list[Path]:
+    """The files of a run in `directory`: what `dlm train` would overwrite."""
+
+    named = [directory / name for name in RUN_FILE_NAMES if (directory / name).exists()]
+    return named + [path for _, path in numbered_checkpoints(directory)]
+
+
+def check_run_file_kinds(directory: Path) -> None:
+    """Refuse a run file that is a directory (or another non-file): every write to it would fail."""
+
+    for name in (*RUN_FILE_NAMES, EVAL_NAME):
+        path = directory / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise UserError(
+                f"{name} is not a regular file, but the run keeps its {name} there",
+                path=path,
+                fix="move it out of the way, or choose another training.output_dir",
+            )
+
+
+def check_run_target(directory: Path, resume: Path | None, overwrite: bool) -> None:
+    """A new run never lands on top of an existing one, unless the user asked for that.
+
+    Continuing from a checkpoint of the same directory is a resume; starting over needs
+    `overwrite`; continuing from another run's checkpoint into a directory that holds a run would
+    mix two runs and is refused.
+    """
+
+    if overwrite and resume is not None:
+        raise UserError(
+            "--overwrite starts a new run and cannot be combined with resuming one",
+            fix="drop --overwrite to continue the run, or drop --resume to start over",
+        )
+    existing = run_files(directory)
+    if overwrite or not existing:
+        return
+    names = ", ".join(sorted({path.name for path in existing}))
+    if resume is None:
+        has_checkpoint = (directory / LATEST_NAME).exists()
+        fix = f"continue it with: dlm resume {directory}; or" if has_checkpoint else "it saved no checkpoint:"
+        raise UserError(
+            f"already holds a run ({names}); training here would overwrite it",
+            path=directory,
+            fix=f"{fix} pass --overwrite to delete it and start over, or choose another training.output_dir",
+        )
+    source = Path(resume)
+    if (source if source.is_dir() else source.parent).resolve() != directory.resolve():
+        raise UserError(
+            f"already holds a run ({names}); continuing {resume} here would mix two runs",
+            path=directory,
+            fix=f"choose an empty training.output_dir, or continue the run that is there: dlm resume {directory}",
+        )
+
+
+def remove_run_files(directory: Path) -> None:
+    """Delete the files of the run in `directory` (called under its lock, after every check).
+
+    Only the files dlm writes go: anything else in the directory is left alone. `metrics.jsonl`
+    goes last, so an interrupted removal still shows a run there and is refused again, not mixed.
+    """
+
+    doomed = [path for path in run_files(directory) if path.name != METRICS_NAME]
+    doomed += [directory / EVAL_NAME, *temporaries(directory), directory / METRICS_NAME]
+    try:
+        for path in doomed:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot delete the old run: {exc.strerror or exc}", path=exc.filename or directory) from None
+
+
+def load_run(
+    directory: Path, checkpoint: Path | None = None, overrides: Sequence[str] = ()
+) -> tuple[ExperimentConfig, Path]:
+    """What `dlm resume` continues: the run's config.json with `overrides`, and its checkpoint.
+
+    The config keeps the directory the run was started in; the run continues where it is now, so
+    `training.output_dir` becomes `directory` (and cannot be overridden).
+    """
+
+    run = RunDir(directory)
+    source = run.resume_checkpoint(checkpoint)
+    for needed in (run.config, source):
+        if not needed.exists():
+            raise UserError(
+                "not a dlm run directory: missing " + needed.name,
+                path=directory,
+                fix="pass the output_dir of an earlier `dlm train`",
+            )
+    if any(item.replace(" ", "").startswith("training.output_dir=") for item in overrides):
+        raise UserError(
+            "dlm resume continues the run in RUN_DIR; training.output_dir cannot be set",
+            fix="copy the run directory to where it should continue and resume the copy",
+        )
+    experiment = load_config(run.config, list(overrides))
+    here = experiment.training.model_copy(update={"output_dir": directory.absolute()})
+    return experiment.model_copy(update={"training": here}), source
+
+
+# ---------------------------------------------------------------------------------------------
+# What a resumed run must agree with
+# ---------------------------------------------------------------------------------------------
+
+
+def metadata_sha256(metadata: dict[str, Any]) -> str:
+    """What identifies a packed split: the sha256 of its metadata (blocks, tokens, sources ...)."""
+
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, tokenizer_hash: str, path: Path) -> None:
+    """Refuse to continue a run with a different model, optimizer or tokenizer (reference rules)."""
+
+    saved = ExperimentConfig.from_dict(checkpoint["config"], source=path)
+    if saved.model != experiment.model:
+        changed = sorted(
+            name
+            for name in type(saved.model).model_fields
+            if getattr(saved.model, name) != getattr(experiment.model, name)
+        )
+        raise UserError(
+            f"the model config differs from the checkpoint's in {', '.join(changed)}",
+            path=path,
+            fix="resume with the run's own config.json, or start a new run in another output_dir",
+        )
+    now, then = experiment.training, saved.training
+    for name in ("optimizer", *optimizer_spec(now.optimizer).state_settings):
+        if getattr(now, name) != getattr(then, name):
+            raise UserError(
+                f"training.{name} is {getattr(now, name)!r} but the checkpoint used {getattr(then, name)!r}",
+                path=path,
+                fix="keep the optimizer settings of the run you resume",
+            )
+    if checkpoint.get("tokenizer_sha256") != tokenizer_hash:
+        raise UserError(
+            "the checkpoint was trained with a different tokenizer file",
+            path=path,
+            fix=f"use the tokenizer the run was trained with ({then.tokenizer})",
+        )
+
+
+def check_same_data(checkpoint: dict[str, Any], data: dict[str, str | None], path: Path, allow_change: bool) -> bool:
+    """Refuse packed data other than the run's unless `allow_change`; True when the data changed.
+
+    Checkpoints saved before the data was recorded carry no `data_sha256` and are not checked.
+    """
+
+    recorded = checkpoint.get("data_sha256")
+    if not isinstance(recorded, dict):
+        return False
+    changed = [split for split in ("train", "val") if recorded.get(split) != data.get(split)]
+    if not changed or allow_change:
+        return bool(changed)
+    split = changed[0]
+    raise UserError(
+        f"the {split} data is not the data this run was trained on: its metadata sha256 is "
+        f"{str(data.get(split))[:12]}, the checkpoint recorded {str(recorded.get(split))[:12]}",
+        path=path,
+        fix=f"point training.{split}_data at the run's data, or pass --allow-data-change to continue on the new data",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the run's files
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _reported(what: str, path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(
+            f"cannot write {what}: {exc.strerror or exc}", path=path, fix="free some disk space or fix its permissions"
+        ) from None
+
+
+def write_config(run_dir: Path, experiment: ExperimentConfig) -> None:
+    """config.json, replaced atomically (the settings a `dlm resume` continues with)."""
+
+    path = RunDir(run_dir).config
+    with _reported(CONFIG_NAME, path):
+        atomic_write_json(path, experiment.to_dict())
+
+
+class MetricsFile:
+    """The run's metrics.jsonl sink; a failed write is a `UserError`, not a traceback."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = RunDir(run_dir).metrics
+        with _reported(METRICS_NAME, self.path):
+            self._sink = JsonLinesFileSink(self.path)
+
+    def __call__(self, event: Event) -> None:
+        with _reported(METRICS_NAME, self.path):
+            self._sink(event)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the events are flushed line by line already
+            self._sink.close()

@@ -1,0 +1,1 @@
+"""dlm bench: training throughput, batch finder, generation benchmark, their results."""

@@ -1,0 +1,208 @@
+"""Generation benchmark: speed and quality of sampler settings, measured together.
+
+Speed alone rewards a sampler that commits everything in one step and repeats itself, so every
+setting also reports two quality figures of its samples:
+
+- generative perplexity under a judge model: exp of the judge's negative log-likelihood per token.
+  A block model with `block_size = 1` is autoregressive and scores the exact NLL (every position
+  masked, the clean sequence as context); any other model scores its Monte Carlo negative ELBO, an
+  upper bound on its NLL, with the estimator of `dlm.evaluation.evaluate`.
+- unigram entropy (bits) of all generated tokens pooled: repetition lowers it.
+
+Settings are sampler options of `dlm.sampling.generation.generate` (`steps`, `block_length`, `threshold`,
+`cache`, `remasking`, ...), one row per combination of the `--compare key=v1,v2` values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dlm.bench.setup import compare_settings
+from dlm.errors import UserError
+from dlm.model.denoiser import block_size, masked_logits
+
+if TYPE_CHECKING:
+    from dlm.model.denoiser import Denoiser
+    from dlm.sampling.options import SampleResult
+
+# Sampler options a setting may name, and how each value is read ("none" turns an optional one off).
+_OPTION_TYPES: dict[str, Callable[[str], Any]] = {
+    "steps": int, "block_length": int, "threshold": float, "cache": str, "remasking": str,
+    "temperature": float, "top_k": int, "top_p": float, "reveal_split": str,
+}  # fmt: skip
+Progress = Callable[[str], None]
+
+
+def parse_generate_compare(items: list[str]) -> list[dict[str, Any]]:
+    """`["cache=none,dual", "threshold=none,0.9"]` -> one dict of sampler options per combination."""
+
+    parsed: list[tuple[str, list[str]]] = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip().replace("-", "_")
+        choices = [value.strip() for value in values.split(",") if value.strip()]
+        if not sep or not choices or key not in _OPTION_TYPES:
+            raise UserError(f"--compare {item!r} is not of the form key=value1,value2 with a sampler option as key",
+                            fix=f"keys: {', '.join(_OPTION_TYPES)}; e.g. --compare cache=none,prefix,dual")  # fmt: skip
+        parsed.append((key, choices))
+    settings = []
+    for setting in compare_settings(parsed):
+        try:
+            settings.append({key: None if value == "none" and key != "cache" else _OPTION_TYPES[key](value)
+                             for key, value in setting.items()})  # fmt: skip
+        except ValueError as exc:
+            raise UserError(f"--compare has a value of the wrong type: {exc}") from None
+    return settings
+
+
+@dataclass(frozen=True)
+class GenerateRow:
+    """One setting's figures."""
+
+    setting: dict[str, Any]
+    generated_tokens: int
+    seconds: float
+    tokens_per_second: float
+    passes_per_token: float  # forward passes per generated token of one sample
+    forward_tokens_per_token: float  # token positions fed to the model per generated token: compute
+    judge_perplexity: float
+    unigram_entropy_bits: float
+    example: str
+
+
+@dataclass
+class GenerateReport:
+    length: int
+    num_samples: int
+    judge: str
+    repeats: int = 1
+    rows: list[GenerateRow] = field(default_factory=list)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def unigram_entropy(token_ids: list[list[int]]) -> float:
+    """Entropy in bits of the pooled token frequencies."""
+
+    counts = Counter(token for row in token_ids for token in row)
+    total = sum(counts.values())
+    return -sum(n / total * math.log2(n / total) for n in counts.values()) if total else 0.0
+
+
+def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: torch.Generator) -> float:
+    """NLL per token of one sequence [1, L]: exact for an autoregressive judge, else the MC ELBO."""
+
+    from dlm.diffusion.objective import elbo_nll
+    from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
+
+    config = judge.config
+    if block_size(config) == 1:  # every position sees only the clean prefix
+        noisy = torch.full_like(clean, config.mask_token_id)
+        logits = masked_logits(judge, noisy, torch.ones_like(clean, dtype=torch.bool), clean)
+        return float(torch.nn.functional.cross_entropy(logits.double(), clean[0], reduction="mean"))
+    def logits_fn(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return masked_logits(judge, noisy, mask, clean)
+
+    mean, _ = elbo_nll(logits_fn, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator,
+                       schedule=model_schedule(judge), block_size=block_size(config))  # fmt: skip
+    return float(mean[0])
+
+
+@torch.inference_mode()
+def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 16, seed: int = 0) -> float:
+    """The judge's negative log-likelihood per token (nats) over all rows, token-weighted.
+
+    Rows are scored one by one (they may differ in length), cut to the judge's context.
+    """
+
+    config = judge.config
+    device = next(iter(judge.parameters())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    total, count = 0.0, 0
+    for row in token_ids:
+        clean = torch.tensor([row[: config.max_seq_len]], device=device)
+        total += _row_nll(judge, clean, mc_samples, generator) * clean.shape[1]
+        count += clean.shape[1]
+    return total / max(count, 1)
+
+
+def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_samples: int,
+             result: SampleResult) -> GenerateRow:  # fmt: skip
+    options = base | setting
+    generated = sum(result.lengths)
+    per_sample = generated / max(len(result.lengths), 1)
+    judge.eval()
+    nll = judge_nll(judge, result.token_ids, mc_samples=mc_samples, seed=options["seed"])
+    fill_from = len(result.token_ids[0]) - result.lengths[0]  # the prompt, when there is one
+    samples = [row[fill_from:] for row in result.token_ids]
+    return GenerateRow(
+        setting=setting, generated_tokens=generated, seconds=result.seconds,
+        tokens_per_second=generated / result.seconds if result.seconds > 0 else math.inf,
+        passes_per_token=result.forward_passes / per_sample,
+        forward_tokens_per_token=result.forward_tokens / max(generated, 1),
+        judge_perplexity=math.exp(nll), unigram_entropy_bits=unigram_entropy(samples), example=result.texts[0][:120],
+    )  # fmt: skip
+
+
+def benchmark_generation(
+    model: Denoiser,
+    tokenizer: Any,
+    *,
+    judge: Denoiser | None = None,
+    judge_name: str = "the model itself",
+    compare: list[str] | None = None,
+    length: int | None = None,
+    num_samples: int = 4,
+    seed: int = 0,
+    mc_samples: int = 16,
+    repeats: int = 1,
+    progress: Progress | None = None,
+) -> GenerateReport:
+    """Sample with every setting, timing it, and score the samples with `judge` (default: the model).
+
+    `length` defaults to the model's context; the base setting takes one step per token (the
+    slowest, reference sampler) unless a setting names `steps`. The settings run in `repeats`
+    interleaved rounds and each reports its fastest run.
+    """
+
+    length = model.config.max_seq_len if length is None else length
+    base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
+    settings = parse_generate_compare(compare or []) or [{}]
+    report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)
+    from dlm.sampling.generation import generate
+
+    generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels
+    # Rounds: every setting runs once per round, so other work on the machine slows them alike and
+    # the ratios stay fair. The same seed repeats the same samples; the fastest run of each setting
+    # is the one least disturbed.
+    fastest: list[SampleResult | None] = [None] * len(settings)
+    for round_index in range(repeats):
+        for index, setting in enumerate(settings):
+            if progress is not None:
+                progress(f"round {round_index + 1}/{repeats}: generating with {setting or 'the defaults'}")
+            result = generate(model, tokenizer, **(base | setting))
+            best = fastest[index]
+            fastest[index] = result if best is None or result.seconds < best.seconds else best
+    for setting, kept in zip(settings, fastest, strict=True):
+        assert kept is not None
+        report.rows.append(_measure(judge or model, setting, base, mc_samples, kept))
+    return report
+
+
+def report_table(report: GenerateReport) -> tuple[list[str], list[list[str]]]:
+    headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)"]
+    rows = [
+        [" ".join(f"{k}={v}" for k, v in row.setting.items()) or "defaults", f"{row.tokens_per_second:.1f}",
+         f"{row.passes_per_token:.3f}", f"{row.forward_tokens_per_token:.1f}", f"{row.judge_perplexity:.2f}",
+         f"{row.unigram_entropy_bits:.3f}"]
+        for row in report.rows
+    ]  # fmt: skip
+    return headers, rows

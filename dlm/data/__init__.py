@@ -1,0 +1,1 @@
+"""Corpus to packed tokens: readers, tokenizer, packing, chat data, the packed dataset (no torch import)."""

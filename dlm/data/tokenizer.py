@@ -1,0 +1,220 @@
+"""Byte-level BPE tokenizers: training on a streamed corpus, loading, and the special tokens.
+
+Byte-level BPE maps every UTF-8 string to tokens and back exactly, with no unknown token. The three
+special tokens come first, so their ids are fixed (0, 1, 2) whatever the corpus; the requested
+vocabulary size counts them, and training refuses to return a tokenizer of any other size.
+
+Before the usual byte-level split, the pre-tokenizer cuts the text after every newline. That makes
+tokens never cross a line break, so a document encoded piece by piece (as `dlm pack` does, in
+parallel) gets exactly the tokens of `tokenizer.encode(document)` at sampling time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dlm.data.corpus import CorpusReader, check_output_file, discover_inputs
+from dlm.errors import UserError, reported_os_errors
+from dlm.fileio import atomic_write_text
+
+# The one source of truth for the special tokens; their order fixes their ids (0, 1, 2).
+SPECIAL_TOKENS: dict[str, str] = {
+    "eos": "<|endoftext|>",  # end of document: separates packed documents
+    "mask": "<|mask|>",  # the absorbing state of masked diffusion
+    "pad": "<|pad|>",
+}
+BYTE_ALPHABET_SIZE = 256
+MIN_VOCAB_SIZE = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+
+ProgressCallback = Callable[[int, int], None]  # (bytes read, total bytes)
+
+
+@dataclass(frozen=True)
+class TokenizerSummary:
+    """What `train_tokenizer` wrote, with the config lines that match it."""
+
+    path: Path
+    vocab_size: int
+    special_token_ids: dict[str, int]
+    sha256: str
+    files: int
+    documents: int
+    input_bytes: int
+    replaced_characters: int
+    seconds: float
+    config_lines: list[str] = field(default_factory=list)
+
+
+def new_tokenizer() -> Tokenizer:
+    """An untrained byte-level BPE tokenizer with dlm's pre-tokenizer and decoder."""
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split("\n", behavior="merged_with_previous"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def train_tokenizer(
+    inputs: Sequence[str | Path],
+    vocab_size: int,
+    output: str | Path,
+    text_field: str = "text",
+    errors: str = "strict",
+    progress: ProgressCallback | None = None,
+    overwrite: bool = False,
+) -> TokenizerSummary:
+    """Train a byte-level BPE of exactly `vocab_size` tokens (specials included) on `inputs`."""
+
+    started = time.perf_counter()
+    output = Path(output)
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise UserError(
+            f"vocab size {vocab_size} is too small: the {BYTE_ALPHABET_SIZE} byte tokens and "
+            f"{len(SPECIAL_TOKENS)} special tokens need {MIN_VOCAB_SIZE}",
+            fix=f"pass --vocab-size {MIN_VOCAB_SIZE} or more",
+        )
+    check_output_file(output, overwrite)
+    reader = CorpusReader(discover_inputs(inputs), text_field=text_field, errors=errors)
+
+    def texts() -> Iterator[str]:
+        for piece in reader.pieces():
+            yield piece.text
+            if progress is not None:
+                progress(reader.bytes_read, reader.total_bytes)
+
+    tokenizer = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    if reader.documents == 0:
+        raise UserError("the corpus is empty: no text in any input file", path=reader.paths[0])
+    learned = tokenizer.get_vocab_size(with_added_tokens=True)
+    if learned != vocab_size:
+        raise UserError(
+            f"the corpus supports only {learned} tokens, fewer than the requested {vocab_size}",
+            fix=f"pass --vocab-size {learned} or less, or train on more text",
+        )
+    _check_special_tokens(tokenizer, output)
+    _save(tokenizer, output)
+    ids = {name: special_token_id(tokenizer, name) for name in SPECIAL_TOKENS}
+    return TokenizerSummary(
+        path=output,
+        vocab_size=learned,
+        special_token_ids=ids,
+        sha256=tokenizer_sha256(output),
+        files=len(reader.paths),
+        documents=reader.documents,
+        input_bytes=reader.total_bytes,
+        replaced_characters=reader.replaced_characters,
+        seconds=time.perf_counter() - started,
+        config_lines=[f"vocab_size = {learned}", f"mask_token_id = {ids['mask']}"],
+    )
+
+
+def _save(tokenizer: Tokenizer, output: Path) -> None:
+    """Write under a temporary name, then rename: a reader never sees a half-written file.
+
+    Python writes the bytes (exactly those of `Tokenizer.save`), so a full disk is an OSError with
+    its errno, which `reported_os_errors` turns into one `error:` line; the Rust writer raises a
+    bare Exception instead."""
+
+    with reported_os_errors("the tokenizer", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(output, tokenizer.to_str(pretty=True))
+
+
+def _check_special_tokens(tokenizer: Tokenizer, path: str | Path) -> None:
+    special = {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    expected = {token: index for index, token in enumerate(SPECIAL_TOKENS.values())}
+    if any(special.get(token) != index for token, index in expected.items()):
+        listed = ", ".join(f"{token} = {index}" for token, index in expected.items())
+        raise UserError(
+            f"tokenizer lacks dlm's special tokens ({listed})",
+            path=path,
+            fix="train it with `dlm tokenizer train`",
+        )
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer.json, refusing one without dlm's special tokens at their fixed ids."""
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError("tokenizer file not found", path=path, fix="train one with `dlm tokenizer train`")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise UserError(f"not a tokenizer.json: {exc}", path=path) from None
+    _check_special_tokens(tokenizer, path)
+    return tokenizer
+
+
+def special_token_id(tokenizer: Tokenizer, name: str) -> int:
+    """The id of special token `name` ("eos", "mask" or "pad")."""
+
+    if name not in SPECIAL_TOKENS:
+        raise ValueError(f"unknown special token {name!r}; expected one of {list(SPECIAL_TOKENS)}")
+    token_id = tokenizer.token_to_id(SPECIAL_TOKENS[name])
+    if token_id is None:
+        raise UserError(f"tokenizer has no {SPECIAL_TOKENS[name]} token", fix="train it with `dlm tokenizer train`")
+    return token_id
+
+
+def tokenizer_sha256(path: str | Path) -> str:
+    """Hex sha256 of the tokenizer file's bytes: packed data and checkpoints record it."""
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for (GPT-2's mapping): printable
+    Latin-1 characters stand for their own code, the other 68 bytes for characters from U+0100 on."""
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)}
+    alphabet, shifted = {}, 0
+    for byte in range(BYTE_ALPHABET_SIZE):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(BYTE_ALPHABET_SIZE + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """The UTF-8 bytes each token id decodes to, as an int64 table indexed by id.
+
+    Byte-level BPE makes this exact: the bytes of any id sequence sum to the UTF-8 size of its text,
+    so bits per byte can count the bytes of exactly the tokens scored. Special tokens stand for no
+    text and count 0. As the ByteLevel decoder does, a token with any character outside the byte
+    alphabet (an added token such as "日本") decodes to its own UTF-8 bytes.
+    """
+
+    alphabet = byte_level_alphabet()
+    vocabulary = tokenizer.get_vocab(with_added_tokens=True)
+    special = {index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    lengths = np.zeros(max(vocabulary.values()) + 1, dtype=np.int64)
+    for token, index in vocabulary.items():
+        if index not in special:
+            lengths[index] = len(token) if all(char in alphabet for char in token) else len(token.encode("utf-8"))
+    return lengths

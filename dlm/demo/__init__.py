@@ -1,0 +1,1 @@
+"""dlm demo: the one-command demo, its time-budgeted training, its baseline."""

@@ -1,0 +1,1 @@
+"""The masking process: noise schedules and the training objective (math only, no model)."""

@@ -1,0 +1,1 @@
+"""Scoring models: dlm eval, likelihood figures, harness scoring, unigram level, sample quality."""

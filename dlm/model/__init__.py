@@ -1,0 +1,1 @@
+"""The network: the diffusion transformer, its attention, and the Denoiser contract."""

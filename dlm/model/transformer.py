@@ -1,0 +1,335 @@
+"""The denoiser: a bidirectional pre-norm transformer with rotary positions and a tied head.
+
+A masked diffusion model sees a sequence in which some tokens are replaced by the mask token and
+predicts the original token at every masked position. Unlike a GPT it attends in both directions
+and, as in MDLM and LLaDA, it gets no time input: the fraction of masks in the input tells it the
+noise level. Everything here is a pure `nn.Module`; optimizers, devices, precision and parallelism
+belong to the caller.
+
+    tokens [B, L] -> embedding -> n_layers x Block -> RMSNorm -> (gather) -> tied head -> logits
+
+With `mask_logit = "subs"` the logits are MDLM's SUBS parameterisation (`subs_logits`): the mask
+token is never predicted and an unmasked position predicts itself. It is not the default: at equal
+steps on the CPU recipe it scored 0.012 bits/byte worse, and it learned a copy task in fewer seeds
+(docs/benchmarks.md, "SUBS parameterisation").
+
+Each Block is `x + attention(norm(x))` then `x + swiglu(norm(x))`. Rotary embeddings are not
+optional: on Shakespeare a bidirectional model with learned absolute positions stalled at the
+unigram level, while the same network with rotary positions trained well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dlm.config.schema import ModelConfig
+from dlm.model.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain and no bias (cheaper than LayerNorm, as good)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if hasattr(F, "rms_norm"):  # fused kernel, torch >= 2.4
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotation angles, [seq_len, head_dim / 2], float32 on the CPU.
+
+    Angles are formed in float64: position x frequency reaches ~1e5 radians for long contexts,
+    where float32 would already be off by a hundredth of a radian.
+    """
+
+    return rotary_at(torch.arange(seq_len), head_dim, theta)
+
+
+def rotary_at(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin [..., head_dim / 2] at integer `positions` (any shape), float32 on their device."""
+
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i + D/2}) of x [B, L, H, D] by position-dependent angles.
+
+    Computed in float32 (the tables' dtype) and cast back, so bf16 activations do not lose the
+    phase information that distinguishes distant positions.
+    """
+
+    half = x.shape[-1] // 2
+    x1, x2 = x.float().split(half, dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads ([L, D/2] or per row [B, L, D/2])
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention; one fused QKV matmul, `dlm.model.attention` applies the mask and kernel."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.layer = layer  # its slot in a KV cache
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask | None = None,
+        cache: KVCache | None = None,
+        queries: slice | None = None,
+    ) -> Tensor:
+        """Attention output [B, L, W]; with `queries`, only for those positions (keys and values of all)."""
+
+        batch, length, width = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)  # each [B, L, H, D]
+        k = apply_rotary(k, cos, sin)
+        if queries is None:
+            q = apply_rotary(q, cos, sin)
+        else:
+            q = apply_rotary(q[:, queries], cos[..., queries, :], sin[..., queries, :])
+            if mask is not None and mask.mask is not None:
+                mask = AttentionMask(mask.kernel, mask.mask[..., queries, :])
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)
+        if q.shape[2] == 0:  # keys and values only (a cache commit)
+            return x.new_zeros(batch, 0, width)
+        y = attend(q, k, v, mask)
+        return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], width))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.ffn_size, bias=False)
+        self.down = nn.Linear(config.ffn_size, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: the residual stream itself is never normalised."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attention = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask | None = None,
+        cache: KVCache | None = None,
+        queries: slice | None = None,
+    ) -> Tensor:
+        attended = self.attention(self.attention_norm(x), cos, sin, mask, cache, queries)
+        x = (x if queries is None else x[:, queries]) + attended
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DiffusionTransformer(nn.Module):
+    """Predicts the clean token at every (or every selected) position of a partly masked sequence."""
+
+    rope_cos: Tensor  # buffers, registered in __init__
+    rope_sin: Tensor
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # Rows beyond vocab_size only round the matrix up to a fast matmul shape; they are zero,
+        # never indexed (token ids < vocab_size) and sliced off the logits, so they stay zero.
+        self.token_embedding = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        # Non-persistent: derived from the config, so checkpoints hold weights only.
+        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight and rebuild the rotary tables (also after `to_empty()`)."""
+
+        std = self.config.init_std
+        # Each block adds two outputs to the residual stream; scaling their projections keeps
+        # the stream's variance independent of depth at initialisation (GPT-2).
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+        for block in cast(Iterable[Block], self.blocks):
+            block.attention.out.weight.normal_(0.0, residual_std)
+            block.mlp.down.weight.normal_(0.0, residual_std)
+        self.token_embedding.weight[self.config.vocab_size :].zero_()
+        cos, sin = rotary_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        output_positions: Tensor | None = None,
+        *,
+        clean_tokens: Tensor | None = None,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+    ) -> Tensor:
+        """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
+
+        A block model (`config.block_size`) scores noisy `tokens` given `clean_tokens` in one pass
+        over both (the BD3 pattern of `dlm.model.attention`); without them it attends block-causally. With
+        a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
+        `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
+        which no other position sees, and its positions count from the first one after them.
+        """
+
+        start = cache.length if cache is not None else 0
+        length = tokens.shape[1]
+        inputs = tokens  # the noisy tokens, before a block model appends its clean copy
+        seen = (cache.stored if cache is not None else 0) + length
+        if seen > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seen} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self._rotary(start, length, pad)
+        mask = None
+        if self.config.is_block_model:
+            if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
+                if pad is not None:
+                    raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
+                tokens, cos, sin = torch.cat((tokens, clean_tokens), 1), cos.repeat(2, 1), sin.repeat(2, 1)
+                mask = bd3_mask(length, self.config.block_size, tokens.device)
+            else:
+                key_start = cache.dropped if cache is not None else 0
+                mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device, key_start)
+        if pad is not None:
+            pad_keys = pad - (cache.dropped if cache is not None else 0)
+            mask = padded_mask(mask, pad, start, length, seen, pad_keys)
+        x = self.token_embedding(tokens)
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        queries = None
+        if cache is not None and cache.committing and output_positions is not None and clean_tokens is None:
+            # A pass that stores keys and values needs every position's, but outputs only at
+            # `output_positions`: the last layer's attention output and MLP run only over the
+            # columns holding them (none at all for a pure commit).
+            columns = output_positions.any(dim=0).nonzero()
+            queries = slice(int(columns[0]), int(columns[-1]) + 1) if len(columns) else slice(0, 0)
+        for index, block in enumerate(self.blocks):
+            if recompute:
+                x = checkpoint(block, x, cos, sin, mask, cache, use_reentrant=False)
+            elif queries is not None and index == len(self.blocks) - 1:
+                x = block(x, cos, sin, mask, cache, queries)
+                output_positions = output_positions[:, queries] if output_positions is not None else None
+                inputs = inputs[:, queries]
+            else:
+                x = block(x, cos, sin, mask, cache)
+        if cache is not None and cache.committing:
+            cache.length += length
+        x = self.norm(x[:, :length])  # the noisy copy only: the clean one is context
+        if output_positions is not None:
+            if output_positions.dtype != torch.bool:
+                raise TypeError(f"output_positions must be a boolean mask, got {output_positions.dtype}")
+            # Gather before the head: the vocabulary matmul, the largest of a small model, is
+            # then paid only at masked positions. The gather's size depends on the data, so it
+            # sits after every block, outside the part torch.compile wants as one graph.
+            x = x[output_positions]
+            inputs = inputs[output_positions]
+        # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
+        logits = F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+        if self.config.mask_logit == "subs":
+            return subs_logits(logits, inputs, self.config.mask_token_id)
+        return logits
+
+    def _rotary(self, start: int, length: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """cos and sin of positions [start, start + length), per row when padded, past the table if need be."""
+
+        end = start + length
+        if pad is None and end <= self.rope_cos.shape[0]:
+            return self.rope_cos[start:end].float(), self.rope_sin[start:end].float()
+        positions = torch.arange(start, end, device=self.rope_cos.device)
+        if pad is not None:
+            positions = (positions[None, :] - pad.to(positions.device)[:, None]).clamp_min(0)
+        if end <= self.rope_cos.shape[0]:
+            return self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        # A sliding window past max_seq_len (block models): same values as a longer table.
+        return rotary_at(positions, self.config.head_dim, self.config.rope_theta)
+
+    @property
+    def num_parameters(self) -> int:
+        """Number of distinct trainable values (the tied embedding / head counted once)."""
+
+        return sum(p.numel() for p in self.parameters())  # parameters() already deduplicates
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention scores.
+
+        A block model's training pass runs over 2 x seq_len tokens (noisy and clean copies), each
+        query against 2 x seq_len keys: twice the matmuls and four times the attention of a
+        whole-sequence model, per token of data (SDPA with a boolean mask computes every score; flex
+        skips the masked-out tiles, so there this overstates the attention work).
+        """
+
+        attention = 12 * self.config.n_layers * self.config.d_model * seq_len
+        if self.config.is_block_model:
+            return 2 * 6 * self.num_parameters + 4 * attention
+        return 6 * self.num_parameters + attention
+
+
+def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
+    """MDLM's SUBS parameterisation of logits [..., V] at positions holding `inputs` [...], in place.
+
+    The mask token gets logit -inf: the clean data never holds it, so probability spent on it only
+    loosens the ELBO (and the sampler would forbid it anyway). A position that is not masked keeps
+    its token in the reverse process, so it predicts that token with probability 1 (logit 0, all
+    others -inf); the ELBO never scores such positions, and training never computes them. Every
+    step is in place, and autograd keeps only [..., 1] tensors for the backward pass.
+    """
+
+    unmasked = (inputs != mask_token_id)[..., None]
+    logits.masked_fill_(unmasked, float("-inf"))
+    # A masked row gets -inf at its input, the mask token; an unmasked row gets 0 at its own token.
+    kept = torch.zeros_like(unmasked, dtype=logits.dtype).masked_fill_(~unmasked, float("-inf"))
+    return logits.scatter_(-1, inputs[..., None], kept)
+
+
+def format_parameter_count(n: int) -> str:
+    """Human-readable count: 512.0K, 110.9M, 1.28B (billions get one more digit)."""
+
+    if n < 1000:
+        return str(n)
+    for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1)):
+        text = f"{n / scale:.{digits}f}"
+        # Round first, then pick the unit, so 999_960 prints as 1.0M rather than 1000.0K.
+        if float(text) >= 1.0:
+            return f"{text}{suffix}"
+    return f"{n / 1e3:.1f}K"

@@ -1,0 +1,116 @@
+"""`generate`: text in, text out: the prompt or template, the tokenizer, the sampler, the timing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dlm.choices import CacheMode, RevealSplit
+from dlm.data.tokenizer import SPECIAL_TOKENS
+from dlm.diffusion.schedules import Schedule, get_schedule, model_schedule
+from dlm.errors import UserError
+from dlm.model.denoiser import block_size
+from dlm.sampling.dispatch import counting_tokens, denoise, inference
+from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback
+from dlm.sampling.prompting import build_sequence, check_request
+from dlm.sampling.row_noise import noise_device
+
+if TYPE_CHECKING:
+    from dlm.model.denoiser import Denoiser
+
+
+def _model_device(model: Denoiser) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def generate(
+    model: Denoiser,
+    tokenizer: Any,
+    *,
+    prompt: str = "",
+    text: str | None = None,
+    length: int = 64,
+    steps: int = 64,
+    num_samples: int = 1,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = 0.9,
+    remasking: str = "random",
+    block_length: int | None = None,
+    device: str | torch.device | None = None,
+    on_step: StepCallback | None = None,
+    schedule: str | Schedule | None = None,
+    stop_at_end: bool = False,
+    threshold: float | None = None,
+    cache: CacheMode = "none",
+    prompts: Sequence[str] | None = None,
+    reveal_split: RevealSplit = "schedule",
+) -> SampleResult:
+    """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
+
+    Templates: `[MASK]` is one token to generate, `[MASK*N]` is N tokens; the rest is fixed text,
+    e.g. "ROMEO: [MASK*20] fair Verona". `prompt` and `text` are exclusive; `length` is ignored
+    with a template. A fixed `seed` repeats the tokens bit for bit on the same machine with the same
+    batch shape; elsewhere they are equal up to float rounding (docs/reproducibility.md). `device`
+    defaults to the model's; another device moves the model there. Texts keep special tokens such as
+    `<|endoftext|>` so document boundaries stay visible. `schedule` (a name or a `Schedule`)
+    defaults to the noise schedule the model was trained with, which `dlm.load` records. With
+    `stop_at_end` each sample ends at its first generated end-of-document token, and generation
+    stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
+    counts the generated tokens kept. `threshold` and `cache` are described in `dlm.sampling.fast`;
+    `reveal_split` (`schedule` or LLaDA's `even`) in `dlm.sampling.reverse`.
+
+    `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
+    padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
+    and gets its tokens up to float rounding: a choice that is a tie within rounding can go either
+    way (`dlm.sampling.prompt_batch`, docs/reproducibility.md); `on_step` is not called then. A
+    block model generates past its `max_seq_len` with a sliding window (`dlm.sampling.block_model`).
+    """
+
+    options = SamplingOptions(steps=steps, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
+                              block_length=block_length, threshold=threshold, cache=cache,
+                              reveal_split=reveal_split)  # fmt: skip
+    config = model.config
+    device = _model_device(model) if device is None else torch.device(device)
+    model.to(device)
+    pad_id = tokenizer.token_to_id(SPECIAL_TOKENS["pad"])
+    forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
+    chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
+    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
+    if prompts is not None:
+        if prompt or text is not None:
+            raise UserError("a list of prompts cannot be combined with --prompt or --text")
+        from dlm.sampling.prompt_batch import generate_prompts
+
+        return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seed=seed,
+                                options=options, device=device, schedule=chosen, forbidden=forbidden,
+                                end_id=end_id)  # fmt: skip
+    parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
+    limit = None if block_size(config) else config.max_seq_len  # a block model slides on
+    ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
+                               max_seq_len=limit)  # fmt: skip
+    generator = torch.Generator(device=noise_device(device)).manual_seed(seed)
+    tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
+    start = time.perf_counter()
+    with inference(model), counting_tokens(model) as fed:
+        tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
+                                         forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen,
+                                         stop_token_id=end_id)  # fmt: skip
+        token_ids = tokens.tolist()  # waits for the device, so the timing covers all queued work
+    if end_id is not None:
+        from dlm.sampling.reverse import cut_after_stop
+
+        token_ids = cut_after_stop(token_ids, fill, end_id)
+    seconds = time.perf_counter() - start
+    texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
+    lengths = [sum(fill[: len(row)]) for row in token_ids]
+    prompt_tokens = fill.index(True) if True in fill else len(fill)
+    return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths,
+                        [prompt_tokens] * num_samples, [seed] * num_samples)  # fmt: skip

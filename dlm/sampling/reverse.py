@@ -1,0 +1,287 @@
+"""Generation by reversing the masking process of a masked diffusion language model.
+
+A sequence starts as the prompt followed by `length` mask tokens. Time runs from t = 1 (all
+generated positions masked) to t = 0 over `steps` equal steps; each step predicts the masked
+positions and reveals ("commits") some of them. A revealed token never changes. How many depends on
+the noise schedule the model was trained with (`dlm.diffusion.schedules`; m(t) = t for the default linear one).
+
+Which masked positions are revealed at a step from t to s = t - 1/steps:
+
+- `random`: ancestral sampling of the true reverse process; every masked position is revealed
+  independently with the schedule's reveal probability (m(t) - m(s)) / m(t), which is 1 at the
+  last step ((t - s) / t for linear).
+- `confidence`: LLaDA's low-confidence remasking; the model's distribution is sampled at every
+  masked position and the k most probable samples are kept, the rest stay masked. k follows the
+  schedule: floor(n * m(s)) of a block's n positions stay masked at time s, none after the last step
+  (`reveal_split="schedule"`, the default). `reveal_split="even"` is LLaDA's own split
+  (`get_num_transfer_tokens`): n // steps each, the first n % steps steps one more, whatever the
+  schedule. For 6 positions in 4 steps the schedule reveals 2, 1, 2, 1 and the even split 2, 2, 1, 1.
+- `margin`: as `confidence`, but a position's confidence is top-1 minus top-2 probability.
+
+`block_length` B makes the sampler semi-autoregressive: the positions to generate are split, left
+to right, into blocks of B; each block runs its share of the steps and later blocks stay masked
+until the earlier ones are complete.
+
+Infilling templates (`text=`): `[MASK]` is one token to generate and `[MASK*N]` is N of them;
+everything else is fixed text, kept token for token. Example: "ROMEO: [MASK*20] fair Verona".
+
+A step that reveals nothing does not call the model: the revealed tokens would be the same for any
+prediction, so its forward pass is skipped (MDLM's cached sampler gets the same saving by reusing
+predictions while the noisy sequence is unchanged). `SampleResult.forward_passes` counts the calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from dlm.choices import RevealSplit
+from dlm.diffusion.schedules import LinearSchedule, Schedule, Time
+from dlm.errors import UserError
+from dlm.sampling.options import SamplingOptions, StepCallback
+from dlm.sampling.remasking import token_confidence
+from dlm.sampling.row_noise import RowNoise
+from dlm.sampling.tokens import sample_tokens
+
+if TYPE_CHECKING:
+    from dlm.model.attention import KVCache
+    from dlm.model.denoiser import Denoiser
+
+_LINEAR = LinearSchedule()  # the default schedule, as in `[diffusion]`
+
+
+@dataclass(frozen=True)
+class Reverse:
+    """What every step of one reverse process shares."""
+
+    model: Denoiser
+    options: SamplingOptions
+    noise: RowNoise
+    mask_id: int
+    forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
+    pad: torch.Tensor | None = field(default=None, kw_only=True)  # leading padding per row of a batch of prompts
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """The model on `tokens` of the batch rows `rows` (None: all), with their padding if any."""
+
+        if self.pad is None:
+            if cache is None:
+                return self.model(tokens, output_positions=positions)
+            return self.model(tokens, output_positions=positions, cache=cache)
+        pad = self.pad if rows is None else self.pad[rows]
+        return self.model(tokens, output_positions=positions, cache=cache, pad=pad)
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits at `positions` of `tokens`, the batch rows `rows` (None: all) of the sequence."""
+
+        return self.forward(tokens, positions, rows)
+
+    def uniform(self, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Draws for `sample_tokens` at `positions` [R, L] of the rows `rows`, each row from its stream."""
+
+        if self.options.temperature == 0:
+            return None
+        counts = positions.sum(dim=1)
+        if rows is not None:
+            counts = torch.zeros(rows.shape, dtype=counts.dtype, device=counts.device).masked_scatter(rows, counts)
+        return self.noise.stacked(counts, self.model.config.vocab_size)
+
+    def predict(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
+
+        logits = self.logits(tokens, positions, rows).to(self.noise.device, torch.float64)
+        logits[:, self.forbidden] = float("-inf")
+        options = self.options
+        new = sample_tokens(
+            logits,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=options.top_p,
+            uniform=self.uniform(positions, rows),
+        )
+        confidence = None
+        if options.remasking != "random":
+            # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
+            confidence = token_confidence(logits.softmax(dim=-1), new, options.remasking)
+        return new.to(tokens.device), confidence
+
+    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
+        """Ancestral step: reveal each masked position of `block` with `probability`."""
+
+        masked = tokens[:, block] == self.mask_id
+        draws = self.noise.per_row(tuple(masked.shape))
+        # draws < p, written as draws x (1 / p) < 1: the linear schedule's exact 1 / p is the number
+        # of steps left, so its draws compare exactly as they always have.
+        odds = float(1 / probability) if probability > 0 else math.inf
+        reveal = masked & (draws * odds < 1).to(tokens.device)
+        rows = reveal.any(dim=1)
+        if not bool(rows.any()):
+            return 0
+        positions = torch.zeros_like(tokens, dtype=torch.bool)
+        positions[:, block] = reveal
+        # Only rows that reveal something need a prediction, and only at the revealed positions.
+        sub_tokens, sub_positions = tokens[rows], positions[rows]
+        new, _ = self.predict(sub_tokens, sub_positions, rows)
+        sub_tokens[sub_positions] = new
+        tokens[rows] = sub_tokens
+        return 1
+
+    def reveal_confident(self, tokens: torch.Tensor, block: torch.Tensor, count: int) -> int:
+        """Remasking step: sample all masked positions of `block`, keep the `count` most confident."""
+
+        if count == 0:
+            return 0
+        candidates = torch.zeros_like(tokens, dtype=torch.bool)
+        candidates[:, block] = tokens[:, block] == self.mask_id
+        new, confidence = self.predict(tokens, candidates)
+        assert confidence is not None
+        scores = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+        scores[candidates.to(scores.device)] = confidence
+        # Every row has the same number of masked positions (>= count): top-k picks only candidates.
+        chosen = scores.topk(count, dim=1).indices.to(tokens.device)
+        proposal = tokens.clone()
+        proposal[candidates] = new
+        tokens.scatter_(1, chosen, proposal.gather(1, chosen))
+        return 1
+
+
+def steps_per_block(steps: int, num_blocks: int) -> list[int]:
+    """Split `steps` across blocks as evenly as possible, earlier blocks taking the remainder."""
+
+    return [steps // num_blocks + (index < steps % num_blocks) for index in range(num_blocks)]
+
+
+def step_times(steps: int, step: int) -> tuple[Fraction, Fraction]:
+    """The times (t, s) that step `step` (0-based) of `steps` runs between, exactly: t = 1 - step / steps."""
+
+    return Fraction(steps - step, steps), Fraction(steps - step - 1, steps)
+
+
+def reveal_count(
+    num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR, split: RevealSplit = "schedule"
+) -> int:
+    """Positions to reveal at `step` (0-based): so that floor(n * m(s)) stay masked at time s, or by
+    the `even` split n // steps, one more in each of the first n % steps steps (LLaDA)."""
+
+    if split == "even":
+        return num_positions // steps + (step < num_positions % steps)
+    t, s = step_times(steps, step)
+    return schedule.masked_count(num_positions, t) - schedule.masked_count(num_positions, s)
+
+
+def masked_after(
+    num_positions: int, steps: int, step: int, schedule: Schedule = _LINEAR, split: RevealSplit = "schedule"
+) -> int:
+    """Positions of `num_positions` still masked after `step` (0-based) when every step reveals its `reveal_count`."""
+
+    if split == "even":
+        done = step + 1
+        return num_positions - done * (num_positions // steps) - min(done, num_positions % steps)
+    return schedule.masked_count(num_positions, step_times(steps, step)[1])
+
+
+def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_masked: int) -> int:
+    """Commit the masked positions of `block` above the threshold: at least one, and at least
+    enough that no more than `keep_masked` stay masked. Forward passes made (0 or 1)."""
+
+    masked = tokens[:, block] == reverse.mask_id
+    if not bool(masked.any()):
+        return 0
+    candidates = torch.zeros_like(tokens, dtype=torch.bool)
+    candidates[:, block] = masked
+    logits = reverse.logits(tokens, candidates, None).to(reverse.noise.device, torch.float64)
+    logits[:, reverse.forbidden] = float("-inf")
+    options = reverse.options
+    new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
+                        uniform=reverse.uniform(candidates, None))  # fmt: skip
+    # The probability of the token each position would commit (Fast-dLLM's rule, and what
+    # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
+    # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
+    ranking = "confidence" if options.remasking == "random" else options.remasking
+    confidence = token_confidence(logits.softmax(dim=-1), new, ranking)
+    scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+    scores[masked.to(scores.device)] = confidence
+    need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
+    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
+    assert options.threshold is not None
+    commit = (scores > options.threshold) | (rank < need[:, None])
+    commit = commit.to(tokens.device) & masked
+    proposal = tokens[:, block].clone()
+    proposal[masked] = new.to(tokens.device)
+    tokens[:, block] = torch.where(commit, proposal, tokens[:, block])
+    return 1
+
+
+def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_id: int) -> list[list[int]]:
+    """Each row up to and including the first `stop_token_id` at a generated position."""
+
+    cut = []
+    for row in token_ids:
+        end = next((i + 1 for i, (t, f) in enumerate(zip(row, fill, strict=True)) if f and t == stop_token_id), None)
+        cut.append(row if end is None else row[:end])
+    return cut
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: the ways to run a whole reverse process, one of which `dlm.sampling.dispatch.denoise` picks
+
+
+@dataclass(frozen=True)
+class ReverseContext:
+    """What `dlm.sampling.dispatch.denoise` hands a strategy besides the model, tokens and options."""
+
+    noise: RowNoise  # the random streams, one per group of rows
+    schedule: Schedule
+    forbidden_token_ids: Sequence[int] = ()  # never predicted (nor is the mask token)
+    on_step: StepCallback | None = None
+    stop_token_id: int | None = None  # end generation once every row has it (strategies that can)
+    pad: Tensor | None = None  # leading padding positions per row (a batch of prompts)
+
+    def keywords(self) -> dict[str, Any]:
+        """The keyword arguments `denoise_fast` and `denoise_blocks` take besides their generator."""
+
+        return {"schedule": self.schedule, "forbidden_token_ids": self.forbidden_token_ids, "on_step": self.on_step,
+                "stop_token_id": self.stop_token_id, "pad": self.pad}  # fmt: skip
+
+
+# Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true: the completed tokens and
+# the number of model forward passes (the contract of `dlm.sampling.dispatch.denoise`).
+RunReverse = Callable[["Denoiser", Tensor, Tensor, SamplingOptions, ReverseContext], tuple[Tensor, int]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One sampler: `run` is used for a model, its options and its stop token when `applies` says so."""
+
+    name: str
+    applies: Callable[[Denoiser, SamplingOptions, int | None], bool]
+    run: RunReverse
+
+
+def sequence_blocks(
+    tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, mask_id: int
+) -> tuple[Tensor, list[Tensor]]:
+    """A whole-sequence sampler's start: a copy of `tokens` masked where `fill_mask` is, and the
+    positions of each `block_length` block (one block without it); refused with fewer steps than blocks."""
+
+    tokens = tokens.clone()
+    tokens[:, fill_mask] = mask_id
+    positions = fill_mask.nonzero().squeeze(-1)
+    blocks = list(positions.split(options.block_length)) if options.block_length else [positions]
+    if len(blocks) > options.steps:
+        raise UserError(
+            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks of --block-length "
+            f"{options.block_length}",
+            fix=f"use at least {len(blocks)} steps or a larger --block-length",
+        )
+    return tokens, blocks

@@ -1,0 +1,497 @@
+"""The training loop. It emits the typed events of `dlm.artifacts.events` to a sink and never prints.
+
+The usual parts of a training loop: seeding, device and precision resolution, CUDA backend setup
+with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
+diffusion times across gradient accumulation, warmup + cosine LR, gradient clipping, a GradScaler for
+float16, fixed-noise validation, atomic checkpoints with retention, a hard-linked `latest.pt` and a
+compact bf16 inference checkpoint.
+
+Beyond them: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
+index) and the data order is a pure function of (seed, batch index), so a resumed run is
+bit-identical to an uninterrupted one and independent of world size; metrics stay on the device
+between log steps (no host sync per step); Ctrl-C / SIGTERM finish the step and save; a non-finite
+loss stops the run before a bad model can become `latest.pt`; one run per directory (lock file), never
+started on top of another run, and every check of a resume (`dlm.artifacts.run_dir`) done before any write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from dlm import __version__
+from dlm.artifacts.checkpoint import (
+    TRAINING_FORMAT,
+    RunLock,
+    check_output_dir,
+    load_checkpoint,
+    save_inference_checkpoint,
+    save_training_checkpoint,
+)
+from dlm.artifacts.events import (
+    CheckpointEvent,
+    EndEvent,
+    EndStatus,
+    Sink,
+    StartEvent,
+    TrainEvent,
+    ValidationEvent,
+    fan_out,
+)
+from dlm.artifacts.run_dir import (
+    MetricsFile,
+    RunDir,
+    check_resumable,
+    check_run_file_kinds,
+    check_run_target,
+    check_same_data,
+    metadata_sha256,
+    remove_run_files,
+    write_config,
+)
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import ExperimentConfig
+from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
+from dlm.data.tokenizer import tokenizer_sha256
+from dlm.errors import UserError
+from dlm.evaluation.evaluate import fixed_noise_validation
+from dlm.model.transformer import format_parameter_count
+from dlm.runtime import (
+    capture_rng_state,
+    configure_cpu_threads,
+    configure_cuda_backends,
+    cpu_precision_note,
+    memory_stats,
+    peak_flops,
+    resolve_compile,
+    resolve_device,
+    resolve_precision,
+    restore_rng_state,
+)
+from dlm.train.distributed import (
+    DistributedContext,
+    check_parallelism,
+    check_world_size,
+    current_context,
+    full_model_state,
+    full_optimizer_state,
+    full_tensors,
+    load_full_state,
+    shard_like,
+)
+from dlm.train.init_from import initial_weights, load_initial_weights
+from dlm.train.loggers import check_loggers, open_loggers
+from dlm.train.memory import count_parameters
+from dlm.train.optimizer import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
+from dlm.train.preflight import ensure_valid
+from dlm.train.step import LogWindow, RunCounters, TrainingStep
+from dlm.train.stop import StopSignals
+
+
+@dataclass
+class TrainResult:
+    """How a call to `train` ended."""
+
+    status: EndStatus
+    step: int
+    checkpoint: Path
+    run_dir: Path
+    exit_code: int = 0
+
+
+class NonFiniteLossError(UserError):
+    """The loss or gradient norm became NaN / inf; the last good checkpoint is kept."""
+
+
+class Trainer:
+    """Owns the model, optimizer, data and counters of one run on one process."""
+
+    def __init__(
+        self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink
+    ):
+        self.experiment, self.config = experiment, experiment.training
+        self.device, self.precision, self.world, self.sink = device, precision, world, sink
+        self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
+        self.step = TrainingStep(experiment, device, precision, world)
+        self.model, self.optimizer = self.step.model, self.step.optimizer
+        self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
+        self.val_dataset = (
+            load_packed_dataset(self.config.val_data, experiment.model.max_seq_len)
+            if self.config.val_data is not None
+            else None
+        )
+        self.data_generator = torch.Generator().manual_seed(self.config.seed)
+        self.tokenizer_sha256 = tokenizer_sha256(self.config.tokenizer)
+        # What identifies the data; a resume onto other data is refused unless asked for.
+        self.data_sha256 = {
+            "train": metadata_sha256(self.train_dataset.metadata),
+            "val": None if self.val_dataset is None else metadata_sha256(self.val_dataset.metadata),
+        }
+        self.data_changed = False
+        self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
+        self.peak_flops = peak_flops(device, precision)
+        self.checkpoint_path: Path | None = None
+
+    @property
+    def counters(self) -> RunCounters:
+        return self.step.counters
+
+    # ----------------------------------------------------------------------------- state
+    def load(self, path: Path, allow_data_change: bool = False) -> None:
+        """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
+
+        checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
+        check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
+        self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
+        check_world_size(checkpoint, self.world.world_size, path)
+        # Every rank reads the file; under FSDP each keeps only its shard of the full state.
+        check_state_layout(self.optimizer, checkpoint["optimizer"], path)
+        # Whatever the optimizer, the config's hyperparameters win over the checkpoint's (a changed
+        # beta or decay takes effect); the schedule sets the learning rate before every step.
+        resumable = optimizer_spec(self.config.optimizer).resumable_hyperparameters
+        with configured_hyperparameters_kept(self.optimizer, resumable):
+            load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
+        self.step.scaler.load_state_dict(checkpoint.get("scaler") or {})
+        ema = self.step.ema
+        if ema is not None and checkpoint.get("ema") is not None:
+            shadow = shard_like(checkpoint["ema"]["shadow"], dict(zip(ema.names, ema.shadow, strict=True)))
+            ema.load_state_dict({**checkpoint["ema"], "shadow": shadow})
+        self.data_generator.set_state(checkpoint["data_generator_state"])
+        restore_rng_state(checkpoint["rng_state"])
+        self.step.counters = RunCounters(
+            step=int(checkpoint["step"]),
+            tokens_seen=int(checkpoint["tokens_seen"]),
+            micro_batches_seen=int(checkpoint["micro_batches_seen"]),
+        )
+        self.checkpoint_path = Path(path)
+
+    def start_from(self, weights: dict[str, Tensor]) -> None:
+        """Take a trained model's weights (`training.init_from`, read and checked by
+        `dlm.train.init_from.initial_weights`); everything else starts afresh."""
+
+        load_initial_weights(self.model, weights)
+        if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
+            self.step.ema = ModelEMA(self.model, self.step.ema.decay)
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
+        a collective: every rank gathers, only rank 0 gets the tensors (the others, empty dicts)."""
+
+        ema = self.step.ema
+        ema_state = None
+        if ema is not None:
+            ema_state = ema.state_dict()
+            ema_state["shadow"] = full_tensors(ema_state["shadow"])
+        return {
+            "format": TRAINING_FORMAT,
+            "dlm_version": __version__,
+            "step": self.counters.step,
+            "tokens_seen": self.counters.tokens_seen,
+            "micro_batches_seen": self.counters.micro_batches_seen,
+            "world_size": self.world.world_size,
+            "config": self.experiment.to_dict(),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "data_sha256": self.data_sha256,
+            "rng_state": capture_rng_state(self.device),
+            "data_generator_state": self.data_generator.get_state(),
+            "model": full_model_state(self.model),
+            "optimizer": full_optimizer_state(self.model, self.optimizer),
+            "scaler": self.step.scaler.state_dict(),
+            "ema": ema_state,
+        }
+
+    def save(self) -> Path:
+        """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
+
+        with self.stop.writing():  # a second Ctrl-C waits until the files are complete
+            return self._save()
+
+    def _save(self) -> Path:
+        config, step = self.config, self.counters.step
+        state = self.state()
+        path = RunDir(config.output_dir).step_checkpoint(step)  # what every rank reports; rank 0 writes it
+        if self.world.is_main:
+            path = save_training_checkpoint(config.output_dir, state, step, config.keep_last_checkpoints)
+            if config.save_inference_checkpoint:
+                metadata = {
+                    "step": step,
+                    "tokens_seen": self.counters.tokens_seen,
+                    "config": self.experiment.to_dict(),
+                    "tokenizer_sha256": self.tokenizer_sha256,
+                    "weights": "live" if state["ema"] is None else "ema",
+                }
+                save_inference_checkpoint(config.output_dir, inference_weights(state), metadata)
+            self.sink(CheckpointEvent(step=step, path=str(path)))
+        # No rank returns before the files exist: a result must never name a missing checkpoint.
+        self.world.barrier()
+        self.checkpoint_path = path
+        return path
+
+    # ----------------------------------------------------------------------------- data
+    def train_batches(self) -> Iterator[Tensor]:
+        world = self.world
+        # check_world_size made sure the consumed micro-batches split evenly over the ranks.
+        sampler = DeterministicBatchSampler(
+            len(self.train_dataset),
+            self.config.batch_size,
+            seed=self.config.seed,
+            start_batch=self.counters.micro_batches_seen // world.world_size,
+            rank=world.rank,
+            world_size=world.world_size,
+        )
+        loader = DataLoader(
+            cast(Dataset[Tensor], self.train_dataset),  # a map-style dataset by its methods
+            batch_sampler=sampler,
+            num_workers=self.config.num_workers,
+            pin_memory=self.device.type == "cuda",
+            generator=self.data_generator,
+        )
+        return iter(loader)
+
+    def validate(self) -> dict[str, float]:
+        assert self.val_dataset is not None
+        # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
+        loader = DataLoader(cast(Dataset[Tensor], self.val_dataset), batch_size=self.config.batch_size, shuffle=False,
+                            generator=torch.Generator().manual_seed(0))
+        eps, batches = self.experiment.diffusion.mask_eps, self.config.eval_batches
+        metrics = fixed_noise_validation(
+            self.model, loader, self.device, self.precision, eps, batches, schedule=self.step.schedule
+        )
+        self.sink(ValidationEvent(step=self.counters.step, **metrics))
+        return metrics
+
+    def raise_if_diverged(self, window: LogWindow) -> None:
+        # Agreed over ranks (a collective), so that every rank stops, or none does.
+        bad_step = self.world.first_flag(window.first_bad_step)
+        if bad_step >= 0:
+            kept = self.checkpoint_path or "none was written yet"
+            raise NonFiniteLossError(
+                f"the loss or gradient norm became non-finite at step {bad_step}; training stopped and "
+                f"the last good checkpoint is kept: {kept}",
+                fix="lower training.learning_rate, raise warmup_steps or use bfloat16 instead of float16",
+            )
+
+    def log(self, window: LogWindow) -> None:
+        self.raise_if_diverged(window)
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        tokens_per_second = window.tokens / elapsed
+        steps_left = self.config.max_steps - self.counters.step
+        # Loss, accuracy and buckets of all ranks, as one process running every micro-batch would
+        # report them; the gradient norm is already global (computed after the reduction).
+        loss, accuracy, bucket_loss, bucket_count = self.world.sum_over_ranks(
+            [window.loss, window.accuracy, window.bucket_loss, window.bucket_count]
+        )
+        counts = bucket_count.tolist()
+        sums = bucket_loss.tolist()
+        buckets = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+        event = TrainEvent(
+            step=self.counters.step,
+            max_steps=self.config.max_steps,
+            loss=float(loss) / (window.steps * self.world.world_size),
+            masked_accuracy=float(accuracy) / (window.steps * self.world.world_size),
+            learning_rate=learning_rate(self.counters.step - 1, self.config),
+            grad_norm=float(window.grad_norm) / window.steps,
+            tokens_seen=self.counters.tokens_seen,
+            tokens_per_second=tokens_per_second,
+            mfu=(
+                self.flops_per_token * tokens_per_second / (self.peak_flops * self.world.world_size)
+                if self.peak_flops
+                else None
+            ),
+            eta_seconds=steps_left * elapsed / window.steps,
+            loss_by_t=buckets,
+            **memory_stats(self.device),
+        )
+        self.sink(event)
+        window.reset()
+
+    # ----------------------------------------------------------------------------- run
+    def check_can_continue(self, end_step: int) -> None:
+        if self.counters.step >= end_step:
+            raise UserError(
+                f"the checkpoint is already at step {self.counters.step} of max_steps {self.config.max_steps}",
+                fix="raise training.max_steps to continue training",
+            )
+
+    def run(self, end_step: int, deadline: float | None, stop: StopSignals) -> TrainResult:
+        config = self.config
+        self.check_can_continue(end_step)
+        self.stop = stop
+        self.step.prepare()
+        batches = self.train_batches()
+        window = LogWindow(self.device)
+        status: EndStatus = "complete"
+        while self.counters.step < end_step:
+            self.step.optimizer_step(batches, window)
+            step = self.counters.step
+            if step % config.log_interval == 0 or step == end_step:
+                self.log(window)
+            if self.val_dataset is not None and step % config.eval_interval == 0:
+                self.validate()
+            if step % config.save_interval == 0:
+                self.raise_if_diverged(window)
+                self.save()
+            # Decided together: a rank that stopped alone would leave the others in a collective.
+            signalled, out_of_time = self.world.any_rank(
+                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline]
+            )
+            if signalled:
+                status = "interrupted"
+                break
+            if out_of_time and step < end_step:
+                status = "paused"
+                break
+        if status == "complete" and self.counters.step < config.max_steps:
+            status = "paused"
+        self.raise_if_diverged(window)
+        if window.steps:
+            self.log(window)
+        if self.checkpoint_path is None or self.counters.step % config.save_interval:
+            self.save()
+        assert self.checkpoint_path is not None
+        return TrainResult(
+            status=status,
+            step=self.counters.step,
+            checkpoint=self.checkpoint_path,
+            run_dir=config.output_dir,
+            exit_code=stop.exit_code if status == "interrupted" else 0,
+        )
+
+    def start_event(self, resumed_from: Path | None, cpu_threads: str | None = None) -> StartEvent:
+        config, world = self.config, self.world
+        tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
+        tokens_per_step *= self.experiment.model.max_seq_len
+        return StartEvent(
+            run_dir=str(config.output_dir),
+            device=str(self.device),
+            precision=self.precision,
+            parameters=self.model.num_parameters,
+            parameters_human=format_parameter_count(self.model.num_parameters),
+            optimizer=config.optimizer,
+            compile=resolve_compile(config.compile, self.device),
+            activation_checkpointing=self.experiment.model.activation_checkpointing,
+            fused_attention_required=config.require_fused_attention,
+            world_size=world.world_size,
+            parallelism=config.parallelism if world.active else None,
+            global_batch=config.batch_size * config.gradient_accumulation_steps * world.world_size,
+            tokens_per_step=tokens_per_step,
+            training_blocks=len(self.train_dataset),
+            start_step=self.counters.step,
+            max_steps=config.max_steps,
+            resumed_from=None if resumed_from is None else str(resumed_from),
+            data_changed=self.data_changed,
+            dlm_version=__version__,
+            cpu_threads=cpu_threads,
+            precision_note=cpu_precision_note(self.device, self.precision),
+            init_from=None if config.init_from is None else str(config.init_from),
+        )
+
+
+def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
+    """The weights evaluation should use: the EMA's when there is one (it tracks every parameter).
+
+    Taken from the gathered state rather than by loading the EMA into the model, which would need
+    a second gather under FSDP.
+    """
+
+    model, ema = state["model"], state["ema"]
+    if ema is None:
+        return model
+    return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}
+
+
+def _checkpoint_bytes(parameters: int) -> int:
+    """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
+
+    return parameters * 4 * 3 * 2
+
+
+def train(
+    experiment: ExperimentConfig,
+    *,
+    resume: str | Path | None = None,
+    max_run_steps: int | None = None,
+    max_run_seconds: float | None = None,
+    sink: Sink | None = None,
+    overwrite: bool = False,
+    allow_data_change: bool = False,
+    stop: StopSignals | None = None,
+) -> TrainResult:
+    """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl.
+
+    A directory that already holds a run is refused unless `resume` is one of its checkpoints or
+    `overwrite` asks to delete it; `allow_data_change` accepts a resume onto other packed data.
+    Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
+    handlers the caller installed for longer than the run (else the run installs its own).
+    """
+
+    if max_run_steps is not None and max_run_steps <= 0:
+        raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
+    experiment = experiment.with_absolute_paths()
+    config = experiment.training
+    world = current_context(experiment)
+    device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
+    precision = resolve_precision(config.precision, device)
+    configure_cuda_backends(device, config.require_fused_attention)
+    threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
+    ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
+    check_parallelism(config)
+    run_dir = config.output_dir
+    resume = None if resume is None else Path(resume)
+    initial = None  # a resumed run never re-applies init_from
+    if resume is None and config.init_from is not None:
+        # Read and checked before the run directory exists: a refused source leaves nothing behind.
+        initial = initial_weights(config.init_from, experiment.model, tokenizer_sha256(config.tokenizer))
+    if world.is_main:  # only rank 0 logs, so only it needs the loggers' packages
+        check_loggers(experiment.logging)
+        check_output_dir(run_dir, _checkpoint_bytes(count_parameters(experiment.model)))
+    world.barrier()
+    lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
+    signals = StopSignals() if stop is None else contextlib.nullcontext(stop)
+    with lock, signals as stop, contextlib.ExitStack() as cleanup:
+        if world.is_main:  # under the lock: no other run can start or finish in between
+            check_run_file_kinds(run_dir)
+            check_run_target(run_dir, resume, overwrite)
+        trainer = Trainer(experiment, device, precision, world, fan_out([]))
+        if resume is not None:
+            trainer.load(resume, allow_data_change)
+        elif initial is not None:
+            trainer.start_from(initial)
+            del initial  # the model holds them now
+        end_step = config.max_steps
+        if max_run_steps is not None:
+            end_step = min(end_step, trainer.counters.step + max_run_steps)
+        trainer.check_can_continue(end_step)
+        # Every check passed: from here on the run writes.
+        if world.is_main:
+            if overwrite:
+                remove_run_files(run_dir)
+            metrics = MetricsFile(run_dir)
+            cleanup.callback(metrics.close)
+            loggers = open_loggers(run_dir, experiment, trainer.counters.step)
+            for logger in loggers:
+                cleanup.callback(logger.close)
+            sinks: list[Sink] = [metrics, *loggers]
+            trainer.sink = fan_out(sinks + ([sink] if sink is not None else []))
+            write_config(run_dir, experiment)
+        trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
+        deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
+        result = trainer.run(end_step, deadline, stop)
+        stop.settle()  # the files are complete: a late signal must not cut the report short
+        trainer.sink(
+            EndEvent(
+                status=result.status,
+                step=result.step,
+                checkpoint=str(result.checkpoint),
+                resume_command=f"dlm resume {run_dir}" if result.status != "complete" else None,
+            )
+        )
+        return result

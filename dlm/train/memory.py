@@ -1,0 +1,289 @@
+"""How much memory a training run needs, estimated from its config before any tensor exists.
+
+`dlm train` compares the estimate with the device's free memory before it builds the model or
+writes a file: a model far too large would otherwise fail only once allocation does, after the run
+directory was created. `dlm validate` reports the same figures as a check.
+
+The estimate is per process, in bytes:
+
+- weights: 4 per parameter (float32 master weights; autocast computes in bf16 / fp16 without a
+  second resident copy),
+- gradients: 4 per parameter,
+- optimizer state: as its registry entry counts it (`OptimizerSpec.state_bytes` in
+  `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
+- EMA: a float32 copy of the weights (4 per parameter) when `ema_decay` is set,
+- activations: what one micro-batch saves for its backward pass (see `activation_bytes`).
+
+The first four, the model state, exist whatever the batch or the kernels; under FSDP they are
+sharded over the processes. Only the model state decides a refusal: it is a lower bound, so a run
+refused by it could never have fitted. The activation figure is an approximation (kernels, compile
+and the allocator move it), so it is reported, never a reason to refuse.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dlm.config.optimizer_registry import optimizer_spec
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
+from dlm.model.denoiser import needs_clean_copy
+from dlm.model.transformer import format_parameter_count
+
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def parameter_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Name and shape of every parameter `DiffusionTransformer(model)` has, without building it.
+
+    Names follow `named_parameters()`; the head is tied to the embedding, so it has no entry.
+    """
+
+    d, ffn = model.d_model, model.ffn_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embedding.weight", (model.padded_vocab_size, d))]
+    for index in range(model.n_layers):
+        prefix = f"blocks.{index}"
+        shapes += [
+            (f"{prefix}.attention_norm.weight", (d,)),
+            (f"{prefix}.attention.qkv.weight", (3 * d, d)),
+            (f"{prefix}.attention.out.weight", (d, d)),
+            (f"{prefix}.mlp_norm.weight", (d,)),
+            (f"{prefix}.mlp.gate_up.weight", (2 * ffn, d)),
+            (f"{prefix}.mlp.down.weight", (d, ffn)),
+        ]
+    shapes.append(("norm.weight", (d,)))
+    return shapes
+
+
+def count_parameters(model: ModelConfig) -> int:
+    """What `DiffusionTransformer(model).num_parameters` will be, from the config alone."""
+
+    return sum(math.prod(shape) for _, shape in parameter_shapes(model))
+
+
+def optimizer_state_bytes(model: ModelConfig, training: TrainingConfig) -> int | None:
+    """Bytes of optimizer state for every parameter of `model` (before any sharding); None when the
+    optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
+
+    state_bytes = optimizer_spec(training.optimizer).state_bytes
+    if state_bytes is None:
+        return None
+    return state_bytes([(name, math.prod(shape)) for name, shape in parameter_shapes(model)], training)
+
+
+def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: str) -> int:
+    """Approximate bytes one training micro-batch keeps for its backward pass.
+
+    Per token and block, with `a` bytes per element of the compute dtype, d = d_model and
+    f = the SwiGLU width: the float32 residual stream at both sublayer inputs and the float32
+    rotary intermediates of q and k (16d), and in the compute dtype the two norm outputs, q, k, v,
+    the rotated q and k, the attention output (8d) and the gate / up output, the gate activation
+    and their product (4f): a(8d + 4f) + 16d. With activation checkpointing a block keeps only its
+    float32 input (4d), and one block's full set exists while it is recomputed. The head adds, for
+    the masked half of the tokens on average, the logits and their float32 copy and log-softmax
+    (a + 8 per vocabulary entry). A fused attention kernel is assumed: the math fallback also keeps
+    batch x heads x L x L scores per block. A block diffusion model's transformer blocks run over
+    2L tokens (the noisy and the clean copy), so their share doubles; the head sees the noisy copy only.
+    """
+
+    a = 4 if precision == "float32" else 2
+    d, ffn = model.d_model, model.ffn_size
+    tokens = training.batch_size * model.max_seq_len
+    full_block = a * (8 * d + 4 * ffn) + 16 * d
+    # Checkpointed: every block's float32 input, plus the block being recomputed.
+    blocks = model.n_layers * 4 * d + full_block if model.activation_checkpointing else model.n_layers * full_block
+    copies = 2 if needs_clean_copy(model) else 1
+    head = (a + 8) * model.padded_vocab_size // 2
+    return tokens * (copies * blocks + head)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one training process needs, by kind (see the module docstring)."""
+
+    parameters: int
+    optimizer: str
+    weights: int
+    gradients: int
+    optimizer_state: int
+    ema: int
+    activations: int
+    optimizer_state_estimated: bool = True  # False: the optimizer's state size is unknown, counted as 0
+
+    @property
+    def model_state(self) -> int:
+        """Weights, gradients, optimizer state and EMA: the part no batch size or kernel changes."""
+
+        return self.weights + self.gradients + self.optimizer_state + self.ema
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations
+
+    def breakdown(self) -> str:
+        parts = [
+            f"weights {format_bytes(self.weights)}",
+            f"gradients {format_bytes(self.gradients)}",
+            f"{self.optimizer} state "
+            + (format_bytes(self.optimizer_state) if self.optimizer_state_estimated else "not estimated"),
+        ]
+        if self.ema:
+            parts.append(f"EMA {format_bytes(self.ema)}")
+        return f"{format_parameter_count(self.parameters)} parameters: " + " + ".join(parts)
+
+
+def estimate_training_memory(experiment: ExperimentConfig, precision: str, shards: int = 1) -> MemoryEstimate:
+    """The memory of one training process; `shards` processes split the model state (FSDP)."""
+
+    model, training = experiment.model, experiment.training
+    parameters = count_parameters(model)
+    state = optimizer_state_bytes(model, training)
+
+    def per_shard(total: int) -> int:
+        return -(-total // shards)
+
+    return MemoryEstimate(
+        parameters=parameters,
+        optimizer=training.optimizer,
+        weights=per_shard(4 * parameters),
+        gradients=per_shard(4 * parameters),
+        optimizer_state=per_shard(state or 0),
+        ema=per_shard(4 * parameters) if training.ema_decay else 0,
+        activations=activation_bytes(model, training, precision),
+        optimizer_state_estimated=state is not None,
+    )
+
+
+@dataclass(frozen=True)
+class AvailableMemory:
+    """Bytes a new allocation can still get, and where the figure comes from."""
+
+    bytes: int
+    source: str
+
+
+def available_memory(device: torch.device) -> AvailableMemory | None:
+    """Free memory of `device` now; None where it cannot be told."""
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return AvailableMemory(int(free), f"free on {device}")
+    if device.type == "mps":
+        if not hasattr(torch.mps, "recommended_max_memory"):
+            return None
+        free = torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+        return AvailableMemory(max(0, int(free)), "available to mps")
+    return available_ram()
+
+
+def available_ram() -> AvailableMemory | None:
+    """MemAvailable (or the OS's free pages), lowered to the headroom of a cgroup memory limit."""
+
+    found = _meminfo_available()
+    if found is None:
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            return None
+    headroom = _cgroup_headroom()
+    if headroom is not None and headroom < found:
+        return AvailableMemory(headroom, "left under the cgroup memory limit")
+    return AvailableMemory(found, "of RAM available")
+
+
+def _meminfo_available() -> int | None:
+    try:
+        text = _MEMINFO.read_text(encoding="ascii")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    # cgroup v2: a container's limit is invisible in /proc/meminfo, yet exceeding it kills the run.
+    try:
+        limit = (_CGROUP / "memory.max").read_text(encoding="ascii").strip()
+        used = int((_CGROUP / "memory.current").read_text(encoding="ascii").strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(0, int(limit) - used)
+
+
+def format_bytes(count: float) -> str:
+    """1.5 KiB, 20.0 MiB, 3.2 GiB, 384.5 TiB (TiB is the largest unit)."""
+
+    if abs(count) < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1024:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """Whether a run can fit, what the estimate found, and the fix when it cannot."""
+
+    fits: bool
+    detail: str
+    fix: str = ""
+
+
+def check_training_memory(
+    experiment: ExperimentConfig, device: torch.device, precision: str, shards: int = 1
+) -> MemoryVerdict:
+    """Compare the estimate with the free memory of `device`; only the model state can refuse."""
+
+    estimate = estimate_training_memory(experiment, precision, shards)
+    available = available_memory(device)
+    activations = f"~{format_bytes(estimate.activations)} of activations per micro-batch"
+    if available is None:
+        return MemoryVerdict(
+            True, f"needs ~{format_bytes(estimate.total)} ({estimate.breakdown()}; {activations}); "
+            f"the free memory of {device} is unknown, not compared"
+        )
+    if estimate.model_state > available.bytes:
+        return MemoryVerdict(
+            False,
+            f"the run needs at least {format_bytes(estimate.model_state)} for the model state "
+            f"({estimate.breakdown()}) plus {activations}, but only {format_bytes(available.bytes)} "
+            f"{available.source}",
+            _model_state_fix(experiment, device),
+        )
+    detail = (
+        f"needs ~{format_bytes(estimate.total)} ({estimate.breakdown()}; {activations}), "
+        f"{format_bytes(available.bytes)} {available.source}"
+    )
+    if estimate.total <= available.bytes:
+        return MemoryVerdict(True, detail)
+    return MemoryVerdict(True, f"{detail}; the activations may not fit", _activation_fix(experiment))
+
+
+def _model_state_fix(experiment: ExperimentConfig, device: torch.device) -> str:
+    training = experiment.training
+    fixes = ["use a smaller model (model.d_model, model.n_layers)"]
+    if training.optimizer == "adamw":
+        fixes.append('set training.optimizer = "adamw8bit" (2 bytes of state per parameter instead of 8)')
+    if training.ema_decay:
+        fixes.append("set training.ema_decay = none")
+    if device.type == "cuda" or training.parallelism == "fsdp":
+        fixes.append('run more processes under torchrun with training.parallelism = "fsdp" (it shards the model state)')
+    return "; or ".join(fixes) + "; training.batch_size and model.activation_checkpointing shrink only the activations"
+
+
+def _activation_fix(experiment: ExperimentConfig) -> str:
+    fix = "lower training.batch_size (raise gradient_accumulation_steps to keep the batch)"
+    if not experiment.model.activation_checkpointing:
+        fix += " or set model.activation_checkpointing = true"
+    return fix

@@ -1,0 +1,200 @@
+"""Pre-flight checks of an experiment config against the files it names.
+
+`validate_experiment` returns every check's result (what `dlm validate` shows as a table);
+`ensure_valid` raises the first failure as a `UserError` (what the training loop calls before it
+spends any time or writes anything, so the memory check refuses a model whose state cannot fit
+before a single weight is allocated). A check whose input could not be read is not attempted: the
+reading failure is the one to fix first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm.config.schema import ExperimentConfig, load_config
+from dlm.data.dataset import PackedDataset, load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
+from dlm.errors import UserError
+from dlm.fileio import check_writable_directory
+from dlm.runtime import resolve_device, resolve_precision
+from dlm.train.memory import check_training_memory
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One named check: whether it passed, what was found, and how to fix a failure."""
+
+    name: str
+    passed: bool
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _failure(name: str, exc: UserError) -> CheckResult:
+    """A failed check from a UserError, its fix moved out of the message into its own column."""
+
+    text = str(exc)
+    if exc.fix and text.endswith(f" ({exc.fix})"):
+        text = text[: -len(f" ({exc.fix})")]
+    return CheckResult(name, False, text, exc.fix or "")
+
+
+def _equal(name: str, found: Any, wanted: Any, what: str, fix: str) -> CheckResult:
+    if found == wanted:
+        return CheckResult(name, True, f"{what} {found}")
+    return CheckResult(name, False, f"{what} {found}, config expects {wanted}", fix)
+
+
+def _tokenizer_checks(experiment: ExperimentConfig) -> list[CheckResult]:
+    model, path = experiment.model, experiment.training.tokenizer
+    try:
+        tokenizer = load_tokenizer(path)
+    except UserError as exc:
+        return [_failure("tokenizer", exc)]
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    mask = special_token_id(tokenizer, "mask")
+    return [
+        CheckResult("tokenizer", True, f"{path} loads with dlm's special tokens"),
+        _equal(
+            "tokenizer vocab_size",
+            vocab,
+            model.vocab_size,
+            "tokenizer has vocab size",
+            f"set model.vocab_size = {vocab}, or train a tokenizer with --vocab-size {model.vocab_size}",
+        ),
+        _equal(
+            "tokenizer mask_token_id",
+            mask,
+            model.mask_token_id,
+            "tokenizer mask id is",
+            f"set model.mask_token_id = {mask}",
+        ),
+    ]
+
+
+def _data_checks(
+    experiment: ExperimentConfig, split: str, path: Path, tokenizer_hash: str | None
+) -> tuple[list[CheckResult], PackedDataset | None]:
+    model = experiment.model
+    try:
+        dataset = load_packed_dataset(path)
+    except UserError as exc:
+        return [_failure(f"{split} data", exc)], None
+    meta = dataset.metadata
+    blocks, tokens = int(meta["num_blocks"]), int(meta["num_tokens"])
+    checks = [
+        CheckResult(f"{split} data", True, f"{path}: {blocks:,} blocks, {tokens:,} tokens, size matches"),
+        _equal(
+            f"{split} data seq_len",
+            int(meta["seq_len"]),
+            model.max_seq_len,
+            "packed with seq_len",
+            f"set model.max_seq_len = {meta['seq_len']}, or re-pack with --seq-len {model.max_seq_len}",
+        ),
+        _equal(
+            f"{split} data vocab_size",
+            int(meta["vocab_size"]),
+            model.vocab_size,
+            "encoded with vocab size",
+            "re-pack the data with the config's tokenizer",
+        ),
+    ]
+    if tokenizer_hash is not None:
+        same = meta["tokenizer_sha256"] == tokenizer_hash
+        detail = "same tokenizer file" if same else "encoded with a different tokenizer file"
+        fix = "" if same else "re-pack the data with training.tokenizer, or point it at DIR/tokenizer.json"
+        checks.append(CheckResult(f"{split} data tokenizer", same, detail, fix))
+    return checks, dataset
+
+
+def _output_check(output_dir: Path) -> CheckResult:
+    try:
+        check_writable_directory(output_dir)
+    except UserError as exc:
+        return _failure("output_dir writable", exc)
+    return CheckResult("output_dir writable", True, f"{output_dir} can be created and written")
+
+
+def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> CheckResult:
+    training = experiment.training
+    blocks_per_step = training.batch_size * training.gradient_accumulation_steps
+    total_blocks = training.max_steps * blocks_per_step
+    tokens = total_blocks * experiment.model.max_seq_len
+    epochs = total_blocks / len(dataset)
+    detail = (
+        f"{training.max_steps:,} steps x {blocks_per_step} blocks = {total_blocks:,} blocks "
+        f"({tokens:,} tokens) = {epochs:.2f} epochs of {len(dataset):,} blocks, per process"
+    )
+    if len(dataset) < training.batch_size:
+        return CheckResult(
+            "training budget",
+            False,
+            f"{len(dataset)} blocks cannot fill one batch of {training.batch_size}",
+            "lower training.batch_size or pack more text",
+        )
+    return CheckResult("training budget", True, detail)
+
+
+def _memory_check(experiment: ExperimentConfig, device: torch.device | None, world_size: int) -> CheckResult:
+    training = experiment.training
+    try:
+        device = device if device is not None else resolve_device(training.device)
+        precision = resolve_precision(training.precision, device)
+    except UserError as exc:
+        return _failure("memory", exc)
+    shards = world_size if training.parallelism == "fsdp" else 1
+    verdict = check_training_memory(experiment, device, precision, shards)
+    return CheckResult("memory", verdict.fits, verdict.detail, verdict.fix)
+
+
+def validate_experiment(
+    experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1
+) -> list[CheckResult]:
+    """Every check of `experiment`'s tokenizer, data, output directory and memory, in order.
+
+    `device`: where training will run (default: `training.device` resolved here); `world_size`
+    processes share the model state under FSDP.
+    """
+
+    training = experiment.training
+    results = _tokenizer_checks(experiment)
+    tokenizer_hash = tokenizer_sha256(training.tokenizer) if results[0].passed else None
+    results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash)
+    results += results_train
+    if training.val_data is None:
+        results.append(CheckResult("val data", True, "none configured: validation is off"))
+    else:
+        results += _data_checks(experiment, "val", training.val_data, tokenizer_hash)[0]
+    results.append(_output_check(Path(training.output_dir)))
+    if train_dataset is not None:
+        results.append(_budget_check(experiment, train_dataset))
+    results.append(_memory_check(experiment, device, world_size))
+    return results
+
+
+def validate_config_file(
+    path: str | Path, overrides: list[str] | None = None
+) -> tuple[ExperimentConfig | None, list[CheckResult]]:
+    """Load and schema-check a config file, then run `validate_experiment` when it is valid."""
+
+    try:
+        experiment = load_config(path, overrides)
+    except UserError as exc:
+        return None, [_failure("config schema", exc)]
+    schema = CheckResult("config schema", True, f"{path} is a valid config")
+    return experiment, [schema, *validate_experiment(experiment)]
+
+
+def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:
+    """Raise the first failed check as a UserError (the training loop's pre-flight)."""
+
+    for result in validate_experiment(experiment, device, world_size):
+        if not result.passed:
+            raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)

@@ -1,0 +1,191 @@
+"""One optimizer step of masked-diffusion training, shared by `dlm train` and `dlm bench`.
+
+`TrainingStep` owns the model, optimizer, grad scaler and EMA, and runs gradient accumulation over
+micro-batches. Noise is a pure function of (seed, global micro-batch index) and the diffusion times
+of one optimizer step are stratified over all its micro-batches on all processes; the configured
+noise schedule (`[diffusion]`) turns them into mask probabilities and loss weights. Metrics stay on
+the device in a `LogWindow` until someone asks for them, so the step never waits on the host.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dlm.config.schema import ExperimentConfig
+from dlm.diffusion.objective import (
+    TokenLosses,
+    accumulation_mask_probabilities,
+    corrupt_tokens,
+    diffusion_cross_entropy,
+    draw_exact_count,
+    masked_token_losses,
+    noise_generator,
+    split_batch,
+    step_time_offset,
+)
+from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
+from dlm.model.denoiser import block_size, masked_logits
+from dlm.model.transformer import DiffusionTransformer
+from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
+from dlm.train.distributed import DistributedContext, build_model, replicated, wrap_model
+from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
+
+
+@dataclass
+class RunCounters:
+    """Where the run stands; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0  # over all processes
+    micro_batches_seen: int = 0  # over all processes
+
+
+@dataclass
+class LogWindow:
+    """Metrics accumulated on the device between two log events (no host sync per step)."""
+
+    device: torch.device
+    loss: Tensor = field(init=False)
+    accuracy: Tensor = field(init=False)
+    grad_norm: Tensor = field(init=False)
+    bucket_loss: Tensor = field(init=False)
+    bucket_count: Tensor = field(init=False)
+    first_bad_step: Tensor = field(init=False)
+    steps: int = 0
+    tokens: int = 0
+    started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.first_bad_step = torch.full((), -1, device=self.device, dtype=torch.long)
+        self.reset()
+
+    def reset(self) -> None:
+        zeros: dict[str, Any] = {"device": self.device, "dtype": torch.float32}
+        self.loss, self.accuracy, self.grad_norm = (torch.zeros((), **zeros) for _ in range(3))
+        self.bucket_loss = torch.zeros(NOISE_BUCKETS, **zeros)
+        self.bucket_count = torch.zeros(NOISE_BUCKETS, **zeros)
+        self.steps, self.tokens, self.started = 0, 0, time.perf_counter()
+
+
+class TrainingStep:
+    """Model, optimizer and the arithmetic of one optimizer step on one process."""
+
+    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
+        self.experiment, self.config = experiment, experiment.training
+        self.device, self.precision, self.world = device, precision, world
+        self.schedule = get_schedule(experiment.diffusion.schedule)
+        self.counters = RunCounters()
+        seed_everything(self.config.seed, device)
+        # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
+        self.model = build_model(lambda: DiffusionTransformer(experiment.model), device, world, self.config.parallelism)
+        self.optimizer = build_optimizer(self.model, self.config, device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
+        self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
+        self.step_model: nn.Module = self.model  # compiled / DDP-wrapped view, see `prepare`
+        self.token_losses: TokenLosses = masked_token_losses
+        model = experiment.model
+        blocks = block_size(model)
+        self.blocks_per_sequence = model.max_seq_len // blocks if blocks else 1
+
+    def prepare(self) -> None:
+        """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
+
+        scope = self.config.compile_scope if resolve_compile(self.config.compile, self.device) else None
+        self.step_model = wrap_model(self.model, self.world, self.config.parallelism, scope)
+        if scope is not None:
+            # The number of masked tokens changes every step: after the first recompile the loss
+            # graph is dynamic in it, so there is one recompilation in all, not one per step.
+            self.token_losses = torch.compile(masked_token_losses)
+        self.model.train()
+
+    def micro_batch(
+        self, clean: Tensor, micro_index: int, offset: float, window: LogWindow, loss_mask: Tensor | None = None
+    ) -> None:
+        """Forward and backward of one micro-batch; its noise depends only on its global index.
+        A `loss_mask` (instruction data) leaves its prompt positions clean and unscored."""
+
+        config, world, steps = self.config, self.world, self.config.gradient_accumulation_steps
+        eps = self.experiment.diffusion.mask_eps
+        low, high = config.clip_mask_min, config.clip_mask_max
+        # Rank r's micro-batch m of this step is global micro-batch seen + m * W + r: the very batch
+        # the sampler hands it, and the same count whatever world size earlier steps ran with.
+        global_index = self.counters.micro_batches_seen + world.rank
+        generator = noise_generator(config.seed, global_index, self.device)
+        exact_count = config.masking == "exact-count"
+        # Stratified over the step: times in [eps, 1] (the linear schedule's time is the mask
+        # probability, hence the clipped range), or for exact-count the units in [0, 1) that pick l.
+        times = accumulation_mask_probabilities(
+            clean.shape[0],
+            micro_index,
+            steps,
+            offset,
+            0.0 if exact_count else max(eps, low),
+            self.device,
+            rank=world.rank,
+            world_size=world.world_size,
+            blocks=self.blocks_per_sequence,
+            high=1.0 if exact_count else high,
+        )
+        model = self.experiment.model
+        size = block_size(model)
+        if exact_count:
+            corruption = draw_exact_count(clean, model.mask_token_id, times, generator, block_size=size,
+                                          loss_mask=loss_mask)  # fmt: skip
+        else:
+            corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
+                                        schedule=self.schedule, block_size=size, loss_mask=loss_mask)  # fmt: skip
+        kernel = attention_kernel_context(self.device, config.attention_kernel)
+        with autocast_context(self.device, self.precision), kernel:
+            logits = masked_logits(self.step_model, corruption.noisy_tokens, corruption.mask, clean, config=model)
+        output = diffusion_cross_entropy(logits, clean, corruption, self.token_losses)
+        self.scaler.scale(output.loss / steps).backward()
+
+        window.loss += output.loss.detach() / steps
+        window.accuracy += output.masked_accuracy.detach() / steps
+        # Block models report the loss of each block at its own time.
+        nll = output.per_sequence_nll if output.per_block_nll is None else output.per_block_nll
+        bucket = (corruption.time.flatten() * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
+        window.bucket_loss.index_add_(0, bucket, nll.detach().float().flatten())
+        window.bucket_count.index_add_(0, bucket, torch.ones_like(corruption.time.flatten()))
+
+    def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
+        config = self.config
+        step = self.counters.step
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        self.optimizer.zero_grad(set_to_none=True)
+        offset = step_time_offset(config.seed, step)
+        loss_before = window.loss.clone()
+        for micro_index in range(config.gradient_accumulation_steps):
+            clean, loss_mask = split_batch(next(batches))
+            clean = clean.to(self.device, non_blocking=True)
+            loss_mask = None if loss_mask is None else loss_mask.to(self.device, non_blocking=True)
+            last = micro_index == config.gradient_accumulation_steps - 1
+            with self.world.gradient_sync(self.step_model, enabled=last):
+                self.micro_batch(clean, micro_index, offset, window, loss_mask)
+            self.counters.micro_batches_seen += self.world.world_size
+            self.counters.tokens_seen += clean.numel() * self.world.world_size
+            window.tokens += clean.numel() * self.world.world_size
+        self.scaler.unscale_(self.optimizer)
+        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        grad_norm = replicated(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        # float16 overflow is expected now and then (the scaler skips that step); elsewhere a
+        # non-finite gradient norm means the run has diverged.
+        bad = ~torch.isfinite(window.loss - loss_before)
+        if not self.scaler.is_enabled():
+            bad |= ~torch.isfinite(grad_norm)
+        window.first_bad_step.copy_(torch.where(bad & (window.first_bad_step < 0), step + 1, window.first_bad_step))
+        window.grad_norm += grad_norm.detach().float()
+        window.steps += 1
+        self.counters.step += 1
