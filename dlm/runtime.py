@@ -9,13 +9,16 @@ one place. Functions that touch CUDA are guarded: on a machine without it they e
 from __future__ import annotations
 
 import contextlib
+import getpass
 import math
 import os
 import random
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -230,8 +233,40 @@ def autocast_context(device: torch.device, precision: str) -> contextlib.Abstrac
     return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
 
 
+def separate_compile_cache_per_cpu_cap() -> Path | None:
+    """Give torch.compile's on-disk kernel cache a folder of its own under an ATen instruction-set cap.
+
+    Inductor's cache key leaves `ATEN_CPU_CAPABILITY` out (torch 2.13): CPU kernels compiled for
+    AVX-512 and then served to a process capped at `avx2`, or the reverse, gave NaN losses and
+    corrupted the heap. A capped process therefore caches in torch's default folder suffixed with
+    the cap. A `TORCHINDUCTOR_CACHE_DIR` the user chose is kept; importing `torch._dynamo` sets the
+    variable to the default folder, which counts as unset. Inductor reads the variable each time it
+    compiles. Returns the folder chosen, None when the variable is left as it is.
+    """
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    default = _default_compile_cache()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not capability or (chosen is not None and os.path.abspath(chosen) != str(default)):
+        return None
+    folder = default.with_name(f"{default.name}_{capability}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
+
+
+def _default_compile_cache() -> Path:
+    """The folder inductor caches in when `TORCHINDUCTOR_CACHE_DIR` is unset (its own rule)."""
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # no name for this uid (containers)
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return Path(os.path.abspath(tempfile.gettempdir())) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def resolve_compile(setting: bool | str, device: torch.device) -> bool:
-    """`auto` compiles on CUDA only: CPU / MPS compile times rarely pay back on short runs."""
+    """`auto` compiles on CUDA only: CPU / MPS compile times rarely pay back on short runs. A CPU
+    run that compiles keeps its kernels apart per instruction-set cap (`separate_compile_cache_per_cpu_cap`)."""
 
     if setting == "auto":
         wanted = device.type == "cuda"
@@ -239,6 +274,8 @@ def resolve_compile(setting: bool | str, device: torch.device) -> bool:
         wanted = setting
     else:
         raise UserError(f'training.compile: {setting!r} is not true, false or "auto"')
+    if wanted and device.type == "cpu":
+        separate_compile_cache_per_cpu_cap()
     if wanted and not _dynamo_supported():
         if setting == "auto":
             return False

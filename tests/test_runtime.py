@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import getpass
 import io
+import json
+import math
+import os
+import platform
 import random
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +391,53 @@ def test_cpu_precision_note(
     assert (note is not None) == warned
     if warned:
         assert note is not None and "training.precision=float32" in note
+
+
+def test_a_capped_cpu_compiles_into_a_cache_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert runtime.resolve_compile(True, CPU)
+    default = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # set by torch._dynamo's import, if at all
+    assert default in (None, str(tmp_path / f"torchinductor_{getpass.getuser()}"))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not runtime.resolve_compile(False, CPU)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == default  # nothing compiles, nothing changes
+    assert runtime.resolve_compile(True, CPU)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / f"torchinductor_{getpass.getuser()}_avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert runtime.separate_compile_cache_per_cpu_cap() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")  # the user's choice is kept
+
+
+COMPILED_LOSS = """
+import json, sys
+from dlm.bench.throughput import run_benchmark
+from dlm.config.schema import load_config
+folder = sys.argv[1]
+overrides = [f"training.tokenizer={folder}/missing/tokenizer.json", f"training.train_data={folder}/missing/train.bin",
+             "training.val_data=none", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+             "model.max_seq_len=32", "training.compile=true", "training.compile_scope=model"]
+result = run_benchmark(load_config(sys.argv[2], overrides), steps=1, warmup=1, batch_size=2)
+print(json.dumps(result.loss))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the instruction-set caps are x86-64's")
+def test_compiled_kernels_of_one_cap_are_never_served_to_another(tmp_path: Path) -> None:
+    # One shared temporary folder, as on a machine that runs the suite with and without the caps:
+    # the kernels compiled first must not be loaded by the process of the other cap.
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}  # fmt: skip
+    environment["TMPDIR"] = str(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    losses = []
+    for cap in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        run = subprocess.run([sys.executable, "-c", COMPILED_LOSS, str(tmp_path), str(config)], env=environment | cap,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        losses.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    assert all(math.isfinite(loss) for loss in losses), losses  # AVX-512 kernels under the cap: NaN
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)  # AVX2 kernels: the same step up to rounding
