@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, err_console, print_json, wants_json
 from dlm.cli.progress import ProgressView
 from dlm.data.readers import DecodeErrors, supported_inputs
 from dlm.errors import UserError
@@ -89,6 +89,8 @@ def tokenizer_train(
             progress=view.update,
             overwrite=overwrite,
         )
+    if summary.warning is not None:  # stderr, so that it shows beside JSON output too
+        err_console.print(f"[bold yellow]warning:[/] {escape(summary.warning)}", highlight=False, soft_wrap=True)
     if json_mode:
         print_json({"event": "summary", **vars(summary)})
         return
