@@ -146,7 +146,7 @@ def test_validate_warns_of_a_vocabulary_and_a_model_too_large_for_the_data(
         "rather than learn from it"
     )
     assert size["fix"] == (
-        "a model of at most 175.9K parameters (e.g. model.d_model = 32: 98.5K), a smaller vocabulary, or more text"
+        "a model of at most 175.9K parameters (e.g. model.d_model = 64 with 1024 tokens: 172.4K), or more text"
     )
     assert by_name["training budget"]["status"] == "passed"  # 0.70 epochs
 
@@ -168,6 +168,20 @@ def test_validate_warns_of_many_epochs(tiny_data_dir: Path, tmp_path: Path, run_
     code, report, _ = checks(*overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={blocks // 2}"),
                              run_cli=run_cli)  # fmt: skip
     assert code == 0 and report["warnings"] == []  # 4 epochs or fewer do not warn
+
+
+def test_a_model_too_wide_for_data_is_shown_a_narrower_one(tiny_data_dir: Path, tmp_path: Path) -> None:
+    _, results = validate_config_file(TINY, overrides(tiny_data_dir, tmp_path / "run", "model.d_model=512"))
+    by_name = {result.name: result for result in results}
+    assert by_name["train data vocabulary"].status == "passed"
+    size = by_name["model size for data"]
+    assert size.status == "warning"
+    assert size.detail == (
+        "6.7M parameters for 259,520 training tokens: 25.8 per token, over 4: the model can memorise the data "
+        "rather than learn from it"
+    )
+    # The halvings of d_model = 512 (2 heads): 256 has 1.7M parameters, 128 fits.
+    assert size.fix == "a model of at most 1.0M parameters (e.g. model.d_model = 128: 492.2K), or more text"
 
 
 def test_a_model_and_vocabulary_that_suit_the_data_do_not_warn(tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:

@@ -137,18 +137,21 @@ def _data_checks(
     return checks, dataset
 
 
-def _vocabulary_check(dataset: PackedDataset) -> CheckResult:
+def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
+    """The check, and the vocabulary size it suggests when it warns."""
+
     name, vocab = "train data vocabulary", int(dataset.metadata["vocab_size"])
     tokens = int(dataset.metadata["num_tokens"])
     if dataset.num_blocks * dataset.seq_len > COUNTED_TOKENS_LIMIT:
-        return CheckResult(name, True, f"{tokens / vocab:,.0f} training tokens per vocabulary entry (not counted)")
+        detail = f"{tokens / vocab:,.0f} training tokens per vocabulary entry (not counted)"
+        return CheckResult(name, True, detail), None
     fit = vocabulary_fit(_token_counts(dataset, vocab), vocab)
     detail = fit.detail(f"{tokens:,} training tokens", "in them")
     if not fit.too_large:
-        return CheckResult(name, True, detail)
+        return CheckResult(name, True, detail), None
     size = fit.suggested_sizes()[1]
     fix = f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; or pack more text"
-    return CheckResult(name, True, detail, fix, warning=True)
+    return CheckResult(name, True, detail, fix, warning=True), size
 
 
 def _token_counts(dataset: PackedDataset, vocab: int) -> np.ndarray:
@@ -163,7 +166,10 @@ def _token_counts(dataset: PackedDataset, vocab: int) -> np.ndarray:
     return counts
 
 
-def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset) -> CheckResult:
+def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
+    """Parameters per training token; a model too large is shown a narrower one, with `vocab`
+    tokens when the vocabulary check suggests that many."""
+
     model, tokens = experiment.model, int(dataset.metadata["num_tokens"])
     parameters = count_parameters(model)
     detail = (
@@ -175,19 +181,24 @@ def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset) -> C
         return CheckResult("model size for data", True, detail)
     detail += f", over {MAX_PARAMETERS_PER_TOKEN}: the model can memorise the data rather than learn from it"
     fix = f"a model of at most {format_parameter_count(limit)} parameters"
-    smaller = _smaller_width(model, limit)
+    # With the smaller vocabulary the current width may already fit.
+    if vocab is None:
+        smaller = _smaller_width(model, limit, model.d_model // 2)
+    else:
+        smaller = _smaller_width(model.model_copy(update={"vocab_size": vocab}), limit, model.d_model)
     if smaller is not None:
-        fix += f" (e.g. model.d_model = {smaller[0]}: {format_parameter_count(smaller[1])})"
-    return CheckResult("model size for data", True, detail, fix + ", a smaller vocabulary, or more text", warning=True)
+        fix += f" (e.g. model.d_model = {smaller[0]}" + ("" if vocab is None else f" with {vocab} tokens")
+        fix += f": {format_parameter_count(smaller[1])})"
+    return CheckResult("model size for data", True, detail, fix + ", or more text", warning=True)
 
 
-def _smaller_width(model: ModelConfig, limit: int) -> tuple[int, int] | None:
-    """The widest halving of d_model (whole heads of even width) whose model has at most `limit`
-    parameters; None when the FFN width is set by hand or no such width is left."""
+def _smaller_width(model: ModelConfig, limit: int, from_width: int) -> tuple[int, int] | None:
+    """The widest of `from_width` and its halvings (whole heads of even width) whose model has at
+    most `limit` parameters; None when the FFN width is set by hand or no such width is left."""
 
     if model.ffn_hidden_size is not None:
         return None
-    width = model.d_model // 2
+    width = from_width
     while width >= 2 * model.n_heads and width % (2 * model.n_heads) == 0:
         parameters = count_parameters(model.model_copy(update={"d_model": width}))
         if parameters <= limit:
@@ -261,7 +272,8 @@ def validate_experiment(
     results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash)
     results += results_train
     if train_dataset is not None:
-        results += [_vocabulary_check(train_dataset), _model_size_check(experiment, train_dataset)]
+        vocabulary, suggested = _vocabulary_check(train_dataset)
+        results += [vocabulary, _model_size_check(experiment, train_dataset, suggested)]
     if training.val_data is None:
         results.append(CheckResult("val data", True, "none configured: validation is off"))
     else:
