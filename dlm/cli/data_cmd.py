@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, print_json, wants_json
+from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, err_console, print_json, wants_json
 from dlm.cli.progress import ProgressView
 from dlm.data.readers import DecodeErrors, supported_inputs
 from dlm.errors import UserError
@@ -89,6 +89,8 @@ def tokenizer_train(
             progress=view.update,
             overwrite=overwrite,
         )
+    if summary.warning is not None:  # stderr, so that it shows beside JSON output too
+        err_console.print(f"[bold yellow]warning:[/] {escape(summary.warning)}", highlight=False, soft_wrap=True)
     if json_mode:
         print_json({"event": "summary", **vars(summary)})
         return
@@ -288,22 +290,25 @@ def _pack_notes(summary: PackSummary) -> list[str]:
 
 
 def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
-    """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure."""
+    """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure.
+
+    Rows marked warning (a vocabulary, model or step count large for the data) do not fail it."""
 
     from dlm.train.preflight import validate_config_file
 
     _, results = validate_config_file(config, overrides)
     failed = [result.name for result in results if not result.passed]
+    warned = [result.name for result in results if result.status == "warning"]
     as_json = wants_json(as_json)
     if as_json:
-        print_json({"passed": not failed, "checks": [result.to_dict() for result in results]})
+        print_json({"passed": not failed, "warnings": warned, "checks": [result.to_dict() for result in results]})
     else:
         from rich.table import Column, Table
 
+        marks = {"passed": "[green]passed[/]", "warning": "[yellow]warning[/]", "failed": "[bold red]failed[/]"}
         table = Table(Column("check", no_wrap=True), "result", "detail", "fix", title=escape(str(config)))
         for result in results:
-            mark = "[green]passed[/]" if result.passed else "[bold red]failed[/]"
-            table.add_row(result.name, mark, escape(result.detail), escape(result.fix))
+            table.add_row(result.name, marks[result.status], escape(result.detail), escape(result.fix))
         console.print(table)
     if failed:
         # The report is on stdout; stderr gets the one `error:` line that every failed command prints.

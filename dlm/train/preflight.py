@@ -5,6 +5,9 @@
 spends any time or writes anything, so the memory check refuses a model whose state cannot fit
 before a single weight is allocated). A check whose input could not be read is not attempted: the
 reading failure is the one to fix first.
+
+A check that passes may still warn (`warning`): the sizing checks say when the vocabulary, the model
+or the number of epochs is large for the training data. Warnings never fail `dlm validate` or a run.
 """
 
 from __future__ import annotations
@@ -13,15 +16,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from dlm.config.schema import ExperimentConfig, load_config
+from dlm.config.schema import ExperimentConfig, ModelConfig, load_config
 from dlm.data.dataset import PackedDataset, load_packed_dataset
-from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
+from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256, vocabulary_fit
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
+from dlm.model.transformer import format_parameter_count
 from dlm.runtime import resolve_device, resolve_precision
-from dlm.train.memory import check_training_memory
+from dlm.train.memory import check_training_memory, count_parameters
+
+# The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").
+# At about 2 bits of storage per parameter (Allen-Zhu and Li, 2024) and about 8 bits of information
+# per token of English BPE text, a model of more than 4 parameters per training token can store its
+# training text rather than generalise from it.
+MAX_PARAMETERS_PER_TOKEN = 4
+# Up to about 4 epochs a repeated token is worth nearly a new one; past that each repeat adds less and
+# the gap between training and validation loss grows (Muennighoff et al., 2023).
+MAX_EPOCHS = 4
+# The vocabulary check counts every token of a train.bin of up to this many (64M: 0.1 s from the page
+# cache, plus the read of 128 MB from disk).
+COUNTED_TOKENS_LIMIT = 64 * 2**20
+COUNT_CHUNK_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,9 +50,14 @@ class CheckResult:
     passed: bool
     detail: str
     fix: str = ""
+    warning: bool = False  # passed, but with something to change (`fix`)
+
+    @property
+    def status(self) -> str:
+        return "failed" if not self.passed else "warning" if self.warning else "passed"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "status": self.status}
 
 
 def _failure(name: str, exc: UserError) -> CheckResult:
@@ -114,6 +137,76 @@ def _data_checks(
     return checks, dataset
 
 
+def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
+    """The check, and the vocabulary size it suggests when it warns."""
+
+    name, vocab = "train data vocabulary", int(dataset.metadata["vocab_size"])
+    tokens = int(dataset.metadata["num_tokens"])
+    if dataset.num_blocks * dataset.seq_len > COUNTED_TOKENS_LIMIT:
+        detail = f"{tokens / vocab:,.0f} training tokens per vocabulary entry (not counted)"
+        return CheckResult(name, True, detail), None
+    fit = vocabulary_fit(_token_counts(dataset, vocab), vocab)
+    detail = fit.detail(f"{tokens:,} training tokens", "in them")
+    if not fit.too_large:
+        return CheckResult(name, True, detail), None
+    size = fit.suggested_sizes()[1]
+    fix = f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; or pack more text"
+    return CheckResult(name, True, detail, fix, warning=True), size
+
+
+def _token_counts(dataset: PackedDataset, vocab: int) -> np.ndarray:
+    """Occurrences of each id in train.bin, read in chunks of about COUNT_CHUNK_TOKENS (bincount
+    widens its input to int64, so one call on the whole file would copy it four times over)."""
+
+    counts = np.zeros(vocab, dtype=np.int64)
+    rows = max(COUNT_CHUNK_TOKENS // dataset.seq_len, 1)
+    for start in range(0, dataset.num_blocks, rows):
+        chunk = np.bincount(np.asarray(dataset.tokens[start : start + rows]).ravel(), minlength=vocab)
+        counts += chunk[:vocab]
+    return counts
+
+
+def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
+    """Parameters per training token; a model too large is shown a narrower one, with `vocab`
+    tokens when the vocabulary check suggests that many."""
+
+    model, tokens = experiment.model, int(dataset.metadata["num_tokens"])
+    parameters = count_parameters(model)
+    detail = (
+        f"{format_parameter_count(parameters)} parameters for {tokens:,} training tokens: "
+        f"{parameters / max(tokens, 1):.1f} per token"
+    )
+    limit = MAX_PARAMETERS_PER_TOKEN * tokens
+    if parameters <= limit:
+        return CheckResult("model size for data", True, detail)
+    detail += f", over {MAX_PARAMETERS_PER_TOKEN}: the model can memorise the data rather than learn from it"
+    fix = f"a model of at most {format_parameter_count(limit)} parameters"
+    # With the smaller vocabulary the current width may already fit.
+    if vocab is None:
+        smaller = _smaller_width(model, limit, model.d_model // 2)
+    else:
+        smaller = _smaller_width(model.model_copy(update={"vocab_size": vocab}), limit, model.d_model)
+    if smaller is not None:
+        fix += f" (e.g. model.d_model = {smaller[0]}" + ("" if vocab is None else f" with {vocab} tokens")
+        fix += f": {format_parameter_count(smaller[1])})"
+    return CheckResult("model size for data", True, detail, fix + ", or more text", warning=True)
+
+
+def _smaller_width(model: ModelConfig, limit: int, from_width: int) -> tuple[int, int] | None:
+    """The widest of `from_width` and its halvings (whole heads of even width) whose model has at
+    most `limit` parameters; None when the FFN width is set by hand or no such width is left."""
+
+    if model.ffn_hidden_size is not None:
+        return None
+    width = from_width
+    while width >= 2 * model.n_heads and width % (2 * model.n_heads) == 0:
+        parameters = count_parameters(model.model_copy(update={"d_model": width}))
+        if parameters <= limit:
+            return width, parameters
+        width //= 2
+    return None
+
+
 def _output_check(output_dir: Path) -> CheckResult:
     try:
         check_writable_directory(output_dir)
@@ -139,7 +232,17 @@ def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> Check
             f"{len(dataset)} blocks cannot fill one batch of {training.batch_size}",
             "lower training.batch_size or pack more text",
         )
-    return CheckResult("training budget", True, detail)
+    if epochs <= MAX_EPOCHS:
+        return CheckResult("training budget", True, detail)
+    steps = max(int(MAX_EPOCHS * len(dataset) / blocks_per_step), 1)
+    return CheckResult(
+        "training budget",
+        True,
+        f"{detail}: over {MAX_EPOCHS} epochs, repeats add less than new text and the model may overfit",
+        f"watch the validation loss; lower training.max_steps to about {steps:,} ({MAX_EPOCHS} epochs), or pack "
+        "more text",
+        warning=True,
+    )
 
 
 def _memory_check(experiment: ExperimentConfig, device: torch.device | None, world_size: int) -> CheckResult:
@@ -168,6 +271,9 @@ def validate_experiment(
     tokenizer_hash = tokenizer_sha256(training.tokenizer) if results[0].passed else None
     results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash)
     results += results_train
+    if train_dataset is not None:
+        vocabulary, suggested = _vocabulary_check(train_dataset)
+        results += [vocabulary, _model_size_check(experiment, train_dataset, suggested)]
     if training.val_data is None:
         results.append(CheckResult("val data", True, "none configured: validation is off"))
     else:

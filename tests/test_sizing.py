@@ -1,0 +1,222 @@
+"""Sizing warnings: a vocabulary, a model or a step count too large for the training text.
+
+`dlm tokenizer train` counts how often each learned token occurs in its corpus; `dlm validate` counts
+them in train.bin and compares parameters and epochs with the training tokens. Each warns (a
+`warning:` line, a `warning` row) and never changes an exit code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlm.assets import shakespeare_files
+from dlm.config.schema import load_config
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import MIN_VOCAB_SIZE, VocabularyFit, train_tokenizer, vocabulary_fit
+from dlm.train.preflight import _token_counts, ensure_valid, validate_config_file
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+# All's Well That Ends Well: 134 kB of text. 2048 tokens leave 62% of the learned ones rare in it,
+# 1024 tokens 14%.
+PLAY = shakespeare_files("train")[:1]
+PLAY_WARNING = (
+    "2048 tokens for 134 kB of text: 62% of the 1,789 learned tokens occur fewer than 10 times in it, too rare "
+    "to learn; about 512\u20131024 tokens suit this size (retrain with --vocab-size 1024, or train on more text)"
+)
+
+
+def test_a_learned_token_seen_fewer_than_ten_times_is_rare() -> None:
+    counts = np.zeros(MIN_VOCAB_SIZE + 4, dtype=np.int64)
+    counts[:MIN_VOCAB_SIZE] = 0  # unused bytes and specials never count
+    counts[MIN_VOCAB_SIZE:] = [9, 10, 10, 10]
+    fit = vocabulary_fit(counts, MIN_VOCAB_SIZE + 4)
+    assert (fit.learned, fit.rare, fit.rare_share, fit.too_large) == (4, 1, 0.25, True)
+    counts[MIN_VOCAB_SIZE] = 10
+    assert vocabulary_fit(counts, MIN_VOCAB_SIZE + 4).too_large is False
+    # A token id the text never reaches counts 0 times.
+    assert vocabulary_fit(counts[: MIN_VOCAB_SIZE + 2], MIN_VOCAB_SIZE + 4).rare == 2
+
+
+@pytest.mark.parametrize(
+    ("fit", "sizes"),
+    [
+        (VocabularyFit(8192, 7933, 4388), (2048, 4096)),  # 1.3 MB of Shakespeare
+        (VocabularyFit(4096, 3837, 3000), (1024, 2048)),
+        (VocabularyFit(6000, 5741, 1500), (2048, 4096)),  # never the size it warns about, nor above it
+        (VocabularyFit(512, 253, 200), (MIN_VOCAB_SIZE, MIN_VOCAB_SIZE)),
+    ],
+)
+def test_suggested_sizes_are_powers_of_two_around_the_frequent_tokens(fit: VocabularyFit, sizes: tuple) -> None:
+    assert fit.suggested_sizes() == sizes
+
+
+def test_tokenizer_train_warns_when_the_vocabulary_is_too_large(tmp_path: Path, run_cli) -> None:
+    output = tmp_path / "tokenizer.json"
+    result = run_cli("tokenizer", "train", *PLAY, "--vocab-size", "2048", "--output", output, "--json")
+    assert result.exit_code == 0 and output.is_file()
+    assert result.stderr.splitlines() == [f"warning: {PLAY_WARNING}"]
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["warning"] == PLAY_WARNING
+    assert summary["vocab_fit"] == {
+        "vocab_size": 2048,
+        "learned_tokens": 1789,
+        "rare_tokens": 1105,
+        "rare_below": 10,
+        "rare_share": 1105 / 1789,
+        "too_large": True,
+        "suggested_vocab_sizes": [512, 1024],
+    }
+
+
+def test_tokenizer_train_warning_is_one_line_beside_the_human_output(
+    tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch, narrow_console: int
+) -> None:
+    monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
+    result = run_cli("tokenizer", "train", *PLAY, "--vocab-size", "2048", "--output", tmp_path / "t.json")
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [f"warning: {PLAY_WARNING}"]
+    assert "vocab_size = 2048" in result.stdout
+
+
+def test_a_vocabulary_that_suits_the_text_does_not_warn(tmp_path: Path, run_cli) -> None:
+    result = run_cli("tokenizer", "train", *PLAY, "--vocab-size", "1024", "--output", tmp_path / "t.json", "--json")
+    assert result.exit_code == 0 and result.stderr == ""
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["warning"] is None
+    assert summary["vocab_fit"]["rare_tokens"] == 110 and summary["vocab_fit"]["too_large"] is False
+    assert summary["vocab_fit"]["suggested_vocab_sizes"] is None
+
+
+def test_a_corpus_above_the_counting_limit_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dlm.data.tokenizer.COUNTED_BYTES_LIMIT", 1000)
+    summary = train_tokenizer(PLAY, 2048, tmp_path / "t.json")
+    assert summary.vocab_fit is None and summary.warning is None
+
+
+@pytest.fixture(scope="module")
+def play_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One play packed at seq_len 64 with a 2048-token tokenizer trained on it: 43,968 tokens."""
+
+    output = tmp_path_factory.mktemp("play-data")
+    train_tokenizer(PLAY, 2048, output / "tokenizer.json")
+    pack_corpus(PLAY, output / "tokenizer.json", 64, output)
+    return output
+
+
+def overrides(data: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}" if (data / "val.bin").is_file() else "training.val_data=null",
+        f"training.output_dir={output}",
+        *extra,
+    ]
+
+
+def checks(*args: str | Path, run_cli) -> tuple[int, dict, str]:
+    result = run_cli("validate", "--config", TINY, *[a for o in args for a in ("--set", o)], "--json")
+    return result.exit_code, json.loads(result.stdout), result.stderr
+
+
+def test_validate_warns_of_a_vocabulary_and_a_model_too_large_for_the_data(
+    play_data: Path, tmp_path: Path, run_cli
+) -> None:
+    code, report, stderr = checks(*overrides(play_data, tmp_path / "run", "model.vocab_size=2048"), run_cli=run_cli)
+    assert code == 0 and stderr == "" and report["passed"] is True
+    assert report["warnings"] == ["train data vocabulary", "model size for data"]
+    by_name = {check["name"]: check for check in report["checks"]}
+    vocabulary = by_name["train data vocabulary"]
+    assert (vocabulary["passed"], vocabulary["warning"], vocabulary["status"]) == (True, True, "warning")
+    assert vocabulary["detail"] == (
+        "2048 tokens for 43,968 training tokens: 62% of the 1,789 learned tokens occur fewer than 10 times in "
+        "them, too rare to learn; about 512\u20131024 tokens suit this size"
+    )
+    assert vocabulary["fix"] == (
+        "train a tokenizer with --vocab-size 1024, re-pack, set model.vocab_size = 1024; or pack more text"
+    )
+    size = by_name["model size for data"]
+    assert size["status"] == "warning"
+    assert size["detail"] == (
+        "237.9K parameters for 43,968 training tokens: 5.4 per token, over 4: the model can memorise the data "
+        "rather than learn from it"
+    )
+    assert size["fix"] == (
+        "a model of at most 175.9K parameters (e.g. model.d_model = 64 with 1024 tokens: 172.4K), or more text"
+    )
+    assert by_name["training budget"]["status"] == "passed"  # 0.70 epochs
+
+
+def test_validate_warns_of_many_epochs(tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:
+    blocks = json.loads((tiny_data_dir / "train.json").read_text())["num_blocks"]
+    steps = blocks  # 8 blocks a step: 8 epochs
+    args = overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={steps}")
+    code, report, _ = checks(*args, run_cli=run_cli)
+    assert code == 0 and report["passed"] is True and report["warnings"] == ["training budget"]
+    budget = {check["name"]: check for check in report["checks"]}["training budget"]
+    assert budget["detail"] == (
+        f"{steps:,} steps x 8 blocks = {8 * steps:,} blocks ({8 * steps * 64:,} tokens) = 8.00 epochs of "
+        f"{blocks:,} blocks, per process: over 4 epochs, repeats add less than new text and the model may overfit"
+    )
+    assert budget["fix"] == (
+        f"watch the validation loss; lower training.max_steps to about {blocks // 2:,} (4 epochs), or pack more text"
+    )
+    code, report, _ = checks(*overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={blocks // 2}"),
+                             run_cli=run_cli)  # fmt: skip
+    assert code == 0 and report["warnings"] == []  # 4 epochs or fewer do not warn
+
+
+def test_a_model_too_wide_for_data_is_shown_a_narrower_one(tiny_data_dir: Path, tmp_path: Path) -> None:
+    _, results = validate_config_file(TINY, overrides(tiny_data_dir, tmp_path / "run", "model.d_model=512"))
+    by_name = {result.name: result for result in results}
+    assert by_name["train data vocabulary"].status == "passed"
+    size = by_name["model size for data"]
+    assert size.status == "warning"
+    assert size.detail == (
+        "6.7M parameters for 259,520 training tokens: 25.8 per token, over 4: the model can memorise the data "
+        "rather than learn from it"
+    )
+    # The halvings of d_model = 512 (2 heads): 256 has 1.7M parameters, 128 fits.
+    assert size.fix == "a model of at most 1.0M parameters (e.g. model.d_model = 128: 492.2K), or more text"
+
+
+def test_a_model_and_vocabulary_that_suit_the_data_do_not_warn(tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:
+    code, report, _ = checks(*overrides(tiny_data_dir, tmp_path / "run"), run_cli=run_cli)
+    assert code == 0 and report["warnings"] == []
+    by_name = {check["name"]: check for check in report["checks"]}
+    assert by_name["train data vocabulary"]["status"] == "passed"
+    assert by_name["train data vocabulary"]["fix"] == ""
+    assert by_name["model size for data"]["status"] == "passed"
+    assert by_name["model size for data"]["detail"].startswith("139.6K parameters for ")
+
+
+def test_data_above_the_counting_limit_is_not_counted(
+    play_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlm.train.preflight.COUNTED_TOKENS_LIMIT", 1000)
+    _, results = validate_config_file(TINY, overrides(play_data, tmp_path / "run", "model.vocab_size=2048"))
+    vocabulary = {result.name: result for result in results}["train data vocabulary"]
+    assert (vocabulary.status, vocabulary.detail) == ("passed", "21 training tokens per vocabulary entry (not counted)")
+
+
+def test_train_bin_is_counted_in_chunks_with_the_same_counts(play_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dataset = load_packed_dataset(play_data / "train.bin")
+    whole = np.bincount(np.asarray(dataset.tokens).ravel(), minlength=2048)
+    monkeypatch.setattr("dlm.train.preflight.COUNT_CHUNK_TOKENS", 64 * 5)  # 5 blocks a chunk, of 687
+    assert np.array_equal(_token_counts(dataset, 2048), whole) and whole.sum() == 43_968
+
+
+def test_warning_rows_in_the_table_keep_exit_code_0(
+    play_data: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch, narrow_console: int
+) -> None:
+    monkeypatch.setattr("dlm.cli.data_cmd.wants_json", lambda flag: False)
+    args = overrides(play_data, tmp_path / "run", "model.vocab_size=2048")
+    result = run_cli("validate", "-c", TINY, *[a for o in args for a in ("-s", o)])
+    assert result.exit_code == 0 and result.stderr == ""
+    assert result.stdout.count("warning") == 2 and "failed" not in result.stdout
+    ensure_valid(load_config(TINY, args))  # warnings never stop a run
+    assert not (tmp_path / "run").exists()
