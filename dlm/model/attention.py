@@ -76,19 +76,21 @@ def _bd3_bool(length: int, block_size: int, device: torch.device) -> Tensor:
 
 
 @lru_cache(maxsize=32)
-def _bd3_flex(length: int, block_size: int, device: torch.device) -> Any:
+def _bd3_flex(length: int, block_size: int, device: torch.device, queries: int = 0) -> Any:
     def mask_mod(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
         return bd3_allowed(query, key, length, block_size)
 
-    return create_block_mask(mask_mod, None, None, 2 * length, 2 * length, device=device)
+    return create_block_mask(mask_mod, None, None, queries or 2 * length, 2 * length, device=device)
 
 
-def bd3_mask(length: int, block_size: int, device: torch.device) -> AttentionMask:
-    """The mask of the 2L pass over a noisy and a clean copy of `length` tokens."""
+def bd3_mask(length: int, block_size: int, device: torch.device, noisy_queries_only: bool = False) -> AttentionMask:
+    """The mask of the 2L pass over a noisy and a clean copy of `length` tokens; with
+    `noisy_queries_only`, of the noisy copy's `length` queries against all 2L keys."""
 
-    kernel = training_kernel(device)
-    build = _bd3_flex if kernel == "flex" else _bd3_bool
-    return AttentionMask(kernel, build(length, block_size, device))
+    if training_kernel(device) == "flex":  # a flex block mask cannot be sliced by query: built to size
+        return AttentionMask("flex", _bd3_flex(length, block_size, device, length if noisy_queries_only else 0))
+    mask = _bd3_bool(length, block_size, device)
+    return AttentionMask("sdpa-mask", mask[:length] if noisy_queries_only else mask)
 
 
 @lru_cache(maxsize=64)
