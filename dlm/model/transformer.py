@@ -252,7 +252,7 @@ class DiffusionTransformer(nn.Module):
             output_positions = output_positions[:, queries] if output_positions is not None else None
             inputs = inputs[:, queries]
         if cache is not None and cache.committing:
-            cache.length += length
+            cache.length += length if cache.keep is None else cache.keep
         x = self.norm(x[:, :length])  # the noisy copy only: the clean one is context
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
