@@ -10,6 +10,7 @@ from torch import Tensor
 
 from dlm.config.schema import ModelConfig
 from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
+from dlm.evaluation.evaluate import evaluate_model
 from dlm.model.attention import AttentionMask, _bd3_bool
 from dlm.model.denoiser import masked_logits
 from dlm.model.transformer import DiffusionTransformer
@@ -79,3 +80,26 @@ def test_block_size_one_trains_on_every_position_with_weight_one() -> None:
         losses.append(diffusion_cross_entropy(logits, clean, corruption).loss)
         torch.testing.assert_close(losses[-1], F.cross_entropy(logits, clean.flatten()).float(), atol=1e-6, rtol=0)
     assert float(losses[0]) == float(losses[1])
+
+
+class EveryPosition(torch.nn.Module):
+    """The model with its 2L pass computing every position in every layer (as it did before)."""
+
+    def __init__(self, inner: DiffusionTransformer) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, tokens: Tensor, output_positions: Tensor | None = None, **kwargs: Tensor | None) -> Tensor:
+        clean = kwargs.get("clean_tokens")
+        if clean is None or output_positions is None:
+            return self.inner(tokens, output_positions, **kwargs)
+        return every_position_logits(self.inner, tokens, output_positions, clean)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_eval_figures_of_a_block_model_are_those_of_the_full_pass(block_size: int) -> None:
+    model = model_of(block_size).float().eval()
+    data = torch.randint(2, 64, (8, 16), generator=torch.Generator().manual_seed(5))
+    reports = [evaluate_model(m, data, batches=2, mc_samples=2, batch_size=4) for m in (model, EveryPosition(model))]
+    for name in ("nll", "fixed_noise_loss", "nll_mc_stderr"):
+        assert getattr(reports[0], name) == pytest.approx(getattr(reports[1], name), abs=1e-6), name
