@@ -398,3 +398,9 @@ def test_the_flex_block_mask_selects_the_same_keys_as_the_boolean_mask() -> None
         flex = flex_attention(q, k, v, block_mask=block_mask)
     boolean = attend(q, k, v, AttentionMask("sdpa-mask", _bd3_bool(length, block_size, torch.device("cpu"))))
     torch.testing.assert_close(flex, boolean, atol=1e-5, rtol=0)
+    # The training pass's last layer: the noisy queries only, against every key.
+    noisy_only = _bd3_flex(length, block_size, torch.device("cpu"), length)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = flex_attention(q[:, :, :length], k, v, block_mask=noisy_only)
+    torch.testing.assert_close(flex, boolean[:, :, :length], atol=1e-5, rtol=0)

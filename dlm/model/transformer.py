@@ -308,7 +308,9 @@ class DiffusionTransformer(nn.Module):
         A block model's training pass runs over 2 x seq_len tokens (noisy and clean copies), each
         query against 2 x seq_len keys: twice the matmuls and four times the attention of a
         whole-sequence model, per token of data (SDPA with a boolean mask computes every score; flex
-        skips the masked-out tiles, so there this overstates the attention work).
+        skips the masked-out tiles, so there this overstates the attention work). It also counts the
+        clean copy's last-layer queries and MLP, which the pass skips: nearly 1 / (2 n_layers) of the
+        layers' matmuls.
         """
 
         attention = 12 * self.config.n_layers * self.config.d_model * seq_len
