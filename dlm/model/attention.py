@@ -76,19 +76,21 @@ def _bd3_bool(length: int, block_size: int, device: torch.device) -> Tensor:
 
 
 @lru_cache(maxsize=32)
-def _bd3_flex(length: int, block_size: int, device: torch.device) -> Any:
+def _bd3_flex(length: int, block_size: int, device: torch.device, queries: int = 0) -> Any:
     def mask_mod(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
         return bd3_allowed(query, key, length, block_size)
 
-    return create_block_mask(mask_mod, None, None, 2 * length, 2 * length, device=device)
+    return create_block_mask(mask_mod, None, None, queries or 2 * length, 2 * length, device=device)
 
 
-def bd3_mask(length: int, block_size: int, device: torch.device) -> AttentionMask:
-    """The mask of the 2L pass over a noisy and a clean copy of `length` tokens."""
+def bd3_mask(length: int, block_size: int, device: torch.device, noisy_queries_only: bool = False) -> AttentionMask:
+    """The mask of the 2L pass over a noisy and a clean copy of `length` tokens; with
+    `noisy_queries_only`, of the noisy copy's `length` queries against all 2L keys."""
 
-    kernel = training_kernel(device)
-    build = _bd3_flex if kernel == "flex" else _bd3_bool
-    return AttentionMask(kernel, build(length, block_size, device))
+    if training_kernel(device) == "flex":  # a flex block mask cannot be sliced by query: built to size
+        return AttentionMask("flex", _bd3_flex(length, block_size, device, length if noisy_queries_only else 0))
+    mask = _bd3_bool(length, block_size, device)
+    return AttentionMask("sdpa-mask", mask[:length] if noisy_queries_only else mask)
 
 
 @lru_cache(maxsize=64)
@@ -143,13 +145,16 @@ class KVCache:
 
     A block model's earlier blocks are clean and see nothing after them, so their keys and values
     never change: sampling stores them once (`committing = True`) and later passes feed only the
-    block being denoised, which reads the stored prefix (`committing = False`).
+    block being denoised, which reads the stored prefix (`committing = False`). With `keep`, a
+    committing pass stores only its first `keep` positions: the finished blocks it feeds before the
+    block being denoised, whose first step then shares their pass.
     """
 
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
     length: int = 0  # the position (column) after the cached ones: where the next tokens go
     committing: bool = False
     dropped: int = 0  # leading positions a sliding window removed (`trim`)
+    keep: int | None = None  # positions a committing pass stores (None: all it feeds)
 
     @property
     def stored(self) -> int:
@@ -174,10 +179,12 @@ class KVCache:
         while len(self.layers) <= layer:
             self.layers.append(None)
         stored = self.layers[layer]
+        end = k.shape[2] if self.keep is None else self.keep
         if stored is not None:
+            end += stored[0].shape[2]
             k, v = torch.cat((stored[0], k), dim=2), torch.cat((stored[1], v), dim=2)
         if self.committing:
-            self.layers[layer] = (k, v)
+            self.layers[layer] = (k[:, :, :end], v[:, :, :end])
         return k, v
 
     def select(self, rows: Tensor) -> KVCache:
@@ -187,4 +194,4 @@ class KVCache:
             rows = rows.nonzero().squeeze(1)
         layers = [None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
                   for kv in self.layers]  # fmt: skip
-        return KVCache(layers, self.length, self.committing, self.dropped)
+        return KVCache(layers, self.length, self.committing, self.dropped, self.keep)

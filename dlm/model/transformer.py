@@ -108,7 +108,8 @@ class Attention(nn.Module):
             q = apply_rotary(q, cos, sin)
         else:
             q = apply_rotary(q[:, queries], cos[..., queries, :], sin[..., queries, :])
-            if mask is not None and mask.mask is not None:
+            # A boolean mask over every position is cut to the queries; a flex mask comes built to size.
+            if mask is not None and isinstance(mask.mask, Tensor) and mask.mask.shape[-2] == length:
                 mask = AttentionMask(mask.kernel, mask.mask[..., queries, :])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
         if cache is not None:
@@ -222,39 +223,36 @@ class DiffusionTransformer(nn.Module):
         if seen > self.config.max_seq_len:
             raise ValueError(f"sequence length {seen} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self._rotary(start, length, pad)
-        mask = None
+        mask = last_mask = None
+        queries = None  # the positions the last layer computes outputs for (all when None)
         if self.config.is_block_model:
             if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
                 if pad is not None:
                     raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
                 tokens, cos, sin = torch.cat((tokens, clean_tokens), 1), cos.repeat(2, 1), sin.repeat(2, 1)
                 mask = bd3_mask(length, self.config.block_size, tokens.device)
+                # The clean copy's last-layer outputs are never read (its keys and values are): the
+                # last layer's queries, attention output and MLP run over the noisy copy only.
+                queries = slice(0, length)
+                last_mask = bd3_mask(length, self.config.block_size, tokens.device, noisy_queries_only=True)
             else:
                 key_start = cache.dropped if cache is not None else 0
                 mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device, key_start)
         if pad is not None:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
             mask = padded_mask(mask, pad, start, length, seen, pad_keys)
-        x = self.token_embedding(tokens)
-        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        queries = None
         if cache is not None and cache.committing and output_positions is not None and clean_tokens is None:
             # A pass that stores keys and values needs every position's, but outputs only at
             # `output_positions`: the last layer's attention output and MLP run only over the
             # columns holding them (none at all for a pure commit).
             columns = output_positions.any(dim=0).nonzero()
             queries = slice(int(columns[0]), int(columns[-1]) + 1) if len(columns) else slice(0, 0)
-        for index, block in enumerate(self.blocks):
-            if recompute:
-                x = checkpoint(block, x, cos, sin, mask, cache, use_reentrant=False)
-            elif queries is not None and index == len(self.blocks) - 1:
-                x = block(x, cos, sin, mask, cache, queries)
-                output_positions = output_positions[:, queries] if output_positions is not None else None
-                inputs = inputs[:, queries]
-            else:
-                x = block(x, cos, sin, mask, cache)
+        x = self._blocks(self.token_embedding(tokens), cos, sin, mask, cache, queries, last_mask)
+        if queries is not None:
+            output_positions = output_positions[:, queries] if output_positions is not None else None
+            inputs = inputs[:, queries]
         if cache is not None and cache.committing:
-            cache.length += length
+            cache.length += length if cache.keep is None else cache.keep
         x = self.norm(x[:, :length])  # the noisy copy only: the clean one is context
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
@@ -269,6 +267,20 @@ class DiffusionTransformer(nn.Module):
         if self.config.mask_logit == "subs":
             return subs_logits(logits, inputs, self.config.mask_token_id)
         return logits
+
+    def _blocks(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None, cache: KVCache | None,
+                queries: slice | None, last_mask: AttentionMask | None) -> Tensor:  # fmt: skip
+        """Every block over `x`; the last one computes outputs at `queries` only, under `last_mask` if given."""
+
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
+        last = len(self.blocks) - 1
+        for index, block in enumerate(self.blocks):
+            if queries is not None and index == last:
+                args: tuple[object, ...] = (x, cos, sin, mask if last_mask is None else last_mask, cache, queries)
+            else:
+                args = (x, cos, sin, mask, cache)
+            x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
+        return x
 
     def _rotary(self, start: int, length: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos and sin of positions [start, start + length), per row when padded, past the table if need be."""
@@ -296,7 +308,9 @@ class DiffusionTransformer(nn.Module):
         A block model's training pass runs over 2 x seq_len tokens (noisy and clean copies), each
         query against 2 x seq_len keys: twice the matmuls and four times the attention of a
         whole-sequence model, per token of data (SDPA with a boolean mask computes every score; flex
-        skips the masked-out tiles, so there this overstates the attention work).
+        skips the masked-out tiles, so there this overstates the attention work). It also counts the
+        clean copy's last-layer queries and MLP, which the pass skips: nearly 1 / (2 n_layers) of the
+        layers' matmuls.
         """
 
         attention = 12 * self.config.n_layers * self.config.d_model * seq_len

@@ -64,39 +64,63 @@ def check_block_model_options(options: SamplingOptions) -> None:
 
 @dataclass
 class _Window:
-    """The model block being denoised, [start, end), and the cache of everything before it."""
+    """The model block being denoised, [start, end), and the cache of everything before it; the
+    whole batch's tokens, and the passes made to store finished blocks that no step could share."""
 
     start: int = 0
     end: int = 0
     cache: KVCache | None = None
+    tokens: Tensor | None = None
+    commit_passes: int = 0
 
 
 @dataclass(frozen=True)
 class _BlockReverse(Reverse):
-    """The reverse process of one model block: the model sees the prefix (or its cache) and the block."""
+    """The reverse process of one model block: the model sees the prefix (or its cache) and the block.
+
+    Finished blocks not yet in the cache are stored by the block's first forward pass: it feeds them
+    before the block and keeps their keys and values (`KVCache.keep`), so a block costs its steps'
+    passes and no commit pass (at block_size 1, one pass per token). Their keys and values are the
+    ones a pass of their own would store, as the block-causal mask hides the block from them.
+    """
 
     window: _Window = field(default_factory=_Window)
 
     def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
-        start, end, cache = self.window.start, self.window.end, self.window.cache
+        window = self.window
+        start, end, cache = window.start, window.end, window.cache
         if cache is None:  # reference: the whole prefix under the block-causal mask
             return self.forward(tokens[:, :end], positions[:, :end], rows)
+        if cache.length < start and rows is not None and not bool(rows.all()):
+            # A step of some rows only cannot store the batch's cache: a pass of its own does.
+            assert window.tokens is not None
+            window.commit_passes += _commit(self, window.tokens, cache, start, end - start)
+        if cache.length < start:
+            first = cache.length
+            cache.committing, cache.keep = True, start - first
+            try:  # every row (rows, if given, are all of them): the batch's own cache
+                return self.forward(tokens[:, first:end], positions[:, first:end], rows, cache)
+            finally:
+                cache.committing, cache.keep = False, None
         cache = cache if rows is None else cache.select(rows)
         return self.forward(tokens[:, start:end], positions[:, start:end], rows, cache)
 
 
-def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, room: int) -> int:
+def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, room: int, defer: bool = False) -> int:
     """Store the keys and values of positions [cache.length, end), which are final, leaving room in
     the model's context for `room` more positions; forward passes made.
 
     Older blocks are dropped from the cache (whole blocks, oldest first) where the context would
-    overflow, and a long stretch is committed in chunks that fit.
+    overflow, and a long stretch is committed in chunks that fit. With `defer`, a stretch that fits
+    beside the next `room` positions without dropping anything is left to the block's first pass.
     """
 
     config = reverse.model.config
     block_size, context = config.block_size, config.max_seq_len
     passes = 0
     while cache.length < end:
+        if defer and cache.stored + (end - cache.length) + room <= context:
+            return passes
         cache.trim(context - block_size, block_size)
         fits = (context - cache.stored) // block_size * block_size
         chunk = tokens[:, cache.length : min(end, cache.length + fits)]
@@ -157,6 +181,7 @@ def denoise_blocks(
     noise = RowNoise.of(generator, tokens.shape[0])
     never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=noise.device)
     reverse = _BlockReverse(model, options, noise, mask_id, never, pad=pad)
+    reverse.window.tokens = tokens
     cache = KVCache() if kv_cache else None
     passes, step = 0, 0
     if on_step is not None:
@@ -166,7 +191,7 @@ def denoise_blocks(
         window = reverse.window
         window.start, window.end, window.cache = start, min(start + block_size, tokens.shape[1]), cache
         if cache is not None:
-            passes += _commit(reverse, tokens, cache, start, window.end - start)
+            passes += _commit(reverse, tokens, cache, start, window.end - start, defer=True)
         passes += _denoise_block(reverse, tokens, block, block_steps, schedule)
         step += block_steps
         if on_step is not None:
@@ -174,7 +199,7 @@ def denoise_blocks(
         generated = tokens[:, positions[positions < window.end]]
         if stop_token_id is not None and bool((generated == stop_token_id).any(dim=1).all()):
             break
-    return tokens, passes
+    return tokens, passes + reverse.window.commit_passes
 
 
 def _run(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
