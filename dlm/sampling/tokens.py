@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -48,10 +47,13 @@ def _nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
 
     if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
         return None
-    ascending = np.sort(logits.detach().numpy(), axis=-1)
-    values = torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))
+    # Descending values as -sort(-x) in one buffer: negation is exact, and every new [N, V] float64
+    # buffer costs its page faults. (NaN lands last, not first; such a row's probabilities are all NaN.)
+    values = torch.neg(logits.detach())
+    values.numpy().sort(axis=-1)
+    values.neg_()
     probs = values.softmax(dim=-1)
-    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+    drop_sorted = probs.cumsum(dim=-1).sub_(probs) >= top_p
     width = drop_sorted.shape[-1]
     kept = width - drop_sorted.sum(dim=-1, keepdim=True)  # the nucleus size, when the drops are one tail
     tail = torch.arange(width)[None, :] >= kept
