@@ -16,13 +16,54 @@ def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the more likely tokens before it already reach top_p.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop = _nucleus_cut(logits, top_p)
+        if drop is None:
+            drop = _sorted_drop(logits, top_p)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def _sorted_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens outside the top-p nucleus, by a full sort with indices (the reference)."""
+
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the more likely tokens before it already reach top_p.
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def _nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """`_sorted_drop` of `logits` [N, V] from sorted values alone, or None where that cannot be exact.
+
+    torch's CPU sort with indices costs ~25x numpy's sort of the values, and was most of a step
+    that samples every masked position. The values alone give the same sorted sequence, hence the
+    same softmax and cumulative sums bit for bit, so the same cut: when the drops are the tail of
+    the sorted order and its first value is below the last kept one, the nucleus is every token at
+    least as likely as that last one. Otherwise (tokens tied exactly at the cut, which the
+    reference splits by its sort's order of ties; drops that are not one tail) the reference
+    decides, so the result always equals it.
+    """
+
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
+        return None
+    # Descending values as -sort(-x) in one buffer: negation is exact, and every new [N, V] float64
+    # buffer costs its page faults. (NaN lands last, not first; such a row's probabilities are all NaN.)
+    values = torch.neg(logits.detach())
+    values.numpy().sort(axis=-1)
+    values.neg_()
+    probs = values.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1).sub_(probs) >= top_p
+    width = drop_sorted.shape[-1]
+    kept = width - drop_sorted.sum(dim=-1, keepdim=True)  # the nucleus size, when the drops are one tail
+    tail = torch.arange(width)[None, :] >= kept
+    last = values.gather(-1, (kept - 1).clamp_min(0))  # the least likely kept value (kept >= 1: p[0] - p[0] = 0)
+    first_out = values.gather(-1, kept.clamp_max(width - 1))
+    tied = (kept < width) & (first_out == last)
+    # A row with NaN or +inf has NaN probabilities, no drops here nor in the reference: it keeps all.
+    if not torch.equal(drop_sorted, tail) or bool(tied.any()):
+        return None
+    return (kept < width) & (logits < last)
 
 
 def sample_tokens(
@@ -43,8 +84,13 @@ def sample_tokens(
     logits = logits.double()
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+    if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
+        logits = logits / temperature
+    logits = filter_logits(logits, top_k=top_k, top_p=top_p)
     if uniform is None:
         uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float64).tiny)))
-    return (logits + gumbel).argmax(dim=-1)
+    # logits + -log(-log(u)), as logits - log(-log(u)) (IEEE subtraction is addition of the
+    # negation, so the same bits) in place on one new buffer: the same kernels as out of place
+    # without allocating a fresh [N, V] float64 tensor per operation.
+    gumbel = uniform.clamp_min(torch.finfo(torch.float64).tiny).log_().neg_().log_()
+    return torch.sub(logits, gumbel, out=gumbel).argmax(dim=-1)
