@@ -19,6 +19,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +60,23 @@ def parse_generate_compare(items: list[str]) -> list[dict[str, Any]]:
         except ValueError as exc:
             raise UserError(f"--compare has a value of the wrong type: {exc}") from None
     return settings
+
+
+def check_judge_tokenizer(model: tuple[Path, Any], judge: tuple[Path, Any]) -> None:
+    """Refuse a judge whose tokenizer is not the model's: the judge scores the generated token ids, which
+    under another vocabulary are other text (or out of its range). Each side is (tokenizer file, tokenizer),
+    compared by the full contents loading exposes (vocabulary, merges, special tokens, normalization)."""
+
+    (model_path, model_tokenizer), (judge_path, judge_tokenizer) = model, judge
+    if model_tokenizer.to_str() == judge_tokenizer.to_str():
+        return
+
+    def name(path: Path, tokenizer: Any) -> str:
+        return f"{path} ({tokenizer.get_vocab_size():,} tokens)"
+
+    raise UserError(f"the judge's tokenizer {name(judge_path, judge_tokenizer)} is not the model's "
+                    f"{name(model_path, model_tokenizer)}: the judge scores the generated token ids",
+                    fix="judge with a model trained with the same tokenizer, or leave out --judge")  # fmt: skip
 
 
 @dataclass(frozen=True)

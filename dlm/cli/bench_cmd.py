@@ -19,6 +19,7 @@ from dlm.cli.common import (
     print_json,
     wants_json,
 )
+from dlm.errors import UserError
 
 # Left out first when the terminal is too narrow for every header word whole (least useful first).
 _DROP_ORDER = ("attention", "MFU measured", "dtype", "compile", "model GFLOP/s", "model TFLOP/s", "MFU")
@@ -113,12 +114,17 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
     from rich.table import Table
 
-    from dlm.artifacts.loading import load_model
-    from dlm.bench.generation import benchmark_generation, report_table
+    from dlm.artifacts.loading import load_model_with_info
+    from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
 
     device = options.pop("device")
-    model, tokenizer = load_model(model_path, device=device)
-    judge = None if judge_path is None else load_model(judge_path, device=device)[0]
+    loaded = load_model_with_info(model_path, device=device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    judge = None
+    if judge_path is not None:
+        judged = load_model_with_info(judge_path, device=device)
+        check_judge_tokenizer((loaded.info.tokenizer_path, tokenizer), (judged.info.tokenizer_path, judged.tokenizer))
+        judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
     if wants_json(as_json):
         print_json(benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options).to_dict())
@@ -161,8 +167,6 @@ def bench_command(
     """
 
     from rich.table import Table
-
-    from dlm.errors import UserError
 
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
