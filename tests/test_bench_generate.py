@@ -158,3 +158,51 @@ def test_a_judge_with_the_same_tokenizer_scores(exports: list[int], run_cli) -> 
     assert payload["judge"] == "same" and math.isfinite(payload["rows"][0]["judge_perplexity"])
     assert len(exports) == 2  # the warm-up and the one setting
 
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+# Each option that one mode reads alone, as given on a command line (the config file need not exist: the
+# refusal comes first).
+TRAINING_ONLY = {"config": ["--config", "tiny.toml"], "overrides": ["--set", "training.batch_size=2"],
+                 "fused_attention": ["--fused-attention"], "steps": ["--steps", "3"], "warmup": ["--warmup", "0"],
+                 "batch_size": ["--batch-size", "2"], "find_max_batch": ["--find-max-batch"],
+                 "memory_limit": ["--memory-limit", "1"], "measure_peak": ["--measure-peak"]}  # fmt: skip
+GENERATION_ONLY = {"judge": ["--judge", "m"], "length": ["--length", "8"], "num_samples": ["--num-samples", "2"],
+                   "repeats": ["--repeats", "2"], "seed": ["--seed", "0"]}  # fmt: skip
+
+
+def test_every_bench_option_belongs_to_a_mode_or_to_both() -> None:
+    import inspect
+
+    from dlm.cli.bench_cmd import MODE_OPTIONS, bench_command
+
+    both = {"ctx", "compare", "device", "as_json", "generate"}
+    assert set(MODE_OPTIONS["training"]) == set(TRAINING_ONLY)
+    assert set(MODE_OPTIONS["generation"]) == set(GENERATION_ONLY)
+    assert set(inspect.signature(bench_command).parameters) == both | set(TRAINING_ONLY) | set(GENERATION_ONLY)
+
+
+@pytest.mark.parametrize("name", list(TRAINING_ONLY))
+def test_a_training_option_is_refused_with_generate(exports: list[int], name: str, run_cli) -> None:
+    # The default value given explicitly is refused too: what counts is that the user gave it.
+    result = run_cli("bench", "--generate", "m", "--length", "8", *TRAINING_ONLY[name])
+    flag = TRAINING_ONLY[name][0]
+    result.assert_refused(f"error: {flag} does not apply to --generate", f"(drop {flag}")
+    assert ("--compare steps=N" in result.stderr) == (flag == "--steps")  # where the sampler's steps go
+    assert result.stdout == "" and exports == []
+
+
+@pytest.mark.parametrize("name", list(GENERATION_ONLY))
+def test_a_generation_option_is_refused_without_generate(exports: list[int], name: str, run_cli) -> None:
+    # A config that would run: the refusal must not depend on the config failing.
+    result = run_cli("bench", "--config", TINY, "--steps", "1", "--warmup", "0", *GENERATION_ONLY[name])
+    flag = GENERATION_ONLY[name][0]
+    result.assert_refused(f"error: {flag} does not apply without --generate", "--generate MODEL")
+    assert result.stdout == ""
+
+
+def test_every_misplaced_option_is_named_in_one_line(exports: list[int], run_cli) -> None:
+    result = run_cli("bench", "--generate", "m", "--steps", "3", "--batch-size", "2", "--compare", "steps=4")
+    result.assert_refused("error: --steps, --batch-size do not apply to --generate")
+    result = run_cli("bench", "--judge", "m", "--seed", "1", "--length", "4")
+    result.assert_refused("error: --judge, --length, --seed do not apply without --generate")
+
