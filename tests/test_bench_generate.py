@@ -206,3 +206,8 @@ def test_every_misplaced_option_is_named_in_one_line(exports: list[int], run_cli
     result = run_cli("bench", "--judge", "m", "--seed", "1", "--length", "4")
     result.assert_refused("error: --judge, --length, --seed do not apply without --generate")
 
+
+def test_a_length_past_the_context_names_benchs_own_options(exports: list[int], run_cli) -> None:
+    result = run_cli("bench", "--generate", "m", "--length", "100")
+    result.assert_refused("error: --length (100) is more than the model's max_seq_len (16)", "lower --length")
+    assert "--prompt" not in result.stderr and exports == []

@@ -191,7 +191,13 @@ def benchmark_generation(
     interleaved rounds and each reports its fastest run.
     """
 
-    length = model.config.max_seq_len if length is None else length
+    context = model.config.max_seq_len
+    length = context if length is None else length
+    # Checked here, in bench's own words: generate would blame a --prompt that bench does not have.
+    if length > context and not block_size(model.config):
+        raise UserError(f"--length ({length}) is more than the model's max_seq_len ({context})",
+                        fix="lower --length (default: the context), or bench a block model ([model] block_size), "
+                        "which generates past its context")  # fmt: skip
     base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
     report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)
