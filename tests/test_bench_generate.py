@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import test_sampling
 import torch
 from test_fast_sampling import small_transformer
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
 from dlm.bench.generation import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
@@ -17,9 +19,9 @@ from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling import generation
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)
-fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)
 
 
 def test_unigram_entropy_in_bits() -> None:
@@ -77,7 +79,7 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     assert headers[1] == "tokens/s" and table[1][0] == "block_length=8 cache=dual"
 
 
-def test_cli_bench_generate_json_and_table(fake_export: list[object]) -> None:
+def test_cli_bench_generate_json_and_table(exports: list[int]) -> None:
     args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
     result = CliRunner().invoke(app, [*args, "--repeats", "2", "--seed", "3", "--json"])
     assert result.exit_code == 0, result.output
@@ -87,3 +89,125 @@ def test_cli_bench_generate_json_and_table(fake_export: list[object]) -> None:
     assert payload["seed"] == 3
     missing = CliRunner().invoke(app, ["bench"])
     assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)
+
+
+def word_tokenizer(words: list[str]) -> Tokenizer:
+    """A word-level tokenizer with the project's special tokens first: another vocabulary than `tokenizer`'s."""
+
+    vocab = {word: index for index, word in enumerate(["<|endoftext|>", "<|mask|>", "<|pad|>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+@pytest.fixture()
+def exports(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> list[int]:
+    """Stand-in exports by name: `m` and `same` share `tokenizer`, `small` and `big` have smaller and larger
+    vocabularies of their own. Returns the list the patched `generate` appends to on each call."""
+
+    big = Tokenizer(models.BPE())
+    big.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)
+    big.train_from_iterator([*test_sampling.CORPUS, "other words, other merges: a larger vocabulary"], trainer)
+    tokenizers = {"m": tokenizer, "same": Tokenizer.from_str(tokenizer.to_str()), "big": big,
+                  "small": word_tokenizer(["ROMEO:", "JULIET:", "Verona"])}  # fmt: skip
+    assert tokenizers["small"].get_vocab_size() < tokenizer.get_vocab_size() < big.get_vocab_size()
+
+    def load_model_with_info(path: object, device: str = "cpu") -> SimpleNamespace:
+        tok = tokenizers[str(path)]
+        config = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
+                             pad_vocab_multiple=1)  # fmt: skip
+        torch.manual_seed(0)
+        info = SimpleNamespace(tokenizer_path=Path(f"{path}/tokenizer.json"))
+        return SimpleNamespace(model=DiffusionTransformer(config).eval(), tokenizer=tok, info=info)
+
+    def load_model(path: object, device: str = "cpu") -> tuple[object, Tokenizer]:
+        loaded = load_model_with_info(path, device)
+        return loaded.model, loaded.tokenizer
+
+    calls: list[int] = []
+    real_generate = generation.generate
+
+    def generate(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr("dlm.artifacts.loading.load_model_with_info", load_model_with_info)
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", load_model)
+    monkeypatch.setattr(generation, "generate", generate)
+    return calls
+
+
+@pytest.mark.parametrize("judge", ["small", "big"])
+def test_a_judge_with_another_tokenizer_is_refused_before_generating(exports: list[int], judge: str, run_cli) -> None:
+    # A smaller vocabulary cannot index the generated ids; a larger one scores other text: both refused.
+    result = run_cli("bench", "--generate", "m", "--judge", judge, "--length", "8", "--num-samples", "2")
+    model, other = Path("m", "tokenizer.json"), Path(judge, "tokenizer.json")
+    result.assert_refused(f"error: the judge's tokenizer {other} (", f"is not the model's {model} (300 tokens)",
+                          "the judge scores the generated token ids")  # fmt: skip
+    assert result.stdout == "" and exports == []  # nothing generated
+
+
+def test_a_judge_with_the_same_tokenizer_scores(exports: list[int], run_cli) -> None:
+    result = run_cli("bench", "--generate", "m", "--judge", "same", "--length", "8", "--num-samples", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["judge"] == "same" and math.isfinite(payload["rows"][0]["judge_perplexity"])
+    assert len(exports) == 2  # the warm-up and the one setting
+
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+# Each option that one mode reads alone, as given on a command line (the config file need not exist: the
+# refusal comes first).
+TRAINING_ONLY = {"config": ["--config", "tiny.toml"], "overrides": ["--set", "training.batch_size=2"],
+                 "fused_attention": ["--fused-attention"], "steps": ["--steps", "3"], "warmup": ["--warmup", "0"],
+                 "batch_size": ["--batch-size", "2"], "find_max_batch": ["--find-max-batch"],
+                 "memory_limit": ["--memory-limit", "1"], "measure_peak": ["--measure-peak"]}  # fmt: skip
+GENERATION_ONLY = {"judge": ["--judge", "m"], "length": ["--length", "8"], "num_samples": ["--num-samples", "2"],
+                   "repeats": ["--repeats", "2"], "seed": ["--seed", "0"]}  # fmt: skip
+
+
+def test_every_bench_option_belongs_to_a_mode_or_to_both() -> None:
+    import inspect
+
+    from dlm.cli.bench_cmd import MODE_OPTIONS, bench_command
+
+    both = {"ctx", "compare", "device", "as_json", "generate"}
+    assert set(MODE_OPTIONS["training"]) == set(TRAINING_ONLY)
+    assert set(MODE_OPTIONS["generation"]) == set(GENERATION_ONLY)
+    assert set(inspect.signature(bench_command).parameters) == both | set(TRAINING_ONLY) | set(GENERATION_ONLY)
+
+
+@pytest.mark.parametrize("name", list(TRAINING_ONLY))
+def test_a_training_option_is_refused_with_generate(exports: list[int], name: str, run_cli) -> None:
+    # The default value given explicitly is refused too: what counts is that the user gave it.
+    result = run_cli("bench", "--generate", "m", "--length", "8", *TRAINING_ONLY[name])
+    flag = TRAINING_ONLY[name][0]
+    result.assert_refused(f"error: {flag} does not apply to --generate", f"(drop {flag}")
+    assert ("--compare steps=N" in result.stderr) == (flag == "--steps")  # where the sampler's steps go
+    assert result.stdout == "" and exports == []
+
+
+@pytest.mark.parametrize("name", list(GENERATION_ONLY))
+def test_a_generation_option_is_refused_without_generate(exports: list[int], name: str, run_cli) -> None:
+    # A config that would run: the refusal must not depend on the config failing.
+    result = run_cli("bench", "--config", TINY, "--steps", "1", "--warmup", "0", *GENERATION_ONLY[name])
+    flag = GENERATION_ONLY[name][0]
+    result.assert_refused(f"error: {flag} does not apply without --generate", "--generate MODEL")
+    assert result.stdout == ""
+
+
+def test_every_misplaced_option_is_named_in_one_line(exports: list[int], run_cli) -> None:
+    result = run_cli("bench", "--generate", "m", "--steps", "3", "--batch-size", "2", "--compare", "steps=4")
+    result.assert_refused("error: --steps, --batch-size do not apply to --generate")
+    result = run_cli("bench", "--judge", "m", "--seed", "1", "--length", "4")
+    result.assert_refused("error: --judge, --length, --seed do not apply without --generate")
+
+
+def test_a_length_past_the_context_names_benchs_own_options(exports: list[int], run_cli) -> None:
+    result = run_cli("bench", "--generate", "m", "--length", "100")
+    result.assert_refused("error: --length (100) is more than the model's max_seq_len (16)", "lower --length")
+    assert "--prompt" not in result.stderr and exports == []

@@ -19,6 +19,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +60,23 @@ def parse_generate_compare(items: list[str]) -> list[dict[str, Any]]:
         except ValueError as exc:
             raise UserError(f"--compare has a value of the wrong type: {exc}") from None
     return settings
+
+
+def check_judge_tokenizer(model: tuple[Path, Any], judge: tuple[Path, Any]) -> None:
+    """Refuse a judge whose tokenizer is not the model's: the judge scores the generated token ids, which
+    under another vocabulary are other text (or out of its range). Each side is (tokenizer file, tokenizer),
+    compared by the full contents loading exposes (vocabulary, merges, special tokens, normalization)."""
+
+    (model_path, model_tokenizer), (judge_path, judge_tokenizer) = model, judge
+    if model_tokenizer.to_str() == judge_tokenizer.to_str():
+        return
+
+    def name(path: Path, tokenizer: Any) -> str:
+        return f"{path} ({tokenizer.get_vocab_size():,} tokens)"
+
+    raise UserError(f"the judge's tokenizer {name(judge_path, judge_tokenizer)} is not the model's "
+                    f"{name(model_path, model_tokenizer)}: the judge scores the generated token ids",
+                    fix="judge with a model trained with the same tokenizer, or leave out --judge")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -173,7 +191,13 @@ def benchmark_generation(
     interleaved rounds and each reports its fastest run.
     """
 
-    length = model.config.max_seq_len if length is None else length
+    context = model.config.max_seq_len
+    length = context if length is None else length
+    # Checked here, in bench's own words: generate would blame a --prompt that bench does not have.
+    if length > context and not block_size(model.config):
+        raise UserError(f"--length ({length}) is more than the model's max_seq_len ({context})",
+                        fix="lower --length (default: the context), or bench a block model ([model] block_size), "
+                        "which generates past its context")  # fmt: skip
     base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
     report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)

@@ -19,6 +19,7 @@ from dlm.cli.common import (
     print_json,
     wants_json,
 )
+from dlm.errors import UserError
 
 # Left out first when the terminal is too narrow for every header word whole (least useful first).
 _DROP_ORDER = ("attention", "MFU measured", "dtype", "compile", "model GFLOP/s", "model TFLOP/s", "MFU")
@@ -108,17 +109,53 @@ BenchPeakOption = Annotated[
 ]
 
 
+# The options only one mode reads (by parameter name); the others (--compare, --device, --json) serve both.
+# Given to the other mode they are refused, never ignored. --steps counts optimizer steps: the
+# sampler's steps are a setting of --compare.
+MODE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "training": ("config", "overrides", "fused_attention", "steps", "warmup", "batch_size", "find_max_batch",
+                 "memory_limit", "measure_peak"),
+    "generation": ("judge", "length", "num_samples", "repeats", "seed"),
+}  # fmt: skip
+
+
+def given_options(ctx: typer.Context) -> dict[str, str]:
+    """Parameter name -> flag of every option given on the command line (or by the environment), not defaulted."""
+
+    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
+    sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params if p.name}
+    return {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+
+
+def _check_mode_options(ctx: typer.Context, generating: bool) -> None:
+    given = given_options(ctx)
+    wrong = [given[name] for name in MODE_OPTIONS["training" if generating else "generation"] if name in given]
+    if not wrong:
+        return
+    flags, verb = ", ".join(wrong), "does" if len(wrong) == 1 else "do"
+    if generating:
+        steps = "; the sampler's steps are a setting: --compare steps=N" if "steps" in given else ""
+        raise UserError(f"{flags} {verb} not apply to --generate, which times sampling", fix=f"drop {flags}{steps}")
+    raise UserError(f"{flags} {verb} not apply without --generate (timing the training step)",
+                    fix=f"drop {flags}, or time sampling with --generate MODEL")  # fmt: skip
+
+
 def _generate_command(model_path: Path, judge_path: Path | None, options: dict[str, Any], as_json: bool) -> None:
     """`dlm bench --generate`: one row per sampler setting."""
 
     from rich.table import Table
 
-    from dlm.artifacts.loading import load_model
-    from dlm.bench.generation import benchmark_generation, report_table
+    from dlm.artifacts.loading import load_model_with_info
+    from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
 
     device = options.pop("device")
-    model, tokenizer = load_model(model_path, device=device)
-    judge = None if judge_path is None else load_model(judge_path, device=device)[0]
+    loaded = load_model_with_info(model_path, device=device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    judge = None
+    if judge_path is not None:
+        judged = load_model_with_info(judge_path, device=device)
+        check_judge_tokenizer((loaded.info.tokenizer_path, tokenizer), (judged.info.tokenizer_path, judged.tokenizer))
+        judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
     if wants_json(as_json):
         print_json(benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options).to_dict())
@@ -136,6 +173,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
 
 def bench_command(
+    ctx: typer.Context,
     config: BenchConfigOption = None,
     overrides: SetOption = None,
     fused_attention: BenchFusedOption = False,
@@ -162,8 +200,7 @@ def bench_command(
 
     from rich.table import Table
 
-    from dlm.errors import UserError
-
+    _check_mode_options(ctx, generating=generate is not None)
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
         sampling |= {"repeats": repeats, "seed": seed}
