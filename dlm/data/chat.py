@@ -96,7 +96,12 @@ def read_chat_template(config: Path) -> str | None:
 def chat_template_of(settings: dict[str, Any], config: Path) -> str | None:
     template = settings.get("chat_template")
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        for index, entry in enumerate(template):  # transformers fails on such an entry too: never skip it
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):  # fmt: skip
+                raise UserError(f"chat_template entry {index} is not an object with name and template strings",
+                                path=config, fix=TEMPLATE_FIX)  # fmt: skip
+        named = {entry["name"]: entry["template"] for entry in template}
         if "default" not in named:
             names = ", ".join(str(name) for name in named) or "none"
             raise UserError(f"chat_template lists templates ({names}) but none named default", path=config,
