@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -38,12 +37,13 @@ from dlm.data.pack import (
     _check_output_dir,
     _remove_empty,
     check_pack_arguments,
+    copy_tokenizer,
     token_dtype,
 )
 from dlm.data.readers import ReadContext, Record, Utf8Decoder, format_of, record_inputs
 from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError, reported_os_errors
-from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
+from dlm.fileio import remove_stale_temporaries, temporary_path
 
 LongPolicy = Literal["truncate", "drop"]
 MASK_SUFFIX = ".mask.bin"
@@ -180,10 +180,7 @@ def _commit(output: Path, writers: list[_ChatWriter], metadata: dict[str, Any], 
               for w in writers}  # fmt: skip
     for final, text in staged.items():
         temporary_path(final).write_text(text, encoding="utf-8")
-    tokenizer_copy = output / "tokenizer.json"
-    if not (tokenizer_copy.exists() and tokenizer_copy.samefile(tokenizer_path)):
-        with atomic_path(tokenizer_copy) as temporary:
-            shutil.copyfile(tokenizer_path, temporary)
+    copy_tokenizer(tokenizer_path, output)  # with its config: the chat template travels with the pack
     written = {w.name for w in writers}
     for name in SPLITS:
         (output / f"{name}.json").unlink(missing_ok=True)
