@@ -161,6 +161,17 @@ def test_templates_see_the_special_tokens_of_their_config_and_can_test_names(tmp
     assert ChatTemplate(source).prompt([Turn("user", "hi")]) == "hi"
 
 
+@pytest.mark.parametrize("spelling", ["same path", "its directory"])
+def test_a_chat_file_cannot_be_both_training_and_validation_input(
+    spelling: str, tmp_path: Path, tiny_tokenizer_path: Path, run_cli
+) -> None:
+    chat = write_jsonl(tmp_path / "data" / "sft.jsonl", EXAMPLES)
+    val = chat if spelling == "same path" else tmp_path / "data"
+    result = pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / "out", chat, "--val-input", val)
+    result.assert_refused("file is both a training and a validation input", str(chat))
+    assert not (tmp_path / "out").exists()
+
+
 def test_invalid_utf8_in_chat_data_names_the_file_and_line(
     tmp_path: Path, tiny_tokenizer_path: Path, run_cli
 ) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 from dlm import __version__
 from dlm.data.chat import FIELDS, ChatTemplate, encode_example, parse_example
 from dlm.data.corpus import discover_corpus
+from dlm.data.mixture import check_disjoint
 from dlm.data.pack import (
     MASK_FILES,
     OUTPUT_FILES,
@@ -214,6 +215,7 @@ def pack_chat(
     check_pack_arguments(seq_len, val_fraction, val_inputs or [])
     train_paths = chat_inputs([Path(p) for p in inputs], "inputs")
     val_paths = chat_inputs([Path(p) for p in val_inputs], "--val-input") if val_inputs else []
+    check_disjoint(train_paths, val_paths)
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)
