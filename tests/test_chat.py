@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,12 @@ def chat_file(tmp_path: Path) -> Path:
                                  {"role": "assistant", "content": "hello"}]})  # fmt: skip
     records.append({"prompt": "long " * 80, "response": "x"})
     return write_jsonl(tmp_path / "chat.jsonl", records)
+
+
+def held_out(chat_file: Path) -> Path:
+    """A copy of the examples as a validation input (a file cannot be both a training and a validation input)."""
+
+    return Path(shutil.copyfile(chat_file, chat_file.with_name("val.jsonl")))
 
 
 def test_pack_chat_masks_the_prompt_and_counts_the_padding(
@@ -137,7 +144,8 @@ def test_the_loss_mask_keeps_the_prompt_clean_with_the_same_draws() -> None:
 
 
 def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
-    pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
+    tokenizer = tiny_data_dir / "tokenizer.json"
+    pack_chat([chat_file], tokenizer, SEQ_LEN, tmp_path / "chat", val_inputs=[held_out(chat_file)])
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=3", "training.warmup_steps=1",
                                  "training.batch_size=2", "training.eval_interval=3", "training.save_interval=3",
                                  f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
@@ -152,7 +160,8 @@ def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
     from dlm.data.chat import chat_prompt
     from dlm.sampling.generation import generate
 
-    pack_chat([chat_file], tiny_data_dir / "tokenizer.json", SEQ_LEN, tmp_path / "chat", val_inputs=[chat_file])
+    tokenizer = tiny_data_dir / "tokenizer.json"
+    pack_chat([chat_file], tokenizer, SEQ_LEN, tmp_path / "chat", val_inputs=[held_out(chat_file)])
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1",
                                  "training.batch_size=2", "training.eval_interval=2", "training.save_interval=2",
                                  f"training.train_data={tmp_path / 'chat' / 'train.bin'}",

@@ -376,8 +376,10 @@ def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))
+    val = tmp_path / "val.jsonl"
+    val.write_bytes(chat.read_bytes())  # the same examples held out: a file cannot be both inputs
     data = tmp_path / "chat"
-    pack_chat([chat], tiny_data_dir / "tokenizer.json", 64, data, val_inputs=[chat])
+    pack_chat([chat], tiny_data_dir / "tokenizer.json", 64, data, val_inputs=[val])
     masks = mask_path(data / "val.bin")
     kept = masks.read_bytes()
     masks.write_bytes(bytes(64) + kept[64:])  # the first example's loss mask all 0: it is left out

@@ -95,8 +95,14 @@ BROKEN_CONFIGS: dict[str, tuple[str | bytes | dict[str, Any], str]] = {
     "not an object": ("[1, 2]", "does not hold a JSON object"),
     "template not a string": ({"chat_template": 7}, "chat_template is a int, not a string"),
     "no default template": ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none named default"),
+    "named entry without a template": ({"chat_template": [{"name": "default"}]}, "entry 0 is not an object with"),
+    "entry not an object": ({"chat_template": [{"name": "default", "template": "x"}, "y"]}, "entry 1 is not an"),
+    "entry name not a string": ({"chat_template": [{"name": 1, "template": "x"}]}, "entry 0 is not an object"),
     "syntax error": ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "syntax error on its line 1"),
-    "undefined name": ({"chat_template": "{{ tools.name }}"}, "uses an undefined name ('tools' is undefined"),
+    "undefined name": ({"chat_template": "{{ toolz.name }}"}, "uses an undefined name ('toolz' is undefined"),
+    "undefined name printed": ({"chat_template": "{{ undefined_thing }}"}, "'undefined_thing' is undefined"),
+    "misspelt eos_token": ({"chat_template": "{% for m in messages %}{{ m.content }}{{ eos_tokn }}{% endfor %}"},
+                           "'eos_tokn' is undefined"),
     "raise_exception": ({"chat_template": "{{ raise_exception('no tools') }}"}, "raised an error: no tools"),
     "error in an expression": ({"chat_template": "{{ messages[0].content + 1 }}"}, "failed: TypeError"),
     "prompt not a prefix": ({"chat_template": "{{ messages | length }}"}, "does not render the prompt as a prefix"),
@@ -138,6 +144,32 @@ def test_hub_templates_render_as_transformers_renders_them(tmp_path: Path) -> No
                                                                 eos_token="")  # fmt: skip
     assert (prompt, prompt + response) == (expected_prompt[0][0], rendered[0][0])
     assert '"hi <b>\\"é\\"</b>"' in prompt and response == "hello<|im_end|>\n"
+
+
+def test_templates_see_the_special_tokens_of_their_config_and_can_test_names(tmp_path: Path) -> None:
+    source = ("{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+              "{% if unk_token is defined %}[{{ unk_token }}]{% endif %}{% if nothing is defined %}!{% endif %}"
+              "{% if tools %}tools{% endif %}{% if documents %}documents{% endif %}")  # fmt: skip
+    config = {"chat_template": source, "bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}}
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    template = ChatTemplate.for_tokenizer(directory / "tokenizer.json")
+    assert template.split([Turn("user", "hi"), Turn("assistant", "yo")]) == ("<s>hi</s>", "yo</s>")
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    # With no special tokens in the config, bos_token and eos_token render as nothing, as before.
+    assert ChatTemplate(source).prompt([Turn("user", "hi")]) == "hi"
+
+
+@pytest.mark.parametrize("spelling", ["same path", "its directory"])
+def test_a_chat_file_cannot_be_both_training_and_validation_input(
+    spelling: str, tmp_path: Path, tiny_tokenizer_path: Path, run_cli
+) -> None:
+    chat = write_jsonl(tmp_path / "data" / "sft.jsonl", EXAMPLES)
+    val = chat if spelling == "same path" else tmp_path / "data"
+    result = pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / "out", chat, "--val-input", val)
+    result.assert_refused("file is both a training and a validation input", str(chat))
+    assert not (tmp_path / "out").exists()
 
 
 def test_invalid_utf8_in_chat_data_names_the_file_and_line(

@@ -145,3 +145,33 @@ def test_an_option_that_would_do_nothing_is_refused(
 ) -> None:
     run_cli("sample", "model", "--device", "cpu", *args).assert_refused(*fragments)
     assert loaded.loads == [] and loaded.calls == []  # refused before a model loaded
+
+
+def test_chat_json_reports_what_plain_sampling_json_reports(
+    loaded: Loaded, run_cli: Any, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    args = ["--length", "12", "--steps", "8", "--seed", "4", "--num-samples", "2", "--device", "cpu", "--json"]
+    chat = json.loads(run_cli("sample", "model", "--chat", QUESTION, *args).stdout)
+    plain = json.loads(run_cli("sample", "model", "--prompt", "ROMEO:", *args).stdout)
+    assert set(chat) == {"replies", *plain}
+    prompt = chat_prompt(tmp_path / "tokenizer.json", QUESTION)
+    expected = generate(loaded.model, tokenizer, prompt=prompt, length=12, steps=8, seed=4, num_samples=2,
+                        stop_at_end=True)  # fmt: skip
+    for key in ("texts", "token_ids", "steps", "forward_passes", "forward_tokens", "lengths", "prompt_tokens"):
+        assert chat[key] == getattr(expected, key), key
+    assert chat["forward_passes"] > 0 and len(chat["lengths"]) == 2
+
+
+def test_a_too_long_chat_question_is_named_as_chat(loaded: Loaded, run_cli: Any) -> None:
+    result = run_cli("sample", "model", "--chat", "be " * 60, "--length", "8", "--device", "cpu")
+    result.assert_refused("--chat (", "tokens, the question in the chat template) plus --length (8)",
+                          "more than the model's max_seq_len (48)")  # fmt: skip
+    assert "--prompt" not in result.stderr and loaded.calls == []
+
+
+def test_a_chat_question_spelling_the_mask_token_is_named_as_chat(loaded: Loaded, run_cli: Any) -> None:
+    from dlm.data.tokenizer import SPECIAL_TOKENS
+
+    result = run_cli("sample", "model", "--chat", f"say {SPECIAL_TOKENS['mask']}", "--device", "cpu")
+    result.assert_refused("--chat contains the mask token itself")
+    assert loaded.calls == []

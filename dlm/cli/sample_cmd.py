@@ -307,12 +307,13 @@ def sample(
     )  # fmt: skip
     if chat is not None:
         from dlm.artifacts.loading import load_model_with_info
-        from dlm.sampling.chat import chat_replies
+        from dlm.sampling.chat import chat_sample
 
         loaded = load_model_with_info(model_path, device=request.device or "cpu")
-        replies = chat_replies(loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat,
-                               **request.generate_kwargs())  # fmt: skip
-        print_json({"replies": replies}) if as_json else typer.echo("\n".join(replies))
+        replies, result = chat_sample(loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat,
+                                      **request.generate_kwargs())  # fmt: skip
+        # The fields of plain sampling's --json, and the replies alone (texts hold the templated prompt too).
+        print_json({"replies": replies, **result.to_dict()}) if as_json else typer.echo("\n".join(replies))
         return
     from dlm.sampling.prompt_batch import read_prompt_file
 

@@ -63,11 +63,11 @@ TEMPLATE_FIX = "correct the chat_template, or move the file away to use dlm's de
 MIN_JINJA = (3, 1, 6)  # older versions have known sandbox escapes (transformers requires it too)
 
 
-def read_chat_template(config: Path) -> str | None:
-    """The `chat_template` of a tokenizer_config.json, or None when it has none.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-    Hugging Face also writes a list of named templates; as in transformers, the one named "default"
-    is the chat template."""
+
+def read_config(config: Path) -> dict[str, Any]:
+    """The settings of a tokenizer_config.json; one `UserError` naming it when it cannot be read."""
 
     try:
         settings = json.loads(config.read_text(encoding="utf-8"))
@@ -81,9 +81,27 @@ def read_chat_template(config: Path) -> str | None:
         raise UserError("is not valid JSON (nested too deeply)", path=config, fix=TEMPLATE_FIX) from None
     if not isinstance(settings, dict):
         raise UserError("does not hold a JSON object", path=config, fix=TEMPLATE_FIX)
+    return settings
+
+
+def read_chat_template(config: Path) -> str | None:
+    """The `chat_template` of a tokenizer_config.json, or None when it has none.
+
+    Hugging Face also writes a list of named templates; as in transformers, the one named "default"
+    is the chat template."""
+
+    return chat_template_of(read_config(config), config)
+
+
+def chat_template_of(settings: dict[str, Any], config: Path) -> str | None:
     template = settings.get("chat_template")
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        for index, entry in enumerate(template):  # transformers fails on such an entry too: never skip it
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):  # fmt: skip
+                raise UserError(f"chat_template entry {index} is not an object with name and template strings",
+                                path=config, fix=TEMPLATE_FIX)  # fmt: skip
+        named = {entry["name"]: entry["template"] for entry in template}
         if "default" not in named:
             names = ", ".join(str(name) for name in named) or "none"
             raise UserError(f"chat_template lists templates ({names}) but none named default", path=config,
@@ -92,6 +110,20 @@ def read_chat_template(config: Path) -> str | None:
     if template is not None and not isinstance(template, str):
         raise UserError(f"chat_template is a {type(template).__name__}, not a string", path=config, fix=TEMPLATE_FIX)
     return template
+
+
+def special_tokens_of(settings: dict[str, Any]) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names, as the template variables transformers passes
+    (`bos_token`, `eos_token`, ...): a token is a string or an added-token object with `content`."""
+
+    found: dict[str, str] = {}
+    for name in SPECIAL_TOKENS:
+        value = settings.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            found[name] = value
+    return found
 
 
 def _raise_exception(message: str) -> None:
@@ -123,7 +155,9 @@ def _sandbox() -> Any:
     if version < MIN_JINJA:
         raise UserError(f"rendering a tokenizer's chat_template safely needs jinja2 >= 3.1.6, not {jinja2.__version__}",
                         fix="pip install -U jinja2")  # fmt: skip
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    # StrictUndefined: a name dlm does not pass stops the command instead of rendering as nothing
+    # (`is defined` still tests a name).
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
                                                 extensions=[_generation_extension(), loopcontrols])  # fmt: skip
     environment.filters["tojson"] = _tojson
     environment.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(), namespace=_namespace_class())
@@ -205,8 +239,8 @@ def render_template(template: Any, origin: Path | None, **context: Any) -> str:
     except jinja2.exceptions.SecurityError as exc:
         what = f"does something Jinja's sandbox forbids ({_one_line(exc)})"
     except jinja2.UndefinedError as exc:
-        what = f"uses an undefined name ({_one_line(exc)}; dlm passes messages, add_generation_prompt, bos_token " \
-               "and eos_token)"
+        passed = ", ".join(sorted(context))
+        what = f"uses an undefined name ({_one_line(exc)}; dlm passes {passed})"
     except jinja2.TemplateError as exc:
         what = f"raised an error: {_one_line(exc)}"
     except Exception as exc:  # the template's own expressions failed (1 + 'a'), not dlm
@@ -225,9 +259,12 @@ class ChatTemplate:
     in Jinja's sandbox. A template that fails to compile or to render is one
     `UserError` naming `origin`, the file it came from."""
 
-    def __init__(self, jinja_source: str | None = None, origin: str | Path | None = None):
+    def __init__(self, jinja_source: str | None = None, origin: str | Path | None = None,
+                 special_tokens: dict[str, str] | None = None):  # fmt: skip
         self.jinja_source = jinja_source
         self.origin = None if origin is None else Path(origin)
+        # bos_token and eos_token are always passed (empty when the config names none), as before.
+        self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
         self._jinja: Any = None
         if jinja_source is not None:
             self._jinja = compile_template(jinja_source, self.origin)
@@ -239,16 +276,18 @@ class ChatTemplate:
         config = Path(tokenizer_path).parent / CONFIG_NAME
         if not config.is_file():
             return cls()
-        template = read_chat_template(config)
-        return cls() if template is None else cls(template, config)
+        settings = read_config(config)
+        template = chat_template_of(settings, config)
+        return cls() if template is None else cls(template, config, special_tokens_of(settings))
 
     @property
     def name(self) -> str:
         return "default" if self.jinja_source is None else f"{CONFIG_NAME} chat_template"
 
     def _render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
-        return render_template(self._jinja, self.origin, messages=[vars(t) for t in turns],
-                               add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")  # fmt: skip
+        # What transformers passes: the conversation, no tools or documents, and the config's special tokens.
+        return render_template(self._jinja, self.origin, messages=[vars(t) for t in turns], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self.special_tokens)  # fmt: skip
 
     def prompt(self, turns: list[Turn]) -> str:
         """The text before the reply: every turn, then the opening of the assistant's."""

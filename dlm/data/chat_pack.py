@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +29,7 @@ import numpy as np
 from dlm import __version__
 from dlm.data.chat import FIELDS, ChatTemplate, encode_example, parse_example
 from dlm.data.corpus import discover_corpus
+from dlm.data.mixture import check_disjoint
 from dlm.data.pack import (
     MASK_FILES,
     OUTPUT_FILES,
@@ -38,12 +38,13 @@ from dlm.data.pack import (
     _check_output_dir,
     _remove_empty,
     check_pack_arguments,
+    copy_tokenizer,
     token_dtype,
 )
 from dlm.data.readers import ReadContext, Record, Utf8Decoder, format_of, record_inputs
 from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256
 from dlm.errors import UserError, reported_os_errors
-from dlm.fileio import atomic_path, remove_stale_temporaries, temporary_path
+from dlm.fileio import remove_stale_temporaries, temporary_path
 
 LongPolicy = Literal["truncate", "drop"]
 MASK_SUFFIX = ".mask.bin"
@@ -180,10 +181,7 @@ def _commit(output: Path, writers: list[_ChatWriter], metadata: dict[str, Any], 
               for w in writers}  # fmt: skip
     for final, text in staged.items():
         temporary_path(final).write_text(text, encoding="utf-8")
-    tokenizer_copy = output / "tokenizer.json"
-    if not (tokenizer_copy.exists() and tokenizer_copy.samefile(tokenizer_path)):
-        with atomic_path(tokenizer_copy) as temporary:
-            shutil.copyfile(tokenizer_path, temporary)
+    copy_tokenizer(tokenizer_path, output)  # with its config: the chat template travels with the pack
     written = {w.name for w in writers}
     for name in SPLITS:
         (output / f"{name}.json").unlink(missing_ok=True)
@@ -217,6 +215,7 @@ def pack_chat(
     check_pack_arguments(seq_len, val_fraction, val_inputs or [])
     train_paths = chat_inputs([Path(p) for p in inputs], "inputs")
     val_paths = chat_inputs([Path(p) for p in val_inputs], "--val-input") if val_inputs else []
+    check_disjoint(train_paths, val_paths)
     tokenizer = load_tokenizer(tokenizer_path)
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" is data, not the token
     template = ChatTemplate.for_tokenizer(tokenizer_path)

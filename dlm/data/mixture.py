@@ -100,12 +100,19 @@ def discover_sources(
                     fix="name each file in one source only",
                 )
     val_paths = val.paths if val else []
-    if shared := set(owner) & set(val_paths):
-        raise UserError("file is both a training and a validation input", path=sorted(shared)[0])
+    check_disjoint(list(owner), val_paths)
     skipped.update(dict.fromkeys(val.skipped if val else []))
     return MixtureInputs(
         val_paths + list(owner), len(val_paths), list(skipped), training, list(owner.values()), bool(sources)
     )
+
+
+def check_disjoint(train_paths: Sequence[Path], val_paths: Sequence[Path]) -> None:
+    """Refuse a file that is both a training and a validation input (paths as `discover_corpus` finds them,
+    resolved): its text would be scored on what the model trained on."""
+
+    if shared := set(train_paths) & set(val_paths):
+        raise UserError("file is both a training and a validation input", path=sorted(shared)[0])
 
 
 def read_order(inputs: MixtureInputs) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ cuts the stream into blocks of exactly `seq_len` tokens, streaming straight to d
 only by a hash per document, never with the text). Byte-identical documents are kept once and the
 validation fraction is a share of the text bytes (`dlm.data.pack_plan`). A split is `NAME.bin` (raw
 little-endian uint16, or uint32 when the vocabulary does not fit) plus `NAME.json` (metadata).
+Beside them go copies of the tokenizer and of the tokenizer_config.json beside it (`copy_tokenizer`).
 Everything is written under temporary names and renamed at the end, metadata last, so an interrupted
 or failed pack (a full disk included) leaves nothing that loads; the next pack removes the
 temporaries a killed one left behind. `dlm.data` reads what this writes.
@@ -42,7 +43,10 @@ from dlm.fileio import atomic_path, check_writable_directory, remove_stale_tempo
 
 PACKED_FORMAT = "dlm-packed-v1"
 SPLITS = ("train", "val")
-OUTPUT_FILES = ("tokenizer.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
+# The tokenizer's files that a pack copies: tokenizer_config.json (when one is beside the tokenizer) holds
+# its chat template and special tokens, so whatever loads the tokenizer from the pack renders as the pack did.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+OUTPUT_FILES = (*TOKENIZER_FILES, *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
 # Written by `dlm pack --chat` only (`dlm.data.chat_pack`): a loss mask beside a split's tokens. A plain pack
 # removes them, since a mask that another pack's tokens left behind describes nothing.
 MASK_FILES = tuple(f"{s}.mask.bin" for s in SPLITS)
@@ -162,8 +166,9 @@ def _check_output_dir(output: Path, tokenizer: Path, overwrite: bool) -> None:
     if output.exists() and not output.is_dir():
         raise UserError("output exists and is not a directory", path=output, fix="name a directory")
     existing = [name for name in (*OUTPUT_FILES, *MASK_FILES) if (output / name).exists()]
-    if "tokenizer.json" in existing and (output / "tokenizer.json").samefile(tokenizer):
-        existing.remove("tokenizer.json")  # packing beside the tokenizer it was given is fine
+    for name in TOKENIZER_FILES:  # packing beside the tokenizer it was given is fine
+        if name in existing and _same_file(output / name, tokenizer.parent / name):
+            existing.remove(name)
     if existing and not overwrite:
         raise UserError(
             f"output already holds {', '.join(existing)}",
@@ -171,6 +176,25 @@ def _check_output_dir(output: Path, tokenizer: Path, overwrite: bool) -> None:
             fix="pass --overwrite to replace them, or choose another --output",
         )
     check_writable_directory(output)
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    return path.exists() and other.exists() and path.samefile(other)
+
+
+def copy_tokenizer(tokenizer: Path, output: Path) -> None:
+    """Copy the tokenizer file and the tokenizer_config.json beside it into `output`; with no config
+    beside the tokenizer, an old one in `output` is removed (its template belongs to another tokenizer)."""
+
+    for name, source in zip(TOKENIZER_FILES, (tokenizer, tokenizer.parent / TOKENIZER_FILES[1]), strict=True):
+        target = output / name
+        if _same_file(target, source):
+            continue
+        if not source.exists():
+            target.unlink(missing_ok=True)
+            continue
+        with atomic_path(target) as temporary:
+            shutil.copyfile(source, temporary)
 
 
 def _encode_stream(
@@ -267,7 +291,8 @@ def _write_output(
                 writer.close()
                 writer.temporary.unlink(missing_ok=True)
                 temporary_path(output / f"{writer.name}.json").unlink(missing_ok=True)
-            temporary_path(output / "tokenizer.json").unlink(missing_ok=True)
+            for name in TOKENIZER_FILES:
+                temporary_path(output / name).unlink(missing_ok=True)
             if not committed:
                 _remove_empty(created)
     return metadata
@@ -369,10 +394,7 @@ def _commit(
     staged = {output / f"{name}.json": json.dumps(meta, indent=2) + "\n" for name, meta in metadata.items()}
     for final, text in staged.items():
         temporary_path(final).write_text(text, encoding="utf-8")
-    target_tokenizer = output / "tokenizer.json"
-    if not (target_tokenizer.exists() and target_tokenizer.samefile(tokenizer)):
-        with atomic_path(target_tokenizer) as temporary:
-            shutil.copyfile(tokenizer, temporary)
+    copy_tokenizer(tokenizer, output)
     for name in SPLITS:  # stale metadata goes first: a half-replaced split must never load
         (output / f"{name}.json").unlink(missing_ok=True)
         (output / f"{name}.mask.bin").unlink(missing_ok=True)  # a chat pack's (MASK_FILES)
