@@ -16,6 +16,7 @@ from dlm.cli.common import (
     SetOption,
     TrainingDeviceOption,
     console,
+    given_options,
     print_json,
     wants_json,
 )
@@ -117,14 +118,6 @@ MODE_OPTIONS: dict[str, tuple[str, ...]] = {
                  "memory_limit", "measure_peak"),
     "generation": ("judge", "length", "num_samples", "repeats", "seed"),
 }  # fmt: skip
-
-
-def given_options(ctx: typer.Context) -> dict[str, str]:
-    """Parameter name -> flag of every option given on the command line (or by the environment), not defaulted."""
-
-    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
-    sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params if p.name}
-    return {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
 
 
 def _check_mode_options(ctx: typer.Context, generating: bool) -> None:

@@ -49,3 +49,13 @@ def print_json(payload: Any) -> None:
 
     sys.stdout.write(json.dumps(payload, default=str) + "\n")
     sys.stdout.flush()
+
+
+def given_options(ctx: typer.Context) -> dict[str, str]:
+    """Parameter name -> first flag of every option given on the command line (or by the environment),
+    not left at its default: what a command checks to refuse an option its mode would ignore."""
+
+    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
+    sources = {p.name: (ctx.get_parameter_source(p.name), p.opts[0]) for p in ctx.command.params if p.name}
+    return {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+

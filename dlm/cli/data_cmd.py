@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from dlm.cli.common import ConfigOption, JsonOption, SetOption, console, err_console, print_json, wants_json
+from dlm.cli.common import (
+    ConfigOption,
+    JsonOption,
+    SetOption,
+    console,
+    err_console,
+    given_options,
+    print_json,
+    wants_json,
+)
 from dlm.cli.progress import ProgressView
 from dlm.data.readers import DecodeErrors, supported_inputs
 from dlm.errors import UserError
@@ -191,9 +200,7 @@ PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dl
 
 
 def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
-    # By the source's name: typer may bring its own copy of click, and so of the ParameterSource enum.
-    sources = {p.name: (ctx.get_parameter_source(p.name or ""), p.opts[0]) for p in ctx.command.params}
-    names = {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
+    names = given_options(ctx)
     if "mask_padding" in names:
         raise UserError("--mask-padding was removed: it left the padding visible and unlearned, which shows the "
                         "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dlm.choices import CacheMode, Remasking, RevealSplit
-from dlm.cli.common import DeviceOption, JsonOption, console, print_json
+from dlm.cli.common import DeviceOption, JsonOption, console, given_options, print_json
 
 if TYPE_CHECKING:
     import torch
@@ -211,9 +211,7 @@ def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, pr
 
     from dlm.errors import UserError
 
-    # By the source's name: typer may bring its own copy of click, with its own ParameterSource enum.
-    sources = {name: getattr(ctx.get_parameter_source(name), "name", "DEFAULT") for name in ctx.params}
-    given = {name for name, source in sources.items() if source != "DEFAULT"}
+    given = set(given_options(ctx))
     if prompt_file is not None and given & {"prompt", "text", "chat"}:
         raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
     if prompt_file is None and "batch_size" in given:
