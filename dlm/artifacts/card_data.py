@@ -1,7 +1,8 @@
 """What an export's model card says about the run behind it: a title, the data, a usage prompt.
 
 Everything here is best effort: an export made from a checkpoint whose data has moved still gets a
-card, with a neutral prompt and without the data section's counts.
+card, with a neutral prompt and without the data section's counts. Metadata that is there but records
+its sources in a shape no packer writes is refused, naming the file, rather than guessed at.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm.artifacts.export_layout import SourceInfo
+from dlm.errors import UserError
 
 NEUTRAL_PROMPT = "The"  # when no text of the run's data can be read
 _PROMPT_WORDS = 3  # enough to steer a sample, short enough to leave it room
@@ -25,13 +27,19 @@ def _data_path(info: SourceInfo, split: str) -> Path | None:
     return None if path is None else Path(path)
 
 
-def _split_metadata(info: SourceInfo, split: str) -> dict[str, Any] | None:
-    """The `dlm pack` metadata (train.json / val.json) of the run's data, if it can be read."""
-
+def _metadata_path(info: SourceInfo, split: str) -> Path | None:
     path = _data_path(info, split)
     if path is None:
         return None
-    meta = path / f"{split}.json" if path.is_dir() else path.with_suffix(".json")
+    return path / f"{split}.json" if path.is_dir() else path.with_suffix(".json")
+
+
+def _split_metadata(info: SourceInfo, split: str) -> dict[str, Any] | None:
+    """The `dlm pack` metadata (train.json / val.json) of the run's data, if it can be read."""
+
+    meta = _metadata_path(info, split)
+    if meta is None:
+        return None
     try:
         data = json.loads(meta.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -57,8 +65,26 @@ def card_title(info: SourceInfo, parameters: str) -> str:
     return title + (f", step {info.step}" if info.step is not None else "")
 
 
-def _source_names(metadata: dict[str, Any], shown: int = 4) -> str:
-    names = [Path(str(source.get("path", "?"))).name for source in metadata.get("sources") or []]
+def _source_path(source: object, meta: Path) -> str:
+    """One recorded input: `dlm pack` records {"path", "bytes", "sha256"}, `dlm pack --chat` the path."""
+
+    if isinstance(source, str):
+        return source
+    if isinstance(source, dict) and isinstance(source.get("path"), str):
+        return str(source["path"])
+    raise UserError(
+        f"the packed data's metadata records a source as {json.dumps(source)[:60]}, not a path",
+        path=meta,
+        fix="pack the data again with `dlm pack`, or restore the file",
+    )
+
+
+def _source_names(metadata: dict[str, Any], meta: Path, shown: int = 4) -> str:
+    sources = metadata.get("sources") or []
+    if not isinstance(sources, list):
+        raise UserError("the packed data's metadata records its sources as no list", path=meta,
+                        fix="pack the data again with `dlm pack`, or restore the file")  # fmt: skip
+    names = [Path(_source_path(source, meta)).name for source in sources]
     text = ", ".join(f"`{name}`" for name in names[:shown])
     return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
@@ -68,12 +94,17 @@ def data_lines(info: SourceInfo) -> list[str]:
 
     lines = []
     for split, label in (("train", "training"), ("val", "validation")):
-        metadata = _split_metadata(info, split)
-        if metadata is None:
+        metadata, meta = _split_metadata(info, split), _metadata_path(info, split)
+        if metadata is None or meta is None:
             continue
         text = f"- {label}: {int(metadata.get('num_tokens', 0)):,} tokens in {int(metadata.get('num_blocks', 0)):,}"
-        text += f" blocks of {metadata.get('seq_len')}, {int(metadata.get('text_bytes', 0)):,} bytes of text"
-        sources = _source_names(metadata)
+        text += f" blocks of {metadata.get('seq_len')}"
+        chat = metadata.get("chat")
+        if isinstance(chat, dict):  # `dlm pack --chat` packs one example a block and counts no text bytes
+            text += f", {int(chat.get('examples', 0)):,} chat examples"
+        else:
+            text += f", {int(metadata.get('text_bytes', 0)):,} bytes of text"
+        sources = _source_names(metadata, meta)
         lines.append(text + (f", from {sources}" if sources else ""))
     return lines
 
