@@ -146,6 +146,15 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
     return lines
 
 
+def _progress_line(info: SourceInfo) -> str:
+    """Steps and tokens seen; a Hugging Face directory without dlm's record (`"dlm"` null, empty or
+    absent, as transformers may save it) knows neither, and the card says so rather than guessing."""
+
+    facts = [f"{info.step} optimizer steps"] if info.step is not None else []
+    facts += [f"{info.tokens_seen:,} tokens seen"] if info.tokens_seen is not None else []
+    return "- " + (", ".join(facts) if facts else "optimizer steps and tokens seen not recorded")
+
+
 def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> str:
     """The README.md of an export: what the model is, how it was trained, how to use it."""
 
@@ -166,7 +175,7 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
         "",
         "## Training",
         "",
-        f"- {info.step} optimizer steps, {info.tokens_seen:,} tokens seen",
+        _progress_line(info),
     ]
     if training:
         lines.append(
