@@ -27,10 +27,13 @@ from torch import Tensor
 
 from dlm import __version__
 from dlm.artifacts.card_data import card_title, data_lines, usage_prompt
+from dlm.artifacts.checkpoint import LOCK_NAME
 from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
 from dlm.artifacts.export_layout import (
+    CARD_NAME,
     CONFIG_NAME,
+    EXPORT_FILES,
     EXPORT_FORMAT,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
@@ -38,16 +41,14 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
-from dlm.artifacts.run_dir import RunDir
+from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.choices import ExportDtype
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.model.transformer import format_parameter_count
 
-CARD_NAME = "README.md"
-# What an export directory holds: all that `--overwrite` may replace.
-EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME)
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -83,6 +84,7 @@ def check_export_output(
     check_can_create(output, "--output")
     if not output.exists():
         return
+    _refuse_run_directory(output)
     if not overwrite:
         raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
     if not (output.is_dir() and replaceable(output)):
@@ -97,9 +99,24 @@ def check_export_output(
         )
 
 
+def _refuse_run_directory(output: Path) -> None:
+    """A run directory holds a config.json too: say that it is a run, not list its files as foreign."""
+
+    found = sorted({path.name for path in run_files(output) if path.name != CONFIG_NAME})
+    found += [LOCK_NAME] if (output / LOCK_NAME).exists() else []
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(
+            f"output is a run directory ({shown}), which an export never replaces",
+            path=output,
+            fix=f"choose another --output, e.g. {output / 'export'}",
+        )
+
+
 def _check_output(output: Path, overwrite: bool) -> None:
-    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "a dlm export")
-    if output.exists():
+    # Either format's export may be replaced: re-exporting a model in the other format is common.
+    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "an export")
+    if output.exists() and not is_hf_export(output):
         read_export_config(output)  # a damaged export is said so, not silently replaced
 
 

@@ -20,6 +20,12 @@ from dlm.errors import UserError
 
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
+CARD_NAME = "README.md"
+# The Hugging Face format's own files besides those: the bundled code and the transformers tokenizer files.
+CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
+HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# Every file an export of either format writes: what `--overwrite` may replace, whichever format was there.
+EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES)
 
 @dataclass
 class SourceInfo:

@@ -31,9 +31,11 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
-from dlm.artifacts.export import EXPORT_FILES, check_export_output
+from dlm.artifacts.export import check_export_output
 from dlm.artifacts.export_layout import (
+    CODE_FILES,
     CONFIG_NAME,
+    HF_TOKENIZER_FILES,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
@@ -49,7 +51,6 @@ from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 
 HF_FORMAT = "dlm-hf-v1"
-CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
 # The schedules modeling_dlm.py's sampler implements (its SCHEDULES; a test keeps them equal).
 HF_SCHEDULES = ("linear", "cosine")
 AUTO_MAP = {
@@ -124,7 +125,7 @@ def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
         "model_max_length": max_seq_len,
         "clean_up_tokenization_spaces": False,
     }
-    return {"tokenizer_config.json": config, "special_tokens_map.json": special}
+    return dict(zip(HF_TOKENIZER_FILES, (config, special), strict=True))
 
 
 def hf_card(name: str) -> str:
@@ -168,8 +169,8 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     output = Path(output)
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
-    ours = {*EXPORT_FILES, *CODE_FILES, *tokenizer_files(1)}  # a dlm export or an HF one may be replaced
-    check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export", ours)
+    # A dlm export or an HF one may be replaced.
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export")
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
