@@ -5,6 +5,7 @@ An exported directory holds everything needed to use the model on another machin
     model.safetensors   the weights (bf16 or fp32), each storage written once
     config.json         format "dlm-export-v1", model and diffusion config, step, tokenizer sha256, ...
     tokenizer.json      the exact tokenizer the model was trained with (hash checked)
+    tokenizer_config.json  copied when one lies beside that tokenizer: its chat_template, for `sample --chat`
     README.md           a short model card: how it was trained, eval figures, how to load it
 
 `dlm.artifacts.loading` reads exports (and checkpoints) back; `dlm.artifacts.export_layout` names the
@@ -35,11 +36,13 @@ from dlm.artifacts.export_layout import (
     CONFIG_NAME,
     EXPORT_FILES,
     EXPORT_FORMAT,
+    TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
     checked_tokenizer,
     read_export_config,
+    tokenizer_config,
 )
 from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
@@ -225,8 +228,9 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
 
 
 def _write_export(
-    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path
-) -> None:
+    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path,
+    tokenizer_settings: Path | None,
+) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     directory.mkdir()
@@ -234,6 +238,8 @@ def _write_export(
     # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
     os.chmod(directory / WEIGHTS_NAME, 0o666 & ~_umask())
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    if tokenizer_settings is not None:  # its chat_template, beside the tokenizer as `dlm.data.chat` reads it
+        shutil.copyfile(tokenizer_settings, directory / TOKENIZER_CONFIG_NAME)
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     # config.json last: it is what marks the directory as a complete export.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -262,6 +268,7 @@ def export_model(
     if info.kind == "export":
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
     tokenizer = checked_tokenizer(info)
+    tokenizer_settings, _ = tokenizer_config(info)
     stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,
@@ -286,7 +293,7 @@ def export_model(
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
         try:
-            _write_export(building, stored, config, card, tokenizer)
+            _write_export(building, stored, config, card, tokenizer, tokenizer_settings)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)

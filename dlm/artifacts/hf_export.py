@@ -8,7 +8,8 @@ and `AutoTokenizer.from_pretrained(dir)` load without dlm:
     modeling_dlm.py          the model and sampler  } only torch and transformers
     model.safetensors        the weights under transformers-style names, the tied embedding once
     tokenizer.json           the tokenizer the model was trained with (byte for byte)
-    tokenizer_config.json    PreTrainedTokenizerFast with the eos / mask / pad special tokens
+    tokenizer_config.json    PreTrainedTokenizerFast with the eos / mask / pad special tokens (and the
+                             chat_template of a tokenizer_config.json beside the model's tokenizer)
     special_tokens_map.json
     README.md                how to load and sample it
 
@@ -41,6 +42,7 @@ from dlm.artifacts.export_layout import (
     SourceInfo,
     checked_tokenizer,
     is_dlm_export,
+    tokenizer_config,
 )
 from dlm.artifacts.hf.names import to_hf_names
 from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
@@ -114,8 +116,10 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
     }
 
 
-def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
-    """tokenizer_config.json and special_tokens_map.json declaring dlm's special tokens."""
+def tokenizer_files(max_seq_len: int, chat_template: str | None = None) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json and special_tokens_map.json declaring dlm's special tokens, and the
+    tokenizer's chat_template when it has one (transformers' apply_chat_template and `dlm sample
+    --chat` read it there)."""
 
     special = {"eos_token": SPECIAL_TOKENS["eos"], "mask_token": SPECIAL_TOKENS["mask"],
                "pad_token": SPECIAL_TOKENS["pad"]}  # fmt: skip
@@ -124,6 +128,7 @@ def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
         **special,
         "model_max_length": max_seq_len,
         "clean_up_tokenization_spaces": False,
+        **({} if chat_template is None else {"chat_template": chat_template}),
     }
     return dict(zip(HF_TOKENIZER_FILES, (config, special), strict=True))
 
@@ -147,17 +152,18 @@ def hf_card(name: str) -> str:
     ])  # fmt: skip
 
 
-def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
+def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path,
+           chat_template: str | None) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": HF_FORMAT})
     os.chmod(directory / WEIGHTS_NAME, 0o644)  # safetensors creates 0600; an export is for sharing
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
-    for name in CODE_FILES:
-        shutil.copyfile(Path(__file__).with_name("hf") / name, directory / name)
-    for name, content in tokenizer_files(config["max_position_embeddings"]).items():
-        (directory / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    for code in CODE_FILES:
+        shutil.copyfile(Path(__file__).with_name("hf") / code, directory / code)
+    for file_name, content in tokenizer_files(config["max_position_embeddings"], chat_template).items():
+        (directory / file_name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     (directory / "README.md").write_text(hf_card(name), encoding="utf-8")
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
@@ -174,6 +180,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
+    _, chat_template = tokenizer_config(info)
     from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
@@ -185,7 +192,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)
         try:
-            _write(building, output.name, stored, config, tokenizer)
+            _write(building, output.name, stored, config, tokenizer, chat_template)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)
