@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,13 +44,20 @@ def test_a_chat_run_exports_with_its_sources_in_the_card(
         assert "bytes of text" not in card
 
 
-@pytest.mark.parametrize("sources", [[3], [{"bytes": 5}], {"path": "a.txt"}])
-def test_sources_in_no_shape_a_packer_writes_are_refused(chat_run: Path, tmp_path: Path, sources: object) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("sources", [3], "a source as 3, not a path"), ("sources", [{"bytes": 5}], 'a source as {"bytes": 5}'),
+     ("sources", {"path": "a.txt"}, "its sources as no list"), ("num_tokens", "many", 'num_tokens as "many"'),
+     ("chat", {"examples": True}, "chat.examples as true, not an integer")],
+)  # fmt: skip
+def test_metadata_in_no_shape_a_packer_writes_is_refused(
+    chat_run: Path, tmp_path: Path, field: str, value: object, message: str
+) -> None:
     meta = chat_run.parent / "sft" / "train.json"
     original = meta.read_text()
     try:
-        meta.write_text(json.dumps({**json.loads(original), "sources": sources}))
-        with pytest.raises(UserError, match=r"sources? as") as caught:
+        meta.write_text(json.dumps({**json.loads(original), field: value}))
+        with pytest.raises(UserError, match=re.escape(message)) as caught:
             export_model(chat_run, tmp_path / "model")
     finally:
         meta.write_text(original)

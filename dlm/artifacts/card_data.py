@@ -65,6 +65,19 @@ def card_title(info: SourceInfo, parameters: str) -> str:
     return title + (f", step {info.step}" if info.step is not None else "")
 
 
+_REPACK = "pack the data again with `dlm pack`, or restore the file"
+
+
+def _count(record: dict[str, Any], key: str, meta: Path, within: str = "") -> int:
+    """A count of the metadata (absent is 0), refused naming the file when it is not an integer."""
+
+    value = record.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool):  # JSON true is no count
+        raise UserError(f"the packed data's metadata records {within}{key} as {json.dumps(value)[:60]}, "
+                        "not an integer", path=meta, fix=_REPACK)  # fmt: skip
+    return value
+
+
 def _source_path(source: object, meta: Path) -> str:
     """One recorded input: `dlm pack` records {"path", "bytes", "sha256"}, `dlm pack --chat` the path."""
 
@@ -75,15 +88,14 @@ def _source_path(source: object, meta: Path) -> str:
     raise UserError(
         f"the packed data's metadata records a source as {json.dumps(source)[:60]}, not a path",
         path=meta,
-        fix="pack the data again with `dlm pack`, or restore the file",
+        fix=_REPACK,
     )
 
 
 def _source_names(metadata: dict[str, Any], meta: Path, shown: int = 4) -> str:
     sources = metadata.get("sources") or []
     if not isinstance(sources, list):
-        raise UserError("the packed data's metadata records its sources as no list", path=meta,
-                        fix="pack the data again with `dlm pack`, or restore the file")  # fmt: skip
+        raise UserError("the packed data's metadata records its sources as no list", path=meta, fix=_REPACK)
     names = [Path(_source_path(source, meta)).name for source in sources]
     text = ", ".join(f"`{name}`" for name in names[:shown])
     return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
@@ -97,13 +109,13 @@ def data_lines(info: SourceInfo) -> list[str]:
         metadata, meta = _split_metadata(info, split), _metadata_path(info, split)
         if metadata is None or meta is None:
             continue
-        text = f"- {label}: {int(metadata.get('num_tokens', 0)):,} tokens in {int(metadata.get('num_blocks', 0)):,}"
-        text += f" blocks of {metadata.get('seq_len')}"
+        text = f"- {label}: {_count(metadata, 'num_tokens', meta):,} tokens in "
+        text += f"{_count(metadata, 'num_blocks', meta):,} blocks of {_count(metadata, 'seq_len', meta)}"
         chat = metadata.get("chat")
         if isinstance(chat, dict):  # `dlm pack --chat` packs one example a block and counts no text bytes
-            text += f", {int(chat.get('examples', 0)):,} chat examples"
+            text += f", {_count(chat, 'examples', meta, 'chat.'):,} chat examples"
         else:
-            text += f", {int(metadata.get('text_bytes', 0)):,} bytes of text"
+            text += f", {_count(metadata, 'text_bytes', meta):,} bytes of text"
         sources = _source_names(metadata, meta)
         lines.append(text + (f", from {sources}" if sources else ""))
     return lines
