@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from helpers import train_tiny_run
 from dlm.artifacts.export import export_model
 from dlm.artifacts.hf_export import export_hf
 from dlm.data.chat import chat_prompt
-from dlm.errors import UserError
+from dlm.data.chat_pack import pack_chat
+from dlm.errors import UserError, UserNote
 
 TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>> {% endif %}")  # fmt: skip
@@ -72,3 +74,19 @@ def test_transformers_renders_the_hf_export_s_template(templated_run: Path, tmp_
                                              add_generation_prompt=True)  # fmt: skip
     expected = "<<user>> hi there\n<<assistant>> "
     assert rendered == chat_prompt(tmp_path / "hf" / "tokenizer.json", "hi there") == expected
+
+
+def test_a_template_lost_since_packing_is_warned_about(templated_run: Path, tmp_path: Path) -> None:
+    # `dlm pack --chat` copies tokenizer.json into the pack, not the tokenizer_config.json beside it.
+    examples = [{"prompt": f"say {i}", "response": f"{i}"} for i in range(30)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
+    pack_chat([tmp_path / "sft.jsonl"], templated_run.parent / "tok" / "tokenizer.json", 64, tmp_path / "sft",
+              val_fraction=0.1)  # fmt: skip
+    assert json.loads((tmp_path / "sft" / "train.json").read_text())["chat"]["template"] != "default"
+    run = train_tiny_run(tmp_path / "sft", tmp_path / "run", f"training.init_from={templated_run}")
+    for export in (export_model, export_hf):
+        with pytest.warns(UserNote, match=r"packed with a tokenizer_config\.json chat_template, but no "):
+            export(run, tmp_path / export.__name__)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_model(templated_run, tmp_path / "quiet")  # its data is plain text: nothing to warn about

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
-from dlm.artifacts.export_layout import SourceInfo
-from dlm.errors import UserError
+from dlm.artifacts.export_layout import SourceInfo, tokenizer_config
+from dlm.errors import UserError, UserNote
 
 NEUTRAL_PROMPT = "The"  # when no text of the run's data can be read
 _PROMPT_WORDS = 3  # enough to steer a sample, short enough to leave it room
@@ -140,3 +141,23 @@ def usage_prompt(info: SourceInfo) -> str:
         if words:
             return " ".join(words)
     return NEUTRAL_PROMPT
+
+
+def export_tokenizer_config(info: SourceInfo) -> tuple[Path | None, str | None]:
+    """`tokenizer_config(info)`, with a warning when the run's chat data was packed with a tokenizer's
+    own template that no tokenizer_config.json beside the model's tokenizer file holds any more (the
+    pack's copy of a tokenizer has none beside it): `dlm sample --chat` on the export would render
+    dlm's default template instead."""
+
+    path, template = tokenizer_config(info)
+    packed = ((_split_metadata(info, "train") or {}).get("chat") or {})
+    used = packed.get("template") if isinstance(packed, dict) else None
+    if template is None and isinstance(used, str) and used != "default":
+        warnings.warn(
+            f"the chat data was packed with a {used}, but no tokenizer_config.json with one lies beside "
+            f"{info.tokenizer_path}; the export has none, so `dlm sample --chat` on it uses dlm's default "
+            "template (copy that tokenizer_config.json beside the export's tokenizer.json)",
+            UserNote,
+            stacklevel=2,
+        )
+    return path, template

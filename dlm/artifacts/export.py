@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
-from dlm.artifacts.card_data import card_title, data_lines, usage_prompt
+from dlm.artifacts.card_data import card_title, data_lines, export_tokenizer_config, usage_prompt
 from dlm.artifacts.checkpoint import LOCK_NAME
 from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
@@ -42,7 +42,6 @@ from dlm.artifacts.export_layout import (
     SourceInfo,
     checked_tokenizer,
     read_export_config,
-    tokenizer_config,
 )
 from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
@@ -268,7 +267,7 @@ def export_model(
     if info.kind == "export":
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
     tokenizer = checked_tokenizer(info)
-    tokenizer_settings, _ = tokenizer_config(info)
+    tokenizer_settings, _ = export_tokenizer_config(info)
     stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
+from dlm.artifacts.card_data import export_tokenizer_config
 from dlm.artifacts.export import check_export_output
 from dlm.artifacts.export_layout import (
     CODE_FILES,
@@ -42,7 +43,6 @@ from dlm.artifacts.export_layout import (
     SourceInfo,
     checked_tokenizer,
     is_dlm_export,
-    tokenizer_config,
 )
 from dlm.artifacts.hf.names import to_hf_names
 from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
@@ -180,7 +180,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
-    _, chat_template = tokenizer_config(info)
+    _, chat_template = export_tokenizer_config(info)
     from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
