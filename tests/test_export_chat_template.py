@@ -77,16 +77,38 @@ def test_transformers_renders_the_hf_export_s_template(templated_run: Path, tmp_
 
 
 def test_a_template_lost_since_packing_is_warned_about(templated_run: Path, tmp_path: Path) -> None:
-    # `dlm pack --chat` copies tokenizer.json into the pack, not the tokenizer_config.json beside it.
     examples = [{"prompt": f"say {i}", "response": f"{i}"} for i in range(30)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
     pack_chat([tmp_path / "sft.jsonl"], templated_run.parent / "tok" / "tokenizer.json", 64, tmp_path / "sft",
               val_fraction=0.1)  # fmt: skip
     assert json.loads((tmp_path / "sft" / "train.json").read_text())["chat"]["template"] != "default"
     run = train_tiny_run(tmp_path / "sft", tmp_path / "run", f"training.init_from={templated_run}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = export_model(run, tmp_path / "kept")
+    assert chat_prompt(kept / "tokenizer.json", "hi") == "<<user>> hi\n<<assistant>> "
+    # A pack made before packs copied the tokenizer_config.json beside their tokenizer.json lacks it.
+    (tmp_path / "sft" / "tokenizer_config.json").unlink()
     for export in (export_model, export_hf):
         with pytest.warns(UserNote, match=r"packed with a tokenizer_config\.json chat_template, but no "):
             export(run, tmp_path / export.__name__)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         export_model(templated_run, tmp_path / "quiet")  # its data is plain text: nothing to warn about
+
+
+def test_an_hf_export_whose_special_tokens_change_the_rendering_says_so(tiny_data_dir: Path, tmp_path: Path) -> None:
+    # dlm's vocabulary has no <s>: the hf export declares only dlm's own special tokens (transformers
+    # would add a declared <s> as token 512, past the embedding), so {{ bos_token }} renders empty there.
+    (tmp_path / "tok").mkdir()
+    shutil.copyfile(tiny_data_dir / "tokenizer.json", tmp_path / "tok" / "tokenizer.json")
+    settings = {"chat_template": "{{ bos_token }}" + TEMPLATE, "bos_token": "<s>"}
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(settings))
+    run = train_tiny_run(tiny_data_dir, tmp_path / "run", f"training.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = export_model(run, tmp_path / "plain")  # the same file: the same rendering
+    assert chat_prompt(plain / "tokenizer.json", "hi") == "<s><<user>> hi\n<<assistant>> "
+    with pytest.warns(UserNote, match=r"renders otherwise with the export's special tokens .*'<s><<user>> hi"):
+        hf = export_hf(run, tmp_path / "hf")
+    assert chat_prompt(hf / "tokenizer.json", "hi") == "<<user>> hi\n<<assistant>> "

@@ -145,9 +145,9 @@ def usage_prompt(info: SourceInfo) -> str:
 
 def export_tokenizer_config(info: SourceInfo) -> tuple[Path | None, str | None]:
     """`tokenizer_config(info)`, with a warning when the run's chat data was packed with a tokenizer's
-    own template that no tokenizer_config.json beside the model's tokenizer file holds any more (the
-    pack's copy of a tokenizer has none beside it): `dlm sample --chat` on the export would render
-    dlm's default template instead."""
+    own template that no tokenizer_config.json beside the model's tokenizer file holds any more (a
+    pack made before packs copied that file beside their tokenizer.json): `dlm sample --chat` on the
+    export would render dlm's default template instead."""
 
     path, template = tokenizer_config(info)
     packed = ((_split_metadata(info, "train") or {}).get("chat") or {})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
 from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.tokenizer import SPECIAL_TOKENS
-from dlm.errors import UserError, reported_os_errors
+from dlm.errors import UserError, UserNote, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 
 HF_FORMAT = "dlm-hf-v1"
@@ -168,6 +169,29 @@ def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[s
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+def _check_template_renders_alike(source: Path, template: str, files: dict[str, dict[str, Any]]) -> None:
+    """Warn when the template renders otherwise under the export's special tokens than under the
+    source config's (e.g. a `bos_token` dlm's vocabulary lacks: declaring it would make transformers
+    add a token the model has no embedding for, so the export declares only dlm's own)."""
+
+    from dlm.data.chat import ChatTemplate, Turn, read_config, special_tokens_of
+
+    probe = [Turn("user", "hi")]
+    before = ChatTemplate(template, source, special_tokens_of(read_config(source))).prompt(probe)
+    exported = special_tokens_of(files[HF_TOKENIZER_FILES[0]])
+    try:
+        after: str | None = ChatTemplate(template, source, exported).prompt(probe)
+    except UserError:  # e.g. a name the export's config lacks
+        after = None
+    if after != before:
+        warnings.warn(
+            f"the chat_template of {source} renders otherwise with the export's special tokens (dlm's "
+            f"<|endoftext|>, <|mask|>, <|pad|>) than with its own: {before!r} becomes {after!r}",
+            UserNote,
+            stacklevel=3,
+        )
+
+
 def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True,
               overwrite: bool = False) -> Path:  # fmt: skip
     """Write a Hugging Face directory from a checkpoint, a run dir, a dlm export or an HF export."""
@@ -180,7 +204,9 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
-    _, chat_template = export_tokenizer_config(info)
+    settings_path, chat_template = export_tokenizer_config(info)
+    if settings_path is not None and chat_template is not None:
+        _check_template_renders_alike(settings_path, chat_template, tokenizer_files(1, chat_template))
     from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
