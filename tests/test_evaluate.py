@@ -285,6 +285,38 @@ def test_cli_eval_ctrl_c_prints_one_line_exits_130_and_writes_nothing(
     assert not (tmp_path / "eval.json").exists()
 
 
+def test_cli_eval_output_is_checked_before_evaluating(
+    run_dir: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evaluated: list[object] = []
+    monkeypatch.setattr("dlm.evaluation.evaluate.evaluate_source", lambda *args, **kwargs: evaluated.append(args))
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "keep.json").write_text('{"mine": 1}\n')
+    refusals = {
+        tmp_path / "outdir": "--output is a directory",
+        tmp_path / "absent" / "x" / "eval.json": "the directory of --output does not exist",
+        tmp_path / "keep.json": "output exists and is not an eval report dlm wrote",
+    }
+    for output, message in refusals.items():
+        run_cli("eval", run_dir, "--output", output).assert_refused(message)
+    assert evaluated == [] and (tmp_path / "keep.json").read_text() == '{"mine": 1}\n'
+    assert not (tmp_path / "absent").exists() and list((tmp_path / "outdir").iterdir()) == []
+
+
+def test_cli_eval_replaces_an_earlier_report_and_another_file_only_with_overwrite(
+    run_dir: Path, tmp_path: Path, run_cli
+) -> None:
+    output = tmp_path / "eval.json"
+    output.write_text('{"mine": 1}\n')
+    arguments = ("eval", run_dir, "--mc-samples", "2", "--batches", "1", "--output", output, "--json")
+    assert run_cli(*arguments, "--overwrite").exit_code == 0
+    first = json.loads(output.read_text())
+    assert first["format"].startswith("dlm-eval") and first["batches"] == 1
+    output.write_text(json.dumps({**first, "batches": 7}))  # an earlier report: replaced without --overwrite
+    assert run_cli(*arguments).exit_code == 0
+    assert json.loads(output.read_text()) == first
+
+
 @pytest.mark.parametrize(("batches", "batch_size"), [(2, 8), (1, 3)])
 def test_eval_reports_the_unigram_level_of_exactly_the_scored_blocks(
     run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int, monkeypatch: pytest.MonkeyPatch

@@ -167,7 +167,7 @@ def test_refusals(run_dir: Path, tmp_path: Path) -> None:
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="not a dlm export"):
+    with pytest.raises(UserError, match="not an export"):
         export_model(run_dir, foreign, overwrite=True)
     assert (foreign / "notes.txt").read_text() == "keep me"
     (tmp_path / "weights.pt").write_bytes(b"not a checkpoint at all")

@@ -6,6 +6,7 @@ What transformers does with the directory is tested in test_hf_transformers.py (
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,51 @@ def test_cli_export_format_hf_and_back(run_dir: Path, tmp_path: Path, run_cli) -
     assert human.exit_code == 0, human.stderr
     assert json.loads((tmp_path / "back" / "config.json").read_text())["format"] == "dlm-export-v1"
     assert run_cli("export", run_dir, "-o", tmp_path / "bad", "--format", "onnx").exit_code == 2
+
+
+@pytest.mark.parametrize("record", ["null", "empty", "absent"])
+def test_a_directory_without_dlm_s_record_exports_with_a_card_that_says_so(
+    hf_dir: Path, tmp_path: Path, run_cli, record: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformers' save_pretrained of a fine-tuned model may drop or empty the "dlm" object.
+    saved = tmp_path / "saved"
+    shutil.copytree(hf_dir, saved)
+    config = json.loads((saved / "config.json").read_text())
+    del config["dlm"]
+    if record != "absent":
+        config["dlm"] = None if record == "null" else {}
+    (saved / "config.json").write_text(json.dumps(config))
+    result = run_cli("export", saved, "--output", tmp_path / "back")
+    assert result.exit_code == 0, result.stderr
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["step"], exported["tokens_seen"], exported["weights"]) == (None, None, "live")
+    card = (tmp_path / "back" / "README.md").read_text()
+    assert "- optimizer steps and tokens seen not recorded\n" in card and "None" not in card
+    assert card.splitlines()[0].endswith("-parameter diffusion language model")
+    monkeypatch.setattr("dlm.cli.export_cmd.wants_json", lambda flag: False)  # the summary a person reads
+    human = run_cli("export", saved, "--output", tmp_path / "back", "--overwrite")
+    assert human.exit_code == 0 and "live weights, step not recorded." in " ".join(human.stdout.split())
+
+
+def test_either_format_replaces_the_other(run_dir: Path, tmp_path: Path) -> None:
+    output = export_hf(run_dir, tmp_path / "model")
+    assert export_model(run_dir, output, overwrite=True) == output
+    assert {path.name for path in output.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                        "README.md"}  # fmt: skip
+    assert json.loads((output / "config.json").read_text())["format"] == "dlm-export-v1"
+    assert export_hf(run_dir, output, overwrite=True) == output
+    (output / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match=r"files an export does not write \(notes\.txt\)"):
+        export_model(run_dir, output, overwrite=True)
+    assert (output / "notes.txt").read_text() == "keep me" and (output / "modeling_dlm.py").is_file()
+
+
+@pytest.mark.parametrize("export", [export_model, export_hf])
+def test_a_run_directory_is_never_an_export_s_output(run_dir: Path, export, run_cli) -> None:
+    before = sorted(path.name for path in run_dir.iterdir())
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match=r"output is a run directory \(.*latest\.pt.*\), which an export never"):
+            export(run_dir, run_dir, overwrite=overwrite)
+    result = run_cli("export", run_dir, "--output", run_dir, "--overwrite")
+    result.assert_refused("is a run directory", "choose another --output")
+    assert sorted(path.name for path in run_dir.iterdir()) == before

@@ -1,12 +1,17 @@
 """The eval report `dlm eval` writes into a run directory, as its readers check it.
 
 `dlm report` draws it and `dlm export` quotes it in the model card; both leave out a report whose
-fields have the wrong JSON types, saying which one, rather than fail on it.
+fields have the wrong JSON types, saying which one, rather than fail on it. `dlm eval --output`
+checks where it will write one before it evaluates (`check_eval_output`).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from dlm.errors import UserError, check_can_create
 
 EVAL_FORMAT_PREFIX = "dlm-eval"
 
@@ -37,3 +42,30 @@ def eval_report_problem(report: dict[str, Any]) -> str | None:
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         return "its notes are not a list of strings"
     return None
+
+
+def is_eval_report(path: Path) -> bool:
+    """Whether `path` holds an eval report `dlm eval` wrote (a JSON object with its format tag)."""
+
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: invalid JSON or UTF-8
+        return False
+    return isinstance(report, dict) and str(report.get("format", "")).startswith(EVAL_FORMAT_PREFIX)
+
+
+def check_eval_output(output: Path, overwrite: bool) -> None:
+    """Before an evaluation that can take minutes: an earlier eval report is replaced, any other file
+    only with `overwrite`, a directory never, and the directory must exist and be writable."""
+
+    check_can_create(output, "--output")
+    if output.is_dir():
+        raise UserError("--output is a directory", path=output, fix="name a file, e.g. eval.json")
+    if not output.parent.is_dir():
+        raise UserError("the directory of --output does not exist", path=output, fix="create it first")
+    if output.exists() and not overwrite and not is_eval_report(output):
+        raise UserError(
+            "output exists and is not an eval report dlm wrote",
+            path=output,
+            fix="pass --overwrite to replace it, or pick another",
+        )

@@ -5,6 +5,7 @@ An exported directory holds everything needed to use the model on another machin
     model.safetensors   the weights (bf16 or fp32), each storage written once
     config.json         format "dlm-export-v1", model and diffusion config, step, tokenizer sha256, ...
     tokenizer.json      the exact tokenizer the model was trained with (hash checked)
+    tokenizer_config.json  copied when one lies beside that tokenizer: its chat_template, for `sample --chat`
     README.md           a short model card: how it was trained, eval figures, how to load it
 
 `dlm.artifacts.loading` reads exports (and checkpoints) back; `dlm.artifacts.export_layout` names the
@@ -26,28 +27,30 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
-from dlm.artifacts.card_data import card_title, data_lines, usage_prompt
+from dlm.artifacts.card_data import card_title, data_lines, export_tokenizer_config, usage_prompt
+from dlm.artifacts.checkpoint import LOCK_NAME
 from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
 from dlm.artifacts.export_layout import (
+    CARD_NAME,
     CONFIG_NAME,
+    EXPORT_FILES,
     EXPORT_FORMAT,
+    TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
-from dlm.artifacts.run_dir import RunDir
+from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.choices import ExportDtype
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.model.transformer import format_parameter_count
 
-CARD_NAME = "README.md"
-# What an export directory holds: all that `--overwrite` may replace.
-EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME)
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -83,6 +86,7 @@ def check_export_output(
     check_can_create(output, "--output")
     if not output.exists():
         return
+    _refuse_run_directory(output)
     if not overwrite:
         raise UserError("output already exists", path=output, fix="pass --overwrite to replace it, or pick another")
     if not (output.is_dir() and replaceable(output)):
@@ -97,9 +101,24 @@ def check_export_output(
         )
 
 
+def _refuse_run_directory(output: Path) -> None:
+    """A run directory holds a config.json too: say that it is a run, not list its files as foreign."""
+
+    found = sorted({path.name for path in run_files(output) if path.name != CONFIG_NAME})
+    found += [LOCK_NAME] if (output / LOCK_NAME).exists() else []
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise UserError(
+            f"output is a run directory ({shown}), which an export never replaces",
+            path=output,
+            fix=f"choose another --output, e.g. {output / 'export'}",
+        )
+
+
 def _check_output(output: Path, overwrite: bool) -> None:
-    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "a dlm export")
-    if output.exists():
+    # Either format's export may be replaced: re-exporting a model in the other format is common.
+    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "an export")
+    if output.exists() and not is_hf_export(output):
         read_export_config(output)  # a damaged export is said so, not silently replaced
 
 
@@ -146,6 +165,15 @@ def _eval_figures(run_dir: Path | None) -> list[str]:
     return lines
 
 
+def _progress_line(info: SourceInfo) -> str:
+    """Steps and tokens seen; a Hugging Face directory without dlm's record (`"dlm"` null, empty or
+    absent, as transformers may save it) knows neither, and the card says so rather than guessing."""
+
+    facts = [f"{info.step} optimizer steps"] if info.step is not None else []
+    facts += [f"{info.tokens_seen:,} tokens seen"] if info.tokens_seen is not None else []
+    return "- " + (", ".join(facts) if facts else "optimizer steps and tokens seen not recorded")
+
+
 def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> str:
     """The README.md of an export: what the model is, how it was trained, how to use it."""
 
@@ -166,7 +194,7 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
         "",
         "## Training",
         "",
-        f"- {info.step} optimizer steps, {info.tokens_seen:,} tokens seen",
+        _progress_line(info),
     ]
     if training:
         lines.append(
@@ -199,8 +227,9 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
 
 
 def _write_export(
-    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path
-) -> None:
+    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path,
+    tokenizer_settings: Path | None,
+) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     directory.mkdir()
@@ -208,6 +237,8 @@ def _write_export(
     # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
     os.chmod(directory / WEIGHTS_NAME, 0o666 & ~_umask())
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    if tokenizer_settings is not None:  # its chat_template, beside the tokenizer as `dlm.data.chat` reads it
+        shutil.copyfile(tokenizer_settings, directory / TOKENIZER_CONFIG_NAME)
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     # config.json last: it is what marks the directory as a complete export.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -236,6 +267,7 @@ def export_model(
     if info.kind == "export":
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
     tokenizer = checked_tokenizer(info)
+    tokenizer_settings, _ = export_tokenizer_config(info)
     stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,
@@ -260,7 +292,7 @@ def export_model(
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
         try:
-            _write_export(building, stored, config, card, tokenizer)
+            _write_export(building, stored, config, card, tokenizer, tokenizer_settings)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)

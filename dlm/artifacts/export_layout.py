@@ -20,6 +20,13 @@ from dlm.errors import UserError
 
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
+CARD_NAME = "README.md"
+# The Hugging Face format's own files besides those: the bundled code and the transformers tokenizer files.
+CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"  # where a tokenizer's chat_template lives (`dlm.data.chat`)
+HF_TOKENIZER_FILES = (TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
+# Every file an export of either format writes: what `--overwrite` may replace, whichever format was there.
+EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES)
 
 @dataclass
 class SourceInfo:
@@ -118,6 +125,19 @@ def checked_tokenizer(info: SourceInfo) -> Path:
             fix="restore the tokenizer the model was trained with",
         )
     return path
+
+
+def tokenizer_config(info: SourceInfo) -> tuple[Path | None, str | None]:
+    """The tokenizer_config.json beside the model's tokenizer file and its chat_template (each None
+    when absent). An export carries both, so that `dlm sample --chat` on it renders the template the
+    chat data was packed with; an unreadable file is refused here, not copied to fail there."""
+
+    from dlm.data.chat import read_chat_template
+
+    path = info.tokenizer_path.parent / TOKENIZER_CONFIG_NAME
+    if not path.is_file():
+        return None, None
+    return path, read_chat_template(path)
 
 
 def read_config_json(directory: Path) -> dict[str, Any] | None:

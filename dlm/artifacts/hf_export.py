@@ -8,7 +8,8 @@ and `AutoTokenizer.from_pretrained(dir)` load without dlm:
     modeling_dlm.py          the model and sampler  } only torch and transformers
     model.safetensors        the weights under transformers-style names, the tied embedding once
     tokenizer.json           the tokenizer the model was trained with (byte for byte)
-    tokenizer_config.json    PreTrainedTokenizerFast with the eos / mask / pad special tokens
+    tokenizer_config.json    PreTrainedTokenizerFast with the eos / mask / pad special tokens (and the
+                             chat_template of a tokenizer_config.json beside the model's tokenizer)
     special_tokens_map.json
     README.md                how to load and sample it
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,12 @@ import torch
 from torch import Tensor
 
 from dlm import __version__
-from dlm.artifacts.export import EXPORT_FILES, check_export_output
+from dlm.artifacts.card_data import export_tokenizer_config
+from dlm.artifacts.export import check_export_output
 from dlm.artifacts.export_layout import (
+    CODE_FILES,
     CONFIG_NAME,
+    HF_TOKENIZER_FILES,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
@@ -45,11 +50,10 @@ from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
 from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.tokenizer import SPECIAL_TOKENS
-from dlm.errors import UserError, reported_os_errors
+from dlm.errors import UserError, UserNote, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 
 HF_FORMAT = "dlm-hf-v1"
-CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
 # The schedules modeling_dlm.py's sampler implements (its SCHEDULES; a test keeps them equal).
 HF_SCHEDULES = ("linear", "cosine")
 AUTO_MAP = {
@@ -113,8 +117,10 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
     }
 
 
-def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
-    """tokenizer_config.json and special_tokens_map.json declaring dlm's special tokens."""
+def tokenizer_files(max_seq_len: int, chat_template: str | None = None) -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json and special_tokens_map.json declaring dlm's special tokens, and the
+    tokenizer's chat_template when it has one (transformers' apply_chat_template and `dlm sample
+    --chat` read it there)."""
 
     special = {"eos_token": SPECIAL_TOKENS["eos"], "mask_token": SPECIAL_TOKENS["mask"],
                "pad_token": SPECIAL_TOKENS["pad"]}  # fmt: skip
@@ -123,8 +129,9 @@ def tokenizer_files(max_seq_len: int) -> dict[str, dict[str, Any]]:
         **special,
         "model_max_length": max_seq_len,
         "clean_up_tokenization_spaces": False,
+        **({} if chat_template is None else {"chat_template": chat_template}),
     }
-    return {"tokenizer_config.json": config, "special_tokens_map.json": special}
+    return dict(zip(HF_TOKENIZER_FILES, (config, special), strict=True))
 
 
 def hf_card(name: str) -> str:
@@ -146,19 +153,43 @@ def hf_card(name: str) -> str:
     ])  # fmt: skip
 
 
-def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
+def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path,
+           chat_template: str | None) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": HF_FORMAT})
     os.chmod(directory / WEIGHTS_NAME, 0o644)  # safetensors creates 0600; an export is for sharing
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
-    for name in CODE_FILES:
-        shutil.copyfile(Path(__file__).with_name("hf") / name, directory / name)
-    for name, content in tokenizer_files(config["max_position_embeddings"]).items():
-        (directory / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    for code in CODE_FILES:
+        shutil.copyfile(Path(__file__).with_name("hf") / code, directory / code)
+    for file_name, content in tokenizer_files(config["max_position_embeddings"], chat_template).items():
+        (directory / file_name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     (directory / "README.md").write_text(hf_card(name), encoding="utf-8")
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_template_renders_alike(source: Path, template: str, files: dict[str, dict[str, Any]]) -> None:
+    """Warn when the template renders otherwise under the export's special tokens than under the
+    source config's (e.g. a `bos_token` dlm's vocabulary lacks: declaring it would make transformers
+    add a token the model has no embedding for, so the export declares only dlm's own)."""
+
+    from dlm.data.chat import ChatTemplate, Turn, read_config, special_tokens_of
+
+    probe = [Turn("user", "hi")]
+    before = ChatTemplate(template, source, special_tokens_of(read_config(source))).prompt(probe)
+    exported = special_tokens_of(files[HF_TOKENIZER_FILES[0]])
+    try:
+        after: str | None = ChatTemplate(template, source, exported).prompt(probe)
+    except UserError:  # e.g. a name the export's config lacks
+        after = None
+    if after != before:
+        warnings.warn(
+            f"the chat_template of {source} renders otherwise with the export's special tokens (dlm's "
+            f"<|endoftext|>, <|mask|>, <|pad|>) than with its own: {before!r} becomes {after!r}",
+            UserNote,
+            stacklevel=3,
+        )
 
 
 def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True,
@@ -168,11 +199,14 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     output = Path(output)
     if dtype not in _DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
-    ours = {*EXPORT_FILES, *CODE_FILES, *tokenizer_files(1)}  # a dlm export or an HF one may be replaced
-    check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export", ours)
+    # A dlm export or an HF one may be replaced.
+    check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export")
     info, weights = read_model_source(source, use_ema)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
+    settings_path, chat_template = export_tokenizer_config(info)
+    if settings_path is not None and chat_template is not None:
+        _check_template_renders_alike(settings_path, chat_template, tokenizer_files(1, chat_template))
     from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
@@ -184,7 +218,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)
         try:
-            _write(building, output.name, stored, config, tokenizer)
+            _write(building, output.name, stored, config, tokenizer, chat_template)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)

@@ -156,19 +156,24 @@ def eval_command(
         Path | None,
         typer.Option("--output", "-o", help="Also write the report as JSON (eval.json).", show_default=False),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a file at --output that is not an earlier eval report.")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte.
 
-    Progress goes to stderr. Ctrl-C stops the evaluation with exit code 130 and writes nothing.
+    Progress goes to stderr. Ctrl-C stops the evaluation with exit code 130 and writes nothing. An
+    earlier eval report at --output is replaced; any other file only with --overwrite.
     """
 
-    from dlm.errors import check_can_create, reported_os_errors
+    from dlm.artifacts.eval_report import check_eval_output
+    from dlm.errors import reported_os_errors
     from dlm.evaluation.evaluate import evaluate_source, write_report
     from dlm.runtime import resolve_device
 
     if output is not None:  # before the evaluation, which can take minutes
-        check_can_create(output, "--output")
+        check_eval_output(output, overwrite)
     if every_batch and batches is not None:
         raise typer.BadParameter("pass --batches or --all, not both", param_hint="--all")
     json_mode = wants_json(as_json)

@@ -69,9 +69,10 @@ def export_command(
     load = f"dlm.load({summary['output']!r})"
     if export_format == "hf":
         load = f"AutoModelForMaskedLM.from_pretrained({summary['output']!r}, trust_remote_code=True)"
+    step = "step not recorded" if summary["step"] is None else f"step {summary['step']}"
     console.print(
-        f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, step "
-        f"{summary['step']}. Load it with [bold]{escape(load)}[/] or "
+        f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, "
+        f"{step}. Load it with [bold]{escape(load)}[/] or "
         f"[bold]dlm sample {escape(summary['output'])}[/].",
         highlight=False,
         soft_wrap=True,  # the load call and the command are copied: never broken at the terminal's width
