@@ -55,7 +55,7 @@ def _device(requested: str | None) -> torch.device:
     """lm-eval's command line asks for cuda:0 unless told otherwise: without CUDA, as its own
     models do, take the best device there is (`auto`) instead of refusing."""
 
-    from dlm.runtime import resolve_device
+    from dlm.runtime.device import resolve_device
 
     if requested and requested.startswith("cuda") and not torch.cuda.is_available():
         _log.warning("device %s: no CUDA device is available, using auto", requested)
@@ -109,7 +109,7 @@ class DlmLM(TemplateLM):
             raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
                                       "steps, remasking, block_length, reveal_split")  # fmt: skip
         from dlm.artifacts.loading import load_model_with_info
-        from dlm.runtime import resolve_precision
+        from dlm.runtime.device import resolve_precision
 
         resolved = _device(device)
         # float32 weights: `precision` alone decides the compute dtype (autocast), as in `dlm eval`.

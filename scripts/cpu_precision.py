@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dlm.bench.throughput import synthetic_batches
     from dlm.config.schema import load_config
-    from dlm.runtime import cpu_has_native_bfloat16
+    from dlm.runtime.device import cpu_has_native_bfloat16
     from dlm.train.distributed import DistributedContext
     from dlm.train.step import LogWindow, TrainingStep
 

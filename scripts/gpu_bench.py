@@ -147,7 +147,7 @@ def free_cuda() -> None:
     import torch
 
     from dlm.bench.setup import release_memory
-    from dlm.runtime import configure_cuda_backends
+    from dlm.runtime.kernels import configure_cuda_backends
 
     release_memory(torch.device("cuda"))
     # dlm --fused-attention switches the math kernel off process-wide; the baseline runs with torch's defaults.

@@ -278,9 +278,9 @@ def test_a_start_line_without_the_thread_plan_still_reads(real_run: RealRun) -> 
 def test_bfloat16_on_a_cpu_that_emulates_it_is_said_at_the_start(
     tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlm import runtime
+    from dlm.runtime import device
 
-    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: False)
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: False)
     events: list[Event] = []
     overrides = ("training.max_steps=1", "training.warmup_steps=0", "training.precision=bfloat16",
                  "training.device=cpu")  # fmt: skip

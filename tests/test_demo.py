@@ -432,9 +432,9 @@ def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
 ) -> None:
     """bfloat16 autocast (the recipe's precision) only on a CPU that multiplies it natively."""
 
-    from dlm import runtime
+    from dlm.runtime import device
 
-    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: native)
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     expected = "bfloat16" if native else "float32"
     assert demo.training.precision == expected and f", {expected} (configs/cpu.toml)" in notes[0]

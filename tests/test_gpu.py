@@ -15,7 +15,7 @@ import torch
 from dlm.bench.throughput import find_max_batch, run_benchmark, synthetic_batches
 from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.errors import UserError
-from dlm.runtime import configure_cuda_backends, enabled_sdpa_backends
+from dlm.runtime.kernels import configure_cuda_backends, enabled_sdpa_backends
 from dlm.train.distributed import DistributedContext
 from dlm.train.step import LogWindow, TrainingStep
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlm import runtime
 from dlm.errors import UserError
+from dlm.runtime import device, flops, kernels, memory, rng, threads
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -42,111 +42,111 @@ def _assert_same_draws(a: tuple, b: tuple) -> None:
 
 
 def test_seed_everything_repeats_every_generator() -> None:
-    runtime.seed_everything(123, CPU)
+    rng.seed_everything(123, CPU)
     first = _draw()
-    runtime.seed_everything(123, CPU)
+    rng.seed_everything(123, CPU)
     _assert_same_draws(first, _draw())
-    runtime.seed_everything(124, CPU)
+    rng.seed_everything(124, CPU)
     assert _draw()[0] != first[0]
 
 
 def test_seed_everything_accepts_seeds_beyond_32_bits() -> None:
-    runtime.seed_everything(2**40 + 5, CPU)
+    rng.seed_everything(2**40 + 5, CPU)
     first = _draw()
-    runtime.seed_everything(2**40 + 5, CPU)
+    rng.seed_everything(2**40 + 5, CPU)
     _assert_same_draws(first, _draw())
 
 
 def test_rng_state_survives_weights_only_round_trip() -> None:
-    runtime.seed_everything(7, CPU)
+    rng.seed_everything(7, CPU)
     # Leave a cached gaussian behind in python and numpy so those fields are non-trivial.
     random.gauss(0.0, 1.0)
     np.random.normal()
-    state = runtime.capture_rng_state(CPU)
+    state = rng.capture_rng_state(CPU)
     expected = _draw()
     buffer = io.BytesIO()
     torch.save({"rng": state}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)["rng"]
     _draw()  # move every generator on, so restoring has real work to do
-    runtime.restore_rng_state(loaded)
+    rng.restore_rng_state(loaded)
     _assert_same_draws(expected, _draw())
 
 
 def test_resolve_device_auto_prefers_cuda_then_mps(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(runtime, "_mps_available", lambda: False)
-    assert runtime.resolve_device("auto") == torch.device("cpu")
-    monkeypatch.setattr(runtime, "_mps_available", lambda: True)
-    assert runtime.resolve_device("auto") == torch.device("mps")
+    monkeypatch.setattr(device, "mps_available", lambda: False)
+    assert device.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(device, "mps_available", lambda: True)
+    assert device.resolve_device("auto") == torch.device("mps")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert runtime.resolve_device("auto") == torch.device("cuda")
+    assert device.resolve_device("auto") == torch.device("cuda")
 
 
 def test_resolve_device_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert runtime.resolve_device("cpu") == CPU
+    assert device.resolve_device("cpu") == CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(runtime, "_mps_available", lambda: False)
+    monkeypatch.setattr(device, "mps_available", lambda: False)
     with pytest.raises(UserError, match=r"training\.device: CUDA was requested"):
-        runtime.resolve_device("cuda")
+        device.resolve_device("cuda")
     with pytest.raises(UserError, match="MPS was requested"):
-        runtime.resolve_device("mps")
+        device.resolve_device("mps")
     with pytest.raises(UserError, match="unknown device"):
-        runtime.resolve_device("tpu")
+        device.resolve_device("tpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert runtime.resolve_device("cuda:1") == torch.device("cuda:1")
+    assert device.resolve_device("cuda:1") == torch.device("cuda:1")
     with pytest.raises(UserError, match=r"cuda:2 does not exist \(2 CUDA"):
-        runtime.resolve_device("cuda:2")
+        device.resolve_device("cuda:2")
 
 
 def test_resolve_precision(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert runtime.resolve_precision("auto", CPU) == "float32"
-    assert runtime.resolve_precision("auto", torch.device("mps")) == "float32"
-    assert runtime.resolve_precision("bfloat16", CPU) == "bfloat16"
+    assert device.resolve_precision("auto", CPU) == "float32"
+    assert device.resolve_precision("auto", torch.device("mps")) == "float32"
+    assert device.resolve_precision("bfloat16", CPU) == "bfloat16"
     with pytest.raises(UserError, match=r"training\.precision: float16 .* CPU"):
-        runtime.resolve_precision("float16", CPU)
+        device.resolve_precision("float16", CPU)
     with pytest.raises(UserError, match="unknown precision"):
-        runtime.resolve_precision("int8", CPU)
+        device.resolve_precision("int8", CPU)
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert runtime.resolve_precision("auto", cuda) == "bfloat16"
+    assert device.resolve_precision("auto", cuda) == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert runtime.resolve_precision("auto", cuda) == "float16"
-    assert runtime.resolve_precision("float16", cuda) == "float16"
+    assert device.resolve_precision("auto", cuda) == "float16"
+    assert device.resolve_precision("float16", cuda) == "float16"
 
 
 def test_autocast_context_sets_matmul_dtype() -> None:
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    with runtime.autocast_context(CPU, "float32"):
+    with device.autocast_context(CPU, "float32"):
         assert (a @ b).dtype == torch.float32
-    with runtime.autocast_context(CPU, "bfloat16"):
+    with device.autocast_context(CPU, "bfloat16"):
         assert (a @ b).dtype == torch.bfloat16
 
 
 def test_resolve_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime, "_dynamo_supported", lambda: True)
-    assert runtime.resolve_compile("auto", torch.device("cuda")) is True
-    assert runtime.resolve_compile("auto", CPU) is False
-    assert runtime.resolve_compile("auto", torch.device("mps")) is False
-    assert runtime.resolve_compile(True, CPU) is True
-    assert runtime.resolve_compile(False, torch.device("cuda")) is False
+    monkeypatch.setattr(device, "_dynamo_supported", lambda: True)
+    assert device.resolve_compile("auto", torch.device("cuda")) is True
+    assert device.resolve_compile("auto", CPU) is False
+    assert device.resolve_compile("auto", torch.device("mps")) is False
+    assert device.resolve_compile(True, CPU) is True
+    assert device.resolve_compile(False, torch.device("cuda")) is False
     with pytest.raises(UserError, match=r"training\.compile"):
-        runtime.resolve_compile("yes", CPU)
-    monkeypatch.setattr(runtime, "_dynamo_supported", lambda: False)
-    assert runtime.resolve_compile("auto", torch.device("cuda")) is False
+        device.resolve_compile("yes", CPU)
+    monkeypatch.setattr(device, "_dynamo_supported", lambda: False)
+    assert device.resolve_compile("auto", torch.device("cuda")) is False
     with pytest.raises(UserError, match="not supported"):
-        runtime.resolve_compile(True, CPU)
+        device.resolve_compile(True, CPU)
 
 
 def test_require_fused_attention_is_refused_off_cuda() -> None:
-    before = runtime.enabled_sdpa_backends()
+    before = kernels.enabled_sdpa_backends()
     with pytest.raises(UserError, match="require_fused_attention"):
-        runtime.configure_cuda_backends(CPU, require_fused_attention=True)
-    runtime.configure_cuda_backends(CPU, require_fused_attention=False)
+        kernels.configure_cuda_backends(CPU, require_fused_attention=True)
+    kernels.configure_cuda_backends(CPU, require_fused_attention=False)
     # Off CUDA nothing global may change.
-    assert runtime.enabled_sdpa_backends() == before
-    assert runtime.sdpa_backend_name(CPU) == "cpu native"
+    assert kernels.enabled_sdpa_backends() == before
+    assert kernels.sdpa_backend_name(CPU) == "cpu native"
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_require_fused_attention_is_refused_off_cuda() -> None:
     ],
 )
 def test_peak_flops_known_gpus(name: str, precision: str, tflops: float) -> None:
-    assert runtime.peak_flops_for_name(name, precision) == pytest.approx(tflops * 1e12)
+    assert flops.peak_flops_for_name(name, precision) == pytest.approx(tflops * 1e12)
 
 
 @pytest.mark.parametrize(
@@ -183,19 +183,19 @@ def test_peak_flops_known_gpus(name: str, precision: str, tflops: float) -> None
     ],
 )
 def test_peak_flops_unknown_is_none(name: str, precision: str) -> None:
-    assert runtime.peak_flops_for_name(name, precision) is None
+    assert flops.peak_flops_for_name(name, precision) is None
 
 
 def test_peak_flops_is_none_off_cuda() -> None:
-    assert runtime.peak_flops(CPU, "float32") is None
-    assert runtime.peak_flops(torch.device("mps"), "bfloat16") is None
+    assert flops.peak_flops(CPU, "float32") is None
+    assert flops.peak_flops(torch.device("mps"), "bfloat16") is None
 
 
 def test_memory_stats_off_cuda_and_peak_rss() -> None:
-    stats = runtime.memory_stats(CPU)
+    stats = memory.memory_stats(CPU)
     assert stats == {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_allocated_gib": 0.0}
-    runtime.reset_peak_memory(CPU)
-    rss = runtime.peak_rss_gib()
+    memory.reset_peak_memory(CPU)
+    rss = memory.peak_rss_gib()
     # A process that imported torch holds well over 50 MiB and (here) far less than 1 TiB.
     assert rss is not None and 0.05 < rss < 1024
 
@@ -204,36 +204,36 @@ def test_memory_stats_off_cuda_and_peak_rss() -> None:
 @needs_cuda
 def test_cuda_backends_rng_memory_and_peak() -> None:
     cuda = torch.device("cuda")
-    runtime.configure_cuda_backends(cuda, require_fused_attention=True)
-    flags = runtime.enabled_sdpa_backends()
+    kernels.configure_cuda_backends(cuda, require_fused_attention=True)
+    flags = kernels.enabled_sdpa_backends()
     assert flags["flash"] and flags["mem_efficient"] and not flags["math"]
-    assert "math disabled" in runtime.sdpa_backend_name(cuda)
-    runtime.configure_cuda_backends(cuda, require_fused_attention=False)
-    assert runtime.enabled_sdpa_backends()["math"]
+    assert "math disabled" in kernels.sdpa_backend_name(cuda)
+    kernels.configure_cuda_backends(cuda, require_fused_attention=False)
+    assert kernels.enabled_sdpa_backends()["math"]
     assert torch.backends.cuda.matmul.allow_tf32
 
-    runtime.seed_everything(3, cuda)
-    state = runtime.capture_rng_state(cuda)
+    rng.seed_everything(3, cuda)
+    state = rng.capture_rng_state(cuda)
     expected = torch.rand(4, device=cuda)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     torch.rand(4, device=cuda)
-    runtime.restore_rng_state(torch.load(buffer, weights_only=True))
+    rng.restore_rng_state(torch.load(buffer, weights_only=True))
     assert torch.equal(torch.rand(4, device=cuda), expected)
 
-    runtime.reset_peak_memory(cuda)
+    memory.reset_peak_memory(cuda)
     block = torch.empty(64 << 20, dtype=torch.uint8, device=cuda)
-    runtime.synchronize(cuda)
-    stats = runtime.memory_stats(cuda)
+    device.synchronize(cuda)
+    stats = memory.memory_stats(cuda)
     assert stats["peak_allocated_gib"] >= 64 / 1024 and stats["reserved_gib"] >= stats["allocated_gib"]
     del block
     name = torch.cuda.get_device_name(cuda)
-    assert runtime.peak_flops(cuda, "bfloat16") == runtime.peak_flops_for_name(name, "bfloat16")
+    assert flops.peak_flops(cuda, "bfloat16") == flops.peak_flops_for_name(name, "bfloat16")
 
 
 def test_attention_kernel_preference_is_a_no_op_off_cuda() -> None:
-    from dlm.runtime import attention_kernel_context
+    from dlm.runtime.kernels import attention_kernel_context
 
     for preference in ("auto", "cudnn", "flash", "efficient"):
         with attention_kernel_context(torch.device("cpu"), preference):
@@ -242,7 +242,7 @@ def test_attention_kernel_preference_is_a_no_op_off_cuda() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cores", "load", "threads", "text"),
+    ("cores", "load", "expected", "text"),
     [
         (2, 1.3, 1, "2 cores, 1.3 busy: 1 thread"),
         (2, 0.2, 2, "2 cores, 0.2 busy: 2 threads"),
@@ -251,25 +251,25 @@ def test_attention_kernel_preference_is_a_no_op_off_cuda() -> None:
     ],
 )
 def test_cpu_threads_follow_the_free_cores(
-    cores: int, load: float, threads: int, text: str, monkeypatch: pytest.MonkeyPatch
+    cores: int, load: float, expected: int, text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(runtime, "_usable_cores", lambda: cores)
-    plan = runtime.plan_cpu_threads(load=load)
-    assert plan.threads == threads and plan.describe() == text
+    monkeypatch.setattr(threads, "_usable_cores", lambda: cores)
+    plan = threads.plan_cpu_threads(load=load)
+    assert plan.threads == expected and plan.describe() == text
 
 
 def test_omp_num_threads_overrides_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    plan = runtime.plan_cpu_threads(load=0.0)
+    plan = threads.plan_cpu_threads(load=0.0)
     assert plan.threads == 3 and plan.describe() == "2 cores, OMP_NUM_THREADS: 3 threads"
     previous = torch.get_num_threads()
     try:
-        assert runtime.configure_cpu_threads(torch.device("cpu")) == plan and torch.get_num_threads() == 3
+        assert threads.configure_cpu_threads(torch.device("cpu")) == plan and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(previous)
-    assert runtime.configure_cpu_threads(torch.device("meta")) is None  # only CPU runs are changed
+    assert threads.configure_cpu_threads(torch.device("meta")) is None  # only CPU runs are changed
 
 
 @pytest.mark.parametrize(
@@ -284,31 +284,31 @@ def test_busy_cores_is_the_lower_of_the_load_average_and_a_short_sample(
     load: float, idle_share: float, expected: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     samples = iter([(1000, 10_000), (1000 + int(1000 * idle_share), 11_000)])  # (idle, total) jiffies
-    monkeypatch.setattr(runtime, "_cpu_times", lambda: next(samples))
-    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (load, 0.0, 0.0))
-    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
     slept: list[float] = []
-    monkeypatch.setattr(runtime.time, "sleep", slept.append)
-    assert runtime.busy_cores() == pytest.approx(expected) and slept == [runtime.BUSY_SAMPLE_SECONDS]
+    monkeypatch.setattr(threads.time, "sleep", slept.append)
+    assert threads.busy_cores() == pytest.approx(expected) and slept == [threads.BUSY_SAMPLE_SECONDS]
 
 
 def test_busy_cores_without_proc_stat_is_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime, "_cpu_times", lambda: None)
-    monkeypatch.setattr(runtime.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
-    assert runtime.busy_cores() == 1.25
+    monkeypatch.setattr(threads, "_cpu_times", lambda: None)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
+    assert threads.busy_cores() == 1.25
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(runtime, "_usable_cores", lambda: 2)
-    monkeypatch.setattr(runtime, "busy_cores", lambda: 0.2)  # what a run starting on an idle machine sees
-    assert runtime.plan_cpu_threads().describe() == "2 cores, 0.2 busy: 2 threads"
+    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.2)  # what a run starting on an idle machine sees
+    assert threads.plan_cpu_threads().describe() == "2 cores, 0.2 busy: 2 threads"
 
 
 def test_cpu_times_reads_this_machine() -> None:
-    times = runtime._cpu_times()
+    times = threads._cpu_times()
     if times is None:
         pytest.skip("no /proc/stat on this system")
     idle, total = times
     assert 0 <= idle <= total and total > 0
-    assert runtime.busy_cores(0.01) is not None
+    assert threads.busy_cores(0.01) is not None
 
 
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
@@ -321,9 +321,9 @@ def test_cpu_bfloat16_probes(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.delattr(torch.cpu, name, raising=False)
-    assert runtime.cpu_has_native_bfloat16() is False
+    assert device.cpu_has_native_bfloat16() is False
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert runtime.cpu_has_native_bfloat16() is True
+    assert device.cpu_has_native_bfloat16() is True
 
 
 @pytest.mark.parametrize(
@@ -352,8 +352,8 @@ def test_cpu_bfloat16_probe_honours_instruction_set_caps(
     for name, value in caps.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
-    assert runtime.cpu_kernels_capped_below_bfloat16() is not native
-    assert runtime.cpu_has_native_bfloat16() is native
+    assert device.cpu_kernels_capped_below_bfloat16() is not native
+    assert device.cpu_has_native_bfloat16() is native
 
 
 @pytest.mark.parametrize("capped", [False, True])
@@ -375,7 +375,7 @@ def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
 
 
 @pytest.mark.parametrize(
-    ("device", "precision", "native", "warned"),
+    ("device_name", "precision", "native", "warned"),
     [
         ("cpu", "bfloat16", False, True),
         ("cpu", "bfloat16", True, False),
@@ -384,10 +384,10 @@ def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
     ],
 )
 def test_cpu_precision_note(
-    monkeypatch: pytest.MonkeyPatch, device: str, precision: str, native: bool, warned: bool
+    monkeypatch: pytest.MonkeyPatch, device_name: str, precision: str, native: bool, warned: bool
 ) -> None:
-    monkeypatch.setattr(runtime, "cpu_has_native_bfloat16", lambda: native)
-    note = runtime.cpu_precision_note(torch.device(device), precision)
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
+    note = device.cpu_precision_note(torch.device(device_name), precision)
     assert (note is not None) == warned
     if warned:
         assert note is not None and "training.precision=float32" in note
@@ -398,16 +398,16 @@ def test_a_capped_cpu_compiles_into_a_cache_of_its_own(monkeypatch: pytest.Monke
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    assert runtime.resolve_compile(True, CPU)
+    assert device.resolve_compile(True, CPU)
     default = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # set by torch._dynamo's import, if at all
     assert default in (None, str(tmp_path / f"torchinductor_{getpass.getuser()}"))
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert not runtime.resolve_compile(False, CPU)
+    assert not device.resolve_compile(False, CPU)
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == default  # nothing compiles, nothing changes
-    assert runtime.resolve_compile(True, CPU)
+    assert device.resolve_compile(True, CPU)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / f"torchinductor_{getpass.getuser()}_avx2")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert runtime.separate_compile_cache_per_cpu_cap() is None
+    assert device.separate_compile_cache_per_cpu_cap() is None
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")  # the user's choice is kept
 
 

@@ -78,9 +78,9 @@ class StartEvent(RunEvent):
     resumed_from: str | None
     data_changed: bool
     dlm_version: str
-    # The CPU thread plan (`dlm.runtime.ThreadPlan.describe`); None off the CPU and in older files.
+    # The CPU thread plan (`dlm.runtime.threads.ThreadPlan.describe`); None off the CPU and in older files.
     cpu_threads: str | None = None
-    # A warning about the precision on this CPU (`dlm.runtime.cpu_precision_note`); None when all is well.
+    # A warning about the precision on this CPU (`dlm.runtime.device.cpu_precision_note`); None when all is well.
     precision_note: str | None = None
     # The trained model whose weights the run started from (`training.init_from`); None otherwise.
     init_from: str | None = None
@@ -105,7 +105,7 @@ class TrainEvent(RunEvent):
     mfu: float | None  # None where the device's peak FLOP/s is unknown
     eta_seconds: float
     loss_by_t: list[float | None]  # the mean loss per noise-time bucket; None for an empty bucket
-    # Accelerator memory in GiB (`dlm.runtime.memory_stats`), zeros off CUDA.
+    # Accelerator memory in GiB (`dlm.runtime.memory.memory_stats`), zeros off CUDA.
     allocated_gib: float = 0.0
     reserved_gib: float = 0.0
     peak_allocated_gib: float = 0.0

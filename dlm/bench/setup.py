@@ -19,13 +19,16 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from dlm import runtime
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, with_overrides
-from dlm.device_support import fused_attention_problem
 from dlm.errors import UserError
 from dlm.fileio import GIB
 from dlm.model.attention import training_kernel
 from dlm.model.denoiser import needs_clean_copy
+from dlm.runtime.device import synchronize
+from dlm.runtime.kernels import sdpa_backend_name
+from dlm.runtime.memory import peak_rss_gib as rusage_peak_rss_gib
+from dlm.runtime.memory import reset_peak_memory
+from dlm.runtime.support import fused_attention_problem
 
 # ---- Config: overrides and --compare ----------------------------------------------------------
 
@@ -137,7 +140,7 @@ def attention_backend(model: ModelConfig, device: torch.device, precision: str) 
         model = model.model_copy(update={"max_seq_len": length, "block_size": 0})
     choose = getattr(torch, "_fused_sdp_choice", None)  # private, but exactly torch's own dispatch
     if choose is None:
-        return runtime.sdpa_backend_name(device)
+        return sdpa_backend_name(device)
     try:
         name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision), mask)).name
     except RuntimeError:
@@ -166,7 +169,7 @@ def require_fused_attention(model: ModelConfig, device: torch.device, precision:
         try:
             query, key, value = _attention_probe(model, device, precision)
             F.scaled_dot_product_attention(query, key, value).float().sum().backward()
-            runtime.synchronize(device)
+            synchronize(device)
         except RuntimeError as exc:
             reasons = "; ".join(str(w.message).strip() for w in caught) or str(exc).splitlines()[0]
             raise UserError(
@@ -215,7 +218,7 @@ def peak_rss_gib() -> float | None:
     """This process's peak resident memory since the last `reset_peak_rss` (Linux), else since start."""
 
     high_water = _proc_field("/proc/self/status", "VmHWM")  # "123456 kB"
-    return int(high_water.split()[0]) * 1024 / GIB if high_water else runtime.peak_rss_gib()
+    return int(high_water.split()[0]) * 1024 / GIB if high_water else rusage_peak_rss_gib()
 
 
 def release_memory(device: torch.device) -> None:
@@ -227,7 +230,7 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    runtime.reset_peak_memory(device)
+    reset_peak_memory(device)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -254,10 +257,10 @@ def measure_matmul_peak(device: torch.device, precision: str) -> float:
     right = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     times = []
     for index in range(13):
-        runtime.synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         torch.mm(left, right)
-        runtime.synchronize(device)
+        synchronize(device)
         if index >= 3:
             times.append(time.perf_counter() - started)
     del left, right

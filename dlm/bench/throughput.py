@@ -11,7 +11,7 @@ Model FLOP/s use `model.flops_per_token` (6N + attention scores), the count of t
 baselines in docs/benchmarks.md, so activation checkpointing's recomputation is not counted as useful
 work. A block model's step is a forward and backward over 2L tokens (noisy and clean copies), and its
 count says so: twice the matmuls, four times the attention; `attention_backend` names the kernel of
-that masked pass. MFU is reported only for devices in `dlm.runtime`'s peak table, else None ("n/a").
+that masked pass. MFU is reported only for devices in `dlm.runtime.flops`' peak table, else None ("n/a").
 The results and what the CLI shows of them live in `dlm.bench.results`.
 """
 
@@ -41,15 +41,9 @@ from dlm.bench.setup import (
 from dlm.config.schema import ExperimentConfig, ModelConfig, with_overrides
 from dlm.errors import UserError
 from dlm.fileio import GIB
-from dlm.runtime import (
-    attention_kernel_context,
-    configure_cuda_backends,
-    peak_flops,
-    resolve_compile,
-    resolve_device,
-    resolve_precision,
-    synchronize,
-)
+from dlm.runtime.device import resolve_compile, resolve_device, resolve_precision, synchronize
+from dlm.runtime.flops import peak_flops
+from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
 from dlm.train.distributed import DistributedContext
 from dlm.train.step import LogWindow, TrainingStep
 

@@ -24,7 +24,7 @@ SetOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
-# `--device` takes what `dlm.runtime.resolve_device` accepts; left out, training and the demo use the config's.
+# `--device` takes what `dlm.runtime.device.resolve_device` accepts; left out, training and the demo use the config's.
 _DEVICES = "auto, cpu, mps, cuda or cuda:N"
 DeviceOption = Annotated[str, typer.Option("--device", help=f"{_DEVICES}.")]
 DemoDeviceOption = Annotated[str | None, typer.Option("--device", help=f"{_DEVICES} (default: the config's).")]

@@ -170,7 +170,7 @@ def eval_command(
     from dlm.artifacts.eval_report import check_eval_output
     from dlm.errors import reported_os_errors
     from dlm.evaluation.evaluate import evaluate_source, write_report
-    from dlm.runtime import resolve_device
+    from dlm.runtime.device import resolve_device
 
     if output is not None:  # before the evaluation, which can take minutes
         check_eval_output(output, overwrite)

@@ -237,7 +237,7 @@ def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: s
 
     from dataclasses import fields
 
-    from dlm.runtime import resolve_device
+    from dlm.runtime.device import resolve_device
     from dlm.sampling.options import SamplingOptions
     from dlm.sampling.prompting import check_request
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dlm.device_support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
+from dlm.runtime.support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
 
 
 class FieldProblem(ValueError):

@@ -183,7 +183,7 @@ def _run_stage(
 def demo_experiment(output: Path, config_path: Path | None, device: str | None) -> tuple[ExperimentConfig, list[str]]:
     """The config to train, its file paths moved into `output`, and notes on what was changed."""
 
-    from dlm.runtime import cpu_has_native_bfloat16, resolve_device
+    from dlm.runtime.device import cpu_has_native_bfloat16, resolve_device
 
     overrides = [
         f"training.tokenizer={output / 'data' / 'tokenizer.json'}",
@@ -334,7 +334,7 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     from dlm.data.dataset import load_packed_dataset
     from dlm.evaluation.evaluate import evaluate_model, write_report
     from dlm.evaluation.likelihood import packed_token_bytes
-    from dlm.runtime import resolve_precision
+    from dlm.runtime.device import resolve_precision
 
     device = torch.device(demo.experiment.training.device)
     info, weights = read_model_source(demo.run_dir)

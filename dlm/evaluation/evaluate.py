@@ -53,7 +53,7 @@ from dlm.errors import UserError
 from dlm.evaluation.likelihood import byte_table, likelihood_figures, packed_token_bytes, scored_counts
 from dlm.fileio import atomic_write_json
 from dlm.model.denoiser import block_size, masked_logits
-from dlm.runtime import autocast_context
+from dlm.runtime.device import autocast_context
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
@@ -450,7 +450,7 @@ def evaluate_source(
     scores the whole split; the context's `data_sequences` is the split's size."""
 
     from dlm.artifacts.loading import build_model, read_model_source
-    from dlm.runtime import resolve_precision
+    from dlm.runtime.device import resolve_precision
 
     info, weights = read_model_source(source, use_ema)
     dataset = _evaluation_dataset(data, info)

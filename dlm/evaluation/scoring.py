@@ -38,7 +38,7 @@ from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size, masked_logits
-from dlm.runtime import autocast_context
+from dlm.runtime.device import autocast_context
 
 _GENERATE_PASS = 1  # keeps generation noise apart from scoring noise of the same ids
 

@@ -64,18 +64,12 @@ from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.model.transformer import format_parameter_count
-from dlm.runtime import (
-    capture_rng_state,
-    configure_cpu_threads,
-    configure_cuda_backends,
-    cpu_precision_note,
-    memory_stats,
-    peak_flops,
-    resolve_compile,
-    resolve_device,
-    resolve_precision,
-    restore_rng_state,
-)
+from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_precision
+from dlm.runtime.flops import peak_flops
+from dlm.runtime.kernels import configure_cuda_backends
+from dlm.runtime.memory import memory_stats
+from dlm.runtime.rng import capture_rng_state, restore_rng_state
+from dlm.runtime.threads import configure_cpu_threads
 from dlm.train.distributed import (
     DistributedContext,
     check_parallelism,

@@ -25,7 +25,7 @@ from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha25
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
-from dlm.runtime import resolve_device, resolve_precision
+from dlm.runtime.device import resolve_device, resolve_precision
 from dlm.train.memory import check_training_memory, count_parameters
 
 # The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").

@@ -33,7 +33,9 @@ from dlm.diffusion.objective import (
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.model.denoiser import block_size, masked_logits
 from dlm.model.transformer import DiffusionTransformer
-from dlm.runtime import attention_kernel_context, autocast_context, resolve_compile, seed_everything
+from dlm.runtime.device import autocast_context, resolve_compile
+from dlm.runtime.kernels import attention_kernel_context
+from dlm.runtime.rng import seed_everything
 from dlm.train.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
 

@@ -1,7 +1,7 @@
 """What a kind of device can run, decided in one place.
 
 Three callers ask: the config validators (about the device a config names, where `auto` may still
-become anything), the runtime (about the resolved device) and `dlm bench` (about its --device
+become anything), the rest of `dlm.runtime` (about the resolved device) and `dlm bench` (about its --device
 option). Each phrases the setting to change in its own terms and takes the reason from here.
 
 This module imports no torch: `dlm.config` uses it and must stay importable without torch.

@@ -1,0 +1,216 @@
+"""Device, precision, compile: where the math runs and in which number format, decided in one place.
+
+Includes whether this CPU multiplies bfloat16 natively (under any instruction-set cap), the autocast
+context for a precision, whether to `torch.compile` (and its per-cap kernel cache) and `synchronize`.
+An explicit device or precision that cannot run is refused with a `UserError` naming the setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from dlm.errors import UserError
+from dlm.runtime.support import FLOAT16_CPU_FIX, precision_problem
+
+Precision = Literal["float32", "bfloat16", "float16"]
+PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float16")
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mps_available() -> bool:
+    """Whether this torch has the MPS backend and this machine can run it (Apple silicon)."""
+
+    return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
+
+
+def resolve_device(requested: str, setting: str = "training.device") -> torch.device:
+    """`auto` picks cuda, then mps, then cpu; an explicit but unavailable device is refused.
+
+    `setting` names where the value came from (a config field or a CLI option) in error messages.
+    """
+
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        raise UserError(
+            f"{setting}: unknown device {requested!r}",
+            fix="use auto, cpu, mps, cuda or cuda:N",
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"{setting}: CUDA was requested but no CUDA device is available",
+                fix="use auto or cpu, or install a CUDA build of torch",
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UserError(
+                f"{setting}: {requested} does not exist ({count} CUDA device(s) visible)",
+                fix=f"use cuda:0 .. cuda:{count - 1}",
+            )
+    elif device.type == "mps":
+        if not mps_available():
+            raise UserError(
+                f"{setting}: MPS was requested but is unavailable",
+                fix="use auto or cpu",
+            )
+    elif device.type != "cpu":
+        raise UserError(
+            f"{setting}: unsupported device type {device.type!r}",
+            fix="use auto, cpu, mps, cuda or cuda:N",
+        )
+    return device
+
+
+def resolve_precision(requested: str, device: torch.device) -> Precision:
+    """`auto` is bfloat16 on CUDA when supported (else float16) and float32 elsewhere."""
+
+    if requested == "auto":
+        if device.type == "cuda":
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # float32 is the dependable default on CPU and Apple silicon.
+        return "float32"
+    if requested not in PRECISIONS:
+        raise UserError(
+            f"training.precision: unknown precision {requested!r}",
+            fix="use auto, float32, bfloat16 or float16",
+        )
+    problem = precision_problem(requested, str(device))
+    if problem is not None:
+        raise UserError(f"training.precision: {problem}", fix=FLOAT16_CPU_FIX)
+    return requested  # type: ignore[return-value]
+
+
+# oneDNN's instruction sets below AVX512_CORE_BF16 (its names, any case): none multiplies bfloat16.
+_ONEDNN_BELOW_BFLOAT16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def cpu_kernels_capped_below_bfloat16() -> bool:
+    """Whether the process's kernels are kept off the bfloat16 instructions by an instruction-set cap.
+
+    `ONEDNN_MAX_CPU_ISA` (or its old name `DNNL_MAX_CPU_ISA`) caps oneDNN, which runs torch's bfloat16
+    matrix products; `ATEN_CPU_CAPABILITY` (`default` or `avx2`, case-sensitive as ATen reads it)
+    caps ATen's own kernels below AVX-512. Both are read once when the process starts;
+    docs/reproducibility.md uses them to run the kernels of another CPU.
+    """
+
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    aten_capped = os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
+    return onednn.strip().upper() in _ONEDNN_BELOW_BFLOAT16 or aten_capped
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles) and the kernels may.
+
+    There bfloat16 autocast trained configs/cpu.toml's model 1.8x faster than float32 on 2 threads
+    (`scripts/cpu_precision.py`, docs/benchmarks.md); without them bfloat16 is emulated, float32 the safer bet.
+    Under an instruction-set cap below them (`cpu_kernels_capped_below_bfloat16`) the CPU runs as one
+    without them, so the answer is False there too. The probes are private torch functions: a torch
+    without them answers False.
+    """
+
+    if cpu_kernels_capped_below_bfloat16():
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def cpu_precision_note(device: torch.device, precision: str) -> str | None:
+    """A warning for a CPU run in bfloat16 on a CPU that only emulates it; None otherwise."""
+
+    if device.type != "cpu" or precision != "bfloat16" or cpu_has_native_bfloat16():
+        return None
+    return "bfloat16 on a CPU without AVX512-BF16 or AMX is emulated: --set training.precision=float32 is likely faster"
+
+
+def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """Mixed-precision autocast for bf16 / fp16; float32 runs without autocast."""
+
+    if precision == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
+
+
+def separate_compile_cache_per_cpu_cap() -> Path | None:
+    """Give torch.compile's on-disk kernel cache a folder of its own under an ATen instruction-set cap.
+
+    Inductor's cache key leaves `ATEN_CPU_CAPABILITY` out (torch 2.13): CPU kernels compiled for
+    AVX-512 and then served to a process capped at `avx2`, or the reverse, gave NaN losses and
+    corrupted the heap. A capped process therefore caches in torch's default folder suffixed with
+    the cap. A `TORCHINDUCTOR_CACHE_DIR` the user chose is kept; importing `torch._dynamo` sets the
+    variable to the default folder, which counts as unset. Inductor reads the variable each time it
+    compiles. Returns the folder chosen, None when the variable is left as it is.
+    """
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    default = _default_compile_cache()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not capability or (chosen is not None and os.path.abspath(chosen) != str(default)):
+        return None
+    folder = default.with_name(f"{default.name}_{capability}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
+
+
+def _default_compile_cache() -> Path:
+    """The folder inductor caches in when `TORCHINDUCTOR_CACHE_DIR` is unset (its own rule)."""
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # no name for this uid (containers)
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return Path(os.path.abspath(tempfile.gettempdir())) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def resolve_compile(setting: bool | str, device: torch.device) -> bool:
+    """`auto` compiles on CUDA only: CPU / MPS compile times rarely pay back on short runs. A CPU
+    run that compiles keeps its kernels apart per instruction-set cap (`separate_compile_cache_per_cpu_cap`)."""
+
+    if setting == "auto":
+        wanted = device.type == "cuda"
+    elif isinstance(setting, bool):
+        wanted = setting
+    else:
+        raise UserError(f'training.compile: {setting!r} is not true, false or "auto"')
+    if wanted and device.type == "cpu":
+        separate_compile_cache_per_cpu_cap()
+    if wanted and not _dynamo_supported():
+        if setting == "auto":
+            return False
+        raise UserError(
+            "training.compile: torch.compile is not supported on this Python / platform",
+            fix="set training.compile = false",
+        )
+    return wanted
+
+
+def _dynamo_supported() -> bool:
+    try:
+        import torch._dynamo
+
+        return bool(torch._dynamo.is_dynamo_supported())
+    except Exception:  # an unsupported interpreter can fail inside the import itself
+        return False
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work (timing needs it; CPU work is already synchronous)."""
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
