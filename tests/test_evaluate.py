@@ -404,7 +404,8 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
 def test_cli_eval_of_loss_masks_without_a_token_to_score_is_one_error_line(
     run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
 ) -> None:
-    from dlm.data.chat_pack import mask_path, pack_chat
+    from dlm.data.chat_pack import pack_chat
+    from dlm.data.pack import mask_path
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("to", "be")))

@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlm.data.chat_pack import mask_path
 from dlm.data.dataset import load_packed_dataset
-from dlm.data.pack import MASK_FILES, pack_corpus
+from dlm.data.pack import MASK_FILES, mask_path, pack_corpus
 from dlm.data.tokenizer import load_tokenizer
 
 EOS = 0

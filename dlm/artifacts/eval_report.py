@@ -54,15 +54,21 @@ def is_eval_report(path: Path) -> bool:
     return isinstance(report, dict) and str(report.get("format", "")).startswith(EVAL_FORMAT_PREFIX)
 
 
+def check_report_path(path: Path) -> None:
+    """Where an eval report can go: a file name, in a directory that exists."""
+
+    if path.is_dir():
+        raise UserError("--output is a directory", path=path, fix="name a file, e.g. eval.json")
+    if not path.parent.is_dir():
+        raise UserError("the directory of --output does not exist", path=path, fix="create it first")
+
+
 def check_eval_output(output: Path, overwrite: bool) -> None:
     """Before an evaluation that can take minutes: an earlier eval report is replaced, any other file
     only with `overwrite`, a directory never, and the directory must exist and be writable."""
 
     check_can_create(output, "--output")
-    if output.is_dir():
-        raise UserError("--output is a directory", path=output, fix="name a file, e.g. eval.json")
-    if not output.parent.is_dir():
-        raise UserError("the directory of --output does not exist", path=output, fix="create it first")
+    check_report_path(output)
     if output.exists() and not overwrite and not is_eval_report(output):
         raise UserError(
             "output exists and is not an eval report dlm wrote",

@@ -36,7 +36,6 @@ from dlm.artifacts.export_layout import (
     CONFIG_NAME,
     EXPORT_FILES,
     EXPORT_FORMAT,
-    TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
     SourceInfo,
@@ -47,6 +46,7 @@ from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.choices import ExportDtype
+from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import swap_directory_into_place, temporary_path
 from dlm.model.transformer import format_parameter_count

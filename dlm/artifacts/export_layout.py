@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig
+from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 
@@ -23,7 +24,6 @@ WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", 
 CARD_NAME = "README.md"
 # The Hugging Face format's own files besides those: the bundled code and the transformers tokenizer files.
 CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
-TOKENIZER_CONFIG_NAME = "tokenizer_config.json"  # where a tokenizer's chat_template lives (`dlm.data.chat`)
 HF_TOKENIZER_FILES = (TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
 # Every file an export of either format writes: what `--overwrite` may replace, whichever format was there.
 EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES)

@@ -18,6 +18,7 @@ from dlm.cli.common import (
     console,
     given_options,
     print_json,
+    refuse_other_mode,
     wants_json,
 )
 from dlm.errors import UserError
@@ -122,15 +123,12 @@ MODE_OPTIONS: dict[str, tuple[str, ...]] = {
 
 def _check_mode_options(ctx: typer.Context, generating: bool) -> None:
     given = given_options(ctx)
-    wrong = [given[name] for name in MODE_OPTIONS["training" if generating else "generation"] if name in given]
-    if not wrong:
-        return
-    flags, verb = ", ".join(wrong), "does" if len(wrong) == 1 else "do"
     if generating:
         steps = "; the sampler's steps are a setting: --compare steps=N" if "steps" in given else ""
-        raise UserError(f"{flags} {verb} not apply to --generate, which times sampling", fix=f"drop {flags}{steps}")
-    raise UserError(f"{flags} {verb} not apply without --generate (timing the training step)",
-                    fix=f"drop {flags}, or time sampling with --generate MODEL")  # fmt: skip
+        refuse_other_mode(given, MODE_OPTIONS["training"], "to --generate, which times sampling", steps)
+    else:
+        refuse_other_mode(given, MODE_OPTIONS["generation"], "without --generate (timing the training step)",
+                          ", or time sampling with --generate MODEL")  # fmt: skip
 
 
 def _generate_command(model_path: Path, judge_path: Path | None, options: dict[str, Any], as_json: bool) -> None:

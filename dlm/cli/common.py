@@ -59,3 +59,15 @@ def given_options(ctx: typer.Context) -> dict[str, str]:
     sources = {p.name: (ctx.get_parameter_source(p.name), p.opts[0]) for p in ctx.command.params if p.name}
     return {name: flag for name, (source, flag) in sources.items() if source is not None and source.name != "DEFAULT"}
 
+
+def refuse_other_mode(given: dict[str, str], names: tuple[str, ...], mode: str, fix: str = "") -> None:
+    """One `error:` line naming every option in `given` (as `given_options` returns) that only the other
+    mode reads: `names` are those options' parameter names, `mode` says which mode runs, `fix` adds to "drop"."""
+
+    from dlm.errors import UserError
+
+    wrong = [given[name] for name in names if name in given]
+    if wrong:
+        flags = ", ".join(wrong)
+        raise UserError(f"{flags} {'does' if len(wrong) == 1 else 'do'} not apply {mode}", fix=f"drop {flags}{fix}")
+

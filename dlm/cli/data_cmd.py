@@ -20,6 +20,7 @@ from dlm.cli.common import (
     err_console,
     given_options,
     print_json,
+    refuse_other_mode,
     wants_json,
 )
 from dlm.cli.progress import ProgressView
@@ -206,11 +207,10 @@ def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
                         "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",
                         fix="drop it: the padding is learned as end-of-document tokens, which is how the model "
                         "learns to stop")  # fmt: skip
-    wrong = [names[n] for n in (PLAIN_ONLY if chat else CHAT_ONLY) if n in names]
-    if wrong:
-        mode = "--chat" if chat else "a plain pack (without --chat)"
-        raise UserError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to {mode}",
-                        fix=f"drop {', '.join(wrong)}" + ("" if chat else ", or pass --chat"))  # fmt: skip
+    if chat:
+        refuse_other_mode(names, PLAIN_ONLY, "to --chat")
+    else:
+        refuse_other_mode(names, CHAT_ONLY, "to a plain pack (without --chat)", ", or pass --chat")
 
 
 def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],

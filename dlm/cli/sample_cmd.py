@@ -197,7 +197,7 @@ class SampleRequest:
     batch_size: int = 16  # --prompt-file only: prompts per padded batch
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_replies`),
+        """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_sample`),
         prompt aside."""
 
         settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
@@ -307,7 +307,7 @@ def sample(
         from dlm.artifacts.loading import load_model_with_info
         from dlm.sampling.chat import chat_sample
 
-        loaded = load_model_with_info(model_path, device=request.device or "cpu")
+        loaded = load_model_with_info(model_path, device=request.device)
         replies, result = chat_sample(loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat,
                                       **request.generate_kwargs())  # fmt: skip
         # The fields of plain sampling's --json, and the replies alone (texts hold the templated prompt too).

@@ -29,7 +29,7 @@ from dlm.errors import UserError
 ROLES = ("system", "user", "assistant")
 FIELDS = ("prompt", "response", "messages")  # what an example is read for: other fields are never read
 DEFAULT_TEMPLATE = {role: f"<|{role}|>\n{{content}}\n" for role in ROLES}  # the reply opens the assistant's
-CONFIG_NAME = "tokenizer_config.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,7 @@ class ChatTemplate:
     def for_tokenizer(cls, tokenizer_path: str | Path) -> ChatTemplate:
         """The tokenizer's own template when a tokenizer_config.json beside it has one, else the default."""
 
-        config = Path(tokenizer_path).parent / CONFIG_NAME
+        config = Path(tokenizer_path).parent / TOKENIZER_CONFIG_NAME
         if not config.is_file():
             return cls()
         settings = read_config(config)
@@ -282,7 +282,7 @@ class ChatTemplate:
 
     @property
     def name(self) -> str:
-        return "default" if self.jinja_source is None else f"{CONFIG_NAME} chat_template"
+        return "default" if self.jinja_source is None else f"{TOKENIZER_CONFIG_NAME} chat_template"
 
     def _render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
         # What transformers passes: the conversation, no tools or documents, and the config's special tokens.

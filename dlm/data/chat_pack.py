@@ -39,6 +39,7 @@ from dlm.data.pack import (
     _remove_empty,
     check_pack_arguments,
     copy_tokenizer,
+    mask_path,
     token_dtype,
 )
 from dlm.data.readers import ReadContext, Record, Utf8Decoder, format_of, record_inputs
@@ -47,14 +48,8 @@ from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import remove_stale_temporaries, temporary_path
 
 LongPolicy = Literal["truncate", "drop"]
-MASK_SUFFIX = ".mask.bin"
 INPUT_FIX = "name the files of prompt/response or messages examples, e.g. 'data/*.jsonl'"
 
-
-def mask_path(bin_path: Path) -> Path:
-    """`train.bin` -> `train.mask.bin`."""
-
-    return bin_path.with_name(bin_path.stem + MASK_SUFFIX)
 
 
 class _ChatWriter:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dlm import __version__
+from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.data.corpus import CorpusReader, Piece
 from dlm.data.mixture import (
     MixtureInputs,
@@ -45,16 +46,23 @@ PACKED_FORMAT = "dlm-packed-v1"
 SPLITS = ("train", "val")
 # The tokenizer's files that a pack copies: tokenizer_config.json (when one is beside the tokenizer) holds
 # its chat template and special tokens, so whatever loads the tokenizer from the pack renders as the pack did.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG_NAME)
 OUTPUT_FILES = (*TOKENIZER_FILES, *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "json")))
 # Written by `dlm pack --chat` only (`dlm.data.chat_pack`): a loss mask beside a split's tokens. A plain pack
 # removes them, since a mask that another pack's tokens left behind describes nothing.
-MASK_FILES = tuple(f"{s}.mask.bin" for s in SPLITS)
+MASK_SUFFIX = ".mask.bin"
+MASK_FILES = tuple(f"{s}{MASK_SUFFIX}" for s in SPLITS)
 # Encode about this much text per `encode_batch_fast` call: enough pieces for every core, little RAM.
 BATCH_TEXT_BYTES = 1 << 20
 PackProgress = Callable[[int, int, int], None]  # (bytes read, total bytes, tokens written)
 SKIPPED_EXAMPLES = 5  # unreadable files named in the metadata and output; the rest are counted
 WHOLE_PACK_KEYS = ("val_share", "duplicates_dropped", "skipped_files", "mixture")  # the same in every split
+
+
+def mask_path(bin_path: Path) -> Path:
+    """`train.bin` -> `train.mask.bin`: the loss mask a chat pack writes beside a split's tokens."""
+
+    return bin_path.with_name(bin_path.stem + MASK_SUFFIX)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -397,7 +405,7 @@ def _commit(
     copy_tokenizer(tokenizer, output)
     for name in SPLITS:  # stale metadata goes first: a half-replaced split must never load
         (output / f"{name}.json").unlink(missing_ok=True)
-        (output / f"{name}.mask.bin").unlink(missing_ok=True)  # a chat pack's (MASK_FILES)
+        mask_path(output / f"{name}.bin").unlink(missing_ok=True)  # a chat pack's (MASK_FILES)
         if name not in writers:
             (output / f"{name}.bin").unlink(missing_ok=True)
     for writer in writers.values():

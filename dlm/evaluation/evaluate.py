@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from dlm.artifacts.eval_report import check_report_path
 from dlm.diffusion.objective import (
     ESTIMATORS,
     Batch,
@@ -221,15 +222,6 @@ def _logits_fn(
     return logits
 
 
-def _loss_mask_path(dataset: Any, metadata: Mapping[str, Any] | None) -> Path | None:
-    """The loss mask file beside a packed dataset (what an error about its masks names), else its data."""
-
-    path, mask_name = getattr(dataset, "path", None), (metadata or {}).get("loss_mask")
-    if path is None:
-        return None
-    return Path(path).parent / mask_name if isinstance(mask_name, str) else Path(path)
-
-
 def _pass_generator(seed: int, pass_id: int, batch_index: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(noise_seed(seed, pass_id, batch_index))
 
@@ -371,7 +363,7 @@ def evaluate_model(
     if not bool(counts.any()):
         raise UserError(
             f"none of the {counts.numel()} sequences evaluated holds a token to score: their loss mask is all 0",
-            path=_loss_mask_path(dataset, metadata),
+            path=getattr(dataset, "mask_path", None) or getattr(dataset, "path", None),
             fix="pack the instruction data again with `dlm pack --chat`, which keeps only examples with a reply",
         )
     was_training = model.training
@@ -510,8 +502,5 @@ def write_report(report: EvalReport, path: str | Path) -> Path:
     """Write `report` as JSON under a temporary name, then rename it to `path`."""
 
     path = Path(path)
-    if path.is_dir():
-        raise UserError("--output is a directory", path=path, fix="name a file, e.g. eval.json")
-    if not path.parent.is_dir():
-        raise UserError("the directory of --output does not exist", path=path, fix="create it first")
+    check_report_path(path)
     return atomic_write_json(path, report.to_dict())

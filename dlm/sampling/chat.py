@@ -34,12 +34,6 @@ def chat_sample(model: Denoiser, tokenizer: Any, tokenizer_path: Path, question:
     return [reply(tokenizer, ids, prompt_length, eos) for ids in result.token_ids], result
 
 
-def chat_replies(model: Denoiser, tokenizer: Any, tokenizer_path: Path, question: str, **options: Any) -> list[str]:
-    """The replies of `chat_sample` alone."""
-
-    return chat_sample(model, tokenizer, tokenizer_path, question, **options)[0]
-
-
 def _check_prompt(model: Denoiser, prompt_ids: list[int], length: int) -> None:
     """Refuse, in the words of --chat, a templated question that holds the mask token or leaves no room
     for --length tokens (the sampler's own checks would name --prompt, which the user did not pass)."""

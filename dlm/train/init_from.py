@@ -56,7 +56,7 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
             path=path,
             fix="copy the source model's [model] shape into the config",
         )
-    if _attention(info.model) != _attention(config):
+    if block_size(info.model) != block_size(config):
         # Legitimate (adapting a block model to whole-sequence diffusion, or back), but never silent.
         warnings.warn(
             f"--init-from: {path} was trained {_describe_attention(info.model)}; this run trains it "
@@ -67,14 +67,8 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
     return weights
 
 
-def _attention(config: ModelConfig) -> int:
-    """What a position attends to: 0 for the whole sequence, else the block size (1: autoregressive)."""
-
-    return block_size(config)
-
-
 def _describe_attention(config: ModelConfig) -> str:
-    block = _attention(config)
+    block = block_size(config)
     if block == 0:
         return f"as a whole-sequence model (block_size {config.block_size})"
     kind = "an autoregressive model" if block == 1 else "a block diffusion model"
