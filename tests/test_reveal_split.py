@@ -79,15 +79,15 @@ def test_a_threshold_keeps_the_chosen_split_as_its_minimum(tokenizer: Tokenizer)
 
 
 def test_a_block_model_reveals_by_the_chosen_split(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlm.sampling.block_model
+    import dlm.sampling.reverse
 
     config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
                          pad_vocab_multiple=64, block_size=8)  # fmt: skip
     torch.manual_seed(0)
     model = DiffusionTransformer(config)
     counts: list[int] = []
-    real = dlm.sampling.block_model.reveal_count
-    monkeypatch.setattr(dlm.sampling.block_model, "reveal_count", lambda *a: counts.append(real(*a)) or counts[-1])
+    real = dlm.sampling.reverse.reveal_count  # every strategy's steps run through reverse_step
+    monkeypatch.setattr(dlm.sampling.reverse, "reveal_count", lambda *a: counts.append(real(*a)) or counts[-1])
     for split, expected in (("schedule", [2, 1, 2, 1] * 2), ("even", [2, 2, 1, 1] * 2)):
         counts.clear()
         result = generate(model, tokenizer, length=12, prompt="ROMEO:", steps=8, remasking="confidence",

@@ -42,10 +42,8 @@ from dlm.sampling.reverse import (
     Reverse,
     ReverseContext,
     Strategy,
-    masked_after,
-    reveal_count,
-    reveal_threshold,
-    step_times,
+    never_predicted,
+    reverse_step,
     steps_per_block,
 )
 from dlm.sampling.row_noise import RowNoise
@@ -137,17 +135,11 @@ def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, ro
 def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
     """Run `steps` reverse steps on the positions `block` of one model block; forward passes made."""
 
-    passes, size, split = 0, block.numel(), reverse.options.reveal_split
+    passes = 0
     for index in range(steps):
-        if reverse.options.threshold is not None:
-            if not bool((tokens[:, block] == reverse.mask_id).any()):
-                break  # the threshold filled the block early
-            passes += reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
-        elif reverse.options.remasking == "random":
-            t, s = step_times(steps, index)
-            passes += reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
-        else:
-            passes += reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
+        if reverse.options.threshold is not None and not bool((tokens[:, block] == reverse.mask_id).any()):
+            break  # the threshold filled the block early
+        passes += reverse_step(reverse, tokens, block, steps, index, schedule)
     return passes
 
 
@@ -179,7 +171,7 @@ def denoise_blocks(
         raise UserError(f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
                         fix=f"use at least {len(blocks)} steps")  # fmt: skip
     noise = RowNoise.of(generator, tokens.shape[0])
-    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=noise.device)
+    never = never_predicted(mask_id, forbidden_token_ids, noise.device)
     reverse = _BlockReverse(model, options, noise, mask_id, never, pad=pad)
     reverse.window.tokens = tokens
     cache = KVCache() if kv_cache else None

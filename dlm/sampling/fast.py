@@ -38,11 +38,9 @@ from dlm.sampling.reverse import (
     Reverse,
     ReverseContext,
     Strategy,
-    masked_after,
-    reveal_count,
-    reveal_threshold,
+    never_predicted,
+    reverse_step,
     sequence_blocks,
-    step_times,
     steps_per_block,
 )
 from dlm.sampling.row_noise import RowNoise
@@ -120,18 +118,6 @@ def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: in
     return not bool(((generated == mask_id) & before).any())
 
 
-def _step(reverse: _FastReverse, tokens: Tensor, block: Tensor, steps: int, index: int, schedule: Schedule) -> int:
-    """One reverse step on `block`: forward passes made (0 or 1)."""
-
-    options, size, split = reverse.options, block.numel(), reverse.options.reveal_split
-    t, s = step_times(steps, index)
-    if options.threshold is not None:
-        return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
-    if options.remasking == "random":
-        return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
-    return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
-
-
 def denoise_fast(
     model: Denoiser,
     tokens: Tensor,
@@ -150,8 +136,8 @@ def denoise_fast(
 
     mask_id = model.config.mask_token_id
     noise = RowNoise.of(generator, tokens.shape[0])
-    never = torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=noise.device)
-    reverse = _FastReverse(model, options, noise, mask_id, never, pad=pad)
+    reverse = _FastReverse(model, options, noise, mask_id, never_predicted(mask_id, forbidden_token_ids, noise.device),
+                           pad=pad)  # fmt: skip
     positions = fill_mask.nonzero().squeeze(-1)
     passes, step = 0, 0
     for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
@@ -160,7 +146,7 @@ def denoise_fast(
         for index in range(block_steps):
             if options.threshold is not None and not bool((tokens[:, block] == mask_id).any()):
                 break  # a threshold can finish a block early; fixed-count steps keep their random draws
-            passes += _step(reverse, tokens, block, block_steps, index, schedule)
+            passes += reverse_step(reverse, tokens, block, block_steps, index, schedule)
             step += 1
             if on_step is not None:
                 on_step(step, tokens.clone())

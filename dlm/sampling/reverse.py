@@ -222,6 +222,26 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
     return 1
 
 
+def reverse_step(reverse: Reverse, tokens: Tensor, block: Tensor, steps: int, index: int, schedule: Schedule) -> int:
+    """Step `index` (0-based) of `steps` on the positions `block`, in place: the threshold's commits when
+    the options set one, else random (ancestral) or confidence-ordered reveals of the split's count.
+    Every strategy runs its steps through here. Forward passes made (0 or 1)."""
+
+    options, size, split = reverse.options, block.numel(), reverse.options.reveal_split
+    if options.threshold is not None:
+        return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
+    if options.remasking == "random":
+        t, s = step_times(steps, index)
+        return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
+    return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
+
+
+def never_predicted(mask_id: int, forbidden_token_ids: Sequence[int], device: torch.device) -> Tensor:
+    """The token ids a reverse process never writes (`Reverse.forbidden`): the mask first, then the rest."""
+
+    return torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=device)
+
+
 def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_id: int) -> list[list[int]]:
     """Each row up to and including the first `stop_token_id` at a generated position."""
 
