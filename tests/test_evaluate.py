@@ -321,7 +321,7 @@ def test_cli_eval_replaces_an_earlier_report_and_another_file_only_with_overwrit
 def test_eval_reports_the_unigram_level_of_exactly_the_scored_blocks(
     run_dir: Path, tiny_data_dir: Path, batches: int, batch_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("dlm.evaluation.unigram.COUNT_CHUNK", 1000)  # counted in many chunks: the same counts
+    monkeypatch.setattr("dlm.data.dataset.COUNT_CHUNK_TOKENS", 1000)  # counted in many chunks: the same counts
     report = evaluate_source(run_dir, batches=batches, batch_size=batch_size, mc_samples=2)
     train = np.asarray(load_packed_dataset(tiny_data_dir, split="train").tokens).ravel()
     scored = np.asarray(load_packed_dataset(tiny_data_dir, split="val").tokens[: batches * batch_size]).ravel()

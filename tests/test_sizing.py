@@ -15,10 +15,10 @@ import pytest
 
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
-from dlm.data.dataset import load_packed_dataset
+from dlm.data.dataset import load_packed_dataset, token_counts
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import MIN_VOCAB_SIZE, VocabularyFit, train_tokenizer, vocabulary_fit
-from dlm.train.preflight import _token_counts, ensure_valid, validate_config_file
+from dlm.train.preflight import ensure_valid, validate_config_file
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 # All's Well That Ends Well: 134 kB of text. 2048 tokens leave 62% of the learned ones rare in it,
@@ -206,8 +206,8 @@ def test_data_above_the_counting_limit_is_not_counted(
 def test_train_bin_is_counted_in_chunks_with_the_same_counts(play_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dataset = load_packed_dataset(play_data / "train.bin")
     whole = np.bincount(np.asarray(dataset.tokens).ravel(), minlength=2048)
-    monkeypatch.setattr("dlm.train.preflight.COUNT_CHUNK_TOKENS", 64 * 5)  # 5 blocks a chunk, of 687
-    assert np.array_equal(_token_counts(dataset, 2048), whole) and whole.sum() == 43_968
+    monkeypatch.setattr("dlm.data.dataset.COUNT_CHUNK_TOKENS", 64 * 5)  # 5 blocks a chunk, of 687
+    assert np.array_equal(token_counts(dataset, 2048), whole) and whole.sum() == 43_968
 
 
 def test_warning_rows_in_the_table_keep_exit_code_0(

@@ -26,6 +26,20 @@ if TYPE_CHECKING:
     import torch
 
 
+COUNT_CHUNK_TOKENS = 1 << 22  # tokens counted at a time: bincount widens to int64, so never the whole split
+
+
+def token_counts(dataset: Any, vocab_size: int, max_tokens: int | None = None) -> np.ndarray:
+    """Occurrences (int64) of each of `vocab_size` ids among the first `max_tokens` (default: all)
+    tokens of a packed split, counted in chunks so a large split costs no more memory than a small one."""
+
+    flat = np.asarray(dataset.tokens).reshape(-1)[:max_tokens]
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, flat.size, COUNT_CHUNK_TOKENS):
+        counts += np.bincount(flat[start : start + COUNT_CHUNK_TOKENS], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 class PackedDataset:
     """Blocks of `seq_len` tokens from a packed `.bin`, read through a lazily opened `np.memmap`.
 

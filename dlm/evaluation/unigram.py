@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 UNIGRAM_MARGIN = 0.02  # bits per byte: a model this close to its unigram level learned next to nothing
-COUNT_CHUNK = 1 << 22  # tokens counted at a time: bincount widens to int64, so never the whole split
 MAX_COUNTED = 1 << 28  # a 268M-token prefix pins frequencies down far beyond the figure's 3 decimals
 
 
@@ -24,11 +23,9 @@ def unigram_table(train: Any, max_tokens: int = MAX_COUNTED) -> np.ndarray:
     """Natural-log add-one unigram probabilities of the first `max_tokens` tokens of a packed
     training split (a `PackedDataset`)."""
 
-    flat = np.asarray(train.tokens).reshape(-1)[:max_tokens]
-    counts = np.ones(int(train.metadata["vocab_size"]), dtype=np.float64)
-    for start in range(0, flat.size, COUNT_CHUNK):
-        chunk = np.bincount(flat[start : start + COUNT_CHUNK], minlength=counts.size)
-        counts[: chunk.size] += chunk
+    from dlm.data.dataset import token_counts
+
+    counts = token_counts(train, int(train.metadata["vocab_size"]), max_tokens) + 1.0
     return np.log(counts / counts.sum())
 
 

@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dlm.config.schema import ExperimentConfig, ModelConfig, load_config
-from dlm.data.dataset import PackedDataset, load_packed_dataset
+from dlm.data.dataset import PackedDataset, load_packed_dataset, token_counts
 from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256, vocabulary_fit
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
@@ -39,7 +38,6 @@ MAX_EPOCHS = 4
 # The vocabulary check counts every token of a train.bin of up to this many (64M: 0.1 s from the page
 # cache, plus the read of 128 MB from disk).
 COUNTED_TOKENS_LIMIT = 64 * 2**20
-COUNT_CHUNK_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -145,25 +143,13 @@ def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
     if dataset.num_blocks * dataset.seq_len > COUNTED_TOKENS_LIMIT:
         detail = f"{tokens / vocab:,.0f} training tokens per vocabulary entry (not counted)"
         return CheckResult(name, True, detail), None
-    fit = vocabulary_fit(_token_counts(dataset, vocab), vocab)
+    fit = vocabulary_fit(token_counts(dataset, vocab), vocab)
     detail = fit.detail(f"{tokens:,} training tokens", "in them")
     if not fit.too_large:
         return CheckResult(name, True, detail), None
     size = fit.suggested_sizes()[1]
     fix = f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; or pack more text"
     return CheckResult(name, True, detail, fix, warning=True), size
-
-
-def _token_counts(dataset: PackedDataset, vocab: int) -> np.ndarray:
-    """Occurrences of each id in train.bin, read in chunks of about COUNT_CHUNK_TOKENS (bincount
-    widens its input to int64, so one call on the whole file would copy it four times over)."""
-
-    counts = np.zeros(vocab, dtype=np.int64)
-    rows = max(COUNT_CHUNK_TOKENS // dataset.seq_len, 1)
-    for start in range(0, dataset.num_blocks, rows):
-        chunk = np.bincount(np.asarray(dataset.tokens[start : start + rows]).ravel(), minlength=vocab)
-        counts += chunk[:vocab]
-    return counts
 
 
 def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
