@@ -334,22 +334,15 @@ def sample(
 
 
 def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: SampleRequest) -> None:
-    """Sample the prompts of --prompt-file in batches of --batch-size, printing a JSON line per sample
-    as each batch finishes; every prompt is checked before the first line is printed."""
+    """Print a JSON line per sample of --prompt-file as each batch of --batch-size finishes."""
 
     import json
 
-    from dlm.data.tokenizer import SPECIAL_TOKENS
-    from dlm.sampling.generation import generate
-    from dlm.sampling.prompt_batch import encode_prompts, prompt_chunks, prompt_records
+    from dlm.sampling.generation import generate_records
 
-    encode_prompts(tokenizer, model.config, prompts, length=request.length, num_samples=request.num_samples,
-                   seed=request.seed)  # fmt: skip
-    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if request.stop_at_end else None
-    for chunk, seed in prompt_chunks(prompts, request.batch_size, request.seed):
-        result = generate(model, tokenizer, prompts=chunk, **(request.generate_kwargs() | {"seed": seed}))
-        for record in prompt_records(result, chunk, tokenizer, end_id):
-            typer.echo(json.dumps(record, ensure_ascii=False))  # click's echo flushes: out as its batch ends
+    for record in generate_records(model, tokenizer, prompts, batch_size=request.batch_size,
+                                   **request.generate_kwargs()):  # fmt: skip
+        typer.echo(json.dumps(record, ensure_ascii=False))  # click's echo flushes: out as its batch ends
 
 
 def register(app: typer.Typer) -> None:

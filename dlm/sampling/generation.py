@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,3 +114,22 @@ def generate(
     prompt_tokens = fill.index(True) if True in fill else len(fill)
     return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths,
                         [prompt_tokens] * num_samples, [seed] * num_samples)  # fmt: skip
+
+
+def generate_records(
+    model: Denoiser, tokenizer: Any, prompts: Sequence[str], *, batch_size: int, length: int, num_samples: int,
+    seed: int, stop_at_end: bool = False, **options: Any,
+) -> Iterator[dict[str, Any]]:
+    """`generate` on many prompts in batches of `batch_size`, yielding one record per sample
+    (`dlm.sampling.prompt_batch.prompt_records`) as each batch ends. Every prompt is checked before the
+    first batch runs; prompt i keeps seed `seed + i`, as in one batch. `options` are `generate`'s."""
+
+    from dlm.sampling.prompt_batch import encode_prompts, prompt_chunks, prompt_records
+
+    encode_prompts(tokenizer, model.config, prompts, length=length, num_samples=num_samples, seed=seed)
+    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
+    for chunk, chunk_seed in prompt_chunks(prompts, batch_size, seed):
+        result = generate(model, tokenizer, prompts=chunk, length=length, num_samples=num_samples, seed=chunk_seed,
+                          stop_at_end=stop_at_end, **options)  # fmt: skip
+        yield from prompt_records(result, chunk, tokenizer, end_id)
+
