@@ -140,6 +140,15 @@ def atomic_write_json(path: Path, data: Any, ensure_ascii: bool = True) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=ensure_ascii) + "\n")
 
 
+def share_as_created(path: Path) -> None:
+    """Give `path` the mode a file created here normally gets (0666 less the umask): writers such as
+    safetensors create 0600, and an export is made to be shared."""
+
+    mask = os.umask(0o22)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def check_writable_directory(directory: Path) -> None:
     """Refuse early when files could not be created in `directory`; creates nothing itself."""
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import warnings
 from collections.abc import Callable, Collection
@@ -48,7 +47,7 @@ from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.choices import ExportDtype
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
-from dlm.fileio import swap_directory_into_place, temporary_path
+from dlm.fileio import share_as_created, swap_directory_into_place, temporary_path
 from dlm.model.transformer import format_parameter_count
 
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -235,19 +234,13 @@ def _write_export(
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": EXPORT_FORMAT})
     # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
-    os.chmod(directory / WEIGHTS_NAME, 0o666 & ~_umask())
+    share_as_created(directory / WEIGHTS_NAME)
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
     if tokenizer_settings is not None:  # its chat_template, beside the tokenizer as `dlm.data.chat` reads it
         shutil.copyfile(tokenizer_settings, directory / TOKENIZER_CONFIG_NAME)
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     # config.json last: it is what marks the directory as a complete export.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-
-
-def _umask() -> int:
-    mask = os.umask(0o22)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask
 
 
 def export_model(

@@ -23,18 +23,16 @@ cosine, which the bundled sampler does not implement.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from dlm import __version__
 from dlm.artifacts.card_data import export_tokenizer_config
-from dlm.artifacts.export import check_export_output
+from dlm.artifacts.export import EXPORT_DTYPES, check_export_output
 from dlm.artifacts.export_layout import (
     CODE_FILES,
     CONFIG_NAME,
@@ -51,7 +49,7 @@ from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.tokenizer import SPECIAL_TOKENS
 from dlm.errors import UserError, UserNote, reported_os_errors
-from dlm.fileio import swap_directory_into_place, temporary_path
+from dlm.fileio import share_as_created, swap_directory_into_place, temporary_path
 
 HF_FORMAT = "dlm-hf-v1"
 # The schedules modeling_dlm.py's sampler implements (its SCHEDULES; a test keeps them equal).
@@ -61,7 +59,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_dlm.DlmDiffusionModel",
     "AutoModelForMaskedLM": "modeling_dlm.DlmDiffusionForMaskedLM",
 }
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -159,7 +156,7 @@ def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[s
 
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": HF_FORMAT})
-    os.chmod(directory / WEIGHTS_NAME, 0o644)  # safetensors creates 0600; an export is for sharing
+    share_as_created(directory / WEIGHTS_NAME)
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
     for code in CODE_FILES:
         shutil.copyfile(Path(__file__).with_name("hf") / code, directory / code)
@@ -197,8 +194,8 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
     """Write a Hugging Face directory from a checkpoint, a run dir, a dlm export or an HF export."""
 
     output = Path(output)
-    if dtype not in _DTYPES:
-        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(_DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
     # A dlm export or an HF one may be replaced.
     check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export")
     info, weights = read_model_source(source, use_ema)
@@ -211,7 +208,7 @@ def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", u
 
     loaded = load_tokenizer(tokenizer)
     special_ids = {name: special_token_id(loaded, name) for name in SPECIAL_TOKENS}
-    stored = {name: t.detach().to("cpu", _DTYPES[dtype]).contiguous() for name, t in to_hf_names(weights).items()}
+    stored = {name: t.detach().to("cpu", EXPORT_DTYPES[dtype]).contiguous() for name, t in to_hf_names(weights).items()}
     config = hf_config(info, dtype, special_ids)
     building = temporary_path(output)
     with reported_os_errors("the export", output):
