@@ -31,44 +31,43 @@ import numpy as np
 
 from dlm.artifacts.loading import load_model_with_info
 from dlm.data.chat import reply
-from dlm.data.chat_pack import mask_path, pack_chat
-from dlm.data.pack import pack_corpus
-from dlm.data.tokenizer import train_tokenizer
+from dlm.data.chat_pack import pack_chat
+from dlm.data.pack import mask_path, pack_corpus
+from dlm.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_token_id, train_tokenizer
 from dlm.sampling.generation import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import test_finetune_task as task  # the task as the tests define it
-
-EOS = 0
 
 
 def unlearn_padding(source: Path, target: Path) -> None:
     """A copy of a chat pack whose loss mask stops at each reply's end-of-document token."""
 
     shutil.copytree(source, target)
+    eos = special_token_id(load_tokenizer(target / "tokenizer.json"), "eos")
     tokens = np.fromfile(target / "train.bin", dtype=np.uint16).reshape(-1, task.SEQ_LEN)
     masks = np.fromfile(mask_path(target / "train.bin"), dtype=np.uint8).reshape(-1, task.SEQ_LEN).copy()
     for block, mask in zip(tokens, masks, strict=True):
         start = int(np.flatnonzero(mask)[0])
-        end = start + int(np.flatnonzero(block[start:] == EOS)[0])  # the reply's own end-of-document token
+        end = start + int(np.flatnonzero(block[start:] == eos)[0])  # the reply's own end-of-document token
         mask[end + 1 :] = 0
     masks.tofile(mask_path(target / "train.bin"))
 
 
 def exact(checkpoint: Path, prompts: list[str], told_length: bool) -> int:
     loaded = load_model_with_info(checkpoint, device="cpu")
-    hits = 0
+    eos, hits = special_token_id(loaded.tokenizer, "eos"), 0
     for prompt in prompts:
         templated, prompt_ids, length = task.reply_length(loaded.tokenizer, loaded.info.tokenizer_path, prompt)
         options: dict[str, Any] = {"temperature": 0, "remasking": "confidence"}
         if told_length:
             words = len(loaded.tokenizer.encode(prompt, add_special_tokens=False).ids)
-            text = templated + f"[MASK*{words}]" + "<|endoftext|>" * (length - words)
+            text = templated + f"[MASK*{words}]" + SPECIAL_TOKENS["eos"] * (length - words)
             ids = generate(loaded.model, loaded.tokenizer, text=text, steps=words, **options).token_ids[0]
         else:
             ids = generate(loaded.model, loaded.tokenizer, prompt=templated, length=length, steps=length,
                            stop_at_end=True, **options).token_ids[0]  # fmt: skip
-        hits += reply(loaded.tokenizer, ids, len(prompt_ids), eos=EOS) == prompt
+        hits += reply(loaded.tokenizer, ids, len(prompt_ids), eos=eos) == prompt
     return hits
 
 
