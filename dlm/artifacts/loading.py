@@ -35,6 +35,7 @@ from dlm.artifacts.export_layout import (
 )
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
+from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, read_sharded_weights
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.schedules import attach_schedule
@@ -86,14 +87,25 @@ def _checkpoint_weights(checkpoint: dict[str, Any], path: Path, use_ema: bool) -
 
 
 def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
-    checkpoint = load_checkpoint(path)
-    if path.is_dir():
-        path = RunDir(path).latest
-    required = ("config", "model", "step", "tokens_seen", "tokenizer_sha256")
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        path = RunDir(path).latest_checkpoint()
+    if is_sharded_checkpoint(path):
+        # Only the model's (or the EMA's) tensors are read, each once, never the optimizer's.
+        path = path.resolve()
+        checkpoint, weights, kind = read_sharded_weights(path, use_ema)
+        check_finite_weights(weights, path, step=checkpoint.get("step"))
+        checkpoint = {**checkpoint, "format": TRAINING_FORMAT}
+    else:
+        checkpoint = load_checkpoint(path)
+        weights, kind = {}, ""
+    required = ("config", "step", "tokens_seen", "tokenizer_sha256")
     if missing := [key for key in required if key not in checkpoint]:
         raise UserError(f"damaged checkpoint: it lacks {', '.join(missing)}", path=path)
     experiment = ExperimentConfig.from_dict(checkpoint["config"], source=path)
-    weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
+    if not kind:
+        if "model" not in checkpoint:
+            raise UserError("damaged checkpoint: it lacks model", path=path)
+        weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
     info = SourceInfo(
         path=path,
         kind="training" if checkpoint["format"] == TRAINING_FORMAT else "inference",

@@ -36,6 +36,7 @@ from dlm.artifacts.checkpoint import (
     save_inference_checkpoint,
     save_training_checkpoint,
 )
+from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, remove_incomplete_checkpoints
 from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
@@ -81,6 +82,7 @@ from dlm.train.distributed import (
     load_full_state,
     shard_like,
 )
+from dlm.train.checkpointing import ShardedCheckpointer, load_trainer, save_trainer
 from dlm.train.init_from import initial_weights, load_initial_weights
 from dlm.train.loggers import check_loggers, open_loggers
 from dlm.train.memory import count_parameters
@@ -133,6 +135,12 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
         self.checkpoint_path: Path | None = None
+        self.checkpoint_format = self.config.resolved_checkpoint_format(world.world_size)
+        self.checkpointer = None  # built on every rank at this point: it may create a process group
+        if self.checkpoint_format == "dcp":
+            asynchronous = self.config.async_checkpoint
+            self.checkpointer = ShardedCheckpointer(world, self.config.output_dir, self.config.keep_last_checkpoints,
+                                                    asynchronous)
 
     @property
     def counters(self) -> RunCounters:
@@ -142,6 +150,12 @@ class Trainer:
     def load(self, path: Path, allow_data_change: bool = False) -> None:
         """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
 
+        if path.is_dir() and not is_sharded_checkpoint(path):
+            path = RunDir(path).latest_checkpoint()
+        if is_sharded_checkpoint(path):
+            load_trainer(self, path, allow_data_change)
+            self.checkpoint_path = path.resolve()
+            return
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
         check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
         self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
@@ -175,6 +189,20 @@ class Trainer:
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.step.ema = ModelEMA(self.model, self.step.ema.decay)
 
+    def record(self) -> dict[str, Any]:
+        """The plain values of a checkpoint, whatever its format."""
+
+        return {
+            "dlm_version": __version__,
+            "step": self.counters.step,
+            "tokens_seen": self.counters.tokens_seen,
+            "micro_batches_seen": self.counters.micro_batches_seen,
+            "world_size": self.world.world_size,
+            "config": self.experiment.to_dict(),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "data_sha256": self.data_sha256,
+        }
+
     def state(self) -> dict[str, Any]:
         """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
         a collective: every rank gathers, only rank 0 gets the tensors (the others, empty dicts)."""
@@ -186,14 +214,7 @@ class Trainer:
             ema_state["shadow"] = full_tensors(ema_state["shadow"])
         return {
             "format": TRAINING_FORMAT,
-            "dlm_version": __version__,
-            "step": self.counters.step,
-            "tokens_seen": self.counters.tokens_seen,
-            "micro_batches_seen": self.counters.micro_batches_seen,
-            "world_size": self.world.world_size,
-            "config": self.experiment.to_dict(),
-            "tokenizer_sha256": self.tokenizer_sha256,
-            "data_sha256": self.data_sha256,
+            **self.record(),
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
             "model": full_model_state(self.model),
@@ -205,8 +226,14 @@ class Trainer:
     def save(self) -> Path:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
-        with self.stop.writing():  # a second Ctrl-C waits until the files are complete
-            return self._save()
+        with self.stop.writing():  # a second Ctrl-C waits until the files are complete (or staged)
+            if self.checkpointer is None:
+                return self._save()
+            path = save_trainer(self, self.checkpointer)
+            if self.world.is_main:
+                self.sink(CheckpointEvent(step=self.counters.step, path=str(path)))
+            self.checkpoint_path = path
+            return path
 
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
@@ -334,9 +361,13 @@ class Trainer:
                 self.raise_if_diverged(window)
                 self.save()
             # Decided together: a rank that stopped alone would leave the others in a collective.
-            signalled, out_of_time = self.world.any_rank(
-                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline]
+            signalled, out_of_time, save_failed = self.world.any_rank(
+                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline,
+                 self.checkpointer is not None and self.checkpointer.failed_here()]
             )
+            if save_failed:
+                assert self.checkpointer is not None
+                self.checkpointer.stop_after_failure()
             if signalled:
                 status = "interrupted"
                 break
@@ -350,6 +381,8 @@ class Trainer:
             self.log(window)
         if self.checkpoint_path is None or self.counters.step % config.save_interval:
             self.save()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # the result names a complete checkpoint
         assert self.checkpoint_path is not None
         return TrainResult(
             status=status,
@@ -455,6 +488,8 @@ def train(
             check_run_file_kinds(run_dir)
             check_run_target(run_dir, resume, overwrite)
         trainer = Trainer(experiment, device, precision, world, fan_out([]))
+        if trainer.checkpointer is not None:  # a save in flight completes before the process ends
+            cleanup.callback(trainer.checkpointer.close)
         if resume is not None:
             trainer.load(resume, allow_data_change)
         elif initial is not None:
@@ -468,6 +503,7 @@ def train(
         if world.is_main:
             if overwrite:
                 remove_run_files(run_dir)
+            remove_incomplete_checkpoints(run_dir)
             metrics = MetricsFile(run_dir)
             cleanup.callback(metrics.close)
             loggers = open_loggers(run_dir, experiment, trainer.counters.step)

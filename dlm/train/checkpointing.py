@@ -1,0 +1,392 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), synchronous or asynchronous.
+
+Each rank hands DCP its own view of the state: under FSDP2 the DTensor shards of the model, the
+optimizer (`get_model_state_dict` / `get_optimizer_state_dict`) and the EMA; on one process or under
+DDP the whole tensors (which DCP writes once, from one rank). DCP records where every piece of
+every tensor lives, so a load into another world size reads exactly the pieces each rank now owns:
+resharding 2 -> 1 or 1 -> 2 processes is DCP's planner, not dlm's code.
+
+Only tensors go into DCP (its non-tensor values would be pickled): the optimizer's per-parameter
+state, and each rank's RNG and data-order state, whose plain values (Python's, numpy's) travel as
+JSON bytes in a uint8 tensor. The run's plain values go into the marker that
+`dlm.artifacts.sharded_checkpoint` writes last. The optimizer's param_groups are not saved: the
+config's hyperparameters win on resume anyway.
+
+Asynchronous saves (`training.async_checkpoint`) stage a CPU copy of this rank's shards, then write
+them in a background thread on a process group of their own (so its collectives never interleave
+with training's); rank 0 then hashes the files and writes the marker. At most one save is in
+flight: the next save, the end of the run, a stop signal or an exception waits for it first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch import Tensor, nn
+
+from dlm.artifacts.sharded_checkpoint import (
+    EMA_PREFIX,
+    MODEL_PREFIX,
+    complete_checkpoint,
+    complete_checkpoints,
+    hash_files,
+    read_marker,
+    step_directory_name,
+)
+from dlm.artifacts.sharded_checkpoint import check_files as check_checkpoint_files
+from dlm.errors import UserError
+from dlm.train.distributed import DistributedContext
+
+if TYPE_CHECKING:
+    from dlm.train.loop import Trainer
+
+OPTIMIZER_PREFIX = "optim."
+_JSON_KEY = "json"
+
+
+def rank_prefix(rank: int) -> str:
+    return f"rank{rank}."
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested plain state <-> flat tensors (RNG and data-order state)
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten_rank_state(state: Mapping[str, Any], prefix: str) -> dict[str, Tensor]:
+    """Tensors under `prefix + path`; every other leaf in one JSON document stored as uint8 bytes."""
+
+    tensors: dict[str, Tensor] = {}
+    plain: dict[str, Any] = {}
+
+    def visit(value: Any, path: str, into: dict[str, Any]) -> None:
+        if isinstance(value, Tensor):
+            tensors[prefix + path] = value.detach().cpu()
+        elif isinstance(value, Mapping):
+            nested: dict[str, Any] = {}
+            for key, item in value.items():
+                visit(item, f"{path}.{key}" if path else str(key), nested)
+            into[path.rsplit(".", 1)[-1]] = nested
+        elif isinstance(value, list) and all(isinstance(item, Tensor) for item in value):
+            for index, item in enumerate(value):
+                tensors[f"{prefix}{path}.{index}"] = item.detach().cpu()
+            into[path.rsplit(".", 1)[-1]] = {"__tensor_list__": len(value)}
+        else:
+            into[path.rsplit(".", 1)[-1]] = value
+
+    root: dict[str, Any] = {}
+    for key, value in state.items():
+        visit(value, str(key), root)
+    tensors[prefix + _JSON_KEY] = torch.frombuffer(bytearray(json.dumps(root).encode()), dtype=torch.uint8)
+    return tensors
+
+
+def unflatten_rank_state(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Any]:
+    """The inverse of `flatten_rank_state`."""
+
+    root = json.loads(bytes(tensors[prefix + _JSON_KEY].tolist()).decode())
+
+    def rebuild(node: Any, path: str) -> Any:
+        if isinstance(node, dict) and "__tensor_list__" in node:
+            return [tensors[f"{prefix}{path}.{index}"] for index in range(node["__tensor_list__"])]
+        if isinstance(node, dict):
+            return {key: rebuild(item, f"{path}.{key}" if path else key) for key, item in node.items()}
+        return node
+
+    result = {key: rebuild(item, key) for key, item in root.items()}
+    for key in tensors:  # tensor leaves were left out of the JSON document
+        if key.startswith(prefix) and key != prefix + _JSON_KEY:
+            _place(result, key.removeprefix(prefix).split("."), tensors[key])
+    return result
+
+
+def _place(tree: dict[str, Any], parts: list[str], value: Tensor) -> None:
+    node = tree
+    for part in parts[:-1]:
+        if isinstance(node.get(part), list):
+            return  # a tensor list, rebuilt whole above
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensors of one rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(the FQN-keyed optimizer state dict, its per-parameter tensors under flat keys)."""
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)  # initialises an empty state first
+    flat: dict[str, Tensor] = {}
+    for name, values in state["state"].items():
+        for key, value in values.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor")
+            flat[f"{OPTIMIZER_PREFIX}{name}.{key}"] = value
+    return state, flat
+
+
+def training_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ema: Any
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(optimizer state dict, the model's, optimizer's and EMA's tensors of this rank by DCP key)."""
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(model).items()}
+    optimizer_state, flat = _optimizer_tensors(model, optimizer)
+    tensors.update(flat)
+    if ema is not None:
+        tensors.update({EMA_PREFIX + name: value for name, value in zip(ema.names, ema.shadow, strict=True)})
+    return optimizer_state, tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    directory: Path
+    future: Future[Any]
+
+
+class ShardedCheckpointer:
+    """Writes `step-N/` directories with DCP; one per run, built on every rank at the same point."""
+
+    def __init__(self, world: DistributedContext, run_dir: Path, keep_last: int, asynchronous: bool) -> None:
+        self.world, self.run_dir, self.keep_last, self.asynchronous = world, run_dir, keep_last, asynchronous
+        # Collective: every rank builds its checkpointer at the same point of the run.
+        self.group = dist.new_group(backend="gloo") if asynchronous and world.active else None
+        self._pending: _Pending | None = None
+        self._no_dist = not dist.is_initialized()  # one process: DCP then needs no process group
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def failed_here(self) -> bool:
+        """Whether this rank's save in flight has failed (the loop agrees on it over ranks)."""
+
+        pending = self._pending
+        return pending is not None and pending.future.done() and pending.future.exception() is not None
+
+    def stop_after_failure(self) -> None:
+        """Some rank's save failed: every rank raises, this one with its own reason if it has one."""
+
+        directory = self._pending.directory if self._pending is not None else self.run_dir
+        self.wait()
+        raise self._failure(directory, RuntimeError("another process could not write its shards"))
+
+    def save(self, tensors: dict[str, Tensor], step: int, record: Mapping[str, Any]) -> Path:
+        """Write `tensors` (this rank's) into `step-N/`; rank 0 completes it with `record`.
+
+        Synchronous: complete when this returns. Asynchronous: returns once this rank's shards are
+        staged in CPU memory; training may then change the originals.
+        """
+
+        self.wait()
+        directory = self.run_dir / step_directory_name(step)
+        if self.world.is_main and directory.exists():
+            # A step saved again after resuming from an older checkpoint: the abandoned one goes.
+            shutil.rmtree(directory)
+        self.world.barrier()
+        writer = dcp.FileSystemWriter(str(directory), sync_files=True, thread_count=1)
+        if self.asynchronous:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist)
+            done: Future[Any] = Future()
+            future.add_done_callback(lambda finished: self._complete(finished, directory, record, done))
+            self._pending = _Pending(directory, done)
+        else:
+            finished: Future[Any] = Future()
+            try:
+                finished.set_result(dcp.save(tensors, storage_writer=writer, no_dist=self._no_dist))
+            except (Exception, CheckpointException) as exc:  # reported by `wait`, as an asynchronous failure is
+                finished.set_exception(exc)
+            done = Future()
+            self._complete(finished, directory, record, done)
+            self._pending = _Pending(directory, done)
+            self.wait()
+        return directory
+
+    def _complete(self, finished: Future[Any], directory: Path, record: Mapping[str, Any], done: Future[Any]) -> None:
+        """After DCP wrote every rank's files: rank 0 hashes them and writes the marker (last)."""
+
+        try:
+            finished.result()
+            if self.world.is_main:
+                complete_checkpoint(directory, record, hash_files(sorted(directory.glob("*.distcp"))), self.keep_last)
+            done.set_result(directory)
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    def wait(self) -> None:
+        """Wait for the save in flight; a failed one stops the run with the last complete kept."""
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as exc:
+            raise self._failure(pending.directory, exc) from None
+
+    def close(self) -> None:
+        """At exit, whatever the reason: the save in flight completes (or fails) before the process ends."""
+
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.future.result()
+            except (Exception, CheckpointException):  # the run is already ending with its own error; the marker was never written
+                pass
+
+    def _failure(self, directory: Path, exc: BaseException) -> UserError:
+        reason = _os_reason(exc)
+        kept = [path for _, path in complete_checkpoints(self.run_dir)]
+        last = f"the last complete checkpoint {kept[-1]} is kept" if kept else "no complete checkpoint was written yet"
+        return UserError(
+            f"could not write the checkpoint {directory.name}: {reason}; training stopped and {last} "
+            f"(the incomplete {directory.name} is removed by the next run)",
+            path=self.run_dir,
+            fix=f"free some disk space, then continue with: dlm resume {self.run_dir}",
+        )
+
+
+def _os_reason(exc: BaseException) -> str:
+    """The OSError behind a failed save, which DCP wraps (per rank) in its own exception."""
+
+    seen: list[BaseException] = [exc]
+    while seen:
+        error = seen.pop()
+        if isinstance(error, OSError):
+            return error.strerror or str(error)
+        if isinstance(error, CheckpointException):  # {rank: (exception, traceback)}
+            seen += [value[0] for value in error.failures.values()]
+        seen += [item for item in (error.__cause__, error.__context__) if item is not None]
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_checkpoint(directory: Path, world: DistributedContext) -> dict[str, Any]:
+    """The marker, once every file matched its sha256: the files are split over the ranks and
+    any rank's refusal is raised on every rank (all take the same branch)."""
+
+    record = read_marker(directory)
+    names = sorted(record["files"])[world.rank :: world.world_size]
+    problem: str | None = None
+    try:
+        check_checkpoint_files(directory, record, names)
+    except UserError as exc:
+        problem = str(exc)
+    if world.active:
+        problems: list[str | None] = [None] * world.world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((item for item in problems if item is not None), None)
+    if problem is not None:
+        raise UserError(problem)
+    return record
+
+
+def load_training_tensors(
+    directory: Path,
+    record: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: Any,
+    world: DistributedContext,
+) -> dict[str, Any]:
+    """Load the model, optimizer and EMA in place (resharded to this world size); returns this
+    rank's RNG and data-order state (rank 0's when the saving run had fewer ranks)."""
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    entries = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    source = world.rank if f"{rank_prefix(world.rank)}{_JSON_KEY}" in entries else 0
+    optimizer_state, tensors = training_tensors(model, optimizer, ema if record.get("ema") else None)
+    missing = sorted(key for key in tensors if key not in entries)
+    if missing:
+        raise UserError(
+            f"the checkpoint lacks {len(missing)} tensors this model needs (e.g. {missing[0]})",
+            path=directory,
+            fix="resume with the model and optimizer config the run was saved with",
+        )
+    prefix = rank_prefix(source)
+    for key, meta in entries.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(tensors, storage_reader=FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
+    model_state = {key.removeprefix(MODEL_PREFIX): value for key, value in tensors.items() if key.startswith(MODEL_PREFIX)}
+    set_model_state_dict(model, model_state)
+    set_optimizer_state_dict(model, optimizer, optimizer_state)
+    if ema is not None and record.get("ema"):
+        ema.num_updates = int(record["ema"]["num_updates"])
+    return unflatten_rank_state(tensors, prefix)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's sharded save and resume
+# ---------------------------------------------------------------------------------------------
+
+
+def save_trainer(trainer: Trainer, checkpointer: ShardedCheckpointer) -> Path:
+    """Hand every rank's shards of the trainer's state to `checkpointer` (a collective)."""
+
+    from dlm.runtime.rng import capture_rng_state
+
+    step = trainer.step
+    _, tensors = training_tensors(step.model, step.optimizer, step.ema)
+    rank_state = {"rng": capture_rng_state(trainer.device), "data_generator": trainer.data_generator.get_state()}
+    tensors.update(flatten_rank_state(rank_state, rank_prefix(trainer.world.rank)))
+    ema = None if step.ema is None else {"decay": step.ema.decay, "num_updates": step.ema.num_updates}
+    record = {**trainer.record(), "scaler": step.scaler.state_dict(), "ema": ema}
+    return checkpointer.save(tensors, trainer.counters.step, record)
+
+
+def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool) -> None:
+    """Resume the trainer from a sharded checkpoint, on this world size whatever the saved one."""
+
+    from dlm.artifacts.run_dir import check_resumable, check_same_data
+    from dlm.config.optimizer_registry import optimizer_spec
+    from dlm.runtime.rng import restore_rng_state
+    from dlm.train.distributed import check_world_size
+    from dlm.train.optimizer import configured_hyperparameters_kept
+    from dlm.train.step import RunCounters
+
+    directory = directory.resolve()  # `latest` is a link
+    record = verify_checkpoint(directory, trainer.world)
+    check_resumable(record, trainer.experiment, trainer.tokenizer_sha256, directory)
+    trainer.data_changed = check_same_data(record, trainer.data_sha256, directory, allow_data_change)
+    check_world_size(record, trainer.world.world_size, directory)
+    step = trainer.step
+    resumable = optimizer_spec(trainer.config.optimizer).resumable_hyperparameters
+    with configured_hyperparameters_kept(step.optimizer, resumable):
+        rank_state = load_training_tensors(directory, record, step.model, step.optimizer, step.ema, trainer.world)
+    step.scaler.load_state_dict(record.get("scaler") or {})
+    trainer.data_generator.set_state(rank_state["data_generator"])
+    restore_rng_state(rank_state["rng"])
+    step.counters = RunCounters(
+        step=int(record["step"]), tokens_seen=int(record["tokens_seen"]),
+        micro_batches_seen=int(record["micro_batches_seen"]),
+    )
