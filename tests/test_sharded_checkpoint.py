@@ -111,7 +111,7 @@ def test_a_single_file_run_resumes_into_sharded_checkpoints(runs: dict[str, Path
     assert info.step == 6 and info.weights == "ema" and weights
 
 
-def test_exports_of_both_formats_are_identical(runs: dict[str, Path], tmp_path: Path, run_cli) -> None:  # noqa: ANN001
+def test_exports_of_both_formats_are_identical(runs: dict[str, Path], tmp_path: Path, run_cli) -> None:
     for name in ("single", "dcp"):
         source = runs[name] / ("latest.pt" if name == "single" else "step-00000004")
         assert run_cli("export", source, "--output", tmp_path / name).exit_code == 0
@@ -123,7 +123,7 @@ def test_exports_of_both_formats_are_identical(runs: dict[str, Path], tmp_path: 
 
 
 def test_a_missing_or_foreign_shard_names_itself_and_the_older_checkpoint(
-    runs: dict[str, Path], tmp_path: Path, run_cli  # noqa: ANN001
+    runs: dict[str, Path], tmp_path: Path, run_cli
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(runs["dcp"], run, symlinks=True)

@@ -198,7 +198,9 @@ def read_marker(directory: Path) -> dict[str, Any]:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"unreadable {MARKER_NAME}: {exc}", path=marker, fix=_next_older_fix(directory)) from None
-    if not isinstance(record, dict) or record.get("format") != SHARDED_FORMAT or not isinstance(record.get("files"), dict):
+    if not isinstance(record, dict) or record.get("format") != SHARDED_FORMAT or not isinstance(
+        record.get("files"), dict
+    ):
         raise UserError(f"not a dlm sharded checkpoint marker (format {SHARDED_FORMAT})", path=marker)
     return record
 
@@ -221,54 +223,50 @@ def check_files(directory: Path, record: Mapping[str, Any], names: Iterable[str]
             )
 
 
-def verified_reader(directory: Path, record: Mapping[str, Any]) -> Any:
-    """A DCP FileSystemReader over `directory` whose every file was checked against the marker."""
+def tensor_entries(directory: Path) -> dict[str, Any]:
+    """DCP's description (size, dtype) of every tensor in a checkpoint whose files were verified."""
 
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_files(directory, record)
-    return FileSystemReader(str(directory))
+    entries = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key: meta for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
+
+
+def read_sharded_tensors(directory: Path, keys: Iterable[str], entries: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors `keys`, whole, on this process, from a checkpoint whose files were verified.
+
+    DCP reads each piece of every shard straight into one preallocated full tensor: the result is
+    the only copy in memory, whatever the world size that saved it.
+    """
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
+    dcp.load(targets, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+    return targets
 
 
 def read_sharded_weights(directory: Path, use_ema: bool = True) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(marker, model weights, "ema" | "live") of a sharded checkpoint, gathered on this process.
 
-    Only the model's tensors (or the EMA's, which replace them) are read, never the optimizer's;
-    each is read by DCP straight into one preallocated full tensor, so the weights exist once in
-    memory whatever the world size that saved them.
+    Only the model's tensors are read, the EMA's (float32) in place of the parameters it tracks
+    when wanted; never the optimizer's.
     """
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     directory = directory.resolve()
     record = read_marker(directory)
-    reader = verified_reader(directory, record)
-    entries = reader.read_metadata().state_dict_metadata
-    prefix = EMA_PREFIX if use_ema and record.get("ema") else MODEL_PREFIX
-    targets = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in entries.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-    }
-    dcp.load(targets, storage_reader=reader, no_dist=True)
-    weights = {key.removeprefix(prefix): tensor for key, tensor in targets.items()}
-    if prefix == EMA_PREFIX:
-        # The EMA tracks the trainable parameters; buffers in the state dict come from the model.
-        rest = {
-            key: torch.empty(meta.size, dtype=meta.properties.dtype)
-            for key, meta in entries.items()
-            if key.startswith(MODEL_PREFIX) and key.removeprefix(MODEL_PREFIX) not in weights
-            and isinstance(meta, TensorStorageMetadata)
-        }
-        if rest:
-            dcp.load(rest, storage_reader=reader, no_dist=True)
-        model_dtypes = {
-            key.removeprefix(MODEL_PREFIX): meta.properties.dtype
-            for key, meta in entries.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-        }
-        weights = {name: tensor.to(model_dtypes.get(name, tensor.dtype)) for name, tensor in weights.items()}
-        weights.update({key.removeprefix(MODEL_PREFIX): tensor for key, tensor in rest.items()})
-    return record, weights, "ema" if prefix == EMA_PREFIX else "live"
+    check_files(directory, record)
+    entries = tensor_entries(directory)
+    model = {key.removeprefix(MODEL_PREFIX) for key in entries if key.startswith(MODEL_PREFIX)}
+    average = {key.removeprefix(EMA_PREFIX) for key in entries if key.startswith(EMA_PREFIX)} & model
+    if not (use_ema and record.get("ema") and average):
+        average = set()
+    live = read_sharded_tensors(directory, [MODEL_PREFIX + name for name in sorted(model - average)], entries)
+    weights = {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in live.items()}
+    for name in sorted(average):  # one tensor at a time, cast to the model's dtype
+        tensor = read_sharded_tensors(directory, [EMA_PREFIX + name], entries)[EMA_PREFIX + name]
+        weights[name] = tensor.to(entries[MODEL_PREFIX + name].properties.dtype)
+    return record, weights, "ema" if average else "live"

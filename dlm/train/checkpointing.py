@@ -20,19 +20,20 @@ flight: the next save, the end of the run, a stop signal or an exception waits f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dlm.artifacts.sharded_checkpoint import (
     EMA_PREFIX,
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 OPTIMIZER_PREFIX = "optim."
 _JSON_KEY = "json"
+_TENSOR_TAG = "__tensor__"
 
 
 def rank_prefix(rank: int) -> str:
@@ -64,59 +66,40 @@ def rank_prefix(rank: int) -> str:
 
 
 def flatten_rank_state(state: Mapping[str, Any], prefix: str) -> dict[str, Tensor]:
-    """Tensors under `prefix + path`; every other leaf in one JSON document stored as uint8 bytes."""
+    """Each tensor under `prefix + its path`; the structure and the other leaves in one JSON
+    document (a tensor leaf there names its key), stored as uint8 bytes under `prefix + "json"`."""
 
     tensors: dict[str, Tensor] = {}
-    plain: dict[str, Any] = {}
 
-    def visit(value: Any, path: str, into: dict[str, Any]) -> None:
+    def visit(value: Any, path: str) -> Any:
         if isinstance(value, Tensor):
             tensors[prefix + path] = value.detach().cpu()
-        elif isinstance(value, Mapping):
-            nested: dict[str, Any] = {}
-            for key, item in value.items():
-                visit(item, f"{path}.{key}" if path else str(key), nested)
-            into[path.rsplit(".", 1)[-1]] = nested
-        elif isinstance(value, list) and all(isinstance(item, Tensor) for item in value):
-            for index, item in enumerate(value):
-                tensors[f"{prefix}{path}.{index}"] = item.detach().cpu()
-            into[path.rsplit(".", 1)[-1]] = {"__tensor_list__": len(value)}
-        else:
-            into[path.rsplit(".", 1)[-1]] = value
+            return {_TENSOR_TAG: prefix + path}
+        if isinstance(value, Mapping):
+            return {str(key): visit(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [visit(item, f"{path}.{index}") for index, item in enumerate(value)]
+        return value
 
-    root: dict[str, Any] = {}
-    for key, value in state.items():
-        visit(value, str(key), root)
-    tensors[prefix + _JSON_KEY] = torch.frombuffer(bytearray(json.dumps(root).encode()), dtype=torch.uint8)
+    document = json.dumps(visit(state, "")).encode()
+    tensors[prefix + _JSON_KEY] = torch.frombuffer(bytearray(document), dtype=torch.uint8)
     return tensors
 
 
 def unflatten_rank_state(tensors: Mapping[str, Tensor], prefix: str) -> dict[str, Any]:
-    """The inverse of `flatten_rank_state`."""
+    """The inverse of `flatten_rank_state` (lists and tuples both come back as lists)."""
 
-    root = json.loads(bytes(tensors[prefix + _JSON_KEY].tolist()).decode())
-
-    def rebuild(node: Any, path: str) -> Any:
-        if isinstance(node, dict) and "__tensor_list__" in node:
-            return [tensors[f"{prefix}{path}.{index}"] for index in range(node["__tensor_list__"])]
+    def rebuild(node: Any) -> Any:
+        if isinstance(node, dict) and set(node) == {_TENSOR_TAG}:
+            return tensors[node[_TENSOR_TAG]]
         if isinstance(node, dict):
-            return {key: rebuild(item, f"{path}.{key}" if path else key) for key, item in node.items()}
+            return {key: rebuild(item) for key, item in node.items()}
+        if isinstance(node, list):
+            return [rebuild(item) for item in node]
         return node
 
-    result = {key: rebuild(item, key) for key, item in root.items()}
-    for key in tensors:  # tensor leaves were left out of the JSON document
-        if key.startswith(prefix) and key != prefix + _JSON_KEY:
-            _place(result, key.removeprefix(prefix).split("."), tensors[key])
-    return result
-
-
-def _place(tree: dict[str, Any], parts: list[str], value: Tensor) -> None:
-    node = tree
-    for part in parts[:-1]:
-        if isinstance(node.get(part), list):
-            return  # a tensor list, rebuilt whole above
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
+    document = json.loads(bytes(tensors[prefix + _JSON_KEY].tolist()).decode())
+    return cast(dict[str, Any], rebuild(document))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,9 +112,10 @@ def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tu
 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer)  # initialises an empty state first
+    state = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))  # initialises an empty state first
     flat: dict[str, Tensor] = {}
-    for name, values in state["state"].items():
+    per_parameter = cast(dict[str, dict[str, Any]], state["state"])
+    for name, values in per_parameter.items():
         for key, value in values.items():
             if not isinstance(value, Tensor):
                 raise ValueError(f"optimizer state {name}.{key} is a {type(value).__name__}, not a tensor")
@@ -146,7 +130,8 @@ def training_tensors(
 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(model).items()}
+    model_state = cast(dict[str, Tensor], get_model_state_dict(model))
+    tensors = {MODEL_PREFIX + name: value for name, value in model_state.items()}
     optimizer_state, flat = _optimizer_tensors(model, optimizer)
     tensors.update(flat)
     if ema is not None:
@@ -207,7 +192,10 @@ class ShardedCheckpointer:
         self.world.barrier()
         writer = dcp.FileSystemWriter(str(directory), sync_files=True, thread_count=1)
         if self.asynchronous:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist)
+            future = cast(
+                Future[Any],  # a Future unless a zero-overhead stager is passed (none is)
+                dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist),
+            )
             done: Future[Any] = Future()
             future.add_done_callback(lambda finished: self._complete(finished, directory, record, done))
             self._pending = _Pending(directory, done)
@@ -215,7 +203,7 @@ class ShardedCheckpointer:
             finished: Future[Any] = Future()
             try:
                 finished.set_result(dcp.save(tensors, storage_writer=writer, no_dist=self._no_dist))
-            except (Exception, CheckpointException) as exc:  # reported by `wait`, as an asynchronous failure is
+            except (Exception, CheckpointException) as exc:  # reported by `wait`, as an async failure is
                 finished.set_exception(exc)
             done = Future()
             self._complete(finished, directory, record, done)
@@ -250,10 +238,9 @@ class ShardedCheckpointer:
 
         pending, self._pending = self._pending, None
         if pending is not None:
-            try:
+            # The run is already ending with its own error; a failed save simply never gets its marker.
+            with contextlib.suppress(Exception, CheckpointException):
                 pending.future.result()
-            except (Exception, CheckpointException):  # the run is already ending with its own error; the marker was never written
-                pass
 
     def _failure(self, directory: Path, exc: BaseException) -> UserError:
         reason = _os_reason(exc)
@@ -336,8 +323,10 @@ def load_training_tensors(
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
             tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(tensors, storage_reader=FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
-    model_state = {key.removeprefix(MODEL_PREFIX): value for key, value in tensors.items() if key.startswith(MODEL_PREFIX)}
-    set_model_state_dict(model, model_state)
+    model_state = {
+        key.removeprefix(MODEL_PREFIX): value for key, value in tensors.items() if key.startswith(MODEL_PREFIX)
+    }
+    set_model_state_dict(model, cast(dict[str, Any], model_state))
     set_optimizer_state_dict(model, optimizer, optimizer_state)
     if ema is not None and record.get("ema"):
         ema.num_updates = int(record["ema"]["num_updates"])

@@ -36,7 +36,6 @@ from dlm.artifacts.checkpoint import (
     save_inference_checkpoint,
     save_training_checkpoint,
 )
-from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, remove_incomplete_checkpoints
 from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
@@ -58,6 +57,7 @@ from dlm.artifacts.run_dir import (
     remove_run_files,
     write_config,
 )
+from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, remove_incomplete_checkpoints
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
@@ -71,6 +71,7 @@ from dlm.runtime.kernels import configure_cuda_backends
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
 from dlm.runtime.threads import configure_cpu_threads
+from dlm.train.checkpointing import ShardedCheckpointer, load_trainer, save_trainer
 from dlm.train.distributed import (
     DistributedContext,
     check_parallelism,
@@ -82,7 +83,6 @@ from dlm.train.distributed import (
     load_full_state,
     shard_like,
 )
-from dlm.train.checkpointing import ShardedCheckpointer, load_trainer, save_trainer
 from dlm.train.init_from import initial_weights, load_initial_weights
 from dlm.train.loggers import check_loggers, open_loggers
 from dlm.train.memory import count_parameters
