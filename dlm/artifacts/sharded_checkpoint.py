@@ -16,12 +16,13 @@ DCP, and `read_sharded_weights` consolidates the model on one process for export
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,17 @@ MODEL_PREFIX, EMA_PREFIX = "model.", "ema."
 _STEP_DIRECTORY = re.compile(r"^step-(\d{8,})$")
 _HASH_CHUNK = 8 << 20
 # A checkpoint saved or read by one process needs no process group; torch says so at every call.
-warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Around a DCP call on one process, where the filter above may have been reset (pytest does)."""
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
 
 
 class IncompleteCheckpointNote(UserNote):
@@ -245,7 +256,8 @@ def read_sharded_tensors(directory: Path, keys: Iterable[str], entries: Mapping[
     from torch.distributed.checkpoint import FileSystemReader
 
     targets = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
-    dcp.load(targets, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+    with single_process_quiet():
+        dcp.load(targets, storage_reader=FileSystemReader(str(directory)), no_dist=True)
     return targets
 
 

@@ -42,6 +42,7 @@ from dlm.artifacts.sharded_checkpoint import (
     complete_checkpoints,
     hash_files,
     read_marker,
+    single_process_quiet,
     step_directory_name,
 )
 from dlm.artifacts.sharded_checkpoint import check_files as check_checkpoint_files
@@ -192,17 +193,19 @@ class ShardedCheckpointer:
         self.world.barrier()
         writer = dcp.FileSystemWriter(str(directory), sync_files=True, thread_count=1)
         if self.asynchronous:
-            future = cast(
-                Future[Any],  # a Future unless a zero-overhead stager is passed (none is)
-                dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist),
-            )
+            with single_process_quiet():
+                future = cast(
+                    Future[Any],  # a Future unless a zero-overhead stager is passed (none is)
+                    dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist),
+                )
             done: Future[Any] = Future()
             future.add_done_callback(lambda finished: self._complete(finished, directory, record, done))
             self._pending = _Pending(directory, done)
         else:
             finished: Future[Any] = Future()
             try:
-                finished.set_result(dcp.save(tensors, storage_writer=writer, no_dist=self._no_dist))
+                with single_process_quiet():
+                    finished.set_result(dcp.save(tensors, storage_writer=writer, no_dist=self._no_dist))
             except (Exception, CheckpointException) as exc:  # reported by `wait`, as an async failure is
                 finished.set_exception(exc)
             done = Future()
@@ -322,7 +325,8 @@ def load_training_tensors(
     for key, meta in entries.items():
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
             tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(tensors, storage_reader=FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.load(tensors, storage_reader=FileSystemReader(str(directory)), no_dist=not dist.is_initialized())
     model_state = {
         key.removeprefix(MODEL_PREFIX): value for key, value in tensors.items() if key.startswith(MODEL_PREFIX)
     }
