@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -218,13 +219,23 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _two_nodes(tmp_path: Path, arguments: list[str]) -> None:
-    """The commands of docs/scaling.md: one torchrun agent per node, meeting at NODE0:PORT."""
+def documented_node_commands() -> list[list[str]]:
+    """The two torchrun lines of docs/scaling.md, split into words ($NODE0 and $PORT left in)."""
 
-    port, node0 = _free_port(), "127.0.0.1"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{node0}:{port}", "--rdzv-id", "dlm-test",
-             "-m", "dlm", *arguments]
+    text = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.startswith("torchrun --nnodes 2 --nproc-per-node 1 ")]
+    assert len(lines) == 2, lines
+    return [shlex.split(line) for line in lines]
+
+
+def _two_nodes(tmp_path: Path, documented: list[str], arguments: list[str]) -> None:
+    """A documented command, one agent per node: torchrun's options as written, this test's address
+    and port for $NODE0:$PORT, and `dlm` given this test's arguments."""
+
+    port = _free_port()
+    launcher = documented[1 : documented.index("-m")]
+    launcher = [word.replace("$NODE0", "127.0.0.1").replace("$PORT", str(port)) for word in launcher]
+    agent = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "dlm", *arguments]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [open(tmp_path / f"node{node}.log", "w") for node in range(2)]  # noqa: SIM115
     try:
@@ -239,11 +250,14 @@ def _two_nodes(tmp_path: Path, arguments: list[str]) -> None:
 @pytest.mark.slow
 def test_two_nodes_on_one_machine(root: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "nodes"
+    first, then = documented_node_commands()
+    assert first[first.index("-m") + 1 : first.index("--config")] == ["dlm", "train"]
+    assert then[then.index("-m") + 1 :][:2] == ["dlm", "resume"]
     overrides = [part for item in settings(tiny_data_dir, run, *PER_PROCESS) for part in ("--set", item)]
-    _two_nodes(tmp_path, ["train", "--config", str(ROOT / "configs" / "tiny.toml"), *overrides,
-                          "--max-run-steps", "3"])
+    config = ["--config", str(ROOT / "configs" / "tiny.toml")]
+    _two_nodes(tmp_path, first, ["train", *config, *overrides, *first[first.index("--max-run-steps") :]])
     marker = read_marker((run / "latest").resolve())
     assert marker["step"] == 3 and set(marker["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    _two_nodes(tmp_path, ["resume", str(run)])
+    _two_nodes(tmp_path, then, ["resume", str(run)])
     assert_close_losses(losses(run), losses(root / "single"))
     assert_same_state(run / "latest", root / "single" / "latest", TOLERANCE)
