@@ -208,3 +208,22 @@ def test_checkpoint_format_auto_resolves_by_parallelism_and_world_size() -> None
     assert TrainingConfig(checkpoint_format="single", parallelism="fsdp").resolved_checkpoint_format(2) == "single"
     with pytest.raises(ValueError, match="async_checkpoint"):
         TrainingConfig(checkpoint_format="single", async_checkpoint=True)
+
+
+def test_checkpoint_estimates_of_both_formats() -> None:
+    from dlm.train.memory import checkpoint_state_bytes, estimate_checkpoints
+
+    experiment = load_config(ROOT / "configs" / "tiny.toml", ["training.parallelism=fsdp", "training.ema_decay=0.9"])
+    total = checkpoint_state_bytes(experiment)
+    assert total == 16 * experiment_parameters(experiment)  # weights, two AdamW moments, EMA: float32
+    single, sharded, asynchronous = estimate_checkpoints(experiment, 4)
+    assert (single.bytes_per_rank, single.rank0_host_bytes) == (total, total)  # gathered on rank 0
+    assert sharded.bytes_per_rank == asynchronous.rank0_host_bytes == -(-total // 4) and sharded.rank0_host_bytes == 0
+    alone = estimate_checkpoints(experiment, 1)[0]
+    assert alone.rank0_host_bytes == 0  # one process writes its tensors in place
+
+
+def experiment_parameters(experiment: ExperimentConfig) -> int:
+    from dlm.train.memory import count_parameters
+
+    return count_parameters(experiment.model)
