@@ -11,6 +11,8 @@ import errno
 import json
 import os
 import shutil
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
 from dlm.train.checkpointing import flatten_rank_state, unflatten_rank_state
 from dlm.train.loop import train
+from dlm.train.stop import SignalStop
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -227,3 +230,60 @@ def experiment_parameters(experiment: ExperimentConfig) -> int:
     from dlm.train.memory import count_parameters
 
     return count_parameters(experiment.model)
+
+
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shard write takes 0.3 s longer, so that an asynchronous save is still in flight when
+    the run ends; what is checked is that it completes all the same."""
+
+    import time
+
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    original = filesystem._FileSystemWriter.write_data
+
+    def write_data(self: object, plan: object, planner: object) -> object:
+        time.sleep(0.3)
+        return original(self, plan, planner)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", write_data)
+
+
+def _after_step(step: int, action: Callable[[], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlm.train.step import TrainingStep
+
+    original = TrainingStep.optimizer_step
+
+    def step_then_act(self: TrainingStep, batches: object, window: object) -> None:
+        original(self, batches, window)  # type: ignore[arg-type]
+        if self.counters.step == step:
+            action()
+
+    monkeypatch.setattr(TrainingStep, "optimizer_step", step_then_act)
+
+
+@pytest.mark.usefixtures("slow_writes")
+def test_ctrl_c_waits_for_the_async_save_in_flight(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _after_step(3, lambda: os.kill(os.getpid(), signal.SIGINT), monkeypatch)
+    run = tmp_path / "run"
+    result = train(tiny(runs["data"], run, "training.async_checkpoint=true"))
+    assert (result.status, result.step) == ("interrupted", 3)
+    assert [step for step, _ in complete_checkpoints(run)] == [2, 3]  # the final save, complete on return
+    assert os.readlink(run / "latest") == "step-00000003"
+
+
+@pytest.mark.usefixtures("slow_writes")
+def test_a_second_ctrl_c_still_lets_the_save_in_flight_complete(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def second_signal() -> None:
+        raise SignalStop(signal.SIGINT)  # what the handler raises in the main thread
+
+    _after_step(3, second_signal, monkeypatch)
+    run = tmp_path / "run"
+    with pytest.raises(SignalStop):
+        train(tiny(runs["data"], run, "training.async_checkpoint=true"))
+    assert [step for step, _ in complete_checkpoints(run)] == [2]  # started at step 2, finished before exit

@@ -1,7 +1,8 @@
 """The run directory: what it holds, and the checks that keep a run from being lost or replaced.
 
-A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints,
-`latest.pt`, `inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
+A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints
+(`step-N.pt` files or sharded `step-N/` directories), `latest.pt` or the `latest` link,
+`inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
 directory it was resumed from, wherever that is now. Every check here runs before the run writes
 anything, so a refused command leaves the directory exactly as it was.
 """

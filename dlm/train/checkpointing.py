@@ -12,10 +12,11 @@ JSON bytes in a uint8 tensor. The run's plain values go into the marker that
 `dlm.artifacts.sharded_checkpoint` writes last. The optimizer's param_groups are not saved: the
 config's hyperparameters win on resume anyway.
 
-Asynchronous saves (`training.async_checkpoint`) stage a CPU copy of this rank's shards, then write
-them in a background thread on a process group of their own (so its collectives never interleave
-with training's); rank 0 then hashes the files and writes the marker. At most one save is in
-flight: the next save, the end of the run, a stop signal or an exception waits for it first.
+Once DCP has written every rank's files, each rank hashes its own shards and rank 0 gathers the
+digests and writes the marker. Asynchronous saves (`training.async_checkpoint`) stage a CPU copy of
+this rank's shards, then do all of that in a background thread, on a process group of their own
+(so its collectives never interleave with training's). At most one save is in flight: the next
+save, the end of the run, a stop signal or an exception waits for it first.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dlm.artifacts.sharded_checkpoint import (
     complete_checkpoint,
     complete_checkpoints,
     hash_files,
+    rank_files,
     read_marker,
     single_process_quiet,
     step_directory_name,
@@ -212,15 +214,23 @@ class ShardedCheckpointer:
             self._complete(finished, directory, record, done)
             self._pending = _Pending(directory, done)
             self.wait()
+            self.world.barrier()  # no rank reports a checkpoint before its marker exists
         return directory
 
     def _complete(self, finished: Future[Any], directory: Path, record: Mapping[str, Any], done: Future[Any]) -> None:
-        """After DCP wrote every rank's files: rank 0 hashes them and writes the marker (last)."""
+        """After DCP wrote every rank's files (its `.metadata` comes last): each rank hashes its own
+        shards, rank 0 gathers the digests and writes the marker. In the background thread of an
+        asynchronous save this collective runs on the save's own group, after DCP's."""
 
         try:
             finished.result()
+            hashes = hash_files(rank_files(directory, self.world.rank))
+            if self.world.active:
+                gathered: list[dict[str, str] | None] = [None] * self.world.world_size
+                dist.all_gather_object(gathered, hashes, group=self.group)
+                hashes = {name: digest for part in gathered if part for name, digest in part.items()}
             if self.world.is_main:
-                complete_checkpoint(directory, record, hash_files(sorted(directory.glob("*.distcp"))), self.keep_last)
+                complete_checkpoint(directory, record, hashes, self.keep_last)
             done.set_result(directory)
         except BaseException as exc:
             done.set_exception(exc)

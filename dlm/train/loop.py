@@ -4,7 +4,8 @@ The usual parts of a training loop: seeding, device and precision resolution, CU
 with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
 diffusion times across gradient accumulation, warmup + cosine LR, gradient clipping, a GradScaler for
 float16, fixed-noise validation, atomic checkpoints with retention, a hard-linked `latest.pt` and a
-compact bf16 inference checkpoint.
+compact bf16 inference checkpoint; or sharded, optionally asynchronous checkpoints
+(`dlm.train.checkpointing`), from which `dlm export` / `eval` / `sample` read the model directly.
 
 Beyond them: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
 index) and the data order is a pure function of (seed, batch index), so a resumed run is
