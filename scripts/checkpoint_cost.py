@@ -16,8 +16,9 @@ their order rotated every round so that all three see the same load from other w
 
 Per save: the wall time training is blocked (until the call returns on the slower rank; for async
 also the time until the checkpoint is complete), rank 0's peak resident memory above its level
-before the save (sampled every 2 ms from /proc/self/statm until the save is complete) and the bytes
-each rank wrote. Printed: the median of each over rounds, and the ratios to the single file.
+before the save (sampled every 2 ms from /proc/self/statm until the save is complete; glibc's
+mmap threshold is fixed at 1 MiB so that freed blocks leave the resident set) and the bytes each
+rank wrote. Printed: the median of each over rounds, and the ratios to the single file.
 """
 
 from __future__ import annotations
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     world_size = 2
+    # glibc otherwise raises its mmap threshold after the first large free and keeps later freed
+    # blocks in the heap: the resident size would then hide what a later save allocates. A fixed
+    # threshold maps every large block and unmaps it on free (read at start by the spawned workers).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     root = Path(tempfile.mkdtemp(prefix="checkpoint-cost-", dir=args.dir))
     try:
         mp.start_processes(_worker, args=(world_size, args, root), nprocs=world_size, start_method="spawn")
