@@ -105,7 +105,8 @@ def _join(root: Path, rank: int, world_size: int) -> None:
 
 def _pair(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     """FSDP on 2 processes with asynchronous saves: straight through, resumed at step 3 of itself
-    (same world size), and resumed at step 3 of the 1-process run (1 -> 2)."""
+    (same world size), and resumed at step 3 of the 1-process run (1 -> 2); then DDP with sharded
+    checkpoints, paused at step 3 and resumed."""
 
     _join(root, rank, world_size)
     try:
@@ -115,6 +116,9 @@ def _pair(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
         assert resumed.step == STEPS
         grown = train(tiny(data_dir, root / "grown", *PER_PROCESS), resume=root / "single" / "step-00000003")
         assert grown.step == STEPS
+        ddp = ("training.gradient_accumulation_steps=2", "training.checkpoint_format=dcp")
+        assert train(tiny(data_dir, root / "ddp", *ddp), max_run_steps=3).step == 3
+        assert train(tiny(data_dir, root / "ddp", *ddp), resume=root / "ddp").step == STEPS
     finally:
         dist.destroy_process_group()
     end_process(0)
@@ -169,6 +173,15 @@ def test_resume_from_one_process_on_two(root: Path) -> None:
     reference = [loss for loss in losses(root / "single") if loss[1] > 3]
     assert_close_losses(losses(root / "grown"), reference)
     assert_same_state(root / "grown" / "latest", root / "single" / "latest", TOLERANCE)
+
+
+@pytest.mark.slow
+def test_ddp_with_sharded_checkpoints(root: Path) -> None:
+    # DDP's replicated tensors: DCP writes each once, spread over the ranks; resumed on 2 processes.
+    marker = read_marker((root / "ddp" / "latest").resolve())
+    assert marker["world_size"] == 2 and {".metadata", "__0_0.distcp"} <= set(marker["files"])
+    assert_close_losses(losses(root / "ddp"), losses(root / "single"))
+    assert_same_state(root / "ddp" / "latest", root / "single" / "latest", TOLERANCE)
 
 
 @pytest.mark.slow
