@@ -181,10 +181,12 @@ def test_a_full_disk_during_an_async_save_stops_cleanly(
     original_write = filesystem._FileSystemWriter.write_data
     monkeypatch.setattr(filesystem._FileSystemWriter, "write_data", write_files)
     run = tmp_path / "full"
+    # The save of step 4 fails in the background; the run stops at the next check (after step 5,
+    # or at the latest as step 6's save waits for it) instead of training on without checkpoints.
     with pytest.raises(UserError, match=r"step-00000004: No space left on device.*step-00000002 is kept"):
-        train(tiny(runs["data"], run, "training.async_checkpoint=true"))
+        train(tiny(runs["data"], run, "training.async_checkpoint=true", "training.max_steps=6"))
     assert [step for step, _ in complete_checkpoints(run)] == [2]
-    assert os.readlink(run / "latest") == "step-00000002"
+    assert os.readlink(run / "latest") == "step-00000002" and not (run / "step-00000006").exists()
 
 
 def test_rank_state_round_trips_through_tensors() -> None:
