@@ -163,10 +163,6 @@ class ShardedCheckpointer:
         self._pending: _Pending | None = None
         self._no_dist = not dist.is_initialized()  # one process: DCP then needs no process group
 
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
-
     def failed_here(self) -> bool:
         """Whether this rank's save in flight has failed (the loop agrees on it over ranks)."""
 
@@ -223,12 +219,18 @@ class ShardedCheckpointer:
         asynchronous save this collective runs on the save's own group, after DCP's."""
 
         try:
-            finished.result()
-            hashes = hash_files(rank_files(directory, self.world.rank))
+            finished.result()  # DCP failed on every rank or on none (it agrees over ranks)
+            try:
+                part: dict[str, str] | str = hash_files(rank_files(directory, self.world.rank))
+            except OSError as exc:  # still joins the gather below, so that no rank waits forever
+                part = f"cannot read its own shards: {exc.strerror or exc}"
+            parts: list[dict[str, str] | str | None] = [part]
             if self.world.active:
-                gathered: list[dict[str, str] | None] = [None] * self.world.world_size
-                dist.all_gather_object(gathered, hashes, group=self.group)
-                hashes = {name: digest for part in gathered if part for name, digest in part.items()}
+                parts = [None] * self.world.world_size
+                dist.all_gather_object(parts, part, group=self.group)
+            if failed := next((item for item in parts if isinstance(item, str)), None):
+                raise OSError(failed)
+            hashes = {name: digest for item in parts if isinstance(item, dict) for name, digest in item.items()}
             if self.world.is_main:
                 complete_checkpoint(directory, record, hashes, self.keep_last)
             done.set_result(directory)
