@@ -289,3 +289,15 @@ def test_a_second_ctrl_c_still_lets_the_save_in_flight_complete(
     with pytest.raises(SignalStop):
         train(tiny(runs["data"], run, "training.async_checkpoint=true"))
     assert [step for step, _ in complete_checkpoints(run)] == [2]  # started at step 2, finished before exit
+
+
+def test_a_sharded_run_is_refused_unless_overwritten(runs: dict[str, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(runs["dcp"], run, symlinks=True)
+    experiment = tiny(runs["data"], run, "training.checkpoint_format=single", "training.max_steps=2")
+    with pytest.raises(UserError, match=r"already holds a run .*latest.*step-00000002.*dlm resume"):
+        train(experiment)
+    train(experiment, overwrite=True)
+    assert sorted(path.name for path in run.iterdir()) == [
+        ".lock", "config.json", "inference-latest.pt", "latest.pt", "metrics.jsonl", "step-00000002.pt",
+    ]
