@@ -162,6 +162,9 @@ def test_async_saves_complete_and_equal_synchronous_ones(runs: dict[str, Path], 
     result = train(tiny(runs["data"], run, "training.async_checkpoint=true"))
     assert result.checkpoint == run / "step-00000004" and (result.checkpoint / MARKER_NAME).is_file()
     assert [step for step, _ in complete_checkpoints(run)] == [2, 4]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = [(e["step"], e["path"]) for e in lines if e["event"] == "checkpoint"]
+    assert saved == [(2, str(run / "step-00000002")), (4, str(run / "step-00000004"))]  # each once complete
     for step in (2, 4):
         _, got, _ = read_sharded_weights(run / f"step-{step:08d}")
         _, want, _ = read_sharded_weights(runs["dcp"] / f"step-{step:08d}")

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dlm.artifacts.events import CheckpointEvent
 from dlm.artifacts.sharded_checkpoint import (
     EMA_PREFIX,
     MODEL_PREFIX,
@@ -44,10 +45,12 @@ from dlm.artifacts.sharded_checkpoint import (
     hash_files,
     rank_files,
     read_marker,
+    sharded_step,
     single_process_quiet,
     step_directory_name,
 )
 from dlm.artifacts.sharded_checkpoint import check_files as check_checkpoint_files
+from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
 from dlm.train.distributed import DistributedContext
 
@@ -183,7 +186,8 @@ class ShardedCheckpointer:
         staged in CPU memory; training may then change the originals.
         """
 
-        self.wait()
+        if self._pending is not None:
+            raise RuntimeError("a save is still in flight: wait() for it first")
         directory = self.run_dir / step_directory_name(step)
         if self.world.is_main and directory.exists():
             # A step saved again after resuming from an older checkpoint: the abandoned one goes.
@@ -209,8 +213,6 @@ class ShardedCheckpointer:
             done = Future()
             self._complete(finished, directory, record, done)
             self._pending = _Pending(directory, done)
-            self.wait()
-            self.world.barrier()  # no rank reports a checkpoint before its marker exists
         return directory
 
     def _complete(self, finished: Future[Any], directory: Path, record: Mapping[str, Any], done: Future[Any]) -> None:
@@ -237,16 +239,28 @@ class ShardedCheckpointer:
         except BaseException as exc:
             done.set_exception(exc)
 
-    def wait(self) -> None:
-        """Wait for the save in flight; a failed one stops the run with the last complete kept."""
+    def collect(self) -> Path | None:
+        """The directory of the save in flight once it has completed (then it is no longer in
+        flight); None while it runs, when it failed (see `failed_here`) or when there is none."""
+
+        pending = self._pending
+        if pending is None or not pending.future.done() or pending.future.exception() is not None:
+            return None
+        self._pending = None
+        return pending.directory
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight and return its directory (None without one); a failed one
+        stops the run with the last complete checkpoint kept."""
 
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return None
         try:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
             raise self._failure(pending.directory, exc) from None
+        return pending.directory
 
     def close(self) -> None:
         """At exit, whatever the reason: the save in flight completes (or fails) before the process ends."""
@@ -355,8 +369,18 @@ def load_training_tensors(
 # ---------------------------------------------------------------------------------------------
 
 
+def sharded_checkpointer(training: TrainingConfig, world: DistributedContext) -> ShardedCheckpointer | None:
+    """The run's checkpointer when its checkpoints are sharded (`checkpoint_format` resolved), else None."""
+
+    if training.resolved_checkpoint_format(world.world_size) != "dcp":
+        return None
+    return ShardedCheckpointer(world, training.output_dir, training.keep_last_checkpoints, training.async_checkpoint)
+
+
 def save_trainer(trainer: Trainer, checkpointer: ShardedCheckpointer) -> Path:
-    """Hand every rank's shards of the trainer's state to `checkpointer` (a collective)."""
+    """Hand every rank's shards of the trainer's state to `checkpointer` (a collective). Its
+    `checkpoint` event comes once it is complete: at once, or for an asynchronous save when the
+    loop finds it finished (`report_saves`)."""
 
     from dlm.runtime.rng import capture_rng_state
 
@@ -366,7 +390,25 @@ def save_trainer(trainer: Trainer, checkpointer: ShardedCheckpointer) -> Path:
     tensors.update(flatten_rank_state(rank_state, rank_prefix(trainer.world.rank)))
     ema = None if step.ema is None else {"decay": step.ema.decay, "num_updates": step.ema.num_updates}
     record = {**trainer.record(), "scaler": step.scaler.state_dict(), "ema": ema}
-    return checkpointer.save(tensors, trainer.counters.step, record)
+    report_saves(trainer, block=True)  # at most one save in flight
+    path = checkpointer.save(tensors, trainer.counters.step, record)
+    if not checkpointer.asynchronous:
+        report_saves(trainer, block=True)
+        trainer.world.barrier()  # no rank returns before the marker exists
+    trainer.checkpoint_path = path
+    return path
+
+
+def report_saves(trainer: Trainer, block: bool) -> None:
+    """Report the save in flight once complete (rank 0's sink, from the training thread): at
+    once when `block` (waiting for it), else only if it has completed already."""
+
+    checkpointer = trainer.checkpointer
+    if checkpointer is None:
+        return
+    path = checkpointer.wait() if block else checkpointer.collect()
+    if path is not None and trainer.world.is_main:
+        trainer.sink(CheckpointEvent(step=sharded_step(path) or 0, path=str(path)))
 
 
 def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool) -> None:

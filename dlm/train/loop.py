@@ -72,7 +72,7 @@ from dlm.runtime.kernels import configure_cuda_backends
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
 from dlm.runtime.threads import configure_cpu_threads
-from dlm.train.checkpointing import ShardedCheckpointer, load_trainer, save_trainer
+from dlm.train.checkpointing import load_trainer, report_saves, save_trainer, sharded_checkpointer
 from dlm.train.distributed import (
     DistributedContext,
     check_parallelism,
@@ -136,12 +136,8 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
         self.checkpoint_path: Path | None = None
-        self.checkpoint_format = self.config.resolved_checkpoint_format(world.world_size)
-        self.checkpointer = None  # built on every rank at this point: it may create a process group
-        if self.checkpoint_format == "dcp":
-            asynchronous = self.config.async_checkpoint
-            self.checkpointer = ShardedCheckpointer(world, self.config.output_dir, self.config.keep_last_checkpoints,
-                                                    asynchronous)
+        # None for single-file checkpoints. Built on every rank at this point: it may create a group.
+        self.checkpointer = sharded_checkpointer(self.config, world)
 
     @property
     def counters(self) -> RunCounters:
@@ -228,13 +224,7 @@ class Trainer:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
         with self.stop.writing():  # a second Ctrl-C waits until the files are complete (or staged)
-            if self.checkpointer is None:
-                return self._save()
-            path = save_trainer(self, self.checkpointer)
-            if self.world.is_main:
-                self.sink(CheckpointEvent(step=self.counters.step, path=str(path)))
-            self.checkpoint_path = path
-            return path
+            return self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
 
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
@@ -369,6 +359,7 @@ class Trainer:
             if save_failed:
                 assert self.checkpointer is not None
                 self.checkpointer.stop_after_failure()
+            report_saves(self, block=False)
             if signalled:
                 status = "interrupted"
                 break
@@ -382,8 +373,7 @@ class Trainer:
             self.log(window)
         if self.checkpoint_path is None or self.counters.step % config.save_interval:
             self.save()
-        if self.checkpointer is not None:
-            self.checkpointer.wait()  # the result names a complete checkpoint
+        report_saves(self, block=True)  # the result names a complete checkpoint
         assert self.checkpoint_path is not None
         return TrainResult(
             status=status,
