@@ -190,7 +190,8 @@ def _next_older_fix(directory: Path) -> str:
     older = older_sharded_checkpoint(directory)
     if older is None:
         return f"no older complete checkpoint is left in {directory.resolve().parent}; start over with --overwrite"
-    return f"use the next-older complete checkpoint {older}: dlm resume {older.parent} --checkpoint {older.name}"
+    resume = f"dlm resume {older.parent} --checkpoint {older.name}"
+    return f"use the next-older complete checkpoint {older} (to train on from it: {resume})"
 
 
 def read_marker(directory: Path) -> dict[str, Any]:
