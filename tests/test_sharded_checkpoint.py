@@ -14,12 +14,13 @@ import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from dlm.artifacts.checkpoint import load_checkpoint
-from dlm.artifacts.loading import read_model_source
+from dlm.artifacts.loading import load_model, read_model_source
 from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import (
     MARKER_NAME,
@@ -114,19 +115,28 @@ def test_a_single_file_run_resumes_into_sharded_checkpoints(runs: dict[str, Path
     assert info.step == 6 and info.weights == "ema" and weights
 
 
-def test_exports_of_both_formats_are_identical(runs: dict[str, Path], tmp_path: Path, run_cli) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_exports_of_both_formats_are_identical(
+    runs: dict[str, Path], tmp_path: Path, run_cli: Callable[..., Any], dtype: str
+) -> None:
+    # The sharded one is streamed into model.safetensors tensor by tensor, the other written whole.
     for name in ("single", "dcp"):
         source = runs[name] / ("latest.pt" if name == "single" else "step-00000004")
-        assert run_cli("export", source, "--output", tmp_path / name).exit_code == 0
+        assert run_cli("export", source, "--output", tmp_path / name, "--dtype", dtype).exit_code == 0
     from safetensors.torch import load_file
 
     left = load_file(str(tmp_path / "single" / "model.safetensors"))
     right = load_file(str(tmp_path / "dcp" / "model.safetensors"))
     assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+    assert all(tensor.dtype == getattr(torch, dtype) for tensor in right.values())
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("single", "dcp")]
+    assert configs[0]["parameters"] == configs[1]["parameters"] and configs[1]["weights"] == "ema"
+    model, _ = load_model(tmp_path / "dcp")
+    assert model.num_parameters == configs[1]["parameters"]
 
 
 def test_a_missing_or_foreign_shard_names_itself_and_the_older_checkpoint(
-    runs: dict[str, Path], tmp_path: Path, run_cli
+    runs: dict[str, Path], tmp_path: Path, run_cli: Callable[..., Any]
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(runs["dcp"], run, symlinks=True)

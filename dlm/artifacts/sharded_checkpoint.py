@@ -23,6 +23,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -262,24 +263,54 @@ def read_sharded_tensors(directory: Path, keys: Iterable[str], entries: Mapping[
     return targets
 
 
-def read_sharded_weights(directory: Path, use_ema: bool = True) -> tuple[dict[str, Any], dict[str, Any], str]:
-    """(marker, model weights, "ema" | "live") of a sharded checkpoint, gathered on this process.
+@dataclass(frozen=True)
+class ShardedWeights:
+    """The model's weights in a verified sharded checkpoint, read one tensor at a time.
 
-    Only the model's tensors are read, the EMA's (float32) in place of the parameters it tracks
-    when wanted; never the optimizer's.
+    `sources` maps each weight name to the DCP key it is read from: the EMA's (float32) for the
+    parameters it tracks when wanted, the model's otherwise; `dtypes` are the model's own.
     """
+
+    directory: Path
+    record: dict[str, Any]
+    kind: str  # "ema" | "live"
+    sources: dict[str, str]
+    entries: dict[str, Any]
+    dtypes: dict[str, Any]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[self.sources[name]].size)
+
+    def read(self, name: str) -> Any:
+        """One whole tensor, in the model's dtype; the only copy of it this reads into memory."""
+
+        key = self.sources[name]
+        return read_sharded_tensors(self.directory, [key], self.entries)[key].to(self.dtypes[name])
+
+
+def open_sharded_weights(directory: Path, use_ema: bool = True) -> ShardedWeights:
+    """The marker, checked files and tensor index of a sharded checkpoint, nothing read yet."""
 
     directory = directory.resolve()
     record = read_marker(directory)
     check_files(directory, record)
     entries = tensor_entries(directory)
-    model = {key.removeprefix(MODEL_PREFIX) for key in entries if key.startswith(MODEL_PREFIX)}
-    average = {key.removeprefix(EMA_PREFIX) for key in entries if key.startswith(EMA_PREFIX)} & model
-    if not (use_ema and record.get("ema") and average):
-        average = set()
-    live = read_sharded_tensors(directory, [MODEL_PREFIX + name for name in sorted(model - average)], entries)
-    weights = {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in live.items()}
-    for name in sorted(average):  # one tensor at a time, cast to the model's dtype
-        tensor = read_sharded_tensors(directory, [EMA_PREFIX + name], entries)[EMA_PREFIX + name]
-        weights[name] = tensor.to(entries[MODEL_PREFIX + name].properties.dtype)
-    return record, weights, "ema" if average else "live"
+    model = {key.removeprefix(MODEL_PREFIX): key for key in entries if key.startswith(MODEL_PREFIX)}
+    average = {key.removeprefix(EMA_PREFIX): key for key in entries if key.startswith(EMA_PREFIX)}
+    use_average = bool(use_ema and record.get("ema") and average.keys() & model.keys())
+    sources = {name: average.get(name, key) if use_average else key for name, key in model.items()}
+    dtypes = {name: entries[key].properties.dtype for name, key in model.items()}
+    return ShardedWeights(directory, record, "ema" if use_average else "live", sources, entries, dtypes)
+
+
+def read_sharded_weights(directory: Path, use_ema: bool = True) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(marker, model weights, "ema" | "live") of a sharded checkpoint, gathered on this process,
+    tensor by tensor (the EMA's in place of the parameters it tracks when wanted; never the
+    optimizer's)."""
+
+    weights = open_sharded_weights(directory, use_ema)
+    return weights.record, {name: weights.read(name) for name in weights.names}, weights.kind
