@@ -188,7 +188,10 @@ def test_block_model_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path
     assert all(loss is not None and loss < 7 for loss in losses)
 
 
-BLOCK_PARALLEL = {"ddp": (), "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true")}
+BLOCK_PARALLEL = {
+    "ddp": (),
+    "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true", "training.checkpoint_format=single"),
+}
 
 
 def _parallel_worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:

@@ -124,7 +124,9 @@ def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     try:
-        runs = {"ddp": (), "fsdp": ("training.parallelism=fsdp", "model.activation_checkpointing=true")}
+        # The single-file format under FSDP too (sharded checkpoints: tests/test_sharded_distributed.py).
+        fsdp = ("training.parallelism=fsdp", "model.activation_checkpointing=true", "training.checkpoint_format=single")
+        runs = {"ddp": (), "fsdp": fsdp}
         runs = {name: (PER_PROCESS, *extra) for name, extra in runs.items()}
         for name, extra in runs.items():
             experiment = tiny(data_dir, root / name, *extra)

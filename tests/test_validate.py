@@ -45,12 +45,13 @@ def test_matching_files_pass_every_check(tiny_data_dir: Path, tmp_path: Path, ru
         assert {f"{split} data", f"{split} data seq_len", f"{split} data vocab_size", f"{split} data tokenizer"} <= set(
             names
         )
-    assert names[-3:] == ["output_dir writable", "training budget", "memory"]
+    assert names[-4:] == ["output_dir writable", "training budget", "memory", "checkpoint size"]
     blocks = json.loads((tiny_data_dir / "train.json").read_text())["num_blocks"]
-    budget = report["checks"][-2]["detail"]
+    budget = report["checks"][-3]["detail"]
     assert f"{60 * 8:,} blocks ({60 * 8 * 64:,} tokens) = {60 * 8 / blocks:.2f} epochs of {blocks:,}" in budget
-    assert "139.6K parameters: weights 545.2 KiB" in report["checks"][-1]["detail"]
-    assert "of RAM available" in report["checks"][-1]["detail"]
+    assert "139.6K parameters: weights 545.2 KiB" in report["checks"][-2]["detail"]
+    assert "of RAM available" in report["checks"][-2]["detail"]
+    assert "checkpoint_format 'auto' -> single; * single: 1.6 MiB" in report["checks"][-1]["detail"]
     assert not (tmp_path / "run").exists()  # validating never creates the run directory
     assert result.stderr == ""
 

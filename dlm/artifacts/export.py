@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
 import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from dlm import __version__
 from dlm.artifacts.card_data import card_title, data_lines, export_tokenizer_config, usage_prompt
-from dlm.artifacts.checkpoint import LOCK_NAME
+from dlm.artifacts.checkpoint import LOCK_NAME, check_finite_weights
 from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
 from dlm.artifacts.export_layout import (
@@ -42,8 +43,9 @@ from dlm.artifacts.export_layout import (
     read_export_config,
 )
 from dlm.artifacts.hf.reader import is_hf_export
-from dlm.artifacts.loading import read_model_source
+from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
+from dlm.artifacts.sharded_checkpoint import ShardedWeights
 from dlm.choices import ExportDtype
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
@@ -225,14 +227,52 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
     return "\n".join(lines)
 
 
+# safetensors' names of the dtypes an export can hold.
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+_WEIGHTS_METADATA = {"format": "pt", "dlm_format": EXPORT_FORMAT}
+
+
+def _stream_safetensors(path: Path, weights: ShardedWeights, dtype: torch.dtype) -> int:
+    """Write a sharded checkpoint's weights as one safetensors file, one tensor in memory at a time.
+
+    The header (names, dtypes, shapes, offsets) comes from DCP's index before any tensor is read,
+    then each tensor is read, cast, checked finite and appended. Returns the parameter count.
+    """
+
+    def stored_dtype(name: str) -> torch.dtype:
+        return dtype if weights.dtypes[name].is_floating_point else weights.dtypes[name]
+
+    header: dict[str, Any] = {"__metadata__": _WEIGHTS_METADATA}
+    offset = 0
+    for name in weights.names:
+        size = math.prod(weights.shape(name)) * stored_dtype(name).itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[stored_dtype(name)],
+            "shape": list(weights.shape(name)),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name in weights.names:
+            tensor = weights.read(name)
+            check_finite_weights({name: tensor}, weights.directory, step=weights.record.get("step"))
+            flat = tensor.to(stored_dtype(name)).contiguous().reshape(-1)
+            handle.write(flat.view(torch.uint8).numpy().data)  # little-endian, as safetensors stores
+    return sum(math.prod(weights.shape(name)) for name in weights.names)
+
+
 def _write_export(
-    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], card: str, tokenizer: Path,
+    directory: Path, write_weights: Callable[[Path], object], config: dict[str, Any], card: str, tokenizer: Path,
     tokenizer_settings: Path | None,
 ) -> None:  # fmt: skip
-    from safetensors.torch import save_file
-
     directory.mkdir()
-    save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": EXPORT_FORMAT})
+    write_weights(directory / WEIGHTS_NAME)
     # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
     share_as_created(directory / WEIGHTS_NAME)
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
@@ -241,6 +281,34 @@ def _write_export(
     (directory / CARD_NAME).write_text(card, encoding="utf-8")
     # config.json last: it is what marks the directory as a complete export.
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _weights_writer(
+    source: str | Path, use_ema: bool, dtype: torch.dtype
+) -> tuple[Callable[[Path], object], SourceInfo, int, dict[str, str]]:
+    """How to write the weights file, the source's metadata, the parameter count and the ties.
+
+    A sharded checkpoint streams tensor by tensor into the file; any other source is read whole
+    (it is one file already) and written with safetensors' own writer.
+    """
+
+    sharded = sharded_model_source(source, use_ema)
+    if sharded is not None:
+        info, lazy = sharded
+        shapes = [lazy.shape(name) for name in lazy.names]
+        return lambda path: _stream_safetensors(path, lazy, dtype), info, sum(math.prod(s) for s in shapes), {}
+    info, weights = read_model_source(source, use_ema)
+    if info.kind == "export":
+        raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
+    stored, tied = _store_once(weights, dtype)
+    del weights  # the stored tensors are what is written
+
+    def write(path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(stored, str(path), metadata=_WEIGHTS_METADATA)
+
+    return write, info, sum(tensor.numel() for tensor in stored.values()), tied
 
 
 def export_model(
@@ -256,19 +324,16 @@ def export_model(
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
     _check_output(output, overwrite)
-    info, weights = read_model_source(source, use_ema)
-    if info.kind == "export":
-        raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
+    write_weights, info, parameters, tied = _weights_writer(source, use_ema, EXPORT_DTYPES[dtype])
     tokenizer = checked_tokenizer(info)
     tokenizer_settings, _ = export_tokenizer_config(info)
-    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,
         "name": output.name,
         "dlm_version": __version__,
         "model": info.model.model_dump(mode="json"),
         "diffusion": info.diffusion.model_dump(mode="json"),
-        "parameters": sum(t.numel() for t in stored.values()),
+        "parameters": parameters,
         "dtype": dtype,
         "weights": info.weights,
         "step": info.step,
@@ -285,7 +350,7 @@ def export_model(
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)  # leftovers of a killed export with our pid
         try:
-            _write_export(building, stored, config, card, tokenizer, tokenizer_settings)
+            _write_export(building, write_weights, config, card, tokenizer, tokenizer_settings)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)

@@ -13,7 +13,7 @@ writes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from dlm.artifacts.export_layout import (
 )
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
+from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.schedules import attach_schedule
@@ -85,18 +86,17 @@ def _checkpoint_weights(checkpoint: dict[str, Any], path: Path, use_ema: bool) -
     return weights, "ema"
 
 
-def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
-    checkpoint = load_checkpoint(path)
-    if path.is_dir():
-        path = RunDir(path).latest
-    required = ("config", "model", "step", "tokens_seen", "tokenizer_sha256")
+def _checkpoint_info(checkpoint: dict[str, Any], path: Path, kind: str, holds_model: bool = True) -> SourceInfo:
+    """What a checkpoint says of itself; `holds_model`: its weights are in it (not in shards)."""
+
+    fields = ("config", "model", "step", "tokens_seen", "tokenizer_sha256")
+    required = [name for name in fields if holds_model or name != "model"]
     if missing := [key for key in required if key not in checkpoint]:
         raise UserError(f"damaged checkpoint: it lacks {', '.join(missing)}", path=path)
     experiment = ExperimentConfig.from_dict(checkpoint["config"], source=path)
-    weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
-    info = SourceInfo(
+    return SourceInfo(
         path=path,
-        kind="training" if checkpoint["format"] == TRAINING_FORMAT else "inference",
+        kind="training" if checkpoint.get("format", TRAINING_FORMAT) == TRAINING_FORMAT else "inference",
         model=experiment.model,
         weights=kind,
         step=int(checkpoint["step"]),
@@ -107,7 +107,37 @@ def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, T
         experiment=experiment,
         training=_training_settings(experiment),
     )
-    return info, weights
+
+
+def _checkpoint_path(path: Path) -> Path:
+    """A run directory means its latest checkpoint, of either format."""
+
+    return RunDir(path).latest_checkpoint() if path.is_dir() and not is_sharded_checkpoint(path) else path
+
+
+def sharded_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInfo, ShardedWeights] | None:
+    """Metadata and lazily read weights of a sharded checkpoint (or a run directory whose latest
+    checkpoint is sharded); None for any other source. The files are verified, no tensor is read."""
+
+    path = _checkpoint_path(Path(path))
+    if not is_sharded_checkpoint(path):
+        return None
+    weights = open_sharded_weights(path, use_ema)
+    return _checkpoint_info(weights.record, weights.directory, weights.kind, holds_model=False), weights
+
+
+def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
+    sharded = sharded_model_source(path, use_ema)
+    if sharded is not None:
+        info, lazy = sharded
+        weights = {name: lazy.read(name) for name in lazy.names}
+        check_finite_weights(weights, info.path, step=info.step)
+        return info, weights
+    path = _checkpoint_path(path)
+    checkpoint = load_checkpoint(path)
+    info = _checkpoint_info(checkpoint, path, "")
+    weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
+    return replace(info, weights=kind), weights
 
 
 _OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))

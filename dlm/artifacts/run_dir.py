@@ -1,7 +1,8 @@
 """The run directory: what it holds, and the checks that keep a run from being lost or replaced.
 
-A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints,
-`latest.pt`, `inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
+A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints
+(`step-N.pt` files or sharded `step-N/` directories), `latest.pt` or the `latest` link,
+`inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
 directory it was resumed from, wherever that is now. Every check here runs before the run writes
 anything, so a refused command leaves the directory exactly as it was.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,14 @@ from typing import Any
 
 from dlm.artifacts.checkpoint import INFERENCE_NAME, LATEST_NAME, numbered_checkpoints, step_checkpoint_name
 from dlm.artifacts.events import Event, JsonLinesFileSink
+from dlm.artifacts.sharded_checkpoint import (
+    LATEST_LINK,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    is_sharded_checkpoint,
+    latest_sharded,
+    sharded_step,
+)
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
@@ -64,11 +74,29 @@ class RunDir:
 
         return numbered_checkpoints(self.path)
 
+    @property
+    def latest_link(self) -> Path:
+        """`latest`: the link to the newest complete sharded (`step-N/`) checkpoint."""
+
+        return self.path / LATEST_LINK
+
+    def latest_checkpoint(self) -> Path:
+        """The newest of `latest.pt` and the sharded `latest` (a run may switch formats on resume);
+        `latest.pt` when neither exists, so that errors name the usual file."""
+
+        sharded = latest_sharded(self.path)
+        if sharded is None:
+            return self.latest
+        if not self.latest.is_file():
+            return self.latest_link
+        single = next((step for step, path in self.checkpoints() if path.samefile(self.latest)), -1)
+        return self.latest_link if (sharded_step(sharded) or 0) > single else self.latest
+
     def resume_checkpoint(self, name: Path | None = None) -> Path:
-        """The checkpoint a resume starts from: latest.pt, or the one named, which must be in this run."""
+        """The checkpoint a resume starts from: the latest, or the one named, which must be in this run."""
 
         if name is None:
-            return self.latest
+            return self.latest_checkpoint()
         chosen = self.path / name if name.parent == Path(".") else name
         if chosen.resolve().parent != self.path.resolve():
             raise UserError(
@@ -83,7 +111,9 @@ def run_files(directory: Path) -> list[Path]:
     """The files of a run in `directory`: what `dlm train` would overwrite."""
 
     named = [directory / name for name in RUN_FILE_NAMES if (directory / name).exists()]
-    return named + [path for _, path in numbered_checkpoints(directory)]
+    sharded = [path for _, path in complete_checkpoints(directory)] + incomplete_checkpoints(directory)
+    link = [directory / LATEST_LINK] if (directory / LATEST_LINK).is_symlink() else []
+    return named + [path for _, path in numbered_checkpoints(directory)] + sharded + link
 
 
 def check_run_file_kinds(directory: Path) -> None:
@@ -117,7 +147,7 @@ def check_run_target(directory: Path, resume: Path | None, overwrite: bool) -> N
         return
     names = ", ".join(sorted({path.name for path in existing}))
     if resume is None:
-        has_checkpoint = (directory / LATEST_NAME).exists()
+        has_checkpoint = (directory / LATEST_NAME).exists() or latest_sharded(directory) is not None
         fix = f"continue it with: dlm resume {directory}; or" if has_checkpoint else "it saved no checkpoint:"
         raise UserError(
             f"already holds a run ({names}); training here would overwrite it",
@@ -125,7 +155,8 @@ def check_run_target(directory: Path, resume: Path | None, overwrite: bool) -> N
             fix=f"{fix} pass --overwrite to delete it and start over, or choose another training.output_dir",
         )
     source = Path(resume)
-    if (source if source.is_dir() else source.parent).resolve() != directory.resolve():
+    run = source.parent if is_sharded_checkpoint(source) or not source.is_dir() else source
+    if run.resolve() != directory.resolve():
         raise UserError(
             f"already holds a run ({names}); continuing {resume} here would mix two runs",
             path=directory,
@@ -144,7 +175,10 @@ def remove_run_files(directory: Path) -> None:
     doomed += [directory / EVAL_NAME, *temporaries(directory), directory / METRICS_NAME]
     try:
         for path in doomed:
-            path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     except OSError as exc:
         raise UserError(f"cannot delete the old run: {exc.strerror or exc}", path=exc.filename or directory) from None
 

@@ -64,12 +64,15 @@ class BenchReport:
     rows: list[BenchResult] = field(default_factory=list)
     failures: list[dict[str, str]] = field(default_factory=list)  # settings + "error" (e.g. OOM)
     batch_search: BatchSearch | None = None
+    # One save of this config on one process, per checkpoint format (dlm.train.memory.CheckpointEstimate).
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "results": [asdict(row) for row in self.rows],
             "failures": self.failures,
             "batch_search": None if self.batch_search is None else asdict(self.batch_search),
+            "checkpoints": self.checkpoints,
         }
 
 
@@ -107,6 +110,13 @@ def report_summary(report: BenchReport) -> list[str]:
         limit = "" if search.memory_limit_gib is None else f" within {search.memory_limit_gib} GiB"
         tried = ", ".join(f"{size}{'' if ok else ' (OOM)'}" for size, ok in search.probes)
         lines.append(f"largest batch{limit}: {search.batch_size} (tried {tried})")
+    for estimate in report.checkpoints:
+        mib = 1 << 20
+        lines.append(
+            f"checkpoint {estimate['format']}: {estimate['total_bytes'] / mib:.1f} MiB on disk, "
+            f"{estimate['bytes_per_rank'] / mib:.1f} MiB written per rank, "
+            f"+{estimate['rank0_host_bytes'] / mib:.1f} MiB host memory on rank 0 while saving"
+        )
     return lines
 
 

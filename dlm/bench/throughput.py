@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 import torch
 
@@ -45,6 +46,7 @@ from dlm.runtime.device import resolve_compile, resolve_device, resolve_precisio
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
 from dlm.train.distributed import DistributedContext
+from dlm.train.memory import estimate_checkpoints
 from dlm.train.step import LogWindow, TrainingStep
 
 MAX_BATCH_LIMIT = 1 << 16  # the batch finder never probes beyond this many sequences
@@ -331,7 +333,7 @@ def benchmark(
     """
 
     combinations = compare_settings(parse_compare(compare or []))
-    report = BenchReport()
+    report = BenchReport(checkpoints=[asdict(estimate) for estimate in estimate_checkpoints(experiment, 1)])
     measured_peak = None
     if measure_peak:
         if progress is not None:

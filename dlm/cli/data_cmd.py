@@ -296,14 +296,22 @@ def _pack_notes(summary: PackSummary) -> list[str]:
     return notes
 
 
-def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
-    """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure.
+def validate(
+    config: ConfigOption,
+    overrides: SetOption = None,
+    as_json: JsonOption = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Processes the run will use (FSDP memory, checkpoint shards).")
+    ] = 1,
+) -> None:
+    """Check a config against its tokenizer, data, output directory, memory and checkpoint size; exit 2 on
+    any failure.
 
     Rows marked warning (a vocabulary, model or step count large for the data) do not fail it."""
 
     from dlm.train.preflight import validate_config_file
 
-    _, results = validate_config_file(config, overrides)
+    _, results = validate_config_file(config, overrides, world_size=nproc)
     failed = [result.name for result in results if not result.passed]
     warned = [result.name for result in results if result.status == "warning"]
     as_json = wants_json(as_json)

@@ -112,7 +112,8 @@ def eval_command(
         Path,
         typer.Argument(
             metavar="CHECKPOINT_OR_MODEL_DIR",
-            help="A training or inference checkpoint, a run directory (its latest.pt) or an exported model.",
+            help="A training or inference checkpoint (a sharded step-N directory too), a run directory (its latest "
+            "checkpoint) or an exported model.",
         ),
     ],
     data: Annotated[

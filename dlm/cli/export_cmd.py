@@ -38,7 +38,8 @@ def export_command(
     checkpoint: Annotated[
         Path,
         typer.Argument(
-            help="A training or inference checkpoint, a run directory (its latest.pt), or an export to convert."
+            help="A training or inference checkpoint (a sharded step-N directory too), a run directory (its latest "
+            "checkpoint), or an export to convert."
         ),
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],

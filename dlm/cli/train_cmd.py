@@ -106,7 +106,10 @@ def train_command(
     config: ConfigOption,
     overrides: SetOption = None,
     resume: Annotated[
-        Path | None, typer.Option("--resume", help="Continue from this training checkpoint (e.g. RUN/latest.pt).")
+        Path | None,
+        typer.Option(
+            "--resume", help="Continue from this training checkpoint (RUN/latest.pt, or a sharded RUN/step-00000020)."
+        ),
     ] = None,
     max_run_steps: MaxRunSteps = None,
     max_run_minutes: MaxRunMinutes = None,
@@ -147,12 +150,14 @@ def train_command(
 
 
 def resume_command(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds config.json and latest.pt).")],
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds config.json and its latest checkpoint).")],
     overrides: SetOption = None,
     checkpoint: Annotated[
         Path | None,
         typer.Option(
-            "--checkpoint", help="Resume from this checkpoint of the run (e.g. step-00000020.pt) instead of latest.pt."
+            "--checkpoint",
+            help="Resume from this checkpoint of the run (e.g. step-00000020.pt, or step-00000020 when sharded) "
+            "instead of the latest.",
         ),
     ] = None,
     max_run_steps: MaxRunSteps = None,

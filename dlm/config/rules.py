@@ -128,6 +128,16 @@ TRAINING_RULES = (
         ),
         'set masking = "bernoulli" to clip the range, or clip_mask_min = 0 and clip_mask_max = 1',
     ),
+    Rule(
+        "async_checkpoint",
+        '`training.async_checkpoint = true` needs `training.checkpoint_format` "dcp" or "auto"',
+        lambda t: (
+            "asynchronous saves are written by torch.distributed.checkpoint, not as a single file"
+            if t.async_checkpoint and t.checkpoint_format == "single"
+            else None
+        ),
+        'set checkpoint_format = "dcp" (or "auto"), or async_checkpoint = false',
+    ),
 )
 
 # Rules across sections; `field` is then the section a broken rule is reported on.

@@ -142,7 +142,20 @@ class TrainingConfig(_Strict):
     eval_batches: int = Field(8, ge=1, description="Validation batches, one fixed noise level each.")
     save_interval: int = Field(500, ge=1, description="Optimizer steps between checkpoints.")
     keep_last_checkpoints: int = Field(3, ge=0, description="Numbered checkpoints to keep; 0 keeps all.")
-    save_inference_checkpoint: bool = Field(True, description="Also write a compact bf16 inference-latest.pt.")
+    save_inference_checkpoint: bool = Field(
+        True, description="Also write a compact bf16 inference-latest.pt (single-file checkpoints only)."
+    )
+    checkpoint_format: Literal["auto", "single", "dcp"] = Field(
+        "auto",
+        description="single = one step-N.pt gathered on rank 0; dcp = a step-N/ directory of per-rank shards "
+        "(torch.distributed.checkpoint), resumable on any world size; auto = dcp under FSDP with 2 or more "
+        "processes or with async_checkpoint, else single.",
+    )
+    async_checkpoint: bool = Field(
+        False,
+        description="Write dcp checkpoints in the background while training goes on (at most one in flight; "
+        "it completes before the process exits).",
+    )
     require_fused_attention: bool = Field(
         False, description="Fail instead of falling back to the quadratic-memory math attention (CUDA)."
     )
@@ -195,6 +208,14 @@ class TrainingConfig(_Strict):
     def check_rules(self) -> TrainingConfig:
         _check_rules(self, TRAINING_RULES)
         return self
+
+    def resolved_checkpoint_format(self, world_size: int) -> Literal["single", "dcp"]:
+        """What `checkpoint_format = "auto"` means for a run of `world_size` processes."""
+
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        sharded = self.parallelism == "fsdp" and world_size > 1
+        return "dcp" if sharded or self.async_checkpoint else "single"
 
 
 class DiffusionConfig(_Strict):

@@ -3,10 +3,11 @@
 The model and the loop know nothing of parallelism. The loop asks a `DistributedContext` for its
 rank and world size, builds the model with `build_model` (FSDP2 shards it there, before the
 optimizer exists, because the optimizer must hold the sharded parameters), wraps it once with
-`wrap_model` and brackets each micro-batch with `gradient_sync`. Checkpoints always hold the full,
-single-process layout (plain state dicts, integer-keyed optimizer state), so a run saved under any
-world size or parallelism resumes under any other; under FSDP gathering that state is a collective
-every rank joins, and only rank 0 writes it. A single process (no torchrun) gets a context with
+`wrap_model` and brackets each micro-batch with `gradient_sync`. Single-file checkpoints hold the
+full, single-process layout (plain state dicts, integer-keyed optimizer state), so a run saved under
+any world size or parallelism resumes under any other; under FSDP gathering that state is a
+collective every rank joins, and only rank 0 writes it. Sharded checkpoints (each rank its own
+shards) are `dlm.train.checkpointing`'s. A single process (no torchrun) gets a context with
 world size 1 whose hooks do nothing.
 """
 

@@ -4,7 +4,8 @@ The usual parts of a training loop: seeding, device and precision resolution, CU
 with optional fused-attention enforcement, AdamW decay groups or bitsandbytes AdamW8bit, stratified
 diffusion times across gradient accumulation, warmup + cosine LR, gradient clipping, a GradScaler for
 float16, fixed-noise validation, atomic checkpoints with retention, a hard-linked `latest.pt` and a
-compact bf16 inference checkpoint.
+compact bf16 inference checkpoint; or sharded, optionally asynchronous checkpoints
+(`dlm.train.checkpointing`), from which `dlm export` / `eval` / `sample` read the model directly.
 
 Beyond them: every micro-batch's noise comes from a generator seeded by (seed, global micro-batch
 index) and the data order is a pure function of (seed, batch index), so a resumed run is
@@ -57,6 +58,7 @@ from dlm.artifacts.run_dir import (
     remove_run_files,
     write_config,
 )
+from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, remove_incomplete_checkpoints
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
@@ -70,6 +72,7 @@ from dlm.runtime.kernels import configure_cuda_backends
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
 from dlm.runtime.threads import configure_cpu_threads
+from dlm.train.checkpointing import load_trainer, report_saves, save_trainer, sharded_checkpointer
 from dlm.train.distributed import (
     DistributedContext,
     check_parallelism,
@@ -133,6 +136,8 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
         self.checkpoint_path: Path | None = None
+        # None for single-file checkpoints. Built on every rank at this point: it may create a group.
+        self.checkpointer = sharded_checkpointer(self.config, world)
 
     @property
     def counters(self) -> RunCounters:
@@ -142,6 +147,12 @@ class Trainer:
     def load(self, path: Path, allow_data_change: bool = False) -> None:
         """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
 
+        if path.is_dir() and not is_sharded_checkpoint(path):
+            path = RunDir(path).latest_checkpoint()
+        if is_sharded_checkpoint(path):
+            load_trainer(self, path, allow_data_change)
+            self.checkpoint_path = path.resolve()
+            return
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
         check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
         self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
@@ -175,6 +186,20 @@ class Trainer:
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.step.ema = ModelEMA(self.model, self.step.ema.decay)
 
+    def record(self) -> dict[str, Any]:
+        """The plain values of a checkpoint, whatever its format."""
+
+        return {
+            "dlm_version": __version__,
+            "step": self.counters.step,
+            "tokens_seen": self.counters.tokens_seen,
+            "micro_batches_seen": self.counters.micro_batches_seen,
+            "world_size": self.world.world_size,
+            "config": self.experiment.to_dict(),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "data_sha256": self.data_sha256,
+        }
+
     def state(self) -> dict[str, Any]:
         """The checkpoint payload, in single-process layout whatever the parallelism. Under FSDP
         a collective: every rank gathers, only rank 0 gets the tensors (the others, empty dicts)."""
@@ -186,14 +211,7 @@ class Trainer:
             ema_state["shadow"] = full_tensors(ema_state["shadow"])
         return {
             "format": TRAINING_FORMAT,
-            "dlm_version": __version__,
-            "step": self.counters.step,
-            "tokens_seen": self.counters.tokens_seen,
-            "micro_batches_seen": self.counters.micro_batches_seen,
-            "world_size": self.world.world_size,
-            "config": self.experiment.to_dict(),
-            "tokenizer_sha256": self.tokenizer_sha256,
-            "data_sha256": self.data_sha256,
+            **self.record(),
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
             "model": full_model_state(self.model),
@@ -205,8 +223,8 @@ class Trainer:
     def save(self) -> Path:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
-        with self.stop.writing():  # a second Ctrl-C waits until the files are complete
-            return self._save()
+        with self.stop.writing():  # a second Ctrl-C waits until the files are complete (or staged)
+            return self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
 
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
@@ -334,9 +352,14 @@ class Trainer:
                 self.raise_if_diverged(window)
                 self.save()
             # Decided together: a rank that stopped alone would leave the others in a collective.
-            signalled, out_of_time = self.world.any_rank(
-                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline]
+            signalled, out_of_time, save_failed = self.world.any_rank(
+                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline,
+                 self.checkpointer is not None and self.checkpointer.failed_here()]
             )
+            if save_failed:
+                assert self.checkpointer is not None
+                self.checkpointer.stop_after_failure()
+            report_saves(self, block=False)
             if signalled:
                 status = "interrupted"
                 break
@@ -350,6 +373,7 @@ class Trainer:
             self.log(window)
         if self.checkpoint_path is None or self.counters.step % config.save_interval:
             self.save()
+        report_saves(self, block=True)  # the result names a complete checkpoint
         assert self.checkpoint_path is not None
         return TrainResult(
             status=status,
@@ -455,6 +479,8 @@ def train(
             check_run_file_kinds(run_dir)
             check_run_target(run_dir, resume, overwrite)
         trainer = Trainer(experiment, device, precision, world, fan_out([]))
+        if trainer.checkpointer is not None:  # a save in flight completes before the process ends
+            cleanup.callback(trainer.checkpointer.close)
         if resume is not None:
             trainer.load(resume, allow_data_change)
         elif initial is not None:
@@ -468,6 +494,7 @@ def train(
         if world.is_main:
             if overwrite:
                 remove_run_files(run_dir)
+            remove_incomplete_checkpoints(run_dir)
             metrics = MetricsFile(run_dir)
             cleanup.callback(metrics.close)
             loggers = open_loggers(run_dir, experiment, trainer.counters.step)

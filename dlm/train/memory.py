@@ -287,3 +287,54 @@ def _activation_fix(experiment: ExperimentConfig) -> str:
     if not experiment.model.activation_checkpointing:
         fix += " or set model.activation_checkpointing = true"
     return fix
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: size on disk and host memory during a save, for either format
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointEstimate:
+    """One save of a run: bytes on disk, written per rank, and rank 0's extra host memory."""
+
+    format: str  # "single" | "dcp" | "dcp async"
+    world_size: int
+    total_bytes: int  # the whole checkpoint on disk
+    bytes_per_rank: int  # what the busiest rank writes
+    rank0_host_bytes: int  # host memory rank 0 holds beyond training's own during a save
+
+    def describe(self) -> str:
+        writers = "rank 0 writes it all" if self.format == "single" else f"{format_bytes(self.bytes_per_rank)} per rank"
+        return (
+            f"{self.format}: {format_bytes(self.total_bytes)} ({writers}), "
+            f"rank 0 holds {format_bytes(self.rank0_host_bytes)} more host memory while saving"
+        )
+
+
+def checkpoint_state_bytes(experiment: ExperimentConfig) -> int:
+    """Bytes of one checkpoint's tensors: float32 weights, optimizer state and EMA (RNG is noise)."""
+
+    parameters = count_parameters(experiment.model)
+    state = optimizer_state_bytes(experiment.model, experiment.training) or 0
+    return 4 * parameters + state + (4 * parameters if experiment.training.ema_decay else 0)
+
+
+def estimate_checkpoints(experiment: ExperimentConfig, world_size: int) -> list[CheckpointEstimate]:
+    """Both formats (and async DCP) for a run of `world_size` processes.
+
+    single: under FSDP on 2+ processes the full state is gathered into rank 0's CPU memory first;
+    otherwise rank 0 serialises its own tensors in place (about nothing extra on the CPU, one
+    tensor at a time from a GPU). dcp: every rank writes its 1 / world_size share (DCP spreads
+    replicated DDP tensors over the ranks too) straight from its tensors; async first copies that
+    share into CPU memory so training can go on.
+    """
+
+    total = checkpoint_state_bytes(experiment)
+    gathered = experiment.training.parallelism == "fsdp" and world_size > 1
+    share = -(-total // world_size)
+    return [
+        CheckpointEstimate("single", world_size, total, total, total if gathered else 0),
+        CheckpointEstimate("dcp", world_size, total, share, 0),
+        CheckpointEstimate("dcp async", world_size, total, share, share),
+    ]

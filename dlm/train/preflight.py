@@ -25,7 +25,7 @@ from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import resolve_device, resolve_precision
-from dlm.train.memory import check_training_memory, count_parameters
+from dlm.train.memory import check_training_memory, count_parameters, estimate_checkpoints
 
 # The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").
 # At about 2 bits of storage per parameter (Allen-Zhu and Li, 2024) and about 8 bits of information
@@ -243,6 +243,18 @@ def _memory_check(experiment: ExperimentConfig, device: torch.device | None, wor
     return CheckResult("memory", verdict.fits, verdict.detail, verdict.fix)
 
 
+def _checkpoint_check(experiment: ExperimentConfig, world_size: int) -> CheckResult:
+    training = experiment.training
+    resolved = training.resolved_checkpoint_format(world_size)
+    chosen = "dcp async" if resolved == "dcp" and training.async_checkpoint else resolved
+    estimates = estimate_checkpoints(experiment, world_size)
+    lines = [("* " if estimate.format == chosen else "") + estimate.describe() for estimate in estimates]
+    detail = f"{world_size} process(es), checkpoint_format {training.checkpoint_format!r} -> {chosen}; " + "; ".join(
+        lines
+    )
+    return CheckResult("checkpoint size", True, detail)
+
+
 def validate_experiment(
     experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1
 ) -> list[CheckResult]:
@@ -268,11 +280,12 @@ def validate_experiment(
     if train_dataset is not None:
         results.append(_budget_check(experiment, train_dataset))
     results.append(_memory_check(experiment, device, world_size))
+    results.append(_checkpoint_check(experiment, world_size))
     return results
 
 
 def validate_config_file(
-    path: str | Path, overrides: list[str] | None = None
+    path: str | Path, overrides: list[str] | None = None, world_size: int = 1
 ) -> tuple[ExperimentConfig | None, list[CheckResult]]:
     """Load and schema-check a config file, then run `validate_experiment` when it is valid."""
 
@@ -281,7 +294,7 @@ def validate_config_file(
     except UserError as exc:
         return None, [_failure("config schema", exc)]
     schema = CheckResult("config schema", True, f"{path} is a valid config")
-    return experiment, [schema, *validate_experiment(experiment)]
+    return experiment, [schema, *validate_experiment(experiment, world_size=world_size)]
 
 
 def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:
