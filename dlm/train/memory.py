@@ -7,12 +7,17 @@ directory was created. `dlm validate` reports the same figures as a check.
 The estimate is per process, in bytes:
 
 - weights: 4 per parameter (float32 master weights; autocast computes in bf16 / fp16 without a
-  second resident copy),
-- gradients: 4 per parameter,
-- optimizer state: as its registry entry counts it (`OptimizerSpec.state_bytes` in
-  `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
-- EMA: a float32 copy of the weights (4 per parameter) when `ema_decay` is set,
+  second resident copy); a LoRA run's frozen Linear weights 2 with `base_dtype = "bfloat16"`,
+- gradients: 4 per trained parameter,
+- optimizer state: as its registry entry counts it for the trained parameters (`OptimizerSpec.state_bytes`
+  in `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
+- EMA: a float32 copy of the trained weights (4 per parameter) when `ema_decay` is set,
 - activations: what one micro-batch saves for its backward pass (see `activation_bytes`).
+
+Every parameter trains, except in a LoRA run (`[training.lora]`): there the frozen base needs its
+weights alone, and the adapters are the trained parameters. A LoRA run's parameters are counted on
+a model built on the meta device with its adapters injected (shapes and dtypes, no storage), so the
+figure is the one peft will allocate, whatever the model's shape.
 
 The first four, the model state, exist whatever the batch or the kernels; under FSDP they are
 sharded over the processes. Only the model state decides a refusal: it is a lower bound, so a run
@@ -66,14 +71,48 @@ def count_parameters(model: ModelConfig) -> int:
     return sum(math.prod(shape) for _, shape in parameter_shapes(model))
 
 
-def optimizer_state_bytes(model: ModelConfig, training: TrainingConfig) -> int | None:
-    """Bytes of optimizer state for every parameter of `model` (before any sharding); None when the
-    optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
+@dataclass(frozen=True)
+class ParameterEntry:
+    """One parameter of the model a run trains: its elements, bytes per element, and whether it trains."""
+
+    name: str
+    size: int
+    element_bytes: int
+    trainable: bool
+
+
+def parameter_entries(model: ModelConfig, training: TrainingConfig) -> list[ParameterEntry]:
+    """Every parameter of the run's model. A LoRA run's come from the model built on the meta device
+    with its adapters (which also checks `target_modules`); the others from `parameter_shapes`."""
+
+    if not training.lora.enabled:
+        return [ParameterEntry(name, math.prod(shape), 4, True) for name, shape in parameter_shapes(model)]
+    from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
+    from dlm.model.transformer import DiffusionTransformer
+
+    with torch.device("meta"):
+        network = add_adapters(DiffusionTransformer(model), training.lora)
+    return [
+        ParameterEntry(name, parameter.numel(), parameter.element_size(), parameter.requires_grad)
+        for name, parameter in network.named_parameters()
+    ]
+
+
+def trainable_parameter_count(model: ModelConfig, training: TrainingConfig) -> int:
+    return sum(entry.size for entry in parameter_entries(model, training) if entry.trainable)
+
+
+def optimizer_state_bytes(
+    model: ModelConfig, training: TrainingConfig, entries: list[ParameterEntry] | None = None
+) -> int | None:
+    """Bytes of optimizer state for the trained parameters of `model` (before any sharding); None when
+    the optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
 
     state_bytes = optimizer_spec(training.optimizer).state_bytes
     if state_bytes is None:
         return None
-    return state_bytes([(name, math.prod(shape)) for name, shape in parameter_shapes(model)], training)
+    entries = parameter_entries(model, training) if entries is None else entries
+    return state_bytes([(entry.name, entry.size) for entry in entries if entry.trainable], training)
 
 
 def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: str) -> int:
@@ -114,6 +153,7 @@ class MemoryEstimate:
     ema: int
     activations: int
     optimizer_state_estimated: bool = True  # False: the optimizer's state size is unknown, counted as 0
+    trainable: int | None = None  # trained parameters when fewer than all (a LoRA run's adapters)
 
     @property
     def model_state(self) -> int:
@@ -134,15 +174,24 @@ class MemoryEstimate:
         ]
         if self.ema:
             parts.append(f"EMA {format_bytes(self.ema)}")
-        return f"{format_parameter_count(self.parameters)} parameters: " + " + ".join(parts)
+        counted = f"{format_parameter_count(self.parameters)} parameters"
+        if self.trainable is not None:
+            counted += f" ({format_parameter_count(self.trainable)} trained, {self.trainable_share:.2%})"
+        return f"{counted}: " + " + ".join(parts)
+
+    @property
+    def trainable_share(self) -> float:
+        return (self.parameters if self.trainable is None else self.trainable) / self.parameters
 
 
 def estimate_training_memory(experiment: ExperimentConfig, precision: str, shards: int = 1) -> MemoryEstimate:
     """The memory of one training process; `shards` processes split the model state (FSDP)."""
 
     model, training = experiment.model, experiment.training
-    parameters = count_parameters(model)
-    state = optimizer_state_bytes(model, training)
+    entries = parameter_entries(model, training)
+    parameters = sum(entry.size for entry in entries)
+    trainable = sum(entry.size for entry in entries if entry.trainable)
+    state = optimizer_state_bytes(model, training, entries)
 
     def per_shard(total: int) -> int:
         return -(-total // shards)
@@ -150,12 +199,13 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
     return MemoryEstimate(
         parameters=parameters,
         optimizer=training.optimizer,
-        weights=per_shard(4 * parameters),
-        gradients=per_shard(4 * parameters),
+        weights=per_shard(sum(entry.size * entry.element_bytes for entry in entries)),
+        gradients=per_shard(4 * trainable),
         optimizer_state=per_shard(state or 0),
-        ema=per_shard(4 * parameters) if training.ema_decay else 0,
+        ema=per_shard(4 * trainable) if training.ema_decay else 0,
         activations=activation_bytes(model, training, precision),
         optimizer_state_estimated=state is not None,
+        trainable=trainable if trainable < parameters else None,
     )
 
 
@@ -273,6 +323,11 @@ def check_training_memory(
 def _model_state_fix(experiment: ExperimentConfig, device: torch.device) -> str:
     training = experiment.training
     fixes = ["use a smaller model (model.d_model, model.n_layers)"]
+    lora = training.lora
+    if not lora.enabled and training.init_from is not None:
+        fixes.append("train LoRA adapters on it instead of every weight ([training.lora] rank = 16)")
+    if lora.enabled and lora.base_dtype == "float32":
+        fixes.append('store the frozen weights in bfloat16 (training.lora.base_dtype and precision "bfloat16")')
     if training.optimizer == "adamw":
         fixes.append('set training.optimizer = "adamw8bit" (2 bytes of state per parameter instead of 8)')
     if training.ema_decay:

@@ -25,7 +25,7 @@ from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import resolve_device, resolve_precision
-from dlm.train.memory import check_training_memory, count_parameters
+from dlm.train.memory import check_training_memory, count_parameters, parameter_entries
 
 # The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").
 # At about 2 bits of storage per parameter (Allen-Zhu and Li, 2024) and about 8 bits of information
@@ -239,8 +239,28 @@ def _memory_check(experiment: ExperimentConfig, device: torch.device | None, wor
     except UserError as exc:
         return _failure("memory", exc)
     shards = world_size if training.parallelism == "fsdp" else 1
-    verdict = check_training_memory(experiment, device, precision, shards)
+    try:  # a LoRA run's estimate builds the model with its adapters: peft and the targets must be right
+        verdict = check_training_memory(experiment, device, precision, shards)
+    except UserError as exc:
+        return _failure("memory", exc)
     return CheckResult("memory", verdict.fits, verdict.detail, verdict.fix)
+
+
+def _lora_check(experiment: ExperimentConfig) -> CheckResult:
+    """The adapters `[training.lora]` asks for, built on the meta device: the trained share of the model."""
+
+    model, lora = experiment.model, experiment.training.lora
+    try:
+        entries = parameter_entries(model, experiment.training)
+    except UserError as exc:
+        return _failure("LoRA adapters", exc)
+    total, trained = sum(e.size for e in entries), sum(e.size for e in entries if e.trainable)
+    detail = (
+        f"rank {lora.rank} on {', '.join(lora.target_modules)}: {format_parameter_count(trained)} of "
+        f"{format_parameter_count(total)} parameters train ({trained / total:.2%}); the base stays frozen "
+        f"({lora.base_dtype} Linear weights)"
+    )
+    return CheckResult("LoRA adapters", True, detail)
 
 
 def validate_experiment(
@@ -267,6 +287,8 @@ def validate_experiment(
     results.append(_output_check(Path(training.output_dir)))
     if train_dataset is not None:
         results.append(_budget_check(experiment, train_dataset))
+    if training.lora.enabled:
+        results.append(_lora_check(experiment))
     results.append(_memory_check(experiment, device, world_size))
     return results
 
