@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from dlm.cli.common import (
     ConfigOption,
+    DeviceMemoryOption,
     JsonOption,
     SetOption,
     console,
@@ -296,14 +297,17 @@ def _pack_notes(summary: PackSummary) -> list[str]:
     return notes
 
 
-def validate(config: ConfigOption, overrides: SetOption = None, as_json: JsonOption = False) -> None:
+def validate(
+    config: ConfigOption, overrides: SetOption = None, device_memory: DeviceMemoryOption = None,
+    as_json: JsonOption = False,
+) -> None:  # fmt: skip
     """Check a config against its tokenizer, data, output directory and memory; exit 2 on any failure.
 
     Rows marked warning (a vocabulary, model or step count large for the data) do not fail it."""
 
     from dlm.train.preflight import validate_config_file
 
-    _, results = validate_config_file(config, overrides)
+    _, results = validate_config_file(config, overrides, device_memory)
     failed = [result.name for result in results if not result.passed]
     warned = [result.name for result in results if result.status == "warning"]
     as_json = wants_json(as_json)
