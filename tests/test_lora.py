@@ -130,3 +130,20 @@ def test_adapters_only_refuses_a_plain_run(base_run: Path, tmp_path: Path, run_c
         refused.stderr
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_inference_checkpoint_and_the_ema_of_a_lora_run_load_merged(
+    tiny_data_dir: Path, base_run: Path, tmp_path: Path
+) -> None:
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *lora_settings(base_run, "training.ema_decay=0.9"))
+    result = train(experiment)
+    checkpoint = load_checkpoint(result.checkpoint)
+    assert checkpoint["ema"]["shadow"].keys() == checkpoint["model"].keys()  # the average tracks the adapters
+    inference = load_checkpoint(tmp_path / "run" / "inference-latest.pt")
+    assert inference["weights"] == "ema" and inference["lora_base"] == checkpoint["lora_base"]
+    assert all(".lora_" in name for name in inference["model"])
+    info, merged = read_model_source(tmp_path / "run" / "inference-latest.pt")
+    _, from_training = read_model_source(result.checkpoint)  # EMA weights too, by default
+    assert info.lora is not None and merged.keys() == from_training.keys()
+    for name, tensor in from_training.items():  # the inference file's adapters are bfloat16
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=2e-3)

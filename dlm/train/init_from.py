@@ -7,7 +7,9 @@ same model shape, else its token ids or tensors would mean something else; a ref
 sides. The block size is no part of the shape (no tensor depends on it): a block diffusion model may
 start a whole-sequence run, or the reverse (a legitimate adaptation), and a warning says so. The
 path stays in the run's config, yet a resume restores the run's own checkpoint and never reads the
-source again, so a fine-tuning run resumes exactly like any other.
+source again, so a fine-tuning run resumes exactly like any other. A LoRA run (`[training.lora]`) is the
+exception: its checkpoints hold the adapters alone, so its resume reads the source, its frozen base,
+again, and refuses one whose weights' sha256 changed.
 """
 
 from __future__ import annotations
