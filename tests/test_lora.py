@@ -57,9 +57,16 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(
     assert torch.equal(merged["token_embedding.weight"], base["token_embedding.weight"])  # frozen, no adapter
 
 
-def test_resume_of_a_lora_run_is_bit_identical(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
-    losses = check_resume_is_exact(tiny_data_dir, tmp_path, lora_settings(base_run, "training.lora.dropout=0.1"), 3)
-    assert len(losses) == 6
+@pytest.mark.parametrize(
+    "extra",
+    [("training.lora.dropout=0.1",),  # dropout draws from the global RNG: its state is part of the resume
+     ("training.precision=bfloat16", "training.lora.base_dtype=bfloat16", "training.lora.target_modules=qkv,down")],
+)  # fmt: skip
+def test_resume_of_a_lora_run_is_bit_identical(
+    tiny_data_dir: Path, base_run: Path, tmp_path: Path, extra: tuple[str, ...]
+) -> None:
+    losses = check_resume_is_exact(tiny_data_dir, tmp_path, lora_settings(base_run, *extra), 3)
+    assert len(losses) == 6 and all(loss is not None for loss in losses)
 
 
 def test_a_resume_refuses_a_changed_base(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
@@ -147,3 +154,10 @@ def test_the_inference_checkpoint_and_the_ema_of_a_lora_run_load_merged(
     assert info.lora is not None and merged.keys() == from_training.keys()
     for name, tensor in from_training.items():  # the inference file's adapters are bfloat16
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=2e-3)
+
+
+def test_a_resume_refuses_other_lora_settings(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
+    paused = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *lora_settings(base_run)), max_run_steps=3)
+    changed = tiny_experiment(tiny_data_dir, tmp_path / "run", *lora_settings(base_run, "training.lora.alpha=4"))
+    with pytest.raises(UserError, match=r"training\.lora is .*alpha=4\.0.* but the checkpoint used .*alpha=8\.0"):
+        train(changed, resume=paused.checkpoint)

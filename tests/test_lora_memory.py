@@ -124,3 +124,18 @@ def test_validate_reports_the_adapters_and_compares_with_a_planned_gpu(
     checks = {check["name"]: check for check in json.loads(bad.stdout)["checks"]}
     adapters = checks["LoRA adapters"]
     assert adapters["status"] == "failed" and "'wq' is not a Linear layer" in adapters["detail"]
+
+
+@pytest.mark.bitsandbytes
+def test_adamw8bit_holds_the_adapters_alone_as_estimated() -> None:
+    experiment = small("training.optimizer=adamw8bit", "training.optimizer_min_8bit_size=1024")
+    step = TrainingStep(experiment, torch.device("cpu"), "float32", DistributedContext())
+    model = experiment.model
+    clean = torch.randint(3, model.vocab_size, (experiment.training.batch_size, model.max_seq_len))
+    step.optimizer_step(iter([clean]), LogWindow(step.device))
+    # The embedding's 32-bit override names a frozen parameter now: it must not bring it into the optimizer.
+    optimized = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in step.model.parameters() if p.requires_grad}
+    moments = sum(state[key].numel() * state[key].element_size()
+                  for state in step.optimizer.state.values() for key in ("state1", "state2"))  # fmt: skip
+    assert moments == estimate_training_memory(experiment, "float32").optimizer_state
