@@ -161,3 +161,14 @@ def test_a_resume_refuses_other_lora_settings(tiny_data_dir: Path, base_run: Pat
     changed = tiny_experiment(tiny_data_dir, tmp_path / "run", *lora_settings(base_run, "training.lora.alpha=4"))
     with pytest.raises(UserError, match=r"training\.lora is .*alpha=4\.0.* but the checkpoint used .*alpha=8\.0"):
         train(changed, resume=paused.checkpoint)
+
+
+def test_a_resume_without_its_base_says_so(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base.pt"
+    base.write_bytes((base_run / "latest.pt").read_bytes())
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *LORA, f"training.init_from={base}")
+    paused = train(experiment, max_run_steps=3)
+    base.unlink()
+    with pytest.raises(UserError, match="checkpoint not found") as info:
+        train(experiment, resume=paused.checkpoint)
+    assert str(base) in str(info.value)

@@ -36,7 +36,6 @@ from dlm.artifacts.checkpoint import (
     save_inference_checkpoint,
     save_training_checkpoint,
 )
-from dlm.artifacts.checksum import weights_sha256
 from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
@@ -83,7 +82,7 @@ from dlm.train.distributed import (
     load_full_state,
     shard_like,
 )
-from dlm.train.init_from import initial_weights, load_initial_weights
+from dlm.train.init_from import checked_lora_base, initial_weights, load_initial_weights, lora_base_record
 from dlm.train.loggers import check_loggers, open_loggers
 from dlm.train.memory import trainable_parameter_count
 from dlm.train.optimizer import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
@@ -135,7 +134,7 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
         self.checkpoint_path: Path | None = None
-        self.base_sha256: str | None = None  # a LoRA run's frozen base weights
+        self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
 
     @property
     def counters(self) -> RunCounters:
@@ -175,20 +174,12 @@ class Trainer:
         self.checkpoint_path = Path(path)
 
     def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
-        """The base weights from `training.init_from`, refused unless they are the ones the run began
-        with; then the checkpoint's adapters and optimizer state (LoRA runs: one process or DDP)."""
+        """The base weights, refused unless they are the ones the run began with; then the checkpoint's
+        adapters and optimizer state (a LoRA run: one process or DDP, never sharded)."""
 
-        recorded = checkpoint.get("lora_base") or {}
-        if base is None or recorded.get("sha256") != weights_sha256(base):
-            raise UserError(
-                f"training.init_from is not the base model this LoRA run was trained on (its weights' sha256 is "
-                f"{'unknown' if base is None else weights_sha256(base)[:12]}, the checkpoint recorded "
-                f"{str(recorded.get('sha256'))[:12]})",
-                path=path,
-                fix=f"point training.init_from at the run's base model ({recorded.get('path')}), unchanged",
-            )
+        self.lora_base = checked_lora_base(checkpoint.get("lora_base"), base, path)
+        assert base is not None
         load_base_and_adapters(self.model, base, checkpoint["model"])
-        self.base_sha256 = recorded["sha256"]
         self.optimizer.load_state_dict(checkpoint["optimizer"])
 
     def start_from(self, weights: dict[str, Tensor]) -> None:
@@ -198,7 +189,8 @@ class Trainer:
 
         if self.config.lora.enabled:
             load_base_and_adapters(self.model, weights)
-            self.base_sha256 = weights_sha256(weights)
+            assert self.config.init_from is not None  # a config rule of [training.lora]
+            self.lora_base = lora_base_record(self.config.init_from, weights)
         else:
             load_initial_weights(self.model, weights)
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
@@ -226,18 +218,11 @@ class Trainer:
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
             "model": adapter_state(self.model) if self.config.lora.enabled else full_model_state(self.model),
-            "lora_base": self.lora_base(),
+            "lora_base": self.lora_base,
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scaler": self.step.scaler.state_dict(),
             "ema": ema_state,
         }
-
-    def lora_base(self) -> dict[str, str] | None:
-        """What names a LoRA run's base model: where it was read from and its weights' sha256."""
-
-        if not self.config.lora.enabled:
-            return None
-        return {"path": str(self.config.init_from), "sha256": str(self.base_sha256)}
 
     def save(self) -> Path:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
