@@ -6,7 +6,7 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -23,6 +23,9 @@ from dlm.cli.common import (
     wants_json,
 )
 from dlm.errors import UserError
+
+if TYPE_CHECKING:
+    from dlm.config.schema import ExperimentConfig
 
 # Left out first when the terminal is too narrow for every header word whole (least useful first).
 _DROP_ORDER = ("attention", "MFU measured", "dtype", "compile", "model GFLOP/s", "model TFLOP/s", "MFU")
@@ -172,7 +175,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
     console.print(table)
 
 
-def _estimate_command(experiment: Any, device_memory: float | None, as_json: bool) -> None:
+def _estimate_command(experiment: ExperimentConfig, device_memory: float | None, as_json: bool) -> None:
     """`dlm bench --estimate`: the memory of one training process, part by part, from the config alone."""
 
     from rich.table import Column, Table
