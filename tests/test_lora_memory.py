@@ -139,3 +139,11 @@ def test_adamw8bit_holds_the_adapters_alone_as_estimated() -> None:
     moments = sum(state[key].numel() * state[key].element_size()
                   for state in step.optimizer.state.values() for key in ("state1", "state2"))  # fmt: skip
     assert moments == estimate_training_memory(experiment, "float32").optimizer_state
+
+
+def test_estimate_refuses_the_options_of_a_timed_run(run_cli: Callable[..., CliResult]) -> None:
+    config = ROOT / "configs" / "llada-8b-lora.toml"
+    timed = run_cli("bench", "--config", config, "--estimate", "--steps", "3", "--batch-size", "2")
+    timed.assert_refused("error: --steps, --batch-size do not apply to --estimate, which runs no step")
+    alone = run_cli("bench", "--config", config, "--device-memory", "24")
+    alone.assert_refused("error: --device-memory plans for another GPU: it goes with --estimate")

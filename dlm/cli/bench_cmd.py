@@ -248,10 +248,13 @@ def bench_command(
     from dlm.config.schema import load_config
 
     experiment = load_config(config, overrides)
-    if estimate or device_memory is not None:
-        if not estimate:
-            raise UserError("--device-memory plans for another GPU: it goes with --estimate", fix="add --estimate")
+    if estimate:
+        timing = tuple(name for name in MODE_OPTIONS["training"] if name not in ("config", "overrides", "estimate",
+                                                                                 "device_memory"))  # fmt: skip
+        refuse_other_mode(given_options(ctx), (*timing, "compare", "device"), "to --estimate, which runs no step")
         return _estimate_command(experiment, device_memory, as_json)
+    if device_memory is not None:
+        raise UserError("--device-memory plans for another GPU: it goes with --estimate", fix="add --estimate")
     options: dict[str, Any] = {"steps": steps, "warmup": warmup, "batch_size": batch_size}
     options["fused_attention"] = fused_attention
     options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}
