@@ -172,3 +172,29 @@ def test_a_resume_without_its_base_says_so(tiny_data_dir: Path, base_run: Path, 
     with pytest.raises(UserError, match="checkpoint not found") as info:
         train(experiment, resume=paused.checkpoint)
     assert str(base) in str(info.value)
+
+
+@pytest.mark.slow  # two processes that each import peft and torch: about 30 s
+def test_two_ddp_processes_train_the_adapters_as_one_process(
+    tiny_data_dir: Path, base_run: Path, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    config = Path(__file__).parents[1] / "configs" / "tiny.toml"
+    settings = [f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}", "training.val_data=none",
+                f"training.train_data={tiny_data_dir / 'train.bin'}", "training.batch_size=4",
+                *lora_settings(base_run)]  # fmt: skip
+    single = train(load_config(config, [*settings, f"training.output_dir={tmp_path / 'one'}",
+                                        "training.gradient_accumulation_steps=4"]))  # fmt: skip
+    overrides = [*settings, f"training.output_dir={tmp_path / 'two'}", "training.gradient_accumulation_steps=2"]
+    command = [sys.executable, "-m", "dlm", "train", "--config", str(config), "--nproc", "2",
+               *[part for item in overrides for part in ("--set", item)], "--json"]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    one, two = load_checkpoint(single.checkpoint), load_checkpoint(tmp_path / "two" / "latest.pt")
+    assert one["model"].keys() == two["model"].keys() and one["lora_base"] == two["lora_base"]
+    for name, tensor in one["model"].items():  # the same adapters, up to the order of the gradient sums
+        torch.testing.assert_close(two["model"][name], tensor, rtol=0, atol=1e-5)
