@@ -165,7 +165,8 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 TRAINING_ONLY = {"config": ["--config", "tiny.toml"], "overrides": ["--set", "training.batch_size=2"],
                  "fused_attention": ["--fused-attention"], "steps": ["--steps", "3"], "warmup": ["--warmup", "0"],
                  "batch_size": ["--batch-size", "2"], "find_max_batch": ["--find-max-batch"],
-                 "memory_limit": ["--memory-limit", "1"], "measure_peak": ["--measure-peak"]}  # fmt: skip
+                 "memory_limit": ["--memory-limit", "1"], "measure_peak": ["--measure-peak"],
+                 "estimate": ["--estimate"], "device_memory": ["--device-memory", "24"]}  # fmt: skip
 GENERATION_ONLY = {"judge": ["--judge", "m"], "length": ["--length", "8"], "num_samples": ["--num-samples", "2"],
                    "repeats": ["--repeats", "2"], "seed": ["--seed", "0"]}  # fmt: skip
 

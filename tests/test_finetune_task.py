@@ -5,7 +5,8 @@ The task: the reply repeats the prompt's words, drawn from eight colours. Everyt
 dlm's public paths: train a tokenizer, pack plain text and pre-train briefly, pack the instruction
 data with `pack_chat`, fine-tune with `training.init_from`, then sample held-out prompts in the
 chat template (greedy, confidence remasking, stopping at the end of the reply, as `dlm sample
---chat` does) and count exact replies.
+--chat` does) and count exact replies. A LoRA fine-tune of the same base, training under 5% of the
+parameters, must clear the same bar.
 
 Every phrase starts with a space, so each word is the same token wherever it stands (" red", never
 "red" at the start of a line): with the byte-level tokenizer a line's first word is a token of its
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import pytest
 from conftest import CliResult
 from helpers import ROOT
 
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.loading import load_model_with_info
 from dlm.config.schema import load_config
 from dlm.data.chat import chat_prompt, reply
@@ -42,6 +45,14 @@ VOCAB_SIZE = 300  # the byte alphabet, the special tokens and the merges these w
 # fine-tuning run's masked accuracy passes 0.97 by step 150 of its 300 (1.0 by 200); of 5 seeds tried
 # with 400 steps, 4 reached 1.0 by step 250 and one stayed at chance.
 SEED = 4
+EXACT_AFTER = 27  # of the 30 held-out prompts, after fine-tuning
+# LoRA: rank 8 on the attention's qkv and out of both blocks, 6144 adapter parameters (4.8% of the
+# model's 127296). It needs more steps than training every weight: with alpha 32 and the same learning
+# rate, masked accuracy reached 1.0 by step 450 of 600 with this seed, which then replied 30 of 30 exactly
+# (18 of 30 after 450 steps); seed 5 replied 6 of 30 after 600 steps and 30 of 30 after 800, as this seed
+# did. Rank 2 on every Linear layer, or rank 4 on qkv and out, stayed near chance within 600 steps.
+LORA = ("training.lora.rank=8", "training.lora.alpha=32", "training.lora.target_modules=qkv,out")
+LORA_STEPS = 800
 
 
 def phrases(count: int, rng: random.Random) -> list[str]:
@@ -99,21 +110,42 @@ def exact_replies(checkpoint: Path, prompts: list[str]) -> int:
     return hits
 
 
-@pytest.mark.slow  # about 25 s on one core; CI runs it
-def test_a_fine_tuned_model_repeats_held_out_prompts(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+@dataclass
+class Task:
+    directory: Path
+    held_out: list[str]
+    base: Path  # the checkpoint pre-trained on plain text
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
+    """The task's data packed, and a model pre-trained briefly on its plain text (about 5 s)."""
+
+    tmp_path = tmp_path_factory.mktemp("task")
     training, held_out = write_task(tmp_path)
     assert not set(held_out) & set(training)
     train_tokenizer([tmp_path / "tokenizer.txt"], VOCAB_SIZE, tmp_path / "tokenizer.json")
     pack_corpus([tmp_path / "plain.jsonl"], tmp_path / "tokenizer.json", SEQ_LEN, tmp_path / "plain", val_fraction=0.05)
     counts = pack_chat([tmp_path / "chat.jsonl"], tmp_path / "tokenizer.json", SEQ_LEN, tmp_path / "sft")
     assert counts["train"]["examples"] == len(training) and counts["train"]["dropped"] == 0
-    plain, sft = tmp_path / "plain", tmp_path / "sft"
-    base = run(tmp_path, "base", plain / "train.bin", plain / "val.bin", 100)
-    tuned = run(tmp_path, "sft-run", sft / "train.bin", sft / "train.bin", 300, f"training.init_from={base}")
+    plain = tmp_path / "plain"
+    return Task(tmp_path, held_out, run(tmp_path, "base", plain / "train.bin", plain / "val.bin", 100))
 
-    before, after = exact_replies(base, held_out), exact_replies(tuned, held_out)
+
+def fine_tune(task: Task, name: str, steps: int, *extra: str) -> Path:
+    sft = task.directory / "sft"
+    return run(task.directory, name, sft / "train.bin", sft / "train.bin", steps, f"training.init_from={task.base}",
+               *extra)  # fmt: skip
+
+
+@pytest.mark.slow  # about 25 s on one core; CI runs it
+def test_a_fine_tuned_model_repeats_held_out_prompts(task: Task, run_cli: Callable[..., CliResult]) -> None:
+    tmp_path, held_out = task.directory, task.held_out
+    tuned = fine_tune(task, "sft-run", 300)
+
+    before, after = exact_replies(task.base, held_out), exact_replies(tuned, held_out)
     assert before <= 3, before  # the pre-trained model does not know the task
-    assert after >= 27, after  # >= 90% exact on prompts it never saw
+    assert after >= EXACT_AFTER, after  # >= 90% exact on prompts it never saw
 
     tokenizer = tmp_path / "tokenizer.json"
     length = str(reply_length(load_tokenizer(tokenizer), tokenizer, held_out[0])[2])
@@ -121,3 +153,14 @@ def test_a_fine_tuned_model_repeats_held_out_prompts(tmp_path: Path, run_cli: Ca
                      "--temperature", "0", "--remasking", "confidence", "--json")  # fmt: skip
     assert answer.exit_code == 0, answer.stderr
     assert json.loads(answer.stdout)["replies"] == [held_out[0]]
+
+
+@pytest.mark.slow  # about 30 s on one core; CI runs it
+@pytest.mark.lora
+def test_a_lora_fine_tune_repeats_held_out_prompts_as_well(task: Task) -> None:
+    pytest.importorskip("peft")
+    tuned = fine_tune(task, "lora-run", LORA_STEPS, *LORA)
+    adapters = load_checkpoint(tuned)["model"]  # a LoRA checkpoint holds the trained parameters alone
+    base = load_checkpoint(task.base)["model"]
+    assert sum(t.numel() for t in adapters.values()) < 0.05 * sum(t.numel() for t in base.values())
+    assert exact_replies(tuned, task.held_out) >= EXACT_AFTER  # the full fine-tune's bar

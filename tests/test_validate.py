@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,18 @@ def test_ensure_valid_raises_the_first_failure(tiny_data_dir: Path, tmp_path: Pa
     bad = load_config(TINY, tiny_overrides(tiny_data_dir, tmp_path / "run", "model.max_seq_len=32"))
     with pytest.raises(UserError, match="train data seq_len: packed with seq_len 64"):
         ensure_valid(bad)
+
+
+def test_lora_without_peft_is_one_error_naming_the_extra(
+    tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` fail, installed or not
+    sets = [f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}", f"training.output_dir={tmp_path / 'run'}",
+            f"training.train_data={tiny_data_dir / 'train.bin'}", f"training.val_data={tiny_data_dir / 'val.bin'}",
+            "training.lora.rank=4", f"training.init_from={tmp_path}"]  # fmt: skip
+    result = run_cli("train", "--config", TINY, *[item for value in sets for item in ("--set", value)])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "needs peft, which is not installed" in errors[0], result.stderr
+    assert "pip install 'dlm[lora]'" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -51,3 +51,12 @@ def with_checksum(payload: Mapping[str, Any]) -> dict[str, Any]:
     stamped = {key: value for key, value in payload.items() if key != CHECKSUM_KEY}
     stamped[CHECKSUM_KEY] = payload_sha256(stamped)
     return stamped
+
+
+def weights_sha256(weights: Mapping[str, torch.Tensor]) -> str:
+    """The hex sha256 of a set of named tensors, whatever their order: what names the base model of a
+    LoRA run (its checkpoints and adapter exports hold the adapters alone)."""
+
+    digest = hashlib.sha256()
+    _feed(digest, {name: weights[name] for name in sorted(weights)})
+    return digest.hexdigest()

@@ -84,6 +84,8 @@ class StartEvent(RunEvent):
     precision_note: str | None = None
     # The trained model whose weights the run started from (`training.init_from`); None otherwise.
     init_from: str | None = None
+    # Parameters the optimizer updates: all of them, or a LoRA run's adapters; None in older files.
+    trainable_parameters: int | None = None
 
 
 @register_event

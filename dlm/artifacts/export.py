@@ -32,6 +32,9 @@ from dlm.artifacts.checkpoint import LOCK_NAME, check_finite_weights
 from dlm.artifacts.eval_report import eval_report_problem
 from dlm.artifacts.events import ValidationEvent, read_events
 from dlm.artifacts.export_layout import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_FORMAT,
+    ADAPTER_WEIGHTS_NAME,
     CARD_NAME,
     CONFIG_NAME,
     EXPORT_FILES,
@@ -116,10 +119,14 @@ def _refuse_run_directory(output: Path) -> None:
         )
 
 
+def _is_export(path: Path) -> bool:
+    return (path / CONFIG_NAME).is_file() or (path / ADAPTER_CONFIG_NAME).is_file()
+
+
 def _check_output(output: Path, overwrite: bool) -> None:
     # Either format's export may be replaced: re-exporting a model in the other format is common.
-    check_export_output(output, overwrite, lambda path: (path / CONFIG_NAME).is_file(), "an export")
-    if output.exists() and not is_hf_export(output):
+    check_export_output(output, overwrite, _is_export, "an export")
+    if output.exists() and not is_hf_export(output) and not (output / ADAPTER_CONFIG_NAME).is_file():
         read_export_config(output)  # a damaged export is said so, not silently replaced
 
 
@@ -298,7 +305,7 @@ def _weights_writer(
         shapes = [lazy.shape(name) for name in lazy.names]
         return lambda path: _stream_safetensors(path, lazy, dtype), info, sum(math.prod(s) for s in shapes), {}
     info, weights = read_model_source(source, use_ema)
-    if info.kind == "export":
+    if info.kind in ("export", "adapters"):
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
     stored, tied = _store_once(weights, dtype)
     del weights  # the stored tensors are what is written
@@ -355,3 +362,57 @@ def export_model(
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return output
+
+
+def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True, overwrite: bool = False) -> Path:
+    """`dlm export --adapters-only`: a LoRA run's adapters in float32 (peft's file names), its tokenizer,
+    and an `adapter_config.json` that holds peft's LoRA settings and, under `dlm`, the model config and
+    the base model the adapters need (its path and its weights' sha256). `dlm.load` on the directory
+    merges them onto that base, refusing a base whose weights changed."""
+
+    from dlm.model.lora import peft_config, to_peft_names
+
+    output = Path(output)
+    _check_output(output, overwrite)
+    info, adapters = read_model_source(source, use_ema, merge_adapters=False)
+    if info.lora is None or info.kind == "adapters":
+        raise UserError(
+            "--adapters-only needs the checkpoint or run directory of a LoRA run ([training.lora] rank > 0)",
+            path=info.path,
+            fix="export merged weights without --adapters-only",
+        )
+    tokenizer = checked_tokenizer(info)
+    stored = {name: tensor.float().contiguous() for name, tensor in to_peft_names(adapters).items()}
+    lora_settings = {key: sorted(value) if isinstance(value, set) else value
+                     for key, value in peft_config(info.lora).to_dict().items()}  # fmt: skip
+    config = {
+        **json.loads(json.dumps(lora_settings, default=str)),  # peft's own fields, as it writes them
+        "dlm": {
+            "format": ADAPTER_FORMAT, "name": output.name, "dlm_version": __version__,
+            "model": info.model.model_dump(mode="json"), "diffusion": info.diffusion.model_dump(mode="json"),
+            "lora": info.lora.model_dump(mode="json"), "base": info.lora_base, "weights": info.weights,
+            "step": info.step, "tokens_seen": info.tokens_seen, "tokenizer_sha256": info.tokenizer_sha256,
+            "training": info.training, "parameters": sum(t.numel() for t in stored.values()), "dtype": "float32",
+        },
+    }  # fmt: skip
+    building = temporary_path(output)
+    with reported_os_errors("the export", output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(building, ignore_errors=True)
+        try:
+            _write_adapters(building, stored, config, tokenizer)
+            swap_directory_into_place(building, output)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    return output
+
+
+def _write_adapters(directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file(stored, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": ADAPTER_FORMAT})
+    share_as_created(directory / ADAPTER_WEIGHTS_NAME)
+    shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    # adapter_config.json last: it is what marks the directory as a complete adapter export.
+    (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

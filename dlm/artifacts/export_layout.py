@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.data.tokenizer import tokenizer_sha256
@@ -25,15 +26,20 @@ CARD_NAME = "README.md"
 # The Hugging Face format's own files besides those: the bundled code and the transformers tokenizer files.
 CODE_FILES = ("configuration_dlm.py", "modeling_dlm.py")
 HF_TOKENIZER_FILES = (TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
-# Every file an export of either format writes: what `--overwrite` may replace, whichever format was there.
-EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES)
+# `dlm export --adapters-only`: a LoRA run's adapters apart, in peft's file names, and the base they need.
+ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_FORMAT = "dlm-adapters-v1"
+# Every file an export of any format writes: what `--overwrite` may replace, whichever format was there.
+EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES,
+                ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)  # fmt: skip
 
 @dataclass
 class SourceInfo:
     """What is known about a model source besides its weights."""
 
     path: Path  # the checkpoint file or the exported directory actually read
-    kind: str  # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`)
+    # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`) | "adapters"
+    kind: str
     model: ModelConfig
     weights: str  # "ema" | "live"
     step: int | None
@@ -43,12 +49,16 @@ class SourceInfo:
     diffusion: DiffusionConfig  # the noise schedule and mask_eps the model was trained with
     experiment: ExperimentConfig | None = None  # full config: checkpoints only
     training: dict[str, Any] = field(default_factory=dict)  # path-free training settings
+    # A LoRA run's adapters (checkpoints and adapter exports): their settings, and the base model they
+    # were trained on (`{"path", "sha256"}` of its weights); None for plain weights.
+    lora: LoraConfig | None = None
+    lora_base: dict[str, str] | None = None
 
     @property
     def run_dir(self) -> Path | None:
         """The run directory a checkpoint lives in (its metrics feed the model card)."""
 
-        return None if self.kind in ("export", "hf") else self.path.parent
+        return None if self.kind in ("export", "hf", "adapters") else self.path.parent
 
     def to_dict(self) -> dict[str, Any]:
         return {

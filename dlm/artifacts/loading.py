@@ -13,6 +13,7 @@ writes it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,11 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from dlm.artifacts.checkpoint import INFERENCE_FORMAT, TRAINING_FORMAT, check_finite_weights, load_checkpoint
+from dlm.artifacts.checksum import weights_sha256
 from dlm.artifacts.export_layout import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_FORMAT,
+    ADAPTER_WEIGHTS_NAME,
     CONFIG_NAME,
     TOKENIZER_NAME,
     WEIGHTS_NAME,
@@ -36,10 +41,12 @@ from dlm.artifacts.export_layout import (
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
+from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
+from dlm.model.lora import from_peft_names, merged_weights
 from dlm.model.transformer import DiffusionTransformer
 
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
@@ -86,6 +93,13 @@ def _checkpoint_weights(checkpoint: dict[str, Any], path: Path, use_ema: bool) -
     return weights, "ema"
 
 
+def checkpoint_lora(checkpoint: dict[str, Any], experiment: ExperimentConfig) -> tuple[LoraConfig | None, Any]:
+    """A LoRA run's adapter settings and its recorded base (`{"path", "sha256"}`); (None, None) otherwise."""
+
+    lora = experiment.training.lora
+    return (lora, checkpoint.get("lora_base")) if lora.enabled else (None, None)
+
+
 def _checkpoint_info(checkpoint: dict[str, Any], path: Path, kind: str, holds_model: bool = True) -> SourceInfo:
     """What a checkpoint says of itself; `holds_model`: its weights are in it (not in shards)."""
 
@@ -126,7 +140,7 @@ def sharded_model_source(path: str | Path, use_ema: bool = True) -> tuple[Source
     return _checkpoint_info(weights.record, weights.directory, weights.kind, holds_model=False), weights
 
 
-def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
+def _read_checkpoint(path: Path, use_ema: bool, merge: bool) -> tuple[SourceInfo, dict[str, Tensor]]:
     sharded = sharded_model_source(path, use_ema)
     if sharded is not None:
         info, lazy = sharded
@@ -137,7 +151,9 @@ def _read_checkpoint(path: Path, use_ema: bool) -> tuple[SourceInfo, dict[str, T
     checkpoint = load_checkpoint(path)
     info = _checkpoint_info(checkpoint, path, "")
     weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
-    return replace(info, weights=kind), weights
+    lora, lora_base = checkpoint_lora(checkpoint, ExperimentConfig.from_dict(checkpoint["config"], source=path))
+    info = replace(info, weights=kind, lora=lora, lora_base=lora_base)
+    return info, _merged_if_asked(info, weights, merge)
 
 
 _OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))
@@ -145,6 +161,8 @@ _EXPORT_FIELDS: FieldTypes = {
     "model": _OBJECT, "diffusion": _OBJECT, "training": _OBJECT, "tied": _OBJECT, "source": _OBJECT,
     "step": _COUNT, "tokens_seen": _COUNT, "weights": _TEXT, "tokenizer_sha256": _TEXT, "name": _TEXT,
 }  # fmt: skip
+
+
 def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
     """The `[diffusion]` settings of an export; older exports hold only a training mask_eps, and
     were trained with the linear schedule (the only one there was)."""
@@ -192,17 +210,84 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     return info, weights
 
 
-def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and CPU weights of an exported dir, a checkpoint file or a run dir (its latest.pt)."""
+def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """The adapters of `dlm export --adapters-only` (peft's names turned back into the model's)."""
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = directory / ADAPTER_CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"unreadable {ADAPTER_CONFIG_NAME}: {exc}", path=path) from None
+    dlm = config.get("dlm") if isinstance(config, dict) else None
+    if not isinstance(dlm, dict) or dlm.get("format") != ADAPTER_FORMAT:
+        raise UserError(f"not a dlm adapter export: it lacks dlm.format {ADAPTER_FORMAT!r}", path=path)
+    check_config_fields(dlm, {**_EXPORT_FIELDS, "lora": _OBJECT, "base": _OBJECT}, path,
+                        required=("model", "lora", "base"), within="dlm.")  # fmt: skip
+    try:
+        model, lora = ModelConfig.model_validate(dlm["model"]), LoraConfig.model_validate(dlm["lora"])
+        diffusion = _export_diffusion(dlm)
+        adapters = from_peft_names(load_file(str(directory / ADAPTER_WEIGHTS_NAME), device="cpu"))
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc), path=path) from None
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"damaged adapter export: {exc}", path=directory, fix="export the adapters again") from None
+    info = SourceInfo(
+        path=directory, kind="adapters", model=model, weights=str(dlm.get("weights", "live")), step=dlm.get("step"),
+        tokens_seen=dlm.get("tokens_seen"), tokenizer_sha256=str(dlm.get("tokenizer_sha256", "")),
+        tokenizer_path=directory / TOKENIZER_NAME, diffusion=diffusion, training=dict(dlm.get("training", {})),
+        lora=lora, lora_base=dlm["base"],
+    )  # fmt: skip
+    return info, adapters
+
+
+def _merged_if_asked(info: SourceInfo, weights: dict[str, Tensor], merge: bool) -> dict[str, Tensor]:
+    """Plain weights: a LoRA source's adapters merged onto the base model it records (read again, and
+    refused unless its weights' sha256 is the recorded one)."""
+
+    if info.lora is None or not merge:
+        return weights
+    record = info.lora_base if isinstance(info.lora_base, dict) else {}
+    base_path, sha256 = record.get("path"), record.get("sha256")
+    if not isinstance(base_path, str) or not isinstance(sha256, str):
+        raise UserError("damaged LoRA source: it does not name the base model of its adapters", path=info.path)
+    if not Path(base_path).exists():
+        raise UserError(
+            f"the base model of these LoRA adapters is missing: {base_path}",
+            path=info.path,
+            fix="restore the base model there (an adapter export needs it), or export merged weights where it is",
+        )
+    _, base = read_model_source(base_path)
+    if (found := weights_sha256(base)) != sha256:
+        raise UserError(
+            f"the base model at {base_path} has changed since the adapters were trained on it (its weights' "
+            f"sha256 is {found[:12]}, the adapters recorded {sha256[:12]})",
+            path=info.path,
+            fix="restore the base model the adapters were trained on",
+        )
+    return merged_weights(info.model, info.lora, base, weights)
+
+
+def read_model_source(
+    path: str | Path, use_ema: bool = True, merge_adapters: bool = True
+) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """Metadata and CPU weights of an exported dir, an adapter export, a checkpoint file or a run dir (its
+    latest.pt). A LoRA source's adapters come merged onto their base model unless `merge_adapters` is false
+    (then the weights are the adapters alone, and `info.lora` says so)."""
 
     path = Path(path)
+    if path.is_dir() and (path / ADAPTER_CONFIG_NAME).is_file():
+        info, adapters = _read_adapter_export(path)
+        return info, _merged_if_asked(info, adapters, merge_adapters)
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
         return info, weights
-    return _read_checkpoint(path, use_ema)
+    return _read_checkpoint(path, use_ema, merge_adapters)
 
 
 # ------------------------------------------------------------------------------------ building

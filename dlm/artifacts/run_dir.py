@@ -238,7 +238,7 @@ def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, to
             fix="resume with the run's own config.json, or start a new run in another output_dir",
         )
     now, then = experiment.training, saved.training
-    for name in ("optimizer", *optimizer_spec(now.optimizer).state_settings):
+    for name in ("optimizer", "lora", *optimizer_spec(now.optimizer).state_settings):
         if getattr(now, name) != getattr(then, name):
             raise UserError(
                 f"training.{name} is {getattr(now, name)!r} but the checkpoint used {getattr(then, name)!r}",

@@ -46,6 +46,8 @@ class BenchResult:
     peak_reserved_gib: float | None  # CUDA only
     peak_rss_gib: float | None  # CPU / MPS: the process's peak resident memory
     loss: float  # mean training loss of the timed steps: a sanity check, not a quality figure
+    trainable_parameters: int = 0  # what the optimizer updates: all, or a LoRA run's adapters
+    memory_estimate_gib: float = 0.0  # `dlm.train.memory.estimate_training_memory`, beside the measured peak
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,13 @@ def _short_key(key: str) -> str:
     return key.partition(".")[2] or key
 
 
+def _trained(result: BenchResult) -> str:
+    if result.trainable_parameters in (0, result.parameters):
+        return ""
+    share = result.trainable_parameters / result.parameters
+    return f" ({result.trainable_parameters / 1e6:.2f}M trained, {share:.2%})"
+
+
 def report_summary(report: BenchReport) -> list[str]:
     """Lines shown above the table: what ran where."""
 
@@ -94,8 +103,9 @@ def report_summary(report: BenchReport) -> list[str]:
     first = report.rows[0]
     lines = [
         f"device {first.device} ({first.device_name}), torch {first.torch_version}",
-        f"model {first.parameters / 1e6:.1f}M parameters, seq {first.seq_len}, "
+        f"model {first.parameters / 1e6:.1f}M parameters{_trained(first)}, seq {first.seq_len}, "
         f"{first.steps} timed steps after {first.warmup} warmup",
+        f"estimated memory {first.memory_estimate_gib:.2f} GiB per process (`dlm bench --estimate` itemises it)",
     ]
     if first.measured_peak_flops_per_second is not None:
         unit, scale = ("TFLOP/s", 1e12) if first.device.startswith("cuda") else ("GFLOP/s", 1e9)

@@ -46,7 +46,7 @@ from dlm.runtime.device import resolve_compile, resolve_device, resolve_precisio
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
 from dlm.train.distributed import DistributedContext
-from dlm.train.memory import estimate_checkpoints
+from dlm.train.memory import estimate_checkpoints, estimate_training_memory
 from dlm.train.step import LogWindow, TrainingStep
 
 MAX_BATCH_LIMIT = 1 << 16  # the batch finder never probes beyond this many sequences
@@ -175,6 +175,8 @@ def _measure(
         peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GIB if cuda else None,
         peak_rss_gib=None if cuda else peak_rss_gib(),
         loss=loss,
+        trainable_parameters=sum(p.numel() for p in step.model.parameters() if p.requires_grad),
+        memory_estimate_gib=estimate_training_memory(experiment, precision).total / GIB,
     )
 
 

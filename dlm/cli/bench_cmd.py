@@ -6,12 +6,13 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from dlm.cli.common import (
+    DeviceMemoryOption,
     JsonOption,
     SetOption,
     TrainingDeviceOption,
@@ -22,6 +23,9 @@ from dlm.cli.common import (
     wants_json,
 )
 from dlm.errors import UserError
+
+if TYPE_CHECKING:
+    from dlm.config.schema import ExperimentConfig
 
 # Left out first when the terminal is too narrow for every header word whole (least useful first).
 _DROP_ORDER = ("attention", "MFU measured", "dtype", "compile", "model GFLOP/s", "model TFLOP/s", "MFU")
@@ -105,6 +109,14 @@ BenchCompareOption = Annotated[
         help="Time every combination side by side, e.g. optimizer=adamw,adamw8bit (repeatable).",
     ),
 ]
+BenchEstimateOption = Annotated[
+    bool,
+    typer.Option(
+        "--estimate",
+        help="Only estimate the training memory, from the config alone (the model on the meta device: no weights, "
+        "no data, no step run); with --device-memory, whether it fits.",
+    ),
+]
 BenchPeakOption = Annotated[
     bool,
     typer.Option("--measure-peak", help="Also time a large matmul and report MFU against that measured ceiling."),
@@ -116,7 +128,7 @@ BenchPeakOption = Annotated[
 # sampler's steps are a setting of --compare.
 MODE_OPTIONS: dict[str, tuple[str, ...]] = {
     "training": ("config", "overrides", "fused_attention", "steps", "warmup", "batch_size", "find_max_batch",
-                 "memory_limit", "measure_peak"),
+                 "memory_limit", "measure_peak", "estimate", "device_memory"),
     "generation": ("judge", "length", "num_samples", "repeats", "seed"),
 }  # fmt: skip
 
@@ -163,6 +175,36 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
     console.print(table)
 
 
+def _estimate_command(experiment: ExperimentConfig, device_memory: float | None, as_json: bool) -> None:
+    """`dlm bench --estimate`: the memory of one training process, part by part, from the config alone."""
+
+    from rich.table import Column, Table
+
+    from dlm.train.memory import format_bytes, plan_memory
+
+    plan = plan_memory(experiment, device_memory)
+    if wants_json(as_json):
+        print_json(plan.to_dict())
+        return
+    estimate = plan.estimate
+    console.print(escape(f"{estimate.breakdown()}; {plan.precision}"), highlight=False)
+    table = Table("memory", Column("estimate", justify="right"))
+    parts = {"weights": estimate.weights, "gradients": estimate.gradients,
+             f"{estimate.optimizer} state": estimate.optimizer_state, "EMA": estimate.ema,
+             "activations (one micro-batch)": estimate.activations,
+             f"{plan.precision} weight copies": estimate.weight_copies}  # fmt: skip
+    for name, size in parts.items():
+        if size or name == "weights":
+            table.add_row(escape(name), format_bytes(size))
+    table.add_row("[bold]total[/]", f"[bold]{format_bytes(estimate.total)}[/]")
+    console.print(table)
+    if plan.verdict is not None:
+        verdict = "fits" if plan.fits else "does not fit"
+        console.print(f"{verdict} one {device_memory:g} GiB GPU: {escape(plan.verdict.detail)}", highlight=False)
+        if plan.verdict.fix:
+            console.print(f"[yellow]fix:[/] {escape(plan.verdict.fix)}", highlight=False)
+
+
 def bench_command(
     ctx: typer.Context,
     config: BenchConfigOption = None,
@@ -175,6 +217,8 @@ def bench_command(
     memory_limit: BenchMemoryOption = None,
     compare: BenchCompareOption = None,
     measure_peak: BenchPeakOption = False,
+    estimate: BenchEstimateOption = False,
+    device_memory: DeviceMemoryOption = None,
     device: TrainingDeviceOption = None,
     as_json: JsonOption = False,
     generate: GenerateOption = None,
@@ -204,6 +248,13 @@ def bench_command(
     from dlm.config.schema import load_config
 
     experiment = load_config(config, overrides)
+    if estimate:
+        timing = tuple(name for name in MODE_OPTIONS["training"] if name not in ("config", "overrides", "estimate",
+                                                                                 "device_memory"))  # fmt: skip
+        refuse_other_mode(given_options(ctx), (*timing, "compare", "device"), "to --estimate, which runs no step")
+        return _estimate_command(experiment, device_memory, as_json)
+    if device_memory is not None:
+        raise UserError("--device-memory plans for another GPU: it goes with --estimate", fix="add --estimate")
     options: dict[str, Any] = {"steps": steps, "warmup": warmup, "batch_size": batch_size}
     options["fused_attention"] = fused_attention
     options |= {"device": device, "find_batch": find_max_batch, "memory_limit_gib": memory_limit, "compare": compare}

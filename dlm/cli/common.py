@@ -32,6 +32,17 @@ TrainingDeviceOption = Annotated[
     str | None,
     typer.Option("--device", help="Override training.device: auto, cpu, cuda, cuda:N or mps.", show_default=False),
 ]
+DeviceMemoryOption = Annotated[
+    float | None,
+    typer.Option(
+        "--device-memory",
+        metavar="GIB",
+        min=1e-6,
+        show_default=False,
+        help="Compare the memory estimate with a GPU of this many GiB (e.g. 24) instead of this machine's free "
+        "memory; precision auto counts as bfloat16.",
+    ),
+]
 EmaOption = Annotated[
     bool,
     typer.Option("--ema/--no-ema", help="Use the EMA weights when the checkpoint has them (else the live ones)."),

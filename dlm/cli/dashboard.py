@@ -207,10 +207,13 @@ class TrainingDashboard:
         if start is None:
             table.add_row(f"[bold]status[/] {self.status}")
             return table
+        params = start.parameters_human
+        if start.trainable_parameters is not None and start.trainable_parameters < start.parameters:
+            params += f" ({100 * start.trainable_parameters / start.parameters:.2g}% trained)"
         table.add_row(
             f"[bold]run[/] {start.run_dir}",
             f"[bold]device[/] {start.device} {start.precision}",
-            f"[bold]params[/] {start.parameters_human}",
+            f"[bold]params[/] {params}",
             f"[bold]tokens/step[/] {start.tokens_per_step}",
             f"[bold]status[/] {self.status}",
         )

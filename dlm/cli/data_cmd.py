@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from dlm.cli.common import (
     ConfigOption,
+    DeviceMemoryOption,
     JsonOption,
     SetOption,
     console,
@@ -299,6 +300,7 @@ def _pack_notes(summary: PackSummary) -> list[str]:
 def validate(
     config: ConfigOption,
     overrides: SetOption = None,
+    device_memory: DeviceMemoryOption = None,
     as_json: JsonOption = False,
     nproc: Annotated[
         int, typer.Option("--nproc", min=1, help="Processes the run will use (FSDP memory, checkpoint shards).")
@@ -311,7 +313,7 @@ def validate(
 
     from dlm.train.preflight import validate_config_file
 
-    _, results = validate_config_file(config, overrides, world_size=nproc)
+    _, results = validate_config_file(config, overrides, world_size=nproc, device_memory_gib=device_memory)
     failed = [result.name for result in results if not result.passed]
     warned = [result.name for result in results if result.status == "warning"]
     as_json = wants_json(as_json)

@@ -5,6 +5,7 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +14,7 @@ from rich.markup import escape
 
 from dlm.choices import ExportDtype, ExportFormat
 from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
+from dlm.errors import UserError
 
 
 def _human_size(size: int) -> str:
@@ -25,10 +27,13 @@ def _human_size(size: int) -> str:
 def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
-    from dlm.artifacts.export_layout import read_export_config
+    from dlm.artifacts.export_layout import ADAPTER_CONFIG_NAME, read_export_config
     from dlm.artifacts.hf.reader import hf_summary, is_hf_export
 
-    config = hf_summary(output) if is_hf_export(output) else read_export_config(output)
+    if (output / ADAPTER_CONFIG_NAME).is_file():
+        config = json.loads((output / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))["dlm"]
+    else:
+        config = hf_summary(output) if is_hf_export(output) else read_export_config(output)
     files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}
     keys = ("parameters", "dtype", "weights", "step", "tokens_seen", "tokenizer_sha256")
     return {"output": str(output), **{key: config.get(key) for key in keys}, "files": files}
@@ -49,15 +54,37 @@ def export_command(
     export_format: Annotated[
         ExportFormat, typer.Option("--format", help="dlm's own directory, or Hugging Face transformers' (hf).")
     ] = "dlm",
+    adapters_only: Annotated[
+        bool,
+        typer.Option(
+            "--adapters-only",
+            help="A LoRA run's adapters apart (adapter_model.safetensors + adapter_config.json naming the base), "
+            "instead of weights merged with them.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Export a checkpoint as safetensors weights, config, tokenizer and a model card."""
+    """Export a checkpoint as safetensors weights, config, tokenizer and a model card (a LoRA run's adapters
+    merged into the weights, or apart with --adapters-only)."""
 
-    from dlm.artifacts.export import export_model
+    from dlm.artifacts.export import export_adapters, export_model
     from dlm.artifacts.hf_export import export_hf
 
+    if adapters_only:
+        if export_format == "hf":
+            raise UserError("--adapters-only writes dlm's adapter format", fix="drop --format hf or --adapters-only")
+        summary = export_summary(export_adapters(checkpoint, output, use_ema=ema, overwrite=overwrite))
+        _render(summary, f"dlm.load({summary['output']!r})", as_json)
+        return
     export = export_hf if export_format == "hf" else export_model
     summary = export_summary(export(checkpoint, output, dtype=dtype, use_ema=ema, overwrite=overwrite))
+    load = f"dlm.load({summary['output']!r})"
+    if export_format == "hf":
+        load = f"AutoModelForMaskedLM.from_pretrained({summary['output']!r}, trust_remote_code=True)"
+    _render(summary, load, as_json)
+
+
+def _render(summary: dict[str, Any], load: str, as_json: bool) -> None:
     if wants_json(as_json):
         print_json(summary)
         return
@@ -67,9 +94,6 @@ def export_command(
     for name, size in summary["files"].items():
         table.add_row(name, _human_size(size))
     console.print(table)
-    load = f"dlm.load({summary['output']!r})"
-    if export_format == "hf":
-        load = f"AutoModelForMaskedLM.from_pretrained({summary['output']!r}, trust_remote_code=True)"
     step = "step not recorded" if summary["step"] is None else f"step {summary['step']}"
     console.print(
         f"{summary['parameters']:,} parameters, {summary['dtype']}, {summary['weights']} weights, "

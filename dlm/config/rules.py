@@ -138,6 +138,40 @@ TRAINING_RULES = (
         ),
         'set checkpoint_format = "dcp" (or "auto"), or async_checkpoint = false',
     ),
+    Rule(
+        "lora",
+        "`[training.lora]` adapters train on a trained model: they need `training.init_from`",
+        lambda t: "rank > 0 without training.init_from" if t.lora.enabled and t.init_from is None else None,
+        "set training.init_from to the model to adapt (an export, a checkpoint or a run directory), "
+        "or training.lora.rank = 0 to train every weight",
+    ),
+    Rule(
+        "lora",
+        '`training.lora.base_dtype = "bfloat16"` needs `training.precision = "bfloat16"`',
+        lambda t: (
+            f"base_dtype bfloat16 with precision {t.precision}"
+            if t.lora.enabled and t.lora.base_dtype == "bfloat16" and t.precision != "bfloat16"
+            else None
+        ),
+        'set training.precision = "bfloat16", or training.lora.base_dtype = "float32"',
+    ),
+    Rule(
+        "lora",
+        '`[training.lora]` runs under `training.parallelism = "ddp"` (FSDP would shard frozen and trained '
+        "weights alike)",
+        lambda t: "adapters with parallelism fsdp" if t.lora.enabled and t.parallelism == "fsdp" else None,
+        'set training.parallelism = "ddp" (the frozen weights need no optimizer state to shard)',
+    ),
+    Rule(
+        "lora",
+        "`[training.lora]` checkpoints are single files (the adapters and the base's checksum)",
+        lambda t: (
+            "adapters with sharded or asynchronous checkpoints"
+            if t.lora.enabled and (t.checkpoint_format == "dcp" or t.async_checkpoint)
+            else None
+        ),
+        'set training.checkpoint_format = "single" (or "auto") and async_checkpoint = false',
+    ),
 )
 
 # Rules across sections; `field` is then the section a broken rule is reported on.

@@ -8,6 +8,7 @@ readable `UserError` naming the file.
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import warnings
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.choices import ElboEstimator
+from dlm.config.lora import LoraConfig
 from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES, FieldProblem
 from dlm.config.rules import check_rules as _check_rules
@@ -192,6 +194,7 @@ class TrainingConfig(_Strict):
         "m(t), weight 1/t (MDLM); exact-count masks exactly l ~ U{1..n} of its n tokens, weight n/l (LLaDA's "
         "evaluator): the same ELBO, no noise from the masked count (stratified counts; no clipped range).",
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="`[training.lora]`, below.")
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> TrainingConfig:
@@ -372,6 +375,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
         "diffusion": DiffusionConfig,
         "training": TrainingConfig,
         "logging": LoggingConfig,
+        "training.lora": LoraConfig,
     }
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -380,7 +384,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
             new = MOVED_FIELDS[key]
             warnings.warn(f"--set {key} has moved: use --set {new}={value.strip()}", MovedFieldNote, stacklevel=2)
             key = new
-        section_name, dot, field = key.partition(".")
+        section_name, dot, field = key.rpartition(".")  # training.lora.rank: the field of a nested section
         if not sep or not dot:
             raise UserError(
                 f"override {item!r} is not of the form section.field=value",
@@ -397,7 +401,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
         parsed: Any = value
         if value.lower() in ("none", "null") and _field_allows_none(section, field):
             parsed = None
-        data.setdefault(section_name, {})[field] = parsed
+        target = data
+        for part in section_name.split("."):
+            target = target.setdefault(part, {})
+        target[field] = parsed
     return data
 
 
@@ -485,18 +492,23 @@ def config_reference_markdown() -> str:
         "# Configuration reference",
         "",
         "Generated from `dlm/config/schema.py` by `dlm config docs`; a test fails when this file is stale.",
-        "Config files are TOML with `[model]`, `[diffusion]`, `[training]` and `[logging]` tables. Any command",
-        "that takes `--config` also takes repeated `--set section.field=value` overrides, parsed with the",
+        "Config files are TOML with `[model]`, `[diffusion]`, `[training]`, `[training.lora]` and `[logging]`",
+        "tables. Any command that takes `--config` also takes repeated `--set section.field=value` overrides",
+        "(`--set training.lora.rank=8` for the nested table), parsed with the",
         "field's own type (`none` clears an optional field). Relative paths are relative to the",
         "working directory; the run directory keeps the resolved config as `config.json`.",
         "",
     ]
     sections = ("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)
-    for name, section in (*sections, ("logging", LoggingConfig)):
-        lines += [f"## `[{name}]`", "", (section.__doc__ or "").strip(), ""]
+    for name, section in (*sections, ("training.lora", LoraConfig), ("logging", LoggingConfig)):
+        lines += [f"## `[{name}]`", "", inspect.cleandoc(section.__doc__ or ""), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in section.model_fields.items():
-            default = info.default if info.default is not None else "none"
+            default = info.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = f"[{name}.{field}]"
+            elif default is None:
+                default = "none"
             lines.append(
                 f"| `{field}` | `{_type_name(info.annotation)}` | `{default}` | {_bounds(info)} "
                 f"| {info.description or ''} |"

@@ -7,7 +7,9 @@ same model shape, else its token ids or tensors would mean something else; a ref
 sides. The block size is no part of the shape (no tensor depends on it): a block diffusion model may
 start a whole-sequence run, or the reverse (a legitimate adaptation), and a warning says so. The
 path stays in the run's config, yet a resume restores the run's own checkpoint and never reads the
-source again, so a fine-tuning run resumes exactly like any other.
+source again, so a fine-tuning run resumes exactly like any other. A LoRA run (`[training.lora]`) is the
+exception: its checkpoints hold the adapters alone, so its resume reads the source, its frozen base,
+again, and refuses one whose weights' sha256 changed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from dlm.artifacts.checksum import weights_sha256
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError, UserNote
 from dlm.model.denoiser import block_size
@@ -89,3 +92,25 @@ def load_initial_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
         set_model_state_dict(model, cast(dict[str, Any], converted), options=StateDictOptions(full_state_dict=True))
         return
     model.load_state_dict(converted, strict=True)
+
+
+def lora_base_record(source: Path, weights: dict[str, Tensor]) -> dict[str, str]:
+    """What a LoRA run's checkpoints record of the base its adapters need: its path and its weights' sha256."""
+
+    return {"path": str(source), "sha256": weights_sha256(weights)}
+
+
+def checked_lora_base(recorded: object, weights: dict[str, Tensor] | None, checkpoint: Path) -> dict[str, str]:
+    """A LoRA checkpoint's record of its base, refused unless `weights` (read again from
+    `training.init_from`) are the weights it names."""
+
+    record = recorded if isinstance(recorded, dict) else {}
+    found = None if weights is None else weights_sha256(weights)
+    if found is None or record.get("sha256") != found:
+        raise UserError(
+            f"training.init_from is not the base model this LoRA run was trained on (its weights' sha256 is "
+            f"{'unknown' if found is None else found[:12]}, the checkpoint recorded {str(record.get('sha256'))[:12]})",
+            path=checkpoint,
+            fix=f"point training.init_from at the run's base model ({record.get('path')}), unchanged",
+        )
+    return {"path": str(record.get("path")), "sha256": found}

@@ -65,6 +65,7 @@ from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
+from dlm.model.lora import adapter_state, load_base_and_adapters
 from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_precision
 from dlm.runtime.flops import peak_flops
@@ -84,9 +85,9 @@ from dlm.train.distributed import (
     load_full_state,
     shard_like,
 )
-from dlm.train.init_from import initial_weights, load_initial_weights
+from dlm.train.init_from import checked_lora_base, initial_weights, load_initial_weights, lora_base_record
 from dlm.train.loggers import check_loggers, open_loggers
-from dlm.train.memory import count_parameters
+from dlm.train.memory import trainable_parameter_count
 from dlm.train.optimizer import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
 from dlm.train.preflight import ensure_valid
 from dlm.train.step import LogWindow, RunCounters, TrainingStep
@@ -138,14 +139,16 @@ class Trainer:
         self.checkpoint_path: Path | None = None
         # None for single-file checkpoints. Built on every rank at this point: it may create a group.
         self.checkpointer = sharded_checkpointer(self.config, world)
+        self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
 
     @property
     def counters(self) -> RunCounters:
         return self.step.counters
 
     # ----------------------------------------------------------------------------- state
-    def load(self, path: Path, allow_data_change: bool = False) -> None:
-        """Restore everything a checkpoint holds; refuse one that does not belong to this config."""
+    def load(self, path: Path, allow_data_change: bool = False, base: dict[str, Tensor] | None = None) -> None:
+        """Restore everything a checkpoint holds; refuse one that does not belong to this config.
+        A LoRA run's checkpoint holds the adapters alone: `base` is its base model's weights, read again."""
 
         if path.is_dir() and not is_sharded_checkpoint(path):
             path = RunDir(path).latest_checkpoint()
@@ -163,7 +166,10 @@ class Trainer:
         # beta or decay takes effect); the schedule sets the learning rate before every step.
         resumable = optimizer_spec(self.config.optimizer).resumable_hyperparameters
         with configured_hyperparameters_kept(self.optimizer, resumable):
-            load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
+            if self.config.lora.enabled:
+                self._load_adapters(checkpoint, base, path)
+            else:
+                load_full_state(self.model, self.optimizer, checkpoint["model"], checkpoint["optimizer"])
         self.step.scaler.load_state_dict(checkpoint.get("scaler") or {})
         ema = self.step.ema
         if ema is not None and checkpoint.get("ema") is not None:
@@ -178,11 +184,26 @@ class Trainer:
         )
         self.checkpoint_path = Path(path)
 
+    def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
+        """The base weights, refused unless they are the ones the run began with; then the checkpoint's
+        adapters and optimizer state (a LoRA run: one process or DDP, never sharded)."""
+
+        self.lora_base = checked_lora_base(checkpoint.get("lora_base"), base, path)
+        assert base is not None
+        load_base_and_adapters(self.model, base, checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+
     def start_from(self, weights: dict[str, Tensor]) -> None:
         """Take a trained model's weights (`training.init_from`, read and checked by
-        `dlm.train.init_from.initial_weights`); everything else starts afresh."""
+        `dlm.train.init_from.initial_weights`); everything else starts afresh. A LoRA run freezes
+        them under its adapters and records their sha256, which a resume checks."""
 
-        load_initial_weights(self.model, weights)
+        if self.config.lora.enabled:
+            load_base_and_adapters(self.model, weights)
+            assert self.config.init_from is not None  # a config rule of [training.lora]
+            self.lora_base = lora_base_record(self.config.init_from, weights)
+        else:
+            load_initial_weights(self.model, weights)
         if self.step.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.step.ema = ModelEMA(self.model, self.step.ema.decay)
 
@@ -214,7 +235,8 @@ class Trainer:
             **self.record(),
             "rng_state": capture_rng_state(self.device),
             "data_generator_state": self.data_generator.get_state(),
-            "model": full_model_state(self.model),
+            "model": adapter_state(self.model) if self.config.lora.enabled else full_model_state(self.model),
+            "lora_base": self.lora_base,
             "optimizer": full_optimizer_state(self.model, self.optimizer),
             "scaler": self.step.scaler.state_dict(),
             "ema": ema_state,
@@ -239,6 +261,7 @@ class Trainer:
                     "config": self.experiment.to_dict(),
                     "tokenizer_sha256": self.tokenizer_sha256,
                     "weights": "live" if state["ema"] is None else "ema",
+                    "lora_base": state["lora_base"],
                 }
                 save_inference_checkpoint(config.output_dir, inference_weights(state), metadata)
             self.sink(CheckpointEvent(step=step, path=str(path)))
@@ -393,6 +416,7 @@ class Trainer:
             precision=self.precision,
             parameters=self.model.num_parameters,
             parameters_human=format_parameter_count(self.model.num_parameters),
+            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             optimizer=config.optimizer,
             compile=resolve_compile(config.compile, self.device),
             activation_checkpointing=self.experiment.model.activation_checkpointing,
@@ -427,7 +451,8 @@ def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
 
 
 def _checkpoint_bytes(parameters: int) -> int:
-    """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice."""
+    """Bytes one checkpoint needs at worst: fp32 weights + two fp32 Adam moments, written twice (a LoRA
+    run's checkpoints hold the adapters alone)."""
 
     return parameters * 4 * 3 * 2
 
@@ -464,13 +489,13 @@ def train(
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)
-    initial = None  # a resumed run never re-applies init_from
-    if resume is None and config.init_from is not None:
+    initial = None  # a resumed run never re-applies init_from; a LoRA run's resume reads its frozen base again
+    if config.init_from is not None and (resume is None or config.lora.enabled):
         # Read and checked before the run directory exists: a refused source leaves nothing behind.
         initial = initial_weights(config.init_from, experiment.model, tokenizer_sha256(config.tokenizer))
     if world.is_main:  # only rank 0 logs, so only it needs the loggers' packages
         check_loggers(experiment.logging)
-        check_output_dir(run_dir, _checkpoint_bytes(count_parameters(experiment.model)))
+        check_output_dir(run_dir, _checkpoint_bytes(trainable_parameter_count(experiment.model, config)))
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
     signals = StopSignals() if stop is None else contextlib.nullcontext(stop)
@@ -482,7 +507,7 @@ def train(
         if trainer.checkpointer is not None:  # a save in flight completes before the process ends
             cleanup.callback(trainer.checkpointer.close)
         if resume is not None:
-            trainer.load(resume, allow_data_change)
+            trainer.load(resume, allow_data_change, initial)
         elif initial is not None:
             trainer.start_from(initial)
             del initial  # the model holds them now

@@ -7,12 +7,19 @@ directory was created. `dlm validate` reports the same figures as a check.
 The estimate is per process, in bytes:
 
 - weights: 4 per parameter (float32 master weights; autocast computes in bf16 / fp16 without a
-  second resident copy),
-- gradients: 4 per parameter,
-- optimizer state: as its registry entry counts it (`OptimizerSpec.state_bytes` in
-  `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
-- EMA: a float32 copy of the weights (4 per parameter) when `ema_decay` is set,
-- activations: what one micro-batch saves for its backward pass (see `activation_bytes`).
+  second resident copy); a LoRA run's frozen Linear weights 2 with `base_dtype = "bfloat16"`,
+- gradients: 4 per trained parameter,
+- optimizer state: as its registry entry counts it for the trained parameters (`OptimizerSpec.state_bytes`
+  in `dlm/config/optimizer_registry.py`; AdamW's two float32 moments are 8 per parameter),
+- EMA: a float32 copy of the trained weights (4 per parameter) when `ema_decay` is set,
+- activations: what one micro-batch saves for its backward pass (see `activation_bytes`),
+- weight copies: under bfloat16 / float16 autocast, the compute-dtype copy of each float32 matmul
+  weight that the backward pass keeps (see `weight_copy_bytes`).
+
+Every parameter trains, except in a LoRA run (`[training.lora]`): there the frozen base needs its
+weights alone, and the adapters are the trained parameters. A LoRA run's parameters are counted on
+a model built on the meta device with its adapters injected (shapes and dtypes, no storage), so the
+figure is the one peft will allocate, whatever the model's shape.
 
 The first four, the model state, exist whatever the batch or the kernels; under FSDP they are
 sharded over the processes. Only the model state decides a refusal: it is a lower bound, so a run
@@ -24,13 +31,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
+from dlm.fileio import GIB
 from dlm.model.denoiser import needs_clean_copy
 from dlm.model.transformer import format_parameter_count
 
@@ -66,14 +75,51 @@ def count_parameters(model: ModelConfig) -> int:
     return sum(math.prod(shape) for _, shape in parameter_shapes(model))
 
 
-def optimizer_state_bytes(model: ModelConfig, training: TrainingConfig) -> int | None:
-    """Bytes of optimizer state for every parameter of `model` (before any sharding); None when the
-    optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
+@dataclass(frozen=True)
+class ParameterEntry:
+    """One parameter of the model a run trains: its elements, bytes per element, and whether it trains."""
+
+    name: str
+    size: int
+    element_bytes: int
+    trainable: bool
+    matrix: bool = True  # 2 or more dims: a matmul weight (the embedding is the head's too)
+
+
+def parameter_entries(model: ModelConfig, training: TrainingConfig) -> list[ParameterEntry]:
+    """Every parameter of the run's model. A LoRA run's come from the model built on the meta device
+    with its adapters (which also checks `target_modules`); the others from `parameter_shapes`."""
+
+    if not training.lora.enabled:
+        return [
+            ParameterEntry(name, math.prod(shape), 4, True, len(shape) >= 2) for name, shape in parameter_shapes(model)
+        ]
+    from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
+    from dlm.model.transformer import DiffusionTransformer
+
+    with torch.device("meta"):
+        network = add_adapters(DiffusionTransformer(model), training.lora)
+    return [
+        ParameterEntry(name, parameter.numel(), parameter.element_size(), parameter.requires_grad, parameter.ndim >= 2)
+        for name, parameter in network.named_parameters()
+    ]
+
+
+def trainable_parameter_count(model: ModelConfig, training: TrainingConfig) -> int:
+    return sum(entry.size for entry in parameter_entries(model, training) if entry.trainable)
+
+
+def optimizer_state_bytes(
+    model: ModelConfig, training: TrainingConfig, entries: list[ParameterEntry] | None = None
+) -> int | None:
+    """Bytes of optimizer state for the trained parameters of `model` (before any sharding); None when
+    the optimizer's registry entry does not say (`OptimizerSpec.state_bytes`)."""
 
     state_bytes = optimizer_spec(training.optimizer).state_bytes
     if state_bytes is None:
         return None
-    return state_bytes([(name, math.prod(shape)) for name, shape in parameter_shapes(model)], training)
+    entries = parameter_entries(model, training) if entries is None else entries
+    return state_bytes([(entry.name, entry.size) for entry in entries if entry.trainable], training)
 
 
 def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: str) -> int:
@@ -102,6 +148,22 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     return tokens * (copies * blocks + head)
 
 
+def weight_copy_bytes(entries: list[ParameterEntry], model: ModelConfig, precision: str) -> int:
+    """Bytes of the compute-dtype copies autocast makes of float32 matmul weights, which the backward
+    pass keeps (it needs them for the input's gradient, frozen or not): every block's, or with activation
+    checkpointing one block's at a time, plus the head's (the embedding). None in float32, and none for
+    weights stored in the compute dtype already (a LoRA run's bfloat16 base)."""
+
+    if precision == "float32":
+        return 0
+    cast = [entry for entry in entries if entry.matrix and entry.element_bytes == 4]
+    in_blocks = sum(entry.size for entry in cast if entry.name.startswith("blocks."))
+    outside = sum(entry.size for entry in cast) - in_blocks
+    if model.activation_checkpointing:
+        in_blocks //= model.n_layers
+    return 2 * (in_blocks + outside)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one training process needs, by kind (see the module docstring)."""
@@ -114,6 +176,8 @@ class MemoryEstimate:
     ema: int
     activations: int
     optimizer_state_estimated: bool = True  # False: the optimizer's state size is unknown, counted as 0
+    trainable: int | None = None  # trained parameters when fewer than all (a LoRA run's adapters)
+    weight_copies: int = 0  # autocast's compute-dtype copies of float32 matmul weights (`weight_copy_bytes`)
 
     @property
     def model_state(self) -> int:
@@ -123,7 +187,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.activations
+        return self.model_state + self.activations + self.weight_copies
 
     def breakdown(self) -> str:
         parts = [
@@ -134,15 +198,27 @@ class MemoryEstimate:
         ]
         if self.ema:
             parts.append(f"EMA {format_bytes(self.ema)}")
-        return f"{format_parameter_count(self.parameters)} parameters: " + " + ".join(parts)
+        counted = f"{format_parameter_count(self.parameters)} parameters"
+        if self.trainable is not None:
+            counted += f" ({format_parameter_count(self.trainable)} trained, {self.trainable_share:.2%})"
+        return f"{counted}: " + " + ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "model_state": self.model_state, "total": self.total}
+
+    @property
+    def trainable_share(self) -> float:
+        return (self.parameters if self.trainable is None else self.trainable) / self.parameters
 
 
 def estimate_training_memory(experiment: ExperimentConfig, precision: str, shards: int = 1) -> MemoryEstimate:
     """The memory of one training process; `shards` processes split the model state (FSDP)."""
 
     model, training = experiment.model, experiment.training
-    parameters = count_parameters(model)
-    state = optimizer_state_bytes(model, training)
+    entries = parameter_entries(model, training)
+    parameters = sum(entry.size for entry in entries)
+    trainable = sum(entry.size for entry in entries if entry.trainable)
+    state = optimizer_state_bytes(model, training, entries)
 
     def per_shard(total: int) -> int:
         return -(-total // shards)
@@ -150,12 +226,14 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
     return MemoryEstimate(
         parameters=parameters,
         optimizer=training.optimizer,
-        weights=per_shard(4 * parameters),
-        gradients=per_shard(4 * parameters),
+        weights=per_shard(sum(entry.size * entry.element_bytes for entry in entries)),
+        gradients=per_shard(4 * trainable),
         optimizer_state=per_shard(state or 0),
-        ema=per_shard(4 * parameters) if training.ema_decay else 0,
+        ema=per_shard(4 * trainable) if training.ema_decay else 0,
         activations=activation_bytes(model, training, precision),
         optimizer_state_estimated=state is not None,
+        trainable=trainable if trainable < parameters else None,
+        weight_copies=weight_copy_bytes(entries, model, precision),
     )
 
 
@@ -241,13 +319,20 @@ class MemoryVerdict:
 
 
 def check_training_memory(
-    experiment: ExperimentConfig, device: torch.device, precision: str, shards: int = 1
+    experiment: ExperimentConfig,
+    device: torch.device,
+    precision: str,
+    shards: int = 1,
+    available: AvailableMemory | None = None,
 ) -> MemoryVerdict:
-    """Compare the estimate with the free memory of `device`; only the model state can refuse."""
+    """Compare the estimate with the free memory of `device` (or with `available`, a device planned
+    for: `device_capacity`); only the model state can refuse."""
 
     estimate = estimate_training_memory(experiment, precision, shards)
-    available = available_memory(device)
+    available = available if available is not None else available_memory(device)
     activations = f"~{format_bytes(estimate.activations)} of activations per micro-batch"
+    if estimate.weight_copies:
+        activations += f" and {format_bytes(estimate.weight_copies)} of {precision} weight copies"
     if available is None:
         return MemoryVerdict(
             True, f"needs ~{format_bytes(estimate.total)} ({estimate.breakdown()}; {activations}); "
@@ -273,6 +358,11 @@ def check_training_memory(
 def _model_state_fix(experiment: ExperimentConfig, device: torch.device) -> str:
     training = experiment.training
     fixes = ["use a smaller model (model.d_model, model.n_layers)"]
+    lora = training.lora
+    if not lora.enabled and training.init_from is not None:
+        fixes.append("train LoRA adapters on it instead of every weight ([training.lora] rank = 16)")
+    if lora.enabled and lora.base_dtype == "float32":
+        fixes.append('store the frozen weights in bfloat16 (training.lora.base_dtype and precision "bfloat16")')
     if training.optimizer == "adamw":
         fixes.append('set training.optimizer = "adamw8bit" (2 bytes of state per parameter instead of 8)')
     if training.ema_decay:
@@ -338,3 +428,44 @@ def estimate_checkpoints(experiment: ExperimentConfig, world_size: int) -> list[
         CheckpointEstimate("dcp", world_size, total, share, 0),
         CheckpointEstimate("dcp async", world_size, total, share, share),
     ]
+def device_capacity(gib: float) -> AvailableMemory:
+    """A device of `gib` GiB, all of it free: what a run planned for another machine is compared with."""
+
+    return AvailableMemory(int(gib * GIB), f"on a {gib:g} GiB device")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The estimate of a config on a GPU it is planned for, from the config alone (no weights, no data)."""
+
+    estimate: MemoryEstimate
+    precision: str
+    device_memory_gib: float | None
+    verdict: MemoryVerdict | None
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether everything estimated fits the planned device; None when none was given."""
+
+        if self.device_memory_gib is None:
+            return None
+        return self.estimate.total <= device_capacity(self.device_memory_gib).bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        verdict = None if self.verdict is None else asdict(self.verdict)
+        return {"precision": self.precision, "device_memory_gib": self.device_memory_gib, "fits": self.fits,
+                "estimate": self.estimate.to_dict(), "verdict": verdict}  # fmt: skip
+
+
+def plan_memory(experiment: ExperimentConfig, device_memory_gib: float | None = None) -> MemoryPlan:
+    """The memory of one training process of `experiment` on a CUDA device of `device_memory_gib` GiB.
+    Precision `auto` is counted as bfloat16, what it resolves to on a current GPU."""
+
+    precision = experiment.training.precision
+    precision = "bfloat16" if precision == "auto" else precision
+    estimate = estimate_training_memory(experiment, precision)
+    verdict = None
+    if device_memory_gib is not None:
+        capacity = device_capacity(device_memory_gib)
+        verdict = check_training_memory(experiment, torch.device("cuda"), precision, available=capacity)
+    return MemoryPlan(estimate, precision, device_memory_gib, verdict)

@@ -25,7 +25,13 @@ from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import resolve_device, resolve_precision
-from dlm.train.memory import check_training_memory, count_parameters, estimate_checkpoints
+from dlm.train.memory import (
+    check_training_memory,
+    count_parameters,
+    estimate_checkpoints,
+    parameter_entries,
+    plan_memory,
+)
 
 # The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").
 # At about 2 bits of storage per parameter (Allen-Zhu and Li, 2024) and about 8 bits of information
@@ -231,8 +237,14 @@ def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> Check
     )
 
 
-def _memory_check(experiment: ExperimentConfig, device: torch.device | None, world_size: int) -> CheckResult:
+def _memory_check(
+    experiment: ExperimentConfig, device: torch.device | None, world_size: int, device_memory_gib: float | None
+) -> CheckResult:
     training = experiment.training
+    if device_memory_gib is not None:  # planning for another machine's GPU
+        plan = plan_memory(experiment, device_memory_gib)
+        assert plan.verdict is not None
+        return CheckResult("memory", plan.verdict.fits, plan.verdict.detail, plan.verdict.fix)
     try:
         device = device if device is not None else resolve_device(training.device)
         precision = resolve_precision(training.precision, device)
@@ -255,13 +267,34 @@ def _checkpoint_check(experiment: ExperimentConfig, world_size: int) -> CheckRes
     return CheckResult("checkpoint size", True, detail)
 
 
+def _lora_check(experiment: ExperimentConfig) -> CheckResult:
+    """The adapters `[training.lora]` asks for, built on the meta device: the trained share of the model."""
+
+    model, lora = experiment.model, experiment.training.lora
+    try:
+        entries = parameter_entries(model, experiment.training)
+    except UserError as exc:
+        return _failure("LoRA adapters", exc)
+    total, trained = sum(e.size for e in entries), sum(e.size for e in entries if e.trainable)
+    detail = (
+        f"rank {lora.rank} on {', '.join(lora.target_modules)}: {format_parameter_count(trained)} of "
+        f"{format_parameter_count(total)} parameters train ({trained / total:.2%}); the base stays frozen "
+        f"({lora.base_dtype} Linear weights)"
+    )
+    return CheckResult("LoRA adapters", True, detail)
+
+
 def validate_experiment(
-    experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1
+    experiment: ExperimentConfig,
+    device: torch.device | None = None,
+    world_size: int = 1,
+    device_memory_gib: float | None = None,
 ) -> list[CheckResult]:
     """Every check of `experiment`'s tokenizer, data, output directory and memory, in order.
 
     `device`: where training will run (default: `training.device` resolved here); `world_size`
-    processes share the model state under FSDP.
+    processes share the model state under FSDP; `device_memory_gib`: compare the memory estimate with
+    a GPU of that size instead (`dlm validate --device-memory`).
     """
 
     training = experiment.training
@@ -279,13 +312,21 @@ def validate_experiment(
     results.append(_output_check(Path(training.output_dir)))
     if train_dataset is not None:
         results.append(_budget_check(experiment, train_dataset))
-    results.append(_memory_check(experiment, device, world_size))
+    if training.lora.enabled:
+        results.append(_lora_check(experiment))
+    try:  # a LoRA run's estimate builds the model with its adapters: peft and the targets must be right
+        results.append(_memory_check(experiment, device, world_size, device_memory_gib))
+    except UserError as exc:
+        results.append(_failure("memory", exc))
     results.append(_checkpoint_check(experiment, world_size))
     return results
 
 
 def validate_config_file(
-    path: str | Path, overrides: list[str] | None = None, world_size: int = 1
+    path: str | Path,
+    overrides: list[str] | None = None,
+    world_size: int = 1,
+    device_memory_gib: float | None = None,
 ) -> tuple[ExperimentConfig | None, list[CheckResult]]:
     """Load and schema-check a config file, then run `validate_experiment` when it is valid."""
 
@@ -294,7 +335,8 @@ def validate_config_file(
     except UserError as exc:
         return None, [_failure("config schema", exc)]
     schema = CheckResult("config schema", True, f"{path} is a valid config")
-    return experiment, [schema, *validate_experiment(experiment, world_size=world_size)]
+    results = validate_experiment(experiment, world_size=world_size, device_memory_gib=device_memory_gib)
+    return experiment, [schema, *results]
 
 
 def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:

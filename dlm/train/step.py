@@ -86,7 +86,7 @@ class TrainingStep:
         self.counters = RunCounters()
         seed_everything(self.config.seed, device)
         # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
-        self.model = build_model(lambda: DiffusionTransformer(experiment.model), device, world, self.config.parallelism)
+        self.model = build_model(self._new_model, device, world, self.config.parallelism)
         self.optimizer = build_optimizer(self.model, self.config, device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
         self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
@@ -95,6 +95,16 @@ class TrainingStep:
         model = experiment.model
         blocks = block_size(model)
         self.blocks_per_sequence = model.max_seq_len // blocks if blocks else 1
+
+    def _new_model(self) -> DiffusionTransformer:
+        """The model as seeded; with `[training.lora]` its adapters are drawn right after the weights."""
+
+        model = DiffusionTransformer(self.experiment.model)
+        if self.config.lora.enabled:
+            from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
+
+            add_adapters(model, self.config.lora)
+        return model
 
     def prepare(self) -> None:
         """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
