@@ -93,6 +93,14 @@ def test_lora_needs_init_from() -> None:
         load_config(Path(__file__).parents[1] / "configs" / "tiny.toml", ["training.lora.rank=4"])
 
 
+@pytest.mark.parametrize("setting", ["training.checkpoint_format=dcp", "training.async_checkpoint=true"])
+def test_lora_checkpoints_stay_single_files(setting: str) -> None:
+    # A LoRA checkpoint holds the adapters and the base's checksum, which the sharded format does not carry.
+    settings = ["training.lora.rank=4", "training.init_from=base", setting]
+    with pytest.raises(UserError, match=r"training\.lora: adapters with sharded or asynchronous checkpoints"):
+        load_config(Path(__file__).parents[1] / "configs" / "tiny.toml", settings)
+
+
 def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(tokens)
