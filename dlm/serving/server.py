@@ -1,0 +1,142 @@
+"""`dlm serve`: load a model once, then answer OpenAI's API on a local port until SIGTERM or Ctrl-C.
+
+On SIGTERM (or SIGINT) the server stops accepting connections, lets the requests it holds (queued or
+generating) finish within `grace_seconds`, stops the scheduler and returns; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm.errors import UserError
+from dlm.extras import Requirement, require
+from dlm.serving.guard import RequestSink
+from dlm.serving.protocol import Limits
+from dlm.serving.scheduler import Scheduler
+
+UVICORN = Requirement("uvicorn", "serve", "dlm serve")
+SERVE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "float64": torch.float64,
+                                               "bfloat16": torch.bfloat16}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no key asked
+    limits: Limits = field(default_factory=Limits)
+    max_queue: int = 64  # requests waiting for a batch; more are answered 429
+    max_batch_rows: int = 32  # rows (prompts x n) generated together
+    grace_seconds: float = 30.0  # how long a shutdown waits for the requests it holds
+    name: str | None = None  # the model's id in requests (default: the model directory's name)
+
+    def __post_init__(self) -> None:
+        for option, value in (("--port", self.port), ("--max-queue", self.max_queue),
+                              ("--max-batch", self.max_batch_rows)):  # fmt: skip
+            if value < (0 if option == "--port" else 1):
+                raise UserError(f"{option} must be at least {0 if option == '--port' else 1} (got {value})")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("the API key is empty", fix="pass a non-empty --api-key or DLM_API_KEY, or neither")
+        if self.limits.max_n > self.max_batch_rows:
+            raise UserError(f"--max-n ({self.limits.max_n}) is more than --max-batch ({self.max_batch_rows})",
+                            fix="raise --max-batch or lower --max-n")  # fmt: skip
+
+
+def load_served(path: str | Path, *, device: str = "cpu", dtype: str = "auto", name: str | None = None) -> Any:
+    """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
+
+    from dlm.artifacts.loading import load_model_with_info
+    from dlm.data.chat import ChatTemplate
+    from dlm.runtime.device import resolve_device
+    from dlm.serving.app import ServedModel
+
+    if dtype not in SERVE_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
+    loaded = load_model_with_info(path, resolve_device(device), SERVE_DTYPES[dtype])
+    template = ChatTemplate.for_tokenizer(loaded.info.tokenizer_path)
+    template.check()  # a broken template stops the server before it listens
+    served_name = name or Path(path).resolve().name
+    return ServedModel(served_name, loaded.model, loaded.tokenizer, template, int(time.time()))
+
+
+@contextmanager
+def _signals_end_the_server() -> Iterator[None]:
+    """uvicorn handles SIGINT and SIGTERM while it runs and raises them again once it has shut down;
+    this handler (restored under uvicorn's) takes that second signal, so a graceful shutdown exits 0."""
+
+    def handled(signum: int, frame: Any) -> None:
+        pass
+
+    if threading.current_thread() is not threading.main_thread():  # no signals there (a server in a test)
+        yield
+        return
+    previous = {sig: signal.signal(sig, handled) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Server:
+    """One model behind OpenAI's API; `run` blocks until a signal (or `stop`) ends it."""
+
+    def __init__(self, served: Any, settings: ServeSettings, on_request: RequestSink | None = None) -> None:
+        from dlm.serving.app import create_app
+
+        uvicorn = require(UVICORN)
+        self.settings = settings
+        self.scheduler = Scheduler(served.model, served.tokenizer, max_queue=settings.max_queue,
+                                   max_batch_rows=settings.max_batch_rows)  # fmt: skip
+        app = create_app(served, self.scheduler, limits=settings.limits, api_key=settings.api_key,
+                         on_request=on_request or (lambda record: None))  # fmt: skip
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=settings.grace_seconds, lifespan="on")  # fmt: skip
+        self._server = uvicorn.Server(config)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._server.started)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one asked, or the one the system chose for port 0)."""
+
+        for server in getattr(self._server, "servers", []):
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.settings.port
+
+    def run(self, on_started: Callable[[], None] | None = None) -> None:
+        """Serve until SIGTERM / SIGINT (in the main thread) or `stop`, then shut down gracefully."""
+
+        import asyncio
+
+        async def main() -> None:
+            task = asyncio.create_task(self._server.serve())
+            while not self._server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if self._server.started and on_started is not None:
+                on_started()
+            await task
+
+        try:
+            with _signals_end_the_server():
+                asyncio.run(main())
+        except SystemExit:  # what uvicorn does when it cannot bind; it logged why
+            raise UserError(f"cannot listen on {self.settings.host}:{self.settings.port}",
+                            fix="choose another --port or --host") from None  # fmt: skip
+
+    def stop(self) -> None:
+        """Begin the graceful shutdown (from another thread)."""
+
+        self._server.should_exit = True
