@@ -69,12 +69,13 @@ def serve_command(
     """Serve MODEL with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
 
     from dlm.serving.protocol import Limits
-    from dlm.serving.server import Server, ServeSettings, load_served
+    from dlm.serving.server import Server, ServeSettings, check_requirements, load_served
 
     limits = Limits(max_tokens=max_tokens, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
                     max_body_bytes=max_body_bytes)  # fmt: skip
     settings = ServeSettings(host=host, port=port, api_key=api_key, limits=limits, max_queue=max_queue,
                              max_batch_rows=max_batch, grace_seconds=grace, name=name)  # fmt: skip
+    check_requirements()
     served = load_served(model, device=device, dtype=dtype, name=name)
     if api_key is None and not _is_loopback(host):
         err_console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it can use it")

@@ -67,7 +67,7 @@ class ServeConsole:
         rows = [
             ("in flight / queued", f"{snapshot.in_flight} / {snapshot.queued}"),
             ("tokens/s", f"{snapshot.tokens_per_second:,.1f}  {sparkline(self._rates, 40)}"),
-            ("batch occupancy", f"{snapshot.occupancy:.0%}"),
+            ("batch occupancy", f"{snapshot.occupancy:.0%} ({snapshot.batches} batches)"),
             ("latency p50 / p99", f"{_seconds(snapshot.p50_seconds)} / {_seconds(snapshot.p99_seconds)}"),
             ("answered / 429 / dropped / errors",
              f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} / {snapshot.errors}"),

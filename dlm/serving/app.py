@@ -144,7 +144,7 @@ class Endpoints:
             raise ApiError(503, "the server shut down before this request ran", kind="server_error") from None
         finally:
             if not job.future.done():
-                job.cancelled.set()
+                self.scheduler.cancel(job)
                 self.scheduler.stats.count("dropped")
 
     def answer(self, kind: str, request_id: str, job: Job, outcome: Outcome) -> dict[str, Any]:

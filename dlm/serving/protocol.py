@@ -115,7 +115,7 @@ def validation_error(exc: ValidationError) -> ApiError:
     """The first problem pydantic found, as a 400 naming its field (`messages.0.role`)."""
 
     first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"] if part not in ("body",)) or None
+    param = ".".join(str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))) or None
     if first["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field {param!r}", param=param)
     if first["type"] == "json_invalid":
@@ -124,6 +124,8 @@ def validation_error(exc: ValidationError) -> ApiError:
 
 
 _FLAG = re.compile(r"--([a-z][a-z-]*)")
+# What pydantic adds to a location for the member of a union it tried (`prompt.str`, `stop.list[str]`).
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
 
 
 def _options(request: SamplerFields, length: int) -> SamplingOptions:

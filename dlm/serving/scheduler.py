@@ -8,7 +8,7 @@ seeds=...)` pads them and gives each prompt its own random stream, so a row equa
 sampled alone up to float rounding (`dlm.sampling.prompt_batch`, docs/reproducibility.md). Requests
 with other settings wait for a later batch; a request that arrives while a batch runs joins the next.
 
-A request whose client has gone is dropped while it waits; once its batch runs, its rows finish with
+A request whose client has gone leaves the queue at once; once its batch runs, its rows finish with
 the batch and are discarded.
 """
 
@@ -45,7 +45,7 @@ class Outcome:
     completion_tokens: int
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the queue finds it by identity
 class Job:
     """One request in the queue; `future` gets its `Outcome` or the exception that ended its batch."""
 
@@ -53,7 +53,6 @@ class Job:
     generation: Generation
     future: Future[Outcome] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -151,6 +150,14 @@ class Scheduler:
             self._publish()
             self._ready.notify()
 
+    def cancel(self, job: Job) -> None:
+        """The client has gone: drop `job` if it still waits, else discard its rows when its batch ends."""
+
+        with self._ready:
+            if job in self._queue:
+                self._queue.remove(job)
+                self._publish()
+
     def _publish(self) -> None:
         self.stats.queue_changed(len(self._queue), len(self._running))
 
@@ -162,11 +169,6 @@ class Scheduler:
                 self._ready.wait()
             if self._stopping:
                 return []
-            for job in [job for job in self._queue if job.cancelled.is_set()]:
-                self._queue.remove(job)
-                self.stats.count("dropped")
-            if not self._queue:
-                continue
             head = self._queue[0]
             batch, rows = [], 0
             for job in list(self._queue):

@@ -51,6 +51,15 @@ class ServeSettings:
                             fix="raise --max-batch or lower --max-n")  # fmt: skip
 
 
+def check_requirements() -> None:
+    """Before the model loads: one error naming the `serve` extra when fastapi or uvicorn is missing."""
+
+    from dlm.serving.app import FASTAPI
+
+    for requirement in (FASTAPI, UVICORN):
+        require(requirement)
+
+
 def load_served(path: str | Path, *, device: str = "cpu", dtype: str = "auto", name: str | None = None) -> Any:
     """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
 

@@ -27,6 +27,7 @@ class StatsSnapshot:
     rejected: int  # refused with 429 since start
     dropped: int  # whose client left before the answer
     errors: int  # failed inside the server (500)
+    batches: int  # generate calls since start
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,7 +48,7 @@ class ServeStats:
         self._lock = threading.Lock()
         self._batches: deque[tuple[float, float, int, int]] = deque()  # (start, end, rows, generated tokens)
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
-        self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.errors = 0
+        self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.errors = self.batches = 0
 
     def queue_changed(self, queued: int, in_flight: int) -> None:
         with self._lock:
@@ -57,6 +58,7 @@ class ServeStats:
         with self._lock:
             end = time.monotonic()
             self._batches.append((end - seconds, end, rows, tokens))
+            self.batches += 1
 
     def answered(self, seconds: float) -> None:
         with self._lock:
@@ -76,7 +78,7 @@ class ServeStats:
                 self._batches.popleft()
             batches = list(self._batches)
             latencies = list(self._latencies)
-            counters = (self.requests, self.rejected, self.dropped, self.errors)
+            counters = (self.requests, self.rejected, self.dropped, self.errors, self.batches)
             in_flight, queued = self.in_flight, self.queued
         span = min(WINDOW_SECONDS, now - batches[0][0]) if batches else 0.0
         tokens = sum(batch[3] for batch in batches)
