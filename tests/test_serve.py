@@ -32,6 +32,7 @@ from helpers import train_tiny_run  # noqa: E402
 from dlm.artifacts.export import export_model  # noqa: E402
 from dlm.data.chat import Turn  # noqa: E402
 from dlm.serving.protocol import Limits  # noqa: E402
+from dlm.serving.rows import RowStream  # noqa: E402
 from dlm.serving.server import Server, ServeSettings, load_served  # noqa: E402
 
 pytestmark = pytest.mark.serve_extra
@@ -171,6 +172,39 @@ def test_streaming_sends_the_text_of_a_whole_request(live: Running) -> None:
     plain = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Speak."}],
                                                 max_tokens=6, seed=2)  # fmt: skip
     assert text == plain.choices[0].message.content
+
+
+def test_streaming_sends_each_block_as_it_becomes_final(live: Running) -> None:
+    request = {"max_tokens": 16, "seed": 11, "extra_body": {"steps": 16, "block_length": 4}}
+    whole = live.complete(**request).choices[0]
+    assert whole.finish_reason == "length"  # no end of document: all four blocks are text
+
+    def streamed(**extra: Any) -> list[str]:
+        chunks = live.complete(stream=True, **request, **extra)
+        return [text for chunk in chunks if (text := chunk.choices[0].text)]
+
+    pieces = streamed()
+    assert "".join(pieces) == whole.text and len(pieces) > 1  # sent while later blocks were still masked
+    stop = whole.text[len(whole.text) // 2 :][:2]
+    cut = live.complete(stop=stop, **request).choices[0].text
+    assert "".join(streamed(stop=stop)) == cut == whole.text[: whole.text.index(stop)]
+
+
+def test_a_row_streams_only_final_text(model_dir: Path) -> None:
+    tokenizer = load_served(model_dir).tokenizer
+    text = "ab€cd STOP and more"
+    ids = tokenizer.encode(text).ids
+    assert len(tokenizer.encode("€").ids) > 1  # a character split across tokens
+    mask, eos = 1, 0
+    for stops, final in (((), text), (("STOP",), "ab€cd ")):
+        stream = RowStream(tokenizer, mask, eos, stops)
+        sent = ""
+        for revealed in range(len(ids) + 1):  # left to right, one position at a time
+            piece = stream.update(ids[:revealed] + [mask] * (len(ids) - revealed))
+            assert "\ufffd" not in piece
+            sent += piece
+            assert final.startswith(sent)
+        assert sent + stream.finish(final) == final
 
 
 @pytest.mark.parametrize(

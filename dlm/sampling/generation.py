@@ -70,7 +70,8 @@ def generate(
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
     padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
     and gets its tokens up to float rounding: a choice that is a tie within rounding can go either
-    way (`dlm.sampling.prompt_batch`, docs/reproducibility.md); `on_step` is not called then. `seeds`
+    way (`dlm.sampling.prompt_batch`, docs/reproducibility.md); `on_step` sees the padded batch when the prompts
+    form one (`generate_prompts`). `seeds`
     gives each prompt its own seed instead (the i-th draws the random numbers of `seed=seeds[i]`). A
     block model generates past its `max_seq_len` with a sliding window (`dlm.sampling.block_model`).
     """
@@ -95,7 +96,7 @@ def generate(
         per_prompt = consecutive_seeds(seed, len(prompts)) if seeds is None else list(seeds)
         return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seeds=per_prompt,
                                 options=options, device=device, schedule=chosen, forbidden=forbidden,
-                                end_id=end_id)  # fmt: skip
+                                end_id=end_id, on_step=on_step)  # fmt: skip
     if seeds is not None:
         raise UserError("seeds are for a list of prompts", fix="pass prompts=[...] with them, or seed= alone")
     parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)

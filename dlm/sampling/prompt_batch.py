@@ -32,7 +32,7 @@ import torch
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
-from dlm.sampling.options import SampleResult
+from dlm.sampling.options import SampleResult, StepCallback
 from dlm.sampling.prompting import build_sequence, check_request
 from dlm.sampling.reverse import cut_after_stop
 from dlm.sampling.row_noise import RowNoise, noise_device
@@ -94,9 +94,12 @@ def generate_prompts(
     schedule: Schedule,
     forbidden: list[int],
     end_id: int | None,
+    on_step: StepCallback | None = None,
 ) -> SampleResult:
     """`dlm.sampling.generation.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt,
-    prompt i with its own random stream seeded `seeds[i]`."""
+    prompt i with its own random stream seeded `seeds[i]`. `on_step` sees the padded batch (prompt i's rows after
+    its leading padding, the generated tokens in the last `length` columns) when the prompts form one batch (all
+    but a block model's prompts whose lengths differ modulo its block size); it is not called otherwise."""
 
     config = model.config
     encoded = encode_prompts(tokenizer, config, prompts, length=length, num_samples=num_samples, seeds=seeds)
@@ -104,7 +107,8 @@ def generate_prompts(
     rows: dict[int, list[list[int]]] = {}
     passes = fed_total = 0
     start = time.perf_counter()
-    for group in _groups(config, [len(ids) for ids in encoded]):
+    groups = _groups(config, [len(ids) for ids in encoded])
+    for group in groups:
         offsets = _offsets(config, [len(encoded[i]) for i in group])
         tokens, pad, fill_mask = _padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler,
                                                device)  # fmt: skip
@@ -112,7 +116,8 @@ def generate_prompts(
         noise = RowNoise(generators, (num_samples,) * len(group))
         with inference(model), counting_tokens(model) as fed:
             tokens, group_passes = denoise(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
-                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad)  # fmt: skip
+                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad,
+                                           on_step=on_step if len(groups) == 1 else None)  # fmt: skip
             result = tokens.tolist()
         passes, fed_total = passes + group_passes, fed_total + fed[0]
         for slot, index in enumerate(group):

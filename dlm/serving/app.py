@@ -29,7 +29,7 @@ from dlm.serving.protocol import (
     check_generation,
     validation_error,
 )
-from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown
+from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown, TextSink
 
 log = logging.getLogger("dlm.serving")
 FASTAPI = Requirement("fastapi", "serve", "dlm serve")
@@ -116,8 +116,8 @@ class Endpoints:
                            f"({self.scheduler.max_batch_rows})", param="n")  # fmt: skip
         return generation
 
-    def submit(self, request_id: str, generation: Generation) -> Job:
-        job = Job(request_id, generation)
+    def submit(self, request_id: str, generation: Generation, on_text: TextSink | None = None) -> Job:
+        job = Job(request_id, generation, on_text=on_text)
         try:
             self.scheduler.submit(job)
         except QueueFull as exc:
@@ -129,30 +129,52 @@ class Endpoints:
             raise ApiError(503, "the server is shutting down", kind="server_error") from None
         return job
 
-    async def wait(self, request: Any, job: Job) -> Outcome:
-        """The job's outcome; `ClientGone` (the job dropped) when the client leaves first."""
+    async def wait(self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
+                   ) -> AsyncIterator[tuple[int, str] | Outcome]:  # fmt: skip
+        """The texts a streaming job sends as they come, then its outcome; `ClientGone` (the job dropped)
+        when the client leaves first."""
 
         waiter = asyncio.wrap_future(job.future)
+        getter: asyncio.Future[tuple[int, str]] | None = None
         try:
             while True:
-                done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_SECONDS)
-                if done:
-                    return waiter.result()
-                if await request.is_disconnected():
+                if texts is not None and getter is None:
+                    getter = asyncio.ensure_future(texts.get())
+                waiting: set[asyncio.Future[Any]] = {waiter} if getter is None else {waiter, getter}
+                await asyncio.wait(waiting, timeout=DISCONNECT_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                if getter is not None and getter.done():
+                    yield getter.result()
+                    getter = None
+                elif waiter.done():
+                    while texts is not None and not texts.empty():  # sent before the outcome, not yet read
+                        yield texts.get_nowait()
+                    yield waiter.result()
+                    return
+                elif await request.is_disconnected():
                     raise ClientGone
         except ShuttingDown:
             raise ApiError(503, "the server shut down before this request ran", kind="server_error") from None
         finally:
+            if getter is not None:
+                getter.cancel()
             if not job.future.done():
                 self.scheduler.cancel(job)
                 self.scheduler.stats.count("dropped")
+
+    async def outcome(self, request: Any, job: Job) -> Outcome:
+        async for item in self.wait(request, job):
+            assert isinstance(item, Outcome)
+            return item
+        raise AssertionError("a job ends with its outcome")
 
     def answer(self, kind: str, request_id: str, job: Job, outcome: Outcome) -> dict[str, Any]:
         self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
         return _completion_body(kind, request_id, self.served, outcome)
 
-    async def stream(self, request: Any, kind: str, request_id: str, job: Job) -> AsyncIterator[str]:
-        """Server-sent events: the whole text of each choice once its batch ends (see docs/serving.md)."""
+    async def stream(self, request: Any, kind: str, request_id: str, job: Job,
+                     texts: asyncio.Queue[tuple[int, str]]) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events: each choice's text as it becomes final (`dlm.serving.rows`), then the finish
+        reasons, the usage when asked, and `[DONE]`."""
 
         response_id, created, rows = _response_id(kind, request_id), int(time.time()), job.generation.rows
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -165,15 +187,18 @@ class Endpoints:
             if kind == "chat":  # OpenAI opens each choice with its role
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for i in range(rows)])  # fmt: skip
-            outcome = await self.wait(request, job)
+            async for item in self.wait(request, job, texts):
+                if isinstance(item, Outcome):
+                    outcome = item
+                    break
+                index, text = item
+                if text:
+                    yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None} if kind == "chat"
+                                 else {"index": index, "text": text, "finish_reason": None, "logprobs": None}])
             self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
             for i, choice in enumerate(outcome.choices):
-                if kind == "chat":
-                    yield chunk([{"index": i, "delta": {"content": choice.text}, "finish_reason": None}])
-                    yield chunk([{"index": i, "delta": {}, "finish_reason": choice.finish_reason}])
-                else:
-                    yield chunk([{"index": i, "text": choice.text, "finish_reason": choice.finish_reason,
-                                  "logprobs": None}])  # fmt: skip
+                yield chunk([{"index": i, "delta": {}, "finish_reason": choice.finish_reason} if kind == "chat"
+                             else {"index": i, "text": "", "finish_reason": choice.finish_reason, "logprobs": None}])
             if job.generation.include_usage:
                 yield chunk([], usage=_usage(outcome))
             yield _event("[DONE]")
@@ -230,12 +255,19 @@ def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api
     async def complete(request: Any, kind: str) -> Any:
         request_id = request.scope["state"]["request_id"]
         generation = await endpoints.read(request, kind)
-        job = endpoints.submit(request_id, generation)
         if generation.stream:
-            return StreamingResponse(endpoints.stream(request, kind, request_id, job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def on_text(index: int, text: str) -> None:  # from the scheduler's thread
+                loop.call_soon_threadsafe(texts.put_nowait, (index, text))
+
+            job = endpoints.submit(request_id, generation, on_text)
+            return StreamingResponse(endpoints.stream(request, kind, request_id, job, texts),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        job = endpoints.submit(request_id, generation)
         try:
-            outcome = await endpoints.wait(request, job)
+            outcome = await endpoints.outcome(request, job)
         except ClientGone:
             return Response(status_code=499)
         return endpoints.answer(kind, request_id, job, outcome)

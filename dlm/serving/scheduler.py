@@ -3,10 +3,12 @@
 Requests wait in a bounded queue. The scheduler takes the oldest one and every queued request that
 can share its batch: the same number of tokens to generate, the same `n` and the same sampler
 options (steps, temperature, top-p, blocks, threshold, cache, remasking), up to `max_batch_rows`
-rows. Their prompts may differ in length and each keeps its own seed: `generate(prompts=...,
-seeds=...)` pads them and gives each prompt its own random stream, so a row equals the same request
-sampled alone up to float rounding (`dlm.sampling.prompt_batch`, docs/reproducibility.md). Requests
-with other settings wait for a later batch; a request that arrives while a batch runs joins the next.
+rows. Their prompts may differ in length (a block model's modulo its block size only, so that one
+padded batch holds them) and each keeps its own seed: `generate(prompts=..., seeds=...)` pads them
+and gives each prompt its own random stream, so a row equals the same request sampled alone up to
+float rounding (`dlm.sampling.prompt_batch`, docs/reproducibility.md). Requests with other settings
+wait for a later batch; a request that arrives while a batch runs joins the next. The rows of a
+streaming request are watched step by step (`dlm.serving.rows.RowStream`).
 
 A request whose client has gone leaves the queue at once; once its batch runs, its rows finish with
 the batch and are discarded.
@@ -19,23 +21,23 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from dlm.data.tokenizer import special_token_id
+from dlm.model.denoiser import block_size
 from dlm.sampling.generation import generate
+from dlm.sampling.options import StepCallback
 from dlm.serving.protocol import Generation
+from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
 
 log = logging.getLogger("dlm.serving")
-
-
-@dataclass(frozen=True)
-class Choice:
-    text: str
-    finish_reason: str  # "stop": end of document or a stop string; "length": all its tokens
-    completion_tokens: int
+TextSink = Callable[[int, str], None]  # (choice index, text)
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,15 @@ class Job:
     generation: Generation
     future: Future[Outcome] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    on_text: TextSink | None = None  # streaming: each choice's text as it becomes final, then the rest
 
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """What requests sharing a batch must agree on."""
+    def key(self, block: int) -> tuple[Any, ...]:
+        """What requests sharing a batch must agree on: the tokens to generate, `n`, the sampler options and,
+        for a block model (`block` > 0), the prompts' lengths modulo the block, so that they share block
+        columns and form one padded batch (`dlm.sampling.prompt_batch`)."""
 
-        return self.generation.length, self.generation.n, self.generation.options
+        phases = frozenset(count % block for count in self.generation.prompt_tokens) if block else frozenset()
+        return self.generation.length, self.generation.n, self.generation.options, phases
 
 
 class QueueFull(Exception):
@@ -71,40 +76,6 @@ class ShuttingDown(Exception):
     pass
 
 
-def stop_string_cut(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first stop string starts in `text` (None: none occurs)."""
-
-    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-    return min(found) if found else None
-
-
-def tokens_covering(tokenizer: Any, ids: list[int], characters: int) -> int:
-    """The fewest leading tokens of `ids` whose text holds its first `characters` characters."""
-
-    low, high = 0, len(ids)
-    while low < high:
-        middle = (low + high) // 2
-        if len(tokenizer.decode(ids[:middle], skip_special_tokens=False)) >= characters:
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
-def finish_row(tokenizer: Any, ids: list[int], prompt_tokens: int, eos: int, stops: tuple[str, ...]) -> Choice:
-    """The generated text of one row: up to its end-of-document token (kept by the sampler's cut) or
-    the first stop string, whichever comes first."""
-
-    generated = ids[prompt_tokens:]
-    ended = bool(generated) and generated[-1] == eos
-    body = generated[:-1] if ended else generated
-    text = str(tokenizer.decode(body, skip_special_tokens=False))
-    cut = stop_string_cut(text, stops)
-    if cut is not None:
-        return Choice(text[:cut], "stop", tokens_covering(tokenizer, body, cut))
-    return Choice(text, "stop" if ended else "length", len(generated))
-
-
 class Scheduler:
     """The queue and the thread that samples it in batches."""
 
@@ -112,6 +83,7 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.max_batch_rows = max_queue, max_batch_rows
         self.eos = special_token_id(tokenizer, "eos")
+        self.block = block_size(model.config)
         self.stats = ServeStats(max_batch_rows)
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
@@ -169,10 +141,10 @@ class Scheduler:
                 self._ready.wait()
             if self._stopping:
                 return []
-            head = self._queue[0]
+            key = self._queue[0].key(self.block)
             batch, rows = [], 0
             for job in list(self._queue):
-                if job.key == head.key and rows + job.generation.rows <= self.max_batch_rows:
+                if job.key(self.block) == key and rows + job.generation.rows <= self.max_batch_rows:
                     batch.append(job)
                     rows += job.generation.rows
                     self._queue.remove(job)
@@ -200,19 +172,46 @@ class Scheduler:
         first = batch[0].generation
         prompts = [prompt for job in batch for prompt in job.generation.prompts]
         seeds = [job.generation.seed + index for job in batch for index in range(len(job.generation.prompts))]
+        streams: dict[int, tuple[Job, int, RowStream]] = {}
+        row = 0
+        for job in batch:
+            for index in range(job.generation.rows):
+                if job.on_text is not None:
+                    stream = RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos, job.generation.stop)
+                    streams[row] = (job, index, stream)
+                row += 1
         start = time.perf_counter()
         result = generate(self.model, self.tokenizer, prompts=prompts, seeds=seeds, length=first.length,
-                          num_samples=first.n, stop_at_end=True, **asdict(first.options))  # fmt: skip
+                          num_samples=first.n, stop_at_end=True, on_step=_step_watcher(streams, first.length),
+                          **asdict(first.options))  # fmt: skip
         seconds = time.perf_counter() - start
         self._batch_seconds = seconds
         self.stats.batch_done(len(result.token_ids), sum(result.lengths), seconds)
         row = 0
         for job in batch:
-            generation = job.generation
             choices = []
-            for index in range(generation.rows):
-                choices.append(finish_row(self.tokenizer, result.token_ids[row + index],
-                                          result.prompt_tokens[row + index], self.eos, generation.stop))  # fmt: skip
-            row += generation.rows
-            outcome = Outcome(choices, sum(generation.prompt_tokens), sum(c.completion_tokens for c in choices))
+            for index in range(job.generation.rows):
+                choice = finish_row(self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos,
+                                    job.generation.stop)  # fmt: skip
+                if row in streams and job.on_text is not None:
+                    job.on_text(index, streams[row][2].finish(choice.text))
+                choices.append(choice)
+                row += 1
+            outcome = Outcome(choices, sum(job.generation.prompt_tokens), sum(c.completion_tokens for c in choices))
             job.future.set_result(outcome)
+
+
+def _step_watcher(streams: dict[int, tuple[Job, int, RowStream]], length: int) -> StepCallback | None:
+    """The sampler's step callback that streams the rows in `streams` (batch row -> job, choice, stream)."""
+
+    if not streams:
+        return None
+
+    def on_step(step: int, tokens: torch.Tensor) -> None:
+        generated = tokens[:, tokens.shape[1] - length :]
+        for row, (job, index, stream) in streams.items():
+            text = stream.update(generated[row].tolist())
+            if text and job.on_text is not None:
+                job.on_text(index, text)
+
+    return on_step
