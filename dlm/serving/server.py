@@ -66,11 +66,14 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: str = "auto", n
     from dlm.artifacts.loading import load_model_with_info
     from dlm.data.chat import ChatTemplate
     from dlm.runtime.device import resolve_device
+    from dlm.runtime.threads import configure_cpu_threads
     from dlm.serving.app import ServedModel
 
     if dtype not in SERVE_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
-    loaded = load_model_with_info(path, resolve_device(device), SERVE_DTYPES[dtype])
+    resolved = resolve_device(device)
+    configure_cpu_threads(resolved)  # one thread per free core: more would spin against other work
+    loaded = load_model_with_info(path, resolved, SERVE_DTYPES[dtype])
     template = ChatTemplate.for_tokenizer(loaded.info.tokenizer_path)
     template.check()  # a broken template stops the server before it listens
     served_name = name or Path(path).resolve().name
