@@ -1,7 +1,7 @@
 """`dlm serve` under 1, 4, 16 and 64 concurrent clients against `dlm.sample` one request at a time.
 
 usage: python scripts/serve_bench.py MODEL [--clients 1,4,16,64] [--tokens N] [--requests-per-client N]
-                                     [--rounds N] [--threads N] [--device cpu]
+                                     [--rounds N] [--threads N] [--device cpu] [--batch-wait MS]
 
 Both the server and this process run `--threads` intra-op threads (default 1: on shared cores,
 threads beyond the free ones spin against other work and can make a pass several times slower).
@@ -91,9 +91,11 @@ def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, fl
             "p99": percentile(latencies, 0.99), "tokens": tokens}  # fmt: skip
 
 
-def start_server(model: Path, max_batch: int, device: str, threads: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(model: Path, max_batch: int, device: str, threads: int, batch_wait: float
+                 ) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
     command = [sys.executable, "-m", "dlm", "serve", str(model), "--port", "0", "--json", "--name", "model",
-               "--device", device, "--max-batch", str(max_batch), "--max-n", "1", "--max-queue", str(4 * max_batch)]
+               "--device", device, "--max-batch", str(max_batch), "--max-n", "1", "--max-queue", str(4 * max_batch),
+               "--batch-wait", str(batch_wait)]  # fmt: skip
     environment = os.environ | {"OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
     assert process.stdout is not None
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-wait", type=float, default=0.0, help="the server's --batch-wait (ms)")
     args = parser.parse_args()
     counts = [int(count) for count in args.clients.split(",")]
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # this process and the server: the same threads
@@ -121,7 +124,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = dlm.load(args.model, device=args.device)
-    process, url = start_server(args.model, max(counts), args.device, args.threads)
+    process, url = start_server(args.model, max(counts), args.device, args.threads, args.batch_wait)
     best: dict[tuple[str, int], dict[str, float]] = {}
     try:
         for _ in range(args.rounds):

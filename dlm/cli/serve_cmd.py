@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from dlm.choices import ServeDtype
 from dlm.cli.common import DeviceOption, JsonOption, console, err_console, wants_json
 
 DEFAULT_BODY_BYTES = 1 << 20
@@ -29,7 +30,7 @@ ApiKeyOption = Annotated[
     typer.Option("--api-key", envvar="DLM_API_KEY", show_envvar=True, show_default=False,
                  help="Require 'Authorization: Bearer KEY' on every request but /health."),
 ]  # fmt: skip
-DtypeOption = Annotated[str, typer.Option("--dtype", help="auto (as stored), float32, float64 or bfloat16.")]
+DtypeOption = Annotated[ServeDtype, typer.Option("--dtype", help="The dtype the model computes in (auto: as stored).")]
 NameOption = Annotated[
     str | None, typer.Option("--name", help="The model's id in requests (default: MODEL's name).", show_default=False)
 ]
@@ -46,6 +47,9 @@ MaxPromptOption = Annotated[
 MaxBodyOption = Annotated[int, typer.Option("--max-body-bytes", help="Largest request body; larger ones get 413.")]
 MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiting for a batch; more get 429.")]
 MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) generated together.")]
+BatchWaitOption = Annotated[
+    float, typer.Option("--batch-wait", help="Milliseconds a batch that is not full waits for more requests.")
+]
 GraceOption = Annotated[float, typer.Option("--grace", help="Seconds a shutdown waits for the requests it holds.")]
 
 
@@ -63,6 +67,7 @@ def serve_command(
     max_body_bytes: MaxBodyOption = DEFAULT_BODY_BYTES,
     max_queue: MaxQueueOption = 64,
     max_batch: MaxBatchOption = 32,
+    batch_wait: BatchWaitOption = 0.0,
     grace: GraceOption = 30.0,
     json_output: JsonOption = False,
 ) -> None:
@@ -74,7 +79,8 @@ def serve_command(
     limits = Limits(max_tokens=max_tokens, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
                     max_body_bytes=max_body_bytes)  # fmt: skip
     settings = ServeSettings(host=host, port=port, api_key=api_key, limits=limits, max_queue=max_queue,
-                             max_batch_rows=max_batch, grace_seconds=grace, name=name)  # fmt: skip
+                             max_batch_rows=max_batch, batch_wait=batch_wait / 1000, grace_seconds=grace,
+                             name=name)  # fmt: skip
     check_requirements()
     served = load_served(model, device=device, dtype=dtype, name=name)
     if api_key is None and not _is_loopback(host):

@@ -7,7 +7,10 @@ rows. Their prompts may differ in length (a block model's modulo its block size 
 padded batch holds them) and each keeps its own seed: `generate(prompts=..., seeds=...)` pads them
 and gives each prompt its own random stream, so a row equals the same request sampled alone up to
 float rounding (`dlm.sampling.prompt_batch`, docs/reproducibility.md). Requests with other settings
-wait for a later batch; a request that arrives while a batch runs joins the next. The rows of a
+wait for a later batch; a request that arrives while a batch runs joins the next. A batch that is not
+full waits up to `batch_wait` seconds after its oldest request arrived for others to join it: clients
+that each send their next request when the last answer comes tend to arrive a few milliseconds
+apart, and without the wait the first of them would run alone. The rows of a
 streaming request are watched step by step (`dlm.serving.rows.RowStream`).
 
 A request whose client has gone leaves the queue at once; once its batch runs, its rows finish with
@@ -79,9 +82,10 @@ class ShuttingDown(Exception):
 class Scheduler:
     """The queue and the thread that samples it in batches."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int,
+                 batch_wait: float = 0.0) -> None:  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
-        self.max_queue, self.max_batch_rows = max_queue, max_batch_rows
+        self.max_queue, self.max_batch_rows, self.batch_wait = max_queue, max_batch_rows, batch_wait
         self.eos = special_token_id(tokenizer, "eos")
         self.block = block_size(model.config)
         self.stats = ServeStats(max_batch_rows)
@@ -141,10 +145,16 @@ class Scheduler:
                 self._ready.wait()
             if self._stopping:
                 return []
-            key = self._queue[0].key(self.block)
+            head = self._queue[0]
+            key = head.key(self.block)
+            company = [job for job in self._queue if job.key(self.block) == key]
+            waited = time.perf_counter() - head.enqueued
+            if waited < self.batch_wait and sum(job.generation.rows for job in company) < self.max_batch_rows:
+                self._ready.wait(self.batch_wait - waited)  # a submit wakes it early; then look again
+                continue
             batch, rows = [], 0
-            for job in list(self._queue):
-                if job.key(self.block) == key and rows + job.generation.rows <= self.max_batch_rows:
+            for job in company:
+                if rows + job.generation.rows <= self.max_batch_rows:
                     batch.append(job)
                     rows += job.generation.rows
                     self._queue.remove(job)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dlm.choices import ServeDtype
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.serving.guard import RequestSink
@@ -24,8 +25,8 @@ from dlm.serving.protocol import Limits
 from dlm.serving.scheduler import Scheduler
 
 UVICORN = Requirement("uvicorn", "serve", "dlm serve")
-SERVE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "float64": torch.float64,
-                                               "bfloat16": torch.bfloat16}  # fmt: skip
+SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {"auto": None, "float32": torch.float32,
+                                                      "float64": torch.float64, "bfloat16": torch.bfloat16}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ServeSettings:
     limits: Limits = field(default_factory=Limits)
     max_queue: int = 64  # requests waiting for a batch; more are answered 429
     max_batch_rows: int = 32  # rows (prompts x n) generated together
+    batch_wait: float = 0.0  # seconds a batch that is not full waits for company after its oldest request
     grace_seconds: float = 30.0  # how long a shutdown waits for the requests it holds
     name: str | None = None  # the model's id in requests (default: the model directory's name)
 
@@ -44,6 +46,8 @@ class ServeSettings:
                               ("--max-batch", self.max_batch_rows)):  # fmt: skip
             if value < (0 if option == "--port" else 1):
                 raise UserError(f"{option} must be at least {0 if option == '--port' else 1} (got {value})")
+        if not 0 <= self.batch_wait <= 10:
+            raise UserError(f"--batch-wait must be in [0, 10000] ms (got {self.batch_wait * 1000:g})")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("the API key is empty", fix="pass a non-empty --api-key or DLM_API_KEY, or neither")
         if self.limits.max_n > self.max_batch_rows:
@@ -60,7 +64,7 @@ def check_requirements() -> None:
         require(requirement)
 
 
-def load_served(path: str | Path, *, device: str = "cpu", dtype: str = "auto", name: str | None = None) -> Any:
+def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "auto", name: str | None = None) -> Any:
     """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
 
     from dlm.artifacts.loading import load_model_with_info
@@ -108,7 +112,7 @@ class Server:
         uvicorn = require(UVICORN)
         self.settings = settings
         self.scheduler = Scheduler(served.model, served.tokenizer, max_queue=settings.max_queue,
-                                   max_batch_rows=settings.max_batch_rows)  # fmt: skip
+                                   max_batch_rows=settings.max_batch_rows, batch_wait=settings.batch_wait)  # fmt: skip
         app = create_app(served, self.scheduler, limits=settings.limits, api_key=settings.api_key,
                          on_request=on_request or (lambda record: None))  # fmt: skip
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
