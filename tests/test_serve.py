@@ -230,6 +230,7 @@ def test_refusals_name_the_field(live: Running, request_fields: dict[str, Any], 
     body = refused.value.response.json()
     assert body["error"]["param"] == param and body["error"]["message"]
     assert "Traceback" not in refused.value.response.text
+    live.assert_healthy()
 
 
 def test_malformed_and_oversized_bodies(live: Running) -> None:
@@ -327,6 +328,7 @@ def test_api_key(model_dir: Path) -> None:
         server.assert_healthy()
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path) -> None:
     command = [sys.executable, "-m", "dlm", "serve", str(model_dir), "--port", "0", "--json", "--device", "cpu"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -369,3 +371,60 @@ def test_a_missing_extra_is_one_error_line(model_dir: Path, monkeypatch: pytest.
     result = run_cli("serve", model_dir)
     assert result.exit_code == 2
     assert "dlm serve needs uvicorn, which is not installed" in result.stderr and "dlm[serve]" in result.stderr
+
+
+def test_a_block_model_batches_by_phase_streams_by_block_and_slides(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.block_size=8")
+    model_dir = export_model(run, tmp_path / "block-model", dtype="float32")
+    with running(model_dir, limits=Limits(max_tokens=96)) as server:  # more than the window of 64
+        tokenizer = server.server.scheduler.tokenizer
+        prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "MERCUTIO: A plague"]
+        phases = {len(tokenizer.encode(prompt).ids) % 8 for prompt in prompts}
+        assert len(phases) > 1  # so the scheduler must split them by phase
+        requests = [{"prompt": prompt, "max_tokens": 24, "seed": 30 + i} for i, prompt in enumerate(prompts)]
+        alone = [server.complete(**request).choices[0].text for request in requests]
+        before = server.stats.batches
+        answers: list[Any] = [None] * len(requests)
+        with server.gate.closed():
+            blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
+            blocker.start()
+            server.until(lambda: server.stats.in_flight == 1, "the blocker runs")
+            threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
+                       for i in range(len(requests))]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            server.until(lambda: server.stats.queued == len(requests), "all four wait")
+        for thread in [blocker, *threads]:
+            thread.join(WAIT)
+        assert [answer.choices[0].text for answer in answers] == alone
+        assert server.stats.batches - before == 1 + len(phases)
+        # Past the context (64 tokens), where --max-tokens allows it: the block model slides its window on.
+        long = server.complete(max_tokens=80, seed=3, extra_body={"steps": 80})
+        assert long.usage.completion_tokens <= 80 and long.choices[0].text
+        pieces = [text for chunk in server.complete(max_tokens=32, seed=4, stream=True)
+                  if (text := chunk.choices[0].text)]  # fmt: skip
+        whole = server.complete(max_tokens=32, seed=4).choices[0]
+        assert "".join(pieces) == whole.text
+        assert len(pieces) > 1 or whole.finish_reason == "stop"  # a block at a time, unless it ended in the first
+
+
+def test_the_console_shows_the_figures() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dlm.cli.serve_view import ServeConsole
+    from dlm.serving.stats import ServeStats
+
+    stats = ServeStats(max_batch_rows=8)
+    stats.batch_done(rows=4, tokens=64, seconds=0.5)
+    stats.answered(0.25)
+    output = StringIO()
+    view = ServeConsole(stats, live=True, url="http://127.0.0.1:1", model="m",
+                        console=Console(file=output, force_terminal=True, color_system=None, width=100))  # fmt: skip
+    view.start()
+    view.request({"id": "abc", "method": "POST", "path": "/v1/completions", "status": 429, "seconds": 0.001})
+    view.close()
+    text = output.getvalue()
+    assert "in flight / queued" in text and "50% (1 batches)" in text and "0.250 s / 0.250 s" in text
+    assert "429 POST /v1/completions request abc" in text

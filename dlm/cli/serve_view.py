@@ -50,7 +50,7 @@ class ServeConsole:
             self._emit(record)
         elif record["status"] >= 400:
             self.console.print(f"[yellow]{record['status']}[/] {record['method']} {record['path']} "
-                               f"request {record['id']} ({record['seconds']:.3f} s)")  # fmt: skip
+                               f"request {record['id']} ({record['seconds']:.3f} s)", highlight=False)  # fmt: skip
 
     def start(self) -> None:
         if self.live_view:
