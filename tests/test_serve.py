@@ -428,3 +428,14 @@ def test_the_console_shows_the_figures() -> None:
     text = output.getvalue()
     assert "in flight / queued" in text and "50% (1 batches)" in text and "0.250 s / 0.250 s" in text
     assert "429 POST /v1/completions request abc" in text
+
+
+def test_a_taken_port_is_one_error_line(model_dir: Path, run_cli: Any) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_cli("serve", model_dir, "--port", str(taken.getsockname()[1]), "--device", "cpu")
+    assert result.exit_code == 2
+    assert "error: cannot listen on 127.0.0.1:" in result.stderr and "Traceback" not in result.stderr

@@ -83,8 +83,6 @@ def serve_command(
                              name=name)  # fmt: skip
     check_requirements()
     served = load_served(model, device=device, dtype=dtype, name=name)
-    if api_key is None and not _is_loopback(host):
-        err_console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it can use it")
     from dlm.cli.serve_view import ServeConsole
 
     view: ServeConsole | None = None
@@ -100,6 +98,9 @@ def serve_command(
 
     def started() -> None:
         assert view is not None
+        if api_key is None and not _is_loopback(host):
+            err_console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it "
+                              "can use it")
         view.url = f"http://{host}:{server.port}"
         view.start()
 

@@ -7,6 +7,7 @@ generating) finish within `grace_seconds`, stops the scheduler and returns; the 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +104,19 @@ def _signals_end_the_server() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Before uvicorn starts: one error line when the address cannot be bound (taken, unknown, not ours)."""
+
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:  # socket.gaierror included
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                        fix="choose another --port, or a --host of this machine") from None  # fmt: skip
+
+
 class Server:
     """One model behind OpenAI's API; `run` blocks until a signal (or `stop`) ends it."""
 
@@ -137,20 +151,28 @@ class Server:
 
         import asyncio
 
-        async def main() -> None:
-            task = asyncio.create_task(self._server.serve())
+        _check_can_listen(self.settings.host, self.settings.port)
+
+        async def serving() -> bool:
+            try:
+                await self._server.serve()
+            except SystemExit:  # how uvicorn reports a failed start, after logging why
+                return False
+            return True
+
+        async def main() -> bool:
+            task = asyncio.create_task(serving())
             while not self._server.started and not task.done():
                 await asyncio.sleep(0.05)
             if self._server.started and on_started is not None:
                 on_started()
-            await task
+            return await task
 
-        try:
-            with _signals_end_the_server():
-                asyncio.run(main())
-        except SystemExit:  # what uvicorn does when it cannot bind; it logged why
+        with _signals_end_the_server():
+            served = asyncio.run(main())
+        if not served:
             raise UserError(f"cannot listen on {self.settings.host}:{self.settings.port}",
-                            fix="choose another --port or --host") from None  # fmt: skip
+                            fix="choose another --port or --host")  # fmt: skip
 
     def stop(self) -> None:
         """Begin the graceful shutdown (from another thread)."""
