@@ -292,6 +292,25 @@ def test_a_client_that_leaves_is_dropped(live: Running) -> None:
     live.assert_healthy()
 
 
+def test_a_batch_whose_clients_all_left_stops(live: Running) -> None:
+    passes: list[int] = []
+    counter = live.server.scheduler.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    before = live.stats
+    try:
+        with live.gate.closed():
+            body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 40, "steps": 40, "stream": True}
+            with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
+                assert response.status_code == 200
+                live.until(lambda: live.stats.in_flight == 1, "its batch runs")
+            live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
+        live.until(lambda: live.stats.in_flight == 0, "the batch stops")
+    finally:
+        counter.remove()
+    assert 1 <= len(passes) <= 2  # the pass that was held, then the next step stops it: not 40 steps' worth
+    assert live.stats.batches == before.batches  # it never finished
+    live.assert_healthy()
+
+
 def test_a_full_queue_answers_429_and_nothing_hangs(model_dir: Path) -> None:
     with running(model_dir, max_queue=8) as server:
 

@@ -74,6 +74,11 @@ def _response_id(kind: str, request_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
 
 
+def _read_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _event(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -160,6 +165,7 @@ class Endpoints:
             if not job.future.done():
                 self.scheduler.cancel(job)
                 self.scheduler.stats.count("dropped")
+                waiter.add_done_callback(_read_exception)  # nobody will: asyncio would log it as lost
 
     async def outcome(self, request: Any, job: Job) -> Outcome:
         async for item in self.wait(request, job):

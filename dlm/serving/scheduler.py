@@ -14,7 +14,8 @@ apart, and without the wait the first of them would run alone. The rows of a
 streaming request are watched step by step (`dlm.serving.rows.RowStream`).
 
 A request whose client has gone leaves the queue at once; once its batch runs, its rows finish with
-the batch and are discarded.
+the batch and are discarded, unless every request of the batch has gone: then the batch stops at
+its next step (a block model's next block). A step callback watches for that, and streams.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Job:
     future: Future[Outcome] = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     on_text: TextSink | None = None  # streaming: each choice's text as it becomes final, then the rest
+    cancelled: threading.Event = field(default_factory=threading.Event)  # its client has gone
 
     def key(self, block: int) -> tuple[Any, ...]:
         """What requests sharing a batch must agree on: the tokens to generate, `n`, the sampler options and,
@@ -77,6 +79,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     pass
+
+
+class Abandoned(Exception):
+    """Every client of a batch has gone: it stops at its next step."""
 
 
 class Scheduler:
@@ -127,8 +133,10 @@ class Scheduler:
             self._ready.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client has gone: drop `job` if it still waits, else discard its rows when its batch ends."""
+        """The client has gone: drop `job` if it still waits, else discard its rows when its batch ends (a
+        batch whose clients have all gone stops at its next step)."""
 
+        job.cancelled.set()
         with self._ready:
             if job in self._queue:
                 self._queue.remove(job)
@@ -170,6 +178,9 @@ class Scheduler:
                 return
             try:
                 self._run(batch)
+            except Abandoned:
+                for job in batch:
+                    job.future.set_exception(Abandoned())
             except Exception as exc:  # a bug or a device failure: each request fails, the server goes on
                 log.exception("batch of requests %s failed", ", ".join(job.request_id for job in batch))
                 for job in batch:
@@ -192,7 +203,7 @@ class Scheduler:
                 row += 1
         start = time.perf_counter()
         result = generate(self.model, self.tokenizer, prompts=prompts, seeds=seeds, length=first.length,
-                          num_samples=first.n, stop_at_end=True, on_step=_step_watcher(streams, first.length),
+                          num_samples=first.n, stop_at_end=True, on_step=_step_watcher(batch, streams, first.length),
                           **asdict(first.options))  # fmt: skip
         seconds = time.perf_counter() - start
         self._batch_seconds = seconds
@@ -211,13 +222,15 @@ class Scheduler:
             job.future.set_result(outcome)
 
 
-def _step_watcher(streams: dict[int, tuple[Job, int, RowStream]], length: int) -> StepCallback | None:
-    """The sampler's step callback that streams the rows in `streams` (batch row -> job, choice, stream)."""
-
-    if not streams:
-        return None
+def _step_watcher(batch: list[Job], streams: dict[int, tuple[Job, int, RowStream]], length: int) -> StepCallback:
+    """The sampler's step callback: it streams the rows in `streams` (batch row -> job, choice, stream), and
+    stops the batch (`Abandoned`) once every client of `batch` has gone."""
 
     def on_step(step: int, tokens: torch.Tensor) -> None:
+        if all(job.cancelled.is_set() for job in batch):
+            raise Abandoned
+        if not streams:
+            return
         generated = tokens[:, tokens.shape[1] - length :]
         for row, (job, index, stream) in streams.items():
             text = stream.update(generated[row].tolist())
