@@ -11,8 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ class Endpoints:
         return job
 
     async def wait(self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
-                   ) -> AsyncIterator[tuple[int, str] | Outcome]:  # fmt: skip
+                   ) -> AsyncGenerator[tuple[int, str] | Outcome, None]:  # fmt: skip
         """The texts a streaming job sends as they come, then its outcome; `ClientGone` (the job dropped)
         when the client leaves first."""
 
@@ -168,9 +168,10 @@ class Endpoints:
                 waiter.add_done_callback(_read_exception)  # nobody will: asyncio would log it as lost
 
     async def outcome(self, request: Any, job: Job) -> Outcome:
-        async for item in self.wait(request, job):
-            assert isinstance(item, Outcome)
-            return item
+        async with aclosing(self.wait(request, job)) as items:
+            async for item in items:
+                assert isinstance(item, Outcome)
+                return item
         raise AssertionError("a job ends with its outcome")
 
     def answer(self, kind: str, request_id: str, job: Job, outcome: Outcome) -> dict[str, Any]:
@@ -193,14 +194,16 @@ class Endpoints:
             if kind == "chat":  # OpenAI opens each choice with its role
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                              for i in range(rows)])  # fmt: skip
-            async for item in self.wait(request, job, texts):
-                if isinstance(item, Outcome):
-                    outcome = item
-                    break
-                index, text = item
-                if text:
-                    yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None} if kind == "chat"
-                                 else {"index": index, "text": text, "finish_reason": None, "logprobs": None}])
+            async with aclosing(self.wait(request, job, texts)) as items:
+                async for item in items:
+                    if isinstance(item, Outcome):
+                        outcome = item
+                        break
+                    index, text = item
+                    if text:
+                        yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}
+                                     if kind == "chat" else
+                                     {"index": index, "text": text, "finish_reason": None, "logprobs": None}])
             self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
             for i, choice in enumerate(outcome.choices):
                 yield chunk([{"index": i, "delta": {}, "finish_reason": choice.finish_reason} if kind == "chat"

@@ -176,20 +176,26 @@ class Scheduler:
                 self._publish()
             if not batch:
                 return
+            outcomes: list[Outcome | BaseException]
             try:
-                self._run(batch)
-            except Abandoned:
-                for job in batch:
-                    job.future.set_exception(Abandoned())
+                outcomes = list(self._run(batch))
+            except Abandoned as exc:
+                outcomes = [exc] * len(batch)
             except Exception as exc:  # a bug or a device failure: each request fails, the server goes on
                 log.exception("batch of requests %s failed", ", ".join(job.request_id for job in batch))
-                for job in batch:
-                    job.future.set_exception(exc)
-            with self._ready:
+                outcomes = [exc] * len(batch)
+            with self._ready:  # before any client hears: the figures must not count this batch as running
                 self._running = []
                 self._publish()
+            for job, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    job.future.set_exception(outcome)
+                else:
+                    job.future.set_result(outcome)
 
-    def _run(self, batch: list[Job]) -> None:
+    def _run(self, batch: list[Job]) -> list[Outcome]:
+        """Sample the batch; each job's outcome (its streamed text sent to the end)."""
+
         first = batch[0].generation
         prompts = [prompt for job in batch for prompt in job.generation.prompts]
         seeds = [job.generation.seed + index for job in batch for index in range(len(job.generation.prompts))]
@@ -209,6 +215,7 @@ class Scheduler:
         self._batch_seconds = seconds
         self.stats.batch_done(len(result.token_ids), sum(result.lengths), seconds)
         row = 0
+        outcomes = []
         for job in batch:
             choices = []
             for index in range(job.generation.rows):
@@ -218,8 +225,9 @@ class Scheduler:
                     job.on_text(index, streams[row][2].finish(choice.text))
                 choices.append(choice)
                 row += 1
-            outcome = Outcome(choices, sum(job.generation.prompt_tokens), sum(c.completion_tokens for c in choices))
-            job.future.set_result(outcome)
+            completion_tokens = sum(choice.completion_tokens for choice in choices)
+            outcomes.append(Outcome(choices, sum(job.generation.prompt_tokens), completion_tokens))
+        return outcomes
 
 
 def _step_watcher(batch: list[Job], streams: dict[int, tuple[Job, int, RowStream]], length: int) -> StepCallback:
