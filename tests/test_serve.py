@@ -458,3 +458,19 @@ def test_a_taken_port_is_one_error_line(model_dir: Path, run_cli: Any) -> None:
         result = run_cli("serve", model_dir, "--port", str(taken.getsockname()[1]), "--device", "cpu")
     assert result.exit_code == 2
     assert "error: cannot listen on 127.0.0.1:" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--max-n", "0"), "--max-n must be at least 1"),
+        (("--max-n", "16", "--max-batch", "8"), "--max-n (16) is more than --max-batch (8)"),
+        (("--port", "70000"), "--port must be in [0, 65535]"),
+        (("--batch-wait", "-1"), "--batch-wait must be in [0, 10000] ms"),
+        (("--api-key", " "), "the API key is empty"),
+    ],
+)
+def test_server_options_are_checked_before_loading(options: tuple[str, ...], message: str, run_cli: Any,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    result = run_cli("serve", tmp_path / "no-model", *options)  # the model is never read
+    assert result.exit_code == 2 and f"error: {message}" in result.stderr

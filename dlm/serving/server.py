@@ -43,10 +43,17 @@ class ServeSettings:
     name: str | None = None  # the model's id in requests (default: the model directory's name)
 
     def __post_init__(self) -> None:
-        for option, value in (("--port", self.port), ("--max-queue", self.max_queue),
-                              ("--max-batch", self.max_batch_rows)):  # fmt: skip
-            if value < (0 if option == "--port" else 1):
-                raise UserError(f"{option} must be at least {0 if option == '--port' else 1} (got {value})")
+        limits = self.limits
+        at_least_one = {"--max-queue": self.max_queue, "--max-batch": self.max_batch_rows, "--max-n": limits.max_n,
+                        "--max-tokens": limits.max_tokens, "--max-prompt-tokens": limits.max_prompt_tokens,
+                        "--max-body-bytes": limits.max_body_bytes}  # fmt: skip
+        for option, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise UserError(f"{option} must be at least 1 (got {value})")
+        if not 0 <= self.port < 65536:
+            raise UserError(f"--port must be in [0, 65535] (got {self.port})", fix="0 picks a free port")
+        if not 0 <= self.grace_seconds < float("inf"):
+            raise UserError(f"--grace must be a number of seconds >= 0 (got {self.grace_seconds})")
         if not 0 <= self.batch_wait <= 10:
             raise UserError(f"--batch-wait must be in [0, 10000] ms (got {self.batch_wait * 1000:g})")
         if self.api_key is not None and not self.api_key.strip():
