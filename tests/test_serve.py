@@ -148,6 +148,18 @@ def test_n_samples_and_sampler_options(live: Running) -> None:
     assert [c.text for c in again.choices] == [c.text for c in answer.choices]
 
 
+def test_a_list_of_prompts_is_each_prompt_with_its_seed(live: Running) -> None:
+    both = live.complete(prompt=["ROMEO:", "To be"], n=2, seed=20, max_tokens=6)
+    first = live.complete(prompt="ROMEO:", n=2, seed=20, max_tokens=6)
+    second = live.complete(prompt="To be", n=2, seed=21, max_tokens=6)
+    assert [c.text for c in both.choices] == [c.text for c in first.choices + second.choices]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.usage.prompt_tokens == first.usage.prompt_tokens + second.usage.prompt_tokens
+    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Hail!"}],
+                                               max_completion_tokens=5, seed=6)  # fmt: skip
+    assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 5
+
+
 def test_stop_strings_cut_the_text(live: Running) -> None:
     whole = live.complete(max_tokens=16, seed=7).choices[0].text
     stop = whole[4:6]

@@ -176,6 +176,32 @@ def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limi
     return asked
 
 
+def _prompt_tokens(prompts: list[str], param: str, tokenizer: Any, config: Any, limits: Limits) -> list[int]:
+    """The token count of each prompt, within the limits."""
+
+    if not prompts or len(prompts) > limits.max_n:
+        raise ApiError(400, f"{param}: give 1 to {limits.max_n} prompts (got {len(prompts)})", param=param)
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, which JSON can spell and no tokenizer encodes
+            raise ApiError(400, f"{param} is not valid UTF-8 text (at character {exc.start + 1})",
+                           param=param) from None  # fmt: skip
+    counts = [len(tokenizer.encode(prompt, add_special_tokens=False).ids) for prompt in prompts]
+    limit = limits.max_prompt_tokens if limits.max_prompt_tokens is not None else config.max_seq_len
+    if max(counts) > limit:
+        raise ApiError(400, f"{param} is {max(counts)} tokens, more than this server allows ({limit})", param=param)
+    return counts
+
+
+def _asked_length(request: SamplerFields) -> tuple[int | None, str]:
+    """The tokens the request asks for and the field that asks (chat's newer `max_completion_tokens`)."""
+
+    if isinstance(request, ChatRequest) and request.max_tokens is None:
+        return request.max_completion_tokens, "max_completion_tokens"
+    return request.max_tokens, "max_tokens"
+
+
 def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, served: str, config: Any,
                      tokenizer: Any, limits: Limits) -> Generation:  # fmt: skip
     """The request as a `Generation`, or the `ApiError` naming the first field at fault."""
@@ -188,23 +214,8 @@ def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, 
     if request.seed is not None and not 0 <= request.seed < 2**62:
         raise ApiError(400, f"seed must be in [0, 2**62) (got {request.seed})", param="seed")
     prompt_param = "messages" if chat else "prompt"
-    if not prompts or len(prompts) > limits.max_n:
-        raise ApiError(400, f"{prompt_param}: give 1 to {limits.max_n} prompts (got {len(prompts)})",
-                       param=prompt_param)  # fmt: skip
-    for prompt in prompts:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate, which JSON can spell and no tokenizer encodes
-            raise ApiError(400, f"{prompt_param} is not valid UTF-8 text (at character {exc.start + 1})",
-                           param=prompt_param) from None  # fmt: skip
-    counts = [len(tokenizer.encode(prompt, add_special_tokens=False).ids) for prompt in prompts]
-    prompt_limit = limits.max_prompt_tokens if limits.max_prompt_tokens is not None else config.max_seq_len
-    if max(counts) > prompt_limit:
-        raise ApiError(400, f"{prompt_param} is {max(counts)} tokens, more than this server allows ({prompt_limit})",
-                       param=prompt_param)  # fmt: skip
-    asked = request.max_completion_tokens if isinstance(request, ChatRequest) and request.max_tokens is None else (
-        request.max_tokens)  # fmt: skip
-    param = "max_completion_tokens" if isinstance(request, ChatRequest) and request.max_tokens is None else "max_tokens"
+    counts = _prompt_tokens(prompts, prompt_param, tokenizer, config, limits)
+    asked, param = _asked_length(request)
     length = _length(asked, param, max(counts), config, limits)
     options = _options(request, length)
     seed = secrets.randbelow(2**62) if request.seed is None else request.seed
@@ -212,7 +223,7 @@ def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, 
         encode_prompts(tokenizer, config, prompts, length=length, num_samples=request.n,
                        seeds=[seed + index for index in range(len(prompts))])  # fmt: skip
     except UserError as exc:
-        raise ApiError(400, _FLAG.sub(prompt_param, str(exc)), param=prompt_param) from None
+        raise ApiError(400, str(exc).replace("--prompt", prompt_param), param=prompt_param) from None
     include_usage = bool((request.stream_options or {}).get("include_usage", False))
     return Generation(tuple(prompts), tuple(counts), length, request.n, seed, options, _stops(request.stop),
                       request.stream, include_usage, chat)  # fmt: skip
