@@ -225,6 +225,7 @@ def test_a_row_streams_only_final_text(model_dir: Path) -> None:
         ({"max_tokens": 10**9}, "max_tokens", 400),
         ({"extra_body": {"steps": 0}}, "steps", 400),
         ({"extra_body": {"threshold": 1.5}}, "threshold", 400),
+        ({"max_tokens": 16, "extra_body": {"steps": 2, "block_length": 4}}, "steps", 400),  # the sampler's check
         ({"extra_body": {"cache": "all"}}, "cache", 400),
         ({"extra_body": {"stpes": 3}}, "stpes", 400),
         ({"temperature": -1.0}, "temperature", 400),

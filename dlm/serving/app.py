@@ -16,6 +16,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.serving.guard import Guard, RequestSink
 from dlm.serving.protocol import (
@@ -27,6 +28,7 @@ from dlm.serving.protocol import (
     SamplerFields,
     chat_prompt_text,
     check_generation,
+    sampler_error,
     validation_error,
 )
 from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown, TextSink
@@ -159,6 +161,8 @@ class Endpoints:
                     raise ClientGone
         except ShuttingDown:
             raise ApiError(503, "the server shut down before this request ran", kind="server_error") from None
+        except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
+            raise sampler_error(exc) from None
         finally:
             if getter is not None:
                 getter.cancel()

@@ -138,10 +138,15 @@ def _options(request: SamplerFields, length: int) -> SamplingOptions:
     try:
         return SamplingOptions(**given)
     except UserError as exc:
-        flag = _FLAG.search(str(exc))
-        param = flag.group(1).replace("-", "_") if flag else None
-        message = _FLAG.sub(lambda match: match.group(1).replace("-", "_"), str(exc))
-        raise ApiError(400, message, param=param) from None
+        raise sampler_error(exc) from None
+
+
+def sampler_error(exc: UserError) -> ApiError:
+    """A refusal of dlm's sampler (worded for `dlm sample`'s options) as a 400 naming the body field."""
+
+    flag = _FLAG.search(str(exc))
+    param = flag.group(1).replace("-", "_") if flag else None
+    return ApiError(400, _FLAG.sub(lambda match: match.group(1).replace("-", "_"), str(exc)), param=param)
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dlm.data.tokenizer import special_token_id
+from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
@@ -179,7 +180,7 @@ class Scheduler:
             outcomes: list[Outcome | BaseException]
             try:
                 outcomes = list(self._run(batch))
-            except Abandoned as exc:
+            except (Abandoned, UserError) as exc:  # UserError: the sampler refused the options these requests share
                 outcomes = [exc] * len(batch)
             except Exception as exc:  # a bug or a device failure: each request fails, the server goes on
                 log.exception("batch of requests %s failed", ", ".join(job.request_id for job in batch))
