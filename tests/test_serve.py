@@ -319,7 +319,7 @@ def test_a_batch_whose_clients_all_left_stops(live: Running) -> None:
         live.until(lambda: live.stats.in_flight == 0, "the batch stops")
     finally:
         counter.remove()
-    assert 1 <= len(passes) <= 2  # the pass that was held, then the next step stops it: not 40 steps' worth
+    assert len(passes) <= 2  # at most the pass that was held, then the next step stops it: not 40 steps' worth
     assert live.stats.batches == before.batches  # it never finished
     live.assert_healthy()
 
