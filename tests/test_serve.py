@@ -32,7 +32,7 @@ from helpers import train_tiny_run  # noqa: E402
 from dlm.artifacts.export import export_model  # noqa: E402
 from dlm.data.chat import Turn  # noqa: E402
 from dlm.serving.protocol import Limits  # noqa: E402
-from dlm.serving.rows import RowStream  # noqa: E402
+from dlm.serving.rows import RowStream, finish_row  # noqa: E402
 from dlm.serving.server import Server, ServeSettings, load_served  # noqa: E402
 
 pytestmark = pytest.mark.serve_extra
@@ -487,3 +487,18 @@ def test_server_options_are_checked_before_loading(options: tuple[str, ...], mes
                                                    tmp_path: Path) -> None:  # fmt: skip
     result = run_cli("serve", tmp_path / "no-model", *options)  # the model is never read
     assert result.exit_code == 2 and f"error: {message}" in result.stderr
+
+
+def test_a_row_ends_at_its_end_of_document_or_stop_string(model_dir: Path) -> None:
+    tokenizer = load_served(model_dir).tokenizer
+    prompt = tokenizer.encode("ROMEO:").ids
+    body = tokenizer.encode(" thou art fair").ids
+    eos = 0
+    ended = finish_row(tokenizer, prompt + body + [eos], len(prompt), eos, ())
+    assert (ended.text, ended.finish_reason, ended.completion_tokens) == (" thou art fair", "stop", len(body) + 1)
+    full = finish_row(tokenizer, prompt + body, len(prompt), eos, ())
+    assert (full.text, full.finish_reason, full.completion_tokens) == (" thou art fair", "length", len(body))
+    cut = finish_row(tokenizer, prompt + body + [eos], len(prompt), eos, ("art", "zzz"))
+    assert (cut.text, cut.finish_reason) == (" thou ", "stop")
+    assert tokenizer.decode(body[: cut.completion_tokens]).startswith(" thou ")  # the tokens up to the cut
+    assert not tokenizer.decode(body[: cut.completion_tokens - 1]).startswith(" thou ")
