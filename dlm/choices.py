@@ -23,3 +23,5 @@ ExportDtype = Literal["bfloat16", "float32"]
 ExportFormat = Literal["dlm", "hf"]
 # `dlm.diffusion.objective.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
 ElboEstimator = Literal["bernoulli", "exact-count"]
+# `dlm.serving.server.load_served`: the dtype a served model computes in (`SERVE_DTYPES`; auto: as stored).
+ServeDtype = Literal["auto", "float32", "float64", "bfloat16"]

@@ -25,6 +25,7 @@ from dlm.cli import (
     export_cmd,
     report_cmd,
     sample_cmd,
+    serve_cmd,
     train_cmd,
 )
 from dlm.cli.common import err_console
@@ -72,7 +73,9 @@ def _root(
 
 
 # The order of registration is the order of `dlm --help`.
-for _module in (config_cmd, data_cmd, train_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd, demo_cmd):
+_COMMANDS = (config_cmd, data_cmd, train_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd, serve_cmd,
+             demo_cmd)  # fmt: skip
+for _module in _COMMANDS:
     _module.register(app)
 
 

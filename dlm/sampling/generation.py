@@ -51,6 +51,7 @@ def generate(
     cache: CacheMode = "none",
     prompts: Sequence[str] | None = None,
     reveal_split: RevealSplit = "schedule",
+    seeds: Sequence[int] | None = None,
 ) -> SampleResult:
     """Generate `num_samples` texts: `prompt` + `length` new tokens, or fill the template `text`.
 
@@ -69,7 +70,9 @@ def generate(
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
     padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
     and gets its tokens up to float rounding: a choice that is a tie within rounding can go either
-    way (`dlm.sampling.prompt_batch`, docs/reproducibility.md); `on_step` is not called then. A
+    way (`dlm.sampling.prompt_batch`, docs/reproducibility.md); `on_step` sees the padded batch when the prompts
+    form one (`generate_prompts`). `seeds`
+    gives each prompt its own seed instead (the i-th draws the random numbers of `seed=seeds[i]`). A
     block model generates past its `max_seq_len` with a sliding window (`dlm.sampling.block_model`).
     """
 
@@ -86,11 +89,16 @@ def generate(
     if prompts is not None:
         if prompt or text is not None:
             raise UserError("a list of prompts cannot be combined with --prompt or --text")
-        from dlm.sampling.prompt_batch import generate_prompts
+        from dlm.sampling.prompt_batch import consecutive_seeds, generate_prompts
 
-        return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seed=seed,
+        if seeds is not None and len(seeds) != len(prompts):
+            raise UserError(f"{len(seeds)} seeds for {len(prompts)} prompts", fix="give one seed per prompt")
+        per_prompt = consecutive_seeds(seed, len(prompts)) if seeds is None else list(seeds)
+        return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seeds=per_prompt,
                                 options=options, device=device, schedule=chosen, forbidden=forbidden,
-                                end_id=end_id)  # fmt: skip
+                                end_id=end_id, on_step=on_step)  # fmt: skip
+    if seeds is not None:
+        raise UserError("seeds are for a list of prompts", fix="pass prompts=[...] with them, or seed= alone")
     parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     limit = None if block_size(config) else config.max_seq_len  # a block model slides on
     ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
@@ -124,9 +132,10 @@ def generate_records(
     (`dlm.sampling.prompt_batch.prompt_records`) as each batch ends. Every prompt is checked before the
     first batch runs; prompt i keeps seed `seed + i`, as in one batch. `options` are `generate`'s."""
 
-    from dlm.sampling.prompt_batch import encode_prompts, prompt_chunks, prompt_records
+    from dlm.sampling.prompt_batch import consecutive_seeds, encode_prompts, prompt_chunks, prompt_records
 
-    encode_prompts(tokenizer, model.config, prompts, length=length, num_samples=num_samples, seed=seed)
+    encode_prompts(tokenizer, model.config, prompts, length=length, num_samples=num_samples,
+                   seeds=consecutive_seeds(seed, len(prompts)))  # fmt: skip
     end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
     for chunk, chunk_seed in prompt_chunks(prompts, batch_size, seed):
         result = generate(model, tokenizer, prompts=chunk, length=length, num_samples=num_samples, seed=chunk_seed,

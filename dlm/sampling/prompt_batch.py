@@ -32,7 +32,7 @@ import torch
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
-from dlm.sampling.options import SampleResult
+from dlm.sampling.options import SampleResult, StepCallback
 from dlm.sampling.prompting import build_sequence, check_request
 from dlm.sampling.reverse import cut_after_stop
 from dlm.sampling.row_noise import RowNoise, noise_device
@@ -88,31 +88,36 @@ def generate_prompts(
     *,
     length: int,
     num_samples: int,
-    seed: int,
+    seeds: Sequence[int],
     options: SamplingOptions,
     device: torch.device,
     schedule: Schedule,
     forbidden: list[int],
     end_id: int | None,
+    on_step: StepCallback | None = None,
 ) -> SampleResult:
-    """`dlm.sampling.generation.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt."""
-
+    """`dlm.sampling.generation.generate` for a list of prompts: `num_samples` rows per prompt, prompt by prompt,
+    prompt i with its own random stream seeded `seeds[i]`. `on_step` sees the padded batch (prompt i's rows after
+    its leading padding, the generated tokens in the last `length` columns) when the prompts form one batch (all
+    but a block model's prompts whose lengths differ modulo its block size); it is not called otherwise."""
 
     config = model.config
-    encoded = encode_prompts(tokenizer, config, prompts, length=length, num_samples=num_samples, seed=seed)
+    encoded = encode_prompts(tokenizer, config, prompts, length=length, num_samples=num_samples, seeds=seeds)
     filler = forbidden[0] if forbidden else 0  # what padding holds does not matter: nothing sees it
     rows: dict[int, list[list[int]]] = {}
     passes = fed_total = 0
     start = time.perf_counter()
-    for group in _groups(config, [len(ids) for ids in encoded]):
+    groups = _groups(config, [len(ids) for ids in encoded])
+    for group in groups:
         offsets = _offsets(config, [len(encoded[i]) for i in group])
         tokens, pad, fill_mask = _padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler,
                                                device)  # fmt: skip
-        generators = tuple(torch.Generator(device=noise_device(device)).manual_seed(seed + i) for i in group)
+        generators = tuple(torch.Generator(device=noise_device(device)).manual_seed(seeds[i]) for i in group)
         noise = RowNoise(generators, (num_samples,) * len(group))
         with inference(model), counting_tokens(model) as fed:
             tokens, group_passes = denoise(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
-                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad)  # fmt: skip
+                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad,
+                                           on_step=on_step if len(groups) == 1 else None)  # fmt: skip
             result = tokens.tolist()
         passes, fed_total = passes + group_passes, fed_total + fed[0]
         for slot, index in enumerate(group):
@@ -127,26 +132,32 @@ def generate_prompts(
         prompt_tokens += [len(ids)] * num_samples
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     return SampleResult(texts, token_ids, options.steps, passes, seconds, fed_total, lengths, prompt_tokens,
-                        [seed + index for index in range(len(prompts)) for _ in range(num_samples)])  # fmt: skip
+                        [seeds[index] for index in range(len(prompts)) for _ in range(num_samples)])  # fmt: skip
 
 
 def encode_prompts(
-    tokenizer: Any, config: Any, prompts: Sequence[str], *, length: int, num_samples: int, seed: int
+    tokenizer: Any, config: Any, prompts: Sequence[str], *, length: int, num_samples: int, seeds: Sequence[int]
 ) -> list[list[int]]:
-    """The tokens of every prompt, each checked as `--prompt` with `--seed seed + i` would be."""
+    """The tokens of every prompt, each checked as `--prompt` with `--seed seeds[i]` would be."""
 
     if not prompts:
         raise UserError("no prompts to sample", fix="give at least one prompt (one per line of --prompt-file)")
-    if seed + len(prompts) > 2**63:
-        raise UserError(f"--seed {seed} plus the {len(prompts)} prompts passes 2**63", fix="use a smaller --seed")
     limit = None if block_size(config) else config.max_seq_len  # a block model slides on
     encoded = []
     for index, prompt in enumerate(prompts):
-        parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seed + index)
+        parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seeds[index])
         ids, _ = build_sequence(tokenizer, parts, templated=False, mask_token_id=config.mask_token_id,
                                 max_seq_len=limit)  # fmt: skip
         encoded.append(ids[: len(ids) - length])
     return encoded
+
+
+def consecutive_seeds(seed: int, count: int) -> list[int]:
+    """Seeds `seed`, `seed + 1`, ... for `count` prompts: prompt i of a list sampled with `seed`."""
+
+    if seed + count > 2**63:
+        raise UserError(f"--seed {seed} plus the {count} prompts passes 2**63", fix="use a smaller --seed")
+    return [seed + index for index in range(count)]
 
 
 def prompt_chunks(prompts: Sequence[str], batch_size: int, seed: int) -> Iterator[tuple[list[str], int]]:

@@ -1,0 +1,114 @@
+"""`dlm serve MODEL`: an OpenAI-compatible server for a model (docs/serving.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dlm.choices import ServeDtype
+from dlm.cli.common import DeviceOption, JsonOption, console, err_console, wants_json
+
+DEFAULT_BODY_BYTES = 1 << 20
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+ModelArgument = Annotated[Path, typer.Argument(metavar="MODEL", help="Exported model directory (or a checkpoint).")]
+HostOption = Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 exposes the server.")]
+PortOption = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="DLM_API_KEY", show_envvar=True, show_default=False,
+                 help="Require 'Authorization: Bearer KEY' on every request but /health."),
+]  # fmt: skip
+DtypeOption = Annotated[ServeDtype, typer.Option("--dtype", help="The dtype the model computes in (auto: as stored).")]
+NameOption = Annotated[
+    str | None, typer.Option("--name", help="The model's id in requests (default: MODEL's name).", show_default=False)
+]
+MaxTokensOption = Annotated[
+    int | None,
+    typer.Option("--max-tokens", show_default=False,
+                 help="Most tokens a request may generate (default: the model's context; a block model's window)."),
+]  # fmt: skip
+MaxNOption = Annotated[int, typer.Option("--max-n", help="Most samples (n) or prompts per request.")]
+MaxPromptOption = Annotated[
+    int | None,
+    typer.Option("--max-prompt-tokens", show_default=False, help="Longest prompt (default: the model's context)."),
+]
+MaxBodyOption = Annotated[int, typer.Option("--max-body-bytes", help="Largest request body; larger ones get 413.")]
+MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiting for a batch; more get 429.")]
+MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) generated together.")]
+BatchWaitOption = Annotated[
+    float, typer.Option("--batch-wait", help="Milliseconds a batch that is not full waits for more requests.")
+]
+GraceOption = Annotated[float, typer.Option("--grace", help="Seconds a shutdown waits for the requests it holds.")]
+
+
+def serve_command(
+    model: ModelArgument,
+    host: HostOption = "127.0.0.1",
+    port: PortOption = 8000,
+    api_key: ApiKeyOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    name: NameOption = None,
+    max_tokens: MaxTokensOption = None,
+    max_n: MaxNOption = 8,
+    max_prompt_tokens: MaxPromptOption = None,
+    max_body_bytes: MaxBodyOption = DEFAULT_BODY_BYTES,
+    max_queue: MaxQueueOption = 64,
+    max_batch: MaxBatchOption = 32,
+    batch_wait: BatchWaitOption = 0.0,
+    grace: GraceOption = 30.0,
+    json_output: JsonOption = False,
+) -> None:
+    """Serve MODEL with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+
+    from dlm.serving.protocol import Limits
+    from dlm.serving.server import Server, ServeSettings, check_requirements, load_served
+
+    limits = Limits(max_tokens=max_tokens, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
+                    max_body_bytes=max_body_bytes)  # fmt: skip
+    settings = ServeSettings(host=host, port=port, api_key=api_key, limits=limits, max_queue=max_queue,
+                             max_batch_rows=max_batch, batch_wait=batch_wait / 1000, grace_seconds=grace,
+                             name=name)  # fmt: skip
+    check_requirements()
+    served = load_served(model, device=device, dtype=dtype, name=name)
+    from dlm.cli.serve_view import ServeConsole
+
+    view: ServeConsole | None = None
+
+    def request(record: dict[str, object]) -> None:
+        if view is not None:
+            view.request(record)
+
+    server = Server(served, settings, on_request=request)
+    live = not wants_json(json_output) and sys.stderr.isatty()
+    view = ServeConsole(server.scheduler.stats, live=live, url=f"http://{host}:{port}", model=served.name,
+                        console=console)  # fmt: skip
+
+    def started() -> None:
+        assert view is not None
+        if api_key is None and not _is_loopback(host):
+            err_console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it "
+                              "can use it")
+        view.url = f"http://{host}:{server.port}"
+        view.start()
+
+    try:
+        server.run(on_started=started)
+    finally:
+        view.close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_command)

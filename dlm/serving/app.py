@@ -1,0 +1,296 @@
+"""The HTTP application: OpenAI's endpoints over one fixed model and its `Scheduler`.
+
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` and `/health`. A request's body is read and
+checked here (`dlm.serving.protocol`), queued for a batch, and answered as JSON or as server-sent
+events. The model was chosen at start: a request names it only by its id and never by a path.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations, and `Request` is
+# imported inside `create_app` (fastapi is the optional `serve` extra).
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from dlm.errors import UserError
+from dlm.extras import Requirement, require
+from dlm.serving.guard import Guard, RequestSink
+from dlm.serving.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Generation,
+    Limits,
+    SamplerFields,
+    chat_prompt_text,
+    check_generation,
+    sampler_error,
+    validation_error,
+)
+from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown, TextSink
+
+log = logging.getLogger("dlm.serving")
+FASTAPI = Requirement("fastapi", "serve", "dlm serve")
+DISCONNECT_POLL_SECONDS = 0.2  # how often a waiting request checks that its client is still there
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a server answers with: its id in requests, the loaded model and tokenizer, its chat template."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    template: Any  # dlm.data.chat.ChatTemplate
+    created: int
+
+
+def _completion_body(kind: str, request_id: str, served: ServedModel, outcome: Outcome) -> dict[str, Any]:
+    if kind == "chat":
+        choices: list[dict[str, Any]] = [
+            {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+            for i, c in enumerate(outcome.choices)
+        ]
+    else:
+        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+                   for i, c in enumerate(outcome.choices)]  # fmt: skip
+    kind_name = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": _response_id(kind, request_id), "object": kind_name, "created": int(time.time()),
+            "model": served.name, "choices": choices, "usage": _usage(outcome)}  # fmt: skip
+
+
+def _usage(outcome: Outcome) -> dict[str, int]:
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}  # fmt: skip
+
+
+def _response_id(kind: str, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
+def _read_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _event(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class Endpoints:
+    """The routes' work, apart from FastAPI's wiring."""
+
+    def __init__(self, served: ServedModel, scheduler: Scheduler, limits: Limits) -> None:
+        self.served, self.scheduler, self.limits = served, scheduler, limits
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.served.name, "object": "model", "created": self.served.created,
+                                            "owned_by": "dlm"}]}  # fmt: skip
+
+    async def read(self, request: Any, kind: str) -> Generation:
+        from pydantic import ValidationError
+
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"the body is not valid JSON ({str(exc)[:200]})") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        model: type[SamplerFields] = ChatRequest if kind == "chat" else CompletionRequest
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        if isinstance(parsed, ChatRequest):
+            prompts = [chat_prompt_text(self.served.template, parsed.messages)]
+        else:
+            assert isinstance(parsed, CompletionRequest)
+            prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else list(parsed.prompt)
+        generation = check_generation(parsed, prompts, chat=kind == "chat", served=self.served.name,
+                                      config=self.served.model.config, tokenizer=self.served.tokenizer,
+                                      limits=self.limits)  # fmt: skip
+        if generation.rows > self.scheduler.max_batch_rows:
+            raise ApiError(400, f"n times the prompts is {generation.rows} rows, more than a batch holds "
+                           f"({self.scheduler.max_batch_rows})", param="n")  # fmt: skip
+        return generation
+
+    def submit(self, request_id: str, generation: Generation, on_text: TextSink | None = None) -> Job:
+        job = Job(request_id, generation, on_text=on_text)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            self.scheduler.stats.count("rejected")
+            raise ApiError(429, f"the server is busy: its queue holds {self.scheduler.max_queue} requests; retry "
+                           f"after {exc.retry_after} s", kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down", kind="server_error") from None
+        return job
+
+    async def wait(self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
+                   ) -> AsyncGenerator[tuple[int, str] | Outcome, None]:  # fmt: skip
+        """The texts a streaming job sends as they come, then its outcome; `ClientGone` (the job dropped)
+        when the client leaves first."""
+
+        waiter = asyncio.wrap_future(job.future)
+        getter: asyncio.Future[tuple[int, str]] | None = None
+        try:
+            while True:
+                if texts is not None and getter is None:
+                    getter = asyncio.ensure_future(texts.get())
+                waiting: set[asyncio.Future[Any]] = {waiter} if getter is None else {waiter, getter}
+                await asyncio.wait(waiting, timeout=DISCONNECT_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                if getter is not None and getter.done():
+                    yield getter.result()
+                    getter = None
+                elif waiter.done():
+                    while texts is not None and not texts.empty():  # sent before the outcome, not yet read
+                        yield texts.get_nowait()
+                    yield waiter.result()
+                    return
+                elif await request.is_disconnected():
+                    raise ClientGone
+        except ShuttingDown:
+            raise ApiError(503, "the server shut down before this request ran", kind="server_error") from None
+        except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
+            raise sampler_error(exc) from None
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if not job.future.done():
+                self.scheduler.cancel(job)
+                self.scheduler.stats.count("dropped")
+                waiter.add_done_callback(_read_exception)  # nobody will: asyncio would log it as lost
+
+    async def outcome(self, request: Any, job: Job) -> Outcome:
+        async with aclosing(self.wait(request, job)) as items:
+            async for item in items:
+                assert isinstance(item, Outcome)
+                return item
+        raise AssertionError("a job ends with its outcome")
+
+    def answer(self, kind: str, request_id: str, job: Job, outcome: Outcome) -> dict[str, Any]:
+        self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
+        return _completion_body(kind, request_id, self.served, outcome)
+
+    async def stream(self, request: Any, kind: str, request_id: str, job: Job,
+                     texts: asyncio.Queue[tuple[int, str]]) -> AsyncIterator[str]:  # fmt: skip
+        """Server-sent events: each choice's text as it becomes final (`dlm.serving.rows`), then the finish
+        reasons, the usage when asked, and `[DONE]`."""
+
+        response_id, created, rows = _response_id(kind, request_id), int(time.time()), job.generation.rows
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return _event({"id": response_id, "object": obj, "created": created, "model": self.served.name,
+                           "choices": choices, **extra})  # fmt: skip
+
+        try:
+            if kind == "chat":  # OpenAI opens each choice with its role
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                             for i in range(rows)])  # fmt: skip
+            async with aclosing(self.wait(request, job, texts)) as items:
+                async for item in items:
+                    if isinstance(item, Outcome):
+                        outcome = item
+                        break
+                    index, text = item
+                    if text:
+                        yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}
+                                     if kind == "chat" else
+                                     {"index": index, "text": text, "finish_reason": None, "logprobs": None}])
+            self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
+            for i, choice in enumerate(outcome.choices):
+                yield chunk([{"index": i, "delta": {}, "finish_reason": choice.finish_reason} if kind == "chat"
+                             else {"index": i, "text": "", "finish_reason": choice.finish_reason, "logprobs": None}])
+            if job.generation.include_usage:
+                yield chunk([], usage=_usage(outcome))
+            yield _event("[DONE]")
+        except ClientGone:
+            return
+        except ApiError as exc:
+            yield _event(exc.body())
+        except Exception:  # headers are sent: the error goes in the stream, the traceback to the log
+            log.exception("request %s failed while streaming", request_id)
+            self.scheduler.stats.count("errors")
+            yield _event(ApiError(500, f"internal error (request {request_id})", kind="server_error").body())
+
+
+def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api_key: str | None,
+               on_request: RequestSink) -> Any:  # fmt: skip
+    """The ASGI application (FastAPI inside `Guard`); it starts the scheduler and stops it at shutdown."""
+
+    fastapi = require(FASTAPI)
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    endpoints = Endpoints(served, scheduler, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop)
+
+    app = fastapi.FastAPI(title="dlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Any, exc: ApiError) -> Any:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Any, exc: Exception) -> Any:  # the traceback goes to the log (Guard)
+        scheduler.stats.count("errors")
+        request_id = request.scope.get("state", {}).get("request_id", "?")
+        return JSONResponse(ApiError(500, f"internal error (request {request_id})", kind="server_error").body(),
+                            status_code=500)  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Any:
+        snapshot = scheduler.stats.snapshot()
+        return {"status": "ok", "model": served.name, "in_flight": snapshot.in_flight, "queued": snapshot.queued}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return endpoints.models()
+
+    async def complete(request: Any, kind: str) -> Any:
+        request_id = request.scope["state"]["request_id"]
+        generation = await endpoints.read(request, kind)
+        if generation.stream:
+            texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def on_text(index: int, text: str) -> None:  # from the scheduler's thread
+                loop.call_soon_threadsafe(texts.put_nowait, (index, text))
+
+            job = endpoints.submit(request_id, generation, on_text)
+            return StreamingResponse(endpoints.stream(request, kind, request_id, job, texts),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        job = endpoints.submit(request_id, generation)
+        try:
+            outcome = await endpoints.outcome(request, job)
+        except ClientGone:
+            return Response(status_code=499)
+        return endpoints.answer(kind, request_id, job, outcome)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await complete(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await complete(request, "chat")
+
+    return Guard(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, on_request=on_request)

@@ -1,0 +1,243 @@
+"""The OpenAI request format: request bodies, their checks, and the error body every refusal uses.
+
+A request is parsed by pydantic (types, unknown fields), then its sampler fields go through the same
+`SamplingOptions` as `dlm sample`, and its prompt through the same prompt checks, so the server
+refuses exactly what the command line refuses. Every refusal is an `ApiError`: an HTTP status and
+OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dlm.data.chat import ChatTemplate, Turn
+from dlm.errors import UserError
+from dlm.model.denoiser import block_size
+from dlm.sampling.options import SamplingOptions
+from dlm.sampling.prompt_batch import encode_prompts
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class ApiError(Exception):
+    """A refused request: its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class SamplerFields(BaseModel):
+    """The fields both endpoints share: OpenAI's, then dlm's sampler options as extra body fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None  # {"include_usage": true}
+    user: str | None = None  # accepted for compatibility; not used
+    # dlm's own (`dlm sample`'s options of the same names)
+    steps: int | None = None
+    block_length: int | None = None
+    threshold: float | None = None
+    cache: str | None = None
+    remasking: str | None = None
+    top_k: int | None = None
+    reveal_split: str | None = None
+
+
+class CompletionRequest(SamplerFields):
+    prompt: str | list[str]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None  # accepted for compatibility; the template does not render it
+
+
+class ChatRequest(SamplerFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask: `max_tokens` (None: the model's context, or a block model's window),
+    `n`, the prompt's tokens (None: the model's context) and the body's bytes."""
+
+    max_tokens: int | None = None
+    max_n: int = 8
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One checked request, ready for the scheduler: prompts (each with `n` rows), tokens to generate,
+    the first prompt's seed (prompt i has seed + i) and the sampler options."""
+
+    prompts: tuple[str, ...]
+    prompt_tokens: tuple[int, ...]
+    length: int
+    n: int
+    seed: int
+    options: SamplingOptions
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """The first problem pydantic found, as a 400 naming its field (`messages.0.role`)."""
+
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))) or None
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field {param!r}", param=param)
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first['msg']}")
+    return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+
+
+_FLAG = re.compile(r"--([a-z][a-z-]*)")
+# What pydantic adds to a location for the member of a union it tried (`prompt.str`, `stop.list[str]`).
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
+
+
+def _options(request: SamplerFields, length: int) -> SamplingOptions:
+    """The request's sampler options through `SamplingOptions`: its refusal becomes a 400 naming the field."""
+
+    given = {name: getattr(request, name) for name in ("temperature", "top_p", "steps", "block_length", "threshold",
+                                                       "cache", "remasking", "top_k", "reveal_split")}  # fmt: skip
+    given = {name: value for name, value in given.items() if value is not None}
+    given.setdefault("steps", length)  # one token a step unless asked otherwise
+    try:
+        return SamplingOptions(**given)
+    except UserError as exc:
+        raise sampler_error(exc) from None
+
+
+def sampler_error(exc: UserError) -> ApiError:
+    """A refusal of dlm's sampler (worded for `dlm sample`'s options) as a 400 naming the body field."""
+
+    flag = _FLAG.search(str(exc))
+    param = flag.group(1).replace("-", "_") if flag else None
+    return ApiError(400, _FLAG.sub(lambda match: match.group(1).replace("-", "_"), str(exc)), param=param)
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})", param="stop")
+    if any(not text for text in stops):
+        raise ApiError(400, "stop: a stop string cannot be empty", param="stop")
+    return tuple(stops)
+
+
+def length_limit(config: Any, limits: Limits) -> int:
+    """The most tokens one request may generate: the configured limit, else the model's context (a block
+    model's sliding window, as it generates past it block by block)."""
+
+    return limits.max_tokens if limits.max_tokens is not None else config.max_seq_len
+
+
+def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limits: Limits) -> int:
+    limit = length_limit(config, limits)
+    room = limit if block_size(config) else min(limit, config.max_seq_len - prompt_tokens)
+    if asked is None:
+        if room < 1:
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) fills the model's context "
+                           f"({config.max_seq_len} tokens)", param="prompt")  # fmt: skip
+        return room
+    if asked < 1:
+        raise ApiError(400, f"{param} must be at least 1 (got {asked})", param=param)
+    if asked > room:
+        where = "" if room == limit else f" with a prompt of {prompt_tokens} tokens"
+        raise ApiError(400, f"{param} is {asked}, more than this server allows ({room}{where})", param=param)
+    return asked
+
+
+def _prompt_tokens(prompts: list[str], param: str, tokenizer: Any, config: Any, limits: Limits) -> list[int]:
+    """The token count of each prompt, within the limits."""
+
+    if not prompts or len(prompts) > limits.max_n:
+        raise ApiError(400, f"{param}: give 1 to {limits.max_n} prompts (got {len(prompts)})", param=param)
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, which JSON can spell and no tokenizer encodes
+            raise ApiError(400, f"{param} is not valid UTF-8 text (at character {exc.start + 1})",
+                           param=param) from None  # fmt: skip
+    counts = [len(tokenizer.encode(prompt, add_special_tokens=False).ids) for prompt in prompts]
+    limit = limits.max_prompt_tokens if limits.max_prompt_tokens is not None else config.max_seq_len
+    if max(counts) > limit:
+        raise ApiError(400, f"{param} is {max(counts)} tokens, more than this server allows ({limit})", param=param)
+    return counts
+
+
+def _asked_length(request: SamplerFields) -> tuple[int | None, str]:
+    """The tokens the request asks for and the field that asks (chat's newer `max_completion_tokens`)."""
+
+    if isinstance(request, ChatRequest) and request.max_tokens is None:
+        return request.max_completion_tokens, "max_completion_tokens"
+    return request.max_tokens, "max_tokens"
+
+
+def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, served: str, config: Any,
+                     tokenizer: Any, limits: Limits) -> Generation:  # fmt: skip
+    """The request as a `Generation`, or the `ApiError` naming the first field at fault."""
+
+    if request.model is not None and request.model != served:
+        raise ApiError(404, f"the model {request.model!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")  # fmt: skip
+    if not 1 <= request.n <= limits.max_n:
+        raise ApiError(400, f"n must be in [1, {limits.max_n}] (got {request.n})", param="n")
+    if request.seed is not None and not 0 <= request.seed < 2**62:
+        raise ApiError(400, f"seed must be in [0, 2**62) (got {request.seed})", param="seed")
+    prompt_param = "messages" if chat else "prompt"
+    counts = _prompt_tokens(prompts, prompt_param, tokenizer, config, limits)
+    asked, param = _asked_length(request)
+    length = _length(asked, param, max(counts), config, limits)
+    options = _options(request, length)
+    seed = secrets.randbelow(2**62) if request.seed is None else request.seed
+    try:  # the prompt checks of `dlm sample` (the mask token spelt out, invalid text)
+        encode_prompts(tokenizer, config, prompts, length=length, num_samples=request.n,
+                       seeds=[seed + index for index in range(len(prompts))])  # fmt: skip
+    except UserError as exc:
+        raise ApiError(400, str(exc).replace("--prompt", prompt_param), param=prompt_param) from None
+    include_usage = bool((request.stream_options or {}).get("include_usage", False))
+    return Generation(tuple(prompts), tuple(counts), length, request.n, seed, options, _stops(request.stop),
+                      request.stream, include_usage, chat)  # fmt: skip
+
+
+def chat_prompt_text(template: ChatTemplate, messages: list[Message]) -> str:
+    """The conversation in the model's chat template (that of `dlm pack --chat`), up to the reply."""
+
+    try:
+        return template.prompt([Turn(message.role, message.content) for message in messages])
+    except UserError as exc:
+        raise ApiError(400, f"messages: the chat template cannot render them ({exc})", param="messages") from None

@@ -1,0 +1,153 @@
+"""`dlm serve` under 1, 4, 16 and 64 concurrent clients against `dlm.sample` one request at a time.
+
+usage: python scripts/serve_bench.py MODEL [--clients 1,4,16,64] [--tokens N] [--requests-per-client N]
+                                     [--rounds N] [--threads N] [--device cpu] [--batch-wait MS]
+
+Both the server and this process run `--threads` intra-op threads (default 1: on shared cores,
+threads beyond the free ones spin against other work and can make a pass several times slower).
+
+Starts `dlm serve MODEL` in a subprocess on a free port of 127.0.0.1 (batches of up to the largest
+client count), then, for each round and each client count C, runs two phases back to back:
+- one at a time: `dlm.sample` in this process on C x `--requests-per-client` prompts, each call
+  alone, as a program without a server would;
+- served: C clients (the `openai` client, each in its own thread) send the same requests, each
+  client its share one after another, so up to C requests wait together and share batches.
+Every request is `--tokens` new tokens after one of a few prompts of different lengths, with its own
+seed, the sampler's defaults (one token a step) and a stop at the end of document, in both phases.
+Tokens/s counts the generated tokens kept (up to an end of document) over the phase's wall time;
+latency is per request (one at a time: the call alone, no waiting for the calls before it).
+
+The phases are interleaved round by round, so other work on shared cores slows them alike: read
+the ratios, not the absolute figures. The table shows the best round of each phase (the least
+disturbed) and the ratio of the served tokens/s to the one-at-a-time tokens/s of the same C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore art thou", "To be, or not to be", "HAMLET:",
+           "Now is the winter of our discontent", "KING LEAR: Blow, winds", "", "MACBETH: Is this a dagger"]
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, round(fraction * len(ordered) + 0.5) - 1)]
+
+
+def requests_for(clients: int, per_client: int) -> list[tuple[str, int]]:
+    return [(PROMPTS[i % len(PROMPTS)], 1000 + i) for i in range(clients * per_client)]
+
+
+def one_at_a_time(model: Any, tokenizer: Any, requests: list[tuple[str, int]], tokens: int) -> dict[str, float]:
+    import dlm
+
+    latencies, generated = [], 0
+    start = time.perf_counter()
+    for prompt, seed in requests:
+        began = time.perf_counter()
+        result = dlm.sample(model, tokenizer, prompt=prompt, length=tokens, steps=tokens, seed=seed, stop_at_end=True)
+        latencies.append(time.perf_counter() - began)
+        generated += sum(result.lengths)
+    return summary(generated, time.perf_counter() - start, latencies)
+
+
+def served(url: str, requests: list[tuple[str, int]], clients: int, tokens: int) -> dict[str, float]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    latencies: list[float] = []
+    generated = [0]
+    lock = threading.Lock()
+
+    def run(share: list[tuple[str, int]]) -> None:
+        for prompt, seed in share:
+            began = time.perf_counter()
+            answer = client.completions.create(model="model", prompt=prompt, max_tokens=tokens, seed=seed)
+            with lock:
+                latencies.append(time.perf_counter() - began)
+                generated[0] += answer.usage.completion_tokens if answer.usage else 0
+
+    threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return summary(generated[0], time.perf_counter() - start, latencies)
+
+
+def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+    return {"tokens_per_second": tokens / seconds, "p50": statistics.median(latencies),
+            "p99": percentile(latencies, 0.99), "tokens": tokens}  # fmt: skip
+
+
+def start_server(model: Path, max_batch: int, device: str, threads: int, batch_wait: float
+                 ) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
+    command = [sys.executable, "-m", "dlm", "serve", str(model), "--port", "0", "--json", "--name", "model",
+               "--device", device, "--max-batch", str(max_batch), "--max-n", "1", "--max-queue", str(4 * max_batch),
+               "--batch-wait", str(batch_wait)]  # fmt: skip
+    environment = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
+    assert process.stdout is not None
+    start = json.loads(process.stdout.readline())
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
+    return process, start["url"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-wait", type=float, default=0.0, help="the server's --batch-wait (ms)")
+    args = parser.parse_args()
+    counts = [int(count) for count in args.clients.split(",")]
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # this process and the server: the same threads
+
+    import torch
+
+    import dlm
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = dlm.load(args.model, device=args.device)
+    process, url = start_server(args.model, max(counts), args.device, args.threads, args.batch_wait)
+    best: dict[tuple[str, int], dict[str, float]] = {}
+    try:
+        for _ in range(args.rounds):
+            for clients in counts:
+                requests = requests_for(clients, args.requests_per_client)
+                alone = one_at_a_time(model, tokenizer, requests, args.tokens)
+                for phase, result in (("alone", alone), ("served", served(url, requests, clients, args.tokens))):
+                    key = (phase, clients)
+                    if key not in best or result["tokens_per_second"] > best[key]["tokens_per_second"]:
+                        best[key] = result
+                    print(json.dumps({"phase": phase, "clients": clients, **result}), file=sys.stderr)
+    finally:
+        process.terminate()
+        process.wait(60)
+    print("| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
+          "| p50 served | p99 served |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for clients in counts:
+        alone, server = best[("alone", clients)], best[("served", clients)]
+        print(f"| {clients} | {alone['tokens_per_second']:.0f} | {server['tokens_per_second']:.0f} | "
+              f"{server['tokens_per_second'] / alone['tokens_per_second']:.1f}x | {alone['p50']:.3f} s | "
+              f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+"""`dlm serve`: OpenAI's API over a tiny exported model, called with the real `openai` client.
+
+Servers run on a free port of 127.0.0.1: in a thread of this process (the model in float64, where
+a batch equals one-by-one sampling token for token, as in tests/test_batch_sampling.py), and as a
+`dlm serve` subprocess for SIGTERM. Where a test needs requests to wait, a gate (a forward pre-hook)
+holds the model until the requests are where the test wants them, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e '.[serve-test]')")
+pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -e '.[serve-test]')")
+openai = pytest.importorskip("openai", reason="openai is not installed (pip install -e '.[serve-test]')")
+import httpx  # noqa: E402 (openai's own dependency)
+from helpers import train_tiny_run  # noqa: E402
+
+from dlm.artifacts.export import export_model  # noqa: E402
+from dlm.data.chat import Turn  # noqa: E402
+from dlm.serving.protocol import Limits  # noqa: E402
+from dlm.serving.rows import RowStream, finish_row  # noqa: E402
+from dlm.serving.server import Server, ServeSettings, load_served  # noqa: E402
+
+pytestmark = pytest.mark.serve_extra
+WAIT = 60.0  # the bound on every wait: a broken server fails the test instead of hanging it
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serve")
+    return export_model(train_tiny_run(tiny_data_dir, root / "run"), root / "model", dtype="float32")
+
+
+class Gate:
+    """Holds every forward pass of the model while closed (at most WAIT seconds)."""
+
+    def __init__(self, model: Any) -> None:
+        self.opened = threading.Event()
+        self.opened.set()
+        model.register_forward_pre_hook(lambda module, args: self.opened.wait(WAIT) and None)
+
+    @contextmanager
+    def closed(self) -> Iterator[None]:
+        self.opened.clear()
+        try:
+            yield
+        finally:
+            self.opened.set()
+
+
+class Running:
+    def __init__(self, server: Server, gate: Gate, api_key: str | None) -> None:
+        self.server, self.gate = server, gate
+        self.url = f"http://127.0.0.1:{server.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0,
+                                    timeout=WAIT)  # fmt: skip
+        self.log: list[dict[str, Any]] = []
+
+    @property
+    def stats(self) -> Any:
+        return self.server.scheduler.stats.snapshot()
+
+    def until(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + WAIT
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            time.sleep(0.01)
+
+    def complete(self, **request: Any) -> Any:
+        request = {"model": "model", "prompt": "ROMEO:", "max_tokens": 8} | request
+        return self.client.completions.create(**request)
+
+    def assert_healthy(self) -> None:
+        """After a fault: /health answers, and so does a normal request."""
+
+        assert httpx.get(f"{self.url}/health", timeout=WAIT).json()["status"] == "ok"
+        answer = self.complete(seed=1)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@contextmanager
+def running(model_dir: Path, api_key: str | None = None, **settings: Any) -> Iterator[Running]:
+    served = load_served(model_dir, dtype="float64", name="model")
+    gate = Gate(served.model)
+    log: list[dict[str, Any]] = []
+    server = Server(served, ServeSettings(port=0, api_key=api_key, **settings), on_request=log.append)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    handle = Running(server, gate, api_key)
+    handle.log = log
+    try:
+        yield handle
+    finally:
+        server.stop()
+        thread.join(WAIT)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def live(model_dir: Path) -> Iterator[Running]:
+    with running(model_dir, limits=Limits(max_n=4, max_body_bytes=1 << 16)) as handle:
+        yield handle
+
+
+def test_models_completions_and_chat(live: Running, model_dir: Path) -> None:
+    assert [model.id for model in live.client.models.list().data] == ["model"]
+    answer = live.complete(prompt="ROMEO:", max_tokens=12, seed=3)
+    (choice,) = answer.choices
+    served = load_served(model_dir)
+    assert answer.usage.prompt_tokens == len(served.tokenizer.encode("ROMEO:").ids)
+    assert answer.usage.completion_tokens <= 12 and answer.usage.total_tokens == (
+        answer.usage.prompt_tokens + answer.usage.completion_tokens)  # fmt: skip
+    assert choice.finish_reason in ("stop", "length") and choice.text
+    assert live.complete(prompt="ROMEO:", max_tokens=12, seed=3).choices[0].text == choice.text  # same seed, same text
+    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Who art thou?"}],
+                                               max_tokens=10, seed=4)  # fmt: skip
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content is not None
+    prompt = served.template.prompt([Turn("user", "Who art thou?")])
+    assert chat.usage.prompt_tokens == len(served.tokenizer.encode(prompt).ids)  # the template of `dlm pack --chat`
+    live.until(lambda: any(record["path"] == "/v1/chat/completions" and record["status"] == 200
+                           for record in live.log), "the request is logged")  # fmt: skip
+
+
+def test_n_samples_and_sampler_options(live: Running) -> None:
+    answer = live.complete(n=3, seed=5, extra_body={"steps": 4, "remasking": "confidence", "block_length": 4})
+    assert [choice.index for choice in answer.choices] == [0, 1, 2]
+    assert len({choice.text for choice in answer.choices}) > 1  # three rows of one random stream
+    assert answer.usage.completion_tokens <= 3 * 8
+    again = live.complete(n=3, seed=5, extra_body={"steps": 4, "remasking": "confidence", "block_length": 4})
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]
+
+
+def test_a_list_of_prompts_is_each_prompt_with_its_seed(live: Running) -> None:
+    both = live.complete(prompt=["ROMEO:", "To be"], n=2, seed=20, max_tokens=6)
+    first = live.complete(prompt="ROMEO:", n=2, seed=20, max_tokens=6)
+    second = live.complete(prompt="To be", n=2, seed=21, max_tokens=6)
+    assert [c.text for c in both.choices] == [c.text for c in first.choices + second.choices]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.usage.prompt_tokens == first.usage.prompt_tokens + second.usage.prompt_tokens
+    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Hail!"}],
+                                               max_completion_tokens=5, seed=6)  # fmt: skip
+    assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 5
+
+
+def test_stop_strings_cut_the_text(live: Running) -> None:
+    whole = live.complete(max_tokens=16, seed=7).choices[0].text
+    stop = whole[4:6]
+    cut = live.complete(max_tokens=16, seed=7, stop=[stop])
+    assert cut.choices[0].text == whole[: whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens <= 16
+
+
+def test_streaming_sends_the_text_of_a_whole_request(live: Running) -> None:
+    whole = live.complete(max_tokens=10, seed=9)
+    chunks = list(live.client.completions.create(model="model", prompt="ROMEO:", max_tokens=10, seed=9, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Speak."}],
+                                               max_tokens=6, seed=2, stream=True,
+                                               stream_options={"include_usage": True})  # fmt: skip
+    events = list(chat)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens <= 6
+    text = "".join(event.choices[0].delta.content or "" for event in events if event.choices)
+    plain = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Speak."}],
+                                                max_tokens=6, seed=2)  # fmt: skip
+    assert text == plain.choices[0].message.content
+
+
+def test_streaming_sends_each_block_as_it_becomes_final(live: Running) -> None:
+    request = {"max_tokens": 16, "seed": 11, "extra_body": {"steps": 16, "block_length": 4}}
+    whole = live.complete(**request).choices[0]
+    assert whole.finish_reason == "length"  # no end of document: all four blocks are text
+
+    def streamed(**extra: Any) -> list[str]:
+        chunks = live.complete(stream=True, **request, **extra)
+        return [text for chunk in chunks if (text := chunk.choices[0].text)]
+
+    pieces = streamed()
+    assert "".join(pieces) == whole.text and len(pieces) > 1  # sent while later blocks were still masked
+    stop = whole.text[len(whole.text) // 2 :][:2]
+    cut = live.complete(stop=stop, **request).choices[0].text
+    assert "".join(streamed(stop=stop)) == cut == whole.text[: whole.text.index(stop)]
+
+
+def test_a_row_streams_only_final_text(model_dir: Path) -> None:
+    tokenizer = load_served(model_dir).tokenizer
+    text = "ab€cd STOP and more"
+    ids = tokenizer.encode(text).ids
+    assert len(tokenizer.encode("€").ids) > 1  # a character split across tokens
+    mask, eos = 1, 0
+    for stops, final in (((), text), (("STOP",), "ab€cd ")):
+        stream = RowStream(tokenizer, mask, eos, stops)
+        sent = ""
+        for revealed in range(len(ids) + 1):  # left to right, one position at a time
+            piece = stream.update(ids[:revealed] + [mask] * (len(ids) - revealed))
+            assert "\ufffd" not in piece
+            sent += piece
+            assert final.startswith(sent)
+        assert sent + stream.finish(final) == final
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "param", "status"),
+    [
+        ({"max_tokens": 10**9}, "max_tokens", 400),
+        ({"extra_body": {"steps": 0}}, "steps", 400),
+        ({"extra_body": {"threshold": 1.5}}, "threshold", 400),
+        ({"max_tokens": 16, "extra_body": {"steps": 2, "block_length": 4}}, "steps", 400),  # the sampler's check
+        ({"extra_body": {"cache": "all"}}, "cache", 400),
+        ({"extra_body": {"stpes": 3}}, "stpes", 400),
+        ({"temperature": -1.0}, "temperature", 400),
+        ({"top_p": 0.0}, "top_p", 400),
+        ({"n": 5}, "n", 400),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
+        ({"prompt": "x <|mask|> y"}, "prompt", 400),
+        ({"model": "../../etc/passwd"}, "model", 404),
+    ],
+)
+def test_refusals_name_the_field(live: Running, request_fields: dict[str, Any], param: str, status: int) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        live.complete(**request_fields)
+    assert refused.value.status_code == status
+    body = refused.value.response.json()
+    assert body["error"]["param"] == param and body["error"]["message"]
+    assert "Traceback" not in refused.value.response.text
+    live.assert_healthy()
+
+
+def test_malformed_and_oversized_bodies(live: Running) -> None:
+    post = f"{live.url}/v1/completions"
+    for content, status in ((b'{"prompt": "ROMEO:",', 400), (b"[1, 2]", 400), (b'{"prompt": 7}', 400),
+                            (b'{"prompt": "a", "temperature": "hot"}', 400)):  # fmt: skip
+        answer = httpx.post(post, content=content, headers={"content-type": "application/json"}, timeout=WAIT)
+        assert answer.status_code == status and answer.json()["error"]["type"] == "invalid_request_error"
+        assert answer.headers["x-request-id"]
+    assert httpx.post(post, content=b'{"prompt": 7}', timeout=WAIT).json()["error"]["param"] == "prompt"
+    big = b'{"prompt": "' + b"a" * 10_000_000 + b'"}'
+    answer = httpx.post(post, content=big, timeout=WAIT)
+    assert answer.status_code == 413 and "bytes" in answer.json()["error"]["message"]
+    chunked = httpx.post(post, content=iter([big[:8_000_000], big[8_000_000:]]), timeout=WAIT)  # no length given
+    assert chunked.status_code == 413
+    live.assert_healthy()
+
+
+def test_a_batch_equals_each_request_alone(live: Running) -> None:
+    prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "", "MERCUTIO: A plague",
+               "Now is the winter", "HAMLET:", "What light"]  # fmt: skip
+    requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 6 + 4 * (i % 2), "seed": 100 + i,
+                 "extra_body": {"steps": 6}} for i in range(16)]  # fmt: skip
+    alone = [live.complete(**request).choices[0].text for request in requests]
+    before = live.stats.batches
+    answers: list[Any] = [None] * len(requests)
+
+    def send(index: int) -> None:
+        answers[index] = live.complete(**requests[index])
+
+    with live.gate.closed():
+        blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
+        blocker.start()
+        live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
+        threads = [threading.Thread(target=send, args=(index,)) for index in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        live.until(lambda: live.stats.queued == len(requests), "all sixteen wait")
+    for thread in [blocker, *threads]:
+        thread.join(WAIT)
+    assert [answer.choices[0].text for answer in answers] == alone
+    assert live.stats.batches - before == 1 + 2  # the blocker, then one batch per max_tokens
+
+
+def test_a_client_that_leaves_is_dropped(live: Running) -> None:
+    before = live.stats
+    with live.gate.closed():
+        blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
+        blocker.start()
+        live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
+        body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
+            assert response.status_code == 200
+            live.until(lambda: live.stats.queued == 1, "the stream waits")
+        live.until(lambda: live.stats.dropped == before.dropped + 1, "the server drops it")
+    blocker.join(WAIT)
+    live.until(lambda: live.stats.queued == 0 and live.stats.in_flight == 0, "the queue empties")
+    assert live.stats.batches == before.batches + 1  # the stream's request never ran
+    live.assert_healthy()
+
+
+def test_a_batch_whose_clients_all_left_stops(live: Running) -> None:
+    passes: list[int] = []
+    counter = live.server.scheduler.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    before = live.stats
+    try:
+        with live.gate.closed():
+            body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 40, "steps": 40, "stream": True}
+            with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
+                assert response.status_code == 200
+                live.until(lambda: live.stats.in_flight == 1, "its batch runs")
+            live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
+        live.until(lambda: live.stats.in_flight == 0, "the batch stops")
+    finally:
+        counter.remove()
+    assert len(passes) <= 2  # at most the pass that was held, then the next step stops it: not 40 steps' worth
+    assert live.stats.batches == before.batches  # it never finished
+    live.assert_healthy()
+
+
+def test_a_full_queue_answers_429_and_nothing_hangs(model_dir: Path) -> None:
+    with running(model_dir, max_queue=8) as server:
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=WAIT, limits=httpx.Limits(max_connections=200)) as client:
+                tasks = [asyncio.create_task(client.post(f"{server.url}/v1/completions",
+                                                         json={"prompt": "ROMEO:", "max_tokens": 4, "seed": i}))
+                         for i in range(200)]  # fmt: skip
+                while sum(task.done() for task in tasks) + server.stats.queued + server.stats.in_flight < 200:
+                    await asyncio.sleep(0.01)
+                server.gate.opened.set()  # the surplus is answered: let the held requests run
+                return await asyncio.gather(*tasks)
+
+        server.gate.opened.clear()
+        answers = asyncio.run(asyncio.wait_for(flood(), WAIT))
+        statuses = [answer.status_code for answer in answers]
+        assert set(statuses) == {200, 429}
+        assert 8 < statuses.count(200) <= 8 + 32 and statuses.count(429) == server.stats.rejected
+        refused = next(answer for answer in answers if answer.status_code == 429)
+        assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
+        server.assert_healthy()
+
+
+def test_api_key(model_dir: Path) -> None:
+    with running(model_dir, api_key="sesame") as server:
+        assert server.complete().choices  # the client sends the right key
+        for key in ("wrong", None):
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"}, headers=headers, timeout=WAIT)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(f"{server.url}/health", timeout=WAIT).status_code == 200  # open to probes
+        server.assert_healthy()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path) -> None:
+    command = [sys.executable, "-m", "dlm", "serve", str(model_dir), "--port", "0", "--json", "--device", "cpu"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # fmt: skip
+    try:
+        assert process.stdout is not None
+        start = json.loads(process.stdout.readline())
+        assert start["event"] == "start"
+        url = start["url"]
+        answers: list[httpx.Response] = []
+        # Many steps keep each request busy for a while; their max_tokens differ, so they run one after another.
+        requests = [{"prompt": "ROMEO:", "max_tokens": 20 + i, "seed": i, "steps": 600} for i in range(3)]
+        threads = [threading.Thread(target=lambda r=r: answers.append(httpx.post(f"{url}/v1/completions", json=r,
+                                                                                  timeout=WAIT)))
+                   for r in requests]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + WAIT
+        while (health := httpx.get(f"{url}/health", timeout=WAIT).json())["in_flight"] + health["queued"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(WAIT)
+        assert process.wait(WAIT) == 0, process.stderr.read() if process.stderr else ""
+        assert [answer.status_code for answer in answers] == [200, 200, 200]
+        assert all(answer.json()["choices"][0]["text"] is not None for answer in answers)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=WAIT)
+        lines = [json.loads(line) for line in process.stdout.read().splitlines()]
+        assert lines[-1]["event"] == "stop" and lines[-1]["requests"] == 3
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_missing_extra_is_one_error_line(model_dir: Path, monkeypatch: pytest.MonkeyPatch, run_cli: Any) -> None:
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # what an install without the extra imports
+    result = run_cli("serve", model_dir)
+    assert result.exit_code == 2
+    assert "dlm serve needs uvicorn, which is not installed" in result.stderr and "dlm[serve]" in result.stderr
+
+
+def test_a_block_model_batches_by_phase_streams_by_block_and_slides(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.block_size=8")
+    model_dir = export_model(run, tmp_path / "block-model", dtype="float32")
+    with running(model_dir, limits=Limits(max_tokens=96)) as server:  # more than the window of 64
+        tokenizer = server.server.scheduler.tokenizer
+        prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "MERCUTIO: A plague"]
+        phases = {len(tokenizer.encode(prompt).ids) % 8 for prompt in prompts}
+        assert len(phases) > 1  # so the scheduler must split them by phase
+        requests = [{"prompt": prompt, "max_tokens": 24, "seed": 30 + i} for i, prompt in enumerate(prompts)]
+        alone = [server.complete(**request).choices[0].text for request in requests]
+        before = server.stats.batches
+        answers: list[Any] = [None] * len(requests)
+        with server.gate.closed():
+            blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
+            blocker.start()
+            server.until(lambda: server.stats.in_flight == 1, "the blocker runs")
+            threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
+                       for i in range(len(requests))]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            server.until(lambda: server.stats.queued == len(requests), "all four wait")
+        for thread in [blocker, *threads]:
+            thread.join(WAIT)
+        assert [answer.choices[0].text for answer in answers] == alone
+        assert server.stats.batches - before == 1 + len(phases)
+        # Past the context (64 tokens), where --max-tokens allows it: the block model slides its window on.
+        long = server.complete(max_tokens=80, seed=3, extra_body={"steps": 80})
+        assert long.usage.completion_tokens <= 80 and long.choices[0].text
+        pieces = [text for chunk in server.complete(max_tokens=32, seed=4, stream=True)
+                  if (text := chunk.choices[0].text)]  # fmt: skip
+        whole = server.complete(max_tokens=32, seed=4).choices[0]
+        assert "".join(pieces) == whole.text
+        assert len(pieces) > 1 or whole.finish_reason == "stop"  # a block at a time, unless it ended in the first
+
+
+def test_the_console_shows_the_figures() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dlm.cli.serve_view import ServeConsole
+    from dlm.serving.stats import ServeStats
+
+    stats = ServeStats(max_batch_rows=8)
+    stats.batch_done(rows=4, tokens=64, seconds=0.5)
+    stats.answered(0.25)
+    output = StringIO()
+    view = ServeConsole(stats, live=True, url="http://127.0.0.1:1", model="m",
+                        console=Console(file=output, force_terminal=True, color_system=None, width=100))  # fmt: skip
+    view.start()
+    view.request({"id": "abc", "method": "POST", "path": "/v1/completions", "status": 429, "seconds": 0.001})
+    view.close()
+    text = output.getvalue()
+    assert "in flight / queued" in text and "50% (1 batches)" in text and "0.250 s / 0.250 s" in text
+    assert "429 POST /v1/completions request abc" in text
+
+
+def test_a_taken_port_is_one_error_line(model_dir: Path, run_cli: Any) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_cli("serve", model_dir, "--port", str(taken.getsockname()[1]), "--device", "cpu")
+    assert result.exit_code == 2
+    assert "error: cannot listen on 127.0.0.1:" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--max-n", "0"), "--max-n must be at least 1"),
+        (("--max-n", "16", "--max-batch", "8"), "--max-n (16) is more than --max-batch (8)"),
+        (("--port", "70000"), "--port must be in [0, 65535]"),
+        (("--batch-wait", "-1"), "--batch-wait must be in [0, 10000] ms"),
+        (("--api-key", " "), "the API key is empty"),
+    ],
+)
+def test_server_options_are_checked_before_loading(options: tuple[str, ...], message: str, run_cli: Any,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    result = run_cli("serve", tmp_path / "no-model", *options)  # the model is never read
+    assert result.exit_code == 2 and f"error: {message}" in result.stderr
+
+
+def test_a_row_ends_at_its_end_of_document_or_stop_string(model_dir: Path) -> None:
+    tokenizer = load_served(model_dir).tokenizer
+    prompt = tokenizer.encode("ROMEO:").ids
+    body = tokenizer.encode(" thou art fair").ids
+    eos = 0
+    ended = finish_row(tokenizer, prompt + body + [eos], len(prompt), eos, ())
+    assert (ended.text, ended.finish_reason, ended.completion_tokens) == (" thou art fair", "stop", len(body) + 1)
+    full = finish_row(tokenizer, prompt + body, len(prompt), eos, ())
+    assert (full.text, full.finish_reason, full.completion_tokens) == (" thou art fair", "length", len(body))
+    cut = finish_row(tokenizer, prompt + body + [eos], len(prompt), eos, ("art", "zzz"))
+    assert (cut.text, cut.finish_reason) == (" thou ", "stop")
+    assert tokenizer.decode(body[: cut.completion_tokens]).startswith(" thou ")  # the tokens up to the cut
+    assert not tokenizer.decode(body[: cut.completion_tokens - 1]).startswith(" thou ")
