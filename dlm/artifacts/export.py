@@ -243,6 +243,12 @@ def _write_export(
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
+def check_import_output(output: Path, overwrite: bool) -> None:
+    """`dlm import`'s --output: refused as an export's is (it writes the same layout)."""
+
+    _check_output(output, overwrite)
+
+
 def export_model(
     source: str | Path,
     output: str | Path,
@@ -261,7 +267,20 @@ def export_model(
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
     tokenizer = checked_tokenizer(info)
     tokenizer_settings, _ = export_tokenizer_config(info)
-    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
+    return write_export(info, weights, output, dtype=dtype, tokenizer=tokenizer,
+                        tokenizer_settings=tokenizer_settings)  # fmt: skip
+
+
+def write_export(
+    info: SourceInfo, weights: dict[str, Tensor], output: Path, *, dtype: str, tokenizer: Path,
+    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Write `weights` and `info` as an export directory at `output` (checked by the caller), atomically;
+    `source` records where the model came from (default: the kind and file name of `info.path`)."""
+
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
+    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])  # type: ignore[index]
     config = {
         "format": EXPORT_FORMAT,
         "name": output.name,
@@ -276,7 +295,7 @@ def export_model(
         "tokenizer_sha256": info.tokenizer_sha256,
         "tied": tied,
         "training": info.training,
-        "source": {"kind": info.kind, "file": info.path.name},
+        "source": source or {"kind": info.kind, "file": info.path.name},
     }
     card = model_card(info, config, _eval_figures(info.run_dir))
     building = temporary_path(output)

@@ -33,7 +33,9 @@ class SourceInfo:
     """What is known about a model source besides its weights."""
 
     path: Path  # the checkpoint file or the exported directory actually read
-    kind: str  # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`)
+    # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`) |
+    # "hf-source" (a Hugging Face model of another family, `dlm.artifacts.hf.importer`)
+    kind: str
     model: ModelConfig
     weights: str  # "ema" | "live"
     step: int | None
@@ -48,7 +50,7 @@ class SourceInfo:
     def run_dir(self) -> Path | None:
         """The run directory a checkpoint lives in (its metrics feed the model card)."""
 
-        return None if self.kind in ("export", "hf") else self.path.parent
+        return None if self.kind in ("export", "hf", "hf-source") else self.path.parent
 
     def to_dict(self) -> dict[str, Any]:
         return {

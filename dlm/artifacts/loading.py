@@ -33,6 +33,7 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.importer import is_hf_source, read_hf_source
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
@@ -163,11 +164,16 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
 
 
 def read_model_source(path: str | Path, use_ema: bool = True) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and CPU weights of an exported dir, a checkpoint file or a run dir (its latest.pt)."""
+    """Metadata and CPU weights of an exported dir, a checkpoint file, a run dir (its latest.pt) or a
+    Hugging Face model directory of a family dlm imports (`dlm.artifacts.hf.importer`)."""
 
     path = Path(path)
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
+    if path.is_dir() and is_hf_source(path):  # LLaDA, Dream, Llama, Qwen, Mistral: read as data, never run
+        info, weights = read_hf_source(path)
+        check_finite_weights(weights, path)
+        return info, weights
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads

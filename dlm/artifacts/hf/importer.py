@@ -1,0 +1,224 @@
+"""Read a Hugging Face model directory of a supported family (`dlm.artifacts.hf.families`) as dlm
+weights and a `SourceInfo`, and `dlm import` it into a dlm export.
+
+Only data is read: `config.json`, the safetensors weights (one file, or the shards that
+`model.safetensors.index.json` lists; pickled `.bin` weights are refused), `tokenizer.json` and the
+chat template of `tokenizer_config.json` (or `chat_template.jinja`). The import writes a
+`tokenizer_config.json` naming the end-of-document, mask and pad tokens, which `dlm.data.tokenizer`
+reads for a tokenizer that lacks dlm's own. A causal model's tokenizer has no mask token:
+`add_mask_token` adds `<|mask|>` and gives it an embedding (and head) row, the mean of the others.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from dlm.artifacts.export_layout import CONFIG_NAME, TOKENIZER_NAME, SourceInfo, read_config_json
+from dlm.artifacts.hf.families import FAMILIES, Family, family_of
+from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
+from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, special_tokens_of
+from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
+from dlm.errors import UserError
+
+SOURCE_KIND = "hf-source"
+INDEX_NAME, SINGLE_NAME, TEMPLATE_NAME = "model.safetensors.index.json", "model.safetensors", "chat_template.jinja"
+MASK_TOKEN = SPECIAL_TOKENS["mask"]
+ADD_MASK_FIX = "add one: dlm import DIR --output MODEL_DIR --add-mask-token, then use MODEL_DIR"
+
+
+def is_hf_source(directory: str | Path) -> bool:
+    """Whether `directory` holds a Hugging Face model of a family dlm imports."""
+
+    config = read_config_json(Path(directory)) or {}
+    return str(config.get("model_type", "")).lower() in FAMILIES
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding the weights: the shards of the index, else model.safetensors."""
+
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"unreadable shard index: {exc}", path=index) from None
+        shards = [directory / str(name) for name in names]
+        if missing := [shard.name for shard in shards if not shard.is_file()]:
+            raise UserError(f"the shard index lists {', '.join(missing[:3])}, which is missing", path=index,
+                            fix="download every shard of the model again")  # fmt: skip
+        return shards
+    if (directory / SINGLE_NAME).is_file():
+        return [directory / SINGLE_NAME]
+    pickled = sorted(p.name for p in directory.glob("*.bin"))
+    fix = "save it with safetensors (save_pretrained(..., safe_serialization=True))"
+    what = f"only pickled weights ({', '.join(pickled[:2])}), which dlm never loads" if pickled else "no weights"
+    raise UserError(f"{what}: no {SINGLE_NAME} or {INDEX_NAME}", path=directory, fix=fix)
+
+
+def _read_tensors(directory: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Tensor] = {}
+    for file in _weight_files(directory):
+        try:
+            tensors.update(load_file(str(file), device="cpu"))
+        except (OSError, SafetensorError) as exc:
+            raise UserError(f"damaged weights: {exc}", path=file, fix="download the file again") from None
+    return tensors
+
+
+def _take(tensors: dict[str, Tensor], name: str, directory: Path) -> Tensor:
+    if name not in tensors:
+        raise UserError(f"the weights lack {name}", path=directory, fix="download every file of the model again")
+    return tensors.pop(name)
+
+
+def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig, index: int,
+                   directory: Path) -> dict[str, Tensor]:  # fmt: skip
+    prefix, names = family.block_prefix.format(n=index), family.block
+    take = lambda role, suffix="": _take(tensors, prefix + names[role] + suffix, directory)  # noqa: E731
+    ours = f"blocks.{index}."
+    weights = {
+        ours + "attention_norm.weight": take("attention_norm"),
+        ours + "attention.qkv.weight": torch.cat([take(part, ".weight") for part in "qkv"]),
+        ours + "attention.out.weight": take("out"),
+        ours + "mlp_norm.weight": take("mlp_norm"),
+        ours + "mlp.gate_up.weight": torch.cat([take("gate"), take("up")]),
+        ours + "mlp.down.weight": take("down"),
+    }
+    if model.qkv_bias:
+        weights[ours + "attention.qkv.bias"] = torch.cat([take(part, ".bias") for part in "qkv"])
+    if model.qk_norm:
+        weights[ours + "attention.q_norm.weight"] = take("q_norm")
+        weights[ours + "attention.k_norm.weight"] = take("k_norm")
+    return weights
+
+
+def convert_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig,
+                    directory: Path) -> dict[str, Tensor]:  # fmt: skip
+    """The family's tensors under dlm's names (q, k, v and gate, up fused); a tensor left over is refused."""
+
+    weights = {"token_embedding.weight": _take(tensors, family.top["token_embedding.weight"], directory),
+               "norm.weight": _take(tensors, family.top["norm.weight"], directory)}  # fmt: skip
+    head = tensors.pop(family.top["head.weight"], None)
+    if not model.tie_embeddings:
+        weights["head.weight"] = head if head is not None else _take(tensors, family.top["head.weight"], directory)
+    for index in range(model.n_layers):
+        weights.update(_block_weights(tensors, family, model, index, directory))
+    leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise UserError(f"the weights hold tensors the {family.name} layout has no place for ({leftover[:3]})",
+                        path=directory, fix="import a checkpoint of the published layout")  # fmt: skip
+    return weights
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def _token_of(tokenizer_file: Path, token_id: int | None) -> str | None:
+    from tokenizers import Tokenizer
+
+    if token_id is None:
+        return None
+    token = Tokenizer.from_file(str(tokenizer_file)).id_to_token(int(token_id))
+    return None if token is None else str(token)
+
+
+def tokenizer_settings(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The source's tokenizer_config.json settings, with its chat template (also from
+    chat_template.jinja) and the eos / mask / pad tokens that dlm reads named explicitly."""
+
+    tokenizer_file = directory / TOKENIZER_NAME
+    if not tokenizer_file.is_file():
+        raise UserError(f"no {TOKENIZER_NAME}: dlm reads the fast tokenizer's file", path=directory,
+                        fix="save the tokenizer with save_pretrained, which writes tokenizer.json")  # fmt: skip
+    source = directory / TOKENIZER_CONFIG_NAME
+    settings = read_config(source) if source.is_file() else {}
+    template = chat_template_of(settings, source)
+    if template is None and (directory / TEMPLATE_NAME).is_file():
+        template = (directory / TEMPLATE_NAME).read_text(encoding="utf-8")
+    named = special_tokens_of(settings)
+    eos = named.get("eos_token") or _token_of(tokenizer_file, _single_id(config.get("eos_token_id")))
+    mask = _token_of(tokenizer_file, config.get("mask_token_id")) or named.get("mask_token")
+    if mask is None and _token_of(tokenizer_file, _id_of(tokenizer_file, MASK_TOKEN)) is not None:
+        mask = MASK_TOKEN
+    kept = {key: value for key, value in settings.items() if key not in ("chat_template", "auto_map")}
+    updates = {"eos_token": eos, "mask_token": mask, "pad_token": named.get("pad_token"), "chat_template": template}
+    return {**kept, **{key: value for key, value in updates.items() if value is not None}}
+
+
+def _single_id(value: Any) -> int | None:
+    if isinstance(value, list):  # generation configs list several end tokens: the first ends a document
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _id_of(tokenizer_file: Path, token: str) -> int | None:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def source_model(directory: Path) -> tuple[ModelConfig | None, dict[str, Any], Family]:
+    """The dlm `[model]` of a Hugging Face directory (None when its tokenizer has no mask token),
+    its tokenizer settings, and its family; reads no weights."""
+
+    config = read_config_json(directory)
+    if config is None:
+        raise UserError(f"no readable {CONFIG_NAME}", path=directory, fix="pass a Hugging Face model directory")
+    family = family_of(config, directory)
+    fields = family.model_fields(config, directory)
+    settings = tokenizer_settings(directory, config)
+    if "mask_token_id" not in fields:
+        mask = settings.get("mask_token")
+        if mask is None:
+            return None, settings, family
+        fields["mask_token_id"] = _id_of(directory / TOKENIZER_NAME, str(mask))
+    try:
+        return ModelConfig.model_validate(fields), settings, family
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
+
+
+def read_hf_source(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """Metadata and dlm-named CPU weights of a Hugging Face model directory."""
+
+    model, settings, family = source_model(directory)
+    if model is None:
+        raise UserError(f"the tokenizer of this {family.name} model has no mask token", path=directory,
+                        fix=ADD_MASK_FIX)  # fmt: skip
+    if settings.get("eos_token") is None:
+        raise UserError("neither tokenizer_config.json nor config.json names an end-of-document token",
+                        path=directory, fix="set eos_token in tokenizer_config.json")  # fmt: skip
+    return hf_info_and_weights(directory, model, family)
+
+
+def source_model_with_mask_placeholder(directory: Path) -> ModelConfig:
+    """The `[model]` of a causal model before its mask token exists (id 0 until one is added)."""
+
+    config = read_config_json(directory) or {}
+    family = family_of(config, directory)
+    return ModelConfig.model_validate({**family.model_fields(config, directory), "mask_token_id": 0})
+
+
+def hf_info_and_weights(directory: Path, model: ModelConfig, family: Family) -> tuple[SourceInfo, dict[str, Tensor]]:
+    weights = convert_weights(_read_tensors(directory), family, model, directory)
+    tokenizer = directory / TOKENIZER_NAME
+    info = SourceInfo(path=directory, kind=SOURCE_KIND, model=model, weights="live", step=None, tokens_seen=None,
+                      tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
+                      diffusion=DiffusionConfig(), training={})  # fmt: skip
+    return info, weights
