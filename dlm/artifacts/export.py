@@ -272,7 +272,7 @@ def export_model(
 
 
 def write_export(
-    info: SourceInfo, weights: dict[str, Tensor], output: Path, *, dtype: str, tokenizer: Path,
+    info: SourceInfo, weights: dict[str, Tensor], output: Path, *, dtype: ExportDtype, tokenizer: Path,
     tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
     """Write `weights` and `info` as an export directory at `output` (checked by the caller), atomically;
@@ -280,7 +280,7 @@ def write_export(
 
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
-    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])  # type: ignore[index]
+    stored, tied = _store_once(weights, EXPORT_DTYPES[dtype])
     config = {
         "format": EXPORT_FORMAT,
         "name": output.name,

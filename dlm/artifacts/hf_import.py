@@ -21,12 +21,14 @@ from torch import Tensor
 from dlm.artifacts.export import check_import_output, write_export
 from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
 from dlm.artifacts.hf.importer import (
+    IMPORT_KIND,
     MASK_TOKEN,
     hf_info_and_weights,
     read_hf_source,
     source_model,
     source_model_with_mask_placeholder,
 )
+from dlm.choices import ExportDtype
 from dlm.config.schema import ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.data.tokenizer import tokenizer_sha256
@@ -41,7 +43,8 @@ def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
 
     tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
     tokenizer.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
-    mask_id = int(tokenizer.token_to_id(MASK_TOKEN))
+    mask_id = tokenizer.token_to_id(MASK_TOKEN)
+    assert mask_id is not None  # just added
     rows = weights["token_embedding.weight"].shape[0]
     for name in ("token_embedding.weight", "head.weight"):
         if name in weights:
@@ -64,7 +67,7 @@ def _with_tokenizer(info: SourceInfo, model: ModelConfig, work: Path) -> SourceI
 
 
 def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool = False,
-                 dtype: str = "bfloat16", overwrite: bool = False) -> Path:  # fmt: skip
+                 dtype: ExportDtype = "bfloat16", overwrite: bool = False) -> Path:  # fmt: skip
     """`dlm import`: a dlm export directory from a Hugging Face model directory."""
 
     source, output = Path(source), Path(output)
@@ -87,7 +90,7 @@ def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool
             shutil.copyfile(source / TOKENIZER_NAME, work / TOKENIZER_NAME)
             info = _with_tokenizer(info, info.model, work)
         (work / TOKENIZER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        record = {"kind": "hf-import", "file": source.name, "model_type": family.name,
+        record = {"kind": IMPORT_KIND, "file": source.name, "model_type": family.name,
                   "added_mask_token": add_mask_token}  # fmt: skip
         return write_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
                             tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip

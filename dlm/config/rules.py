@@ -158,6 +158,18 @@ TRAINING_RULES = (
 EXPERIMENT_RULES = (
     Rule(
         "training",
+        "`training.attention_anneal_steps` needs a bidirectional whole-sequence model "
+        '(`model.attention = "bidirectional"`, `model.block_size = 0`), the attention it anneals to',
+        lambda e: (
+            f"attention_anneal_steps {e.training.attention_anneal_steps} with attention {e.model.attention!r}, "
+            f"block_size {e.model.block_size}"
+            if e.training.attention_anneal_steps and (e.model.attention != "bidirectional" or e.model.block_size)
+            else None
+        ),
+        'set [model] attention = "bidirectional" and block_size = 0, or attention_anneal_steps = 0',
+    ),
+    Rule(
+        "training",
         '`training.clip_mask_min` / `clip_mask_max` other than 0 and 1 need `diffusion.schedule = "linear"`, '
         "the one schedule whose time is the mask probability",
         lambda e: (

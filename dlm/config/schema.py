@@ -135,6 +135,12 @@ class TrainingConfig(_Strict):
         description="Start from this trained model's weights (an export directory or a checkpoint) with a new "
         "optimizer and schedule; its tokenizer and model shape must match. A resume never re-applies it.",
     )
+    attention_anneal_steps: int = Field(
+        0,
+        ge=0,
+        description="Adapting a causal model: over this many first steps the attention opens from causal to "
+        "bidirectional, each later key seen with probability step / N (DiffuLLaMA's anneal); 0 starts bidirectional.",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."
     )

@@ -19,7 +19,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from dlm.artifacts.export_layout import CONFIG_NAME, TOKENIZER_NAME, SourceInfo, read_config_json
+from dlm.artifacts.export_layout import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, SourceInfo, read_config_json
 from dlm.artifacts.hf.families import FAMILIES, Family, family_of
 from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
 from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, special_tokens_of
@@ -27,6 +27,7 @@ from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError
 
 SOURCE_KIND = "hf-source"
+IMPORT_KIND = "hf-import"  # an export's source.kind when `dlm import` wrote it
 INDEX_NAME, SINGLE_NAME, TEMPLATE_NAME = "model.safetensors.index.json", "model.safetensors", "chat_template.jinja"
 MASK_TOKEN = SPECIAL_TOKENS["mask"]
 ADD_MASK_FIX = "add one: dlm import DIR --output MODEL_DIR --add-mask-token, then use MODEL_DIR"
@@ -192,6 +193,28 @@ def source_model(directory: Path) -> tuple[ModelConfig | None, dict[str, Any], F
         return ModelConfig.model_validate(fields), settings, family
     except ValidationError as exc:
         raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
+
+
+def source_shape(path: Path) -> tuple[ModelConfig, Path] | None:
+    """The `[model]` and tokenizer file of a Hugging Face model that brings its own shape to
+    `--init-from`: a directory of a family dlm imports, or a `dlm import` of one; None otherwise."""
+
+    if not path.is_dir():
+        return None
+    if is_hf_source(path):
+        model, _, family = source_model(path)
+        if model is None:
+            raise UserError(f"the tokenizer of this {family.name} model has no mask token", path=path,
+                            fix=ADD_MASK_FIX)  # fmt: skip
+        return model, path / TOKENIZER_NAME
+    config = read_config_json(path) or {}
+    source = config.get("source")
+    if config.get("format") != EXPORT_FORMAT or not isinstance(source, dict) or source.get("kind") != IMPORT_KIND:
+        return None
+    try:
+        return ModelConfig.model_validate(config.get("model")), path / TOKENIZER_NAME
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc), path=path / CONFIG_NAME) from None
 
 
 def read_hf_source(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
