@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -174,7 +174,7 @@ class TrainingStep:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         if config.attention_anneal_steps:
-            cast(DiffusionTransformer, self.model).attention_anneal = attention_anneal(step, config)
+            self.model.attention_anneal = attention_anneal(step, config)
         self.optimizer.zero_grad(set_to_none=True)
         offset = step_time_offset(config.seed, step)
         loss_before = window.loss.clone()
