@@ -141,6 +141,9 @@ def test_trains_20_steps_as_diffusion_exports_and_samples(
     assert run_config["attention"] == "bidirectional" and run_config["d_model"] == 32
     assert run_config["n_kv_heads"] == 2 and run_config["vocab_size"] == VOCAB + 1
     assert run_cli("export", tmp_path / "run", "--output", tmp_path / "export", "--json").exit_code == 0
+    evaluated = run_cli("eval", tmp_path / "export", "--data", data / "val.bin", "--batches", "2", "--json")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout.splitlines()[-1])["bits_per_byte"] > 0
     sampled = run_cli("sample", tmp_path / "export", "--prompt", "ROMEO:", "--length", "16", "--steps", "4", "--json")
     assert sampled.exit_code == 0, sampled.stderr
     assert json.loads(sampled.stdout.splitlines()[-1])["texts"][0].startswith("ROMEO:"), family
@@ -184,3 +187,30 @@ def test_init_from_notes_what_it_replaced(imported: tuple[str, Path, Path, torch
     assert adopted.model.n_layers == 2 and adopted.model.d_model == 32 and adopted.model.mask_token_id == VOCAB
     assert adopted.training.tokenizer == output / "tokenizer.json"
     assert adopted.model.max_seq_len == experiment.model.max_seq_len  # the run's choice, not the source's
+
+
+def test_chat_data_is_packed_in_the_source_template(imported: tuple[str, Path, Path, torch.nn.Module],
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    from dlm.data.chat_pack import pack_chat
+    from dlm.data.dataset import load_packed_dataset
+
+    _, _, output, _ = imported
+    examples = tmp_path / "chat.jsonl"
+    examples.write_text(json.dumps({"prompt": "Who is there?", "response": "Nay, answer me."}) + "\n",
+                        encoding="utf-8")  # fmt: skip
+    pack_chat([examples], output / "tokenizer.json", TINY_SEQ_LEN, tmp_path / "packed")
+    tokenizer = load_tokenizer(output / "tokenizer.json")
+    block, loss_mask = load_packed_dataset(tmp_path / "packed", TINY_SEQ_LEN)[0]
+    ids = block.tolist()
+    prompt = tokenizer.encode("[user] Who is there?\n[assistant] ", add_special_tokens=False).ids
+    reply = tokenizer.encode("Nay, answer me.\n", add_special_tokens=False).ids  # the template ends a turn so
+    assert ids[: len(prompt) + len(reply) + 1] == [*prompt, *reply, 0]  # 0: </s>, the source's end token
+    assert not loss_mask[: len(prompt)].any() and loss_mask[len(prompt) : len(prompt) + len(reply) + 1].all()
+
+
+def test_a_hugging_face_export_of_an_imported_variant_is_refused(
+    imported: tuple[str, Path, Path, torch.nn.Module], tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    _, _, output, _ = imported
+    result = run_cli("export", output, "--format", "hf", "--output", tmp_path / "hf")
+    result.assert_refused("implements dlm's own variant only", "grouped_query = True", "omit --format hf")
