@@ -306,3 +306,20 @@ def test_the_anneal_runs_in_training_only_and_ends_at_its_step() -> None:
         evaluated = model.eval()(tokens)  # evaluation sees the attention the run anneals to
         model.attention_anneal = None
         assert torch.equal(evaluated, model(tokens)) and not torch.equal(evaluated, causal.eval()(tokens))
+
+
+def test_the_benchmark_scorer_runs_on_a_dream_directory(tmp_path: Path) -> None:
+    """`python -m dlm.harness` scores through `Scorer`: ELBO log-likelihoods, rolling windows and
+    generation on an imported shifted-logits model, its end token from the source's tokenizer_config.json."""
+
+    from dlm.evaluation.scoring import Scorer
+
+    write_dream(tmp_path / "dream")
+    model, tokenizer = dlm.load(tmp_path / "dream")
+    scorer = Scorer(model, tokenizer, mc_samples=2, batch_size=4, steps=4)
+    assert scorer.eos_id == 0 and scorer.forbidden == []  # no pad token: nothing else forbidden
+    [score] = scorer.loglikelihood([([5, 9, 12], [20, 21])])
+    assert math.isfinite(score.logprob) and score.logprob < 0 and score.is_greedy in (True, False)
+    [rolling] = scorer.rolling([[5, 9, 12, 20, 21, 7, 8]])
+    assert math.isfinite(rolling) and rolling < 0
+    assert isinstance(scorer.generate([5, 9, 12], max_tokens=4), str)
