@@ -183,7 +183,8 @@ def test_init_from_notes_what_it_replaced(imported: tuple[str, Path, Path, torch
         warnings.simplefilter("always")
         adopted = adopt_source_model(experiment, [f"training.init_from={output}"])
     notes = [str(w.message) for w in caught if issubclass(w.category, UserNote)]
-    assert len(notes) == 1 and "n_layers" not in notes[0] and "d_model = 32" in notes[0]
+    assert len(notes) == 2 and "n_layers" not in notes[0] and "d_model = 32" in notes[0]
+    assert notes[1].endswith("was trained with causal attention; this run trains it with bidirectional attention")
     assert adopted.model.n_layers == 2 and adopted.model.d_model == 32 and adopted.model.mask_token_id == VOCAB
     assert adopted.training.tokenizer == output / "tokenizer.json"
     assert adopted.model.max_seq_len == experiment.model.max_seq_len  # the run's choice, not the source's

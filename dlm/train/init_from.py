@@ -106,11 +106,21 @@ def adopt_source_model(experiment: ExperimentConfig, overrides: Iterable[str] = 
     if changes:
         warnings.warn(f"--init-from {source}: [model] and tokenizer taken from it: {', '.join(changes)}", UserNote,
                       stacklevel=2)  # fmt: skip
+    if (model.attention, model.shift_logits, 0) != (experiment.model.attention, experiment.model.shift_logits,
+                                                    experiment.model.block_size):  # fmt: skip
+        warnings.warn(f"--init-from {source}: the model was trained with {_describe_variant(model)}; this run trains "
+                      f"it with {_describe_variant(experiment.model)}", UserNote, stacklevel=2)  # fmt: skip
     model_fields = {**experiment.model.model_dump(), **{name: getattr(model, name) for name in ADOPTED_FIELDS}}
     return experiment.model_copy(update={
         "model": ModelConfig.model_validate(model_fields),
         "training": experiment.training.model_copy(update={"tokenizer": tokenizer}),
     })  # fmt: skip
+
+
+def _describe_variant(config: ModelConfig) -> str:
+    attention = f"block-causal attention (block_size {config.block_size})" if config.block_size else (
+        f"{config.attention} attention")  # fmt: skip
+    return attention + (", shifted logits" if config.shift_logits else "")
 
 
 def _shown(value: object) -> str:

@@ -274,10 +274,13 @@ def validate_experiment(
 def validate_config_file(
     path: str | Path, overrides: list[str] | None = None
 ) -> tuple[ExperimentConfig | None, list[CheckResult]]:
-    """Load and schema-check a config file, then run `validate_experiment` when it is valid."""
+    """Load and schema-check a config file (with the shape of a Hugging Face `training.init_from`, as
+    `dlm train` takes it), then run `validate_experiment` when it is valid."""
+
+    from dlm.train.init_from import adopt_source_model
 
     try:
-        experiment = load_config(path, overrides)
+        experiment = adopt_source_model(load_config(path, overrides), overrides or [])
     except UserError as exc:
         return None, [_failure("config schema", exc)]
     schema = CheckResult("config schema", True, f"{path} is a valid config")
