@@ -20,14 +20,7 @@ from torch import Tensor
 
 from dlm.artifacts.export import check_import_output, write_export
 from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
-from dlm.artifacts.hf.importer import (
-    IMPORT_KIND,
-    MASK_TOKEN,
-    hf_info_and_weights,
-    read_hf_source,
-    source_model,
-    source_model_with_mask_placeholder,
-)
+from dlm.artifacts.hf.importer import IMPORT_KIND, MASK_TOKEN, read_source
 from dlm.choices import ExportDtype
 from dlm.config.schema import ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
@@ -37,11 +30,13 @@ from dlm.errors import UserError
 
 def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
                      settings: dict[str, Any]) -> tuple[SourceInfo, dict[str, Tensor]]:  # fmt: skip
-    """Add `<|mask|>` to the tokenizer and give it the mean embedding (and head) row."""
+    """Add `<|mask|>` to the tokenizer (written into `work`) and give it the mean embedding (and
+    head) row: a spare row of a padded vocabulary when there is one, else a new row."""
 
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
+    used = tokenizer.get_vocab_size(with_added_tokens=True)  # rows past it (padding) were never trained
     tokenizer.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
     mask_id = tokenizer.token_to_id(MASK_TOKEN)
     assert mask_id is not None  # just added
@@ -49,7 +44,7 @@ def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
     for name in ("token_embedding.weight", "head.weight"):
         if name in weights:
             table = weights[name]
-            mean = table[: info.model.vocab_size].float().mean(dim=0, keepdim=True).to(table.dtype)
+            mean = table[:used].float().mean(dim=0, keepdim=True).to(table.dtype)
             table = torch.cat([table, mean]) if mask_id >= rows else table.clone()
             table[mask_id] = mean[0]
             weights[name] = table
@@ -60,6 +55,8 @@ def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
 
 
 def _with_tokenizer(info: SourceInfo, model: ModelConfig, work: Path) -> SourceInfo:
+    """`info` for `model` (validated anew) and the tokenizer file in `work`."""
+
     tokenizer = work / TOKENIZER_NAME
     return SourceInfo(path=info.path, kind=info.kind, model=ModelConfig.model_validate(model.model_dump()),
                       weights=info.weights, step=None, tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer),
@@ -70,27 +67,27 @@ def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool
                  dtype: ExportDtype = "bfloat16", overwrite: bool = False) -> Path:  # fmt: skip
     """`dlm import`: a dlm export directory from a Hugging Face model directory."""
 
-    source, output = Path(source), Path(output)
+    directory, output = Path(source), Path(output)
     check_import_output(output, overwrite)
-    model, settings, family = source_model(source)
-    if model is not None and add_mask_token:
-        raise UserError(f"the tokenizer already has a mask token ({settings.get('mask_token')})", path=source,
-                        fix="omit --add-mask-token")  # fmt: skip
+    hf = read_source(directory)
+    if hf.has_mask_token and add_mask_token:
+        raise UserError(f"the tokenizer already has a mask token ({hf.settings.get('mask_token')})",
+                        path=directory, fix="omit --add-mask-token")  # fmt: skip
+    if not hf.has_mask_token and not add_mask_token:
+        raise UserError(f"the tokenizer of this {hf.family.name} model has no mask token", path=directory,
+                        fix="pass --add-mask-token to add <|mask|> (its row starts as the mean)")  # fmt: skip
+    settings = dict(hf.settings)
     with tempfile.TemporaryDirectory(prefix="dlm-import-") as scratch:
         work = Path(scratch)
-        if model is None and not add_mask_token:
-            raise UserError(f"the tokenizer of this {family.name} model has no mask token", path=source,
-                            fix="pass --add-mask-token to add <|mask|> (its row starts as the mean)")  # fmt: skip
-        if model is None:
-            placeholder = source_model_with_mask_placeholder(source)
-            info, weights = hf_info_and_weights(source, placeholder, family)
+        if add_mask_token:  # a stand-in mask id until the token exists
+            info, weights = hf.read(hf.model(mask_token_id=0))
             info, weights = _with_mask_token(info, weights, work, settings)
         else:
-            info, weights = read_hf_source(source)
-            shutil.copyfile(source / TOKENIZER_NAME, work / TOKENIZER_NAME)
+            info, weights = hf.read(hf.model())
+            shutil.copyfile(directory / TOKENIZER_NAME, work / TOKENIZER_NAME)
             info = _with_tokenizer(info, info.model, work)
         (work / TOKENIZER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        record = {"kind": IMPORT_KIND, "file": source.name, "model_type": family.name,
+        record = {"kind": IMPORT_KIND, "file": directory.name, "model_type": hf.family.name,
                   "added_mask_token": add_mask_token}  # fmt: skip
         return write_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
                             tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip

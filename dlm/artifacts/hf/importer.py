@@ -1,5 +1,5 @@
 """Read a Hugging Face model directory of a supported family (`dlm.artifacts.hf.families`) as dlm
-weights and a `SourceInfo`, and `dlm import` it into a dlm export.
+weights and a `SourceInfo` (`dlm.artifacts.hf_import` writes `dlm import`'s export from it).
 
 Only data is read: `config.json`, the safetensors weights (one file, or the shards that
 `model.safetensors.index.json` lists; pickled `.bin` weights are refused), `tokenizer.json` and the
@@ -12,6 +12,7 @@ reads for a tokenizer that lacks dlm's own. A causal model's tokenizer has no ma
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,36 +128,17 @@ def convert_weights(tensors: dict[str, Tensor], family: Family, model: ModelConf
 # ------------------------------------------------------------------------------------ tokenizer
 
 
-def _token_of(tokenizer_file: Path, token_id: int | None) -> str | None:
+def _load_tokenizer(directory: Path) -> Any:
     from tokenizers import Tokenizer
 
-    if token_id is None:
-        return None
-    token = Tokenizer.from_file(str(tokenizer_file)).id_to_token(int(token_id))
-    return None if token is None else str(token)
-
-
-def tokenizer_settings(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """The source's tokenizer_config.json settings, with its chat template (also from
-    chat_template.jinja) and the eos / mask / pad tokens that dlm reads named explicitly."""
-
-    tokenizer_file = directory / TOKENIZER_NAME
-    if not tokenizer_file.is_file():
+    path = directory / TOKENIZER_NAME
+    if not path.is_file():
         raise UserError(f"no {TOKENIZER_NAME}: dlm reads the fast tokenizer's file", path=directory,
                         fix="save the tokenizer with save_pretrained, which writes tokenizer.json")  # fmt: skip
-    source = directory / TOKENIZER_CONFIG_NAME
-    settings = read_config(source) if source.is_file() else {}
-    template = chat_template_of(settings, source)
-    if template is None and (directory / TEMPLATE_NAME).is_file():
-        template = (directory / TEMPLATE_NAME).read_text(encoding="utf-8")
-    named = special_tokens_of(settings)
-    eos = named.get("eos_token") or _token_of(tokenizer_file, _single_id(config.get("eos_token_id")))
-    mask = _token_of(tokenizer_file, config.get("mask_token_id")) or named.get("mask_token")
-    if mask is None and _token_of(tokenizer_file, _id_of(tokenizer_file, MASK_TOKEN)) is not None:
-        mask = MASK_TOKEN
-    kept = {key: value for key, value in settings.items() if key not in ("chat_template", "auto_map")}
-    updates = {"eos_token": eos, "mask_token": mask, "pad_token": named.get("pad_token"), "chat_template": template}
-    return {**kept, **{key: value for key, value in updates.items() if value is not None}}
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise UserError(f"not a tokenizer.json: {exc}", path=path) from None
 
 
 def _single_id(value: Any) -> int | None:
@@ -165,34 +147,90 @@ def _single_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _id_of(tokenizer_file: Path, token: str) -> int | None:
-    from tokenizers import Tokenizer
+def tokenizer_settings(directory: Path, config: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The source's tokenizer_config.json settings as the import writes them: its chat template (also
+    from chat_template.jinja), and the eos / mask / pad tokens that dlm reads named explicitly (from
+    the config's token ids where tokenizer_config.json does not name them)."""
 
-    return Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
+    source = directory / TOKENIZER_CONFIG_NAME
+    settings = read_config(source) if source.is_file() else {}
+    template = chat_template_of(settings, source)
+    if template is None and (directory / TEMPLATE_NAME).is_file():
+        template = (directory / TEMPLATE_NAME).read_text(encoding="utf-8")
+    named = special_tokens_of(settings)
+    token = lambda value: None if _single_id(value) is None else tokenizer.id_to_token(_single_id(value))  # noqa: E731
+    eos = named.get("eos_token") or token(config.get("eos_token_id"))
+    mask = token(config.get("mask_token_id")) or named.get("mask_token")
+    if mask is None and tokenizer.token_to_id(MASK_TOKEN) is not None:  # e.g. a tokenizer trained by dlm
+        mask = MASK_TOKEN
+    kept = {key: value for key, value in settings.items() if key not in ("chat_template", "auto_map")}
+    updates = {"eos_token": eos, "mask_token": mask, "pad_token": named.get("pad_token"), "chat_template": template}
+    return {**kept, **{key: value for key, value in updates.items() if value is not None}}
 
 
 # ------------------------------------------------------------------------------------ reading
 
 
-def source_model(directory: Path) -> tuple[ModelConfig | None, dict[str, Any], Family]:
-    """The dlm `[model]` of a Hugging Face directory (None when its tokenizer has no mask token),
-    its tokenizer settings, and its family; reads no weights."""
+@dataclass(frozen=True)
+class HfSource:
+    """What a Hugging Face model directory says of itself, before any weight is read."""
+
+    directory: Path
+    family: Family
+    fields: dict[str, Any]  # dlm [model] fields; mask_token_id among them when the tokenizer has a mask token
+    settings: dict[str, Any]  # its tokenizer_config.json as `dlm import` writes it
+
+    @property
+    def has_mask_token(self) -> bool:
+        return "mask_token_id" in self.fields
+
+    def model(self, mask_token_id: int | None = None) -> ModelConfig:
+        """The dlm `[model]`; `mask_token_id` stands in for the one a causal model's tokenizer lacks."""
+
+        fields = self.fields if mask_token_id is None else {**self.fields, "mask_token_id": mask_token_id}
+        if "mask_token_id" not in fields:
+            raise UserError(f"the tokenizer of this {self.family.name} model has no mask token", path=self.directory,
+                            fix=ADD_MASK_FIX)  # fmt: skip
+        try:
+            return ModelConfig.model_validate(fields)
+        except ValidationError as exc:
+            raise UserError(format_validation_error(exc), path=self.directory / CONFIG_NAME) from None
+
+    def read(self, model: ModelConfig) -> tuple[SourceInfo, dict[str, Tensor]]:
+        """Metadata and dlm-named CPU weights, for `model` (this directory's, perhaps with a mask id added)."""
+
+        weights = convert_weights(_read_tensors(self.directory), self.family, model, self.directory)
+        tokenizer = self.directory / TOKENIZER_NAME
+        info = SourceInfo(path=self.directory, kind=SOURCE_KIND, model=model, weights="live", step=None,
+                          tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
+                          diffusion=DiffusionConfig(), training={})  # fmt: skip
+        return info, weights
+
+
+def read_source(directory: Path) -> HfSource:
+    """The family, `[model]` fields and tokenizer settings of a Hugging Face directory; reads no weights."""
 
     config = read_config_json(directory)
     if config is None:
         raise UserError(f"no readable {CONFIG_NAME}", path=directory, fix="pass a Hugging Face model directory")
     family = family_of(config, directory)
     fields = family.model_fields(config, directory)
-    settings = tokenizer_settings(directory, config)
-    if "mask_token_id" not in fields:
-        mask = settings.get("mask_token")
-        if mask is None:
-            return None, settings, family
-        fields["mask_token_id"] = _id_of(directory / TOKENIZER_NAME, str(mask))
-    try:
-        return ModelConfig.model_validate(fields), settings, family
-    except ValidationError as exc:
-        raise UserError(format_validation_error(exc), path=directory / CONFIG_NAME) from None
+    tokenizer = _load_tokenizer(directory)
+    settings = tokenizer_settings(directory, config, tokenizer)
+    if "mask_token_id" not in fields and settings.get("mask_token") is not None:
+        fields["mask_token_id"] = tokenizer.token_to_id(str(settings["mask_token"]))
+    return HfSource(directory, family, fields, settings)
+
+
+def read_hf_source(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """Metadata and dlm-named CPU weights of a Hugging Face model directory with a mask token."""
+
+    source = read_source(directory)
+    model = source.model()
+    if source.settings.get("eos_token") is None:
+        raise UserError("neither tokenizer_config.json nor config.json names an end-of-document token",
+                        path=directory, fix="set eos_token in tokenizer_config.json")  # fmt: skip
+    return source.read(model)
 
 
 def source_shape(path: Path) -> tuple[ModelConfig, Path] | None:
@@ -202,11 +240,7 @@ def source_shape(path: Path) -> tuple[ModelConfig, Path] | None:
     if not path.is_dir():
         return None
     if is_hf_source(path):
-        model, _, family = source_model(path)
-        if model is None:
-            raise UserError(f"the tokenizer of this {family.name} model has no mask token", path=path,
-                            fix=ADD_MASK_FIX)  # fmt: skip
-        return model, path / TOKENIZER_NAME
+        return read_source(path).model(), path / TOKENIZER_NAME
     config = read_config_json(path) or {}
     source = config.get("source")
     if config.get("format") != EXPORT_FORMAT or not isinstance(source, dict) or source.get("kind") != IMPORT_KIND:
@@ -215,33 +249,3 @@ def source_shape(path: Path) -> tuple[ModelConfig, Path] | None:
         return ModelConfig.model_validate(config.get("model")), path / TOKENIZER_NAME
     except ValidationError as exc:
         raise UserError(format_validation_error(exc), path=path / CONFIG_NAME) from None
-
-
-def read_hf_source(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and dlm-named CPU weights of a Hugging Face model directory."""
-
-    model, settings, family = source_model(directory)
-    if model is None:
-        raise UserError(f"the tokenizer of this {family.name} model has no mask token", path=directory,
-                        fix=ADD_MASK_FIX)  # fmt: skip
-    if settings.get("eos_token") is None:
-        raise UserError("neither tokenizer_config.json nor config.json names an end-of-document token",
-                        path=directory, fix="set eos_token in tokenizer_config.json")  # fmt: skip
-    return hf_info_and_weights(directory, model, family)
-
-
-def source_model_with_mask_placeholder(directory: Path) -> ModelConfig:
-    """The `[model]` of a causal model before its mask token exists (id 0 until one is added)."""
-
-    config = read_config_json(directory) or {}
-    family = family_of(config, directory)
-    return ModelConfig.model_validate({**family.model_fields(config, directory), "mask_token_id": 0})
-
-
-def hf_info_and_weights(directory: Path, model: ModelConfig, family: Family) -> tuple[SourceInfo, dict[str, Tensor]]:
-    weights = convert_weights(_read_tensors(directory), family, model, directory)
-    tokenizer = directory / TOKENIZER_NAME
-    info = SourceInfo(path=directory, kind=SOURCE_KIND, model=model, weights="live", step=None, tokens_seen=None,
-                      tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
-                      diffusion=DiffusionConfig(), training={})  # fmt: skip
-    return info, weights
