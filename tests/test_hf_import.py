@@ -107,6 +107,9 @@ def test_the_added_mask_token_is_recorded(imported: tuple[str, Path, Path, torch
     tokenizer = load_tokenizer(output / "tokenizer.json")
     assert special_token_id(tokenizer, "mask") == VOCAB == config["model"]["mask_token_id"]
     assert special_token_id(tokenizer, "eos") == 0  # </s>, named by the source's tokenizer_config.json
+    card = (output / "README.md").read_text(encoding="utf-8")
+    assert f"imported by dlm {dlm.__version__} from the Hugging Face directory `{family}`" in card
+    assert "4 heads (2 key / value heads)" in card and "adapt it before sampling" in card
     model, _ = dlm.load(output)
     embedding = hf_model.get_input_embeddings().weight
     assert torch.allclose(model.token_embedding.weight[VOCAB], embedding.mean(dim=0), atol=1e-6)

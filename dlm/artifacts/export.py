@@ -41,6 +41,7 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.importer import SOURCE_KIND
 from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
@@ -178,15 +179,22 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
 
     model, training = info.model, info.training
     name, prompt = config["name"], usage_prompt(info)
+    origin = f"trained with dlm {__version__}"
+    if info.kind == SOURCE_KIND:
+        origin = f"imported by dlm {__version__} from the Hugging Face directory `{info.path.name}`"
+    heads = f"{model.n_heads} heads"
+    heads += f" ({model.kv_heads} key / value heads)" if model.kv_heads != model.n_heads else ""
     lines = [
         f"# {card_title(info, format_parameter_count(config['parameters']))}",
         "",
-        f"A masked discrete diffusion language model (MDLM / LLaDA family) trained with dlm {__version__}.",
+        f"A masked discrete diffusion language model (MDLM / LLaDA family) {origin}"
+        + ("; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal" else "."),
         "",
         "## Model",
         "",
         f"- {format_parameter_count(config['parameters'])} parameters: {model.n_layers} layers, d_model "
-        f"{model.d_model}, {model.n_heads} heads, rotary positions, tied embedding / output head",
+        f"{model.d_model}, {heads}, rotary positions, "
+        + ("tied embedding / output head" if model.tie_embeddings else "separate output head"),
         f"- vocabulary {model.vocab_size} (byte-level BPE, `tokenizer.json`), context {model.max_seq_len} tokens",
         f"- weights: {info.weights} ({'exponential moving average' if info.weights == 'ema' else 'as trained'}), "
         f"stored as {config['dtype']}",

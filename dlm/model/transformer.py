@@ -380,7 +380,7 @@ class DiffusionTransformer(nn.Module):
         layers' matmuls.
         """
 
-        attention = 12 * self.config.n_layers * self.config.d_model * seq_len
+        attention = 12 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
         if self.config.is_block_model:
             return 2 * 6 * self.num_parameters + 4 * attention
         return 6 * self.num_parameters + attention
