@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CliResult
+from helpers import check_resume_is_exact
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -323,3 +324,12 @@ def test_the_benchmark_scorer_runs_on_a_dream_directory(tmp_path: Path) -> None:
     [rolling] = scorer.rolling([[5, 9, 12, 20, 21, 7, 8]])
     assert math.isfinite(rolling) and rolling < 0
     assert isinstance(scorer.generate([5, 9, 12], max_tokens=4), str)
+
+
+def test_a_run_with_an_anneal_resumes_exactly_and_differs_from_one_without(tiny_data_dir: Path, tmp_path: Path) -> None:
+    settings = ("training.max_steps=6", "training.warmup_steps=1", "training.save_interval=100",
+                "training.eval_interval=100", "training.log_interval=1")  # fmt: skip
+    anneal = (*settings, "training.attention_anneal_steps=4")
+    annealed = check_resume_is_exact(tiny_data_dir, tmp_path / "anneal", anneal, pause_at=2)
+    plain = check_resume_is_exact(tiny_data_dir, tmp_path / "plain", settings, pause_at=2)
+    assert annealed[0] != plain[0] and len(annealed) == len(plain) == 6
