@@ -39,7 +39,8 @@ AttentionKind = Literal["bidirectional", "causal"]
 
 
 class ModelConfig(_Strict):
-    """The network: a bidirectional pre-norm transformer with rotary positions and a tied head."""
+    """The network: a bidirectional pre-norm transformer with rotary positions and a tied head by default;
+    the variant properties (`n_kv_heads` to `shift_logits`) describe imported checkpoints (`dlm import`)."""
 
     vocab_size: int = Field(8192, ge=4, le=1 << 24, description="Tokens in the tokenizer, special tokens included.")
     mask_token_id: int = Field(1, ge=0, description="Id of the mask (absorbing-state) token.")

@@ -16,6 +16,12 @@ steps on the CPU recipe it scored 0.012 bits/byte worse, and it learned a copy t
 Each Block is `x + attention(norm(x))` then `x + swiglu(norm(x))`. Rotary embeddings are not
 optional: on Shakespeare a bidirectional model with learned absolute positions stalled at the
 unigram level, while the same network with rotary positions trained well.
+
+Checkpoints imported from other families (`dlm.artifacts.hf`) bring variant properties, each a
+`ModelConfig` field whose default keeps the network above: grouped-query attention, q/k/v biases,
+per-head q/k norms, a head width of its own, an untied head, scaled rotary frequencies, causal
+attention, and logits shifted by one position (Dream). With the defaults the parameters, their
+names and every operation are those of the network above.
 """
 
 from __future__ import annotations
