@@ -40,10 +40,12 @@ def _refuse(path: Path, problem: str, fix: str) -> UserError:
     return UserError(problem, path=path / "config.json", fix=fix)
 
 
-def _field(config: dict[str, Any], name: str, path: Path, kind: type | tuple[type, ...] = int) -> Any:
+def _field(config: dict[str, Any], name: str, path: Path) -> int:
+    """A required integer field of config.json."""
+
     value = config.get(name)
-    if value is None or (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise _refuse(path, f"the field {name} is missing or not a {getattr(kind, '__name__', 'number')}",
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _refuse(path, f"the field {name} is missing or not an integer",
                       "restore the config.json the model was saved with")  # fmt: skip
     return value
 
