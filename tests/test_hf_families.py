@@ -233,6 +233,20 @@ def test_refusals_name_the_fix(tmp_path: Path, run_cli: Callable[..., CliResult]
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
 
 
+def test_a_missing_field_or_tokenizer_is_named(tmp_path: Path) -> None:
+    write_llada(tmp_path / "llada")
+    path = tmp_path / "llada" / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**config, "d_model": "4096"}), encoding="utf-8")
+    with pytest.raises(UserError, match="the field d_model is missing or not an integer"):
+        import_model(tmp_path / "llada", tmp_path / "out")
+    path.write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "llada" / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=r"no tokenizer\.json"):
+        import_model(tmp_path / "llada", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_unsupported_rope_scaling_is_refused(tmp_path: Path) -> None:
     write_dream(tmp_path / "dream")
     path = tmp_path / "dream" / "config.json"
