@@ -89,7 +89,8 @@ def test_the_source_is_sharded_safetensors(imported: tuple[str, Path, Path, torc
 
 
 def test_causal_logits_equal_transformers(imported: tuple[str, Path, Path, torch.nn.Module]) -> None:
-    family, _, output, hf_model = imported
+    family, source, output, _ = imported
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     model, _ = dlm.load(output)
     assert model.config.attention == "causal" and model.config.vocab_size == VOCAB + 1
     tokens = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
