@@ -347,3 +347,16 @@ def test_a_run_with_an_anneal_resumes_exactly_and_differs_from_one_without(tiny_
     annealed = check_resume_is_exact(tiny_data_dir, tmp_path / "anneal", anneal, pause_at=2)
     plain = check_resume_is_exact(tiny_data_dir, tmp_path / "plain", settings, pause_at=2)
     assert annealed[0] != plain[0] and len(annealed) == len(plain) == 6
+
+
+def test_a_shifted_model_samples_without_a_cache_and_refuses_one(
+    tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    write_dream(tmp_path / "dream")
+    sampled = run_cli("sample", tmp_path / "dream", "--prompt", "w5", "--length", "6", "--steps", "3", "--json")
+    assert sampled.exit_code == 0, sampled.stderr
+    result = json.loads(sampled.stdout.splitlines()[-1])
+    assert result["token_ids"][0][0] == 5 and len(result["token_ids"][0]) == 7
+    refused = run_cli("sample", tmp_path / "dream", "--prompt", "w5", "--length", "6", "--cache", "prefix",
+                      "--threshold", "0.9")  # fmt: skip
+    refused.assert_refused("--cache prefix cannot serve a shifted-logits model", "omit --cache")
