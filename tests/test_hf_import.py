@@ -25,7 +25,7 @@ from dlm.artifacts.export_layout import read_export_config
 from dlm.artifacts.hf_import import import_model
 from dlm.data.chat import ChatTemplate, Turn
 from dlm.data.pack import pack_corpus
-from dlm.data.tokenizer import load_tokenizer, special_token_id
+from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, special_token_id
 from dlm.errors import UserError, UserNote
 
 transformers = pytest.importorskip("transformers")
@@ -59,9 +59,9 @@ def hf_style_tokenizer(dlm_tokenizer: Path, directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
 
 
-def build_hf_model(family: str, directory: Path, tokenizer: Path) -> torch.nn.Module:
+def build_hf_model(family: str, directory: Path, tokenizer: Path, **shape: Any) -> torch.nn.Module:
     prefix, extra = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(**SHAPE, **extra)
+    config = getattr(transformers, f"{prefix}Config")(**{**SHAPE, **shape}, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():  # away from the init's zeros and ones, so biases and norms all count
@@ -219,3 +219,28 @@ def test_a_hugging_face_export_of_an_imported_variant_is_refused(
     _, _, output, _ = imported
     result = run_cli("export", output, "--format", "hf", "--output", tmp_path / "hf")
     result.assert_refused("implements dlm's own variant only", "grouped_query = True", "omit --format hf")
+
+
+def test_embedding_rows_past_the_tokenizer_are_never_sampled(tiny_tokenizer_path: Path, tmp_path: Path,
+                                                             run_cli: Callable[..., CliResult]) -> None:  # fmt: skip
+    """A checkpoint padded past its tokenizer (Qwen's 151936 rows for 151665 tokens): the mask token
+    takes the first spare row, validation accepts the tokenizer, sampling never produces a spare id."""
+
+    build_hf_model("qwen2", tmp_path / "padded", tiny_tokenizer_path, vocab_size=576)
+    output = import_model(tmp_path / "padded", tmp_path / "imported", add_mask_token=True, dtype="float32")
+    model, tokenizer = dlm.load(output)
+    assert model.config.vocab_size == 576 and model.config.mask_token_id == VOCAB  # no new row
+    data = _packed(output, tmp_path / "data")
+    sets = [f"training.train_data={data / 'train.bin'}", f"training.val_data={data / 'val.bin'}",
+            f"training.init_from={output}"]  # fmt: skip
+    args = [item for value in sets for item in ("--set", value)]
+    checked = run_cli("validate", "--config", ROOT / "configs" / "tiny.toml", *args, "--json")
+    assert checked.exit_code == 0, checked.stdout
+    assert "within the imported model's 576 embedding rows" in checked.stdout
+    assert never_sampled_ids(tokenizer, 576) == list(range(VOCAB + 1, 576))
+    model.config.attention = "bidirectional"  # as a run trains it; the logits below are all equal anyway
+    with torch.no_grad():
+        model.token_embedding.weight.zero_()  # every logit 0: a uniform draw over the ids allowed
+    result = dlm.sample(model, tokenizer, prompt="ROMEO:", length=40, steps=4, seed=1, num_samples=4)
+    generated = [token for row in result.token_ids for token in row[result.prompt_tokens[0] :]]
+    assert len(generated) == 160 and max(generated) < VOCAB  # 63 of 575 ids spare: 1e-8 to miss them by chance

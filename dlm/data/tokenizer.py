@@ -212,7 +212,7 @@ def train_tokenizer(
             f"the corpus supports only {learned} tokens, fewer than the requested {vocab_size}",
             fix=f"pass --vocab-size {learned} or less, or train on more text",
         )
-    if not _has_dlm_special_tokens(tokenizer):  # the trainer puts them first: a broken invariant, not user data
+    if not has_dlm_special_tokens(tokenizer):  # the trainer puts them first: a broken invariant, not user data
         raise AssertionError("the trained tokenizer lacks dlm's special tokens at their fixed ids")
     fit = None if kept is None else _corpus_fit(tokenizer, kept, learned)
     _save(tokenizer, output)
@@ -263,7 +263,9 @@ ROLE_FIELDS = {"eos": "eos_token", "mask": "mask_token", "pad": "pad_token"}
 _ROLES_ATTRIBUTE = "dlm_special_tokens"
 
 
-def _has_dlm_special_tokens(tokenizer: Tokenizer) -> bool:
+def has_dlm_special_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer is one of dlm's: its special tokens at their fixed ids (else an imported one)."""
+
     special = {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     return all(special.get(token) == index for index, token in enumerate(SPECIAL_TOKENS.values()))
 
@@ -294,7 +296,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise UserError(f"not a tokenizer.json: {exc}", path=path) from None
-    if _has_dlm_special_tokens(tokenizer):
+    if has_dlm_special_tokens(tokenizer):
         return tokenizer
     roles = _declared_roles(tokenizer, path)
     if roles is None:
@@ -323,6 +325,16 @@ def optional_token_id(tokenizer: Tokenizer, name: str) -> int | None:
         raise ValueError(f"unknown special token {name!r}; expected one of {list(SPECIAL_TOKENS)}")
     token = special_tokens(tokenizer).get(name)
     return None if token is None else tokenizer.token_to_id(token)
+
+
+def never_sampled_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """Ids a model of `vocab_size` rows must never generate: the padding token, and the rows past an
+    imported tokenizer's vocabulary (a checkpoint's padded embedding), which decode to nothing."""
+
+    pad = optional_token_id(tokenizer, "pad")
+    unused = [] if has_dlm_special_tokens(tokenizer) else range(tokenizer.get_vocab_size(with_added_tokens=True),
+                                                                  vocab_size)  # fmt: skip
+    return ([pad] if pad is not None and pad < vocab_size else []) + list(unused)
 
 
 def special_token_id(tokenizer: Tokenizer, name: str) -> int:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
-from dlm.data.tokenizer import optional_token_id, special_token_id
+from dlm.data.tokenizer import never_sampled_ids, special_token_id
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
@@ -114,8 +114,7 @@ class Scorer:
         self.reveal_split = reveal_split
         self.device = next(model.parameters()).device
         self.eos_id = special_token_id(tokenizer, "eos")
-        pad = optional_token_id(tokenizer, "pad")
-        self.forbidden = [pad] if pad is not None else []
+        self.forbidden = never_sampled_ids(tokenizer, model.config.vocab_size)
 
     # ---------------------------------------------------------------------------- likelihood
 

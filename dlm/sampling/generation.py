@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
-from dlm.data.tokenizer import optional_token_id
+from dlm.data.tokenizer import never_sampled_ids, optional_token_id
 from dlm.diffusion.schedules import Schedule, get_schedule, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
@@ -79,8 +79,7 @@ def generate(
     config = model.config
     device = _model_device(model) if device is None else torch.device(device)
     model.to(device)
-    pad_id = optional_token_id(tokenizer, "pad")
-    forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
+    forbidden = never_sampled_ids(tokenizer, config.vocab_size)
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
     end_id = optional_token_id(tokenizer, "eos") if stop_at_end else None
     if prompts is not None:
