@@ -89,7 +89,10 @@ def _take(tensors: dict[str, Tensor], name: str, directory: Path) -> Tensor:
 def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig, index: int,
                    directory: Path) -> dict[str, Tensor]:  # fmt: skip
     prefix, names = family.block_prefix.format(n=index), family.block
-    take = lambda role, suffix="": _take(tensors, prefix + names[role] + suffix, directory)  # noqa: E731
+
+    def take(role: str, suffix: str = "") -> Tensor:
+        return _take(tensors, prefix + names[role] + suffix, directory)
+
     ours = f"blocks.{index}."
     weights = {
         ours + "attention_norm.weight": take("attention_norm"),
@@ -158,7 +161,11 @@ def tokenizer_settings(directory: Path, config: dict[str, Any], tokenizer: Any) 
     if template is None and (directory / TEMPLATE_NAME).is_file():
         template = (directory / TEMPLATE_NAME).read_text(encoding="utf-8")
     named = special_tokens_of(settings)
-    token = lambda value: None if _single_id(value) is None else tokenizer.id_to_token(_single_id(value))  # noqa: E731
+
+    def token(value: Any) -> str | None:
+        token_id = _single_id(value)
+        return None if token_id is None else tokenizer.id_to_token(token_id)
+
     eos = named.get("eos_token") or token(config.get("eos_token_id"))
     mask = token(config.get("mask_token_id")) or named.get("mask_token")
     if mask is None and tokenizer.token_to_id(MASK_TOKEN) is not None:  # e.g. a tokenizer trained by dlm
