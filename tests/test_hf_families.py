@@ -209,6 +209,19 @@ def test_import_writes_a_dlm_model_with_the_mask_token_named(tmp_path: Path) -> 
         assert torch.equal(a(TOKENS), b(TOKENS))
 
 
+def test_dlm_import_on_the_command_line(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    write_dream(tmp_path / "dream")
+    result = run_cli("import", tmp_path / "dream", "--output", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["dtype"] == "bfloat16" and set(summary["files"]) == {
+        "README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    run_cli("import", tmp_path / "dream", "--output", tmp_path / "out").assert_refused("already exists", "--overwrite")
+    run_cli("import", tmp_path / "dream", "--output", tmp_path / "again", "--add-mask-token").assert_refused(
+        "already has a mask token (<|mask|>)", "omit --add-mask-token"
+    )
+
+
 # ------------------------------------------------------------------------------------ refusals
 
 
