@@ -44,7 +44,7 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
-from dlm.data.tokenizer import SPECIAL_TOKENS  # noqa: E402
+from dlm.data.tokenizer import special_tokens  # noqa: E402
 from dlm.evaluation.scoring import Scorer  # noqa: E402
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -163,7 +163,7 @@ class DlmLM(TemplateLM):
         return values
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        eos = SPECIAL_TOKENS["eos"]
+        eos = special_tokens(self.scorer.tokenizer)["eos"]
         outputs = []
         for request in requests:
             context, gen_kwargs = request.args

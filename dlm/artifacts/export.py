@@ -45,6 +45,7 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.importer import SOURCE_KIND
 from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
@@ -187,15 +188,22 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
 
     model, training = info.model, info.training
     name, prompt = config["name"], usage_prompt(info)
+    origin = f"trained with dlm {__version__}"
+    if info.kind == SOURCE_KIND:
+        origin = f"imported by dlm {__version__} from the Hugging Face directory `{info.path.name}`"
+    heads = f"{model.n_heads} heads"
+    heads += f" ({model.kv_heads} key / value heads)" if model.kv_heads != model.n_heads else ""
     lines = [
         f"# {card_title(info, format_parameter_count(config['parameters']))}",
         "",
-        f"A masked discrete diffusion language model (MDLM / LLaDA family) trained with dlm {__version__}.",
+        f"A masked discrete diffusion language model (MDLM / LLaDA family) {origin}"
+        + ("; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal" else "."),
         "",
         "## Model",
         "",
         f"- {format_parameter_count(config['parameters'])} parameters: {model.n_layers} layers, d_model "
-        f"{model.d_model}, {model.n_heads} heads, rotary positions, tied embedding / output head",
+        f"{model.d_model}, {heads}, rotary positions, "
+        + ("tied embedding / output head" if model.tie_embeddings else "separate output head"),
         f"- vocabulary {model.vocab_size} (byte-level BPE, `tokenizer.json`), context {model.max_seq_len} tokens",
         f"- weights: {info.weights} ({'exponential moving average' if info.weights == 'ema' else 'as trained'}), "
         f"stored as {config['dtype']}",
@@ -290,10 +298,24 @@ def _write_export(
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-def _weights_writer(
-    source: str | Path, use_ema: bool, dtype: torch.dtype
-) -> tuple[Callable[[Path], object], SourceInfo, int, dict[str, str]]:
-    """How to write the weights file, the source's metadata, the parameter count and the ties.
+WeightsWriter = tuple[Callable[[Path], object], int, dict[str, str]]  # write(path), parameter count, ties
+
+
+def _stored_writer(weights: dict[str, Tensor], dtype: torch.dtype) -> WeightsWriter:
+    """Weights held in memory, stored once per tie in `dtype` and written with safetensors' own writer."""
+
+    stored, tied = _store_once(weights, dtype)
+
+    def write(path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(stored, str(path), metadata=_WEIGHTS_METADATA)
+
+    return write, sum(tensor.numel() for tensor in stored.values()), tied
+
+
+def _weights_writer(source: str | Path, use_ema: bool, dtype: torch.dtype) -> tuple[WeightsWriter, SourceInfo]:
+    """How to write the source's weights file, and the source's metadata.
 
     A sharded checkpoint streams tensor by tensor into the file; any other source is read whole
     (it is one file already) and written with safetensors' own writer.
@@ -302,20 +324,18 @@ def _weights_writer(
     sharded = sharded_model_source(source, use_ema)
     if sharded is not None:
         info, lazy = sharded
-        shapes = [lazy.shape(name) for name in lazy.names]
-        return lambda path: _stream_safetensors(path, lazy, dtype), info, sum(math.prod(s) for s in shapes), {}
+        parameters = sum(math.prod(lazy.shape(name)) for name in lazy.names)
+        return (lambda path: _stream_safetensors(path, lazy, dtype), parameters, {}), info
     info, weights = read_model_source(source, use_ema)
     if info.kind in ("export", "adapters"):
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
-    stored, tied = _store_once(weights, dtype)
-    del weights  # the stored tensors are what is written
+    return _stored_writer(weights, dtype), info
 
-    def write(path: Path) -> None:
-        from safetensors.torch import save_file
 
-        save_file(stored, str(path), metadata=_WEIGHTS_METADATA)
+def check_import_output(output: Path, overwrite: bool) -> None:
+    """`dlm import`'s --output: refused as an export's is (it writes the same layout)."""
 
-    return write, info, sum(tensor.numel() for tensor in stored.values()), tied
+    _check_output(output, overwrite)
 
 
 def export_model(
@@ -331,9 +351,33 @@ def export_model(
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
     _check_output(output, overwrite)
-    write_weights, info, parameters, tied = _weights_writer(source, use_ema, EXPORT_DTYPES[dtype])
+    writer, info = _weights_writer(source, use_ema, EXPORT_DTYPES[dtype])
     tokenizer = checked_tokenizer(info)
     tokenizer_settings, _ = export_tokenizer_config(info)
+    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
+                                   tokenizer_settings=tokenizer_settings)  # fmt: skip
+
+
+def write_export(
+    info: SourceInfo, weights: dict[str, Tensor], output: Path, *, dtype: ExportDtype, tokenizer: Path,
+    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Write `weights` and `info` as an export directory at `output` (checked by the caller), atomically;
+    `source` records where the model came from (default: the kind and file name of `info.path`)."""
+
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
+    writer = _stored_writer(weights, EXPORT_DTYPES[dtype])
+    del weights  # the stored tensors are what is written
+    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
+                                   tokenizer_settings=tokenizer_settings, source=source)  # fmt: skip
+
+
+def _write_export_directory(
+    info: SourceInfo, writer: WeightsWriter, output: Path, *, dtype: ExportDtype, tokenizer: Path,
+    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    write_weights, parameters, tied = writer
     config = {
         "format": EXPORT_FORMAT,
         "name": output.name,
@@ -348,7 +392,7 @@ def export_model(
         "tokenizer_sha256": info.tokenizer_sha256,
         "tied": tied,
         "training": info.training,
-        "source": {"kind": info.kind, "file": info.path.name},
+        "source": source or {"kind": info.kind, "file": info.path.name},
     }
     card = model_card(info, config, _eval_figures(info.run_dir))
     building = temporary_path(output)

@@ -38,7 +38,8 @@ class SourceInfo:
     """What is known about a model source besides its weights."""
 
     path: Path  # the checkpoint file or the exported directory actually read
-    # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`) | "adapters"
+    # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`) |
+    # "hf-source" (a Hugging Face model of another family, `dlm.artifacts.hf.importer`) | "adapters"
     kind: str
     model: ModelConfig
     weights: str  # "ema" | "live"
@@ -58,7 +59,7 @@ class SourceInfo:
     def run_dir(self) -> Path | None:
         """The run directory a checkpoint lives in (its metrics feed the model card)."""
 
-        return None if self.kind in ("export", "hf", "adapters") else self.path.parent
+        return None if self.kind in ("export", "hf", "hf-source", "adapters") else self.path.parent
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -64,9 +64,24 @@ AUTO_MAP = {
 # ------------------------------------------------------------------------------------ writing
 
 
+# Model variant properties the bundled modeling file does not implement, with the value it has.
+# (`grouped_query`: fewer key / value heads than query heads.)
+HF_VARIANT_DEFAULTS: dict[str, object] = {
+    "grouped_query": False, "attention_head_dim": None, "qkv_bias": False, "qk_norm": False, "tie_embeddings": True,
+    "rope_scaling": None, "attention": "bidirectional", "shift_logits": False,
+}  # fmt: skip
+
+
 def check_hf_exportable(model: ModelConfig, diffusion: DiffusionConfig) -> None:
     """Refuse what the bundled modeling file cannot reproduce."""
 
+    values = {**model.model_dump(), "grouped_query": model.kv_heads != model.n_heads}
+    differing = [f"{name} = {values[name]}" for name, default in HF_VARIANT_DEFAULTS.items() if values[name] != default]
+    if differing:
+        raise UserError(
+            f"the Hugging Face modeling file implements dlm's own variant only; this model has {', '.join(differing)}",
+            fix="export it in dlm's own format (omit --format hf)",
+        )
     if diffusion.schedule not in HF_SCHEDULES:
         raise UserError(
             f"the {diffusion.schedule!r} noise schedule has no sampler in the Hugging Face modeling file "

@@ -38,6 +38,7 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
+from dlm.artifacts.hf.importer import is_hf_source, read_hf_source
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
@@ -273,9 +274,10 @@ def _merged_if_asked(info: SourceInfo, weights: dict[str, Tensor], merge: bool) 
 def read_model_source(
     path: str | Path, use_ema: bool = True, merge_adapters: bool = True
 ) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and CPU weights of an exported dir, an adapter export, a checkpoint file or a run dir (its
-    latest.pt). A LoRA source's adapters come merged onto their base model unless `merge_adapters` is false
-    (then the weights are the adapters alone, and `info.lora` says so)."""
+    """Metadata and CPU weights of an exported dir, an adapter export, a checkpoint file, a run dir (its
+    latest checkpoint) or a Hugging Face model directory of a family dlm imports (`dlm.artifacts.hf.importer`).
+    A LoRA source's adapters come merged onto their base model unless `merge_adapters` is false (then the
+    weights are the adapters alone, and `info.lora` says so)."""
 
     path = Path(path)
     if path.is_dir() and (path / ADAPTER_CONFIG_NAME).is_file():
@@ -283,6 +285,10 @@ def read_model_source(
         return info, _merged_if_asked(info, adapters, merge_adapters)
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
+    if path.is_dir() and is_hf_source(path):  # LLaDA, Dream, Llama, Qwen, Mistral: read as data, never run
+        info, weights = read_hf_source(path)
+        check_finite_weights(weights, path)
+        return info, weights
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads

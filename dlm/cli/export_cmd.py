@@ -1,4 +1,5 @@
-"""`dlm export`: parse, call the library (`dlm.artifacts.export`), render what the export holds.
+"""`dlm export` and `dlm import`: parse, call the library (`dlm.artifacts.export`,
+`dlm.artifacts.hf_import`), render what the model directory holds.
 
 The library loads inside the command so that `dlm --help` never pays for torch.
 """
@@ -104,5 +105,37 @@ def _render(summary: dict[str, Any], load: str, as_json: bool) -> None:
     )
 
 
+def import_command(
+    source: Annotated[
+        Path, typer.Argument(help="A Hugging Face model directory: LLaDA, Dream, Llama, Qwen2, Qwen3 or Mistral.")
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
+    add_mask_token: Annotated[
+        bool,
+        typer.Option("--add-mask-token", help="Add a <|mask|> token (a causal model's tokenizer has none)."),
+    ] = False,
+    dtype: Annotated[ExportDtype, typer.Option("--dtype", help="Weight dtype in model.safetensors.")] = "bfloat16",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing export at --output.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Import a Hugging Face model directory as a dlm model (safetensors only; no code is run)."""
+
+    from dlm.artifacts.hf_import import import_model
+
+    path = import_model(source, output, add_mask_token=add_mask_token, dtype=dtype, overwrite=overwrite)
+    summary = export_summary(path)
+    if wants_json(as_json):
+        print_json(summary)
+        return
+    console.print(
+        f"{summary['parameters']:,} parameters, {summary['dtype']} in {escape(summary['output'])}. Sample it "
+        f"with [bold]dlm sample {escape(summary['output'])}[/] or fine-tune it with "
+        f"[bold]dlm train --init-from {escape(summary['output'])}[/].",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.command("export")(export_command)
+    app.command("import")(import_command)

@@ -129,8 +129,9 @@ def train_command(
         typer.Option(
             "--init-from",
             metavar="MODEL",
-            help="Start from this trained model's weights (an export directory or a checkpoint) with a new "
-            "optimizer and schedule (sets training.init_from).",
+            help="Start from this trained model's weights (an export directory, a checkpoint, or a Hugging Face "
+            "directory, whose [model] shape and tokenizer it takes) with a new optimizer and schedule "
+            "(sets training.init_from).",
         ),
     ] = None,
     as_json: JsonOption = False,
@@ -145,6 +146,10 @@ def train_command(
     if init_from is not None:
         extra.append(f"training.init_from={init_from}")
     experiment = load_config(config, extra)
+    if resume is None:
+        from dlm.train.init_from import adopt_source_model
+
+        experiment = adopt_source_model(experiment, extra)
     _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
          overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
 

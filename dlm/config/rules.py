@@ -45,9 +45,23 @@ def check_rules(section: BaseModel, rules: tuple[Rule, ...]) -> None:
 MODEL_RULES = (
     Rule(
         "n_heads",
-        "`model.d_model` is divisible by `model.n_heads`",
-        lambda m: f"d_model ({m.d_model}) is not divisible by n_heads ({m.n_heads})" if m.d_model % m.n_heads else None,
+        "`model.d_model` is divisible by `model.n_heads` (unless `model.attention_head_dim` is set)",
+        lambda m: (
+            f"d_model ({m.d_model}) is not divisible by n_heads ({m.n_heads})"
+            if m.d_model % m.n_heads and m.attention_head_dim is None
+            else None
+        ),
         "choose n_heads that divides d_model",
+    ),
+    Rule(
+        "n_kv_heads",
+        "`model.n_kv_heads`, when set, divides `model.n_heads` (grouped-query attention)",
+        lambda m: (
+            f"n_heads ({m.n_heads}) is not a multiple of n_kv_heads ({m.n_kv_heads})"
+            if m.n_kv_heads and m.n_heads % m.n_kv_heads
+            else None
+        ),
+        "choose n_kv_heads that divides n_heads",
     ),
     Rule(
         "n_heads",
@@ -68,6 +82,16 @@ MODEL_RULES = (
             else None
         ),
         "choose a block_size that divides max_seq_len, or 0 for the whole sequence",
+    ),
+    Rule(
+        "attention",
+        '`model.attention = "causal"` and `model.shift_logits` need `model.block_size = 0` (a whole-sequence model)',
+        lambda m: (
+            f"attention {m.attention!r} / shift_logits {m.shift_logits} with block_size {m.block_size}"
+            if m.block_size and (m.attention == "causal" or m.shift_logits)
+            else None
+        ),
+        'set block_size = 0, or attention = "bidirectional" and shift_logits = false for a block model',
     ),
     Rule(
         "mask_token_id",
@@ -176,6 +200,18 @@ TRAINING_RULES = (
 
 # Rules across sections; `field` is then the section a broken rule is reported on.
 EXPERIMENT_RULES = (
+    Rule(
+        "training",
+        "`training.attention_anneal_steps` needs a bidirectional whole-sequence model "
+        '(`model.attention = "bidirectional"`, `model.block_size = 0`), the attention it anneals to',
+        lambda e: (
+            f"attention_anneal_steps {e.training.attention_anneal_steps} with attention {e.model.attention!r}, "
+            f"block_size {e.model.block_size}"
+            if e.training.attention_anneal_steps and (e.model.attention != "bidirectional" or e.model.block_size)
+            else None
+        ),
+        'set [model] attention = "bidirectional" and block_size = 0, or attention_anneal_steps = 0',
+    ),
     Rule(
         "training",
         '`training.clip_mask_min` / `clip_mask_max` other than 0 and 1 need `diffusion.schedule = "linear"`, '

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dlm.choices import ElboEstimator
 from dlm.config.lora import LoraConfig
 from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
+from dlm.config.rope import RopeScaling
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES, FieldProblem
 from dlm.config.rules import check_rules as _check_rules
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, DEFAULT_SCHEDULE, describe_schedules, schedule_names
@@ -36,10 +37,12 @@ class _Strict(BaseModel):
 
 
 MaskLogit = Literal["plain", "subs"]
+AttentionKind = Literal["bidirectional", "causal"]
 
 
 class ModelConfig(_Strict):
-    """The network: a bidirectional pre-norm transformer with rotary positions and a tied head."""
+    """The network: a bidirectional pre-norm transformer with rotary positions and a tied head by default;
+    the variant properties (`n_kv_heads` to `shift_logits`) describe imported checkpoints (`dlm import`)."""
 
     vocab_size: int = Field(8192, ge=4, le=1 << 24, description="Tokens in the tokenizer, special tokens included.")
     mask_token_id: int = Field(1, ge=0, description="Id of the mask (absorbing-state) token.")
@@ -65,6 +68,26 @@ class ModelConfig(_Strict):
         description="Block diffusion: tokens per block, attended bidirectionally inside a block and causally "
         "across blocks; 1 is autoregressive, 0 (default) is the whole sequence (plain masked diffusion).",
     )
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="Key / value heads (grouped-query attention); default n_heads (one per query head)."
+    )
+    attention_head_dim: int | None = Field(
+        None, ge=2, le=1024, description="Width of one attention head; default d_model / n_heads (Qwen3 sets its own)."
+    )
+    qkv_bias: bool = Field(False, description="Biases on the query, key and value projections (Qwen2, Dream).")
+    qk_norm: bool = Field(False, description="RMSNorm of each query and key head before the rotary embedding (Qwen3).")
+    tie_embeddings: bool = Field(True, description="The output head is the token embedding; false gives it its own.")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Rotary frequency scaling ([model.rope_scaling]: type linear or llama3); none is plain RoPE."
+    )
+    attention: AttentionKind = Field(
+        "bidirectional",
+        description="bidirectional: every position sees the whole sequence (masked diffusion); causal: each sees "
+        "itself and the positions before it, as the autoregressive model it was imported from (sampling refuses it).",
+    )
+    shift_logits: bool = Field(
+        False, description="Position i's output predicts token i + 1, as the autoregressive model it came from (Dream)."
+    )
     mask_logit: MaskLogit = Field(
         "plain",
         description="plain: the head scores the mask token like any other token (probability the reverse process "
@@ -75,7 +98,11 @@ class ModelConfig(_Strict):
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def ffn_size(self) -> int:
@@ -110,6 +137,12 @@ class TrainingConfig(_Strict):
         None,
         description="Start from this trained model's weights (an export directory or a checkpoint) with a new "
         "optimizer and schedule; its tokenizer and model shape must match. A resume never re-applies it.",
+    )
+    attention_anneal_steps: int = Field(
+        0,
+        ge=0,
+        description="Adapting a causal model: over this many first steps the attention opens from causal to "
+        "bidirectional, each later key seen with probability step / N (DiffuLLaMA's anneal); 0 starts bidirectional.",
     )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."

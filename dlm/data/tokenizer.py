@@ -12,6 +12,7 @@ parallel) gets exactly the tokens of `tokenizer.encode(document)` at sampling ti
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ RARE_SHARE_LIMIT = 0.25
 # vocabulary averages over 100 occurrences a token. `dlm validate` counts train.bin at any size
 # up to its own, larger limit.
 COUNTED_BYTES_LIMIT = 16 * 10**6
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 ProgressCallback = Callable[[int, int], None]  # (bytes read, total bytes)
 
@@ -209,7 +212,8 @@ def train_tokenizer(
             f"the corpus supports only {learned} tokens, fewer than the requested {vocab_size}",
             fix=f"pass --vocab-size {learned} or less, or train on more text",
         )
-    _check_special_tokens(tokenizer, output)
+    if not has_dlm_special_tokens(tokenizer):  # the trainer puts them first: a broken invariant, not user data
+        raise AssertionError("the trained tokenizer lacks dlm's special tokens at their fixed ids")
     fit = None if kept is None else _corpus_fit(tokenizer, kept, learned)
     _save(tokenizer, output)
     ids = {name: special_token_id(tokenizer, name) for name in SPECIAL_TOKENS}
@@ -254,20 +258,36 @@ def _save(tokenizer: Tokenizer, output: Path) -> None:
         atomic_write_text(output, tokenizer.to_str(pretty=True))
 
 
-def _check_special_tokens(tokenizer: Tokenizer, path: str | Path) -> None:
+# The tokenizer_config.json fields (Hugging Face's) that name an imported tokenizer's special tokens.
+ROLE_FIELDS = {"eos": "eos_token", "mask": "mask_token", "pad": "pad_token"}
+_ROLES_ATTRIBUTE = "dlm_special_tokens"
+
+
+def has_dlm_special_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer is one of dlm's: its special tokens at their fixed ids (else an imported one)."""
+
     special = {token.content: index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
-    expected = {token: index for index, token in enumerate(SPECIAL_TOKENS.values())}
-    if any(special.get(token) != index for token, index in expected.items()):
-        listed = ", ".join(f"{token} = {index}" for token, index in expected.items())
-        raise UserError(
-            f"tokenizer lacks dlm's special tokens ({listed})",
-            path=path,
-            fix="train it with `dlm tokenizer train`",
-        )
+    return all(special.get(token) == index for index, token in enumerate(SPECIAL_TOKENS.values()))
+
+
+def _declared_roles(tokenizer: Tokenizer, path: Path) -> dict[str, str] | None:
+    """The special tokens a tokenizer_config.json beside `path` names (an imported model's), or None
+    when it names no end-of-document token that the tokenizer holds."""
+
+    from dlm.data.chat import TOKENIZER_CONFIG_NAME, read_config, special_tokens_of
+
+    config = path.parent / TOKENIZER_CONFIG_NAME
+    if not config.is_file():
+        return None
+    named = special_tokens_of(read_config(config))
+    roles = {role: named[field] for role, field in ROLE_FIELDS.items() if field in named}
+    roles = {role: token for role, token in roles.items() if tokenizer.token_to_id(token) is not None}
+    return roles if "eos" in roles else None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a tokenizer.json, refusing one without dlm's special tokens at their fixed ids."""
+    """Load a tokenizer.json: dlm's own, with its special tokens at their fixed ids, or an imported
+    one whose tokenizer_config.json names its end-of-document (and mask, pad) tokens."""
 
     path = Path(path)
     if not path.is_file():
@@ -276,18 +296,54 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise UserError(f"not a tokenizer.json: {exc}", path=path) from None
-    _check_special_tokens(tokenizer, path)
+    if has_dlm_special_tokens(tokenizer):
+        return tokenizer
+    roles = _declared_roles(tokenizer, path)
+    if roles is None:
+        listed = ", ".join(f"{token} = {index}" for index, token in enumerate(SPECIAL_TOKENS.values()))
+        raise UserError(
+            f"tokenizer lacks dlm's special tokens ({listed}) and no tokenizer_config.json beside it names "
+            "its eos_token",
+            path=path,
+            fix="train it with `dlm tokenizer train`, or use the tokenizer of a model made by `dlm import`",
+        )
+    setattr(tokenizer, _ROLES_ATTRIBUTE, roles)
     return tokenizer
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """The text of each special token the tokenizer has, by role ("eos", "mask", "pad"): dlm's
+    own, or those an imported tokenizer's tokenizer_config.json names (`load_tokenizer`)."""
+
+    return dict(getattr(tokenizer, _ROLES_ATTRIBUTE, SPECIAL_TOKENS))
+
+
+def optional_token_id(tokenizer: Tokenizer, name: str) -> int | None:
+    """The id of special token `name`, or None when the tokenizer has none (an imported one without pad)."""
+
+    if name not in SPECIAL_TOKENS:
+        raise ValueError(f"unknown special token {name!r}; expected one of {list(SPECIAL_TOKENS)}")
+    token = special_tokens(tokenizer).get(name)
+    return None if token is None else tokenizer.token_to_id(token)
+
+
+def never_sampled_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """Ids a model of `vocab_size` rows must never generate: the padding token, and the rows past an
+    imported tokenizer's vocabulary (a checkpoint's padded embedding), which decode to nothing."""
+
+    pad = optional_token_id(tokenizer, "pad")
+    unused = [] if has_dlm_special_tokens(tokenizer) else range(tokenizer.get_vocab_size(with_added_tokens=True),
+                                                                  vocab_size)  # fmt: skip
+    return ([pad] if pad is not None and pad < vocab_size else []) + list(unused)
 
 
 def special_token_id(tokenizer: Tokenizer, name: str) -> int:
     """The id of special token `name` ("eos", "mask" or "pad")."""
 
-    if name not in SPECIAL_TOKENS:
-        raise ValueError(f"unknown special token {name!r}; expected one of {list(SPECIAL_TOKENS)}")
-    token_id = tokenizer.token_to_id(SPECIAL_TOKENS[name])
+    token_id = optional_token_id(tokenizer, name)
     if token_id is None:
-        raise UserError(f"tokenizer has no {SPECIAL_TOKENS[name]} token", fix="train it with `dlm tokenizer train`")
+        token = special_tokens(tokenizer).get(name, SPECIAL_TOKENS[name])
+        raise UserError(f"tokenizer has no {token} token", fix="train it with `dlm tokenizer train`")
     return token_id
 
 
@@ -329,7 +385,12 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
     vocabulary = tokenizer.get_vocab(with_added_tokens=True)
     special = {index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     lengths = np.zeros(max(vocabulary.values()) + 1, dtype=np.int64)
+    byte_level = type(tokenizer.decoder).__name__ == "ByteLevel" or tokenizer.decoder is None
     for token, index in vocabulary.items():
-        if index not in special:
+        if index in special:
+            continue
+        if byte_level:
             lengths[index] = len(token) if all(char in alphabet for char in token) else len(token.encode("utf-8"))
+        else:  # SentencePiece-style (Mistral, Llama 2): byte fallback <0xNN> and "\u2581" for a space
+            lengths[index] = 1 if _BYTE_PIECE.fullmatch(token) else len(token.replace("\u2581", " ").encode("utf-8"))
     return lengths

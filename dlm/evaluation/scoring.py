@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
-from dlm.data.tokenizer import SPECIAL_TOKENS
+from dlm.data.tokenizer import never_sampled_ids, special_token_id
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
@@ -113,9 +113,8 @@ class Scorer:
         self.steps, self.remasking, self.block_length = steps, remasking, block_length
         self.reveal_split = reveal_split
         self.device = next(model.parameters()).device
-        self.eos_id = int(tokenizer.token_to_id(SPECIAL_TOKENS["eos"]))
-        pad = tokenizer.token_to_id(SPECIAL_TOKENS["pad"])
-        self.forbidden = [pad] if pad is not None else []
+        self.eos_id = special_token_id(tokenizer, "eos")
+        self.forbidden = never_sampled_ids(tokenizer, model.config.vocab_size)
 
     # ---------------------------------------------------------------------------- likelihood
 

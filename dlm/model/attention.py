@@ -110,6 +110,22 @@ def block_causal_mask(
     return AttentionMask("sdpa-mask", key[None, :] <= query[:, None])
 
 
+@dataclass(frozen=True)
+class AttentionAnneal:
+    """The attention of a causal model on its way to bidirectional (DiffuLLaMA's mask annealing): a
+    query sees every key before it and each later key with probability `fraction`, one draw per
+    query-key pair for the whole batch, seeded so that a resumed run draws the same masks."""
+
+    fraction: float  # of the keys after a query that it sees: 0 is causal, 1 bidirectional
+    seed: int
+
+    def mask(self, length: int, device: torch.device) -> AttentionMask:
+        generator = torch.Generator().manual_seed(self.seed)
+        index = torch.arange(length)
+        seen = (index[None, :] <= index[:, None]) | (torch.rand(length, length, generator=generator) < self.fraction)
+        return AttentionMask("sdpa-mask", seen.to(device))
+
+
 def padded_mask(base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int,
                 pad_keys: Tensor) -> AttentionMask:  # fmt: skip
     """`base` for a left-padded batch: row b's first `pad_keys[b]` keys (its padding) are seen by no

@@ -16,6 +16,12 @@ steps on the CPU recipe it scored 0.012 bits/byte worse, and it learned a copy t
 Each Block is `x + attention(norm(x))` then `x + swiglu(norm(x))`. Rotary embeddings are not
 optional: on Shakespeare a bidirectional model with learned absolute positions stalled at the
 unigram level, while the same network with rotary positions trained well.
+
+Checkpoints imported from other families (`dlm.artifacts.hf`) bring variant properties, each a
+`ModelConfig` field whose default keeps the network above: grouped-query attention, q/k/v biases,
+per-head q/k norms, a head width of its own, an untied head, scaled rotary frequencies, causal
+attention, and logits shifted by one position (Dream). With the defaults the parameters, their
+names and every operation are those of the network above.
 """
 
 from __future__ import annotations
@@ -29,8 +35,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dlm.config.rope import RopeScaling
 from dlm.config.schema import ModelConfig
-from dlm.model.attention import AttentionMask, KVCache, attend, bd3_mask, block_causal_mask, padded_mask
+from dlm.model.attention import (
+    AttentionAnneal,
+    AttentionMask,
+    KVCache,
+    attend,
+    bd3_mask,
+    block_causal_mask,
+    padded_mask,
+)
 
 
 class RMSNorm(nn.Module):
@@ -48,20 +63,44 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """cos and sin of the rotation angles, [seq_len, head_dim / 2], float32 on the CPU.
 
     Angles are formed in float64: position x frequency reaches ~1e5 radians for long contexts,
     where float32 would already be off by a hundredth of a radian.
     """
 
-    return rotary_at(torch.arange(seq_len), head_dim, theta)
+    return rotary_at(torch.arange(seq_len), head_dim, theta, scaling)
 
 
-def rotary_at(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> Tensor:
+    """The rotation frequency of each pair of a head [head_dim / 2], float64, after `scaling`
+    (`dlm.config.rope`: linear divides all of them, llama3 the low ones and blends a middle band)."""
+
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    wavelength = 2 * math.pi / inv_freq
+    low_band = scaling.original_max_seq_len / scaling.low_freq_factor  # longer wavelengths: divided
+    high_band = scaling.original_max_seq_len / scaling.high_freq_factor  # shorter wavelengths: kept
+    smooth = (scaling.original_max_seq_len / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelength > low_band, inv_freq / scaling.factor, blended)
+    return torch.where(wavelength < high_band, inv_freq, scaled)
+
+
+def rotary_at(
+    positions: Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[Tensor, Tensor]:
     """cos and sin [..., head_dim / 2] at integer `positions` (any shape), float32 on their device."""
 
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    inv_freq = rotary_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float64)[..., None] * inv_freq
     return angles.cos().float(), angles.sin().float()
 
@@ -80,14 +119,23 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; one fused QKV matmul, `dlm.model.attention` applies the mask and kernel."""
+    """Multi-head self-attention; one fused QKV matmul, `dlm.model.attention` applies the mask and kernel.
+
+    With grouped-query attention (`n_kv_heads` < `n_heads`) each key / value head serves
+    n_heads / n_kv_heads query heads; the fused projection then holds H query heads followed by
+    KV key and KV value heads. `qk_norm` normalises each query and key head before the rotation.
+    """
 
     def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.layer = layer  # its slot in a KV cache
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        widths = (self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.widths = widths
+        self.qkv = nn.Linear(config.d_model, sum(widths), bias=config.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.out = nn.Linear(widths[0], config.d_model, bias=False)
 
     def forward(
         self,
@@ -101,8 +149,12 @@ class Attention(nn.Module):
         """Attention output [B, L, W]; with `queries`, only for those positions (keys and values of all)."""
 
         batch, length, width = x.shape
-        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
-        q, k, v = qkv.unbind(dim=2)  # each [B, L, H, D]
+        if self.kv_heads == self.n_heads:
+            q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).unbind(dim=2)  # [B, L, H, D]
+        else:
+            q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in self.qkv(x).split(self.widths, dim=-1))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         k = apply_rotary(k, cos, sin)
         if queries is None:
             q = apply_rotary(q, cos, sin)
@@ -116,8 +168,10 @@ class Attention(nn.Module):
             k, v = cache.extend(self.layer, k, v)
         if q.shape[2] == 0:  # keys and values only (a cache commit)
             return x.new_zeros(batch, 0, width)
+        if self.kv_heads != self.n_heads:  # each key / value head serves a group of query heads
+            k, v = (t.repeat_interleave(self.n_heads // self.kv_heads, dim=1) for t in (k, v))
         y = attend(q, k, v, mask)
-        return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], width))
+        return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], self.n_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -171,8 +225,12 @@ class DiffusionTransformer(nn.Module):
         self.token_embedding = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
+        # An untied head (`tie_embeddings = false`, as most imported checkpoints have) has its own rows.
+        self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        # Set by training for the causal -> bidirectional anneal (`training.attention_anneal_steps`).
+        self.attention_anneal: AttentionAnneal | None = None
         # Non-persistent: derived from the config, so checkpoints hold weights only.
-        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -190,11 +248,16 @@ class DiffusionTransformer(nn.Module):
                 module.weight.fill_(1.0)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
         for block in cast(Iterable[Block], self.blocks):
             block.attention.out.weight.normal_(0.0, residual_std)
             block.mlp.down.weight.normal_(0.0, residual_std)
         self.token_embedding.weight[self.config.vocab_size :].zero_()
-        cos, sin = rotary_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta)
+        if self.head is not None:
+            self.head.weight[self.config.vocab_size :].zero_()
+        cos, sin = rotary_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta,
+                                 self.config.rope_scaling)  # fmt: skip
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -238,6 +301,12 @@ class DiffusionTransformer(nn.Module):
             else:
                 key_start = cache.dropped if cache is not None else 0
                 mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device, key_start)
+        elif self.config.attention == "causal":  # block-causal with blocks of one position
+            mask = block_causal_mask(start, start + length, 1, tokens.device)
+        elif self.attention_anneal is not None and self.training:
+            mask = self.attention_anneal.mask(length, tokens.device)
+        if self.config.shift_logits and cache is not None:
+            raise ValueError("a shifted-logits model predicts from the position before: feed whole sequences")
         if pad is not None:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
             mask = padded_mask(mask, pad, start, length, seen, pad_keys)
@@ -253,7 +322,10 @@ class DiffusionTransformer(nn.Module):
             inputs = inputs[:, queries]
         if cache is not None and cache.committing:
             cache.length += length if cache.keep is None else cache.keep
-        x = self.norm(x[:, :length])  # the noisy copy only: the clean one is context
+        x = x[:, :length]  # the noisy copy only: the clean one is context
+        if self.config.shift_logits:  # position i predicts from the output at i - 1 (the first from its own)
+            x = torch.cat((x[:, :1], x[:, :-1]), dim=1)
+        x = self.norm(x)
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
                 raise TypeError(f"output_positions must be a boolean mask, got {output_positions.dtype}")
@@ -263,7 +335,8 @@ class DiffusionTransformer(nn.Module):
             x = x[output_positions]
             inputs = inputs[output_positions]
         # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
-        logits = F.linear(x, self.token_embedding.weight)[..., : self.config.vocab_size]
+        head = self.token_embedding.weight if self.head is None else self.head.weight
+        logits = F.linear(x, head)[..., : self.config.vocab_size]
         if self.config.mask_logit == "subs":
             return subs_logits(logits, inputs, self.config.mask_token_id)
         return logits
@@ -294,7 +367,7 @@ class DiffusionTransformer(nn.Module):
         if end <= self.rope_cos.shape[0]:
             return self.rope_cos[positions].float(), self.rope_sin[positions].float()
         # A sliding window past max_seq_len (block models): same values as a longer table.
-        return rotary_at(positions, self.config.head_dim, self.config.rope_theta)
+        return rotary_at(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
 
     @property
     def num_parameters(self) -> int:
@@ -313,7 +386,7 @@ class DiffusionTransformer(nn.Module):
         layers' matmuls.
         """
 
-        attention = 12 * self.config.n_layers * self.config.d_model * seq_len
+        attention = 12 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
         if self.config.is_block_model:
             return 2 * 6 * self.num_parameters + 4 * attention
         return 6 * self.num_parameters + attention

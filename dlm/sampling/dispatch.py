@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.diffusion.schedules import Schedule, model_schedule
+from dlm.errors import UserError
 from dlm.registry import Registry
 from dlm.sampling import block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
@@ -23,6 +24,7 @@ from dlm.sampling.reverse import ReverseContext, Strategy
 from dlm.sampling.row_noise import RowNoise
 
 if TYPE_CHECKING:
+    from dlm.config.schema import ModelConfig
     from dlm.model.denoiser import Denoiser
 
 _STRATEGIES: Registry[Strategy] = Registry("sampler strategy")
@@ -81,11 +83,27 @@ def denoise(
     attends to. The newest registered strategy that applies runs (see `register_strategy`).
     """
 
+    check_samplable(model.config, options)
     noise = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
     strategy = strategy_for(model, options, stop_token_id)
     context = ReverseContext(noise, schedule, forbidden_token_ids, on_step, stop_token_id, pad)
     return strategy.run(model, tokens, fill_mask, options, context)
+
+
+def check_samplable(config: ModelConfig, options: SamplingOptions) -> None:
+    """Refuse what the reverse process cannot run: a causal model (its positions never see the masks
+    after them, so it was not trained to fill them), and a shifted-logits model with a KV cache (a
+    block's first position predicts from the position before it, which a cached pass does not feed)."""
+
+    if config.attention == "causal":
+        raise UserError(
+            "a causal model (model.attention = causal) cannot be sampled as a diffusion model",
+            fix="adapt it first: dlm train --init-from MODEL with model.attention = bidirectional",
+        )
+    if config.shift_logits and options.cache != "none":
+        raise UserError(f"--cache {options.cache} cannot serve a shifted-logits model (model.shift_logits)",
+                        fix="omit --cache")  # fmt: skip
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
-from dlm.data.tokenizer import SPECIAL_TOKENS
+from dlm.data.tokenizer import never_sampled_ids, optional_token_id
 from dlm.diffusion.schedules import Schedule, get_schedule, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
@@ -82,10 +82,9 @@ def generate(
     config = model.config
     device = _model_device(model) if device is None else torch.device(device)
     model.to(device)
-    pad_id = tokenizer.token_to_id(SPECIAL_TOKENS["pad"])
-    forbidden = [pad_id] if pad_id is not None and pad_id < config.vocab_size else []
+    forbidden = never_sampled_ids(tokenizer, config.vocab_size)
     chosen = model_schedule(model) if schedule is None else get_schedule(schedule)
-    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
+    end_id = optional_token_id(tokenizer, "eos") if stop_at_end else None
     if prompts is not None:
         if prompt or text is not None:
             raise UserError("a list of prompts cannot be combined with --prompt or --text")
@@ -136,7 +135,7 @@ def generate_records(
 
     encode_prompts(tokenizer, model.config, prompts, length=length, num_samples=num_samples,
                    seeds=consecutive_seeds(seed, len(prompts)))  # fmt: skip
-    end_id = tokenizer.token_to_id(SPECIAL_TOKENS["eos"]) if stop_at_end else None
+    end_id = optional_token_id(tokenizer, "eos") if stop_at_end else None
     for chunk, chunk_seed in prompt_chunks(prompts, batch_size, seed):
         result = generate(model, tokenizer, prompts=chunk, length=length, num_samples=num_samples, seed=chunk_seed,
                           stop_at_end=stop_at_end, **options)  # fmt: skip

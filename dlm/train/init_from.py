@@ -15,6 +15,7 @@ again, and refuses one whose weights' sha256 changed.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,12 +23,19 @@ import torch
 from torch import Tensor, nn
 
 from dlm.artifacts.checksum import weights_sha256
-from dlm.config.schema import ModelConfig
+from dlm.config.rope import RopeScaling
+from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.errors import UserError, UserNote
 from dlm.model.denoiser import block_size
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.
-SHAPE_FIELDS = ("vocab_size", "padded_vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "ffn_size")
+SHAPE_FIELDS = ("vocab_size", "padded_vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "ffn_size",
+                "kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_embeddings")  # fmt: skip
+# The [model] fields a Hugging Face source brings (`adopt_source_model`): its shape and what its weights
+# were trained with. The rest (attention, block_size, shift_logits, max_seq_len, ...) is the run's choice.
+ADOPTED_FIELDS = ("vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "n_kv_heads", "attention_head_dim",
+                  "ffn_hidden_size", "qkv_bias", "qk_norm", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
+                  "pad_vocab_multiple")  # fmt: skip
 
 
 def model_shape(config: ModelConfig) -> dict[str, int]:
@@ -68,6 +76,58 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
             stacklevel=2,
         )
     return weights
+
+
+def adopt_source_model(experiment: ExperimentConfig, overrides: Iterable[str] = ()) -> ExperimentConfig:
+    """The experiment with the `[model]` shape and the tokenizer of its `training.init_from` when that is
+    a Hugging Face model (a directory of a family dlm imports, or a `dlm import` of one), so that
+    nobody transcribes an 8B model's shape into TOML; a note lists what was replaced. A `--set` among
+    `overrides` that contradicts the source is refused. Other sources are left to `initial_weights`."""
+
+    from dlm.artifacts.hf.importer import source_shape
+
+    source = experiment.training.init_from
+    found = None if source is None else source_shape(Path(source))
+    if source is None or found is None:
+        return experiment
+    model, tokenizer = found
+    explicit = {item.partition("=")[0].strip() for item in overrides}
+    replaced = {name: getattr(model, name) for name in ADOPTED_FIELDS
+                if getattr(model, name) != getattr(experiment.model, name)}  # fmt: skip
+    contradicted = [name for name in replaced if f"model.{name}" in explicit]
+    if "training.tokenizer" in explicit and Path(experiment.training.tokenizer).resolve() != tokenizer.resolve():
+        contradicted.append("tokenizer")
+    if contradicted:
+        name = contradicted[0]
+        value = tokenizer if name == "tokenizer" else replaced[name]
+        raise UserError(f"--set {'training' if name == 'tokenizer' else 'model'}.{name} contradicts --init-from, "
+                        f"whose model has {name} = {value}", path=source,
+                        fix="drop that --set: --init-from takes the shape and tokenizer from the source")  # fmt: skip
+    changes = [f"{name} = {_shown(value)}" for name, value in replaced.items()]
+    if Path(experiment.training.tokenizer).resolve() != tokenizer.resolve():
+        changes.append(f"tokenizer = {tokenizer}")
+    if changes:
+        warnings.warn(f"--init-from {source}: [model] and tokenizer taken from it: {', '.join(changes)}", UserNote,
+                      stacklevel=2)  # fmt: skip
+    if (model.attention, model.shift_logits, 0) != (experiment.model.attention, experiment.model.shift_logits,
+                                                    experiment.model.block_size):  # fmt: skip
+        warnings.warn(f"--init-from {source}: the model was trained with {_describe_variant(model)}; this run trains "
+                      f"it with {_describe_variant(experiment.model)}", UserNote, stacklevel=2)  # fmt: skip
+    model_fields = {**experiment.model.model_dump(), **{name: getattr(model, name) for name in ADOPTED_FIELDS}}
+    return experiment.model_copy(update={
+        "model": ModelConfig.model_validate(model_fields),
+        "training": experiment.training.model_copy(update={"tokenizer": tokenizer}),
+    })  # fmt: skip
+
+
+def _describe_variant(config: ModelConfig) -> str:
+    attention = f"block-causal attention (block_size {config.block_size})" if config.block_size else (
+        f"{config.attention} attention")  # fmt: skip
+    return attention + (", shifted logits" if config.shift_logits else "")
+
+
+def _shown(value: object) -> str:
+    return value.type if isinstance(value, RopeScaling) else str(value)
 
 
 def _describe_attention(config: ModelConfig) -> str:

@@ -50,22 +50,25 @@ _CGROUP = Path("/sys/fs/cgroup")
 def parameter_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Name and shape of every parameter `DiffusionTransformer(model)` has, without building it.
 
-    Names follow `named_parameters()`; the head is tied to the embedding, so it has no entry.
+    Names follow `named_parameters()`; a tied head is the embedding, so it has no entry.
     """
 
-    d, ffn = model.d_model, model.ffn_size
+    d, ffn, head = model.d_model, model.ffn_size, model.head_dim
+    queries, qkv = model.n_heads * head, (model.n_heads + 2 * model.kv_heads) * head
     shapes: list[tuple[str, tuple[int, ...]]] = [("token_embedding.weight", (model.padded_vocab_size, d))]
     for index in range(model.n_layers):
         prefix = f"blocks.{index}"
+        shapes += [(f"{prefix}.attention_norm.weight", (d,)), (f"{prefix}.attention.qkv.weight", (qkv, d))]
+        shapes += [(f"{prefix}.attention.qkv.bias", (qkv,))] if model.qkv_bias else []
+        shapes += [(f"{prefix}.attention.{name}.weight", (head,)) for name in ("q_norm", "k_norm") if model.qk_norm]
         shapes += [
-            (f"{prefix}.attention_norm.weight", (d,)),
-            (f"{prefix}.attention.qkv.weight", (3 * d, d)),
-            (f"{prefix}.attention.out.weight", (d, d)),
+            (f"{prefix}.attention.out.weight", (d, queries)),
             (f"{prefix}.mlp_norm.weight", (d,)),
             (f"{prefix}.mlp.gate_up.weight", (2 * ffn, d)),
             (f"{prefix}.mlp.down.weight", (d, ffn)),
         ]
     shapes.append(("norm.weight", (d,)))
+    shapes += [] if model.tie_embeddings else [("head.weight", (model.padded_vocab_size, d))]
     return shapes
 
 

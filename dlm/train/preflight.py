@@ -20,7 +20,13 @@ import torch
 
 from dlm.config.schema import ExperimentConfig, ModelConfig, load_config
 from dlm.data.dataset import PackedDataset, load_packed_dataset, token_counts
-from dlm.data.tokenizer import load_tokenizer, special_token_id, tokenizer_sha256, vocabulary_fit
+from dlm.data.tokenizer import (
+    has_dlm_special_tokens,
+    load_tokenizer,
+    special_token_id,
+    tokenizer_sha256,
+    vocabulary_fit,
+)
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
@@ -79,23 +85,33 @@ def _equal(name: str, found: Any, wanted: Any, what: str, fix: str) -> CheckResu
     return CheckResult(name, False, f"{what} {found}, config expects {wanted}", fix)
 
 
-def _tokenizer_checks(experiment: ExperimentConfig) -> list[CheckResult]:
+def _tokenizer_checks(experiment: ExperimentConfig) -> tuple[list[CheckResult], int]:
+    """The tokenizer's checks, and the vocabulary size packed data must have been encoded with."""
+
     model, path = experiment.model, experiment.training.tokenizer
     try:
         tokenizer = load_tokenizer(path)
     except UserError as exc:
-        return [_failure("tokenizer", exc)]
+        return [_failure("tokenizer", exc)], model.vocab_size
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     mask = special_token_id(tokenizer, "mask")
-    return [
-        CheckResult("tokenizer", True, f"{path} loads with dlm's special tokens"),
-        _equal(
+    if not has_dlm_special_tokens(tokenizer) and vocab < model.vocab_size:
+        # An imported model's embedding often has rows past its tokenizer (padding the checkpoint
+        # was trained with): they are never fed and the data cannot hold them.
+        size = CheckResult("tokenizer vocab_size", True, f"tokenizer has vocab size {vocab}, within the imported "
+                           f"model's {model.vocab_size} embedding rows")  # fmt: skip
+    else:
+        size = _equal(
             "tokenizer vocab_size",
             vocab,
             model.vocab_size,
             "tokenizer has vocab size",
             f"set model.vocab_size = {vocab}, or train a tokenizer with --vocab-size {model.vocab_size}",
-        ),
+        )
+    kind = "dlm's special tokens" if has_dlm_special_tokens(tokenizer) else "the special tokens its config names"
+    return [
+        CheckResult("tokenizer", True, f"{path} loads with {kind}"),
+        size,
         _equal(
             "tokenizer mask_token_id",
             mask,
@@ -103,11 +119,11 @@ def _tokenizer_checks(experiment: ExperimentConfig) -> list[CheckResult]:
             "tokenizer mask id is",
             f"set model.mask_token_id = {mask}",
         ),
-    ]
+    ], vocab if size.passed else model.vocab_size
 
 
 def _data_checks(
-    experiment: ExperimentConfig, split: str, path: Path, tokenizer_hash: str | None
+    experiment: ExperimentConfig, split: str, path: Path, tokenizer_hash: str | None, vocab: int
 ) -> tuple[list[CheckResult], PackedDataset | None]:
     model = experiment.model
     try:
@@ -128,7 +144,7 @@ def _data_checks(
         _equal(
             f"{split} data vocab_size",
             int(meta["vocab_size"]),
-            model.vocab_size,
+            vocab,
             "encoded with vocab size",
             "re-pack the data with the config's tokenizer",
         ),
@@ -298,9 +314,9 @@ def validate_experiment(
     """
 
     training = experiment.training
-    results = _tokenizer_checks(experiment)
+    results, vocab = _tokenizer_checks(experiment)
     tokenizer_hash = tokenizer_sha256(training.tokenizer) if results[0].passed else None
-    results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash)
+    results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash, vocab)
     results += results_train
     if train_dataset is not None:
         vocabulary, suggested = _vocabulary_check(train_dataset)
@@ -308,7 +324,7 @@ def validate_experiment(
     if training.val_data is None:
         results.append(CheckResult("val data", True, "none configured: validation is off"))
     else:
-        results += _data_checks(experiment, "val", training.val_data, tokenizer_hash)[0]
+        results += _data_checks(experiment, "val", training.val_data, tokenizer_hash, vocab)[0]
     results.append(_output_check(Path(training.output_dir)))
     if train_dataset is not None:
         results.append(_budget_check(experiment, train_dataset))
@@ -318,7 +334,10 @@ def validate_experiment(
         results.append(_memory_check(experiment, device, world_size, device_memory_gib))
     except UserError as exc:
         results.append(_failure("memory", exc))
-    results.append(_checkpoint_check(experiment, world_size))
+    try:  # sized from the same parameter list as the memory estimate (a LoRA run's adapters included)
+        results.append(_checkpoint_check(experiment, world_size))
+    except UserError as exc:
+        results.append(_failure("checkpoint size", exc))
     return results
 
 
@@ -328,10 +347,13 @@ def validate_config_file(
     world_size: int = 1,
     device_memory_gib: float | None = None,
 ) -> tuple[ExperimentConfig | None, list[CheckResult]]:
-    """Load and schema-check a config file, then run `validate_experiment` when it is valid."""
+    """Load and schema-check a config file (with the shape of a Hugging Face `training.init_from`, as
+    `dlm train` takes it), then run `validate_experiment` when it is valid."""
+
+    from dlm.train.init_from import adopt_source_model
 
     try:
-        experiment = load_config(path, overrides)
+        experiment = adopt_source_model(load_config(path, overrides), overrides or [])
     except UserError as exc:
         return None, [_failure("config schema", exc)]
     schema = CheckResult("config schema", True, f"{path} is a valid config")

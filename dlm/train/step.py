@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dlm.config.schema import ExperimentConfig
+from dlm.config.schema import ExperimentConfig, TrainingConfig
 from dlm.diffusion.objective import (
     TokenLosses,
     accumulation_mask_probabilities,
@@ -31,6 +31,7 @@ from dlm.diffusion.objective import (
     step_time_offset,
 )
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
+from dlm.model.attention import AttentionAnneal
 from dlm.model.denoiser import block_size, masked_logits
 from dlm.model.transformer import DiffusionTransformer
 from dlm.runtime.device import autocast_context, resolve_compile
@@ -74,6 +75,16 @@ class LogWindow:
         self.bucket_loss = torch.zeros(NOISE_BUCKETS, **zeros)
         self.bucket_count = torch.zeros(NOISE_BUCKETS, **zeros)
         self.steps, self.tokens, self.started = 0, 0, time.perf_counter()
+
+
+def attention_anneal(step: int, config: TrainingConfig) -> AttentionAnneal | None:
+    """The attention of optimizer step `step` while `training.attention_anneal_steps` open it from
+    causal to bidirectional (None after); its random keys are seeded by the run's seed and the step,
+    so a resumed run sees the masks of an uninterrupted one."""
+
+    if step >= config.attention_anneal_steps:
+        return None
+    return AttentionAnneal(step / config.attention_anneal_steps, (config.seed * 1_000_003 + step) % 2**63)
 
 
 class TrainingStep:
@@ -172,6 +183,8 @@ class TrainingStep:
         step = self.counters.step
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
+        if config.attention_anneal_steps:
+            self.model.attention_anneal = attention_anneal(step, config)
         self.optimizer.zero_grad(set_to_none=True)
         offset = step_time_offset(config.seed, step)
         loss_before = window.loss.clone()

@@ -1,0 +1,173 @@
+"""The Hugging Face model families dlm imports: each one's config fields and tensor names, read as data.
+
+Nothing here runs code from a model directory: `config.json` is JSON and the names are the public
+ones of each family's modeling file.
+
+- `llama`, `mistral`, `qwen2`, `qwen3`: causal language models (`model.layers.N.self_attn.q_proj`,
+  ...), imported with `attention = "causal"` for adaptation; Qwen2 has q/k/v biases, Qwen3 per-head
+  q/k norms and its own head width.
+- `dream`: a Qwen2 network trained as a masked diffusion model whose position i predicts token
+  i + 1 (`shift_logits`), with bidirectional attention.
+- `llada`: an OLMo-style layout (`model.transformer.blocks.N.q_proj`, `attn_out`, `ff_proj` (the
+  gate), `up_proj`, `ff_out`) with bidirectional attention; mask id 126336 unless the config says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlm.errors import UserError
+
+LLADA_MASK_ID = 126336
+_MAX_SEQ_LEN = 1 << 17  # ModelConfig's bound; longer contexts are cut to it
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's config.json reads as dlm `[model]` fields and where its tensors are."""
+
+    name: str
+    model_fields: Callable[[dict[str, Any], Path], dict[str, Any]]
+    top: dict[str, str]  # dlm name -> the family's name, outside the blocks
+    block_prefix: str  # the family's prefix of block N's tensors, with {n}
+    block: dict[str, str]  # dlm role -> the family's name inside a block
+
+
+def _refuse(path: Path, problem: str, fix: str) -> UserError:
+    return UserError(problem, path=path / "config.json", fix=fix)
+
+
+def _field(config: dict[str, Any], name: str, path: Path) -> int:
+    """A required integer field of config.json."""
+
+    value = config.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _refuse(path, f"the field {name} is missing or not an integer",
+                      "restore the config.json the model was saved with")  # fmt: skip
+    return value
+
+
+def rope_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """rope_theta and rope_scaling from `rope_parameters` (transformers 5) or `rope_theta` and
+    `rope_scaling` (earlier files); scalings other than linear and llama3 are refused."""
+
+    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta), "rope_scaling": None}
+    if kind not in ("linear", "llama3"):
+        raise _refuse(path, f"rope scaling {kind!r} is not supported (dlm has linear and llama3)",
+                      "use a checkpoint without it, or one with linear or llama3 scaling")  # fmt: skip
+    scaling: dict[str, Any] = {"type": kind, "factor": float(parameters["factor"])}
+    if kind == "llama3":
+        scaling.update(low_freq_factor=float(parameters["low_freq_factor"]),
+                       high_freq_factor=float(parameters["high_freq_factor"]),
+                       original_max_seq_len=int(parameters["original_max_position_embeddings"]))  # fmt: skip
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
+
+
+def _causal_fields(config: dict[str, Any], path: Path, family: str) -> dict[str, Any]:
+    """The fields of the transformers-style families (llama, mistral, qwen2, qwen3, dream)."""
+
+    if config.get("hidden_act", "silu") != "silu":
+        raise _refuse(path, f"hidden_act {config.get('hidden_act')!r}: dlm's MLP is SwiGLU (silu)",
+                      "import a model with hidden_act silu")  # fmt: skip
+    if config.get("mlp_bias"):
+        raise _refuse(path, "mlp_bias is true: dlm's MLP has no biases", "import a model without MLP biases")
+    width, heads = _field(config, "hidden_size", path), _field(config, "num_attention_heads", path)
+    head_dim = config.get("head_dim") or width // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    max_len = _field(config, "max_position_embeddings", path)
+    window = config.get("sliding_window")
+    if window and (family == "mistral" or config.get("use_sliding_window")):
+        max_len = min(max_len, int(window))  # within the window, sliding attention is full attention
+    return {
+        "vocab_size": _field(config, "vocab_size", path),
+        "d_model": width,
+        "n_layers": _field(config, "num_hidden_layers", path),
+        "n_heads": heads,
+        "n_kv_heads": None if kv_heads == heads else kv_heads,
+        "attention_head_dim": None if head_dim * heads == width else head_dim,
+        "ffn_hidden_size": _field(config, "intermediate_size", path),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "max_seq_len": min(max_len, _MAX_SEQ_LEN),
+        "qkv_bias": family in ("qwen2", "dream") or bool(config.get("attention_bias", False)),
+        "qk_norm": family == "qwen3",
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "attention": "bidirectional" if family == "dream" else "causal",
+        "shift_logits": family == "dream",
+        "pad_vocab_multiple": 1,
+        **rope_fields(config, path),
+    }
+
+
+_LLADA_REQUIRED = {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
+                   "alibi": False, "include_bias": False, "input_emb_norm": False, "scale_logits": False}  # fmt: skip
+
+
+def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    for name, expected in _LLADA_REQUIRED.items():
+        if name in config and config[name] != expected:
+            raise _refuse(path, f"LLaDA with {name} = {config[name]!r} is not supported (dlm reads {expected!r})",
+                          "import a LLaDA checkpoint of the published layout")  # fmt: skip
+    width, heads = _field(config, "d_model", path), _field(config, "n_heads", path)
+    kv_heads = config.get("n_kv_heads") or heads
+    hidden = config.get("mlp_hidden_size") or int(config.get("mlp_ratio", 4) * width)
+    rows = config.get("embedding_size") or _field(config, "vocab_size", path)
+    return {
+        "vocab_size": rows,
+        "d_model": width,
+        "n_layers": _field(config, "n_layers", path),
+        "n_heads": heads,
+        "n_kv_heads": None if kv_heads == heads else kv_heads,
+        "ffn_hidden_size": hidden,
+        "norm_eps": float(config.get("rms_norm_eps", 1e-5)),
+        "max_seq_len": min(int(config.get("max_sequence_length", 4096)), _MAX_SEQ_LEN),
+        "qkv_bias": bool(config.get("include_qkv_bias", False)),
+        "tie_embeddings": bool(config.get("weight_tying", False)),
+        "mask_token_id": int(config.get("mask_token_id", LLADA_MASK_ID)),
+        "rope_theta": float(config.get("rope_theta", 10000.0)),
+        "pad_vocab_multiple": 1,
+    }
+
+
+_HF_TOP = {"token_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "head.weight": "lm_head.weight"}  # fmt: skip
+_HF_BLOCK = {
+    "attention_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "out": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+}  # fmt: skip
+_LLADA_TOP = {"token_embedding.weight": "model.transformer.wte.weight", "norm.weight": "model.transformer.ln_f.weight",
+              "head.weight": "model.transformer.ff_out.weight"}  # fmt: skip
+_LLADA_BLOCK = {
+    "attention_norm": "attn_norm.weight", "mlp_norm": "ff_norm.weight",
+    "q": "q_proj", "k": "k_proj", "v": "v_proj", "out": "attn_out.weight",
+    "gate": "ff_proj.weight", "up": "up_proj.weight", "down": "ff_out.weight",
+}  # fmt: skip
+
+
+def _transformers_family(name: str) -> Family:
+    return Family(name, lambda config, path: _causal_fields(config, path, name), _HF_TOP, "model.layers.{n}.",
+                  _HF_BLOCK)  # fmt: skip
+
+
+FAMILIES: dict[str, Family] = {
+    **{name: _transformers_family(name) for name in ("llama", "mistral", "qwen2", "qwen3", "dream")},
+    "llada": Family("llada", _llada_fields, _LLADA_TOP, "model.transformer.blocks.{n}.", _LLADA_BLOCK),
+}
+
+
+def family_of(config: dict[str, Any], path: Path) -> Family:
+    """The family of a config.json's `model_type` (Dream writes "Dream"), refused naming the supported ones."""
+
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in FAMILIES:
+        raise _refuse(path, f"model_type {config.get('model_type')!r} is not a family dlm imports",
+                      f"import one of: {', '.join(FAMILIES)}")  # fmt: skip
+    return FAMILIES[model_type]

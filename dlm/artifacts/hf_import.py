@@ -1,0 +1,93 @@
+"""`dlm import HF_DIR --output MODEL_DIR`: a dlm export written from a Hugging Face model directory.
+
+`dlm.artifacts.hf.importer` reads the directory (as data only); this writes the export, with a
+`tokenizer_config.json` naming the end-of-document, mask and pad tokens and carrying the source's chat
+template, so `dlm pack --chat` and `dlm sample --chat` render the model's own. A causal model's tokenizer
+has no mask token: `add_mask_token` adds `<|mask|>` and gives it the mean embedding (and head) row,
+growing the tables by one row only when no spare row exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dlm.artifacts.export import check_import_output, write_export
+from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
+from dlm.artifacts.hf.importer import IMPORT_KIND, MASK_TOKEN, read_source
+from dlm.choices import ExportDtype
+from dlm.config.schema import ModelConfig
+from dlm.data.chat import TOKENIZER_CONFIG_NAME
+from dlm.data.tokenizer import tokenizer_sha256
+from dlm.errors import UserError
+
+
+def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
+                     settings: dict[str, Any]) -> tuple[SourceInfo, dict[str, Tensor]]:  # fmt: skip
+    """Add `<|mask|>` to the tokenizer (written into `work`) and give it the mean embedding (and
+    head) row: a spare row of a padded vocabulary when there is one, else a new row."""
+
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
+    used = tokenizer.get_vocab_size(with_added_tokens=True)  # rows past it (padding) were never trained
+    tokenizer.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
+    mask_id = tokenizer.token_to_id(MASK_TOKEN)
+    assert mask_id is not None  # just added
+    rows = weights["token_embedding.weight"].shape[0]
+    for name in ("token_embedding.weight", "head.weight"):
+        if name in weights:
+            table = weights[name]
+            mean = table[:used].float().mean(dim=0, keepdim=True).to(table.dtype)
+            table = torch.cat([table, mean]) if mask_id >= rows else table.clone()
+            table[mask_id] = mean[0]
+            weights[name] = table
+    tokenizer.save(str(work / TOKENIZER_NAME))
+    settings["mask_token"] = MASK_TOKEN
+    model = info.model.model_copy(update={"mask_token_id": mask_id, "vocab_size": max(rows, mask_id + 1)})
+    return _with_tokenizer(info, model, work), weights
+
+
+def _with_tokenizer(info: SourceInfo, model: ModelConfig, work: Path) -> SourceInfo:
+    """`info` for `model` (validated anew) and the tokenizer file in `work`."""
+
+    tokenizer = work / TOKENIZER_NAME
+    return SourceInfo(path=info.path, kind=info.kind, model=ModelConfig.model_validate(model.model_dump()),
+                      weights=info.weights, step=None, tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer),
+                      tokenizer_path=tokenizer, diffusion=info.diffusion, training={})  # fmt: skip
+
+
+def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool = False,
+                 dtype: ExportDtype = "bfloat16", overwrite: bool = False) -> Path:  # fmt: skip
+    """`dlm import`: a dlm export directory from a Hugging Face model directory."""
+
+    directory, output = Path(source), Path(output)
+    check_import_output(output, overwrite)
+    hf = read_source(directory)
+    if hf.has_mask_token and add_mask_token:
+        raise UserError(f"the tokenizer already has a mask token ({hf.settings.get('mask_token')})",
+                        path=directory, fix="omit --add-mask-token")  # fmt: skip
+    if not hf.has_mask_token and not add_mask_token:
+        raise UserError(f"the tokenizer of this {hf.family.name} model has no mask token", path=directory,
+                        fix="pass --add-mask-token to add <|mask|> (its row starts as the mean)")  # fmt: skip
+    settings = dict(hf.settings)
+    with tempfile.TemporaryDirectory(prefix="dlm-import-") as scratch:
+        work = Path(scratch)
+        if add_mask_token:  # a stand-in mask id until the token exists
+            info, weights = hf.read(hf.model(mask_token_id=0))
+            info, weights = _with_mask_token(info, weights, work, settings)
+        else:
+            info, weights = hf.read(hf.model())
+            shutil.copyfile(directory / TOKENIZER_NAME, work / TOKENIZER_NAME)
+            info = _with_tokenizer(info, info.model, work)
+        (work / TOKENIZER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+        record = {"kind": IMPORT_KIND, "file": directory.name, "model_type": hf.family.name,
+                  "added_mask_token": add_mask_token}  # fmt: skip
+        return write_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
+                            tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip
