@@ -97,7 +97,17 @@ def _tokenizer_checks(experiment: ExperimentConfig) -> list[CheckResult]:
             "tokenizer mask id is",
             f"set model.mask_token_id = {mask}",
         ),
+        *_separator_checks(model.document_separator_id, special_token_id(tokenizer, "eos")),
     ]
+
+
+def _separator_checks(separator: int | None, eos: int) -> list[CheckResult]:
+    """Document-aware attention splits rows at the tokenizer's end-of-document token, which `dlm pack` writes."""
+
+    if separator is None:
+        return []
+    return [_equal("tokenizer document_separator_id", eos, separator, "tokenizer end-of-document id is",
+                   f"set model.document_separator_id = {eos}")]  # fmt: skip
 
 
 def _data_checks(
