@@ -108,6 +108,8 @@ def train_command(args: argparse.Namespace, variant: Variant, data: Path, run: P
     command = [sys.executable, "-m", "dlm", "train", "--config", str(ROOT / "configs" / "shakespeare.toml"), "--json"]
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
+    for setting in getattr(args, "extra", []):  # more `key=value` settings (scripts/document_attention.py)
+        command += ["--set", setting]
     return command
 
 

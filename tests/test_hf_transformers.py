@@ -273,3 +273,27 @@ def test_export_loads_where_dlm_cannot_be_imported(hf_dir: Path, run_dir: Path, 
         assert (torch.tensor(report["logits"]) - model(tokens)).abs().max() < 1e-5
     expected = dlm.sample(model, tokenizer, prompt="ROMEO:", length=10, steps=10, seed=5)
     assert report["ids"] == expected.token_ids
+
+
+def test_document_attention_travels_to_the_export(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.document_separator_id=0")
+    hf_dir = export_hf(run_dir, tmp_path / "hf", dtype="float32")
+    assert json.loads((hf_dir / "config.json").read_text())["document_separator_id"] == 0
+    hf_model = transformers.AutoModelForMaskedLM.from_pretrained(hf_dir, trust_remote_code=True).float().eval()
+    model, _ = dlm.load(run_dir)
+    assert dlm.load(hf_dir)[0].config.document_separator_id == 0
+    from dlm.model.attention import document_ids
+    from dlm.model.denoiser import masked_logits
+
+    clean = sample_tokens(masked=False)
+    clean[:, [20, 43]] = 0  # three documents a row
+    noisy = clean.clone()
+    noisy[:, 1::3] = 1  # the separator at 43 is masked: only the clean row's documents split there
+    everywhere = torch.ones_like(clean, dtype=torch.bool)
+    with torch.no_grad():
+        expected = masked_logits(model, noisy, everywhere, clean).view(3, 64, -1)
+        logits = hf_model(input_ids=noisy, document_ids=document_ids(clean, 0)).logits
+        from_input = hf_model(input_ids=noisy).logits  # the separator it can see: the one at 20
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(from_input, expected, atol=1e-4)
+    torch.testing.assert_close(from_input[:, :21], expected[:, :21], rtol=0, atol=1e-5)

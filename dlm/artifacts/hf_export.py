@@ -114,6 +114,7 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
         "schedule": info.diffusion.schedule,
         "block_size": model.block_size,
         "mask_logit": model.mask_logit,  # modeling_dlm.py applies SUBS to its logits when it is "subs"
+        "document_separator_id": model.document_separator_id,  # document-aware attention when set
         "tie_word_embeddings": True,
         "torch_dtype": dtype,
         "dlm": {

@@ -101,6 +101,17 @@ MODEL_RULES = (
         ),
         "use the id printed by `dlm tokenizer train`",
     ),
+    Rule(
+        "document_separator_id",
+        "`model.document_separator_id`, when set, is below `model.vocab_size` and is not `model.mask_token_id`",
+        lambda m: (
+            None
+            if m.document_separator_id is None
+            or (m.document_separator_id < m.vocab_size and m.document_separator_id != m.mask_token_id)
+            else f"{m.document_separator_id} is not a token that ends documents"
+        ),
+        "use the end-of-document id (0 for dlm's tokenizers; `dlm validate` prints the tokenizer's), or leave it unset",
+    ),
 )
 
 TRAINING_RULES = (

@@ -88,6 +88,13 @@ class ModelConfig(_Strict):
     shift_logits: bool = Field(
         False, description="Position i's output predicts token i + 1, as the autoregressive model it came from (Dream)."
     )
+    document_separator_id: int | None = Field(
+        None,
+        ge=0,
+        description="Document-aware attention: the end-of-document token id (`dlm pack` writes one after every "
+        "document; 0 for dlm's tokenizers). Set, a position of a packed row attends only to its own document in "
+        "training and evaluation; unset, to the whole row. See docs/benchmarks.md, \"Document-aware attention\".",
+    )
     mask_logit: MaskLogit = Field(
         "plain",
         description="plain: the head scores the mask token like any other token (probability the reverse process "

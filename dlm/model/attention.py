@@ -126,6 +126,40 @@ class AttentionAnneal:
         return AttentionMask("sdpa-mask", seen.to(device))
 
 
+def document_ids(tokens: Tensor, separator: int) -> Tensor:
+    """Each position's document [B, L] in rows of packed documents: the separator (the end-of-document
+    token the packer writes after every document) belongs to the document it closes."""
+
+    ends = (tokens == separator).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def same_document(base: AttentionMask | None, documents: Tensor, queries: int) -> AttentionMask:
+    """`base` limited to keys of each query's own document, as a boolean mask [B, 1, queries, keys].
+
+    `documents` [B, keys] holds the document of every key; the queries are the first `queries` keys
+    (the 2L pass repeats the row's documents for its clean copy). A query always sees itself, so no
+    row of the mask is empty.
+    """
+
+    allowed = documents[:, :queries, None] == documents[:, None, :]
+    if base is not None and base.mask is not None:
+        allowed = allowed & base.mask
+    return AttentionMask("sdpa-mask", allowed[:, None])
+
+
+def same_document_flex(documents: Tensor, queries: int, length: int, block_size: int) -> AttentionMask:
+    """`same_document` as a flex block mask (built per batch: the documents differ row by row); with
+    `block_size` > 0 on top of the 2L BD3 pattern over `length` tokens, else over all keys."""
+
+    def mask_mod(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
+        same = documents[batch, query] == documents[batch, key]
+        return same & bd3_allowed(query, key, length, block_size) if block_size else same
+
+    rows, keys = documents.shape
+    return AttentionMask("flex", create_block_mask(mask_mod, rows, None, queries, keys, device=documents.device))
+
+
 def padded_mask(base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int,
                 pad_keys: Tensor) -> AttentionMask:  # fmt: skip
     """`base` for a left-padded batch: row b's first `pad_keys[b]` keys (its padding) are seen by no

@@ -25,7 +25,8 @@ class Denoiser(Protocol):
     true entries of the boolean `output_positions`. A model declares its variant through `config`,
     read only through `block_size()` and `needs_clean_copy()` below: a block model also takes the
     clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`. `pad`
-    (sampling a batch of prompts) counts each row's leading padding positions.
+    (sampling a batch of prompts) counts each row's leading padding positions; `documents` (a scored
+    pass of a model with `document_separator_id`) gives each position's document in the packed row.
     The rest is the part of `torch.nn.Module` that sampling and evaluation use: the train / eval
     mode, and the parameters and buffers that tell which device the model is on.
     """
@@ -43,6 +44,7 @@ class Denoiser(Protocol):
         clean_tokens: Tensor | None = None,
         cache: KVCache | None = None,
         pad: Tensor | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor: ...
 
     def train(self, mode: bool = True) -> Any: ...
@@ -84,6 +86,12 @@ def masked_logits(
     pass of training, validation, `dlm eval`, scoring and the generation benchmark's judge. `config`
     names the model when `model` is a wrapper without one (the DDP or compiled training model)."""
 
-    if needs_clean_copy(cast("Denoiser", model).config if config is None else config):
-        return model(noisy, output_positions=mask, clean_tokens=clean)
-    return model(noisy, output_positions=mask)
+    config = cast("Denoiser", model).config if config is None else config
+    keywords: dict[str, Any] = {}  # only those the variant takes: a plain callable may know no others
+    if needs_clean_copy(config):
+        keywords["clean_tokens"] = clean
+    if config.document_separator_id is not None:  # document-aware attention, from the clean row's separators
+        from dlm.model.attention import document_ids
+
+        keywords["documents"] = document_ids(clean, config.document_separator_id)
+    return model(noisy, output_positions=mask, **keywords)

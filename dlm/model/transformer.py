@@ -45,6 +45,9 @@ from dlm.model.attention import (
     bd3_mask,
     block_causal_mask,
     padded_mask,
+    same_document,
+    same_document_flex,
+    training_kernel,
 )
 
 
@@ -269,6 +272,7 @@ class DiffusionTransformer(nn.Module):
         clean_tokens: Tensor | None = None,
         cache: KVCache | None = None,
         pad: Tensor | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
@@ -277,6 +281,8 @@ class DiffusionTransformer(nn.Module):
         a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
         `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
         which no other position sees, and its positions count from the first one after them.
+        `documents` [B, L] (`dlm.model.attention.document_ids` of the clean row) limits every position
+        to the keys of its own document (`model.document_separator_id`); sampling feeds one document.
         """
 
         start = cache.length if cache is not None else 0
@@ -307,6 +313,10 @@ class DiffusionTransformer(nn.Module):
             mask = self.attention_anneal.mask(length, tokens.device)
         if self.config.shift_logits and cache is not None:
             raise ValueError("a shifted-logits model predicts from the position before: feed whole sequences")
+        if documents is not None:
+            if cache is not None or pad is not None:
+                raise ValueError("documents are for scoring whole packed rows, not with a cache or padding")
+            mask, last_mask = self._document_masks(documents, mask, last_mask, length, tokens.shape[1])
         if pad is not None:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
             mask = padded_mask(mask, pad, start, length, seen, pad_keys)
@@ -354,6 +364,22 @@ class DiffusionTransformer(nn.Module):
                 args = (x, cos, sin, mask, cache)
             x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
         return x
+
+    def _document_masks(self, documents: Tensor, mask: AttentionMask | None, last_mask: AttentionMask | None,
+                        length: int, keys: int) -> tuple[AttentionMask, AttentionMask | None]:  # fmt: skip
+        """`mask` and `last_mask` limited to each position's document. Positions are not restarted per
+        document: with rotary embeddings a score depends only on the distance between query and key,
+        and a query now sees only keys of its own document, so the scores are those of the document
+        fed alone (up to rounding), with no per-row position tables."""
+
+        if keys != length:  # the 2L pass: the clean copy's keys belong to the documents of the noisy copy
+            documents = documents.repeat(1, keys // length)
+        block = self.config.block_size if keys != length else 0
+        if training_kernel(documents.device) == "flex" and (mask is None or mask.kernel == "flex"):
+            flex_last = None if last_mask is None else same_document_flex(documents, length, length, block)
+            return same_document_flex(documents, keys, length, block), flex_last
+        last = None if last_mask is None else same_document(last_mask, documents, length)
+        return same_document(mask, documents, keys), last
 
     def _rotary(self, start: int, length: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos and sin of positions [start, start + length), per row when padded, past the table if need be."""

@@ -23,6 +23,7 @@ from dlm.data.dataset import PackedDataset, load_packed_dataset, token_counts
 from dlm.data.tokenizer import (
     has_dlm_special_tokens,
     load_tokenizer,
+    optional_token_id,
     special_token_id,
     tokenizer_sha256,
     vocabulary_fit,
@@ -119,7 +120,19 @@ def _tokenizer_checks(experiment: ExperimentConfig) -> tuple[list[CheckResult], 
             "tokenizer mask id is",
             f"set model.mask_token_id = {mask}",
         ),
+        *_separator_checks(model.document_separator_id, tokenizer),
     ], vocab if size.passed else model.vocab_size
+
+
+def _separator_checks(separator: int | None, tokenizer: Any) -> list[CheckResult]:
+    """Document-aware attention splits rows at the tokenizer's end-of-document token, which `dlm pack` writes."""
+
+    if separator is None:
+        return []
+    eos = optional_token_id(tokenizer, "eos")
+    return [_equal("tokenizer document_separator_id", eos, separator, "tokenizer end-of-document id is",
+                   f"set model.document_separator_id = {eos}" if eos is not None else
+                   "unset model.document_separator_id: the tokenizer has no end-of-document token")]  # fmt: skip
 
 
 def _data_checks(

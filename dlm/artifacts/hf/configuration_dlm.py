@@ -37,6 +37,7 @@ class DlmDiffusionConfig(PretrainedConfig):
         pad_token_id: int = 2,
         schedule: str = "linear",
         block_size: int = 0,
+        document_separator_id: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -54,6 +55,9 @@ class DlmDiffusionConfig(PretrainedConfig):
         # Block diffusion: blocks of this many positions attend causally across blocks; 0 (or the
         # whole sequence) is plain bidirectional masked diffusion.
         self.block_size = block_size
+        # Document-aware attention: a position attends only to keys of its own document, the
+        # documents of a row being closed by this token (None: the whole row is one document).
+        self.document_separator_id = document_separator_id
         # The output head is the embedding itself (there is no separate lm_head weight).
         kwargs["tie_word_embeddings"] = True
         super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

@@ -99,6 +99,17 @@ def block_causal_mask(length: int, block_size: int, device: torch.device) -> Ten
     return block[None, :] <= block[:, None]
 
 
+def row_documents(input_ids: Tensor, separator: int | None) -> Tensor | None:
+    """Each position's document [B, L] in rows of documents each closed by `separator` (None: no
+    document-aware attention). Computed from the input, a masked separator does not split its row:
+    to score packed text as dlm does, pass the documents of the clean row as `document_ids`."""
+
+    if separator is None:
+        return None
+    ends = (input_ids == separator).long()
+    return ends.cumsum(dim=1) - ends
+
+
 class DlmAttention(nn.Module):
     """Multi-head self-attention with one fused QKV projection; `key_mask` holds any block-causal pattern."""
 
@@ -197,7 +208,8 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         cos, sin = self._rotary[device]
         return cos[:length], sin[:length]
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
+                ) -> Tensor:  # fmt: skip
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds {self.config.max_position_embeddings} positions")
@@ -206,6 +218,11 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         if attention_mask is not None and not bool(attention_mask.all()):
             padding = attention_mask.bool()[:, None, None, :]  # padding keys are ignored by every query
             key_mask = padding if key_mask is None else padding & key_mask
+        if document_ids is None:
+            document_ids = row_documents(input_ids, getattr(self.config, "document_separator_id", None))
+        if document_ids is not None:  # a query sees keys of its own document only
+            same = (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+            key_mask = same if key_mask is None else same & key_mask
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, key_mask)
@@ -226,14 +243,14 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
-    def logits_at(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None
-                  ) -> Tensor:  # fmt: skip
+    def logits_at(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
+                  document_ids: Tensor | None = None) -> Tensor:  # fmt: skip
         """Logits [B, L, vocab_size], or [N, vocab_size] at the true entries of bool `positions`.
 
         A model trained with SUBS (`config.mask_logit`) gives the mask token logit -inf and an
         unmasked position logit 0 for its own token, -inf for every other (probability 1)."""
 
-        x = self.model(input_ids, attention_mask)
+        x = self.model(input_ids, attention_mask, document_ids)
         inputs = input_ids
         if positions is not None:
             x, inputs = x[positions], input_ids[positions]  # gathered before the head, as dlm does
@@ -249,12 +266,15 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         return_dict: bool | None = None,
+        document_ids: Tensor | None = None,
         **kwargs: object,
     ) -> MaskedLMOutput | tuple[Tensor, ...]:
         """Logits [B, L, vocab_size]; with `labels` (-100 where ignored) also their mean cross-entropy
-        (a SUBS model predicts an unmasked position's own token: label it so, or -100)."""
+        (a SUBS model predicts an unmasked position's own token: label it so, or -100). A model with
+        document-aware attention takes each position's document as `document_ids` [B, L] (default:
+        from the separators in `input_ids`)."""
 
-        logits = self.logits_at(input_ids, None, attention_mask)
+        logits = self.logits_at(input_ids, None, attention_mask, document_ids)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)

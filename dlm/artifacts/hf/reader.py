@@ -48,6 +48,7 @@ def _model_config(config: dict[str, Any]) -> ModelConfig:
         "mask_token_id": config["mask_token_id"],
         "block_size": config.get("block_size", 0),  # absent from exports of whole-sequence models before it
         "mask_logit": config.get("mask_logit", "plain"),  # absent from exports made before SUBS, all plain
+        "document_separator_id": config.get("document_separator_id"),  # absent before document attention
     }
     recorded = dict((config.get("dlm") or {}).get("model") or {})
     padded = config.get("padded_vocab_size", config["vocab_size"])
