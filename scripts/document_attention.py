@@ -2,6 +2,7 @@
 
 usage: python scripts/document_attention.py [--steps N] [--jobs 2] [--out DIR] [--d-model D] [--n-layers N]
        [--mc-samples K] [--set key=value ...]
+       python scripts/document_attention.py --pace [--rounds N]
 
 Two corpora from the bundled Shakespeare, each packed at 64 tokens with its own 8192-token tokenizer:
 - `plays`: the demo's data, one document per play (a packed row rarely crosses a document's end);
@@ -13,7 +14,9 @@ On each corpus the same model trains twice with the same batches and noise, with
 the whole packed row and with `model.document_separator_id` (each position sees its own document
 only), and `dlm eval` scores the held-out sequences the way each was trained. The paired column
 compares the two on the same sequences (per-sequence ELBO, K samples). One thread per process, at
-most --jobs at a time, niced: only bits/byte are compared, never times.
+most --jobs at a time, niced: only bits/byte are compared, never times. `--pace` instead times a
+training step (forward and backward, configs/cpu.toml's model and batch, float32) with and without the
+document mask, interleaved in this process, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--mc-samples", type=int, default=8)
+    parser.add_argument("--pace", action="store_true", help="time a training step with and without the mask")
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--set", dest="settings", action="append", default=[], help="a config setting of both")
     args = parser.parse_args(argv)
     args.seed, args.paired, args.json = None, True, False  # what block_size_ablation's helpers read
@@ -85,8 +90,40 @@ def prepare_speeches(out: Path) -> Path:
     return data
 
 
+def pace_ratio(rounds: int) -> float:
+    """Median time of a training step with the document mask over one without, interleaved."""
+
+    import time
+
+    import torch
+
+    from dlm.config.schema import load_config
+    from dlm.model.attention import document_ids
+    from dlm.model.transformer import DiffusionTransformer
+
+    torch.manual_seed(0)
+    experiment = load_config(ROOT / "configs" / "cpu.toml", ["training.precision=float32"])
+    model = DiffusionTransformer(experiment.model)
+    tokens = torch.randint(3, experiment.model.vocab_size, (experiment.training.batch_size, SEQ_LEN))
+    tokens[:, ::40] = SEPARATOR  # documents of 40 tokens, about the speeches' length
+    noisy = torch.where(torch.rand(tokens.shape) < 0.5, torch.ones_like(tokens), tokens)
+    documents = document_ids(tokens, SEPARATOR)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(rounds + 2):  # the first two rounds warm up
+        for aware in (False, True) if round_ % 2 else (True, False):
+            start = time.perf_counter()
+            logits = model(noisy, noisy == 1, documents=documents if aware else None)
+            logits.logsumexp(-1).mean().backward()
+            if round_ >= 2:
+                times[aware].append(time.perf_counter() - start)
+    return statistics.median(times[True]) / statistics.median(times[False])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.pace:
+        print(f"a training step with the document mask takes {pace_ratio(args.rounds):.3f}x the time of one without")
+        return
     args.out = args.out.resolve()
     corpora = {"plays": prepare_data(args.out / "plays"), "speeches": prepare_speeches(args.out)}
     whole_row = Variant(SEQ_LEN)

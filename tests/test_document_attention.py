@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import torch
 from helpers import check_resume_is_exact, tiny_experiment
 
 from dlm.config.schema import ModelConfig
+from dlm.data.pack import pack_corpus
 from dlm.model.attention import document_ids, flex_attention, same_document, same_document_flex
 from dlm.model.denoiser import masked_logits
 from dlm.model.transformer import DiffusionTransformer
 from dlm.train.loop import train
-from dlm.train.preflight import validate_experiment
+from dlm.train.preflight import CheckResult, validate_experiment
 
 SEPARATOR = 0  # dlm's tokenizers: <|endoftext|> is id 0
 
@@ -107,6 +109,27 @@ def test_validate_names_the_tokenizers_separator(tiny_data_dir: Path, tmp_path: 
     checks = {check.name: check for check in validate_experiment(experiment)}
     check = checks["tokenizer document_separator_id"]
     assert not check.passed and check.fix == f"set model.document_separator_id = {SEPARATOR}"
+
+
+def test_validate_suggests_document_attention_for_short_documents(
+    tiny_data_dir: Path, tiny_tokenizer_path: Path, tmp_path: Path
+) -> None:
+    # One speech-sized document a line: about 20 tokens each in 64-token rows.
+    lines = [json.dumps({"text": f"First speaker, part {i}: my lord, the night is cold and the watch is set."})
+             for i in range(300)]  # fmt: skip
+    (tmp_path / "short.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pack_corpus([tmp_path / "short.jsonl"], tiny_tokenizer_path, 64, tmp_path / "data", val_fraction=0.0)
+
+    def documents_check(data: Path, *extra: str) -> CheckResult:
+        experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", f"training.train_data={data / 'train.bin'}",
+                                     *extra)  # fmt: skip
+        return next(check for check in validate_experiment(experiment) if check.name == "train data documents")
+
+    short = documents_check(tmp_path / "data")
+    assert short.status == "warning" and short.fix.startswith(f"set model.document_separator_id = {SEPARATOR}")
+    assert documents_check(tmp_path / "data", f"model.document_separator_id={SEPARATOR}").status == "passed"
+    plays = documents_check(tiny_data_dir)  # whole plays: few rows cross a document's end
+    assert plays.status == "passed" and "few rows cross" in plays.detail
 
 
 def test_a_model_trained_with_documents_keeps_the_setting(tiny_data_dir: Path, tmp_path: Path) -> None:

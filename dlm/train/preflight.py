@@ -187,6 +187,32 @@ def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
     return CheckResult(name, True, detail, fix, warning=True), size
 
 
+# Document-aware attention paid 0.07 bits/byte on documents of ~40 tokens in 64-token rows and nothing
+# on whole plays, for 1.06x the step time (docs/benchmarks.md, "Document-aware attention"): it is worth
+# suggesting when a packed row holds more than one document in two, on average.
+SHORT_DOCUMENT_ROWS = 2
+
+
+def _document_length_check(model: ModelConfig, dataset: PackedDataset) -> CheckResult | None:
+    """Whether the packed documents are short enough for document-aware attention to pay; None for
+    data packed without a document count (instruction data: one example a row)."""
+
+    documents, tokens = int(dataset.metadata.get("documents") or 0), int(dataset.metadata["num_tokens"])
+    if documents == 0:
+        return None
+    name, mean = "train data documents", tokens / documents
+    detail = f"{documents:,} documents of {mean:,.0f} tokens on average in rows of {dataset.seq_len}"
+    if model.document_separator_id is not None:
+        return CheckResult(name, True, f"{detail}; each position attends within its own document")
+    if mean >= SHORT_DOCUMENT_ROWS * dataset.seq_len:
+        return CheckResult(name, True, f"{detail}; few rows cross a document's end")
+    eos = dataset.metadata.get("eos_token_id")
+    fix = (f"set model.document_separator_id = {eos}: each position then attends within its own document "
+           '(docs/index.md, "Document-aware attention")')  # fmt: skip
+    return CheckResult(name, True, f"{detail}: most rows hold several documents that see each other", fix,
+                       warning=True)  # fmt: skip
+
+
 def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
     """Parameters per training token; a model too large is shown a narrower one, with `vocab`
     tokens when the vocabulary check suggests that many."""
@@ -334,6 +360,8 @@ def validate_experiment(
     if train_dataset is not None:
         vocabulary, suggested = _vocabulary_check(train_dataset)
         results += [vocabulary, _model_size_check(experiment, train_dataset, suggested)]
+        documents = _document_length_check(experiment.model, train_dataset)
+        results += [] if documents is None else [documents]
     if training.val_data is None:
         results.append(CheckResult("val data", True, "none configured: validation is off"))
     else:
