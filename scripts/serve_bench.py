@@ -2,6 +2,11 @@
 
 usage: python scripts/serve_bench.py MODEL [--clients 1,4,16,64] [--tokens N] [--requests-per-client N]
                                      [--rounds N] [--threads N] [--device cpu] [--batch-wait MS]
+       python scripts/serve_bench.py MODEL --pass-cost [--clients 1,4,16,64] [--tokens N] [--threads N]
+
+`--pass-cost` times only the model's forward pass over batches of 1, 4, ... rows of the benchmark's
+shape (a prompt, then `--tokens` masked positions scored), interleaved, and prints the time per row:
+the most any batching of requests can save on this machine is the first row's cost over the others.
 
 Both the server and this process run `--threads` intra-op threads (default 1: on shared cores,
 threads beyond the free ones spin against other work and can make a pass several times slower).
@@ -104,6 +109,31 @@ def start_server(model: Path, max_batch: int, device: str, threads: int, batch_w
     return process, start["url"]
 
 
+def pass_cost(model: Any, counts: list[int], tokens: int, device: str, rounds: int = 8) -> None:
+    """Median seconds per row of one forward pass at each batch size, the sizes interleaved."""
+
+    import torch
+
+    length = min(model.config.max_seq_len, tokens + 16)  # a short prompt, as the benchmark's
+    times: dict[int, list[float]] = {count: [] for count in counts}
+    with torch.inference_mode():
+        for round_ in range(rounds + 1):  # the first round warms up
+            for count in counts:
+                rows = torch.randint(3, model.config.vocab_size, (count, length), device=device)
+                scored = torch.zeros_like(rows, dtype=torch.bool)
+                scored[:, length - tokens :] = True
+                start = time.perf_counter()
+                model(rows, scored)
+                if round_:
+                    times[count].append((time.perf_counter() - start) / count)
+    first = statistics.median(times[counts[0]])
+    print("| rows a pass | ms per row | saved against the first |")
+    print("|---:|---:|---:|")
+    for count in counts:
+        per_row = statistics.median(times[count])
+        print(f"| {count} | {per_row * 1000:.2f} | {first / per_row:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
@@ -114,6 +144,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-wait", type=float, default=0.0, help="the server's --batch-wait (ms)")
+    parser.add_argument("--pass-cost", action="store_true", help="time the forward pass per row instead")
     args = parser.parse_args()
     counts = [int(count) for count in args.clients.split(",")]
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # this process and the server: the same threads
@@ -124,6 +155,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = dlm.load(args.model, device=args.device)
+    if args.pass_cost:
+        pass_cost(model, counts, args.tokens, args.device)
+        return
     process, url = start_server(args.model, max(counts), args.device, args.threads, args.batch_wait)
     best: dict[tuple[str, int], dict[str, float]] = {}
     try:
