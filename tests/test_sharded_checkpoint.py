@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tiny_experiment
 
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.loading import load_model, read_model_source
@@ -39,19 +40,13 @@ STEPS = 4
 
 
 def tiny(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:
-    return load_config(
-        ROOT / "configs" / "tiny.toml",
-        [
-            f"training.tokenizer={data_dir / 'tokenizer.json'}",
-            f"training.train_data={data_dir / 'train.bin'}",
-            f"training.val_data={data_dir / 'val.bin'}",
-            f"training.output_dir={run_dir}",
-            f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.log_interval=1",
-            "training.save_interval=2", "training.eval_interval=2", "training.eval_batches=1",
-            "training.batch_size=4", "training.ema_decay=0.9", "training.keep_last_checkpoints=0",
-            *overrides,
-        ],
-    )
+    return tiny_experiment(
+        data_dir, run_dir,
+        f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.log_interval=1",
+        "training.save_interval=2", "training.eval_interval=2", "training.eval_batches=1",
+        "training.batch_size=4", "training.ema_decay=0.9", "training.keep_last_checkpoints=0",
+        *overrides,
+    )  # fmt: skip
 
 
 def losses(run_dir: Path) -> list[tuple[str, int, float]]:
