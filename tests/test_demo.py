@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 from dlm.artifacts.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
+from dlm.artifacts.run_dir import BUDGET_PLAN_NAME as PLAN_NAME
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.demo.baseline import SpreadBlocks
 from dlm.demo.run import DemoResult, bundled_config, demo_experiment, run_demo
-from dlm.demo.training import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
 from dlm.evaluation.sample_quality import corpus_words, sample_quality
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.sampling.prompting import template_fixed_text
+from dlm.train.budget import SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"
@@ -70,7 +71,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     with pytest.MonkeyPatch.context() as patch:
         # Planned to fill half the budget, not 0.9 of it: the schedule still completes when other
         # work slows the machine down after calibration (the view of a run cut short is tested below).
-        patch.setattr("dlm.demo.training.SCHEDULE_SHARE", 0.5)
+        patch.setattr("dlm.train.budget.SCHEDULE_SHARE", 0.5)
         result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
     return DemoRun(output, result, events)
 
