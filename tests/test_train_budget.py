@@ -214,3 +214,36 @@ def test_the_terminal_view_shows_the_plan_and_its_replans() -> None:
     assert "plan: 2000 steps at 0.25 s per step (calibration), warmup 166" in text.replace("\n", " ")
     assert "step 1000: 0.3 s per step, the schedule now ends at step 1800 (was 2000)" in text.replace("\n", " ")
     assert "plan: step 1800 at 0.3 s per step, re-planned 1x" in panel.getvalue()
+
+
+@pytest.mark.slow
+def test_the_same_budget_again_finishes_an_interrupted_run(tiny_data_dir: Path, tmp_path: Path) -> None:
+    import signal
+
+    from dlm.artifacts.events import CheckpointEvent, EndEvent, StartEvent
+    from dlm.train.stop import StopSignals
+
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")
+    first: list[StreamEvent] = []
+    with StopSignals() as stop:
+
+        def ctrl_c_at_the_first_checkpoint(event: StreamEvent) -> None:
+            first.append(event)
+            if isinstance(event, CheckpointEvent):
+                stop.signal_number = signal.SIGINT  # as the handler records Ctrl-C
+
+        training = BudgetedTraining(experiment, 0.1, calibrate=fake_calibrator(0.3), stop=stop,
+                                    emit=ctrl_c_at_the_first_checkpoint)  # fmt: skip
+        plan, step, result = training.run()
+    assert result is not None and result.status == "interrupted" and step < plan.max_steps
+    saved = TrainingPlan.load(tmp_path / "run")
+    assert saved is not None and saved.max_steps == plan.max_steps and saved.trained_seconds < 6.0
+    calls: list[int] = []
+    again: list[StreamEvent] = []
+    training = BudgetedTraining(experiment, 0.1, calibrate=fake_calibrator(0.3, calls), emit=again.append)
+    plan, final, result = training.run()
+    assert calls == []  # the plan is reused, not calibrated again
+    start = next(event for event in again if isinstance(event, StartEvent))
+    assert start.start_step == step and start.resumed_from is not None
+    assert result is not None and result.status in ("complete", "paused") and final > step
+    assert [event.step for event in again if isinstance(event, EndEvent)][-1] == final
