@@ -246,6 +246,19 @@ def test_a_second_run_reuses_every_finished_stage(demo_run: DemoRun, tmp_path: P
 
 
 @pytest.mark.slow
+def test_a_demo_run_planned_before_the_neutral_plan_name_is_still_reused(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    plan_path = output / "run" / PLAN_NAME
+    earlier = json.loads(plan_path.read_text()) | {"format": "dlm-demo-plan-v1"}
+    (output / "run" / "demo-plan.json").write_text(json.dumps(earlier))
+    plan_path.unlink()
+    events: list[StreamEvent] = []
+    result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    assert set(stage_events(events, "reused")) == set(REUSABLE)
+    assert result.step == demo_run.result.step and not plan_path.exists()  # reused as it was: nothing written
+
+
+@pytest.mark.slow
 def test_a_larger_budget_continues_training_from_latest(demo_run: DemoRun, tmp_path: Path) -> None:
     output = copy_demo(demo_run, tmp_path)  # a copy: latest.pt is no hard link now, so its step is read
     events: list[StreamEvent] = []

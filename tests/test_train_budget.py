@@ -149,7 +149,8 @@ def test_a_run_that_no_budget_planned_is_refused(
     before = sorted(path.name for path in run_dir.iterdir())
     monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.1))
     cli = run_cli("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--minutes", "1")
-    cli.assert_refused("holds a training run that --minutes did not plan (trained to step 4)", str(run_dir))
+    cli.assert_refused("holds a training run that --minutes did not plan (trained to step 4)", str(run_dir),
+                       "or pass --overwrite to start over")  # fmt: skip
     assert sorted(path.name for path in run_dir.iterdir()) == before
 
 

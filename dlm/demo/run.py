@@ -462,7 +462,8 @@ def run_demo(
     from dlm.bench.throughput import run_benchmark
 
     training = BudgetedTraining(experiment, minutes, calibrate=run_benchmark, emit=demo.emit, val_blocks=val_blocks,
-                                event_prefix="demo", output_option="--output")  # fmt: skip
+                                event_prefix="demo", output_option="--output",
+                                start_over="delete that directory to start over")  # fmt: skip
     plan, step, trained = training.run()
     result = demo.result
     result.step = step

@@ -210,7 +210,8 @@ class BudgetedTraining:
 
     Reports to `emit` the training loop's own events and dicts: `{prefix}_stage` (stage calibrate
     or train; status running, done or reused, with the plan's fields), `{prefix}_replan` after each
-    CPU segment and `{prefix}_note`. `output_option` names where the run lives, for refusals.
+    CPU segment and `{prefix}_note`. `output_option` names where the run lives and `start_over`
+    how to replace a run there, for refusals.
     `overwrite` starts over in a directory that holds a run; `stop`, `allow_data_change` go to `train`.
     """
 
@@ -224,6 +225,7 @@ class BudgetedTraining:
         val_blocks: int | None = None,
         event_prefix: str = "budget",
         output_option: str = "training.output_dir",
+        start_over: str = "pass --overwrite to start over",
         overwrite: bool = False,
         allow_data_change: bool = False,
         stop: StopSignals | None = None,
@@ -231,7 +233,7 @@ class BudgetedTraining:
         check_minutes(minutes)
         self.experiment, self.minutes, self.calibrator, self.emit = experiment, minutes, calibrate, emit
         self.val_blocks = validation_blocks(experiment) if val_blocks is None else val_blocks
-        self.prefix, self.output_option = event_prefix, output_option
+        self.prefix, self.output_option, self.start_over = event_prefix, output_option, start_over
         self.overwrite, self.allow_data_change, self.stop = overwrite, allow_data_change, stop
         self.run_dir = Path(experiment.training.output_dir).expanduser()
         self.budget = minutes * 60.0
@@ -250,8 +252,11 @@ class BudgetedTraining:
         if self.overwrite:
             plan = step = None
         elif step is not None and plan is None:
-            raise UserError(f"holds a training run that --minutes did not plan (trained to step {step})",
-                            path=self.run_dir, fix=f"choose another {self.output_option}")  # fmt: skip
+            raise UserError(
+                f"holds a training run that --minutes did not plan (trained to step {step})",
+                path=self.run_dir,
+                fix=f"choose another {self.output_option}, or {self.start_over}",
+            )
         if step is None or plan is None:
             from dlm.artifacts.run_dir import check_run_target
 
