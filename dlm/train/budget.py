@@ -163,13 +163,18 @@ def plan_schedule(
 
 
 def latest_step(run_dir: Path) -> int | None:
-    """The step of the run's latest.pt, read from the numbered file it links to (no load)."""
+    """The step of the run's latest checkpoint: latest.pt, read from the numbered file it links to
+    (no load), or the sharded `latest` (async_checkpoint, FSDP), read from its directory's name."""
 
     from dlm.artifacts.checkpoint import load_checkpoint
     from dlm.artifacts.run_dir import RunDir
+    from dlm.artifacts.sharded_checkpoint import latest_sharded, sharded_step
 
     run = RunDir(run_dir)
-    latest = run.latest
+    latest = run.latest_checkpoint()
+    sharded = latest_sharded(run_dir)
+    if latest == run.latest_link and sharded is not None:
+        return sharded_step(sharded)
     if not latest.exists():
         return None
     for step, path in reversed(run.checkpoints()):
@@ -393,7 +398,7 @@ class BudgetedTraining:
 
         result = train(
             experiment,
-            resume=None if step is None else RunDir(self.run_dir).latest,
+            resume=None if step is None else RunDir(self.run_dir).latest_checkpoint(),
             # No checkpoint yet: whatever a replaced run (or a killed first segment) left goes.
             overwrite=step is None and bool(run_files(self.run_dir)),
             max_run_steps=steps,
