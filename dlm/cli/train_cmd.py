@@ -206,7 +206,10 @@ def train_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Train a model from a config; Ctrl-C saves a checkpoint you can resume."""
+    """Train a model from a config; Ctrl-C saves a checkpoint you can resume.
+
+    With --minutes the steps are planned from the measured pace to end the schedule in time.
+    """
 
     if minutes is not None:
         _check_budget_options(ctx, overrides or [])
