@@ -154,6 +154,24 @@ def test_a_run_that_no_budget_planned_is_refused(
     assert sorted(path.name for path in run_dir.iterdir()) == before
 
 
+def test_a_finished_plan_is_reused_and_a_smaller_budget_changes_nothing(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")  # 4 steps, as a plan of 4 steps would train
+    TrainingPlan(60.0, 0.5, "measured", 1.0, 4, 1, 4, 4, 1, trained_seconds=20.0).save(run_dir)
+    calls: list[int] = []
+    monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.5, calls))
+    before = {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()}
+    base = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--json", "--minutes")
+    for minutes in ("1", "0.5"):
+        cli = run_cli(*base, minutes)
+        assert cli.exit_code == 0, cli.stderr
+        events = [json.loads(line) for line in cli.stdout.splitlines()]
+        assert [(event["stage"], event["status"]) for event in events] == [("calibrate", "reused"), ("train", "reused")]
+        assert events[-1]["step"] == 4 and events[-1]["max_steps"] == 4
+    assert calls == [] and {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()} == before
+
+
 @pytest.mark.slow
 def test_a_budgeted_run_trains_to_its_plan_and_a_rerun_reuses_it(
     tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
