@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 
 from dlm.artifacts.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
+from dlm.artifacts.run_dir import BUDGET_PLAN_NAME as PLAN_NAME
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.demo.baseline import SpreadBlocks
 from dlm.demo.run import DemoResult, bundled_config, demo_experiment, run_demo
-from dlm.demo.training import PLAN_NAME, SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 from dlm.errors import UserError
 from dlm.evaluation.sample_quality import corpus_words, sample_quality
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.sampling.prompting import template_fixed_text
+from dlm.train.budget import SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"
@@ -70,7 +71,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     with pytest.MonkeyPatch.context() as patch:
         # Planned to fill half the budget, not 0.9 of it: the schedule still completes when other
         # work slows the machine down after calibration (the view of a run cut short is tested below).
-        patch.setattr("dlm.demo.training.SCHEDULE_SHARE", 0.5)
+        patch.setattr("dlm.train.budget.SCHEDULE_SHARE", 0.5)
         result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
     return DemoRun(output, result, events)
 
@@ -242,6 +243,19 @@ def test_a_second_run_reuses_every_finished_stage(demo_run: DemoRun, tmp_path: P
     assert result.step == demo_run.result.step and result.bits_per_byte == demo_run.result.bits_per_byte
     # Samples are drawn again, with the same seeds: the same texts.
     assert [s["text"] for s in result.samples] == [s["text"] for s in demo_run.result.samples]
+
+
+@pytest.mark.slow
+def test_a_demo_run_planned_before_the_neutral_plan_name_is_still_reused(demo_run: DemoRun, tmp_path: Path) -> None:
+    output = copy_demo(demo_run, tmp_path)
+    plan_path = output / "run" / PLAN_NAME
+    earlier = json.loads(plan_path.read_text()) | {"format": "dlm-demo-plan-v1"}
+    (output / "run" / "demo-plan.json").write_text(json.dumps(earlier))
+    plan_path.unlink()
+    events: list[StreamEvent] = []
+    result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append)
+    assert set(stage_events(events, "reused")) == set(REUSABLE)
+    assert result.step == demo_run.result.step and not plan_path.exists()  # reused as it was: nothing written
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 
 A run directory is self-contained: `config.json`, `metrics.jsonl`, the numbered checkpoints
 (`step-N.pt` files or sharded `step-N/` directories), `latest.pt` or the `latest` link,
-`inference-latest.pt` and the `.lock` all live in it, and a resumed run writes into the
-directory it was resumed from, wherever that is now. Every check here runs before the run writes
-anything, so a refused command leaves the directory exactly as it was.
+`inference-latest.pt`, the `.lock` and a budgeted run's `budget-plan.json` all live in it, and a
+resumed run writes into the directory it was resumed from, wherever that is now. Every check here
+runs before the run writes anything, so a refused command leaves the directory exactly as it was.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from dlm.fileio import atomic_write_json, temporaries
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.jsonl"
 EVAL_NAME = "eval.json"
+# A run trained within a wall-clock budget (`dlm.train.budget`) keeps its plan here; runs of
+# `dlm demo` before the planner served `dlm train --minutes` too kept it under the older name.
+BUDGET_PLAN_NAME = "budget-plan.json"
+EARLIER_BUDGET_PLAN_NAMES = ("demo-plan.json",)
 # The files whose presence means a run already lives here (besides step-*.pt).
 RUN_FILE_NAMES = (CONFIG_NAME, METRICS_NAME, LATEST_NAME, INFERENCE_NAME)
 
@@ -65,6 +69,16 @@ class RunDir:
     @property
     def eval_report(self) -> Path:
         return self.path / EVAL_NAME
+
+    @property
+    def budget_plan(self) -> Path:
+        return self.path / BUDGET_PLAN_NAME
+
+    def budget_plan_files(self) -> list[Path]:
+        """The plan files present, the current name first, then those of earlier versions."""
+
+        names = (BUDGET_PLAN_NAME, *EARLIER_BUDGET_PLAN_NAMES)
+        return [self.path / name for name in names if (self.path / name).exists()]
 
     def step_checkpoint(self, step: int) -> Path:
         return self.path / step_checkpoint_name(step)
@@ -172,7 +186,9 @@ def remove_run_files(directory: Path) -> None:
     """
 
     doomed = [path for path in run_files(directory) if path.name != METRICS_NAME]
-    doomed += [directory / EVAL_NAME, *temporaries(directory), directory / METRICS_NAME]
+    # The budget plan goes too: left behind, it would pass the next run off as a budgeted one.
+    doomed += [directory / EVAL_NAME, *RunDir(directory).budget_plan_files(), *temporaries(directory)]
+    doomed.append(directory / METRICS_NAME)
     try:
         for path in doomed:
             if path.is_dir() and not path.is_symlink():

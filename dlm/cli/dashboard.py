@@ -80,7 +80,7 @@ def _format(value: Any, spec: str = ".4f", empty: str = "-") -> str:
 
 @dataclass(frozen=True)
 class Budget:
-    """A run trained against a wall-clock budget, possibly in several `train` calls (`dlm demo`):
+    """A run trained against a wall-clock budget, possibly in several `train` calls (`dlm.train.budget`):
     the dashboard then reports progress as the share of the budget used, which a re-planned
     max_steps cannot move backwards, and a pause between two calls is not the run's end."""
 
@@ -115,6 +115,7 @@ class TrainingDashboard:
         self.checkpoint: CheckpointEvent | None = None
         self.status = "starting"
         self.step, self.max_steps, self.fraction = 0, 0, 0.0
+        self.replans = 0
         self.losses: deque[float] = deque(maxlen=256)
         self.live = Live(console=self.console, refresh_per_second=refresh_per_second, get_renderable=self.render)
 
@@ -131,10 +132,13 @@ class TrainingDashboard:
     def elapsed(self) -> float:
         return self.clock() - self.opened + (0.0 if self.budget is None else self.budget.spent_seconds)
 
-    def replan(self, seconds_per_step: float) -> None:
-        """The schedule was planned again at this pace (the demo between two `train` calls)."""
+    def replan(self, seconds_per_step: float, max_steps: int | None = None) -> None:
+        """The schedule was planned again at this pace, to end at `max_steps` (a budgeted run
+        between two `train` calls)."""
 
         self.planned_seconds_per_step = seconds_per_step
+        self.max_steps = self.max_steps if max_steps is None else max_steps
+        self.replans += 1
 
     def finish(self, status: str) -> None:
         """How a budgeted run ended, once no further `train` call follows."""
@@ -252,6 +256,10 @@ class TrainingDashboard:
             rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
         if self.start is not None and self.start.precision_note:
             rows.append(Text(self.start.precision_note, style="yellow"))
+        if self.budget is not None and self.planned_seconds_per_step and self.max_steps:
+            replanned = f", re-planned {self.replans}x" if self.replans else ""
+            rows.append(Text(f"plan: step {self.max_steps} at {self.planned_seconds_per_step:.3g} s per step"
+                             f"{replanned}", style="dim"))  # fmt: skip
         warning = self._pace_warning()
         if warning is not None:
             rows.append(warning)

@@ -100,7 +100,7 @@ class DemoView:
             console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
         elif kind == "demo_replan":
             if self.dashboard is not None:
-                self.dashboard.replan(event["seconds_per_step"])
+                self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
             console.print(f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
                           f"now ends at step {event['max_steps']}[/]", highlight=False)  # fmt: skip
         elif kind == "demo_sample":

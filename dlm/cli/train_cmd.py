@@ -1,5 +1,8 @@
 """`dlm train` and `dlm resume`: the live dashboard (or JSON lines) around `dlm.train.loop.train`.
 
+`dlm train --minutes M` trains within a wall-clock budget through `dlm.train.budget` (calibrated
+with `dlm.bench`'s step timer), shown by `budget_view` on a terminal.
+
 Exit codes: 0 complete or paused, 2 a user error, 128 + N after signal N (130 for Ctrl-C, 143 for
 SIGTERM), whether the run stopped safely after the first signal or at once after a second one.
 """
@@ -7,8 +10,10 @@ SIGTERM), whether the run stopped safely after the first signal or at once after
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -20,9 +25,14 @@ from dlm.cli.common import (
     TrainingDeviceOption,
     console,
     err_console,
+    given_options,
+    refuse_other_mode,
     wants_json,
 )
 from dlm.config.schema import ExperimentConfig, load_config
+
+if TYPE_CHECKING:
+    from dlm.train.stop import StopSignals
 
 MaxRunSteps = Annotated[
     int | None,
@@ -36,6 +46,18 @@ PrecisionOption = Annotated[
     str | None,
     typer.Option("--precision", help="Override training.precision: auto, float32, bfloat16 or float16."),
 ]
+BudgetOption = Annotated[
+    float | None,
+    typer.Option(
+        "--minutes",
+        help="Train within this wall-clock budget, calibration included: max_steps, warmup and the eval, save "
+        "and log intervals are planned from the measured pace, so the learning-rate schedule ends in time. The "
+        "same command again finishes an interrupted run; a larger --minutes continues a finished one.",
+    ),
+]
+# What --minutes plans or controls itself: given with it, these options contradict the plan.
+BUDGET_CONFLICTS = ("resume", "max_run_steps", "max_run_minutes", "nproc")
+PLANNED_SETTING = "training.max_steps"
 AllowDataChangeOption = Annotated[
     bool,
     typer.Option(
@@ -58,17 +80,23 @@ def _overrides(overrides: list[str] | None, device: str | None, precision: str |
 def _run(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     """Train with `options` (those of `dlm.train.loop.train`) and exit with the run's code."""
 
+    _under_signals(experiment, lambda signals: _train(experiment, as_json, stop=signals, **options))
+
+
+def _under_signals(experiment: ExperimentConfig, work: Callable[[StopSignals], None], again: str | None = None) -> None:
+    """Run `work` with the stop signals handled for the whole command: a signal after the run (while
+    its result is printed) then cannot kill the process with another exit code or a traceback.
+    `again`: how to continue from the last checkpoint (by default `dlm resume RUN`)."""
+
     from dlm.train.stop import SignalStop, StopSignals
 
-    # Installed for the whole command, so that a signal after the run (while its result is
-    # printed) cannot kill the process with another exit code or a traceback.
     try:
         with StopSignals(restore=False) as signals:
-            _train(experiment, as_json, stop=signals, **options)
+            work(signals)
     except SignalStop as stop:
-        run_dir = escape(str(experiment.training.output_dir))
-        err_console.print(f"{stop}: stopped without saving; continue from the last checkpoint with: dlm resume "
-                          f"{run_dir}", highlight=False, soft_wrap=True)  # fmt: skip
+        again = again or f"dlm resume {escape(str(experiment.training.output_dir))}"
+        err_console.print(f"{stop}: stopped without saving; continue from the last checkpoint with: {again}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C in the instant before the handlers are installed
         sys.exit(130)
@@ -102,7 +130,48 @@ def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
         sys.exit(result.exit_code)
 
 
+def _train_within(
+    experiment: ExperimentConfig, minutes: float, as_json: bool, stop: StopSignals, **options: Any
+) -> None:
+    """`--minutes`: calibrate, plan and train (or finish, or continue) the run within the budget."""
+
+    from dlm.artifacts.events import JsonLinesSink
+    from dlm.bench.throughput import run_benchmark
+    from dlm.cli.budget_view import BudgetView
+    from dlm.train.budget import BudgetedTraining
+
+    view = None if wants_json(as_json) else BudgetView(console)
+    try:
+        training = BudgetedTraining(experiment, minutes, calibrate=run_benchmark, stop=stop,
+                                    emit=JsonLinesSink() if view is None else view, **options)  # fmt: skip
+        plan, step, result = training.run()
+    finally:
+        if view is not None:
+            view.close()
+    if view is not None:
+        view.summary(plan, step, result)
+    if result is not None and result.status == "interrupted":
+        err_console.print("continue with: the same command again", highlight=False)
+    if result is not None and result.exit_code:
+        sys.exit(result.exit_code)
+
+
+def _check_budget_options(ctx: typer.Context, overrides: list[str]) -> None:
+    """--minutes plans the schedule and continues its own run: options that do either are refused."""
+
+    from dlm.errors import UserError
+
+    refuse_other_mode(given_options(ctx), BUDGET_CONFLICTS, "with --minutes, which plans, stops and continues "
+                      "the run itself (the same command finishes an interrupted run)")  # fmt: skip
+    if any(item.split("=", 1)[0].strip() == PLANNED_SETTING for item in overrides):
+        raise UserError(
+            f"--set {PLANNED_SETTING} does not apply with --minutes, which plans it from the measured pace",
+            fix=f"drop --set {PLANNED_SETTING}=..., or drop --minutes to train a fixed number of steps",
+        )
+
+
 def train_command(
+    ctx: typer.Context,
     config: ConfigOption,
     overrides: SetOption = None,
     resume: Annotated[
@@ -124,6 +193,7 @@ def train_command(
         typer.Option("--overwrite", help="Delete the run already in training.output_dir and start over."),
     ] = False,
     allow_data_change: AllowDataChangeOption = False,
+    minutes: BudgetOption = None,
     init_from: Annotated[
         Path | None,
         typer.Option(
@@ -136,8 +206,13 @@ def train_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Train a model from a config; Ctrl-C saves a checkpoint you can resume."""
+    """Train a model from a config; Ctrl-C saves a checkpoint you can resume.
 
+    With --minutes the steps are planned from the measured pace to end the schedule in time.
+    """
+
+    if minutes is not None:
+        _check_budget_options(ctx, overrides or [])
     if nproc is not None and nproc > 1:
         from dlm.train.distributed import launch_local
 
@@ -150,6 +225,11 @@ def train_command(
         from dlm.train.init_from import adopt_source_model
 
         experiment = adopt_source_model(experiment, extra)
+    if minutes is not None:
+        work = partial(_train_within, experiment, minutes, as_json, overwrite=overwrite,
+                       allow_data_change=allow_data_change)  # fmt: skip
+        _under_signals(experiment, work, again="the same command again")
+        return
     _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
          overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
 

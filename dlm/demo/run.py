@@ -14,7 +14,8 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
 How the time budget becomes a complete learning-rate schedule (calibration, CPU segments, the
-warm restart of a larger --minutes) is `dlm.demo.training`'s concern.
+warm restart of a larger --minutes) is `dlm.train.budget`'s concern, shared with `dlm train --minutes`;
+the demo reports its stages as `demo_stage`, `demo_replan` and `demo_note` events.
 
 Reuse: every stage checks its artifacts on disk (the tokenizer's vocabulary; the packed metadata's
 tokenizer hash and seq_len; the plan and latest.pt; the step recorded in eval.json and in the
@@ -45,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 from dlm.artifacts.events import StreamEvent, StreamSink
 from dlm.config.schema import ExperimentConfig, load_config, with_overrides
 from dlm.demo.baseline import SpreadBlocks
-from dlm.demo.training import FORWARD_SHARE, TrainingPlan, TrainingStage
 from dlm.errors import UserError
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
+from dlm.train.budget import FORWARD_SHARE, BudgetedTraining, TrainingPlan, check_minutes
 
 if TYPE_CHECKING:
     from dlm.artifacts.run_dir import RunDir
@@ -445,8 +446,7 @@ def run_demo(
 
     `device` None keeps the config's training.device (auto for the bundled config)."""
 
-    if not minutes > 0 or not math.isfinite(minutes):
-        raise UserError(f"--minutes must be a positive number (got {minutes})", fix="for example --minutes 10")
+    check_minutes(minutes)
     started = time.perf_counter()
     output = Path(output).expanduser().resolve()
     experiment, notes = demo_experiment(output, None if config_path is None else Path(config_path), device)
@@ -459,7 +459,12 @@ def run_demo(
     _tokenizer_stage(demo)
     val_blocks = _data_stage(demo)["val_num_blocks"]
     _validate_stage(demo)
-    plan, step, trained = TrainingStage(experiment, minutes, val_blocks, demo.emit).run()
+    from dlm.bench.throughput import run_benchmark
+
+    training = BudgetedTraining(experiment, minutes, calibrate=run_benchmark, emit=demo.emit, val_blocks=val_blocks,
+                                event_prefix="demo", output_option="--output",
+                                start_over="delete that directory to start over")  # fmt: skip
+    plan, step, trained = training.run()
     result = demo.result
     result.step = step
     if trained is not None and trained.status == "interrupted":

@@ -1,11 +1,11 @@
-"""The demo's training stage: a complete learning-rate schedule inside a wall-clock budget.
+"""Training inside a wall-clock budget: a complete learning-rate schedule that ends in time.
 
-A cosine schedule stopped by a deadline ends near its peak learning rate, the worst moment to stop.
-So the demo plans steps, not seconds:
+`dlm train --minutes` and `dlm demo` both train this way. A cosine schedule stopped by a deadline
+ends near its peak learning rate, the worst moment to stop. So the budget plans steps, not seconds:
 
-1. Calibrate: time CALIBRATION_STEPS real optimizer steps (`dlm.bench`, after one untimed step
-   that pays the one-off costs) and set training.max_steps so that the schedule, its validations
-   and start-up fill SCHEDULE_SHARE of the budget; warmup is scaled with the run length.
+1. Calibrate: time CALIBRATION_STEPS real optimizer steps (after one untimed step that pays the
+   one-off costs) and set training.max_steps so that the schedule, its validations and start-up
+   fill SCHEDULE_SHARE of the budget; warmup is scaled with the run length.
 2. On the CPU, which is often shared and changed pace by 3x within a minute in our runs, train in
    segments of half the steps left (the last ones short) and re-plan max_steps after each from the
    pace it really kept (start-up, validation and checkpoints included). The learning rate then
@@ -14,11 +14,15 @@ So the demo plans steps, not seconds:
 3. The deadline still holds: a run slower than even the last plan stops at the budget, in the
    schedule's tail, where the learning rate is already near its floor.
 
-The plan lives in RUN/demo-plan.json (with the measurements behind it) and in RUN/config.json (the
-run's own config, as `dlm train` writes it). A later call with the same --minutes finds the plan
-complete (or finishes an interrupted run); a larger --minutes stretches the schedule from the
-run's latest.pt over the larger budget at the pace measured so far: a warm restart, the learning
+The plan lives in RUN/budget-plan.json (`RunDir.budget_plan`, with the measurements behind it) and
+in RUN/config.json (the run's own config, as `dlm.train.loop.train` writes it). A later call with
+the same budget finds the plan complete (or finishes an interrupted run); a larger budget stretches
+the schedule from the run's latest.pt at the pace measured so far: a warm restart, the learning
 rate rises from its floor to the stretched cosine's value and decays again by the new end.
+
+Calibration is injected (`Calibrator`): the step timer is `dlm.bench.throughput.run_benchmark`, and
+`bench` sits above `train` in the import layers (it times the training loop's own steps), so the
+callers above both (`dlm.cli`, `dlm.demo`) pass it in. The planner stays beside the loop it drives.
 """
 
 from __future__ import annotations
@@ -28,14 +32,19 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dlm.artifacts.events import CheckpointEvent, Event, StreamSink, TrainEvent
+from dlm.artifacts.events import CheckpointEvent, Event, StartEvent, StreamSink, TrainEvent
 from dlm.config.schema import ExperimentConfig, with_overrides
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
 
-PLAN_FORMAT, PLAN_NAME = "dlm-demo-plan-v1", "demo-plan.json"
+if TYPE_CHECKING:
+    from dlm.train.loop import TrainResult
+    from dlm.train.stop import StopSignals
+
+PLAN_FORMAT = "dlm-budget-plan-v1"
+EARLIER_PLAN_FORMATS = ("dlm-demo-plan-v1",)  # the same fields, written by `dlm demo` before
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
 CALIBRATION_STEPS = 3
 MIN_SEGMENT_SHARE = 0.08  # CPU segments halve down to this share of the run (each restart costs ~2 s)
@@ -44,11 +53,31 @@ MIN_MEASURED_STEPS = 10  # fewer steps than this give too noisy a pace to re-pla
 # A forward pass costs a third of a training step in FLOPs; measured on 2 CPU cores it took 0.4 of
 # one on a quiet machine and more under load, so plans count half.
 FORWARD_SHARE = 0.5
+PLANNED_FIELDS = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval")
+
+
+class Calibration(Protocol):
+    """What calibration measured (`dlm.bench.throughput.BenchResult` has these)."""
+
+    @property
+    def step_time_s(self) -> float: ...
+
+    @property
+    def warmup_seconds(self) -> float: ...
+
+    @property
+    def tokens_per_second(self) -> float: ...
+
+
+class Calibrator(Protocol):
+    """Times `steps` optimizer steps of an experiment after `warmup` untimed ones."""
+
+    def __call__(self, experiment: ExperimentConfig, *, steps: int, warmup: int) -> Calibration: ...
 
 
 @dataclass
 class TrainingPlan:
-    """How the time budget becomes a schedule; saved as RUN/demo-plan.json."""
+    """How the time budget becomes a schedule; saved as RUN/budget-plan.json."""
 
     budget_seconds: float
     seconds_per_step: float  # the pace max_steps was last planned with
@@ -63,26 +92,34 @@ class TrainingPlan:
     format: str = PLAN_FORMAT
 
     def overrides(self) -> list[str]:
-        names = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval")
-        return [f"training.{name}={getattr(self, name)}" for name in names]
+        return [f"training.{name}={getattr(self, name)}" for name in PLANNED_FIELDS]
 
     def save(self, run_dir: Path) -> None:
+        from dlm.artifacts.run_dir import RunDir
+
+        run = RunDir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / PLAN_NAME, asdict(self))
+        atomic_write_json(run.budget_plan, asdict(self))
+        for earlier in run.budget_plan_files()[1:]:
+            earlier.unlink()  # the plan now lives under the current name only
 
     @classmethod
     def load(cls, run_dir: Path) -> TrainingPlan | None:
-        path = run_dir / PLAN_NAME
-        if not path.exists():
+        """The run's plan (a `dlm demo` run's older demo-plan.json too), or None if it has none."""
+
+        from dlm.artifacts.run_dir import RunDir
+
+        found = RunDir(run_dir).budget_plan_files()
+        if not found:
             return None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("format") != PLAN_FORMAT:
+            data = json.loads(found[0].read_text(encoding="utf-8"))
+            if data.get("format") not in (PLAN_FORMAT, *EARLIER_PLAN_FORMATS):
                 raise ValueError(f"format {data.get('format')!r}")
-            return cls(**data)
+            return cls(**{**data, "format": PLAN_FORMAT})
         except (ValueError, TypeError, AttributeError) as exc:
             raise UserError(
-                f"unreadable demo plan ({exc})", path=path, fix="delete the run directory to start over"
+                f"unreadable training plan ({exc})", path=found[0], fix="delete the run directory to start over"
             ) from None
 
 
@@ -126,13 +163,18 @@ def plan_schedule(
 
 
 def latest_step(run_dir: Path) -> int | None:
-    """The step of the run's latest.pt, read from the numbered file it links to (no load)."""
+    """The step of the run's latest checkpoint: latest.pt, read from the numbered file it links to
+    (no load), or the sharded `latest` (async_checkpoint, FSDP), read from its directory's name."""
 
     from dlm.artifacts.checkpoint import load_checkpoint
     from dlm.artifacts.run_dir import RunDir
+    from dlm.artifacts.sharded_checkpoint import latest_sharded, sharded_step
 
     run = RunDir(run_dir)
-    latest = run.latest
+    latest = run.latest_checkpoint()
+    sharded = latest_sharded(run_dir)
+    if latest == run.latest_link and sharded is not None:
+        return sharded_step(sharded)
     if not latest.exists():
         return None
     for step, path in reversed(run.checkpoints()):
@@ -150,26 +192,81 @@ def validation_steps(experiment: ExperimentConfig, val_blocks: int) -> float:
     return batches * FORWARD_SHARE / training.gradient_accumulation_steps
 
 
-class TrainingStage:
-    """The calibrate and train stages of one `run_demo` call."""
+def check_minutes(minutes: float) -> None:
+    """A budget must be a positive, finite number of minutes."""
 
-    def __init__(self, experiment: ExperimentConfig, minutes: float, val_blocks: int, emit: StreamSink):
-        self.experiment, self.minutes, self.val_blocks, self.emit = experiment, minutes, val_blocks, emit
-        self.run_dir = Path(experiment.training.output_dir)
+    if not minutes > 0 or not math.isfinite(minutes):
+        raise UserError(f"--minutes must be a positive number (got {minutes})", fix="for example --minutes 10")
+
+
+def validation_blocks(experiment: ExperimentConfig) -> int:
+    """The number of blocks in the config's validation data (0 without any): what validations cost."""
+
+    from dlm.data.dataset import load_packed_dataset
+
+    val_data = experiment.training.val_data
+    if val_data is None:
+        return 0
+    return len(load_packed_dataset(Path(val_data).expanduser(), experiment.model.max_seq_len))
+
+
+class BudgetedTraining:
+    """Calibrate, plan and train one run within `minutes`, or finish or continue it (module docstring).
+
+    Reports to `emit` the training loop's own events and dicts: `{prefix}_stage` (stage calibrate
+    or train; status running, done or reused, with the plan's fields), `{prefix}_replan` after each
+    CPU segment and `{prefix}_note`. `output_option` names where the run lives and `start_over`
+    how to replace a run there, for refusals.
+    `overwrite` starts over in a directory that holds a run; `stop`, `allow_data_change` go to `train`.
+    """
+
+    def __init__(
+        self,
+        experiment: ExperimentConfig,
+        minutes: float,
+        *,
+        calibrate: Calibrator,
+        emit: StreamSink,
+        val_blocks: int | None = None,
+        event_prefix: str = "budget",
+        output_option: str = "training.output_dir",
+        start_over: str = "pass --overwrite to start over",
+        overwrite: bool = False,
+        allow_data_change: bool = False,
+        stop: StopSignals | None = None,
+    ):
+        check_minutes(minutes)
+        self.experiment, self.minutes, self.calibrator, self.emit = experiment, minutes, calibrate, emit
+        self.val_blocks = validation_blocks(experiment) if val_blocks is None else val_blocks
+        self.prefix, self.output_option, self.start_over = event_prefix, output_option, start_over
+        self.overwrite, self.allow_data_change, self.stop = overwrite, allow_data_change, stop
+        self.run_dir = Path(experiment.training.output_dir).expanduser()
         self.budget = minutes * 60.0
         self.last_learning_rate: float | None = None
 
     def stage(self, name: str, status: str, **figures: Any) -> None:
-        self.emit({"event": "demo_stage", "stage": name, "status": status, **figures})
+        self.emit({"event": f"{self.prefix}_stage", "stage": name, "status": status, **figures})
 
-    def run(self) -> tuple[TrainingPlan, int, Any]:
+    def note(self, message: str) -> None:
+        self.emit({"event": f"{self.prefix}_note", "message": message})
+
+    def run(self) -> tuple[TrainingPlan, int, TrainResult | None]:
         """Plan and train; returns (plan, step reached, the last TrainResult, or None if reused)."""
 
         plan, step = TrainingPlan.load(self.run_dir), latest_step(self.run_dir)
-        if step is not None and plan is None:
-            raise UserError("holds a training run the demo did not plan", path=self.run_dir,
-                            fix="choose another --output")  # fmt: skip
+        if self.overwrite:
+            plan = step = None
+        elif step is not None and plan is None:
+            raise UserError(
+                f"holds a training run that --minutes did not plan (trained to step {step})",
+                path=self.run_dir,
+                fix=f"choose another {self.output_option}, or {self.start_over}",
+            )
         if step is None or plan is None:
+            from dlm.artifacts.run_dir import check_run_target
+
+            # A run this budget planned but never saved a checkpoint of is redone; any other is kept.
+            check_run_target(self.run_dir, None, self.overwrite or plan is not None)
             plan = self.calibrate()
         else:
             self.stage("calibrate", "reused", **asdict(plan))
@@ -191,12 +288,13 @@ class TrainingStage:
         return plan, result.step, result
 
     def calibrate(self) -> TrainingPlan:
-        from dlm.bench.throughput import run_benchmark
+        """Time a few steps and plan the schedule from them. The plan is saved when the first
+        segment starts: a refused or killed start then leaves the directory as it was."""
 
         device = self.experiment.training.device
         self.stage("calibrate", "running", detail=f"timing {CALIBRATION_STEPS} training steps on {device}")
         started = time.perf_counter()
-        bench = run_benchmark(self.experiment, steps=CALIBRATION_STEPS, warmup=1)
+        bench = self.calibrator(self.experiment, steps=CALIBRATION_STEPS, warmup=1)
         wall = time.perf_counter() - started
         # The first step's one-off costs (allocation, compilation) come again when training starts.
         startup = max(0.0, bench.warmup_seconds - bench.step_time_s)
@@ -215,7 +313,6 @@ class TrainingStage:
                 fix=f"pass --minutes {math.ceil(needed * 10) / 10:g} or more",
             )
         plan = TrainingPlan(self.budget, bench.step_time_s, "calibration", wall, **fields, trained_seconds=wall)
-        plan.save(self.run_dir)
         self.stage("calibrate", "done", seconds=round(wall, 2), tokens_per_second=bench.tokens_per_second,
                    **asdict(plan))  # fmt: skip
         return plan
@@ -236,21 +333,21 @@ class TrainingStage:
         fields = plan_schedule(budget_seconds=self.budget, spent_seconds=plan.trained_seconds, seconds_per_step=pace,
                                base=self.experiment, start_step=step, warmup_steps=plan.warmup_steps)  # fmt: skip
         if isinstance(fields, int):
-            self.emit({"event": "demo_note", "message": f"the budget of {self.minutes:g} minutes is used up "
-                       f"({plan.trained_seconds / 60:.1f} minutes so far): training stays at step {step}"})  # fmt: skip
+            self.note(f"the budget of {self.minutes:g} minutes is used up ({plan.trained_seconds / 60:.1f} minutes "
+                      f"so far): training stays at step {step}")  # fmt: skip
             return None
         source = "measured" if measured else "calibration"
         new = TrainingPlan(self.budget, pace, source, plan.calibration_seconds, **fields,
                            trained_seconds=plan.trained_seconds)  # fmt: skip
         if finished:
-            stretched = with_overrides(self.experiment, new.overrides(), "the demo's plan").training
-            self.emit({"event": "demo_note", "message": (
-                f"continuing from step {step} to {new.max_steps} within {self.minutes:g} minutes: the cosine is "
-                f"stretched, so the learning rate rises from its floor to {learning_rate(step, stretched):.2e} "
-                "(a warm restart) and decays again by the new end")})  # fmt: skip
+            stretched = with_overrides(self.experiment, new.overrides(), "the time budget's plan").training
+            rate = learning_rate(step, stretched)
+            self.note(f"continuing from step {step} to {new.max_steps} within {self.minutes:g} minutes: the cosine "
+                      f"is stretched, so the learning rate rises from its floor to {rate:.2e} (a warm restart) and "
+                      "decays again by the new end")  # fmt: skip
         return new
 
-    def train_segments(self, plan: TrainingPlan, step: int | None) -> Any:
+    def train_segments(self, plan: TrainingPlan, step: int | None) -> TrainResult:
         """Train to plan.max_steps. On the CPU in segments of half the steps left (down to
         MIN_SEGMENT_SHARE of the run), re-planning max_steps after each from the pace it kept: the
         re-plans come closer together towards the end, where a slowdown would cut the schedule."""
@@ -276,22 +373,24 @@ class TrainingStage:
             plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
             plan.seconds_per_step, plan.rate_source = pace, "measured"
             plan.save(self.run_dir)
-            self.emit({"event": "demo_replan", "step": step, "seconds_per_step": round(pace, 4),
+            self.emit({"event": f"{self.prefix}_replan", "step": step, "seconds_per_step": round(pace, 4),
                        "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
 
-    def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> Any:
+    def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> TrainResult:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
 
-        from dlm.artifacts.run_dir import RunDir
+        from dlm.artifacts.run_dir import RunDir, run_files
         from dlm.train.loop import train
 
-        experiment = with_overrides(self.experiment, plan.overrides(), "the demo's plan")
+        experiment = with_overrides(self.experiment, plan.overrides(), "the time budget's plan")
         started, before = time.perf_counter(), plan.trained_seconds
 
         def sink(event: Event) -> None:
             if isinstance(event, TrainEvent):
                 self.last_learning_rate = event.learning_rate
-            if isinstance(event, CheckpointEvent):
+            if isinstance(event, StartEvent):
+                plan.save(self.run_dir)  # after `train` has cleared what a run it replaces left behind
+            elif isinstance(event, CheckpointEvent):
                 # The budget used so far, as of work safely on disk (a killed run redoes the rest).
                 plan.trained_seconds = before + time.perf_counter() - started
                 plan.save(self.run_dir)
@@ -299,12 +398,14 @@ class TrainingStage:
 
         result = train(
             experiment,
-            resume=None if step is None else RunDir(self.run_dir).latest,
-            # No checkpoint yet: whatever a killed first segment left in the demo's run dir goes.
-            overwrite=step is None,
+            resume=None if step is None else RunDir(self.run_dir).latest_checkpoint(),
+            # No checkpoint yet: whatever a replaced run (or a killed first segment) left goes.
+            overwrite=step is None and bool(run_files(self.run_dir)),
             max_run_steps=steps,
             max_run_seconds=max(self.budget - before, 1.0),
             sink=sink,
+            allow_data_change=self.allow_data_change,
+            stop=self.stop,
         )
         plan.trained_seconds = before + time.perf_counter() - started
         plan.save(self.run_dir)
