@@ -23,7 +23,9 @@ from dlm.train.memory import (
     estimate_training_memory,
     format_bytes,
     optimizer_state_bytes,
+    parameter_entries,
     parameter_shapes,
+    weight_copy_bytes,
 )
 from dlm.train.optimizer import build_optimizer
 
@@ -156,6 +158,33 @@ def test_activation_estimate_is_close_to_what_autograd_keeps(precision: str) -> 
     assert saved_activation_bytes(checkpointed, precision) <= activation_bytes(
         checkpointed.model, checkpointed.training, precision
     ) < estimated
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_copies_are_the_bfloat16_casts_autograd_keeps(tied: bool) -> None:
+    # An untied embedding is only indexed: autocast casts the head, never the embedding.
+    config = experiment({**MODELS[1], "d_model": 48, "max_seq_len": 32, "tie_embeddings": tied}, batch_size=2)
+    torch.manual_seed(0)
+    model = DiffusionTransformer(config.model).train()
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    copies: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        # A matmul keeps its weight's copy as is or transposed.
+        if tensor.dtype == torch.bfloat16 and any(
+            tensor.shape == view.shape and torch.equal(tensor, view.detach().to(torch.bfloat16))
+            for p in matrices for view in (p, p.T)
+        ):
+            copies[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.randint(0, config.model.vocab_size, (2, 32))
+    mask = torch.rand(tokens.shape) < 0.5
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            masked_token_losses(masked_logits(model, tokens, mask, tokens), tokens[mask])
+    entries = parameter_entries(config.model, config.training)
+    assert sum(copies.values()) == weight_copy_bytes(entries, config.model, "bfloat16") > 0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
