@@ -175,8 +175,10 @@ def _build_adamw8bit(
 def _vocabulary_modules(model: nn.Module) -> list[nn.Module]:
     """The token embedding, and the output head when it is a module of its own (untied)."""
 
-    head = getattr(model, "head", None)
-    return [model.token_embedding] + ([head] if head is not None else [])
+    import torch
+
+    head = getattr(model, "head", None)  # None when tied
+    return [model.get_submodule("token_embedding")] + ([head] if isinstance(head, torch.nn.Module) else [])
 
 
 # The parameters `_vocabulary_modules` names, as `parameter_entries` lists them.
