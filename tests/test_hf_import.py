@@ -244,3 +244,35 @@ def test_embedding_rows_past_the_tokenizer_are_never_sampled(tiny_tokenizer_path
     result = dlm.sample(model, tokenizer, prompt="ROMEO:", length=40, steps=4, seed=1, num_samples=4)
     generated = [token for row in result.token_ids for token in row[result.prompt_tokens[0] :]]
     assert len(generated) == 160 and max(generated) < VOCAB  # 63 of 575 ids spare: 1e-8 to miss them by chance
+
+
+@pytest.mark.lora
+def test_lora_on_an_imported_model_exports_adapters_that_load_alone(
+    tiny_tokenizer_path: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    """LoRA with --init-from an imported Llama (grouped-query attention, an untied head, llama3 rope
+    scaling): the adapters-only export carries the tokenizer_config.json that names the imported
+    tokenizer's special tokens, so it loads and samples as the merged export does."""
+
+    pytest.importorskip("peft")
+    build_hf_model("llama", tmp_path / "llama", tiny_tokenizer_path)
+    output = import_model(tmp_path / "llama", tmp_path / "imported", add_mask_token=True, dtype="float32")
+    data = _packed(output, tmp_path / "data")
+    sets = [f"training.train_data={data / 'train.bin'}", "training.val_data=none", "training.max_steps=2",
+            f"training.output_dir={tmp_path / 'run'}", "training.warmup_steps=1", "training.save_interval=2",
+            "training.lora.rank=4"]  # fmt: skip
+    args = [item for value in sets for item in ("--set", value)]
+    trained = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *args, "--init-from", output, "--json")
+    assert trained.exit_code == 0, trained.stderr
+    for name, extra in (("merged", ["--dtype", "float32"]), ("adapters", ["--adapters-only"])):
+        exported = run_cli("export", tmp_path / "run", "--output", tmp_path / name, *extra)
+        assert exported.exit_code == 0, exported.stderr
+    settings = (tmp_path / "adapters" / "tokenizer_config.json").read_bytes()
+    assert settings == (output / "tokenizer_config.json").read_bytes()
+    (merged, _), (adapted, tokenizer) = dlm.load(tmp_path / "merged"), dlm.load(tmp_path / "adapters")
+    assert adapted.config.tie_embeddings is False and special_token_id(tokenizer, "eos") == 0
+    tokens = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted.eval()(tokens), merged.eval()(tokens), rtol=0, atol=1e-5)
+    sampled = run_cli("sample", tmp_path / "adapters", "--prompt", "ROMEO:", "--length", "8", "--steps", "4")
+    assert sampled.exit_code == 0, sampled.stderr

@@ -206,3 +206,34 @@ def test_two_ddp_processes_train_the_adapters_as_one_process(
     assert one["model"].keys() == two["model"].keys() and one["lora_base"] == two["lora_base"]
     for name, tensor in one["model"].items():  # the same adapters, up to the order of the gradient sums
         torch.testing.assert_close(two["model"][name], tensor, rtol=0, atol=1e-5)
+
+
+VARIANT = ("model.n_kv_heads=1", "model.qkv_bias=true", "model.qk_norm=true", "model.tie_embeddings=false")
+
+
+def test_lora_on_a_model_with_the_imported_variant_properties(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    from dlm.model.lora import add_adapters, load_base_and_adapters
+
+    base = train_tiny_run(tiny_data_dir, tmp_path / "base", *VARIANT)
+    head = tiny_experiment(tiny_data_dir, tmp_path / "head", *VARIANT, *lora_settings(base),
+                           "training.lora.target_modules=qkv,head")  # fmt: skip
+    # The model multiplies by the untied head's weight, not through the module: an adapter there would never train.
+    valid = r"'head' is not a Linear layer of the model's blocks \(use some of: down, gate_up, out, qkv\)"
+    with pytest.raises(UserError, match=valid):
+        train(head)
+    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *VARIANT, *lora_settings(base))
+    result = train(experiment)
+    model = add_adapters(DiffusionTransformer(experiment.model), experiment.training.lora)
+    adapters = load_checkpoint(result.checkpoint)["model"]
+    load_base_and_adapters(model, load_checkpoint(base / "latest.pt")["model"], adapters)
+    tokens = torch.randint(3, experiment.model.vocab_size, (2, experiment.model.max_seq_len))
+    expected = _logits(model, tokens)
+    for extra in ((), ("--adapters-only",)):
+        output = tmp_path / f"export{len(extra)}"
+        exported = run_cli("export", tmp_path / "run", "--output", output, "--dtype", "float32", *extra)
+        assert exported.exit_code == 0, exported.stderr
+        loaded, _ = load_model(output)
+        assert loaded.config.tie_embeddings is False and loaded.config.kv_heads == 1
+        torch.testing.assert_close(_logits(loaded, tokens), expected, rtol=0, atol=1e-5)

@@ -23,7 +23,9 @@ from dlm.train.memory import (
     estimate_training_memory,
     format_bytes,
     optimizer_state_bytes,
+    parameter_entries,
     parameter_shapes,
+    weight_copy_bytes,
 )
 from dlm.train.optimizer import build_optimizer
 
@@ -114,12 +116,17 @@ def test_an_optimizer_without_a_known_state_size_counts_none() -> None:
 
 
 @pytest.mark.bitsandbytes
-def test_adamw8bit_state_matches_bitsandbytes() -> None:
-    config = experiment(optimizer="adamw8bit", optimizer_min_8bit_size=1024)
+@pytest.mark.parametrize("tied", [True, False])
+def test_adamw8bit_state_matches_bitsandbytes(tied: bool) -> None:
+    config = experiment({**MODELS[1], "tie_embeddings": tied}, optimizer="adamw8bit", optimizer_min_8bit_size=1024)
     model = DiffusionTransformer(config.model)
     optimizer = one_step(model, config)
     moments = sum(state[key].nbytes for state in optimizer.state.values() for key in ("state1", "state2"))
     assert optimizer_state_bytes(config.model, config.training) == moments
+    # The vocabulary matrices keep 32-bit state, an untied head as well as the embedding.
+    vocabulary = [model.token_embedding.weight] + ([] if model.head is None else [model.head.weight])
+    assert all(optimizer.state[weight]["state1"].dtype == torch.float32 for weight in vocabulary)
+    assert optimizer.state[model.blocks[0].mlp.down.weight]["state1"].dtype == torch.uint8
 
 
 def saved_activation_bytes(config: ExperimentConfig, precision: str) -> int:
@@ -156,6 +163,33 @@ def test_activation_estimate_is_close_to_what_autograd_keeps(precision: str) -> 
     assert saved_activation_bytes(checkpointed, precision) <= activation_bytes(
         checkpointed.model, checkpointed.training, precision
     ) < estimated
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_copies_are_the_bfloat16_casts_autograd_keeps(tied: bool) -> None:
+    # An untied embedding is only indexed: autocast casts the head, never the embedding.
+    config = experiment({**MODELS[1], "d_model": 48, "max_seq_len": 32, "tie_embeddings": tied}, batch_size=2)
+    torch.manual_seed(0)
+    model = DiffusionTransformer(config.model).train()
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    copies: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        # A matmul keeps its weight's copy as is or transposed.
+        if tensor.dtype == torch.bfloat16 and any(
+            tensor.shape == view.shape and torch.equal(tensor, view.detach().to(torch.bfloat16))
+            for p in matrices for view in (p, p.T)
+        ):
+            copies[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.randint(0, config.model.vocab_size, (2, 32))
+    mask = torch.rand(tokens.shape) < 0.5
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        masked_token_losses(masked_logits(model, tokens, mask, tokens), tokens[mask])
+    entries = parameter_entries(config.model, config.training)
+    assert sum(copies.values()) == weight_copy_bytes(entries, config.model, "bfloat16") > 0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -309,3 +309,29 @@ def test_a_sharded_run_is_refused_unless_overwritten(runs: dict[str, Path], tmp_
     assert sorted(path.name for path in run.iterdir()) == [
         ".lock", "config.json", "inference-latest.pt", "latest.pt", "metrics.jsonl", "step-00000002.pt",
     ]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [("model.n_kv_heads=1", "model.qkv_bias=true", "model.qk_norm=true", "model.tie_embeddings=false"),
+     ("model.document_separator_id=0",)],  # dlm's tokenizers end a document with id 0
+    ids=["imported-variant", "document-attention"],
+)  # fmt: skip
+def test_the_model_variants_save_resume_and_export_sharded(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], variant: tuple[str, ...]
+) -> None:
+    straight = tiny(tiny_data_dir, tmp_path / "straight", "training.checkpoint_format=dcp", *variant)
+    train(straight)
+    split = tiny(tiny_data_dir, tmp_path / "split", "training.checkpoint_format=dcp", *variant)
+    paused = train(split, max_run_steps=2)
+    assert paused.checkpoint == tmp_path / "split" / "step-00000002"
+    train(split, resume=paused.checkpoint)
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")
+    _, resumed, _ = read_sharded_weights(tmp_path / "split" / "latest")
+    _, expected, _ = read_sharded_weights(tmp_path / "straight" / "latest")
+    assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
+    exported = run_cli("export", tmp_path / "split", "--output", tmp_path / "export", "--dtype", "float32")
+    assert exported.exit_code == 0, exported.stderr
+    model, _ = load_model(tmp_path / "export")
+    assert model.config == split.model
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in model.state_dict().items())

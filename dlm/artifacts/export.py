@@ -409,10 +409,11 @@ def _write_export_directory(
 
 
 def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True, overwrite: bool = False) -> Path:
-    """`dlm export --adapters-only`: a LoRA run's adapters in float32 (peft's file names), its tokenizer,
-    and an `adapter_config.json` that holds peft's LoRA settings and, under `dlm`, the model config and
-    the base model the adapters need (its path and its weights' sha256). `dlm.load` on the directory
-    merges them onto that base, refusing a base whose weights changed."""
+    """`dlm export --adapters-only`: a LoRA run's adapters in float32 (peft's file names), its tokenizer
+    (with the tokenizer_config.json beside it, if any), and an `adapter_config.json` that holds peft's
+    LoRA settings and, under `dlm`, the model config and the base model the adapters need (its path and
+    its weights' sha256). `dlm.load` on the directory merges them onto that base, refusing a base whose
+    weights changed."""
 
     from dlm.model.lora import peft_config, to_peft_names
 
@@ -426,6 +427,8 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
             fix="export merged weights without --adapters-only",
         )
     tokenizer = checked_tokenizer(info)
+    # An imported tokenizer's special tokens (and any chat template) are named by its tokenizer_config.json.
+    tokenizer_settings, _ = export_tokenizer_config(info)
     stored = {name: tensor.float().contiguous() for name, tensor in to_peft_names(adapters).items()}
     lora_settings = {key: sorted(value) if isinstance(value, set) else value
                      for key, value in peft_config(info.lora).to_dict().items()}  # fmt: skip
@@ -444,19 +447,22 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
         output.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(building, ignore_errors=True)
         try:
-            _write_adapters(building, stored, config, tokenizer)
+            _write_adapters(building, stored, config, tokenizer, tokenizer_settings)
             swap_directory_into_place(building, output)
         finally:
             shutil.rmtree(building, ignore_errors=True)
     return output
 
 
-def _write_adapters(directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path) -> None:
+def _write_adapters(directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path,
+                    tokenizer_settings: Path | None) -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     directory.mkdir()
     save_file(stored, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": ADAPTER_FORMAT})
     share_as_created(directory / ADAPTER_WEIGHTS_NAME)
     shutil.copyfile(tokenizer, directory / TOKENIZER_NAME)
+    if tokenizer_settings is not None:
+        shutil.copyfile(tokenizer_settings, directory / TOKENIZER_CONFIG_NAME)
     # adapter_config.json last: it is what marks the directory as a complete adapter export.
     (directory / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -159,9 +159,11 @@ def _build_adamw8bit(
     # (a bench sweep, a test) can neither leak its 32-bit override into this one nor pin its model.
     manager.initialize()
     if training.optimizer_embedding_32bit:
-        # 8-bit state is known to hurt embeddings in NLP models; the LM head is tied to this very
-        # Parameter, so one override protects both roles for a modest memory cost.
-        manager.register_module_override(model.token_embedding, "weight", {"optim_bits": 32})
+        # 8-bit state is known to hurt embeddings in NLP models, and the output head is the same kind
+        # of vocabulary matrix: a tied head is this very Parameter, an untied one (`model.head`) gets
+        # its own override. Frozen ones (a LoRA run's) are in no group and stay without state.
+        for module in _vocabulary_modules(model):
+            manager.register_module_override(module, "weight", {"optim_bits": 32})
     optimizer = bnb.optim.AdamW8bit(groups, min_8bit_size=training.optimizer_min_8bit_size, **_adam_settings(training))
     if training.optimizer_embedding_32bit:
         # Resolve the override now (bitsandbytes would on the first step) and let go of the module.
@@ -169,6 +171,18 @@ def _build_adamw8bit(
         manager.module_weight_config_triple.clear()
     return optimizer
 
+
+def _vocabulary_modules(model: nn.Module) -> list[nn.Module]:
+    """The token embedding, and the output head when it is a module of its own (untied)."""
+
+    import torch
+
+    head = getattr(model, "head", None)  # None when tied
+    return [model.get_submodule("token_embedding")] + ([head] if isinstance(head, torch.nn.Module) else [])
+
+
+# The parameters `_vocabulary_modules` names, as `parameter_entries` lists them.
+_VOCABULARY_WEIGHTS = frozenset({"token_embedding.weight", "head.weight"})
 
 _FLOAT32_MOMENTS = 8  # bytes per parameter: Adam's two float32 moments
 _UINT8_MOMENTS = 2  # two uint8 moments; the per-block scales add ~1%, left out of a lower bound
@@ -179,12 +193,13 @@ def _adamw_state_bytes(parameters: Sequence[tuple[str, int]], training: Training
 
 
 def _adamw8bit_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingConfig) -> int:
-    """8-bit moments, but 32-bit ones for tensors the builder keeps there (small ones, the embedding)."""
+    """8-bit moments, but 32-bit ones for tensors the builder keeps there (small ones, the embedding and
+    an untied head)."""
 
     total = 0
     for name, size in parameters:
         keeps_32bit = size < training.optimizer_min_8bit_size or (
-            training.optimizer_embedding_32bit and name == "token_embedding.weight"
+            training.optimizer_embedding_32bit and name in _VOCABULARY_WEIGHTS
         )
         total += size * (_FLOAT32_MOMENTS if keeps_32bit else _UINT8_MOMENTS)
     return total

@@ -162,7 +162,7 @@ class TrainingConfig(_Strict):
         "adamw", description=f"A registered optimizer (`dlm/config/optimizer_registry.py`): {describe_optimizers()}."
     )
     optimizer_embedding_32bit: bool = Field(
-        True, description="adamw8bit: keep 32-bit optimizer state for the tied embedding / head."
+        True, description="adamw8bit: keep 32-bit optimizer state for the embedding and the output head, tied or not."
     )
     optimizer_min_8bit_size: int = Field(
         4096, ge=0, description="adamw8bit: tensors with fewer elements keep 32-bit state."

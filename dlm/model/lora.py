@@ -35,9 +35,12 @@ def is_adapter(name: str) -> bool:
 
 
 def linear_layer_names(model: nn.Module) -> list[str]:
-    """The names `target_modules` may hold: the last part of every Linear layer's path, once each."""
+    """The names `target_modules` may hold: the last part of every Linear layer's path in the blocks,
+    once each. An untied output head is a Linear layer too, but the model multiplies by its weight
+    directly, never through the module, so an adapter there would never train or take effect."""
 
-    names = {path.rsplit(".", 1)[-1] for path, module in model.named_modules() if isinstance(module, nn.Linear)}
+    names = {path.rsplit(".", 1)[-1] for path, module in model.named_modules()
+             if isinstance(module, nn.Linear) and path.startswith("blocks.")}  # fmt: skip
     return sorted(name for name in names if name not in _ADAPTER_PARTS)
 
 
@@ -48,7 +51,7 @@ def check_targets(model: nn.Module, lora: LoraConfig) -> None:
     if unknown := [name for name in lora.target_modules if name not in valid]:
         raise UserError(
             f"training.lora.target_modules: {', '.join(map(repr, unknown))} "
-            f"{'is not a Linear layer' if len(unknown) == 1 else 'are not Linear layers'} of the model",
+            f"{'is not a Linear layer' if len(unknown) == 1 else 'are not Linear layers'} of the model's blocks",
             fix=f"use some of: {', '.join(valid)}",
         )
 

@@ -79,6 +79,8 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "a
     from dlm.data.chat import ChatTemplate
     from dlm.runtime.device import resolve_device
     from dlm.runtime.threads import configure_cpu_threads
+    from dlm.sampling.dispatch import check_samplable
+    from dlm.sampling.options import SamplingOptions
     from dlm.serving.app import ServedModel
 
     if dtype not in SERVE_DTYPES:
@@ -86,6 +88,8 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "a
     resolved = resolve_device(device)
     configure_cpu_threads(resolved)  # one thread per free core: more would spin against other work
     loaded = load_model_with_info(path, resolved, SERVE_DTYPES[dtype])
+    # A model no request could sample (a causal import not yet adapted) stops here, not at every request.
+    check_samplable(loaded.model.config, SamplingOptions())
     template = ChatTemplate.for_tokenizer(loaded.info.tokenizer_path)
     template.check()  # a broken template stops the server before it listens
     served_name = name or Path(path).resolve().name

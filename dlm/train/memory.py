@@ -154,12 +154,14 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
 def weight_copy_bytes(entries: list[ParameterEntry], model: ModelConfig, precision: str) -> int:
     """Bytes of the compute-dtype copies autocast makes of float32 matmul weights, which the backward
     pass keeps (it needs them for the input's gradient, frozen or not): every block's, or with activation
-    checkpointing one block's at a time, plus the head's (the embedding). None in float32, and none for
-    weights stored in the compute dtype already (a LoRA run's bfloat16 base)."""
+    checkpointing one block's at a time, plus the head's (the embedding when tied; an untied embedding is
+    only indexed, never a matmul weight). None in float32, and none for weights stored in the compute
+    dtype already (a LoRA run's bfloat16 base)."""
 
     if precision == "float32":
         return 0
-    cast = [entry for entry in entries if entry.matrix and entry.element_bytes == 4]
+    indexed_only = set() if model.tie_embeddings else {"token_embedding.weight"}
+    cast = [entry for entry in entries if entry.matrix and entry.element_bytes == 4 and entry.name not in indexed_only]
     in_blocks = sum(entry.size for entry in cast if entry.name.startswith("blocks."))
     outside = sum(entry.size for entry in cast) - in_blocks
     if model.activation_checkpointing:
