@@ -361,13 +361,20 @@ def test_api_key(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path) -> None:
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "dlm", "serve", str(model_dir), "--port", "0", "--json", "--device", "cpu"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # fmt: skip
+    # The console's lines go to a file: a pipe nobody reads fills up (a line per /health poll) and
+    # then blocks the server's writes, which under load would outlast the requests being awaited.
+    log, errors = tmp_path / "serve.jsonl", tmp_path / "serve.err"
+    environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with open(log, "w") as output, open(errors, "w") as error_output:
+        process = subprocess.Popen(command, stdout=output, stderr=error_output, text=True, env=environment)
     try:
-        assert process.stdout is not None
-        start = json.loads(process.stdout.readline())
+        deadline = time.monotonic() + WAIT
+        while not log.read_text().endswith("\n"):  # the start line, once written whole
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        start = json.loads(log.read_text().splitlines()[0])
         assert start["event"] == "start"
         url = start["url"]
         answers: list[httpx.Response] = []
@@ -385,12 +392,12 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path) ->
         process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(WAIT)
-        assert process.wait(WAIT) == 0, process.stderr.read() if process.stderr else ""
+        assert process.wait(WAIT) == 0, errors.read_text()
         assert [answer.status_code for answer in answers] == [200, 200, 200]
         assert all(answer.json()["choices"][0]["text"] is not None for answer in answers)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=WAIT)
-        lines = [json.loads(line) for line in process.stdout.read().splitlines()]
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
         assert lines[-1]["event"] == "stop" and lines[-1]["requests"] == 3
     finally:
         if process.poll() is None:
