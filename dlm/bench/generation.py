@@ -94,6 +94,19 @@ class GenerateRow:
     example: str
 
 
+@dataclass(frozen=True)
+class Relative:
+    """A row's figures as ratios to the default sampler's row of the same run."""
+
+    speedup: float  # tokens/s over the default's
+    perplexity_change: float  # judge perplexity / the default's - 1
+    entropy_change: float  # unigram entropy / the default's - 1
+    frontier: bool  # no other row has both more tokens/s and a lower judge perplexity
+
+    def within(self, perplexity_bound: float, entropy_bound: float) -> bool:
+        return abs(self.perplexity_change) <= perplexity_bound and abs(self.entropy_change) <= entropy_bound
+
+
 @dataclass
 class GenerateReport:
     length: int
@@ -103,8 +116,32 @@ class GenerateReport:
     rows: list[GenerateRow] = field(default_factory=list)
     seed: int = 0
 
+    def default_row(self) -> GenerateRow | None:
+        """The row of the default sampler (`dlm sample`'s options, one step per token), when a setting is it."""
+
+        from dlm.sampling.options import SamplingOptions
+
+        defaults = asdict(SamplingOptions()) | {"steps": self.length}
+        return next((row for row in self.rows if all(defaults.get(key, object()) == value
+                                                      for key, value in row.setting.items())), None)  # fmt: skip
+
+    def relative(self) -> list[Relative] | None:
+        """Every row against the default sampler's row (None without one): ratios taken within one run,
+        where other work on the machine slowed all settings alike, carry over; absolute tokens/s do not."""
+
+        reference = self.default_row()
+        if reference is None:
+            return None
+        return [Relative(row.tokens_per_second / reference.tokens_per_second,
+                         row.judge_perplexity / reference.judge_perplexity - 1,
+                         row.unigram_entropy_bits / reference.unigram_entropy_bits - 1,
+                         not any(other.tokens_per_second > row.tokens_per_second
+                                 and other.judge_perplexity < row.judge_perplexity for other in self.rows))
+                for row in self.rows]  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        relative = self.relative()
+        return asdict(self) | {"relative_to_default": None if relative is None else [asdict(r) for r in relative]}
 
 
 def unigram_entropy(token_ids: list[list[int]]) -> float:
@@ -221,12 +258,23 @@ def benchmark_generation(
     return report
 
 
+def setting_label(setting: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in setting.items()) or "defaults"
+
+
 def report_table(report: GenerateReport) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows; with the default sampler among the settings, also each row's speed-up over it."""
+
     headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)"]
     rows = [
-        [" ".join(f"{k}={v}" for k, v in row.setting.items()) or "defaults", f"{row.tokens_per_second:.1f}",
+        [setting_label(row.setting), f"{row.tokens_per_second:.1f}",
          f"{row.passes_per_token:.3f}", f"{row.forward_tokens_per_token:.1f}", f"{row.judge_perplexity:.2f}",
          f"{row.unigram_entropy_bits:.3f}"]
         for row in report.rows
     ]  # fmt: skip
+    relative = report.relative()
+    if relative is not None:
+        headers.insert(2, "x default")
+        for row, figures in zip(rows, relative, strict=True):
+            row.insert(2, f"{figures.speedup:.2f}")
     return headers, rows
