@@ -14,7 +14,15 @@ from test_fast_sampling import small_transformer
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
-from dlm.bench.generation import benchmark_generation, judge_nll, parse_generate_compare, report_table, unigram_entropy
+from dlm.bench.generation import (
+    GenerateReport,
+    GenerateRow,
+    benchmark_generation,
+    judge_nll,
+    parse_generate_compare,
+    report_table,
+    unigram_entropy,
+)
 from dlm.cli import app
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
@@ -74,6 +82,7 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     assert none.generated_tokens == dual.generated_tokens == 32
     assert none.tokens_per_second > 0 and 0 < none.passes_per_token <= 1
     assert dual.forward_tokens_per_token < none.forward_tokens_per_token
+    assert all(0 < row.cpu_seconds < math.inf and row.tokens_per_cpu_second > 0 for row in report.rows)
     assert all(math.isfinite(row.judge_perplexity) and row.judge_perplexity > 1 for row in report.rows)
     headers, table = report_table(report)
     assert headers[1] == "tokens/s" and table[1][0] == "block_length=8 cache=dual"
@@ -212,3 +221,44 @@ def test_a_length_past_the_context_names_benchs_own_options(exports: list[int], 
     result = run_cli("bench", "--generate", "m", "--length", "100")
     result.assert_refused("error: --length (100) is more than the model's max_seq_len (16)", "lower --length")
     assert "--prompt" not in result.stderr and exports == []
+
+
+def _row(setting: dict[str, object], tokens_per_second: float, perplexity: float, entropy: float) -> GenerateRow:
+    return GenerateRow(setting=setting, generated_tokens=64, seconds=64 / tokens_per_second,
+                       tokens_per_second=tokens_per_second, passes_per_token=1.0, forward_tokens_per_token=64.0,
+                       judge_perplexity=perplexity, unigram_entropy_bits=entropy, example="",
+                       cpu_seconds=32 / tokens_per_second, tokens_per_cpu_second=2 * tokens_per_second)  # fmt: skip
+
+
+def test_rows_are_compared_with_the_default_sampler_of_the_same_run() -> None:
+    report = GenerateReport(length=64, num_samples=16, judge="j", rows=[
+        _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 64}, 500.0, 109.0, 7.0),
+        _row({"block_length": None, "cache": "none", "threshold": None, "steps": 64}, 100.0, 100.0, 7.0),
+        _row({"block_length": None, "cache": "none", "threshold": None, "steps": 16}, 300.0, 120.0, 6.3),
+        _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 32}, 800.0, 105.0, 7.28),
+    ])  # fmt: skip
+    assert report.default_row() is report.rows[1]
+    relative = report.relative()
+    assert relative is not None
+    assert [r.speedup for r in relative] == [r.cpu_speedup for r in relative] == [5.0, 1.0, 3.0, 8.0]
+    assert [r.perplexity_change for r in relative] == pytest.approx([0.09, 0.0, 0.2, 0.05])
+    assert [r.entropy_change for r in relative] == pytest.approx([0.0, 0.0, -0.1, 0.04])
+    # The frontier: nothing else is both faster and lower in judge perplexity.
+    assert [r.frontier for r in relative] == [False, True, False, True]
+    assert [r.within(0.10, 0.05) for r in relative] == [True, True, False, True]
+    headers, table = report_table(report)
+    assert headers[:4] == ["setting", "tokens/s", "x default", "x default (CPU s)"]
+    assert [row[2] for row in table] == [row[3] for row in table] == ["5.00", "1.00", "3.00", "8.00"]
+    assert report.to_dict()["relative_to_default"][3]["speedup"] == 8.0
+    # Without the default sampler among the settings there is nothing to compare with.
+    report.rows.pop(1)
+    assert report.default_row() is None and report.relative() is None
+    assert "x default" not in report_table(report)[0] and report.to_dict()["relative_to_default"] is None
+
+
+def test_the_default_row_is_the_sampler_with_no_option_changed() -> None:
+    report = GenerateReport(length=32, num_samples=1, judge="j", rows=[
+        _row({"steps": 16}, 1.0, 2.0, 3.0), _row({"top_p": 0.5}, 1.0, 2.0, 3.0), _row({}, 1.0, 2.0, 3.0)])  # fmt: skip
+    assert report.default_row() is report.rows[2]
+    report.rows[2] = _row({"steps": 32, "top_p": 0.9, "remasking": "random", "cache": "none"}, 1.0, 2.0, 3.0)
+    assert report.default_row() is report.rows[2]

@@ -16,6 +16,7 @@ Settings are sampler options of `dlm.sampling.generation.generate` (`steps`, `bl
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -92,6 +93,24 @@ class GenerateRow:
     judge_perplexity: float
     unigram_entropy_bits: float
     example: str
+    # CPU seconds of this process (all its threads) in the least of the runs: on shared cores, other
+    # work stretches wall time but hardly the CPU time a setting uses.
+    cpu_seconds: float = math.nan
+    tokens_per_cpu_second: float = math.nan
+
+
+@dataclass(frozen=True)
+class Relative:
+    """A row's figures as ratios to the default sampler's row of the same run."""
+
+    speedup: float  # tokens/s over the default's
+    cpu_speedup: float  # tokens per CPU second over the default's
+    perplexity_change: float  # judge perplexity / the default's - 1
+    entropy_change: float  # unigram entropy / the default's - 1
+    frontier: bool  # no other row has both more tokens per CPU second and a lower judge perplexity
+
+    def within(self, perplexity_bound: float, entropy_bound: float) -> bool:
+        return abs(self.perplexity_change) <= perplexity_bound and abs(self.entropy_change) <= entropy_bound
 
 
 @dataclass
@@ -103,8 +122,33 @@ class GenerateReport:
     rows: list[GenerateRow] = field(default_factory=list)
     seed: int = 0
 
+    def default_row(self) -> GenerateRow | None:
+        """The row of the default sampler (`dlm sample`'s options, one step per token), when a setting is it."""
+
+        from dlm.sampling.options import SamplingOptions
+
+        defaults = asdict(SamplingOptions()) | {"steps": self.length}
+        return next((row for row in self.rows if all(defaults.get(key, object()) == value
+                                                      for key, value in row.setting.items())), None)  # fmt: skip
+
+    def relative(self) -> list[Relative] | None:
+        """Every row against the default sampler's row (None without one): ratios taken within one run,
+        where other work on the machine slowed all settings alike, carry over; absolute tokens/s do not."""
+
+        reference = self.default_row()
+        if reference is None:
+            return None
+        return [Relative(row.tokens_per_second / reference.tokens_per_second,
+                         row.tokens_per_cpu_second / reference.tokens_per_cpu_second,
+                         row.judge_perplexity / reference.judge_perplexity - 1,
+                         row.unigram_entropy_bits / reference.unigram_entropy_bits - 1,
+                         not any(other.tokens_per_cpu_second > row.tokens_per_cpu_second
+                                 and other.judge_perplexity < row.judge_perplexity for other in self.rows))
+                for row in self.rows]  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        relative = self.relative()
+        return asdict(self) | {"relative_to_default": None if relative is None else [asdict(r) for r in relative]}
 
 
 def unigram_entropy(token_ids: list[list[int]]) -> float:
@@ -153,7 +197,7 @@ def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 
 
 
 def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_samples: int,
-             result: SampleResult) -> GenerateRow:  # fmt: skip
+             result: SampleResult, cpu_seconds: float) -> GenerateRow:  # fmt: skip
     options = base | setting
     generated = sum(result.lengths)
     per_sample = generated / max(len(result.lengths), 1)
@@ -167,6 +211,7 @@ def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_
         passes_per_token=result.forward_passes / per_sample,
         forward_tokens_per_token=result.forward_tokens / max(generated, 1),
         judge_perplexity=math.exp(nll), unigram_entropy_bits=unigram_entropy(samples), example=result.texts[0][:120],
+        cpu_seconds=cpu_seconds, tokens_per_cpu_second=generated / cpu_seconds if cpu_seconds > 0 else math.inf,
     )  # fmt: skip
 
 
@@ -188,7 +233,7 @@ def benchmark_generation(
 
     `length` defaults to the model's context; the base setting takes one step per token (the
     slowest, reference sampler) unless a setting names `steps`. The settings run in `repeats`
-    interleaved rounds and each reports its fastest run.
+    interleaved rounds and each reports its fastest run (and, apart, its least CPU time of a run).
     """
 
     context = model.config.max_seq_len
@@ -208,25 +253,39 @@ def benchmark_generation(
     # the ratios stay fair. The same seed repeats the same samples; the fastest run of each setting
     # is the one least disturbed.
     fastest: list[SampleResult | None] = [None] * len(settings)
+    least_cpu = [math.inf] * len(settings)
     for round_index in range(repeats):
         for index, setting in enumerate(settings):
             if progress is not None:
                 progress(f"round {round_index + 1}/{repeats}: generating with {setting or 'the defaults'}")
+            cpu_start = time.process_time()
             result = generate(model, tokenizer, **(base | setting))
+            least_cpu[index] = min(least_cpu[index], time.process_time() - cpu_start)
             best = fastest[index]
             fastest[index] = result if best is None or result.seconds < best.seconds else best
-    for setting, kept in zip(settings, fastest, strict=True):
+    for setting, kept, cpu_seconds in zip(settings, fastest, least_cpu, strict=True):
         assert kept is not None
-        report.rows.append(_measure(judge or model, setting, base, mc_samples, kept))
+        report.rows.append(_measure(judge or model, setting, base, mc_samples, kept, cpu_seconds))
     return report
 
 
+def setting_label(setting: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in setting.items()) or "defaults"
+
+
 def report_table(report: GenerateReport) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows; with the default sampler among the settings, also each row's speed-up over it."""
+
     headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)"]
     rows = [
-        [" ".join(f"{k}={v}" for k, v in row.setting.items()) or "defaults", f"{row.tokens_per_second:.1f}",
+        [setting_label(row.setting), f"{row.tokens_per_second:.1f}",
          f"{row.passes_per_token:.3f}", f"{row.forward_tokens_per_token:.1f}", f"{row.judge_perplexity:.2f}",
          f"{row.unigram_entropy_bits:.3f}"]
         for row in report.rows
     ]  # fmt: skip
+    relative = report.relative()
+    if relative is not None:
+        headers[2:2] = ["x default", "x default (CPU s)"]
+        for row, figures in zip(rows, relative, strict=True):
+            row[2:2] = [f"{figures.speedup:.2f}", f"{figures.cpu_speedup:.2f}"]
     return headers, rows
