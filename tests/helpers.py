@@ -14,19 +14,22 @@ from dlm.train.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tiny_settings(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`--set` values that point a config at a packed tiny data dir (the `tiny_data_dir` fixture) and a run dir."""
+
+    return [
+        f"training.tokenizer={data_dir / 'tokenizer.json'}",
+        f"training.train_data={data_dir / 'train.bin'}",
+        f"training.val_data={data_dir / 'val.bin'}",
+        f"training.output_dir={run_dir}",
+        *overrides,
+    ]
+
+
 def tiny_experiment(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:
     """configs/tiny.toml pointed at a packed tiny data dir (the `tiny_data_dir` fixture) and a run dir."""
 
-    return load_config(
-        ROOT / "configs" / "tiny.toml",
-        [
-            f"training.tokenizer={data_dir / 'tokenizer.json'}",
-            f"training.train_data={data_dir / 'train.bin'}",
-            f"training.val_data={data_dir / 'val.bin'}",
-            f"training.output_dir={run_dir}",
-            *overrides,
-        ],
-    )
+    return load_config(ROOT / "configs" / "tiny.toml", tiny_settings(data_dir, run_dir, *overrides))
 
 
 def train_tiny_run(data_dir: Path, run_dir: Path, *extra: str) -> Path:

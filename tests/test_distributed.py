@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import tiny_settings
 
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.config.schema import ExperimentConfig, load_config
@@ -49,13 +50,7 @@ SPAWNED_DEADLINE_S = 900  # all four spawned runs; each takes seconds on an idle
 
 
 def data_overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        f"training.tokenizer={data_dir / 'tokenizer.json'}",
-        f"training.train_data={data_dir / 'train.bin'}",
-        f"training.val_data={data_dir / 'val.bin'}",
-        f"training.output_dir={run_dir}",
-        *COMMON,
-    ]
+    return tiny_settings(data_dir, run_dir, *COMMON)
 
 
 def tiny(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:

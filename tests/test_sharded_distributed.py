@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import tiny_settings
 
 from dlm.artifacts.sharded_checkpoint import (
     MARKER_NAME,
@@ -51,14 +52,7 @@ DEADLINE_S = 900
 
 
 def settings(data_dir: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        f"training.tokenizer={data_dir / 'tokenizer.json'}",
-        f"training.train_data={data_dir / 'train.bin'}",
-        f"training.val_data={data_dir / 'val.bin'}",
-        f"training.output_dir={run_dir}",
-        *COMMON,
-        *overrides,
-    ]
+    return tiny_settings(data_dir, run_dir, *COMMON, *overrides)
 
 
 def tiny(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_settings
 
 from dlm.config.schema import load_config
 from dlm.errors import UserError
@@ -18,13 +19,7 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 
 
 def tiny_overrides(data: Path, output: Path, *extra: str) -> list[str]:
-    return [
-        f"training.tokenizer={data / 'tokenizer.json'}",
-        f"training.train_data={data / 'train.bin'}",
-        f"training.val_data={data / 'val.bin'}",
-        f"training.output_dir={output}",
-        *extra,
-    ]
+    return tiny_settings(data, output, *extra)
 
 
 def failed(overrides: list[str]) -> dict[str, tuple[str, str]]:
