@@ -152,7 +152,8 @@ def _read_checkpoint(path: Path, use_ema: bool, merge: bool) -> tuple[SourceInfo
     checkpoint = load_checkpoint(path)
     info = _checkpoint_info(checkpoint, path, "")
     weights, kind = _checkpoint_weights(checkpoint, path, use_ema)
-    lora, lora_base = checkpoint_lora(checkpoint, ExperimentConfig.from_dict(checkpoint["config"], source=path))
+    assert info.experiment is not None  # a checkpoint's info always holds its config
+    lora, lora_base = checkpoint_lora(checkpoint, info.experiment)
     info = replace(info, weights=kind, lora=lora, lora_base=lora_base)
     return info, _merged_if_asked(info, weights, merge)
 
@@ -211,11 +212,8 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     return info, weights
 
 
-def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """The adapters of `dlm export --adapters-only` (peft's names turned back into the model's)."""
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_adapter_config(directory: Path) -> dict[str, Any]:
+    """The `dlm` section of an adapter export's `adapter_config.json`, its fields checked."""
 
     path = directory / ADAPTER_CONFIG_NAME
     try:
@@ -227,6 +225,17 @@ def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]
         raise UserError(f"not a dlm adapter export: it lacks dlm.format {ADAPTER_FORMAT!r}", path=path)
     check_config_fields(dlm, {**_EXPORT_FIELDS, "lora": _OBJECT, "base": _OBJECT}, path,
                         required=("model", "lora", "base"), within="dlm.")  # fmt: skip
+    return dlm
+
+
+def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """The adapters of `dlm export --adapters-only` (peft's names turned back into the model's)."""
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = directory / ADAPTER_CONFIG_NAME
+    dlm = read_adapter_config(directory)
     try:
         model, lora = ModelConfig.model_validate(dlm["model"]), LoraConfig.model_validate(dlm["lora"])
         diffusion = _export_diffusion(dlm)

@@ -6,7 +6,6 @@ The library loads inside the command so that `dlm --help` never pays for torch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,9 +29,10 @@ def export_summary(output: Path) -> dict[str, Any]:
 
     from dlm.artifacts.export_layout import ADAPTER_CONFIG_NAME, read_export_config
     from dlm.artifacts.hf.reader import hf_summary, is_hf_export
+    from dlm.artifacts.loading import read_adapter_config
 
     if (output / ADAPTER_CONFIG_NAME).is_file():
-        config = json.loads((output / ADAPTER_CONFIG_NAME).read_text(encoding="utf-8"))["dlm"]
+        config = read_adapter_config(output)
     else:
         config = hf_summary(output) if is_hf_export(output) else read_export_config(output)
     files = {path.name: path.stat().st_size for path in sorted(output.iterdir()) if path.is_file()}

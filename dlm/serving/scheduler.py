@@ -240,9 +240,9 @@ def _step_watcher(batch: list[Job], streams: dict[int, tuple[Job, int, RowStream
             raise Abandoned
         if not streams:
             return
-        generated = tokens[:, tokens.shape[1] - length :]
+        generated = tokens[:, tokens.shape[1] - length :].tolist()  # one copy to the host a step, not one a row
         for row, (job, index, stream) in streams.items():
-            text = stream.update(generated[row].tolist())
+            text = stream.update(generated[row])
             if text and job.on_text is not None:
                 job.on_text(index, text)
 
