@@ -69,17 +69,35 @@ def test_nucleus_cut_equals_the_sorted_cut(top_p: float) -> None:
     assert torch.equal(fast, _sorted_drop(spread, top_p))
     assert 0 < int(fast.sum()) < fast.numel()
     ties = rows_with_ties()
+    tied_fast = _nucleus_cut(ties, top_p)
+    assert tied_fast is not None and torch.equal(tied_fast, _sorted_drop(ties, top_p))
     assert torch.equal(filter_logits(ties, top_p=top_p), ties.masked_fill(_sorted_drop(ties, top_p), -math.inf))
 
 
-def test_a_tie_at_the_cut_is_left_to_the_sorted_cut() -> None:
+def test_a_tie_at_the_cut_keeps_the_lowest_ids_on_the_fast_path() -> None:
     # Sorted probabilities 0.25 each: 0.75 is reached before the fourth, which ties with the third.
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -math.inf]], dtype=torch.float64)
-    assert _nucleus_cut(logits, 0.6) is None
-    assert int(torch.isfinite(filter_logits(logits, top_p=0.6)).sum()) == 3
+    fast = _nucleus_cut(logits, 0.6)
+    assert fast is not None and fast.tolist() == [[False, False, False, True, True]]
+    assert torch.equal(fast, _sorted_drop(logits, 0.6))
+    shuffled = torch.tensor([[-1.0, 0.0, 2.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    # 2.0 is kept, then two of the four tokens tied at 0.0 fill the nucleus: ids 1 and 3, not 4 and 5.
+    probabilities = shuffled.softmax(dim=-1)[0]
+    top_p = float(probabilities[2] + 1.5 * probabilities[1])
+    assert _nucleus_cut(shuffled, top_p).tolist() == [[True, False, False, False, True, True]]
+    assert torch.equal(_nucleus_cut(shuffled, top_p), _sorted_drop(shuffled, top_p))
     # Without the tie the fast path decides: probabilities 0.64, 0.24, 0.09, 0.03 keep two for 0.7.
     distinct = torch.tensor([[3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
     assert torch.equal(_nucleus_cut(distinct, 0.7), torch.tensor([[False, False, True, True]]))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8, 0.9, 0.95])
+def test_bfloat16_valued_logits_take_the_fast_path_and_equal_the_stable_sort(top_p: float) -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 2048, generator=generator) * 2).bfloat16().double()
+    fast = _nucleus_cut(logits, top_p)
+    assert fast is not None
+    assert torch.equal(fast, _sorted_drop(logits, top_p))
 
 
 def test_rows_without_a_distribution_keep_every_token_as_before() -> None:

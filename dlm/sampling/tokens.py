@@ -24,9 +24,14 @@ def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
 
 
 def _sorted_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The tokens outside the top-p nucleus, by a full sort with indices (the reference)."""
+    """The tokens outside the top-p nucleus, by a full sort with indices (the reference).
 
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    The sort is stable, so tokens tied exactly at the cut are kept in the order of their ids: an
+    unstable sort orders ties by its kernels, which differ between CPUs (ATen's `default` and AVX2
+    sorts of the same bfloat16-valued logits disagree), and the nucleus with them.
+    """
+
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the more likely tokens before it already reach top_p.
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
@@ -39,10 +44,9 @@ def _nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     torch's CPU sort with indices costs ~25x numpy's sort of the values, and was most of a step
     that samples every masked position. The values alone give the same sorted sequence, hence the
     same softmax and cumulative sums bit for bit, so the same cut: when the drops are the tail of
-    the sorted order and its first value is below the last kept one, the nucleus is every token at
-    least as likely as that last one. Otherwise (tokens tied exactly at the cut, which the
-    reference splits by its sort's order of ties; drops that are not one tail) the reference
-    decides, so the result always equals it.
+    the sorted order, the nucleus is every token more likely than its least likely kept value
+    `last`, plus as many of the tokens tied at `last` as the kept count leaves, the lowest ids first
+    (the stable sort's order of ties). Logits from a bfloat16 model tie at the cut often.
     """
 
     if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
@@ -57,13 +61,22 @@ def _nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
     width = drop_sorted.shape[-1]
     kept = width - drop_sorted.sum(dim=-1, keepdim=True)  # the nucleus size, when the drops are one tail
     tail = torch.arange(width)[None, :] >= kept
+    # A row with NaN or +inf has NaN probabilities, no drops here nor in the reference: it keeps all.
+    if not torch.equal(drop_sorted, tail):
+        return None
     last = values.gather(-1, (kept - 1).clamp_min(0))  # the least likely kept value (kept >= 1: p[0] - p[0] = 0)
     first_out = values.gather(-1, kept.clamp_max(width - 1))
-    tied = (kept < width) & (first_out == last)
-    # A row with NaN or +inf has NaN probabilities, no drops here nor in the reference: it keeps all.
-    if not torch.equal(drop_sorted, tail) or bool(tied.any()):
-        return None
-    return (kept < width) & (logits < last)
+    cut = kept < width
+    keep = logits > last
+    tied = cut & (first_out == last)
+    if bool(tied.any()):
+        # Of the tokens equal to `last`, keep the first (kept - #more likely) by id.
+        at_last = logits == last
+        room = kept - keep.sum(dim=-1, keepdim=True)
+        keep |= at_last & (at_last.cumsum(dim=-1) <= room)
+    else:
+        keep |= logits == last
+    return cut & ~keep
 
 
 def sample_tokens(

@@ -377,7 +377,8 @@ def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Ten
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # stable: tokens tied at the cut are kept lowest id first, the same on every CPU
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(dim=-1)
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
