@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from dlm.artifacts.events import CheckpointEvent, StartEvent, StreamEvent, TrainEvent
 from dlm.artifacts.run_dir import BUDGET_PLAN_NAME as PLAN_NAME
@@ -451,6 +452,6 @@ def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
     monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     expected = "bfloat16" if native else "float32"
-    assert demo.training.precision == expected and f", {expected} (configs/cpu.toml)" in notes[0]
-    if native:
-        assert demo.training.precision == load_config(ROOT / "configs" / "cpu.toml").training.precision
+    assert f", {expected} (configs/cpu.toml)" in notes[0]
+    assert demo.training.precision == "auto" == load_config(ROOT / "configs" / "cpu.toml").training.precision
+    assert device.resolve_training_precision(demo.training.precision, torch.device("cpu")) == expected

@@ -363,6 +363,7 @@ def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
     """On an AVX512-BF16 CPU the demo's recipe trains in bfloat16; capped to AVX2, as that CPU class, in float32."""
 
     from dlm.demo.run import demo_experiment
+    from dlm.runtime import device
 
     for name in ISA_CAPS:
         monkeypatch.delenv(name, raising=False)
@@ -371,7 +372,10 @@ def test_the_cpu_recipe_picks_float32_under_an_avx2_cap(
             monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     experiment, _ = demo_experiment(tmp_path / "demo", None, "cpu")
-    assert experiment.training.precision == ("float32" if capped else "bfloat16")
+    resolved = device.resolve_training_precision(experiment.training.precision, torch.device("cpu"))
+    assert resolved == ("float32" if capped else "bfloat16")
+    # evaluation keeps float32 on the CPU whatever it has
+    assert device.resolve_precision(experiment.training.precision, torch.device("cpu")) == "float32"
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ from dlm.bench.setup import (
 from dlm.config.schema import ExperimentConfig, ModelConfig, with_overrides
 from dlm.errors import UserError
 from dlm.fileio import GIB
-from dlm.runtime.device import resolve_compile, resolve_device, resolve_precision, synchronize
+from dlm.runtime.device import resolve_compile, resolve_device, resolve_training_precision, synchronize
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
 from dlm.train.distributed import DistributedContext
@@ -205,7 +205,7 @@ def run_benchmark(
     experiment = bench_config(experiment, batch_size, device)
     config = experiment.training
     torch_device = resolve_device(config.device)
-    precision = resolve_precision(config.precision, torch_device)
+    precision = resolve_training_precision(config.precision, torch_device)
     require = fused_attention or config.require_fused_attention
     if require and torch_device.type != "cuda":
         require_fused_attention(experiment.model, torch_device, precision)  # raises the CPU / MPS message
@@ -342,7 +342,7 @@ def benchmark(
             progress("timing a large matmul (the measured ceiling)")
         config = bench_config(experiment, batch_size, device).training
         torch_device = resolve_device(config.device)
-        measured_peak = measure_matmul_peak(torch_device, resolve_precision(config.precision, torch_device))
+        measured_peak = measure_matmul_peak(torch_device, resolve_training_precision(config.precision, torch_device))
     if find_batch:
         report.batch_search = find_max_batch(
             experiment,

@@ -155,7 +155,9 @@ class TrainingConfig(_Strict):
         "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."
     )
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Autocast dtype; auto = bfloat16 on CUDA when supported, else float32."
+        "auto",
+        description="Autocast dtype of training; auto = bfloat16 on CUDA when supported (else float16) and on a "
+        "CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX), float32 on other CPUs and on MPS.",
     )
     seed: int = Field(1337, ge=0, lt=2**63, description="Seed for weights, data order and diffusion noise.")
     optimizer: str = Field(

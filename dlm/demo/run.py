@@ -184,7 +184,9 @@ def _run_stage(
 def demo_experiment(output: Path, config_path: Path | None, device: str | None) -> tuple[ExperimentConfig, list[str]]:
     """The config to train, its file paths moved into `output`, and notes on what was changed."""
 
-    from dlm.runtime.device import cpu_has_native_bfloat16, resolve_device
+    import torch
+
+    from dlm.runtime.device import resolve_device, resolve_training_precision
 
     overrides = [
         f"training.tokenizer={output / 'data' / 'tokenizer.json'}",
@@ -198,9 +200,9 @@ def demo_experiment(output: Path, config_path: Path | None, device: str | None) 
     resolved = str(resolve_device(experiment.training.device))
     experiment = with_overrides(experiment, [f"training.device={resolved}"], "--device")
     if config_path is None and resolved == "cpu":
-        # bfloat16 autocast where the CPU multiplies it natively (1.8x the steps on 2 threads), float32 elsewhere.
-        precision = "bfloat16" if cpu_has_native_bfloat16() else "float32"
-        overrides = [*CPU_MODEL_OVERRIDES, f"training.precision={precision}"]
+        # auto: bfloat16 autocast where the CPU multiplies it natively (1.8x the steps on 2 threads), float32 elsewhere.
+        precision = resolve_training_precision("auto", torch.device("cpu"))
+        overrides = [*CPU_MODEL_OVERRIDES, "training.precision=auto"]
         experiment = with_overrides(experiment, overrides, "the demo's CPU model")
         model, training = experiment.model, experiment.training
         notes.append(

@@ -67,7 +67,7 @@ from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.model.lora import adapter_state, load_base_and_adapters
 from dlm.model.transformer import format_parameter_count
-from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_precision
+from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import configure_cuda_backends
 from dlm.runtime.memory import memory_stats
@@ -482,7 +482,7 @@ def train(
     config = experiment.training
     world = current_context(experiment)
     device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
-    precision = resolve_precision(config.precision, device)
+    precision = resolve_training_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
     threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
     ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write

@@ -31,7 +31,7 @@ from dlm.data.tokenizer import (
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.model.transformer import format_parameter_count
-from dlm.runtime.device import resolve_device, resolve_precision
+from dlm.runtime.device import resolve_device, resolve_training_precision
 from dlm.train.memory import (
     check_training_memory,
     count_parameters,
@@ -302,7 +302,7 @@ def _memory_check(
         return CheckResult("memory", plan.verdict.fits, plan.verdict.detail, plan.verdict.fix)
     try:
         device = device if device is not None else resolve_device(training.device)
-        precision = resolve_precision(training.precision, device)
+        precision = resolve_training_precision(training.precision, device)
     except UserError as exc:
         return _failure("memory", exc)
     shards = world_size if training.parallelism == "fsdp" else 1
