@@ -142,6 +142,35 @@ def test_options_that_contradict_the_plan_are_refused(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_budget_in_the_config_plans_as_minutes_does_and_its_conflicts_name_the_fix(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")  # 4 steps, as a plan of 4 steps would train
+    TrainingPlan(60.0, 0.5, "measured", 1.0, 4, 1, 4, 4, 1, trained_seconds=20.0).save(run_dir)
+    calls: list[int] = []
+    monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.5, calls))
+    base = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir))
+    budget = ("--set", "training.budget_minutes=1")
+    cli = run_cli(*base, *budget, "--json")  # no --minutes: the config's budget plans (here: reuses) the run
+    assert cli.exit_code == 0, cli.stderr
+    events = [json.loads(line) for line in cli.stdout.splitlines()]
+    assert [(event["stage"], event["status"]) for event in events] == [("calibrate", "reused"), ("train", "reused")]
+    source = f"training.budget_minutes = 1 in {TINY_CONFIG}"
+    cli = run_cli(*base, *budget, "--set", "training.max_steps=8")
+    cli.assert_refused(f"--set training.max_steps does not apply with {source}",
+                       "add --set training.budget_minutes=0 to train a fixed number of steps")  # fmt: skip
+    cli = run_cli(*base, *budget, "--max-run-steps", "5")
+    cli.assert_refused(f"--max-run-steps does not apply with {source}", "add --set training.budget_minutes=0")
+    # budget_minutes = 0 (the default) trains max_steps as given; --minutes overrides the config's budget
+    fixed = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, tmp_path / "fixed"))
+    cli = run_cli(*fixed, "--set", "training.budget_minutes=0", "--set", "training.max_steps=8", "--max-run-steps", "1")
+    assert cli.exit_code == 0, cli.stderr
+    assert json.loads((tmp_path / "fixed" / "config.json").read_text())["training"]["max_steps"] == 8
+    cli = run_cli(*base, "--set", "training.budget_minutes=0", "--minutes", "1", "--max-run-steps", "5")
+    cli.assert_refused("--max-run-steps does not apply with --minutes", "drop --max-run-steps")
+    assert calls == []
+
+
 def test_a_run_that_no_budget_planned_is_refused(
     tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

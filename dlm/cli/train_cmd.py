@@ -156,17 +156,24 @@ def _train_within(
         sys.exit(result.exit_code)
 
 
-def _check_budget_options(ctx: typer.Context, overrides: list[str]) -> None:
-    """--minutes plans the schedule and continues its own run: options that do either are refused."""
+def _check_budget_options(ctx: typer.Context, overrides: list[str], source: str) -> None:
+    """A time budget plans the schedule and continues its own run: options that do either are refused.
+
+    `source` names where the budget comes from: `--minutes`, or the config's training.budget_minutes.
+    """
 
     from dlm.errors import UserError
 
-    refuse_other_mode(given_options(ctx), BUDGET_CONFLICTS, "with --minutes, which plans, stops and continues "
-                      "the run itself (the same command finishes an interrupted run)")  # fmt: skip
+    from_config = source != "--minutes"
+    drop = "--set training.budget_minutes=0" if from_config else "--minutes"
+    refuse_other_mode(given_options(ctx), BUDGET_CONFLICTS, f"with {source}, which plans, stops and continues "
+                      "the run itself (the same command finishes an interrupted run)",
+                      fix=f", or add {drop} to train a fixed number of steps" if from_config else "")  # fmt: skip
     if any(item.split("=", 1)[0].strip() == PLANNED_SETTING for item in overrides):
         raise UserError(
-            f"--set {PLANNED_SETTING} does not apply with --minutes, which plans it from the measured pace",
-            fix=f"drop --set {PLANNED_SETTING}=..., or drop --minutes to train a fixed number of steps",
+            f"--set {PLANNED_SETTING} does not apply with {source}, which plans it from the measured pace",
+            fix=f"drop --set {PLANNED_SETTING}=..., or {'add' if from_config else 'drop'} {drop} to train a fixed "
+            "number of steps",
         )
 
 
@@ -212,15 +219,18 @@ def train_command(
     """
 
     if minutes is not None:
-        _check_budget_options(ctx, overrides or [])
-    if nproc is not None and nproc > 1:
-        from dlm.train.distributed import launch_local
-
-        sys.exit(launch_local(nproc, sys.argv[1:]))
+        _check_budget_options(ctx, overrides or [], "--minutes")
     extra = _overrides(overrides, device, precision)
     if init_from is not None:
         extra.append(f"training.init_from={init_from}")
     experiment = load_config(config, extra)
+    if minutes is None and experiment.training.budget_minutes > 0:
+        minutes = experiment.training.budget_minutes
+        _check_budget_options(ctx, overrides or [], f"training.budget_minutes = {minutes:g} in {config}")
+    if nproc is not None and nproc > 1:
+        from dlm.train.distributed import launch_local
+
+        sys.exit(launch_local(nproc, sys.argv[1:]))
     if resume is None:
         from dlm.train.init_from import adopt_source_model
 

@@ -173,6 +173,13 @@ class TrainingConfig(_Strict):
     min_learning_rate: float = Field(3e-5, ge=0, le=1, description="Floor of the cosine decay.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup length in optimizer steps.")
     max_steps: int = Field(1000, ge=1, description="Total optimizer steps of the run.")
+    budget_minutes: float = Field(
+        0,
+        ge=0,
+        description="`dlm train` trains within this many minutes of wall time, as `--minutes` does (which overrides "
+        "it): max_steps, warmup and the intervals are planned from the pace measured on the machine. 0 trains "
+        "max_steps as given.",
+    )
     weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW decay on weights with 2 or more dims.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
