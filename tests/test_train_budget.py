@@ -161,6 +161,10 @@ def test_a_budget_in_the_config_plans_as_minutes_does_and_its_conflicts_name_the
                        "add --set training.budget_minutes=0 to train a fixed number of steps")  # fmt: skip
     cli = run_cli(*base, *budget, "--max-run-steps", "5")
     cli.assert_refused(f"--max-run-steps does not apply with {source}", "add --set training.budget_minutes=0")
+    with pytest.MonkeyPatch.context() as torchrun:
+        torchrun.setenv("WORLD_SIZE", "2")
+        cli = run_cli(*base, *budget)
+        cli.assert_refused(f"{source} trains in one process", "add --set training.budget_minutes=0")
     # budget_minutes = 0 (the default) trains max_steps as given; --minutes overrides the config's budget
     fixed = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, tmp_path / "fixed"))
     cli = run_cli(*fixed, "--set", "training.budget_minutes=0", "--set", "training.max_steps=8", "--max-run-steps", "1")

@@ -9,6 +9,7 @@ SIGTERM), whether the run stopped safely after the first signal or at once after
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -169,6 +170,11 @@ def _check_budget_options(ctx: typer.Context, overrides: list[str], source: str)
     refuse_other_mode(given_options(ctx), BUDGET_CONFLICTS, f"with {source}, which plans, stops and continues "
                       "the run itself (the same command finishes an interrupted run)",
                       fix=f", or add {drop} to train a fixed number of steps" if from_config else "")  # fmt: skip
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: the plan is one process's
+        raise UserError(
+            f"{source} trains in one process, and this is one of several started by torchrun",
+            fix=f"{'add' if from_config else 'drop'} {drop} to train a fixed number of steps in every process",
+        )
     if any(item.split("=", 1)[0].strip() == PLANNED_SETTING for item in overrides):
         raise UserError(
             f"--set {PLANNED_SETTING} does not apply with {source}, which plans it from the measured pace",
