@@ -12,12 +12,15 @@ Which calls share a pass (`Call.group`):
 - calls without a cache (a whole-sequence model without `cache`): all of them. Rows are left-padded
   to the widest (`DiffusionTransformer.forward(pad=...)`: no real position sees padding, positions
   count from a row's first real token); a block model's only when padded by whole blocks.
-- calls with a cache (a block model's exact cache, a whole-sequence model's `cache prefix`): those
-  feeding as many positions, storing alike (`committing`, `keep`), with a cache that holds every
-  position before them (nothing slid out, not `dual`'s keys after the block). Their caches are
-  left-padded to the longest, so every row's fed tokens sit in the same columns (a block model's
-  caches end on block boundaries, so its blocks stay aligned), and what a storing pass adds is cut
-  back into each request's own cache.
+- calls with a cache that holds every position before them (nothing slid out of a block model's
+  window, not `dual`'s keys after the block): a block model's steps (one block fed, or the block
+  just finished and the next, as a block's first step feeds them), whatever they store; other calls
+  (a request's first, a whole-sequence model's `cache prefix`) with those that feed as many positions
+  and store alike (`committing`, `keep`). Their caches are left-padded to the longest, so every
+  row's fed tokens sit in the same columns (a block model's caches end on block boundaries, so its
+  blocks stay aligned); a block model's fed tokens are right-padded to the widest with later blocks,
+  which the block-causal mask hides from them. What each storing call stores is cut back into its
+  own cache.
 Any other call runs alone, as the model's own call.
 
 A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may
@@ -67,13 +70,25 @@ class Call:
 
         if self.others or self.output_positions is None or self.output_positions.dtype != torch.bool:
             return None
-        cache = self.cache
+        cache, width = self.cache, int(self.tokens.shape[1])
         if cache is None:
             # A block model's rows keep their block columns only when padded by whole blocks.
-            return ("whole", self.tokens.shape[1] % block if block else 0)
+            return ("whole", width % block if block else 0)
         if cache.dropped or cache.stored != cache.length or (block and cache.length % block):
             return None
-        return ("cached", self.tokens.shape[1], cache.committing, cache.keep)
+        if block and (cache.length + width) % block == 0 and width <= 2 * block:
+            # A block model's step: up to two blocks fed after the cache, ending on a block boundary, so
+            # positions appended after it (later blocks) are hidden from it by the block-causal mask.
+            return ("blocks",)
+        return ("cached", width, cache.committing, cache.keep)
+
+    @property
+    def stores(self) -> int:
+        """Positions of the fed tokens this call stores in its cache (0: it stores none)."""
+
+        if self.cache is None or not self.cache.committing:
+            return 0
+        return int(self.tokens.shape[1]) if self.cache.keep is None else self.cache.keep
 
     def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
@@ -102,8 +117,9 @@ def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
-def _merged_cache(calls: list[Call]) -> tuple[KVCache, list[int]]:
-    """One cache for the calls' rows, each left-padded with zero keys to the longest; the padding of each."""
+def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
+    """One cache for the calls' rows, each left-padded with zero keys to the longest, storing the first
+    `keep` fed positions (0: none); the padding of each."""
 
     caches = [call.cache for call in calls if call.cache is not None]
     length = max(cache.length for cache in caches)
@@ -123,31 +139,35 @@ def _merged_cache(calls: list[Call]) -> tuple[KVCache, list[int]]:
                 keys.append(nn.functional.pad(stored[0], (0, 0, extra, 0)))
                 values.append(nn.functional.pad(stored[1], (0, 0, extra, 0)))
             layers.append((torch.cat(keys), torch.cat(values)))
-    first = caches[0]
-    return KVCache(layers, length=length, committing=first.committing, keep=first.keep), extras
+    return KVCache(layers, length=length, committing=keep > 0, keep=keep or None), extras
 
 
-def _cached_pass(model: Any, calls: list[Call]) -> list[Tensor]:
-    """Calls with caches that hold every position before them, as one batch; a storing pass's keys and
-    values are cut back into each call's cache."""
+def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
+    """Calls with caches that hold every position before them, as one batch: the caches left-padded to the
+    longest, the fed tokens right-padded to the widest (a block model's later blocks, which no fed
+    position sees); what each storing call stores is cut back into its own cache."""
 
-    merged, extras = _merged_cache(calls)
+    merged, extras = _merged_cache(calls, max(call.stores for call in calls))
+    width = max(int(call.tokens.shape[1]) for call in calls)
+    tokens, positions = [], []
+    for call in calls:
+        assert call.output_positions is not None
+        extra = width - int(call.tokens.shape[1])
+        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
+        positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
     pad = torch.cat([_leading_pad(call, extra) for call, extra in zip(calls, extras, strict=True)])
-    positions = [call.output_positions for call in calls if call.output_positions is not None]
-    logits = model(torch.cat([call.tokens for call in calls]), output_positions=torch.cat(positions),
-                   cache=merged, pad=pad)  # fmt: skip
-    if merged.committing:
-        added = merged.length - max(call.cache.length for call in calls if call.cache is not None)
-        start = 0
-        for call, extra in zip(calls, extras, strict=True):
-            assert call.cache is not None
-            rows = slice(start, start + call.rows)
-            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:].contiguous(),
-                                                          kv[1][rows, :, extra:].contiguous())
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad)
+    start = 0
+    for call, extra in zip(calls, extras, strict=True):
+        assert call.cache is not None
+        rows, end = slice(start, start + call.rows), extra + call.cache.length + call.stores
+        if call.stores:
+            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:end].contiguous(),
+                                                          kv[1][rows, :, extra:end].contiguous())
                                  for kv in merged.layers]  # fmt: skip
-            call.cache.length += added
-            start += call.rows
-    return list(logits.split([int(p.sum()) for p in positions]))
+            call.cache.length += call.stores
+        start += call.rows
+    return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
 def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = lambda rows: None) -> None:
@@ -185,7 +205,7 @@ def _run_batch(model: Any, batch: list[Call], config: ModelConfig) -> list[Tenso
         return [model(call.tokens, output_positions=call.output_positions, **keywords)]
     if batch[0].cache is None:
         return _whole_pass(model, batch, config.mask_token_id)
-    return _cached_pass(model, batch)
+    return _cached_pass(model, batch, config.mask_token_id)
 
 
 class RequestModel:
