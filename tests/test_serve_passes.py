@@ -94,6 +94,20 @@ def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_a
     assert passes < sum(count for _, count in expected) * (0.7 if block else 0.5)
 
 
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
+    """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after
+    the block included); every step's calls share one pass."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (prompt,), 12, 50 + i, cache=cache, block_length=4, remasking="confidence")
+                   for i, prompt in enumerate(PROMPTS[:4])]  # fmt: skip
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    assert scheduler.stats.snapshot().passes == max(count for _, count in expected)  # all in step
+
+
 def test_a_request_that_arrives_starts_at_the_next_pass(tokenizer: Tokenizer) -> None:
     model = transformer(tokenizer.get_vocab_size())
     first = request(tokenizer, ("ROMEO:",), 24, 1, block_length=4)

@@ -9,18 +9,19 @@ the scheduler runs the waiting calls that fit one batch together (`run_calls`) a
 its own rows of the logits.
 
 Which calls share a pass (`Call.group`):
-- calls without a cache (a whole-sequence model without `cache`): all of them. Rows are left-padded
-  to the widest (`DiffusionTransformer.forward(pad=...)`: no real position sees padding, positions
-  count from a row's first real token); a block model's only when padded by whole blocks.
+- calls without a cache (a whole-sequence model without `cache`), and the whole passes that fill a
+  whole-sequence model's `cache` at each block: all of them. Rows are left-padded to the widest
+  (`DiffusionTransformer.forward(pad=...)`: no real position sees padding, positions count from a
+  row's first real token); a block model's only when padded by whole blocks.
 - calls with a cache that holds every position before them (nothing slid out of a block model's
-  window, not `dual`'s keys after the block): a block model's steps (one block fed, or the block
-  just finished and the next, as a block's first step feeds them), whatever they store; other calls
-  (a request's first, a whole-sequence model's `cache prefix`) with those that feed as many positions
-  and store alike (`committing`, `keep`). Their caches are left-padded to the longest, so every
-  row's fed tokens sit in the same columns (a block model's caches end on block boundaries, so its
-  blocks stay aligned); a block model's fed tokens are right-padded to the widest with later blocks,
-  which the block-causal mask hides from them. What each storing call stores is cut back into its
-  own cache.
+  window): a block model's steps (one block fed, or the block just finished and the next, as a
+  block's first step feeds them), whatever they store; other calls (a request's first, a
+  whole-sequence model's `cache prefix` or `dual`) with those that feed as many positions, store
+  alike (`committing`, `keep`) and hold as many keys after them (`dual`). Their caches are
+  left-padded to the longest, so every row's fed tokens sit in the same columns (a block model's
+  caches end on block boundaries, so its blocks stay aligned); a block model's fed tokens are
+  right-padded to the widest with later blocks, which the block-causal mask hides from them. What
+  each storing call stores is cut back into its own cache.
 Any other call runs alone, as the model's own call.
 
 A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may
@@ -74,13 +75,16 @@ class Call:
         if cache is None:
             # A block model's rows keep their block columns only when padded by whole blocks.
             return ("whole", width % block if block else 0)
-        if cache.dropped or cache.stored != cache.length or (block and cache.length % block):
+        if not block and not cache.length and not cache.stored and cache.committing and cache.keep is None:
+            return ("fresh",)  # a whole-sequence model's cache refresh: a whole pass that keeps every key
+        after = cache.stored - cache.length  # keys of positions after the fed ones (`cache dual`)
+        if cache.dropped or after < 0 or (after and (block or cache.committing)) or (block and cache.length % block):
             return None
         if block and (cache.length + width) % block == 0 and width <= 2 * block:
             # A block model's step: up to two blocks fed after the cache, ending on a block boundary, so
             # positions appended after it (later blocks) are hidden from it by the block-causal mask.
             return ("blocks",)
-        return ("cached", width, cache.committing, cache.keep)
+        return ("cached", width, cache.committing, cache.keep, after)
 
     @property
     def stores(self) -> int:
@@ -101,9 +105,11 @@ def _leading_pad(call: Call, extra: int) -> Tensor:
 
 
 def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
-    """Calls without a cache as one batch, left-padded to the widest."""
+    """Calls without a cache, or each with an empty cache that keeps every key, as one batch, left-padded to
+    the widest; each cache gets its own rows' keys, without the padding."""
 
     width = max(int(call.tokens.shape[1]) for call in calls)
+    fresh = KVCache(committing=True) if calls[0].cache is not None else None
     tokens, positions, pads = [], [], []
     for call in calls:
         extra = width - int(call.tokens.shape[1])
@@ -112,8 +118,17 @@ def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
         positions.append(nn.functional.pad(call.output_positions, (extra, 0), value=False))
         pads.append(_leading_pad(call, extra))
     unpadded = all(call.pad is None and call.tokens.shape[1] == width for call in calls)
-    logits = model(torch.cat(tokens), output_positions=torch.cat(positions),
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=fresh,
                    pad=None if unpadded else torch.cat(pads))  # fmt: skip
+    start = 0
+    for call in calls:
+        if fresh is not None and call.cache is not None:
+            rows, extra = slice(start, start + call.rows), width - int(call.tokens.shape[1])
+            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:].contiguous(),
+                                                          kv[1][rows, :, extra:].contiguous())
+                                 for kv in fresh.layers]  # fmt: skip
+            call.cache.length = int(call.tokens.shape[1])
+        start += call.rows
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
@@ -122,7 +137,11 @@ def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
     `keep` fed positions (0: none); the padding of each."""
 
     caches = [call.cache for call in calls if call.cache is not None]
-    length = max(cache.length for cache in caches)
+    # Every cache holds as many keys after its fed positions (none but `cache dual`'s, which attends
+    # without a mask, in any key order): left-padding all to the most keys keeps each row's rotary
+    # positions (counted from its padding) and hides the padding keys.
+    after = caches[0].stored - caches[0].length
+    length = max(cache.stored for cache in caches) - after
     extras = [length - cache.length for cache in caches]
     shaped = next((cache for cache in caches if cache.layers), None)
     layers: list[tuple[Tensor, Tensor] | None] = []
@@ -203,7 +222,7 @@ def _run_batch(model: Any, batch: list[Call], config: ModelConfig) -> list[Tenso
         if call.pad is not None:
             keywords["pad"] = call.pad
         return [model(call.tokens, output_positions=call.output_positions, **keywords)]
-    if batch[0].cache is None:
+    if batch[0].cache is None or batch[0].group(block_size(config)) == ("fresh",):
         return _whole_pass(model, batch, config.mask_token_id)
     return _cached_pass(model, batch, config.mask_token_id)
 
