@@ -20,7 +20,7 @@ LATENCIES_KEPT = 1000  # p50 / p99 over the last thousand answered requests
 @dataclass(frozen=True)
 class StatsSnapshot:
     in_flight: int  # requests being generated
-    queued: int  # requests waiting for a batch
+    queued: int  # requests waiting to start
     tokens_per_second: float  # generated tokens over the window
     occupancy: float  # rows per forward pass over the batch limit, mean over the window's passes
     p50_seconds: float | None
