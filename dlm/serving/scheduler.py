@@ -200,13 +200,19 @@ class Scheduler:
                 calls = self._next_calls()
             if calls is None:
                 return
-            with torch.inference_mode():
-                run_calls(self.model, calls, self.stats.pass_done)
+            try:
+                with torch.inference_mode():
+                    run_calls(self.model, calls, self.stats.pass_done)
+            except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
+                log.exception("forward passes failed")
+                for call in calls:
+                    if not call.done.is_set():
+                        call.answer(error=exc)
 
     def _sample(self, job: Job) -> None:
         """A running request's thread: sample it, then answer it."""
 
-        outcome: Outcome | BaseException
+        outcome: Outcome | BaseException = RuntimeError(f"request {job.request_id} ended without an outcome")
         try:
             outcome = self._generate(job)
         except Departed as exc:
@@ -217,15 +223,16 @@ class Scheduler:
         except Exception as exc:  # a bug or a device failure: this request fails, the server goes on
             log.exception("request %s failed", job.request_id)
             outcome = exc
-        with self._ready:  # before the client hears: the figures must not count it as running
-            self._running.remove(job)
-            self._busy -= 1
-            self._publish()
-            self._ready.notify_all()
-        if isinstance(outcome, BaseException):
-            job.future.set_exception(outcome)
-        else:
-            job.future.set_result(outcome)
+        finally:  # whatever ended it: the passes must not wait for it
+            with self._ready:  # before the client hears: the figures must not count it as running
+                self._running.remove(job)
+                self._busy -= 1
+                self._publish()
+                self._ready.notify_all()
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
 
     def _generate(self, job: Job) -> Outcome:
         """Sample `job` as it would be sampled alone; its outcome (its streamed text sent to the end)."""
