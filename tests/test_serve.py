@@ -46,20 +46,35 @@ def model_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 class Gate:
-    """Holds every forward pass of the model while closed (at most WAIT seconds)."""
+    """Holds every forward pass of the model while closed (at most WAIT seconds); `holding` is set once a
+    pass waits at the closed gate."""
 
     def __init__(self, model: Any) -> None:
         self.opened = threading.Event()
         self.opened.set()
-        model.register_forward_pre_hook(lambda module, args: self.opened.wait(WAIT) and None)
+        self.holding = threading.Event()
+        model.register_forward_pre_hook(self._hold)
+
+    def _hold(self, module: Any, args: Any) -> None:
+        if not self.opened.is_set():
+            self.holding.set()
+        self.opened.wait(WAIT)
+
+    def close(self) -> None:
+        self.holding.clear()
+        self.opened.clear()
+
+    def open(self) -> None:
+        self.holding.clear()
+        self.opened.set()
 
     @contextmanager
     def closed(self) -> Iterator[None]:
-        self.opened.clear()
+        self.close()
         try:
             yield
         finally:
-            self.opened.set()
+            self.open()
 
 
 class Running:
@@ -293,7 +308,7 @@ def test_requests_of_any_length_and_steps_share_passes_and_equal_each_alone(live
         with live.gate.closed():
             blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
             blocker.start()
-            live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
+            live.until(live.gate.holding.is_set, "the blocker's first pass is held")
             threads = [threading.Thread(target=send, args=(index,)) for index in range(len(requests))]
             for thread in threads:
                 thread.start()
@@ -312,7 +327,7 @@ def test_a_client_that_leaves_is_dropped(live: Running) -> None:
     with live.gate.closed():
         blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
         blocker.start()
-        live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
+        live.until(live.gate.holding.is_set, "the blocker's first pass is held")
         body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 8, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
             assert response.status_code == 200
@@ -342,11 +357,11 @@ def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Runni
     def hold_the_fifth(module: Any, args: Any) -> None:  # runs after the gate's hook, so the next pass waits
         rows.append(int(args[0].shape[0]))
         if len(rows) == 3:  # the fourth pass: the leaving request has run 4 steps, its first block is final
-            live.gate.opened.clear()
+            live.gate.close()
 
-    live.gate.opened.clear()
+    live.gate.close()
     stream = live.client.completions.create(model="model", stream=True, **leaving)
-    live.until(lambda: live.stats.in_flight == 1, "the leaving request's first pass is held")
+    live.until(live.gate.holding.is_set, "the leaving request's first pass is held")
     threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, live.complete(**staying[i])))
                for i in range(len(staying))]  # fmt: skip
     for thread in threads:
@@ -354,14 +369,14 @@ def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Runni
     live.until(lambda: live.stats.queued == len(staying), "the others wait")
     counter = model.register_forward_pre_hook(hold_the_fifth)
     try:
-        live.gate.opened.set()  # the others join at the next pass
+        live.gate.open()  # the others join at the next pass
         first = next(chunk.choices[0].text for chunk in stream if chunk.choices[0].text)
         assert leaving_alone.text.startswith(first)
         stream.close()
         live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
-        live.until(lambda: not live.gate.opened.is_set(), "the fifth pass waits")
+        live.until(live.gate.holding.is_set, "the fifth pass waits")
         left_at = len(rows)  # passes before it left; the one held at the gate may still hold its row
-        live.gate.opened.set()
+        live.gate.open()
         for thread in threads:
             thread.join(WAIT)
     finally:
@@ -384,7 +399,7 @@ def test_a_request_whose_client_left_stops_at_its_next_pass(live: Running) -> No
             body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 40, "steps": 40, "stream": True}
             with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
                 assert response.status_code == 200
-                live.until(lambda: live.stats.in_flight == 1, "it runs")
+                live.until(live.gate.holding.is_set, "its first pass is held")
             live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
         live.until(lambda: live.stats.in_flight == 0, "it stops")
     finally:
@@ -509,7 +524,7 @@ def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(t
             with server.gate.closed():
                 blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
                 blocker.start()
-                server.until(lambda: server.stats.in_flight == 1, "the blocker runs")
+                server.until(server.gate.holding.is_set, "the blocker's first pass is held")
                 threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
                            for i in range(len(requests))]  # fmt: skip
                 for thread in threads:
