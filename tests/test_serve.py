@@ -46,20 +46,35 @@ def model_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 class Gate:
-    """Holds every forward pass of the model while closed (at most WAIT seconds)."""
+    """Holds every forward pass of the model while closed (at most WAIT seconds); `holding` is set once a
+    pass waits at the closed gate."""
 
     def __init__(self, model: Any) -> None:
         self.opened = threading.Event()
         self.opened.set()
-        model.register_forward_pre_hook(lambda module, args: self.opened.wait(WAIT) and None)
+        self.holding = threading.Event()
+        model.register_forward_pre_hook(self._hold)
+
+    def _hold(self, module: Any, args: Any) -> None:
+        if not self.opened.is_set():
+            self.holding.set()
+        self.opened.wait(WAIT)
+
+    def close(self) -> None:
+        self.holding.clear()
+        self.opened.clear()
+
+    def open(self) -> None:
+        self.holding.clear()
+        self.opened.set()
 
     @contextmanager
     def closed(self) -> Iterator[None]:
-        self.opened.clear()
+        self.close()
         try:
             yield
         finally:
-            self.opened.set()
+            self.open()
 
 
 class Running:
@@ -262,30 +277,49 @@ def test_malformed_and_oversized_bodies(live: Running) -> None:
     live.assert_healthy()
 
 
-def test_a_batch_equals_each_request_alone(live: Running) -> None:
+@contextmanager
+def pass_rows(model: Any) -> Iterator[list[int]]:
+    """The rows of every forward pass of `model` while open (after the gate: a held pass counts once it runs)."""
+
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args: rows.append(int(args[0].shape[0])) and None)
+    try:
+        yield rows
+    finally:
+        hook.remove()
+
+
+def test_requests_of_any_length_and_steps_share_passes_and_equal_each_alone(live: Running) -> None:
     prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "", "MERCUTIO: A plague",
                "Now is the winter", "HAMLET:", "What light"]  # fmt: skip
+    # Lengths 6 and 10, steps from 4 to 10, and some with a threshold: each its own reverse process.
     requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 6 + 4 * (i % 2), "seed": 100 + i,
-                 "extra_body": {"steps": 6}} for i in range(16)]  # fmt: skip
-    alone = [live.complete(**request).choices[0].text for request in requests]
-    before = live.stats.batches
+                 "extra_body": {"steps": 4 + i % 4 + 2 * (i % 2)} | ({"threshold": 0.5} if i % 5 == 0 else {})}
+                for i in range(16)]  # fmt: skip
+    with pass_rows(live.server.scheduler.model) as rows:
+        alone = [live.complete(**request).choices[0].text for request in requests]
+    passes_alone = len(rows)
     answers: list[Any] = [None] * len(requests)
 
     def send(index: int) -> None:
         answers[index] = live.complete(**requests[index])
 
-    with live.gate.closed():
-        blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
-        blocker.start()
-        live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
-        threads = [threading.Thread(target=send, args=(index,)) for index in range(len(requests))]
-        for thread in threads:
-            thread.start()
-        live.until(lambda: live.stats.queued == len(requests), "all sixteen wait")
-    for thread in [blocker, *threads]:
-        thread.join(WAIT)
+    with pass_rows(live.server.scheduler.model) as rows:
+        with live.gate.closed():
+            blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
+            blocker.start()
+            live.until(live.gate.holding.is_set, "the blocker's first pass is held")
+            threads = [threading.Thread(target=send, args=(index,)) for index in range(len(requests))]
+            for thread in threads:
+                thread.start()
+            live.until(lambda: live.stats.queued == len(requests), "all sixteen wait")
+        for thread in [blocker, *threads]:
+            thread.join(WAIT)
     assert [answer.choices[0].text for answer in answers] == alone
-    assert live.stats.batches - before == 1 + 2  # the blocker, then one batch per max_tokens
+    # All sixteen start together at the blocker's next pass and make one call a step each, all of them
+    # without a cache, so every step is one pass: no more passes than the blocker's 8 steps and the longest
+    # request's 10, against one pass a request a step alone.
+    assert max(rows) >= len(requests) and len(rows) <= 1 + 10 < passes_alone
 
 
 def test_a_client_that_leaves_is_dropped(live: Running) -> None:
@@ -293,7 +327,7 @@ def test_a_client_that_leaves_is_dropped(live: Running) -> None:
     with live.gate.closed():
         blocker = threading.Thread(target=live.complete, kwargs={"seed": 1})
         blocker.start()
-        live.until(lambda: live.stats.in_flight == 1, "the blocker runs")
+        live.until(live.gate.holding.is_set, "the blocker's first pass is held")
         body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 8, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
             assert response.status_code == 200
@@ -301,11 +335,62 @@ def test_a_client_that_leaves_is_dropped(live: Running) -> None:
         live.until(lambda: live.stats.dropped == before.dropped + 1, "the server drops it")
     blocker.join(WAIT)
     live.until(lambda: live.stats.queued == 0 and live.stats.in_flight == 0, "the queue empties")
-    assert live.stats.batches == before.batches + 1  # the stream's request never ran
+    assert live.stats.left == before.left  # it left the queue: it never ran
     live.assert_healthy()
 
 
-def test_a_batch_whose_clients_all_left_stops(live: Running) -> None:
+def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Running) -> None:
+    """Its rows leave before the next pass: the passes after it shrink, the others' text is what it is alone."""
+
+    extra = {"steps": 40, "block_length": 4}  # a block of 4 is final (and streamed) after its 4 steps
+    leaving = {"prompt": "ROMEO:", "max_tokens": 40, "seed": 41, "extra_body": extra}
+    staying = [{"prompt": prompt, "max_tokens": 40, "seed": 42 + i, "extra_body": extra}
+               for i, prompt in enumerate(["To be", "JULIET: O Romeo"])]  # fmt: skip
+    alone = [live.complete(**request).choices[0] for request in [leaving, *staying]]
+    assert all(choice.finish_reason == "length" for choice in alone)  # they run all their steps
+    leaving_alone, alone = alone[0], alone[1:]
+    before = live.stats
+    answers: list[Any] = [None] * len(staying)
+    model = live.server.scheduler.model
+    rows: list[int] = []  # of every pass after the first (held while the others come)
+
+    def hold_the_fifth(module: Any, args: Any) -> None:  # runs after the gate's hook, so the next pass waits
+        rows.append(int(args[0].shape[0]))
+        if len(rows) == 3:  # the fourth pass: the leaving request has run 4 steps, its first block is final
+            live.gate.close()
+
+    live.gate.close()
+    stream = live.client.completions.create(model="model", stream=True, **leaving)
+    live.until(live.gate.holding.is_set, "the leaving request's first pass is held")
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, live.complete(**staying[i])))
+               for i in range(len(staying))]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    live.until(lambda: live.stats.queued == len(staying), "the others wait")
+    counter = model.register_forward_pre_hook(hold_the_fifth)
+    try:
+        live.gate.open()  # the others join at the next pass
+        first = next(chunk.choices[0].text for chunk in stream if chunk.choices[0].text)
+        assert leaving_alone.text.startswith(first)
+        stream.close()
+        live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
+        live.until(live.gate.holding.is_set, "the fifth pass waits")
+        left_at = len(rows)  # passes before it left; the one held at the gate may still hold its row
+        live.gate.open()
+        for thread in threads:
+            thread.join(WAIT)
+    finally:
+        counter.remove()
+    assert [answer.choices[0].text for answer in answers] == [choice.text for choice in alone]
+    # Every running request makes one call a pass; once its client has gone, no pass after the held one has its
+    # row, while the others (10 blocks' worth of steps each, a few done) still run together.
+    assert rows[0] == 1 + len(staying) and len(rows) > left_at + 1
+    assert rows[left_at + 1] == max(rows[left_at + 1 :]) == len(staying)
+    live.until(lambda: live.stats.left == before.left + 1, "its request ends")
+    live.assert_healthy()
+
+
+def test_a_request_whose_client_left_stops_at_its_next_pass(live: Running) -> None:
     passes: list[int] = []
     counter = live.server.scheduler.model.register_forward_pre_hook(lambda module, args: passes.append(1))
     before = live.stats
@@ -314,13 +399,13 @@ def test_a_batch_whose_clients_all_left_stops(live: Running) -> None:
             body = {"model": "model", "prompt": "ROMEO:", "max_tokens": 40, "steps": 40, "stream": True}
             with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=WAIT) as response:
                 assert response.status_code == 200
-                live.until(lambda: live.stats.in_flight == 1, "its batch runs")
+                live.until(live.gate.holding.is_set, "its first pass is held")
             live.until(lambda: live.stats.dropped == before.dropped + 1, "the server sees the client leave")
-        live.until(lambda: live.stats.in_flight == 0, "the batch stops")
+        live.until(lambda: live.stats.in_flight == 0, "it stops")
     finally:
         counter.remove()
-    assert len(passes) <= 2  # at most the pass that was held, then the next step stops it: not 40 steps' worth
-    assert live.stats.batches == before.batches  # it never finished
+    assert len(passes) <= 1  # the pass that was held; its next step stops it: not 40 steps' worth
+    assert live.stats.left == before.left + 1
     live.assert_healthy()
 
 
@@ -423,31 +508,33 @@ def test_a_missing_extra_is_one_error_line(model_dir: Path, monkeypatch: pytest.
     assert "dlm serve needs uvicorn, which is not installed" in result.stderr and "dlm[serve]" in result.stderr
 
 
-def test_a_block_model_batches_by_phase_streams_by_block_and_slides(tiny_data_dir: Path, tmp_path: Path) -> None:
+def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(tiny_data_dir: Path,
+                                                                               tmp_path: Path) -> None:  # fmt: skip
     run = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.block_size=8")
     model_dir = export_model(run, tmp_path / "block-model", dtype="float32")
     with running(model_dir, limits=Limits(max_tokens=96)) as server:  # more than the window of 64
         tokenizer = server.server.scheduler.tokenizer
         prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "MERCUTIO: A plague"]
-        phases = {len(tokenizer.encode(prompt).ids) % 8 for prompt in prompts}
-        assert len(phases) > 1  # so the scheduler must split them by phase
-        requests = [{"prompt": prompt, "max_tokens": 24, "seed": 30 + i} for i, prompt in enumerate(prompts)]
+        assert len({len(tokenizer.encode(prompt).ids) % 8 for prompt in prompts}) > 1  # phases differ
+        requests = [{"prompt": prompt, "max_tokens": 16 + 8 * (i % 2), "seed": 30 + i,
+                     "extra_body": {"steps": 16 + 4 * i}} for i, prompt in enumerate(prompts)]  # fmt: skip
         alone = [server.complete(**request).choices[0].text for request in requests]
-        before = server.stats.batches
         answers: list[Any] = [None] * len(requests)
-        with server.gate.closed():
-            blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
-            blocker.start()
-            server.until(lambda: server.stats.in_flight == 1, "the blocker runs")
-            threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
-                       for i in range(len(requests))]  # fmt: skip
-            for thread in threads:
-                thread.start()
-            server.until(lambda: server.stats.queued == len(requests), "all four wait")
-        for thread in [blocker, *threads]:
-            thread.join(WAIT)
+        with pass_rows(server.server.scheduler.model) as rows:
+            with server.gate.closed():
+                blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
+                blocker.start()
+                server.until(server.gate.holding.is_set, "the blocker's first pass is held")
+                threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
+                           for i in range(len(requests))]  # fmt: skip
+                for thread in threads:
+                    thread.start()
+                server.until(lambda: server.stats.queued == len(requests), "all four wait")
+            for thread in [blocker, *threads]:
+                thread.join(WAIT)
         assert [answer.choices[0].text for answer in answers] == alone
-        assert server.stats.batches - before == 1 + len(phases)
+        # Steps within a block feed one block each over caches of other lengths: they share passes.
+        assert max(rows) >= len(requests)
         # Past the context (64 tokens), where --max-tokens allows it: the block model slides its window on.
         long = server.complete(max_tokens=80, seed=3, extra_body={"steps": 80})
         assert long.usage.completion_tokens <= 80 and long.choices[0].text
@@ -467,7 +554,8 @@ def test_the_console_shows_the_figures() -> None:
     from dlm.serving.stats import ServeStats
 
     stats = ServeStats(max_batch_rows=8)
-    stats.batch_done(rows=4, tokens=64, seconds=0.5)
+    stats.pass_done(rows=4)
+    stats.generated(tokens=64, seconds=0.5)
     stats.answered(0.25)
     output = StringIO()
     view = ServeConsole(stats, live=True, url="http://127.0.0.1:1", model="m",
@@ -476,7 +564,8 @@ def test_the_console_shows_the_figures() -> None:
     view.request({"id": "abc", "method": "POST", "path": "/v1/completions", "status": 429, "seconds": 0.001})
     view.close()
     text = output.getvalue()
-    assert "in flight / queued" in text and "50% (1 batches)" in text and "0.250 s / 0.250 s" in text
+    assert "in flight / queued" in text and "50% of the rows a pass holds (1 passes)" in text
+    assert "0.250 s / 0.250 s" in text
     assert "429 POST /v1/completions request abc" in text
 
 

@@ -45,10 +45,12 @@ MaxPromptOption = Annotated[
     typer.Option("--max-prompt-tokens", show_default=False, help="Longest prompt (default: the model's context)."),
 ]
 MaxBodyOption = Annotated[int, typer.Option("--max-body-bytes", help="Largest request body; larger ones get 413.")]
-MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiting for a batch; more get 429.")]
-MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) generated together.")]
+MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiting to start; more get 429.")]
+MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) of the requests run together.")]
 BatchWaitOption = Annotated[
-    float, typer.Option("--batch-wait", help="Milliseconds a batch that is not full waits for more requests.")
+    float,
+    typer.Option("--batch-wait", help="Milliseconds the oldest request waits for others to start with it, when "
+                 "nothing runs."),
 ]
 GraceOption = Annotated[float, typer.Option("--grace", help="Seconds a shutdown waits for the requests it holds.")]
 

@@ -67,10 +67,10 @@ class ServeConsole:
         rows = [
             ("in flight / queued", f"{snapshot.in_flight} / {snapshot.queued}"),
             ("tokens/s", f"{snapshot.tokens_per_second:,.1f}  {sparkline(self._rates, 40)}"),
-            ("batch occupancy", f"{snapshot.occupancy:.0%} ({snapshot.batches} batches)"),
+            ("batch occupancy", f"{snapshot.occupancy:.0%} of the rows a pass holds ({snapshot.passes} passes)"),
             ("latency p50 / p99", f"{_seconds(snapshot.p50_seconds)} / {_seconds(snapshot.p99_seconds)}"),
-            ("answered / 429 / dropped / errors",
-             f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} / {snapshot.errors}"),
+            ("answered / 429 / dropped (left a batch) / errors",
+             f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} ({snapshot.left}) / {snapshot.errors}"),
         ]  # fmt: skip
         for name, value in rows:
             table.add_row(name, value)

@@ -1,21 +1,25 @@
-"""Batching across requests: one thread gathers queued requests into one `generate` call.
+"""Batching across requests: each running request samples on its own, and their forward passes are shared.
 
-Requests wait in a bounded queue. The scheduler takes the oldest one and every queued request that
-can share its batch: the same number of tokens to generate, the same `n` and the same sampler
-options (steps, temperature, top-p, blocks, threshold, cache, remasking), up to `max_batch_rows`
-rows. Their prompts may differ in length (a block model's modulo its block size only, so that one
-padded batch holds them) and each keeps its own seed: `generate(prompts=..., seeds=...)` pads them
-and gives each prompt its own random stream, so a row equals the same request sampled alone up to
-float rounding (`dlm.sampling.prompt_batch`, docs/reproducibility.md). Requests with other settings
-wait for a later batch; a request that arrives while a batch runs joins the next. A batch that is not
-full waits up to `batch_wait` seconds after its oldest request arrived for others to join it: clients
-that each send their next request when the last answer comes tend to arrive a few milliseconds
-apart, and without the wait the first of them would run alone. The rows of a
-streaming request are watched step by step (`dlm.serving.rows.RowStream`).
+Requests wait in a bounded queue. The scheduler thread starts queued requests, oldest first, as long
+as their rows (prompts x `n`) fit `max_batch_rows`, each in a thread of its own that runs `generate`
+for it exactly as the request would run alone, on a `dlm.serving.passes.RequestModel`. Whenever every
+running request waits for a forward pass (or has finished), the scheduler runs their calls in as few
+passes as `dlm.serving.passes.run_calls` can make of them, and every request goes on to its next
+step. So:
 
-A request whose client has gone leaves the queue at once; once its batch runs, its rows finish with
-the batch and are discarded, unless every request of the batch has gone: then the batch stops at
-its next step (a block model's next block). A step callback watches for that, and streams.
+- requests share passes whatever their lengths (`max_tokens`), steps, seeds and sampler options, where
+  their calls fit one batch (`dlm.serving.passes`; docs/serving.md says which);
+- a request that arrives while others run starts at their next pass, with its own seed, prompt and
+  length: each request is a reverse process of its own, so it never waits for a batch to end;
+- a request whose client has gone leaves the queue at once or, once running, leaves before its next
+  pass, so the others' passes shrink; a request done (its length, or its end of document) leaves too;
+- each request draws exactly its own random numbers and gets its own logits up to float rounding, so
+  its text is what it gets alone (docs/reproducibility.md; the tests check it token for token in float64).
+
+When nothing runs, the oldest request may wait up to `batch_wait` seconds after it arrived for others
+to start with it: clients that each send their next request when the last answer comes tend to
+arrive a few milliseconds apart. The rows of a streaming request are watched step by step
+(`dlm.serving.rows.RowStream`).
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from typing import Any
 import torch
 
 from dlm.data.tokenizer import special_token_id
+from dlm.diffusion.schedules import model_schedule
 from dlm.errors import UserError
-from dlm.model.denoiser import block_size
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
+from dlm.serving.passes import Call, Departed, RequestModel, run_calls
 from dlm.serving.protocol import Generation
 from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
@@ -63,14 +68,6 @@ class Job:
     on_text: TextSink | None = None  # streaming: each choice's text as it becomes final, then the rest
     cancelled: threading.Event = field(default_factory=threading.Event)  # its client has gone
 
-    def key(self, block: int) -> tuple[Any, ...]:
-        """What requests sharing a batch must agree on: the tokens to generate, `n`, the sampler options and,
-        for a block model (`block` > 0), the prompts' lengths modulo the block, so that they share block
-        columns and form one padded batch (`dlm.sampling.prompt_batch`)."""
-
-        phases = frozenset(count % block for count in self.generation.prompt_tokens) if block else frozenset()
-        return self.generation.length, self.generation.n, self.generation.options, phases
-
 
 class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
@@ -82,32 +79,31 @@ class ShuttingDown(Exception):
     pass
 
 
-class Abandoned(Exception):
-    """Every client of a batch has gone: it stops at its next step."""
-
-
 class Scheduler:
-    """The queue and the thread that samples it in batches."""
+    """The queue, the thread that shares the running requests' passes, and a thread per running request."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int,
                  batch_wait: float = 0.0) -> None:  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.max_batch_rows, self.batch_wait = max_queue, max_batch_rows, batch_wait
         self.eos = special_token_id(tokenizer, "eos")
-        self.block = block_size(model.config)
+        self.schedule = model_schedule(model)
         self.stats = ServeStats(max_batch_rows)
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
         self._running: list[Job] = []
-        self._batch_seconds = 1.0  # the last batch's time: what a refused client is told to wait
+        self._calls: list[Call] = []  # the running requests' calls waiting for a pass
+        self._busy = 0  # running requests that are sampling, neither waiting for a pass nor finished
+        self._request_seconds = 1.0  # the last request's time: what a refused client is told to wait
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="dlm-scheduler", daemon=True)
 
     def start(self) -> None:
+        self.model.eval()  # the requests' stand-ins never change the mode: passes run in eval mode
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new requests, let the thread finish the batch it runs, fail what still waits."""
+        """Refuse new requests, let the running ones finish, fail what still waits."""
 
         with self._ready:
             self._stopping = True
@@ -127,15 +123,14 @@ class Scheduler:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             if len(self._queue) >= self.max_queue:
-                waiting = math.ceil(self._batch_seconds * (1 + len(self._queue) // max(1, self.max_batch_rows)))
+                waiting = math.ceil(self._request_seconds * (1 + len(self._queue) // max(1, self.max_batch_rows)))
                 raise QueueFull(max(1, waiting))
             self._queue.append(job)
             self._publish()
-            self._ready.notify()
+            self._ready.notify_all()
 
     def cancel(self, job: Job) -> None:
-        """The client has gone: drop `job` if it still waits, else discard its rows when its batch ends (a
-        batch whose clients have all gone stops at its next step)."""
+        """The client has gone: drop `job` if it still waits, else its rows leave before their next pass."""
 
         job.cancelled.set()
         with self._ready:
@@ -146,102 +141,140 @@ class Scheduler:
     def _publish(self) -> None:
         self.stats.queue_changed(len(self._queue), len(self._running))
 
-    def _next_batch(self) -> list[Job]:
-        """Wait for queued jobs; take the oldest and every later one with its key that fits (under the lock)."""
+    def _wait_for_pass(self, call: Call) -> None:
+        """A running request's model call (from its thread): it waits for the next pass."""
+
+        with self._ready:
+            self._calls.append(call)
+            self._busy -= 1
+            self._ready.notify_all()
+
+    def _company_wait(self) -> float | None:
+        """Seconds the oldest request still waits for company before it starts alone (None: no such wait)."""
+
+        if self._running or not self._queue or self.batch_wait <= 0:
+            return None
+        if sum(job.generation.rows for job in self._queue) >= self.max_batch_rows:
+            return None
+        left = self.batch_wait - (time.perf_counter() - self._queue[0].enqueued)
+        return left if left > 0 else None
+
+    def _start_queued(self) -> bool:
+        """Start the queued requests that fit, oldest first (under the lock); whether any started."""
+
+        if self._company_wait() is not None:
+            return False
+        rows = sum(job.generation.rows for job in self._running)
+        started = False
+        while self._queue and rows + self._queue[0].generation.rows <= self.max_batch_rows:
+            job = self._queue.popleft()
+            rows += job.generation.rows
+            self._running.append(job)
+            self._busy += 1
+            threading.Thread(target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}",
+                             daemon=True).start()  # fmt: skip
+            started = True
+        if started:
+            self._publish()
+        return started
+
+    def _next_calls(self) -> list[Call] | None:
+        """Under the lock: wait until every running request waits for a pass (starting the queued ones that
+        fit, which then reach their first call), and take the calls; None once stopped with nothing left."""
 
         while True:
-            while not self._queue and not self._stopping:
-                self._ready.wait()
-            if self._stopping:
-                return []
-            head = self._queue[0]
-            key = head.key(self.block)
-            company = [job for job in self._queue if job.key(self.block) == key]
-            waited = time.perf_counter() - head.enqueued
-            if waited < self.batch_wait and sum(job.generation.rows for job in company) < self.max_batch_rows:
-                self._ready.wait(self.batch_wait - waited)  # a submit wakes it early; then look again
-                continue
-            batch, rows = [], 0
-            for job in company:
-                if rows + job.generation.rows <= self.max_batch_rows:
-                    batch.append(job)
-                    rows += job.generation.rows
-                    self._queue.remove(job)
-            return batch
+            if self._busy == 0:
+                if self._start_queued():
+                    continue
+                if self._calls:
+                    calls, self._calls = self._calls, []
+                    self._busy += len(calls)  # each goes on sampling once answered
+                    return calls
+                if self._stopping and not self._queue:
+                    return None
+            self._ready.wait(self._company_wait() if self._busy == 0 else None)
 
     def _loop(self) -> None:
         while True:
             with self._ready:
-                batch = self._next_batch()
-                self._running = batch
-                self._publish()
-            if not batch:
+                calls = self._next_calls()
+            if calls is None:
                 return
-            outcomes: list[Outcome | BaseException]
             try:
-                outcomes = list(self._run(batch))
-            except (Abandoned, UserError) as exc:  # UserError: the sampler refused the options these requests share
-                outcomes = [exc] * len(batch)
-            except Exception as exc:  # a bug or a device failure: each request fails, the server goes on
-                log.exception("batch of requests %s failed", ", ".join(job.request_id for job in batch))
-                outcomes = [exc] * len(batch)
-            with self._ready:  # before any client hears: the figures must not count this batch as running
-                self._running = []
+                with torch.inference_mode():
+                    run_calls(self.model, calls, self.stats.pass_done)
+            except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
+                log.exception("forward passes failed")
+                for call in calls:
+                    if not call.done.is_set():
+                        call.answer(error=exc)
+
+    def _sample(self, job: Job) -> None:
+        """A running request's thread: sample it, then answer it."""
+
+        outcome: Outcome | BaseException = RuntimeError(f"request {job.request_id} ended without an outcome")
+        try:
+            outcome = self._generate(job)
+        except Departed as exc:
+            self.stats.count("left")
+            outcome = exc
+        except UserError as exc:  # the sampler refused the request's options
+            outcome = exc
+        except Exception as exc:  # a bug or a device failure: this request fails, the server goes on
+            log.exception("request %s failed", job.request_id)
+            outcome = exc
+        finally:  # whatever ended it: the passes must not wait for it
+            with self._ready:  # before the client hears: the figures must not count it as running
+                self._running.remove(job)
+                self._busy -= 1
                 self._publish()
-            for job, outcome in zip(batch, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    job.future.set_exception(outcome)
-                else:
-                    job.future.set_result(outcome)
+                self._ready.notify_all()
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
 
-    def _run(self, batch: list[Job]) -> list[Outcome]:
-        """Sample the batch; each job's outcome (its streamed text sent to the end)."""
+    def _generate(self, job: Job) -> Outcome:
+        """Sample `job` as it would be sampled alone; its outcome (its streamed text sent to the end)."""
 
-        first = batch[0].generation
-        prompts = [prompt for job in batch for prompt in job.generation.prompts]
-        seeds = [job.generation.seed + index for job in batch for index in range(len(job.generation.prompts))]
-        streams: dict[int, tuple[Job, int, RowStream]] = {}
-        row = 0
-        for job in batch:
-            for index in range(job.generation.rows):
-                if job.on_text is not None:
-                    stream = RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos, job.generation.stop)
-                    streams[row] = (job, index, stream)
-                row += 1
+        generation = job.generation
+        streams: dict[int, tuple[int, RowStream]] = {}
+        if job.on_text is not None:
+            for row in range(generation.rows):
+                streams[row] = (row, RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos,
+                                               generation.stop))  # fmt: skip
+        model = RequestModel(self.model, self._wait_for_pass, job.cancelled)
         start = time.perf_counter()
-        result = generate(self.model, self.tokenizer, prompts=prompts, seeds=seeds, length=first.length,
-                          num_samples=first.n, stop_at_end=True, on_step=_step_watcher(batch, streams, first.length),
-                          **asdict(first.options))  # fmt: skip
+        result = generate(model, self.tokenizer, prompts=list(generation.prompts), length=generation.length,
+                          seeds=[generation.seed + index for index in range(len(generation.prompts))],
+                          num_samples=generation.n, stop_at_end=True, schedule=self.schedule,
+                          on_step=_step_watcher(job, streams, generation.length),
+                          **asdict(generation.options))  # fmt: skip
         seconds = time.perf_counter() - start
-        self._batch_seconds = seconds
-        self.stats.batch_done(len(result.token_ids), sum(result.lengths), seconds)
-        row = 0
-        outcomes = []
-        for job in batch:
-            choices = []
-            for index in range(job.generation.rows):
-                choice = finish_row(self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos,
-                                    job.generation.stop)  # fmt: skip
-                if row in streams and job.on_text is not None:
-                    job.on_text(index, streams[row][2].finish(choice.text))
-                choices.append(choice)
-                row += 1
-            completion_tokens = sum(choice.completion_tokens for choice in choices)
-            outcomes.append(Outcome(choices, sum(job.generation.prompt_tokens), completion_tokens))
-        return outcomes
+        self._request_seconds = seconds
+        self.stats.generated(sum(result.lengths), seconds)
+        choices = []
+        for row in range(generation.rows):
+            choice = finish_row(self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos,
+                                generation.stop)  # fmt: skip
+            if row in streams and job.on_text is not None:
+                job.on_text(row, streams[row][1].finish(choice.text))
+            choices.append(choice)
+        completion_tokens = sum(choice.completion_tokens for choice in choices)
+        return Outcome(choices, sum(generation.prompt_tokens), completion_tokens)
 
 
-def _step_watcher(batch: list[Job], streams: dict[int, tuple[Job, int, RowStream]], length: int) -> StepCallback:
-    """The sampler's step callback: it streams the rows in `streams` (batch row -> job, choice, stream), and
-    stops the batch (`Abandoned`) once every client of `batch` has gone."""
+def _step_watcher(job: Job, streams: dict[int, tuple[int, RowStream]], length: int) -> StepCallback:
+    """The sampler's step callback: it streams the rows in `streams` (row -> choice, stream), and ends the
+    request (`Departed`) once its client has gone."""
 
     def on_step(step: int, tokens: torch.Tensor) -> None:
-        if all(job.cancelled.is_set() for job in batch):
-            raise Abandoned
+        if job.cancelled.is_set():
+            raise Departed
         if not streams:
             return
         generated = tokens[:, tokens.shape[1] - length :].tolist()  # one copy to the host a step, not one a row
-        for row, (job, index, stream) in streams.items():
+        for row, (index, stream) in streams.items():
             text = stream.update(generated[row])
             if text and job.on_text is not None:
                 job.on_text(index, text)

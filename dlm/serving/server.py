@@ -36,9 +36,9 @@ class ServeSettings:
     port: int = 8000
     api_key: str | None = None  # None: no key asked
     limits: Limits = field(default_factory=Limits)
-    max_queue: int = 64  # requests waiting for a batch; more are answered 429
-    max_batch_rows: int = 32  # rows (prompts x n) generated together
-    batch_wait: float = 0.0  # seconds a batch that is not full waits for company after its oldest request
+    max_queue: int = 64  # requests waiting to start; more are answered 429
+    max_batch_rows: int = 32  # rows (prompts x n) of the requests run together
+    batch_wait: float = 0.0  # seconds the oldest request waits for company when nothing runs
     grace_seconds: float = 30.0  # how long a shutdown waits for the requests it holds
     name: str | None = None  # the model's id in requests (default: the model directory's name)
 

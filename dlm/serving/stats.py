@@ -1,6 +1,8 @@
 """What the console shows of a running server: requests in flight and queued, tokens/s, batch
-occupancy, latency percentiles. Updated by the scheduler thread and the request handlers, read by
-the console; every method takes the one lock."""
+occupancy (rows per shared forward pass), latency percentiles, and the counts of requests answered,
+refused, dropped (their client left) and of those among them whose rows left a running batch.
+Updated by the scheduler, the requests' sampling threads and the request handlers, read by the
+console; every method takes the one lock."""
 
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ LATENCIES_KEPT = 1000  # p50 / p99 over the last thousand answered requests
 @dataclass(frozen=True)
 class StatsSnapshot:
     in_flight: int  # requests being generated
-    queued: int  # requests waiting for a batch
+    queued: int  # requests waiting to start
     tokens_per_second: float  # generated tokens over the window
-    occupancy: float  # rows per batch over the batch limit, mean over the window's batches
+    occupancy: float  # rows per forward pass over the batch limit, mean over the window's passes
     p50_seconds: float | None
     p99_seconds: float | None
     requests: int  # answered since start
     rejected: int  # refused with 429 since start
     dropped: int  # whose client left before the answer
+    left: int  # of those, the ones whose rows left a running batch (the others left the queue)
     errors: int  # failed inside the server (500)
-    batches: int  # generate calls since start
+    passes: int  # forward passes since start (each shared by the requests it served)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,19 +49,29 @@ class ServeStats:
     def __init__(self, max_batch_rows: int) -> None:
         self.max_batch_rows = max_batch_rows
         self._lock = threading.Lock()
-        self._batches: deque[tuple[float, float, int, int]] = deque()  # (start, end, rows, generated tokens)
+        self._passes: deque[tuple[float, int]] = deque()  # (end, rows)
+        self._generated: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of each finished request
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
-        self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.errors = self.batches = 0
+        self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.left = self.errors = 0
+        self.passes = 0
 
     def queue_changed(self, queued: int, in_flight: int) -> None:
         with self._lock:
             self.queued, self.in_flight = queued, in_flight
 
-    def batch_done(self, rows: int, tokens: int, seconds: float) -> None:
+    def pass_done(self, rows: int) -> None:
+        """One forward pass over `rows` rows."""
+
+        with self._lock:
+            self._passes.append((time.monotonic(), rows))
+            self.passes += 1
+
+    def generated(self, tokens: int, seconds: float) -> None:
+        """A request sampled `tokens` tokens over its last `seconds`."""
+
         with self._lock:
             end = time.monotonic()
-            self._batches.append((end - seconds, end, rows, tokens))
-            self.batches += 1
+            self._generated.append((end - seconds, end, tokens))
 
     def answered(self, seconds: float) -> None:
         with self._lock:
@@ -66,7 +79,7 @@ class ServeStats:
             self._latencies.append(seconds)
 
     def count(self, outcome: str) -> None:
-        """One more request `rejected`, `dropped` or ended in an `errors`."""
+        """One more request `rejected`, `dropped`, `left` or ended in an `errors`."""
 
         with self._lock:
             setattr(self, outcome, getattr(self, outcome) + 1)
@@ -74,14 +87,16 @@ class ServeStats:
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             now = time.monotonic()
-            while self._batches and self._batches[0][1] < now - WINDOW_SECONDS:
-                self._batches.popleft()
-            batches = list(self._batches)
+            while self._passes and self._passes[0][0] < now - WINDOW_SECONDS:
+                self._passes.popleft()
+            while self._generated and self._generated[0][1] < now - WINDOW_SECONDS:
+                self._generated.popleft()
+            passes, generated = list(self._passes), list(self._generated)
             latencies = list(self._latencies)
-            counters = (self.requests, self.rejected, self.dropped, self.errors, self.batches)
+            counters = (self.requests, self.rejected, self.dropped, self.left, self.errors, self.passes)
             in_flight, queued = self.in_flight, self.queued
-        span = min(WINDOW_SECONDS, now - batches[0][0]) if batches else 0.0
-        tokens = sum(batch[3] for batch in batches)
-        occupancy = sum(batch[2] for batch in batches) / (len(batches) * self.max_batch_rows) if batches else 0.0
+        span = min(WINDOW_SECONDS, now - min(start for start, _, _ in generated)) if generated else 0.0
+        tokens = sum(count for _, _, count in generated)
+        occupancy = sum(rows for _, rows in passes) / (len(passes) * self.max_batch_rows) if passes else 0.0
         return StatsSnapshot(in_flight, queued, tokens / span if span > 0 else 0.0, occupancy,
                              percentile(latencies, 0.5), percentile(latencies, 0.99), *counters)  # fmt: skip

@@ -1,0 +1,272 @@
+"""Forward passes shared by requests that each run the sampler as they would alone.
+
+Every running request samples in a thread of its own with `dlm.sampling.generation.generate`, the very
+call that answers it alone, on a `RequestModel`: a stand-in for the served model whose call is
+handed to the scheduler and waits for its logits. So a request draws its own random numbers in its
+own order, keeps its own length, steps, blocks and options, and stops when it alone is done; only
+the model's arithmetic is shared. Once every running request waits for a pass (or has finished),
+the scheduler runs the waiting calls that fit one batch together (`run_calls`) and gives each call
+its own rows of the logits.
+
+Which calls share a pass (`Call.group`):
+- calls without a cache (a whole-sequence model without `cache`), and the whole passes that fill a
+  whole-sequence model's `cache` at each block: all of them. Rows are left-padded to the widest
+  (`DiffusionTransformer.forward(pad=...)`: no real position sees padding, positions count from a
+  row's first real token); a block model's only when padded by whole blocks.
+- calls with a cache that holds every position before them (nothing slid out of a block model's
+  window): a block model's steps (one block fed, or the block just finished and the next, as a
+  block's first step feeds them), whatever they store; other calls (a request's first, a
+  whole-sequence model's `cache prefix` or `dual`) with those that feed as many positions, store
+  alike (`committing`, `keep`) and hold as many keys after them (`dual`). Their caches are
+  left-padded to the longest, so every row's fed tokens sit in the same columns (a block model's
+  caches end on block boundaries, so its blocks stay aligned); a block model's fed tokens are
+  right-padded to the widest with later blocks, which the block-causal mask hides from them. What
+  each storing call stores is cut back into its own cache.
+Any other call runs alone, as the model's own call.
+
+A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may
+sum in another order), which is the promise of docs/reproducibility.md for batches of prompts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from dlm.model.attention import KVCache
+from dlm.model.denoiser import block_size
+
+if TYPE_CHECKING:
+    from dlm.config.schema import ModelConfig
+
+
+class Departed(Exception):
+    """The request's client has gone: its rows leave before their next pass."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One request's model call, waiting for its pass."""
+
+    tokens: Tensor
+    output_positions: Tensor | None
+    cache: KVCache | None
+    pad: Tensor | None
+    others: dict[str, Any] = field(default_factory=dict)  # keywords sampling never passes: the call runs alone
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Tensor | None = None
+    error: BaseException | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def group(self, block: int) -> tuple[Any, ...] | None:
+        """Calls of equal groups share a pass; None: this one runs alone."""
+
+        if self.others or self.output_positions is None or self.output_positions.dtype != torch.bool:
+            return None
+        cache, width = self.cache, int(self.tokens.shape[1])
+        if cache is None:
+            # A block model's rows keep their block columns only when padded by whole blocks.
+            return ("whole", width % block if block else 0)
+        if not block and not cache.length and not cache.stored and cache.committing and cache.keep is None:
+            return ("fresh",)  # a whole-sequence model's cache refresh: a whole pass that keeps every key
+        after = cache.stored - cache.length  # keys of positions after the fed ones (`cache dual`)
+        if cache.dropped or after < 0 or (after and (block or cache.committing)) or (block and cache.length % block):
+            return None
+        if block and (cache.length + width) % block == 0 and width <= 2 * block:
+            # A block model's step: up to two blocks fed after the cache, ending on a block boundary, so
+            # positions appended after it (later blocks) are hidden from it by the block-causal mask.
+            return ("blocks",)
+        return ("cached", width, cache.committing, cache.keep, after)
+
+    @property
+    def stores(self) -> int:
+        """Positions of the fed tokens this call stores in its cache (0: it stores none)."""
+
+        if self.cache is None or not self.cache.committing:
+            return 0
+        return int(self.tokens.shape[1]) if self.cache.keep is None else self.cache.keep
+
+    def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+def _leading_pad(call: Call, extra: int) -> Tensor:
+    pad = call.pad if call.pad is not None else torch.zeros(call.rows, dtype=torch.long, device=call.tokens.device)
+    return pad + extra
+
+
+def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
+    """Calls without a cache, or each with an empty cache that keeps every key, as one batch, left-padded to
+    the widest; each cache gets its own rows' keys, without the padding."""
+
+    width = max(int(call.tokens.shape[1]) for call in calls)
+    fresh = KVCache(committing=True) if calls[0].cache is not None else None
+    tokens, positions, pads = [], [], []
+    for call in calls:
+        extra = width - int(call.tokens.shape[1])
+        assert call.output_positions is not None
+        tokens.append(nn.functional.pad(call.tokens, (extra, 0), value=filler))
+        positions.append(nn.functional.pad(call.output_positions, (extra, 0), value=False))
+        pads.append(_leading_pad(call, extra))
+    unpadded = all(call.pad is None and call.tokens.shape[1] == width for call in calls)
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=fresh,
+                   pad=None if unpadded else torch.cat(pads))  # fmt: skip
+    start = 0
+    for call in calls:
+        if fresh is not None and call.cache is not None:
+            rows, extra = slice(start, start + call.rows), width - int(call.tokens.shape[1])
+            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:].contiguous(),
+                                                          kv[1][rows, :, extra:].contiguous())
+                                 for kv in fresh.layers]  # fmt: skip
+            call.cache.length = int(call.tokens.shape[1])
+        start += call.rows
+    return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
+
+
+def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
+    """One cache for the calls' rows, each left-padded with zero keys to the longest, storing the first
+    `keep` fed positions (0: none); the padding of each."""
+
+    caches = [call.cache for call in calls if call.cache is not None]
+    # Every cache holds as many keys after its fed positions (none but `cache dual`'s, which attends
+    # without a mask, in any key order): left-padding all to the most keys keeps each row's rotary
+    # positions (counted from its padding) and hides the padding keys.
+    after = caches[0].stored - caches[0].length
+    length = max(cache.stored for cache in caches) - after
+    extras = [length - cache.length for cache in caches]
+    shaped = next((cache for cache in caches if cache.layers), None)
+    layers: list[tuple[Tensor, Tensor] | None] = []
+    if shaped is not None:
+        for index, template in enumerate(shaped.layers):
+            assert template is not None
+            keys, values = [], []
+            for call, cache, extra in zip(calls, caches, extras, strict=True):
+                stored = cache.layers[index] if cache.layers else None
+                if stored is None:  # an empty cache: padding only
+                    heads, dim = template[0].shape[1], template[0].shape[3]
+                    empty = template[0].new_zeros(call.rows, heads, 0, dim)
+                    stored = (empty, empty)
+                keys.append(nn.functional.pad(stored[0], (0, 0, extra, 0)))
+                values.append(nn.functional.pad(stored[1], (0, 0, extra, 0)))
+            layers.append((torch.cat(keys), torch.cat(values)))
+    return KVCache(layers, length=length, committing=keep > 0, keep=keep or None), extras
+
+
+def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
+    """Calls with caches that hold every position before them, as one batch: the caches left-padded to the
+    longest, the fed tokens right-padded to the widest (a block model's later blocks, which no fed
+    position sees); what each storing call stores is cut back into its own cache."""
+
+    merged, extras = _merged_cache(calls, max(call.stores for call in calls))
+    width = max(int(call.tokens.shape[1]) for call in calls)
+    tokens, positions = [], []
+    for call in calls:
+        assert call.output_positions is not None
+        extra = width - int(call.tokens.shape[1])
+        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
+        positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
+    pad = torch.cat([_leading_pad(call, extra) for call, extra in zip(calls, extras, strict=True)])
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad)
+    start = 0
+    for call, extra in zip(calls, extras, strict=True):
+        assert call.cache is not None
+        rows, end = slice(start, start + call.rows), extra + call.cache.length + call.stores
+        if call.stores:
+            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:end].contiguous(),
+                                                          kv[1][rows, :, extra:end].contiguous())
+                                 for kv in merged.layers]  # fmt: skip
+            call.cache.length += call.stores
+        start += call.rows
+    return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
+
+
+def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = lambda rows: None) -> None:
+    """Answer every call: those of one group in one pass, the others alone; `on_pass(rows)` after each pass.
+    Call it under `torch.inference_mode()` with the model in eval mode."""
+
+    config = model.config
+    block = block_size(config)
+    groups: dict[tuple[Any, ...], list[Call]] = {}
+    alone: list[Call] = []
+    for call in calls:
+        key = call.group(block)
+        (alone if key is None else groups.setdefault(key, [])).append(call)
+    batches = [[call] for call in alone] + list(groups.values())
+    for batch in batches:
+        try:
+            results = _run_batch(model, batch, config)
+        except Exception as exc:  # each call's request fails with it; the others go on
+            for call in batch:
+                call.answer(error=exc)
+            continue
+        on_pass(sum(call.rows for call in batch))
+        for call, result in zip(batch, results, strict=True):
+            call.answer(result)
+
+
+def _run_batch(model: Any, batch: list[Call], config: ModelConfig) -> list[Tensor]:
+    if len(batch) == 1:  # the request's own call, as it would run alone
+        call = batch[0]
+        keywords = dict(call.others)
+        if call.cache is not None:
+            keywords["cache"] = call.cache
+        if call.pad is not None:
+            keywords["pad"] = call.pad
+        return [model(call.tokens, output_positions=call.output_positions, **keywords)]
+    if batch[0].cache is None or batch[0].group(block_size(config)) == ("fresh",):
+        return _whole_pass(model, batch, config.mask_token_id)
+    return _cached_pass(model, batch, config.mask_token_id)
+
+
+class RequestModel:
+    """The served model as one request's sampler sees it: its calls wait for a shared pass (`submit`).
+
+    It is a `dlm.model.denoiser.Denoiser`: the config, parameters and buffers of the served model, the
+    eval mode it is always in. `departed` is set when the request's client has gone: its next call raises
+    `Departed`, so its rows leave before that pass.
+    """
+
+    training = False
+
+    def __init__(self, model: Any, submit: Callable[[Call], None], departed: threading.Event) -> None:
+        self._model, self._submit, self._departed = model, submit, departed
+
+    @property
+    def config(self) -> Any:
+        return self._model.config
+
+    def __call__(self, tokens: Tensor, output_positions: Tensor | None = None, *, cache: KVCache | None = None,
+                 pad: Tensor | None = None, **others: Any) -> Tensor:  # fmt: skip
+        if self._departed.is_set():
+            raise Departed
+        call = Call(tokens, output_positions, cache, pad, others)
+        self._submit(call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    def train(self, mode: bool = True) -> RequestModel:
+        return self  # the served model stays in eval mode
+
+    def eval(self) -> RequestModel:
+        return self
+
+    def to(self, device: torch.device) -> RequestModel:
+        return self  # the served model stays where it was loaded; `generate` asks for its own device
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self._model.parameters(recurse))
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        return iter(self._model.buffers(recurse))

@@ -1,0 +1,196 @@
+"""The server's scheduler without HTTP: requests that share forward passes each get their result alone.
+
+Each request runs its own sampler (`dlm.serving.scheduler`), and `dlm.serving.passes` merges the
+model calls of the running requests into shared passes. The model runs in float64, where a shared
+pass gives each row its own logits to about 1e-16 and so the same tokens (as in
+tests/test_batch_sampling.py); the random streams are each request's own exactly. No prompt is
+empty where positions are ranked (an empty prompt's first step is an exact tie).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import test_sampling
+import torch
+from test_batch_sampling import transformer
+from tokenizers import Tokenizer
+
+from dlm.sampling.generation import generate
+from dlm.sampling.options import SamplingOptions
+from dlm.serving.passes import Departed
+from dlm.serving.protocol import Generation
+from dlm.serving.rows import finish_row
+from dlm.serving.scheduler import Job, Scheduler
+
+tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
+WAIT = 60.0
+EOS = 0
+
+
+def request(tokenizer: Tokenizer, prompts: tuple[str, ...], length: int, seed: int, n: int = 1,
+            **options: Any) -> Generation:  # fmt: skip
+    counts = tuple(len(tokenizer.encode(prompt).ids) for prompt in prompts)
+    return Generation(prompts, counts, length, n, seed, SamplingOptions(**{"steps": length} | options), (), False,
+                      False, False)  # fmt: skip
+
+
+def alone(model: Any, tokenizer: Tokenizer, generation: Generation) -> tuple[list[str], int]:
+    """The request's texts sampled by itself, and the passes that took."""
+
+    result = generate(model, tokenizer, prompts=list(generation.prompts), length=generation.length,
+                      seeds=[generation.seed + i for i in range(len(generation.prompts))], num_samples=generation.n,
+                      stop_at_end=True, **asdict(generation.options))  # fmt: skip
+    texts = [finish_row(tokenizer, ids, prompt, EOS, ()).text
+             for ids, prompt in zip(result.token_ids, result.prompt_tokens, strict=True)]  # fmt: skip
+    return texts, result.forward_passes
+
+
+def served(model: Any, tokenizer: Tokenizer, generations: list[Generation]) -> tuple[list[Any], Scheduler]:
+    """Every request submitted before the scheduler starts, so that all start together; their texts (or the
+    exception that ended them)."""
+
+    scheduler = Scheduler(model, tokenizer, max_queue=64, max_batch_rows=64)
+    jobs = [Job(str(index), generation) for index, generation in enumerate(generations)]
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        outcomes: list[Any] = []
+        for job in jobs:
+            error = job.future.exception(WAIT)
+            outcomes.append(error if error is not None else [c.text for c in job.future.result().choices])
+    finally:
+        scheduler.stop(WAIT)
+    return outcomes, scheduler
+
+
+PROMPTS = ("ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But soft", "HAMLET:")
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_alone(tokenizer: Tokenizer,
+                                                                                     block: int) -> None:  # fmt: skip
+    model = transformer(tokenizer.get_vocab_size(), block_size=block)
+    options: list[dict[str, Any]] = [
+        {}, {"steps": 5}, {"remasking": "confidence"}, {"threshold": 0.3}, {"remasking": "margin", "steps": 6},
+        {"temperature": 0.0, "remasking": "confidence", "reveal_split": "even"}, {"top_k": 5, "top_p": None},
+    ]  # fmt: skip
+    if not block:
+        options += [{"block_length": 4}, {"cache": "prefix", "block_length": 4}, {"cache": "dual", "block_length": 4},
+                    {"threshold": 0.3, "cache": "prefix", "block_length": 4}]  # fmt: skip
+    generations = [request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 100 + i, **option)
+                   for i, option in enumerate(options)]  # fmt: skip
+    generations.append(request(tokenizer, ("", "To be"), 10, 7, n=2))  # two prompts (seeds 7, 8), two samples each
+    if block:
+        generations.append(request(tokenizer, ("ROMEO:",), 60, 9))  # past the context of 48: a sliding window
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    passes = scheduler.stats.snapshot().passes
+    # Most calls share a pass; fewer of a block model's, whose calls differ where the requests are in their blocks.
+    assert passes < sum(count for _, count in expected) * (0.7 if block else 0.5)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
+    """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after
+    the block included); every step's calls share one pass."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (prompt,), 12, 50 + i, cache=cache, block_length=4, remasking="confidence")
+                   for i, prompt in enumerate(PROMPTS[:4])]  # fmt: skip
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    assert scheduler.stats.snapshot().passes == max(count for _, count in expected)  # all in step
+
+
+def test_a_request_that_arrives_starts_at_the_next_pass(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    first = request(tokenizer, ("ROMEO:",), 24, 1, block_length=4)
+    late = request(tokenizer, ("JULIET: O Romeo",), 12, 2, threshold=0.3)
+    scheduler = Scheduler(model, tokenizer, max_queue=8, max_batch_rows=8)
+    late_job = Job("late", late)
+    rows: list[int] = []
+
+    def arrive(module: Any, args: Any) -> None:
+        rows.append(int(args[0].shape[0]))
+        if len(rows) == 3:
+            scheduler.submit(late_job)  # while the first request's third pass runs
+
+    hook = model.register_forward_pre_hook(arrive)
+    try:
+        first_job = Job("first", first)
+        scheduler.submit(first_job)
+        scheduler.start()
+        texts = [[c.text for c in job.future.result(WAIT).choices] for job in (first_job, late_job)]
+    finally:
+        hook.remove()
+        scheduler.stop(WAIT)
+    assert texts == [alone(model, tokenizer, generation)[0] for generation in (first, late)]
+    assert rows[:3] == [1, 1, 1] and rows[3] == 2  # it joined the fourth pass
+
+
+def test_a_departed_request_leaves_before_its_next_pass(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    staying = [request(tokenizer, (prompt,), 16, 20 + i) for i, prompt in enumerate(PROMPTS[:3])]
+    leaving = request(tokenizer, ("HAMLET:",), 16, 30)
+    scheduler = Scheduler(model, tokenizer, max_queue=8, max_batch_rows=8)
+    jobs = [Job(str(i), generation) for i, generation in enumerate([leaving, *staying])]
+    rows: list[int] = []
+
+    def depart(module: Any, args: Any) -> None:
+        rows.append(int(args[0].shape[0]))
+        if len(rows) == 2:
+            scheduler.cancel(jobs[0])  # its client goes while the second pass runs
+
+    hook = model.register_forward_pre_hook(depart)
+    try:
+        for job in jobs:
+            scheduler.submit(job)
+        scheduler.start()
+        with pytest.raises(Departed):
+            jobs[0].future.result(WAIT)
+        texts = [[c.text for c in job.future.result(WAIT).choices] for job in jobs[1:]]
+    finally:
+        hook.remove()
+        scheduler.stop(WAIT)
+    assert texts == [alone(model, tokenizer, generation)[0] for generation in staying]
+    # One row each, so each running request makes a call of one row a pass (each needs 11 passes or more).
+    assert rows[:2] == [4, 4] and rows[2] == max(rows[2:]) == 3  # its row went after the second pass
+    assert scheduler.stats.snapshot().left == 1
+
+
+def test_a_failing_pass_fails_its_requests_only(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, ("ROMEO:",), 8, 1), request(tokenizer, ("To be",), 8, 2)]
+    calls = [0]
+
+    def fail_once(module: Any, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("a device failure")
+
+    hook = model.register_forward_pre_hook(fail_once)
+    try:
+        outcomes, scheduler = served(model, tokenizer, generations)
+    finally:
+        hook.remove()
+    assert all(isinstance(outcome, RuntimeError) for outcome in outcomes)  # they shared the failed pass
+    assert served(model, tokenizer, generations)[0] == [alone(model, tokenizer, g)[0] for g in generations]
+    del scheduler
+
+
+def test_shared_passes_run_in_eval_mode_without_autograd(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size()).train()
+    seen: list[tuple[bool, bool]] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args: seen.append((module.training, torch.is_inference_mode_enabled())) and None)
+    try:
+        served(model, tokenizer, [request(tokenizer, ("ROMEO:",), 6, 3)])
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {(False, True)}
