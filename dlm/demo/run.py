@@ -63,7 +63,9 @@ CPU_MODEL_OVERRIDES = (
     "model.n_layers=4",
     "model.n_heads=4",
     "model.max_seq_len=64",  # the data is packed to match
-    "training.batch_size=64",
+    # batch 32: at an equal number of tokens, twice the steps scored 0.11 bits/byte better than batch 64
+    # at a CPU's budget (docs/benchmarks.md, "The CPU recipe at an AVX2-only CPU's pace").
+    "training.batch_size=32",
     "training.learning_rate=2e-3",
     "training.eval_batches=4",
     # configs/cpu.toml's measured winner (docs/benchmarks.md, CPU recipe ablation): training draws
