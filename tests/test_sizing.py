@@ -17,7 +17,8 @@ from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
 from dlm.data.dataset import load_packed_dataset, token_counts
 from dlm.data.pack import pack_corpus
-from dlm.data.tokenizer import MIN_VOCAB_SIZE, VocabularyFit, train_tokenizer, vocabulary_fit
+from dlm.data.sizing import VocabularyFit, vocabulary_fit
+from dlm.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 from dlm.train.preflight import ensure_valid, validate_config_file
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
@@ -34,12 +35,12 @@ def test_a_learned_token_seen_fewer_than_ten_times_is_rare() -> None:
     counts = np.zeros(MIN_VOCAB_SIZE + 4, dtype=np.int64)
     counts[:MIN_VOCAB_SIZE] = 0  # unused bytes and specials never count
     counts[MIN_VOCAB_SIZE:] = [9, 10, 10, 10]
-    fit = vocabulary_fit(counts, MIN_VOCAB_SIZE + 4)
+    fit = vocabulary_fit(counts, MIN_VOCAB_SIZE + 4, MIN_VOCAB_SIZE)
     assert (fit.learned, fit.rare, fit.rare_share, fit.too_large) == (4, 1, 0.25, True)
     counts[MIN_VOCAB_SIZE] = 10
-    assert vocabulary_fit(counts, MIN_VOCAB_SIZE + 4).too_large is False
+    assert vocabulary_fit(counts, MIN_VOCAB_SIZE + 4, MIN_VOCAB_SIZE).too_large is False
     # A token id the text never reaches counts 0 times.
-    assert vocabulary_fit(counts[: MIN_VOCAB_SIZE + 2], MIN_VOCAB_SIZE + 4).rare == 2
+    assert vocabulary_fit(counts[: MIN_VOCAB_SIZE + 2], MIN_VOCAB_SIZE + 4, MIN_VOCAB_SIZE).rare == 2
 
 
 @pytest.mark.parametrize(
