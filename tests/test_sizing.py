@@ -8,6 +8,9 @@ them in train.bin and compares parameters and epochs with the training tokens. E
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +18,17 @@ import pytest
 
 from dlm.assets import shakespeare_files
 from dlm.config.schema import load_config
+from dlm.config.shapes import count_parameters, format_parameter_count
 from dlm.data.dataset import load_packed_dataset, token_counts
 from dlm.data.pack import pack_corpus
-from dlm.data.sizing import VocabularyFit, vocabulary_fit
+from dlm.data.sizing import (
+    MAX_EPOCHS,
+    MAX_PARAMETERS_PER_TOKEN,
+    VocabularyFit,
+    budget_advice,
+    model_advice,
+    vocabulary_fit,
+)
 from dlm.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 from dlm.train.preflight import ensure_valid, validate_config_file
 
@@ -221,3 +232,40 @@ def test_warning_rows_in_the_table_keep_exit_code_0(
     assert result.stdout.count("warning") == 2 and "failed" not in result.stdout
     ensure_valid(load_config(TINY, args))  # warnings never stop a run
     assert not (tmp_path / "run").exists()
+
+
+def test_the_epoch_rule_warns_past_its_limit_and_names_the_steps_that_fit() -> None:
+    blocks, per_step = 1000, 10  # 100 steps an epoch
+    fits = budget_advice(MAX_EPOCHS * 100, per_step, 64, blocks)
+    assert not fits.too_large and fits.fix == ""
+    assert fits.detail.endswith(f"= {MAX_EPOCHS:.2f} epochs of 1,000 blocks, per process")
+    over = budget_advice(MAX_EPOCHS * 100 + 1, per_step, 64, blocks)
+    assert over.too_large and f"over {MAX_EPOCHS} epochs" in over.detail
+    assert f"lower training.max_steps to about {MAX_EPOCHS * 100:,} ({MAX_EPOCHS} epochs)" in over.fix
+
+
+def test_the_model_rule_counts_parameters_per_training_token_and_halves_the_width() -> None:
+    model = load_config(TINY).model.model_copy(update={"d_model": 256, "n_heads": 4})
+    parameters = count_parameters(model)
+    fits = model_advice(model, math.ceil(parameters / MAX_PARAMETERS_PER_TOKEN))
+    assert not fits.too_large and fits.detail.startswith(f"{format_parameter_count(parameters)} parameters for ")
+    tokens = parameters // (2 * MAX_PARAMETERS_PER_TOKEN)  # room for about half the parameters
+    over = model_advice(model, tokens)
+    narrower = count_parameters(model.model_copy(update={"d_model": 128}))
+    assert narrower <= MAX_PARAMETERS_PER_TOKEN * tokens < parameters
+    assert over.too_large and f"(e.g. model.d_model = 128: {format_parameter_count(narrower)})" in over.fix
+    # With the smaller vocabulary the vocabulary rule suggests, the same width is tried first.
+    smaller_vocab = model_advice(model, tokens, vocab=model.vocab_size // 2)
+    assert "with " + str(model.vocab_size // 2) + " tokens" in smaller_vocab.fix
+
+
+def test_tokenizer_train_never_imports_torch(tmp_path: Path) -> None:
+    # `dlm tokenizer train` sizes the vocabulary with dlm.data.sizing, which counts no torch tensors.
+    script = (
+        "import sys\nfrom dlm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\nprint('torch' in sys.modules)\n"
+    )
+    args = ["tokenizer", "train", str(PLAY[0]), "--vocab-size", "1024", "--output", str(tmp_path / "t.json")]
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False" and (tmp_path / "t.json").is_file()
