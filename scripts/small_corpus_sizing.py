@@ -45,7 +45,6 @@ ROWS = [
     Row("tune-4096-d128", "kjv-tune/train", TUNE, 4096, 128, 1387, "tune"),
     Row("jargon-8192-d256", "jargon", HELD_OUT, 8192, 256, 420, "report"),
     Row("jargon-4096-d128", "jargon", HELD_OUT, 4096, 128, 1387, "report"),
-    Row("kjv-4096-d128", "kjv-report", HELD_OUT, 4096, 128, 1387, "report"),
 ]
 
 

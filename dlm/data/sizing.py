@@ -5,14 +5,18 @@ The one owner of the rules behind `dlm tokenizer train`'s warning and `dlm valid
 and what to pick instead. Each verdict is an `Advice` (a detail, and a fix when something is too
 large); the callers only place it. Warnings never fail a command.
 
-The thresholds come from ten-minute CPU runs on 1.3 MB of the King James Bible (docs/benchmarks.md,
-"Sizing to a small corpus"), where `configs/cpu.toml` ended at its unigram level:
+The thresholds come from float32 runs of ten minutes at an AVX2-only CPU's pace on 1.3 MB of English
+(docs/benchmarks.md, "Sizing to a small corpus"; held-out bits per byte, lower is better):
 
-- a learned token seen fewer than RARE_COUNT times is rare; 8192 tokens left 78% of them rare there
-  (0.0 bits/byte below the unigram level, with the cpu.toml model), 4096 tokens 40%, and 2048 13%
-  (the best);
-- parameters per training token: 3.3 learned, 18 did not;
-- epochs of the planned steps: ...
+- training tokens per vocabulary entry: 74 (4096 tokens) scored best on the corpus tuned on, 164
+  (2048) 0.047 worse with the same model, 36 (8192, the cpu.toml model) 0.083 worse; on the
+  corpus reported on, 94 (4096) beat 42 (8192, the cpu.toml model) by 0.155. Below
+  MIN_TOKENS_PER_ENTRY the vocabulary is too large, and the largest power of two that gives that
+  many is suggested;
+- parameters per training token: 3.3 to 4.5 learned best, 15 and 18 (the cpu.toml model) fell
+  behind at equal time;
+- epochs: at 3.6 and 4.5 parameters per token the validation loss still fell at the end of 14.7 and
+  18.6 epochs.
 
 No torch: `dlm tokenizer train` imports it; a model's parameters are counted from its config
 (`dlm.config.shapes`).
@@ -28,11 +32,10 @@ import numpy as np
 from dlm.config.schema import ModelConfig
 from dlm.config.shapes import count_parameters, format_parameter_count
 
-RARE_COUNT = 10
-RARE_SHARE_LIMIT = 0.25
-MAX_PARAMETERS_PER_TOKEN = 4
-MAX_EPOCHS = 4
-
+MIN_TOKENS_PER_ENTRY = 64
+RARE_COUNT = 10  # a learned token seen fewer times is rare: reported beside the rule
+MAX_PARAMETERS_PER_TOKEN = 5
+MAX_EPOCHS = 16
 
 
 def text_size(text_bytes: int) -> str:
@@ -53,58 +56,63 @@ class Advice:
 
 @dataclass(frozen=True)
 class VocabularyFit:
-    """How many of a vocabulary's learned tokens (past the byte alphabet and the special tokens)
-    occur fewer than RARE_COUNT times in some text."""
+    """A vocabulary against the text it encodes: the tokens of the text per vocabulary entry, and how
+    many learned tokens (past the byte alphabet and the special tokens) occur fewer than RARE_COUNT
+    times in it."""
 
     vocab_size: int
     learned: int
     rare: int
+    tokens: int
 
     @property
     def rare_share(self) -> float:
         return self.rare / self.learned if self.learned else 0.0
 
     @property
+    def tokens_per_entry(self) -> float:
+        return self.tokens / self.vocab_size
+
+    @property
     def too_large(self) -> bool:
-        return self.rare_share >= RARE_SHARE_LIMIT
+        return self.tokens_per_entry < MIN_TOKENS_PER_ENTRY
 
-    def suggested_sizes(self) -> tuple[int, int]:
-        """The powers of two around the tokens that are not rare (bytes and specials included).
-
-        Merges are learned most frequent first, so a smaller vocabulary keeps the frequent tokens,
-        and its tokens occur more often than here: the upper end is the one to try first."""
+    def suggested_size(self) -> int:
+        """The largest power of two with MIN_TOKENS_PER_ENTRY tokens an entry, below the current size,
+        and never below the byte alphabet and special tokens. A smaller vocabulary splits the text
+        into more tokens, so its entries average a little more than estimated here."""
 
         base = self.vocab_size - self.learned
-        frequent = base + self.learned - self.rare
-        upper = 1 << max(frequent - 1, 1).bit_length()
-        if upper >= self.vocab_size:
-            upper //= 2
-        return max(upper // 2, base), max(upper, base)
+        size = 1 << max(int(self.tokens // MIN_TOKENS_PER_ENTRY), 1).bit_length() - 1
+        while size >= self.vocab_size:
+            size //= 2
+        return max(size, base)
 
-    def detail(self, amount: str, where: str) -> str:
-        """What was counted, e.g. "8192 tokens for 1.3 MB of text: 78% of the 7,933 learned tokens
-        occur fewer than 10 times in it", with `amount` the size of the text and `where` the text;
-        when the vocabulary is too large, the sizes that suit the text follow."""
+    def detail(self, amount: str) -> str:
+        """What was counted, e.g. "8192 tokens for 291,840 training tokens: 36 per entry (78% of the
+        7,933 learned tokens occur fewer than 10 times)", with `amount` the size of the text; when the
+        vocabulary is too large, the size that suits the text follows."""
 
         text = (
-            f"{self.vocab_size} tokens for {amount}: {self.rare_share:.0%} of the {self.learned:,} learned tokens "
-            f"occur fewer than {RARE_COUNT} times {where}"
+            f"{self.vocab_size} tokens for {amount}: {self.tokens_per_entry:,.0f} per entry ({self.rare_share:.0%} "
+            f"of the {self.learned:,} learned tokens occur fewer than {RARE_COUNT} times)"
         )
         if self.too_large:
-            low, high = self.suggested_sizes()
-            sizes = str(high) if low == high else f"{low}\u2013{high}"
-            text += f", too rare to learn; about {sizes} tokens suit this size"
+            text += f", under {MIN_TOKENS_PER_ENTRY}: too few to learn them; "
+            text += f"about {self.suggested_size()} suit this size"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "vocab_size": self.vocab_size,
+            "tokens": self.tokens,
+            "tokens_per_entry": self.tokens_per_entry,
             "learned_tokens": self.learned,
             "rare_tokens": self.rare,
             "rare_below": RARE_COUNT,
             "rare_share": self.rare_share,
             "too_large": self.too_large,
-            "suggested_vocab_sizes": list(self.suggested_sizes()) if self.too_large else None,
+            "suggested_vocab_size": self.suggested_size() if self.too_large else None,
         }
 
 
@@ -115,7 +123,7 @@ def vocabulary_fit(counts: np.ndarray, vocab_size: int, first_learned: int) -> V
     learned = np.zeros(max(vocab_size - first_learned, 0), dtype=np.int64)
     seen = counts[first_learned:vocab_size]
     learned[: len(seen)] = seen
-    return VocabularyFit(vocab_size, len(learned), int((learned < RARE_COUNT).sum()))
+    return VocabularyFit(vocab_size, len(learned), int((learned < RARE_COUNT).sum()), int(counts.sum()))
 
 
 def corpus_vocabulary_warning(fit: VocabularyFit, text_bytes: int) -> str | None:
@@ -124,18 +132,18 @@ def corpus_vocabulary_warning(fit: VocabularyFit, text_bytes: int) -> str | None
     if not fit.too_large:
         return None
     return (
-        f"{fit.detail(f'{text_size(text_bytes)} of text', 'in it')} "
-        f"(retrain with --vocab-size {fit.suggested_sizes()[1]}, or train on more text)"
+        f"{fit.detail(f'{text_size(text_bytes)} of text ({fit.tokens:,} tokens)')} "
+        f"(retrain with --vocab-size {fit.suggested_size()}, or train on more text)"
     )
 
 
 def packed_vocabulary_advice(fit: VocabularyFit, tokens: int) -> Advice:
-    """The vocabulary against `tokens` packed training tokens (`dlm validate`)."""
+    """The vocabulary against `tokens` packed training tokens (`dlm validate`; `fit` counted them)."""
 
-    detail = fit.detail(f"{tokens:,} training tokens", "in them")
+    detail = fit.detail(f"{tokens:,} training tokens")
     if not fit.too_large:
         return Advice(detail)
-    size = fit.suggested_sizes()[1]
+    size = fit.suggested_size()
     return Advice(detail, f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; "
                           "or pack more text")  # fmt: skip
 

@@ -172,7 +172,7 @@ def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
         return CheckResult(name, True, detail), None
     fit = vocabulary_fit(token_counts(dataset, vocab), vocab, MIN_VOCAB_SIZE)
     advice = packed_vocabulary_advice(fit, tokens)
-    return _advice_check(name, advice), fit.suggested_sizes()[1] if advice.too_large else None
+    return _advice_check(name, advice), fit.suggested_size() if advice.too_large else None
 
 
 def _advice_check(name: str, advice: Advice) -> CheckResult:
