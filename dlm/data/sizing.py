@@ -38,7 +38,7 @@ MAX_PARAMETERS_PER_TOKEN = 5
 MAX_EPOCHS = 16
 
 
-def text_size(text_bytes: int) -> str:
+def _text_size(text_bytes: int) -> str:
     return f"{text_bytes / 1e6:.1f} MB" if text_bytes >= 10**6 else f"{text_bytes / 1e3:.0f} kB"
 
 
@@ -132,7 +132,7 @@ def corpus_vocabulary_warning(fit: VocabularyFit, text_bytes: int) -> str | None
     if not fit.too_large:
         return None
     return (
-        f"{fit.detail(f'{text_size(text_bytes)} of text ({fit.tokens:,} tokens)')} "
+        f"{fit.detail(f'{_text_size(text_bytes)} of text ({fit.tokens:,} tokens)')} "
         f"(retrain with --vocab-size {fit.suggested_size()}, or train on more text)"
     )
 
