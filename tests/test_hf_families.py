@@ -21,10 +21,10 @@ import dlm
 from dlm.artifacts.hf.families import LLADA_MASK_ID
 from dlm.artifacts.hf_import import import_model
 from dlm.config.schema import ModelConfig
+from dlm.config.shapes import parameter_shapes
 from dlm.errors import UserError
 from dlm.model.attention import AttentionAnneal
 from dlm.model.transformer import DiffusionTransformer
-from dlm.train.memory import parameter_shapes
 
 D, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 32, 4, 2, 48, 2, 40
 

@@ -10,6 +10,7 @@ import torch
 
 from dlm.config.optimizer_registry import OptimizerSpec, register_optimizer, unregister_optimizer
 from dlm.config.schema import ExperimentConfig, ModelConfig
+from dlm.config.shapes import count_parameters, parameter_shapes
 from dlm.diffusion.objective import masked_token_losses
 from dlm.model.denoiser import masked_logits
 from dlm.model.transformer import DiffusionTransformer
@@ -19,12 +20,10 @@ from dlm.train.memory import (
     activation_bytes,
     available_ram,
     check_training_memory,
-    count_parameters,
     estimate_training_memory,
     format_bytes,
     optimizer_state_bytes,
     parameter_entries,
-    parameter_shapes,
     weight_copy_bytes,
 )
 from dlm.train.optimizer import build_optimizer

@@ -237,7 +237,7 @@ def test_checkpoint_estimates_of_both_formats() -> None:
 
 
 def experiment_parameters(experiment: ExperimentConfig) -> int:
-    from dlm.train.memory import count_parameters
+    from dlm.config.shapes import count_parameters
 
     return count_parameters(experiment.model)
 

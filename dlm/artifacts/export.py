@@ -51,10 +51,10 @@ from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.artifacts.sharded_checkpoint import ShardedWeights
 from dlm.choices import ExportDtype
+from dlm.config.shapes import format_parameter_count
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import share_as_created, swap_directory_into_place, temporary_path
-from dlm.model.transformer import format_parameter_count
 
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

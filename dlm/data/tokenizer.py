@@ -23,6 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dlm.data.corpus import CorpusReader, check_output_file, discover_inputs
+from dlm.data.sizing import VocabularyFit, corpus_vocabulary_warning, vocabulary_fit
 from dlm.errors import UserError, reported_os_errors
 from dlm.fileio import atomic_write_text
 
@@ -35,14 +36,6 @@ SPECIAL_TOKENS: dict[str, str] = {
 BYTE_ALPHABET_SIZE = 256
 MIN_VOCAB_SIZE = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
 
-# When a vocabulary is too large for its text. A learned token (a BPE merge, id MIN_VOCAB_SIZE and
-# up) seen fewer than RARE_COUNT times has an embedding row and a softmax column that a handful of
-# gradient updates per epoch cannot train, and the model must still spread probability over them.
-# The vocabulary is too large when at least RARE_SHARE_LIMIT of its learned tokens are rare. On
-# 1.3 MB of the bundled Shakespeare, 8192 tokens leave 55% rare, 4096 14% and 2048 6%; on 4.7 MB,
-# 8192 leaves 12% (docs/index.md, "Sizing the vocabulary and the model").
-RARE_COUNT = 10
-RARE_SHARE_LIMIT = 0.25
 # `dlm tokenizer train` counts the tokens of a corpus up to this size (it keeps the text it read and
 # encodes it once more, about a second per MB): above it, about 5M tokens, even a 32768-token
 # vocabulary averages over 100 occurrences a token. `dlm validate` counts train.bin at any size
@@ -74,75 +67,12 @@ class TokenizerSummary:
     warning: str | None = None
 
 
-@dataclass(frozen=True)
-class VocabularyFit:
-    """How many of a vocabulary's learned tokens occur fewer than RARE_COUNT times in some text."""
-
-    vocab_size: int
-    learned: int
-    rare: int
-
-    @property
-    def rare_share(self) -> float:
-        return self.rare / self.learned if self.learned else 0.0
-
-    @property
-    def too_large(self) -> bool:
-        return self.rare_share >= RARE_SHARE_LIMIT
-
-    def suggested_sizes(self) -> tuple[int, int]:
-        """The powers of two around the tokens that are not rare (bytes and specials included).
-
-        Merges are learned most frequent first, so a smaller vocabulary keeps the frequent tokens,
-        and its tokens occur more often than here: the upper end is the one to try first."""
-
-        frequent = MIN_VOCAB_SIZE + self.learned - self.rare
-        upper = 1 << max(frequent - 1, 1).bit_length()
-        if upper >= self.vocab_size:
-            upper //= 2
-        return max(upper // 2, MIN_VOCAB_SIZE), max(upper, MIN_VOCAB_SIZE)
-
-    def detail(self, amount: str, where: str) -> str:
-        """What was counted, e.g. "8192 tokens for 1.3 MB of text: 55% of the 7,933 learned tokens
-        occur fewer than 10 times in it", with `amount` the size of the text and `where` the text;
-        when the vocabulary is too large, the sizes that suit the text follow."""
-
-        text = (
-            f"{self.vocab_size} tokens for {amount}: {self.rare_share:.0%} of the {self.learned:,} learned tokens "
-            f"occur fewer than {RARE_COUNT} times {where}"
-        )
-        if self.too_large:
-            low, high = self.suggested_sizes()
-            sizes = str(high) if low == high else f"{low}\u2013{high}"
-            text += f", too rare to learn; about {sizes} tokens suit this size"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.vocab_size,
-            "learned_tokens": self.learned,
-            "rare_tokens": self.rare,
-            "rare_below": RARE_COUNT,
-            "rare_share": self.rare_share,
-            "too_large": self.too_large,
-            "suggested_vocab_sizes": list(self.suggested_sizes()) if self.too_large else None,
-        }
-
-
-def vocabulary_fit(counts: np.ndarray, vocab_size: int) -> VocabularyFit:
-    """The fit of a vocabulary from `counts`, the occurrences of each token id in a text."""
-
-    learned = np.zeros(max(vocab_size - MIN_VOCAB_SIZE, 0), dtype=np.int64)
-    seen = counts[MIN_VOCAB_SIZE:vocab_size]
-    learned[: len(seen)] = seen
-    return VocabularyFit(vocab_size, len(learned), int((learned < RARE_COUNT).sum()))
-
 
 def _corpus_fit(tokenizer: Tokenizer, pieces: list[str], vocab_size: int) -> VocabularyFit:
     counts = np.zeros(vocab_size, dtype=np.int64)
     for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
         counts += np.bincount(np.asarray(encoding.ids, dtype=np.int64), minlength=vocab_size)[:vocab_size]
-    return vocabulary_fit(counts, vocab_size)
+    return vocabulary_fit(counts, vocab_size, MIN_VOCAB_SIZE)
 
 
 def new_tokenizer() -> Tokenizer:
@@ -229,21 +159,9 @@ def train_tokenizer(
         seconds=time.perf_counter() - started,
         config_lines=[f"vocab_size = {learned}", f"mask_token_id = {ids['mask']}"],
         vocab_fit=None if fit is None else fit.to_dict(),
-        warning=None if fit is None else _vocab_warning(fit, kept_bytes),
+        warning=None if fit is None else corpus_vocabulary_warning(fit, kept_bytes),
     )
 
-
-def _text_size(text_bytes: int) -> str:
-    return f"{text_bytes / 1e6:.1f} MB" if text_bytes >= 10**6 else f"{text_bytes / 1e3:.0f} kB"
-
-
-def _vocab_warning(fit: VocabularyFit, text_bytes: int) -> str | None:
-    if not fit.too_large:
-        return None
-    return (
-        f"{fit.detail(f'{_text_size(text_bytes)} of text', 'in it')} "
-        f"(retrain with --vocab-size {fit.suggested_sizes()[1]}, or train on more text)"
-    )
 
 
 def _save(tokenizer: Tokenizer, output: Path) -> None:

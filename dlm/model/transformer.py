@@ -434,15 +434,3 @@ def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
     kept = torch.zeros_like(unmasked, dtype=logits.dtype).masked_fill_(~unmasked, float("-inf"))
     return logits.scatter_(-1, inputs[..., None], kept)
 
-
-def format_parameter_count(n: int) -> str:
-    """Human-readable count: 512.0K, 110.9M, 1.28B (billions get one more digit)."""
-
-    if n < 1000:
-        return str(n)
-    for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1)):
-        text = f"{n / scale:.{digits}f}"
-        # Round first, then pick the unit, so 999_960 prints as 1.0M rather than 1000.0K.
-        if float(text) >= 1.0:
-            return f"{text}{suffix}"
-    return f"{n / 1e3:.1f}K"

@@ -61,12 +61,12 @@ from dlm.artifacts.run_dir import (
 from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint, remove_incomplete_checkpoints
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig
+from dlm.config.shapes import format_parameter_count
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.model.lora import adapter_state, load_base_and_adapters
-from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import configure_cuda_backends

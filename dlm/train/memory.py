@@ -39,43 +39,14 @@ import torch
 
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
+from dlm.config.shapes import count_parameters, format_parameter_count, parameter_shapes
 from dlm.fileio import GIB
 from dlm.model.denoiser import needs_clean_copy
-from dlm.model.transformer import format_parameter_count
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-def parameter_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Name and shape of every parameter `DiffusionTransformer(model)` has, without building it.
-
-    Names follow `named_parameters()`; a tied head is the embedding, so it has no entry.
-    """
-
-    d, ffn, head = model.d_model, model.ffn_size, model.head_dim
-    queries, qkv = model.n_heads * head, (model.n_heads + 2 * model.kv_heads) * head
-    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embedding.weight", (model.padded_vocab_size, d))]
-    for index in range(model.n_layers):
-        prefix = f"blocks.{index}"
-        shapes += [(f"{prefix}.attention_norm.weight", (d,)), (f"{prefix}.attention.qkv.weight", (qkv, d))]
-        shapes += [(f"{prefix}.attention.qkv.bias", (qkv,))] if model.qkv_bias else []
-        shapes += [(f"{prefix}.attention.{name}.weight", (head,)) for name in ("q_norm", "k_norm") if model.qk_norm]
-        shapes += [
-            (f"{prefix}.attention.out.weight", (d, queries)),
-            (f"{prefix}.mlp_norm.weight", (d,)),
-            (f"{prefix}.mlp.gate_up.weight", (2 * ffn, d)),
-            (f"{prefix}.mlp.down.weight", (d, ffn)),
-        ]
-    shapes.append(("norm.weight", (d,)))
-    shapes += [] if model.tie_embeddings else [("head.weight", (model.padded_vocab_size, d))]
-    return shapes
-
-
-def count_parameters(model: ModelConfig) -> int:
-    """What `DiffusionTransformer(model).num_parameters` will be, from the config alone."""
-
-    return sum(math.prod(shape) for _, shape in parameter_shapes(model))
 
 
 @dataclass(frozen=True)

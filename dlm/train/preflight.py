@@ -19,35 +19,27 @@ from typing import Any
 import torch
 
 from dlm.config.schema import ExperimentConfig, ModelConfig, load_config
+from dlm.config.shapes import format_parameter_count
 from dlm.data.dataset import PackedDataset, load_packed_dataset, token_counts
+from dlm.data.sizing import Advice, budget_advice, model_advice, packed_vocabulary_advice, vocabulary_fit
 from dlm.data.tokenizer import (
+    MIN_VOCAB_SIZE,
     has_dlm_special_tokens,
     load_tokenizer,
     optional_token_id,
     special_token_id,
     tokenizer_sha256,
-    vocabulary_fit,
 )
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
-from dlm.model.transformer import format_parameter_count
 from dlm.runtime.device import resolve_device, resolve_training_precision
 from dlm.train.memory import (
     check_training_memory,
-    count_parameters,
     estimate_checkpoints,
     parameter_entries,
     plan_memory,
 )
 
-# The sizing rules behind the warnings (docs/index.md, "Sizing the vocabulary and the model").
-# At about 2 bits of storage per parameter (Allen-Zhu and Li, 2024) and about 8 bits of information
-# per token of English BPE text, a model of more than 4 parameters per training token can store its
-# training text rather than generalise from it.
-MAX_PARAMETERS_PER_TOKEN = 4
-# Up to about 4 epochs a repeated token is worth nearly a new one; past that each repeat adds less and
-# the gap between training and validation loss grows (Muennighoff et al., 2023).
-MAX_EPOCHS = 4
 # The vocabulary check counts every token of a train.bin of up to this many (64M: 0.1 s from the page
 # cache, plus the read of 128 MB from disk).
 COUNTED_TOKENS_LIMIT = 64 * 2**20
@@ -178,13 +170,15 @@ def _vocabulary_check(dataset: PackedDataset) -> tuple[CheckResult, int | None]:
     if dataset.num_blocks * dataset.seq_len > COUNTED_TOKENS_LIMIT:
         detail = f"{tokens / vocab:,.0f} training tokens per vocabulary entry (not counted)"
         return CheckResult(name, True, detail), None
-    fit = vocabulary_fit(token_counts(dataset, vocab), vocab)
-    detail = fit.detail(f"{tokens:,} training tokens", "in them")
-    if not fit.too_large:
-        return CheckResult(name, True, detail), None
-    size = fit.suggested_sizes()[1]
-    fix = f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; or pack more text"
-    return CheckResult(name, True, detail, fix, warning=True), size
+    fit = vocabulary_fit(token_counts(dataset, vocab), vocab, MIN_VOCAB_SIZE)
+    advice = packed_vocabulary_advice(fit, tokens)
+    return _advice_check(name, advice), fit.suggested_size() if advice.too_large else None
+
+
+def _advice_check(name: str, advice: Advice) -> CheckResult:
+    """A sizing verdict as a row: passed, a warning when something is too large."""
+
+    return CheckResult(name, True, advice.detail, advice.fix, warning=advice.too_large)
 
 
 # Document-aware attention paid 0.07 bits/byte on documents of ~40 tokens in 64-token rows and nothing
@@ -214,44 +208,10 @@ def _document_length_check(model: ModelConfig, dataset: PackedDataset) -> CheckR
 
 
 def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
-    """Parameters per training token; a model too large is shown a narrower one, with `vocab`
-    tokens when the vocabulary check suggests that many."""
+    """Parameters per training token; `vocab`: the vocabulary size the vocabulary check suggests, if any."""
 
-    model, tokens = experiment.model, int(dataset.metadata["num_tokens"])
-    parameters = count_parameters(model)
-    detail = (
-        f"{format_parameter_count(parameters)} parameters for {tokens:,} training tokens: "
-        f"{parameters / max(tokens, 1):.1f} per token"
-    )
-    limit = MAX_PARAMETERS_PER_TOKEN * tokens
-    if parameters <= limit:
-        return CheckResult("model size for data", True, detail)
-    detail += f", over {MAX_PARAMETERS_PER_TOKEN}: the model can memorise the data rather than learn from it"
-    fix = f"a model of at most {format_parameter_count(limit)} parameters"
-    # With the smaller vocabulary the current width may already fit.
-    if vocab is None:
-        smaller = _smaller_width(model, limit, model.d_model // 2)
-    else:
-        smaller = _smaller_width(model.model_copy(update={"vocab_size": vocab}), limit, model.d_model)
-    if smaller is not None:
-        fix += f" (e.g. model.d_model = {smaller[0]}" + ("" if vocab is None else f" with {vocab} tokens")
-        fix += f": {format_parameter_count(smaller[1])})"
-    return CheckResult("model size for data", True, detail, fix + ", or more text", warning=True)
-
-
-def _smaller_width(model: ModelConfig, limit: int, from_width: int) -> tuple[int, int] | None:
-    """The widest of `from_width` and its halvings (whole heads of even width) whose model has at
-    most `limit` parameters; None when the FFN width is set by hand or no such width is left."""
-
-    if model.ffn_hidden_size is not None:
-        return None
-    width = from_width
-    while width >= 2 * model.n_heads and width % (2 * model.n_heads) == 0:
-        parameters = count_parameters(model.model_copy(update={"d_model": width}))
-        if parameters <= limit:
-            return width, parameters
-        width //= 2
-    return None
+    tokens = int(dataset.metadata["num_tokens"])
+    return _advice_check("model size for data", model_advice(experiment.model, tokens, vocab))
 
 
 def _output_check(output_dir: Path) -> CheckResult:
@@ -264,14 +224,6 @@ def _output_check(output_dir: Path) -> CheckResult:
 
 def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> CheckResult:
     training = experiment.training
-    blocks_per_step = training.batch_size * training.gradient_accumulation_steps
-    total_blocks = training.max_steps * blocks_per_step
-    tokens = total_blocks * experiment.model.max_seq_len
-    epochs = total_blocks / len(dataset)
-    detail = (
-        f"{training.max_steps:,} steps x {blocks_per_step} blocks = {total_blocks:,} blocks "
-        f"({tokens:,} tokens) = {epochs:.2f} epochs of {len(dataset):,} blocks, per process"
-    )
     if len(dataset) < training.batch_size:
         return CheckResult(
             "training budget",
@@ -279,17 +231,9 @@ def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> Check
             f"{len(dataset)} blocks cannot fill one batch of {training.batch_size}",
             "lower training.batch_size or pack more text",
         )
-    if epochs <= MAX_EPOCHS:
-        return CheckResult("training budget", True, detail)
-    steps = max(int(MAX_EPOCHS * len(dataset) / blocks_per_step), 1)
-    return CheckResult(
-        "training budget",
-        True,
-        f"{detail}: over {MAX_EPOCHS} epochs, repeats add less than new text and the model may overfit",
-        f"watch the validation loss; lower training.max_steps to about {steps:,} ({MAX_EPOCHS} epochs), or pack "
-        "more text",
-        warning=True,
-    )
+    blocks_per_step = training.batch_size * training.gradient_accumulation_steps
+    advice = budget_advice(training.max_steps, blocks_per_step, experiment.model.max_seq_len, len(dataset))
+    return _advice_check("training budget", advice)
 
 
 def _memory_check(
