@@ -107,18 +107,25 @@ class Running:
         assert answer.choices[0].finish_reason in ("stop", "length")
 
 
-@contextmanager
-def running(model_dir: Path, api_key: str | None = None, **settings: Any) -> Iterator[Running]:
-    served = load_served(model_dir, dtype="float64", name="model")
-    gate = Gate(served.model)
-    log: list[dict[str, Any]] = []
-    server = Server(served, ServeSettings(port=0, api_key=api_key, **settings), on_request=log.append)
+def start_in_thread(server: Server) -> threading.Thread:
+    """Run `server` in a daemon thread and return once it listens (at most WAIT seconds)."""
+
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + WAIT
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.01)
+    return thread
+
+
+@contextmanager
+def running(model_dir: Path, api_key: str | None = None, **settings: Any) -> Iterator[Running]:
+    served = load_served(model_dir, dtype="float64", name="model")
+    gate = Gate(served.model)
+    log: list[dict[str, Any]] = []
+    server = Server(served, ServeSettings(port=0, api_key=api_key, **settings), on_request=log.append)
+    thread = start_in_thread(server)
     handle = Running(server, gate, api_key)
     handle.log = log
     try:

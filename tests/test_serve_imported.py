@@ -8,8 +8,6 @@ server that fell back to dlm's ids would not stop where the model ends.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +21,7 @@ pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e 
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -e '.[serve-test]')")
 openai = pytest.importorskip("openai", reason="openai is not installed (pip install -e '.[serve-test]')")
 from test_hf_import import _packed, build_hf_model  # noqa: E402 (skips without transformers)
+from test_serve import start_in_thread  # noqa: E402
 
 from dlm.artifacts.hf_import import import_model  # noqa: E402
 from dlm.data.tokenizer import load_tokenizer, special_token_id  # noqa: E402
@@ -67,12 +66,7 @@ def serving(model: Path) -> Iterator[openai.OpenAI]:
     served.model.register_forward_hook(lambda module, args, logits: logits.index_add(
         -1, torch.tensor([END]), torch.full((*logits.shape[:-1], 1), 100.0, dtype=logits.dtype)))  # fmt: skip
     server = Server(served, ServeSettings(port=0))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
+    thread = start_in_thread(server)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
                            timeout=WAIT)  # fmt: skip
     try:

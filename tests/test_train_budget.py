@@ -142,13 +142,21 @@ def test_options_that_contradict_the_plan_are_refused(
     assert not (tmp_path / "run").exists()
 
 
-def test_a_budget_in_the_config_plans_as_minutes_does_and_its_conflicts_name_the_fix(
-    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")  # 4 steps, as a plan of 4 steps would train
+@pytest.fixture
+def planned_run(tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[int]]:
+    """A 4-step run with the plan of 4 steps that trained it, and the calls a calibration would make."""
+
+    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")
     TrainingPlan(60.0, 0.5, "measured", 1.0, 4, 1, 4, 4, 1, trained_seconds=20.0).save(run_dir)
     calls: list[int] = []
     monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.5, calls))
+    return run_dir, calls
+
+
+def test_a_budget_in_the_config_plans_as_minutes_does_and_its_conflicts_name_the_fix(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], planned_run: tuple[Path, list[int]]
+) -> None:
+    run_dir, calls = planned_run
     base = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir))
     budget = ("--set", "training.budget_minutes=1")
     cli = run_cli(*base, *budget, "--json")  # no --minutes: the config's budget plans (here: reuses) the run
@@ -188,12 +196,9 @@ def test_a_run_that_no_budget_planned_is_refused(
 
 
 def test_a_finished_plan_is_reused_and_a_smaller_budget_changes_nothing(
-    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    tiny_data_dir: Path, run_cli: Callable[..., Any], planned_run: tuple[Path, list[int]]
 ) -> None:
-    run_dir = train_tiny_run(tiny_data_dir, tmp_path / "run")  # 4 steps, as a plan of 4 steps would train
-    TrainingPlan(60.0, 0.5, "measured", 1.0, 4, 1, 4, 4, 1, trained_seconds=20.0).save(run_dir)
-    calls: list[int] = []
-    monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.5, calls))
+    run_dir, calls = planned_run
     before = {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()}
     base = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--json", "--minutes")
     for minutes in ("1", "0.5"):
