@@ -1,13 +1,14 @@
 """Steps of a smaller model worth the same CPU time as `configs/cpu.toml`'s, timed interleaved.
 
 usage: python scripts/step_budget.py [--config configs/cpu.toml] [--reference-steps 420]
-           [--reference training.batch_size=64] [--candidate model.vocab_size=2048,model.d_model=128 ...]
+           [--reference training.batch_size=64,model.d_model=256,model.n_heads=4]
+           [--candidate model.vocab_size=2048,model.d_model=128 ...]
            [--precision float32] [--rounds 8] [--threads N] [--json]
 
 "Ten minutes on a CPU without native bfloat16" is a step count of the reference model: 420 float32
-steps of `configs/cpu.toml`'s model at batch 64 (1.31 s a step on a 2-core AVX2-only AMD EPYC). A
-smaller model, or a smaller batch, trains more steps in that time. Every model here is dlm's own
-`TrainingStep` (the step `dlm train` runs; float32 unless --precision) on synthetic tokens; each is
+steps of the demo's earlier CPU model (`configs/cpu.toml` with d_model 256, 4 heads) at batch 64
+(1.31 s a step on a 2-core AVX2-only AMD EPYC). A smaller model, or a smaller batch, trains more
+steps in that time. Every model here is dlm's own `TrainingStep` (the step `dlm train` runs; float32 unless --precision) on synthetic tokens; each is
 warmed up for 2 steps, then they take turns step by step (the
 order rotating every round), so all see the same load from other work at nearly the same moment.
 A candidate is the reference with its own overrides on top; its budget is the reference steps
@@ -32,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-steps", type=int, default=420, help="the reference's steps in the budget")
     parser.add_argument(
         "--reference",
-        default="training.batch_size=64",
-        help="comma-separated --set overrides of the reference (default: the batch of the measured pace)",
+        default="training.batch_size=64,model.d_model=256,model.n_heads=4",
+        help="comma-separated --set overrides of the reference (default: the model and batch of the measured pace)",
     )
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(

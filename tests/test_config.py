@@ -49,7 +49,7 @@ def test_shipped_sizes_match_their_names() -> None:
 
 
 def test_cpu_recipe_builds_and_trains_on_a_cpu() -> None:
-    """configs/cpu.toml, the measured CPU recipe: 64-token blocks, a few million parameters, the
+    """configs/cpu.toml, the measured CPU recipe: 64-token blocks, about a million parameters, the
     clipped masking range and precision auto (bfloat16 autocast where the CPU has it)."""
 
     import torch
@@ -64,7 +64,7 @@ def test_cpu_recipe_builds_and_trains_on_a_cpu() -> None:
     assert training.device == "cpu" and training.precision == "auto"
     assert experiment.training.warmup_steps < experiment.training.max_steps
     model = DiffusionTransformer(experiment.model)
-    assert 3e6 < model.num_parameters < 8e6
+    assert 1e6 < model.num_parameters < 2e6
     tokens = torch.randint(2, experiment.model.vocab_size, (2, experiment.model.max_seq_len))
     assert model(tokens).shape[:2] == tokens.shape
 

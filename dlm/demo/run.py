@@ -27,9 +27,10 @@ step of 64 x 256 tokens, a few dozen steps in ten minutes, and ends at the unigr
 models at 256 tokens stayed on that plateau too (loss flat over every noise level, i.e. context
 unused, after 1.6M tokens): with 256 positions, the signal that teaches attention to look at the
 neighbours is diluted. With 64-token blocks, d_model 256 and 4 layers leave the plateau within
-~0.5M tokens. That CPU model is configs/cpu.toml's (a test keeps the two equal): training on mask
-probabilities in [0.3, 0.8] only, and bfloat16 autocast where the CPU multiplies it natively
-(float32 elsewhere; docs/benchmarks.md has the measurements).
+~0.5M tokens; d_model 96 (1.2M parameters) takes 3 to 4 times the steps of d_model 256 in the same
+time and learns more in a CPU's ten minutes. That CPU model is configs/cpu.toml's (a test keeps
+the two equal): training on mask probabilities in [0.3, 0.8] only, and bfloat16 autocast where the
+CPU multiplies it natively (float32 elsewhere; docs/benchmarks.md has the measurements).
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth o
 EVAL_MC_SAMPLES = 4
 PROGRESS_SECONDS = 0.5  # at most one progress event per stage this often
 CPU_MODEL_OVERRIDES = (
-    "model.d_model=256",
+    # d_model 96: at a CPU's ten minutes, the steps of a smaller model are worth more than the width
+    # of a larger one (docs/benchmarks.md, "The CPU model's width at a CPU's pace").
+    "model.d_model=96",
     "model.n_layers=4",
-    "model.n_heads=4",
+    "model.n_heads=2",
     "model.max_seq_len=64",  # the data is packed to match
     # batch 32: at an equal number of tokens, twice the steps scored 0.11 bits/byte better than batch 64
     # at a CPU's budget (docs/benchmarks.md, "The CPU recipe at an AVX2-only CPU's pace").
