@@ -8,11 +8,11 @@ usage: python scripts/step_budget.py [--config configs/cpu.toml] [--reference-st
 "Ten minutes on a CPU without native bfloat16" is a step count of the reference model: 420 float32
 steps of the demo's earlier CPU model (`configs/cpu.toml` with d_model 256, 4 heads) at batch 64
 (1.31 s a step on a 2-core AVX2-only AMD EPYC). A smaller model, or a smaller batch, trains more
-steps in that time. Every model here is dlm's own `TrainingStep` (the step `dlm train` runs; float32 unless --precision) on synthetic tokens; each is
-warmed up for 2 steps, then they take turns step by step (the
-order rotating every round), so all see the same load from other work at nearly the same moment.
-A candidate is the reference with its own overrides on top; its budget is the reference steps
-times the reference's median step time over its own.
+steps in that time. Every model here is dlm's own `TrainingStep` (the step `dlm train` runs; float32
+unless --precision) on synthetic tokens; each is warmed up for 2 steps, then they take turns step by
+step (the order rotating every round), so all see the same load from other work at nearly the same
+moment. A candidate is the reference with its own overrides on top; its budget is the reference
+steps times the reference's median step time over its own.
 """
 
 from __future__ import annotations
