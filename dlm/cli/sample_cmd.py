@@ -295,7 +295,7 @@ def sample(
     the final texts are printed, or with --json the texts, steps, forward passes and seconds.
 
     Faster: --steps half of --length (two tokens a step) kept the judge
-    perplexity of the CPU demo's model within 10%; --block-length 8
+    perplexity of a CPU demo model (d_model 256) within 10%; --block-length 8
     --cache dual adds speed at some quality; --threshold pays only on a
     confident model (docs/benchmarks.md, Fast generation).
 
