@@ -27,8 +27,8 @@ step of 64 x 256 tokens, a few dozen steps in ten minutes, and ends at the unigr
 models at 256 tokens stayed on that plateau too (loss flat over every noise level, i.e. context
 unused, after 1.6M tokens): with 256 positions, the signal that teaches attention to look at the
 neighbours is diluted. With 64-token blocks, d_model 256 and 4 layers leave the plateau within
-~0.5M tokens; d_model 96 (1.2M parameters) takes 3 to 4 times the steps of d_model 256 in the same
-time and learns more in a CPU's ten minutes. That CPU model is configs/cpu.toml's (a test keeps
+~0.5M tokens; d_model 96 (1.2M parameters) takes 1.9x (bfloat16) to 3.3x (float32) the steps of
+d_model 256 in the same time and learns more in a CPU's ten minutes. That CPU model is configs/cpu.toml's (a test keeps
 the two equal): training on mask probabilities in [0.3, 0.8] only, and bfloat16 autocast where the
 CPU multiplies it natively (float32 elsewhere; docs/benchmarks.md has the measurements).
 """
