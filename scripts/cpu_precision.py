@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,32 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from dlm.bench.throughput import synthetic_batches
+    from dlm.bench.throughput import interleaved_cpu_step_seconds
     from dlm.config.schema import load_config
     from dlm.runtime.device import cpu_has_native_bfloat16
-    from dlm.train.distributed import DistributedContext
-    from dlm.train.step import LogWindow, TrainingStep
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     experiment = load_config(args.config, ["training.device=cpu"])
-    cpu, size, batch = torch.device("cpu"), experiment.model, experiment.training.batch_size
-    steps = {}
-    for precision in PRECISIONS:
-        step = TrainingStep(experiment, cpu, precision, DistributedContext())
-        step.prepare()
-        batches, window = synthetic_batches(size, batch, cpu, experiment.training.seed), LogWindow(cpu)
-        steps[precision] = (step, batches, window)
-        for _ in range(2):
-            step.optimizer_step(batches, window)
-    seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
-    for round_index in range(args.rounds):
-        order = PRECISIONS if round_index % 2 == 0 else PRECISIONS[::-1]
-        for precision in order:
-            step, batches, window = steps[precision]
-            started = time.perf_counter()
-            step.optimizer_step(batches, window)
-            seconds[precision].append(time.perf_counter() - started)
+    runs = {precision: (experiment, precision) for precision in PRECISIONS}
+    seconds = interleaved_cpu_step_seconds(runs, args.rounds)
     medians = {precision: statistics.median(values) for precision, values in seconds.items()}
     result = {
         "config": str(args.config),

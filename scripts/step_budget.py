@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,44 +56,29 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from dlm.bench.throughput import synthetic_batches
+    from dlm.bench.throughput import interleaved_cpu_step_seconds
     from dlm.config.schema import load_config
     from dlm.config.shapes import count_parameters, format_parameter_count
-    from dlm.train.distributed import DistributedContext
-    from dlm.train.step import LogWindow, TrainingStep
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    cpu = torch.device("cpu")
     names = ["reference", *args.candidate]
-    models = {}
+    experiments, parameters = {}, {}
     for name in names:
         # a candidate changes the reference: its overrides come after the reference's
         overrides = args.reference.split(",") + ([] if name == "reference" else name.split(","))
         precision = f"training.precision={args.precision}"
         experiment = load_config(args.config, ["training.device=cpu", precision, *filter(None, overrides)])
-        step = TrainingStep(experiment, cpu, args.precision, DistributedContext())
-        step.prepare()
-        batches = synthetic_batches(experiment.model, experiment.training.batch_size, cpu, experiment.training.seed)
-        window = LogWindow(cpu)
-        for _ in range(2):
-            step.optimizer_step(batches, window)
-        models[name] = (step, batches, window, count_parameters(experiment.model))
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(args.rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            step, batches, window, _ = models[name]
-            started = time.perf_counter()
-            step.optimizer_step(batches, window)
-            seconds[name].append(time.perf_counter() - started)
+        experiments[name] = (experiment, args.precision)
+        parameters[name] = count_parameters(experiment.model)
+    seconds = interleaved_cpu_step_seconds(experiments, args.rounds)
     reference = statistics.median(seconds["reference"])
     rows = []
     for name in names:
         median = statistics.median(seconds[name])
         rows.append({
             "model": name,
-            "parameters": models[name][3],
+            "parameters": parameters[name],
             "median_step_seconds": round(median, 4),
             "speed_over_reference": round(reference / median, 3),
             "budget_steps": round(args.reference_steps * reference / median),

@@ -441,3 +441,24 @@ def test_fit_columns_drops_the_least_useful_columns_first() -> None:
     kept, cells, left_out = fit_columns(headers, rows, 39)  # 40 fits once attention is out
     assert left_out == ["attention", "dtype"] and kept == ["batch", "compile", "tokens/s"]
     assert cells == [["2", "no", "1,234"]]
+
+
+def test_interleaved_cpu_steps_time_every_run_each_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts' shared timer: warm-up steps untimed, then one timed step of each run a round,
+    the order rotating (the second run goes first in the second round)."""
+
+    order: list[str] = []
+    real = throughput.TrainingStep.optimizer_step
+
+    def recorded(self: throughput.TrainingStep, *args: object) -> object:
+        order.append(self.experiment.training.output_dir)
+        return real(self, *args)
+
+    monkeypatch.setattr(throughput.TrainingStep, "optimizer_step", recorded)
+    runs = {name: (tiny(tmp_path, f"training.output_dir={tmp_path / name}"), "float32") for name in ("a", "b")}
+    seconds = throughput.interleaved_cpu_step_seconds(runs, rounds=3, warmup=1)
+    assert list(seconds) == ["a", "b"]
+    assert all(len(values) == 3 and min(values) > 0 for values in seconds.values())
+    a, b = (runs[name][0].training.output_dir for name in ("a", "b"))
+    assert a != b
+    assert order == [a, b, a, b, b, a, a, b]

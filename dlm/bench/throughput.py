@@ -95,6 +95,38 @@ def _timed_steps(step: TrainingStep, batches: Iterator[torch.Tensor], window: Lo
     return times
 
 
+def interleaved_cpu_step_seconds(
+    experiments: dict[str, tuple[ExperimentConfig, str]], rounds: int, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Seconds of each named (experiment, precision)'s training step on the CPU, on synthetic tokens.
+
+    Each is warmed up for `warmup` steps, then they take turns step by step for `rounds` rounds, the
+    order rotating every round, so all see the same load from other work at nearly the same moment:
+    ratios of their medians hold on a shared machine where absolute times do not.
+    """
+
+    cpu = torch.device("cpu")
+    runs = {}
+    for name, (experiment, precision) in experiments.items():
+        step = TrainingStep(experiment, cpu, precision, DistributedContext())
+        step.prepare()
+        batches = synthetic_batches(experiment.model, experiment.training.batch_size, cpu, experiment.training.seed)
+        window = LogWindow(cpu)
+        for _ in range(warmup):
+            step.optimizer_step(batches, window)
+        runs[name] = (step, batches, window)
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            step, batches, window = runs[name]
+            started = time.perf_counter()
+            step.optimizer_step(batches, window)
+            seconds[name].append(time.perf_counter() - started)
+    return seconds
+
+
 def _spread_pct(times: list[float], median: float) -> float:
     if len(times) < 2:
         return 0.0
