@@ -99,6 +99,18 @@ class Running:
         request = {"model": "model", "prompt": "ROMEO:", "max_tokens": 8} | request
         return self.client.completions.create(**request)
 
+    def start_queued(self, requests: list[dict[str, Any]], what: str) -> tuple[list[Any], list[threading.Thread]]:
+        """Send each request from a thread of its own; return once all of them wait in the queue, with
+        the list their answers land in (by position) and the threads."""
+
+        answers: list[Any] = [None] * len(requests)
+        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, self.complete(**requests[i])))
+                   for i in range(len(requests))]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        self.until(lambda: self.stats.queued == len(requests), what)
+        return answers, threads
+
     def assert_healthy(self) -> None:
         """After a fault: /health answers, and so does a normal request."""
 
@@ -357,7 +369,6 @@ def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Runni
     assert all(choice.finish_reason == "length" for choice in alone)  # they run all their steps
     leaving_alone, alone = alone[0], alone[1:]
     before = live.stats
-    answers: list[Any] = [None] * len(staying)
     model = live.server.scheduler.model
     rows: list[int] = []  # of every pass after the first (held while the others come)
 
@@ -369,11 +380,7 @@ def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Runni
     live.gate.close()
     stream = live.client.completions.create(model="model", stream=True, **leaving)
     live.until(live.gate.holding.is_set, "the leaving request's first pass is held")
-    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, live.complete(**staying[i])))
-               for i in range(len(staying))]  # fmt: skip
-    for thread in threads:
-        thread.start()
-    live.until(lambda: live.stats.queued == len(staying), "the others wait")
+    answers, threads = live.start_queued(staying, "the others wait")
     counter = model.register_forward_pre_hook(hold_the_fifth)
     try:
         live.gate.open()  # the others join at the next pass
@@ -526,17 +533,12 @@ def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(t
         requests = [{"prompt": prompt, "max_tokens": 16 + 8 * (i % 2), "seed": 30 + i,
                      "extra_body": {"steps": 16 + 4 * i}} for i, prompt in enumerate(prompts)]  # fmt: skip
         alone = [server.complete(**request).choices[0].text for request in requests]
-        answers: list[Any] = [None] * len(requests)
         with pass_rows(server.server.scheduler.model) as rows:
             with server.gate.closed():
                 blocker = threading.Thread(target=server.complete, kwargs={"seed": 1})
                 blocker.start()
                 server.until(server.gate.holding.is_set, "the blocker's first pass is held")
-                threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, server.complete(**requests[i])))
-                           for i in range(len(requests))]  # fmt: skip
-                for thread in threads:
-                    thread.start()
-                server.until(lambda: server.stats.queued == len(requests), "all four wait")
+                answers, threads = server.start_queued(requests, "all four wait")
             for thread in [blocker, *threads]:
                 thread.join(WAIT)
         assert [answer.choices[0].text for answer in answers] == alone
