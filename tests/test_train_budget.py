@@ -210,6 +210,24 @@ def test_a_finished_plan_is_reused_and_a_smaller_budget_changes_nothing(
     assert calls == [] and {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()} == before
 
 
+def test_a_run_stopped_where_no_step_fit_its_budget_is_reused(
+    tiny_data_dir: Path, run_cli: Callable[..., Any], planned_run: tuple[Path, list[int]]
+) -> None:
+    """Short of its planned steps, but its last segment found no time for another one at the pace
+    it kept: done for its budget, not an interrupted run to carry on."""
+
+    run_dir, calls = planned_run
+    TrainingPlan(60.0, 0.5, "measured", 1.0, 8, 1, 4, 4, 1, trained_seconds=59.5).save(run_dir)
+    before = {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()}
+    command = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--json", "--minutes", "1")
+    cli = run_cli(*command)
+    assert cli.exit_code == 0, cli.stderr
+    events = [json.loads(line) for line in cli.stdout.splitlines()]
+    assert [(event["stage"], event["status"]) for event in events] == [("calibrate", "reused"), ("train", "reused")]
+    assert (events[-1]["step"], events[-1]["max_steps"]) == (4, 8)
+    assert calls == [] and {path.name: path.stat().st_mtime_ns for path in run_dir.iterdir()} == before
+
+
 @pytest.mark.slow
 def test_a_budgeted_run_trains_to_its_plan_and_a_rerun_reuses_it(
     tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch

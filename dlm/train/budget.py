@@ -80,7 +80,7 @@ class TrainingPlan:
     """How the time budget becomes a schedule; saved as RUN/budget-plan.json."""
 
     budget_seconds: float
-    seconds_per_step: float  # the pace max_steps was last planned with
+    seconds_per_step: float  # the pace last measured: calibration's, then each segment's
     rate_source: str  # "calibration" or "measured"
     calibration_seconds: float  # wall time of the calibration, part of the budget
     max_steps: int
@@ -322,7 +322,8 @@ class BudgetedTraining:
 
         from dlm.train.optimizer import learning_rate
 
-        finished = step >= plan.max_steps or plan.trained_seconds >= plan.budget_seconds
+        # Finished: trained to its plan, or stopped where not one more step fit in its budget.
+        finished = step >= plan.max_steps or isinstance(self.schedule_left(plan, plan.seconds_per_step, step), int)
         if finished and self.budget <= plan.budget_seconds:
             return None
         if not finished and self.budget == plan.budget_seconds:
@@ -364,17 +365,23 @@ class BudgetedTraining:
             if result.status != "paused" or step < end or step >= plan.max_steps:
                 return result  # complete, interrupted, or stopped by the deadline
             pace = (time.perf_counter() - started) / (step - start)
-            fields = plan_schedule(budget_seconds=self.budget, spent_seconds=plan.trained_seconds,
-                                   seconds_per_step=pace, base=self.experiment, start_step=step,
-                                   warmup_steps=plan.warmup_steps)  # fmt: skip
+            fields = self.schedule_left(plan, pace, step)
+            plan.seconds_per_step, plan.rate_source = pace, "measured"
+            plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
             if isinstance(fields, int):
                 return result  # not one more step fits
             previous = plan.max_steps
             plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
-            plan.seconds_per_step, plan.rate_source = pace, "measured"
             plan.save(self.run_dir)
             self.emit({"event": f"{self.prefix}_replan", "step": step, "seconds_per_step": round(pace, 4),
                        "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
+
+    def schedule_left(self, plan: TrainingPlan, pace: float, step: int) -> dict[str, Any] | int:
+        """The steps from `step` that still fit in the plan's budget at `pace` (`plan_schedule`)."""
+
+        return plan_schedule(budget_seconds=plan.budget_seconds, spent_seconds=plan.trained_seconds,
+                             seconds_per_step=pace, base=self.experiment, start_step=step,
+                             warmup_steps=plan.warmup_steps)  # fmt: skip
 
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> TrainResult:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
