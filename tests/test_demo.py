@@ -25,7 +25,8 @@ from dlm.errors import UserError
 from dlm.evaluation.sample_quality import corpus_words, sample_quality
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.sampling.prompting import template_fixed_text
-from dlm.train.budget import SCHEDULE_SHARE, TrainingPlan, latest_step, plan_schedule
+from dlm.train.budget import SCHEDULE_SHARE, latest_step, plan_schedule
+from dlm.train.plan import TrainingPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"

@@ -181,12 +181,47 @@ def test_validate_warns_of_many_epochs(tiny_data_dir: Path, tmp_path: Path, run_
         f"{blocks:,} blocks, per process: over 16 epochs, repeats add less than new text and the model may overfit"
     )
     assert budget["fix"] == (
-        f"watch the validation loss; lower training.max_steps to about {2 * blocks:,} (16 epochs), or pack more "
+        f"watch the validation loss; lower training.max_steps to about {2 * blocks:,} steps (16 epochs), or pack more "
         "text"
     )
     code, report, _ = checks(*overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={2 * blocks}"),
                              run_cli=run_cli)  # fmt: skip
     assert code == 0 and report["warnings"] == []  # 16 epochs or fewer do not warn
+
+
+def test_a_time_budget_is_judged_by_its_plan_not_by_max_steps(tiny_data_dir: Path, tmp_path: Path) -> None:
+    """With training.budget_minutes the steps are planned when training starts: max_steps (24 epochs
+    here) trains nothing. Before a plan exists the row names the steps the data takes; afterwards it
+    judges the plan, and the budgeted run itself notes a plan past the epoch rule."""
+
+    from dlm.train.budget import BudgetedTraining
+    from dlm.train.plan import TrainingPlan
+
+    blocks = json.loads((tiny_data_dir / "train.json").read_text())["num_blocks"]
+    run = tmp_path / "run"
+    args = overrides(tiny_data_dir, run, f"training.max_steps={3 * blocks}", "training.budget_minutes=1")
+    budget = {result.name: result for result in validate_config_file(TINY, args)[1]}["training budget"]
+    assert (budget.status, budget.fix) == ("passed", "")
+    assert budget.detail == (
+        "training.budget_minutes = 1: the steps are planned from this machine's pace when training starts; up to "
+        f"{2 * blocks:,} steps of 8 blocks stay within 16 epochs of {blocks:,} blocks"
+    )
+    TrainingPlan(60.0, 0.01, "calibration", 1.0, 4 * blocks, 10, 100, 100, 10).save(run)
+    budget = {result.name: result for result in validate_config_file(TINY, args)[1]}["training budget"]
+    assert budget.status == "warning" and budget.detail.startswith(f"planned for 1 minutes in {run}: {4 * blocks:,} "
+                                                                   "steps x 8 blocks")  # fmt: skip
+    assert budget.fix == ("watch the validation loss; start over with a lower training.budget_minutes, planning "
+                          f"at most {2 * blocks:,} steps (16 epochs), or pack more text")  # fmt: skip
+    notes: list[object] = []
+    training = BudgetedTraining(load_config(TINY, args), 1, calibrate=lambda *a, **k: None, emit=notes.append)
+    training.check_epochs(TrainingPlan(60.0, 0.01, "calibration", 1.0, 2 * blocks, 10, 100, 100, 10))
+    assert notes == []  # 16 epochs
+    training.check_epochs(TrainingPlan(60.0, 0.01, "calibration", 1.0, 4 * blocks, 10, 100, 100, 10))
+    assert notes == [{"event": "budget_note", "message": f"{4 * blocks:,} steps x 8 blocks = {32 * blocks:,} "
+                      f"blocks ({32 * blocks * 64:,} tokens) = 32.00 epochs of {blocks:,} blocks, per process: over "
+                      "16 epochs, repeats add less than new text and the model may overfit; watch the validation "
+                      f"loss; pass fewer minutes, to plan at most {2 * blocks:,} steps (16 epochs), or pack more "
+                      "text"}]  # fmt: skip
 
 
 def test_a_model_too_wide_for_data_is_shown_a_narrower_one(tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -248,7 +283,7 @@ def test_the_epoch_rule_warns_past_its_limit_and_names_the_steps_that_fit() -> N
     assert fits.detail.endswith(f"= {MAX_EPOCHS:.2f} epochs of 1,000 blocks, per process")
     over = budget_advice(MAX_EPOCHS * 100 + 1, per_step, 64, blocks)
     assert over.too_large and f"over {MAX_EPOCHS} epochs" in over.detail
-    assert f"lower training.max_steps to about {MAX_EPOCHS * 100:,} ({MAX_EPOCHS} epochs)" in over.fix
+    assert f"lower training.max_steps to about {MAX_EPOCHS * 100:,} steps ({MAX_EPOCHS} epochs)" in over.fix
 
 
 def test_the_model_rule_counts_parameters_per_training_token_and_halves_the_width() -> None:

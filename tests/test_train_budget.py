@@ -19,11 +19,11 @@ from dlm.errors import UserError
 from dlm.train.budget import (
     SCHEDULE_SHARE,
     BudgetedTraining,
-    TrainingPlan,
     plan_schedule,
     validation_blocks,
     validation_steps,
 )
+from dlm.train.plan import TrainingPlan
 
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"
 

@@ -13,8 +13,8 @@ from dlm.artifacts.events import StreamEvent
 from dlm.cli.dashboard import Budget, TrainingDashboard
 
 if TYPE_CHECKING:
-    from dlm.train.budget import TrainingPlan
     from dlm.train.loop import TrainResult
+    from dlm.train.plan import TrainingPlan
 
 
 def plan_line(event: dict[str, Any]) -> str:

@@ -187,8 +187,15 @@ def smaller_width(model: ModelConfig, limit: int, from_width: int) -> tuple[int,
     return None
 
 
-def budget_advice(steps: int, blocks_per_step: int, seq_len: int, blocks: int) -> Advice:
-    """The planned steps as epochs over `blocks` packed training blocks."""
+def epoch_limit_steps(blocks_per_step: int, blocks: int) -> int:
+    """The steps of `blocks_per_step` blocks that make MAX_EPOCHS epochs over `blocks`."""
+
+    return max(int(MAX_EPOCHS * blocks / blocks_per_step), 1)
+
+
+def budget_advice(steps: int, blocks_per_step: int, seq_len: int, blocks: int, *, fewer_by: str = "") -> Advice:
+    """The planned steps as epochs over `blocks` packed training blocks. `fewer_by`: how to train
+    fewer steps, up to the number of them (default: lower training.max_steps to about)."""
 
     planned = steps * blocks_per_step
     epochs = planned / blocks
@@ -198,9 +205,9 @@ def budget_advice(steps: int, blocks_per_step: int, seq_len: int, blocks: int) -
     )
     if epochs <= MAX_EPOCHS:
         return Advice(detail)
-    fewer = max(int(MAX_EPOCHS * blocks / blocks_per_step), 1)
+    limit = epoch_limit_steps(blocks_per_step, blocks)
     return Advice(
         f"{detail}: over {MAX_EPOCHS} epochs, repeats add less than new text and the model may overfit",
-        f"watch the validation loss; lower training.max_steps to about {fewer:,} ({MAX_EPOCHS} epochs), or pack "
-        "more text",
+        f"watch the validation loss; {fewer_by or 'lower training.max_steps to about'} {limit:,} steps "
+        f"({MAX_EPOCHS} epochs), or pack more text",
     )

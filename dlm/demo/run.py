@@ -50,7 +50,8 @@ from dlm.demo.baseline import SpreadBlocks
 from dlm.errors import UserError
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
-from dlm.train.budget import FORWARD_SHARE, BudgetedTraining, TrainingPlan, check_minutes
+from dlm.train.budget import FORWARD_SHARE, BudgetedTraining, check_minutes
+from dlm.train.plan import TrainingPlan
 
 if TYPE_CHECKING:
     from dlm.artifacts.run_dir import RunDir

@@ -14,7 +14,7 @@ ends near its peak learning rate, the worst moment to stop. So the budget plans 
 3. The deadline still holds: a run slower than even the last plan stops at the budget, in the
    schedule's tail, where the learning rate is already near its floor.
 
-The plan lives in RUN/budget-plan.json (`RunDir.budget_plan`, with the measurements behind it) and
+The plan lives in RUN/budget-plan.json (`dlm.train.plan`, with the measurements behind it) and
 in RUN/config.json (the run's own config, as `dlm.train.loop.train` writes it). A later call with
 the same budget finds the plan complete (or finishes an interrupted run); a larger budget stretches
 the schedule from the run's latest.pt at the pace measured so far: a warm restart, the learning
@@ -27,24 +27,21 @@ callers above both (`dlm.cli`, `dlm.demo`) pass it in. The planner stays beside 
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dlm.artifacts.events import CheckpointEvent, Event, StartEvent, StreamSink, TrainEvent
 from dlm.config.schema import ExperimentConfig, with_overrides
 from dlm.errors import UserError
-from dlm.fileio import atomic_write_json
+from dlm.train.plan import TrainingPlan
 
 if TYPE_CHECKING:
     from dlm.train.loop import TrainResult
     from dlm.train.stop import StopSignals
 
-PLAN_FORMAT = "dlm-budget-plan-v1"
-EARLIER_PLAN_FORMATS = ("dlm-demo-plan-v1",)  # the same fields, written by `dlm demo` before
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
 CALIBRATION_STEPS = 3
 MIN_SEGMENT_SHARE = 0.08  # CPU segments halve down to this share of the run (each restart costs ~2 s)
@@ -53,7 +50,6 @@ MIN_MEASURED_STEPS = 10  # fewer steps than this give too noisy a pace to re-pla
 # A forward pass costs a third of a training step in FLOPs; measured on 2 CPU cores it took 0.4 of
 # one on a quiet machine and more under load, so plans count half.
 FORWARD_SHARE = 0.5
-PLANNED_FIELDS = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval")
 
 
 class Calibration(Protocol):
@@ -73,54 +69,6 @@ class Calibrator(Protocol):
     """Times `steps` optimizer steps of an experiment after `warmup` untimed ones."""
 
     def __call__(self, experiment: ExperimentConfig, *, steps: int, warmup: int) -> Calibration: ...
-
-
-@dataclass
-class TrainingPlan:
-    """How the time budget becomes a schedule; saved as RUN/budget-plan.json."""
-
-    budget_seconds: float
-    seconds_per_step: float  # the pace last measured: calibration's, then each segment's
-    rate_source: str  # "calibration" or "measured"
-    calibration_seconds: float  # wall time of the calibration, part of the budget
-    max_steps: int
-    warmup_steps: int
-    eval_interval: int
-    save_interval: int
-    log_interval: int
-    trained_seconds: float = 0.0  # budget used up to the last checkpoint, calibration included
-    format: str = PLAN_FORMAT
-
-    def overrides(self) -> list[str]:
-        return [f"training.{name}={getattr(self, name)}" for name in PLANNED_FIELDS]
-
-    def save(self, run_dir: Path) -> None:
-        from dlm.artifacts.run_dir import RunDir
-
-        run = RunDir(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run.budget_plan, asdict(self))
-        for earlier in run.budget_plan_files()[1:]:
-            earlier.unlink()  # the plan now lives under the current name only
-
-    @classmethod
-    def load(cls, run_dir: Path) -> TrainingPlan | None:
-        """The run's plan (a `dlm demo` run's older demo-plan.json too), or None if it has none."""
-
-        from dlm.artifacts.run_dir import RunDir
-
-        found = RunDir(run_dir).budget_plan_files()
-        if not found:
-            return None
-        try:
-            data = json.loads(found[0].read_text(encoding="utf-8"))
-            if data.get("format") not in (PLAN_FORMAT, *EARLIER_PLAN_FORMATS):
-                raise ValueError(f"format {data.get('format')!r}")
-            return cls(**{**data, "format": PLAN_FORMAT})
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise UserError(
-                f"unreadable training plan ({exc})", path=found[0], fix="delete the run directory to start over"
-            ) from None
 
 
 def plan_schedule(
@@ -277,6 +225,7 @@ class BudgetedTraining:
                 return plan, step, None
             plan = continued
             plan.save(self.run_dir)
+        self.check_epochs(plan)
         detail = f"{plan.max_steps} steps in {self.minutes:g} minutes"
         self.stage("train", "running", detail=detail, **asdict(plan))
         started = time.perf_counter()
@@ -316,6 +265,21 @@ class BudgetedTraining:
         self.stage("calibrate", "done", seconds=round(wall, 2), tokens_per_second=bench.tokens_per_second,
                    **asdict(plan))  # fmt: skip
         return plan
+
+    def check_epochs(self, plan: TrainingPlan) -> None:
+        """A note when the plan repeats the training data more often than `dlm.data.sizing` advises:
+        a fast device and a small corpus can plan far more epochs than the config's max_steps."""
+
+        from dlm.data.dataset import load_packed_dataset
+        from dlm.data.sizing import budget_advice
+
+        training, seq_len = self.experiment.training, self.experiment.model.max_seq_len
+        blocks = len(load_packed_dataset(Path(training.train_data).expanduser(), seq_len))
+        per_step = training.batch_size * training.gradient_accumulation_steps
+        fewer_by = "pass fewer minutes, to plan at most"
+        advice = budget_advice(plan.max_steps, per_step, seq_len, blocks, fewer_by=fewer_by)
+        if advice.too_large:
+            self.note(f"{advice.detail}; {advice.fix}")
 
     def continued(self, plan: TrainingPlan, step: int) -> TrainingPlan | None:
         """The plan to go on from `step` within this call's budget, or None: nothing to train."""

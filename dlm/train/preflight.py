@@ -21,7 +21,15 @@ import torch
 from dlm.config.schema import ExperimentConfig, ModelConfig, load_config
 from dlm.config.shapes import format_parameter_count
 from dlm.data.dataset import PackedDataset, load_packed_dataset, token_counts
-from dlm.data.sizing import Advice, budget_advice, model_advice, packed_vocabulary_advice, vocabulary_fit
+from dlm.data.sizing import (
+    MAX_EPOCHS,
+    Advice,
+    budget_advice,
+    epoch_limit_steps,
+    model_advice,
+    packed_vocabulary_advice,
+    vocabulary_fit,
+)
 from dlm.data.tokenizer import (
     MIN_VOCAB_SIZE,
     has_dlm_special_tokens,
@@ -232,8 +240,36 @@ def _budget_check(experiment: ExperimentConfig, dataset: PackedDataset) -> Check
             "lower training.batch_size or pack more text",
         )
     blocks_per_step = training.batch_size * training.gradient_accumulation_steps
+    if training.budget_minutes > 0:
+        return _planned_budget_check(experiment, blocks_per_step, len(dataset))
     advice = budget_advice(training.max_steps, blocks_per_step, experiment.model.max_seq_len, len(dataset))
     return _advice_check("training budget", advice)
+
+
+def _planned_budget_check(experiment: ExperimentConfig, blocks_per_step: int, blocks: int) -> CheckResult:
+    """With training.budget_minutes, max_steps is not what trains: the steps are planned from the pace
+    measured when training starts. Judged here: the plan of a run already started, if any."""
+
+    from dlm.train.plan import TrainingPlan
+
+    training = experiment.training
+    budget = f"training.budget_minutes = {training.budget_minutes:g}"
+    try:
+        plan = TrainingPlan.load(Path(training.output_dir).expanduser())
+    except UserError as exc:
+        return _failure("training budget", exc)
+    if plan is None:
+        limit = epoch_limit_steps(blocks_per_step, blocks)
+        return CheckResult(
+            "training budget",
+            True,
+            f"{budget}: the steps are planned from this machine's pace when training starts; up to {limit:,} "
+            f"steps of {blocks_per_step} blocks stay within {MAX_EPOCHS} epochs of {blocks:,} blocks",
+        )
+    advice = budget_advice(plan.max_steps, blocks_per_step, experiment.model.max_seq_len, blocks,
+                           fewer_by="start over with a lower training.budget_minutes, planning at most")  # fmt: skip
+    planned = f"planned for {plan.budget_seconds / 60:g} minutes in {training.output_dir}: "
+    return _advice_check("training budget", Advice(planned + advice.detail, advice.fix))
 
 
 def _memory_check(
