@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, config_reference_markdown, load_config
+from dlm.config.reference import config_reference_markdown
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig, load_config
 from dlm.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from dlm.cli.common import JsonOption, SetOption, console, print_json
-from dlm.config.schema import config_reference_markdown, load_config
+from dlm.config.reference import config_reference_markdown
+from dlm.config.schema import load_config
 from dlm.fileio import atomic_write_text
 
 config_app = typer.Typer(help="Inspect configs and the configuration reference.", no_args_is_help=True)
