@@ -28,9 +28,10 @@ models at 256 tokens stayed on that plateau too (loss flat over every noise leve
 unused, after 1.6M tokens): with 256 positions, the signal that teaches attention to look at the
 neighbours is diluted. With 64-token blocks, d_model 256 and 4 layers leave the plateau within
 ~0.5M tokens; d_model 96 (1.2M parameters) takes 1.9x (bfloat16) to 3.3x (float32) the steps of
-d_model 256 in the same time and learns more in a CPU's ten minutes. That CPU model is configs/cpu.toml's (a test keeps
-the two equal): training on mask probabilities in [0.3, 0.8] only, and bfloat16 autocast where the
-CPU multiplies it natively (float32 elsewhere; docs/benchmarks.md has the measurements).
+d_model 256 in the same time and learns more in a CPU's ten minutes. That CPU model is
+configs/cpu.toml's (a test keeps the two equal): training on mask probabilities in [0.3, 0.8]
+only, and bfloat16 autocast where the CPU multiplies it natively (float32 elsewhere;
+docs/benchmarks.md has the measurements).
 """
 
 from __future__ import annotations

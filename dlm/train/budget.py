@@ -147,15 +147,20 @@ def check_minutes(minutes: float) -> None:
         raise UserError(f"--minutes must be a positive number (got {minutes})", fix="for example --minutes 10")
 
 
-def validation_blocks(experiment: ExperimentConfig) -> int:
-    """The number of blocks in the config's validation data (0 without any): what validations cost."""
+def packed_blocks(experiment: ExperimentConfig, path: str | Path | None) -> int:
+    """The number of blocks in the packed data at `path` (0 for None)."""
 
     from dlm.data.dataset import load_packed_dataset
 
-    val_data = experiment.training.val_data
-    if val_data is None:
+    if path is None:
         return 0
-    return len(load_packed_dataset(Path(val_data).expanduser(), experiment.model.max_seq_len))
+    return len(load_packed_dataset(Path(path).expanduser(), experiment.model.max_seq_len))
+
+
+def validation_blocks(experiment: ExperimentConfig) -> int:
+    """The number of blocks in the config's validation data (0 without any): what validations cost."""
+
+    return packed_blocks(experiment, experiment.training.val_data)
 
 
 class BudgetedTraining:
@@ -270,11 +275,10 @@ class BudgetedTraining:
         """A note when the plan repeats the training data more often than `dlm.data.sizing` advises:
         a fast device and a small corpus can plan far more epochs than the config's max_steps."""
 
-        from dlm.data.dataset import load_packed_dataset
         from dlm.data.sizing import budget_advice
 
         training, seq_len = self.experiment.training, self.experiment.model.max_seq_len
-        blocks = len(load_packed_dataset(Path(training.train_data).expanduser(), seq_len))
+        blocks = packed_blocks(self.experiment, training.train_data)
         per_step = training.batch_size * training.gradient_accumulation_steps
         fewer_by = "pass fewer minutes, to plan at most"
         advice = budget_advice(plan.max_steps, per_step, seq_len, blocks, fewer_by=fewer_by)
@@ -330,13 +334,13 @@ class BudgetedTraining:
                 return result  # complete, interrupted, or stopped by the deadline
             pace = (time.perf_counter() - started) / (step - start)
             fields = self.schedule_left(plan, pace, step)
+            previous = plan.max_steps
             plan.seconds_per_step, plan.rate_source = pace, "measured"
+            if not isinstance(fields, int):
+                plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
             plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
             if isinstance(fields, int):
                 return result  # not one more step fits
-            previous = plan.max_steps
-            plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
-            plan.save(self.run_dir)
             self.emit({"event": f"{self.prefix}_replan", "step": step, "seconds_per_step": round(pace, 4),
                        "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
 
