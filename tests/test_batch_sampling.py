@@ -38,10 +38,11 @@ RANKED = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But so
 
 
 def transformer(
-    vocab_size: int, max_seq_len: int = 48, block_size: int = 0, dtype: torch.dtype = torch.float64
+    vocab_size: int, max_seq_len: int = 48, block_size: int = 0, dtype: torch.dtype = torch.float64,
+    attention: str = "bidirectional",
 ) -> DiffusionTransformer:
     config = ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+                         pad_vocab_multiple=64, block_size=block_size, attention=attention)  # type: ignore[arg-type]  # fmt: skip
     torch.manual_seed(0)
     return DiffusionTransformer(config).to(dtype).eval()
 

@@ -354,10 +354,10 @@ def test_bench_times_the_block_step_and_counts_its_2l_pass(tmp_path: Path) -> No
     assert math.isfinite(result.loss) and result.tokens_per_second > 0
 
 
-def test_the_ar_baseline_config_differs_from_the_diffusion_one_only_in_block_size() -> None:
+def test_the_ar_baseline_config_differs_from_the_diffusion_one_only_in_its_variant() -> None:
     diffusion = load_config(ROOT / "configs" / "shakespeare.toml").model_dump()
     autoregressive = load_config(ROOT / "configs" / "shakespeare-ar.toml").model_dump()
-    assert autoregressive["model"] == {**diffusion["model"], "block_size": 1}
+    assert autoregressive["model"] == {**diffusion["model"], "block_size": 1, "attention": "causal"}
     run_dir = autoregressive["training"]["output_dir"]
     assert run_dir.name == "shakespeare-ar"
     assert autoregressive["training"] == {**diffusion["training"], "output_dir": run_dir}

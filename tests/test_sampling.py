@@ -487,10 +487,10 @@ def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_proc
         return tokens, int(fill_mask.sum())
 
     model = random_model(tokenizer)
-    assert strategy_names() == ("block model", "fast", "plain")
+    assert strategy_names() == ("autoregressive", "block model", "fast", "plain")
     register_strategy(Strategy("left to right", lambda model, options, stop: options.temperature == 0, left_to_right))
     try:
-        assert strategy_names() == ("left to right", "block model", "fast", "plain")
+        assert strategy_names() == ("left to right", "autoregressive", "block model", "fast", "plain")
         ours = generate(model, tokenizer, prompt="ROMEO:", length=6, steps=3, temperature=0)
         start = ours.prompt_tokens[0]
         table = model.table.detach()[start : start + 6].clone()
@@ -502,7 +502,7 @@ def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_proc
             register_strategy(Strategy("left to right", lambda *args: True, left_to_right))
     finally:
         unregister_strategy("left to right")
-    assert strategy_names() == ("block model", "fast", "plain")
+    assert strategy_names() == ("autoregressive", "block model", "fast", "plain")
 
 
 def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(tokenizer: Tokenizer) -> None:

@@ -94,6 +94,19 @@ def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_a
     assert passes < sum(count for _, count in expected) * (0.7 if block else 0.5)
 
 
+def test_an_autoregressive_models_requests_share_passes_and_equal_each_alone(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size(), block_size=1, attention="causal")
+    options: list[dict[str, Any]] = [{}, {"temperature": 0.0}, {"top_k": 5, "top_p": None}, {"steps": 3}]
+    generations = [request(tokenizer, (PROMPTS[i],), 6 + 3 * i, 200 + i, **option)
+                   for i, option in enumerate(options)]  # fmt: skip
+    generations.append(request(tokenizer, ("ROMEO:",), 60, 9))  # past the context of 48: a sliding window
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    assert [count for _, count in expected[:4]] == [6, 9, 12, 15]  # one pass per token, whatever the steps
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    assert scheduler.stats.snapshot().passes < sum(count for _, count in expected) * 0.7
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
     """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after

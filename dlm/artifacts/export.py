@@ -51,6 +51,7 @@ from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.artifacts.sharded_checkpoint import ShardedWeights
 from dlm.choices import ExportDtype
+from dlm.config.schema import ModelConfig
 from dlm.config.shapes import format_parameter_count
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
@@ -183,6 +184,17 @@ def _progress_line(info: SourceInfo) -> str:
     return "- " + (", ".join(facts) if facts else "optimizer steps and tokens seen not recorded")
 
 
+def _kind_line(model: ModelConfig, origin: str) -> str:
+    """The card's first sentence: what kind of model this is, and where it came from."""
+
+    if model.is_autoregressive:
+        return (f"An autoregressive language model (causal attention, one token at a time), {origin}: the "
+                "baseline of dlm's diffusion models, sampled one forward pass per token.")  # fmt: skip
+    kind = f"A masked discrete diffusion language model (MDLM / LLaDA family) {origin}"
+    return kind + ("; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal"
+                   else ".")  # fmt: skip
+
+
 def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> str:
     """The README.md of an export: what the model is, how it was trained, how to use it."""
 
@@ -196,8 +208,7 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
     lines = [
         f"# {card_title(info, format_parameter_count(config['parameters']))}",
         "",
-        f"A masked discrete diffusion language model (MDLM / LLaDA family) {origin}"
-        + ("; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal" else "."),
+        _kind_line(model, origin),
         "",
         "## Model",
         "",

@@ -128,10 +128,11 @@ def _attention_probe(model: ModelConfig, device: torch.device, precision: str) -
 
 def attention_backend(model: ModelConfig, device: torch.device, precision: str) -> str:
     """The kernel of this model's training attention on `device` (with current flags): the SDPA kernel
-    torch picks, or for a block model that of its 2L pass, flex or SDPA with a boolean mask."""
+    torch picks (causal for an autoregressive model), or for a block model that of its 2L pass, flex or
+    SDPA with a boolean mask."""
 
-    mask = None
-    if needs_clean_copy(model):
+    mask, causal = None, model.is_autoregressive  # an autoregressive model: SDPA's causal kernel, one pass
+    if needs_clean_copy(model) and not causal:
         kernel = training_kernel(device)
         if kernel == "flex":
             return "flex (block mask, 2L)"
@@ -142,7 +143,8 @@ def attention_backend(model: ModelConfig, device: torch.device, precision: str) 
     if choose is None:
         return sdpa_backend_name(device)
     try:
-        name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision), mask)).name
+        name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision), mask, 0.0,
+                                                    causal)).name  # fmt: skip
     except RuntimeError:
         return "none (no kernel serves this shape)"
     label = _SDPA_NAMES.get(name, name.lower())

@@ -85,13 +85,21 @@ MODEL_RULES = (
     ),
     Rule(
         "attention",
-        '`model.attention = "causal"` and `model.shift_logits` need `model.block_size = 0` (a whole-sequence model)',
+        '`model.attention = "causal"` needs `model.block_size` 0 (an imported model) or 1 (autoregressive); '
+        "`model.shift_logits` needs `model.block_size = 0`",
         lambda m: (
             f"attention {m.attention!r} / shift_logits {m.shift_logits} with block_size {m.block_size}"
-            if m.block_size and (m.attention == "causal" or m.shift_logits)
+            if (m.block_size > 1 and m.attention == "causal") or (m.block_size and m.shift_logits)
             else None
         ),
-        'set block_size = 0, or attention = "bidirectional" and shift_logits = false for a block model',
+        'set block_size = 1 for an autoregressive model, or attention = "bidirectional" and shift_logits = false '
+        "for a block model",
+    ),
+    Rule(
+        "mask_logit",
+        '`model.mask_logit = "subs"` needs a diffusion model, not an autoregressive one (causal, block_size 1)',
+        lambda m: "subs with an autoregressive model" if m.is_autoregressive and m.mask_logit == "subs" else None,
+        'set mask_logit = "plain": an autoregressive position never sees the token it predicts',
     ),
     Rule(
         "mask_token_id",

@@ -66,7 +66,8 @@ class ModelConfig(_Strict):
         0,
         ge=0,
         description="Block diffusion: tokens per block, attended bidirectionally inside a block and causally "
-        "across blocks; 1 is autoregressive, 0 (default) is the whole sequence (plain masked diffusion).",
+        "across blocks; 1 is autoregressive (with attention = \"causal\", trained in one causal pass), 0 (default) "
+        "is the whole sequence (plain masked diffusion).",
     )
     n_kv_heads: int | None = Field(
         None, ge=1, description="Key / value heads (grouped-query attention); default n_heads (one per query head)."
@@ -83,7 +84,10 @@ class ModelConfig(_Strict):
     attention: AttentionKind = Field(
         "bidirectional",
         description="bidirectional: every position sees the whole sequence (masked diffusion); causal: each sees "
-        "itself and the positions before it, as the autoregressive model it was imported from (sampling refuses it).",
+        "itself and the positions before it. With block_size = 1 a causal model is autoregressive: position i "
+        "reads token i - 1 (the mask token at position 0) and predicts token i, trained in one pass over the "
+        "sequence and sampled one pass per token. With block_size = 0 it is the autoregressive model it was "
+        "imported from (sampling refuses it until adapted).",
     )
     shift_logits: bool = Field(
         False, description="Position i's output predicts token i + 1, as the autoregressive model it came from (Dream)."
@@ -122,6 +126,12 @@ class ModelConfig(_Strict):
         """Whether attention is block-causal: a block_size shorter than the sequence."""
 
         return 0 < self.block_size < self.max_seq_len
+
+    @property
+    def is_autoregressive(self) -> bool:
+        """Whether this is dlm's autoregressive model: causal attention, blocks of one token, inputs shifted by one."""
+
+        return self.attention == "causal" and self.block_size == 1
 
     @property
     def padded_vocab_size(self) -> int:

@@ -44,7 +44,7 @@ _compiled_flex: Any = None
 class AttentionMask:
     """Which keys each query sees, in the form the chosen kernel takes."""
 
-    kernel: str  # "sdpa", "sdpa-mask" or "flex"
+    kernel: str  # "sdpa", "sdpa-mask", "sdpa-causal" or "flex"
     mask: Any = None  # None (all keys), a [queries, keys] bool tensor, or a flex BlockMask
 
 
@@ -110,6 +110,17 @@ def block_causal_mask(
     return AttentionMask("sdpa-mask", key[None, :] <= query[:, None])
 
 
+@lru_cache(maxsize=32)
+def causal_mask(length: int, device: torch.device) -> AttentionMask:
+    """Each of `length` queries sees itself and the keys before it: an autoregressive model's one pass.
+
+    The kernel is SDPA's own causal one (no mask tensor to read); the boolean mask rides along for
+    what narrows it further (documents, a cut to some queries)."""
+
+    index = torch.arange(length, device=device)
+    return AttentionMask("sdpa-causal", index[None, :] <= index[:, None])
+
+
 @dataclass(frozen=True)
 class AttentionAnneal:
     """The attention of a causal model on its way to bidirectional (DiffuLLaMA's mask annealing): a
@@ -148,12 +159,16 @@ def same_document(base: AttentionMask | None, documents: Tensor, queries: int) -
     return AttentionMask("sdpa-mask", allowed[:, None])
 
 
-def same_document_flex(documents: Tensor, queries: int, length: int, block_size: int) -> AttentionMask:
+def same_document_flex(documents: Tensor, queries: int, length: int, block_size: int,
+                       causal: bool = False) -> AttentionMask:  # fmt: skip
     """`same_document` as a flex block mask (built per batch: the documents differ row by row); with
-    `block_size` > 0 on top of the 2L BD3 pattern over `length` tokens, else over all keys."""
+    `block_size` > 0 on top of the 2L BD3 pattern over `length` tokens, with `causal` on top of the
+    causal pattern, else over all keys."""
 
     def mask_mod(batch: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
         same = documents[batch, query] == documents[batch, key]
+        if causal:
+            return same & (key <= query)
         return same & bd3_allowed(query, key, length, block_size) if block_size else same
 
     rows, keys = documents.shape
@@ -177,6 +192,8 @@ def padded_mask(base: AttentionMask | None, pad: Tensor, query_start: int, queri
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
     """softmax(q k^T / sqrt(D)) v over the keys `mask` allows; q, k, v are [B, H, L, D]."""
 
+    if mask is not None and mask.kernel == "sdpa-causal" and q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if mask is None or mask.mask is None:
         # is_causal=False lets flash / memory-efficient kernels serve full bidirectional attention
         # without materialising an L x L mask.

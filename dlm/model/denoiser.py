@@ -73,9 +73,31 @@ def block_size(config: ModelConfig) -> int:
 
 
 def needs_clean_copy(config: ModelConfig) -> bool:
-    """Whether a scored pass feeds the clean sequence beside the noisy one (a block model's 2L pass)."""
+    """Whether a scored pass feeds the clean sequence beside the noisy one (a block model's 2L pass,
+    or the shifted clean row an autoregressive model reads)."""
 
     return block_size(config) > 0
+
+
+def pass_copies(config: ModelConfig) -> int:
+    """Copies of the row a scored pass runs the layers over: 2 for a block model's noisy and clean
+    copies, 1 for a whole-sequence model and for an autoregressive one (one causal pass)."""
+
+    return 2 if needs_clean_copy(config) and not getattr(config, "is_autoregressive", False) else 1
+
+
+def autoregressive_inputs(tokens: Tensor, mask_token_id: int, pad: Tensor | None = None) -> Tensor:
+    """What an autoregressive model (`ModelConfig.is_autoregressive`) reads to predict `tokens` [B, L]:
+    the row shifted right by one, the mask token first (at each row's first position after its
+    `pad` leading padding positions), so that position i reads token i - 1 and predicts token i."""
+
+    shifted = tokens.roll(1, dims=1)
+    if pad is None:
+        shifted[:, 0] = mask_token_id
+    else:  # a left-padded row starts after its padding; the padding itself is never seen
+        first = pad.to(tokens.device).clamp_max(tokens.shape[1] - 1)[:, None]
+        shifted.scatter_(1, first, mask_token_id)
+    return shifted
 
 
 def masked_logits(

@@ -44,11 +44,13 @@ from dlm.model.attention import (
     attend,
     bd3_mask,
     block_causal_mask,
+    causal_mask,
     padded_mask,
     same_document,
     same_document_flex,
     training_kernel,
 )
+from dlm.model.denoiser import autoregressive_inputs
 
 
 class RMSNorm(nn.Module):
@@ -294,7 +296,14 @@ class DiffusionTransformer(nn.Module):
         cos, sin = self._rotary(start, length, pad)
         mask = last_mask = None
         queries = None  # the positions the last layer computes outputs for (all when None)
-        if self.config.is_block_model:
+        if self.config.is_autoregressive and clean_tokens is not None:
+            # One causal pass over the clean row shifted by one: position i reads token i - 1 and
+            # predicts token i, so every position is scored (the noisy row is all masks: ignored).
+            if pad is not None:
+                raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
+            tokens = inputs = autoregressive_inputs(clean_tokens, self.config.mask_token_id)
+            mask = causal_mask(length, tokens.device)
+        elif self.config.is_block_model:
             if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
                 if pad is not None:
                     raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
@@ -375,6 +384,10 @@ class DiffusionTransformer(nn.Module):
         if keys != length:  # the 2L pass: the clean copy's keys belong to the documents of the noisy copy
             documents = documents.repeat(1, keys // length)
         block = self.config.block_size if keys != length else 0
+        if self.config.is_autoregressive and keys == length:  # the one causal pass: within the document too
+            if training_kernel(documents.device) == "flex":
+                return same_document_flex(documents, keys, length, 0, causal=True), None
+            return same_document(mask, documents, keys), None
         if training_kernel(documents.device) == "flex" and (mask is None or mask.kernel == "flex"):
             flex_last = None if last_mask is None else same_document_flex(documents, length, length, block)
             return same_document_flex(documents, keys, length, block), flex_last
@@ -413,6 +426,8 @@ class DiffusionTransformer(nn.Module):
         """
 
         attention = 12 * self.config.n_layers * self.config.n_heads * self.config.head_dim * seq_len
+        if self.config.is_autoregressive:  # one pass over seq_len tokens; the causal kernel skips half the scores
+            return 6 * self.num_parameters + attention // 2
         if self.config.is_block_model:
             return 2 * 6 * self.num_parameters + 4 * attention
         return 6 * self.num_parameters + attention

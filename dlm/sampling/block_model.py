@@ -73,7 +73,7 @@ class _Window:
 
 
 @dataclass(frozen=True)
-class _BlockReverse(Reverse):
+class BlockReverse(Reverse):
     """The reverse process of one model block: the model sees the prefix (or its cache) and the block.
 
     Finished blocks not yet in the cache are stored by the block's first forward pass: it feeds them
@@ -104,7 +104,7 @@ class _BlockReverse(Reverse):
         return self.forward(tokens[:, start:end], positions[:, start:end], rows, cache)
 
 
-def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, room: int, defer: bool = False) -> int:
+def _commit(reverse: BlockReverse, tokens: Tensor, cache: KVCache, end: int, room: int, defer: bool = False) -> int:
     """Store the keys and values of positions [cache.length, end), which are final, leaving room in
     the model's context for `room` more positions; forward passes made.
 
@@ -132,7 +132,7 @@ def _commit(reverse: _BlockReverse, tokens: Tensor, cache: KVCache, end: int, ro
     return passes
 
 
-def _denoise_block(reverse: _BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
+def _denoise_block(reverse: BlockReverse, tokens: Tensor, block: Tensor, steps: int, schedule: Schedule) -> int:
     """Run `steps` reverse steps on the positions `block` of one model block; forward passes made."""
 
     passes = 0
@@ -156,8 +156,10 @@ def denoise_blocks(
     kv_cache: bool = True,
     stop_token_id: int | None = None,
     pad: Tensor | None = None,
+    reverse_type: type[BlockReverse] = BlockReverse,
 ) -> tuple[Tensor, int]:
-    """`dlm.sampling.dispatch.denoise` for a block model: the model's blocks left to right, cached prefix."""
+    """`dlm.sampling.dispatch.denoise` for a block model: the model's blocks left to right, cached prefix.
+    `reverse_type` computes the logits (`dlm.sampling.autoregressive` feeds its model a shifted row)."""
 
     block_size, mask_id = model.config.block_size, model.config.mask_token_id
     if options.block_length not in (None, block_size):
@@ -172,7 +174,7 @@ def denoise_blocks(
                         fix=f"use at least {len(blocks)} steps")  # fmt: skip
     noise = RowNoise.of(generator, tokens.shape[0])
     never = never_predicted(mask_id, forbidden_token_ids, noise.device)
-    reverse = _BlockReverse(model, options, noise, mask_id, never, pad=pad)
+    reverse = reverse_type(model, options, noise, mask_id, never, pad=pad)
     reverse.window.tokens = tokens
     cache = KVCache() if kv_cache else None
     passes, step = 0, 0

@@ -1,9 +1,10 @@
 """The one entry to the reverse process: `denoise` runs the sampler strategy a model and its options need.
 
 Strategies are registered here, each a `dlm.sampling.reverse.Strategy` (a name, when it applies, how
-it runs); the newest registered one that applies runs. The built-ins, in the order they are tried: a
-block model samples block by block (`dlm.sampling.block_model`); a threshold, a cache or a stop token
-take the fast path (`dlm.sampling.fast`); everything else runs the plain loop (`dlm.sampling.plain`).
+it runs); the newest registered one that applies runs. The built-ins, in the order they are tried:
+an autoregressive model samples token by token (`dlm.sampling.autoregressive`); another block model
+block by block (`dlm.sampling.block_model`); a threshold, a cache or a stop token take the fast path
+(`dlm.sampling.fast`); everything else runs the plain loop (`dlm.sampling.plain`).
 Adding a sampler is one module with its `Strategy` and one `register_strategy` call.
 """
 
@@ -18,7 +19,7 @@ import torch
 from dlm.diffusion.schedules import Schedule, model_schedule
 from dlm.errors import UserError
 from dlm.registry import Registry
-from dlm.sampling import block_model, fast, plain
+from dlm.sampling import autoregressive, block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import ReverseContext, Strategy
 from dlm.sampling.row_noise import RowNoise
@@ -92,11 +93,12 @@ def denoise(
 
 
 def check_samplable(config: ModelConfig, options: SamplingOptions) -> None:
-    """Refuse what the reverse process cannot run: a causal model (its positions never see the masks
-    after them, so it was not trained to fill them), and a shifted-logits model with a KV cache (a
+    """Refuse what the reverse process cannot run: an imported causal model (its positions never see
+    the masks after them, so it was not trained to fill them; dlm's own autoregressive model is sampled
+    token by token), and a shifted-logits model with a KV cache (a
     block's first position predicts from the position before it, which a cached pass does not feed)."""
 
-    if config.attention == "causal":
+    if config.attention == "causal" and not config.is_autoregressive:
         raise UserError(
             "a causal model (model.attention = causal) cannot be sampled as a diffusion model",
             fix="adapt it first: dlm train --init-from MODEL with model.attention = bidirectional",
@@ -140,3 +142,4 @@ def counting_tokens(model: Denoiser) -> Iterator[list[int]]:
 register_strategy(plain.STRATEGY)
 register_strategy(fast.STRATEGY)
 register_strategy(block_model.STRATEGY)
+register_strategy(autoregressive.STRATEGY)

@@ -41,7 +41,7 @@ from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.config.shapes import count_parameters, format_parameter_count, parameter_shapes
 from dlm.fileio import GIB
-from dlm.model.denoiser import needs_clean_copy
+from dlm.model.denoiser import pass_copies
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
@@ -117,7 +117,7 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     full_block = a * (8 * d + 4 * ffn) + 16 * d
     # Checkpointed: every block's float32 input, plus the block being recomputed.
     blocks = model.n_layers * 4 * d + full_block if model.activation_checkpointing else model.n_layers * full_block
-    copies = 2 if needs_clean_copy(model) else 1
+    copies = pass_copies(model)
     head = (a + 8) * model.padded_vocab_size // 2
     return tokens * (copies * blocks + head)
 
