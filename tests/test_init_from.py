@@ -144,7 +144,10 @@ def block_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     [
         (4, "0", "a block diffusion model (block_size 4); this run trains it as a whole-sequence model (block_size 0)"),
         (0, "4", "a whole-sequence model (block_size 0); this run trains it as a block diffusion model (block_size 4)"),
-        (0, "1", "a whole-sequence model (block_size 0); this run trains it as an autoregressive model (block_size 1)"),
+        (0, "1", "a whole-sequence model (block_size 0); this run trains it as a block diffusion model of one-token "
+                 "blocks (block_size 1)"),
+        (0, "1,causal", "a whole-sequence model (block_size 0); this run trains it as an autoregressive model "
+                        "(block_size 1, causal attention: one pass)"),
         (4, "4", None),
         (0, "64", None),  # one block of the whole sequence is the whole sequence
     ],
@@ -154,7 +157,9 @@ def test_a_change_of_attention_blocks_is_said_and_trained(
     source_blocks: int, run_blocks: str, said: str | None,
 ) -> None:  # fmt: skip
     source = (block_run if source_blocks else source_run) / "latest.pt"
-    result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source, f"model.block_size={run_blocks}")
+    blocks, _, attention = run_blocks.partition(",")
+    settings = [f"model.block_size={blocks}"] + ([f"model.attention={attention}"] if attention else [])
+    result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source, *settings)
     assert result.exit_code == 0, result.stderr
     expected = [] if said is None else [f"warning: --init-from: {source} was trained as {said} (the weights fit: "
                                         "only what each position attends to changes)"]  # fmt: skip

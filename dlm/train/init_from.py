@@ -67,7 +67,7 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
             path=path,
             fix="copy the source model's [model] shape into the config",
         )
-    if block_size(info.model) != block_size(config):
+    if (block_size(info.model), info.model.is_autoregressive) != (block_size(config), config.is_autoregressive):
         # Legitimate (adapting a block model to whole-sequence diffusion, or back), but never silent.
         warnings.warn(
             f"--init-from: {path} was trained {_describe_attention(info.model)}; this run trains it "
@@ -134,7 +134,9 @@ def _describe_attention(config: ModelConfig) -> str:
     block = block_size(config)
     if block == 0:
         return f"as a whole-sequence model (block_size {config.block_size})"
-    kind = "an autoregressive model" if block == 1 else "a block diffusion model"
+    if config.is_autoregressive:
+        return "as an autoregressive model (block_size 1, causal attention: one pass)"
+    kind = "a block diffusion model of one-token blocks" if block == 1 else "a block diffusion model"
     return f"as {kind} (block_size {block})"
 
 
