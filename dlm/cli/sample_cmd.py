@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 MASK_GLYPH = "░"
 
 
-def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int, steps: int) -> RenderableType:
-    """One panel per sample: known text as is, each masked token as a dim block character."""
+def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int,
+                   steps: int | None) -> RenderableType:  # fmt: skip
+    """One panel per sample: known text as is, each masked token as a dim block character. `steps`
+    None counts tokens instead (an autoregressive model's step is one token)."""
 
     from rich.console import Group
     from rich.panel import Panel
@@ -43,7 +45,8 @@ def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, ste
             else:
                 body.append(part)
         title = f"sample {index + 1}/{len(rows)}" if len(rows) > 1 else "sample"
-        panels.append(Panel(body, title=title, title_align="left", subtitle=f"step {step}/{steps}"))
+        subtitle = f"step {step}/{steps}" if steps else f"token {step}"
+        panels.append(Panel(body, title=title, title_align="left", subtitle=subtitle))
     return Group(*panels)
 
 
@@ -78,7 +81,9 @@ TextOption = Annotated[
     ),
 ]
 LengthOption = Annotated[int, typer.Option("--length", "-n", help="Tokens to generate after the prompt.")]
-StepsOption = Annotated[int, typer.Option("--steps", help="Denoising steps (time from 1 to 0).")]
+StepsOption = Annotated[
+    int, typer.Option("--steps", help="Denoising steps (time from 1 to 0); an autoregressive model: one per token.")
+]
 SamplesOption = Annotated[int, typer.Option("--num-samples", help="Samples, generated as one batch.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed; the same seed on the same device repeats a sample.")]
 TemperatureOption = Annotated[
@@ -257,10 +262,11 @@ def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> Sample
     from dlm.sampling.generation import generate
 
     mask_id = model.config.mask_token_id
+    steps = None if getattr(model.config, "is_autoregressive", False) else kwargs["steps"]
     with Live(console=console, refresh_per_second=15, transient=True) as live:
 
         def show(step: int, tokens: torch.Tensor) -> None:
-            live.update(render_samples(tokenizer, tokens, mask_id, step, kwargs["steps"]))
+            live.update(render_samples(tokenizer, tokens, mask_id, step, steps))
 
         return generate(model, tokenizer, on_step=show, **kwargs)
 

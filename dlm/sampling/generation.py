@@ -13,6 +13,7 @@ from dlm.data.tokenizer import never_sampled_ids, optional_token_id
 from dlm.diffusion.schedules import Schedule, get_schedule, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
+from dlm.sampling.autoregressive import autoregressive_options
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
 from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback
 from dlm.sampling.prompting import build_sequence, check_request
@@ -102,6 +103,9 @@ def generate(
     limit = None if block_size(config) else config.max_seq_len  # a block model slides on
     ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
                                max_seq_len=limit)  # fmt: skip
+    if config.is_autoregressive:  # one step per token, whatever `steps` says: the result says so
+        options = autoregressive_options(options, sum(fill))
+        steps = options.steps
     generator = torch.Generator(device=noise_device(device)).manual_seed(seed)
     tokens = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
