@@ -10,6 +10,7 @@ from helpers import check_resume_is_exact, tiny_experiment
 
 import dlm
 from dlm.artifacts.export import export_model
+from dlm.bench.setup import attention_backend
 from dlm.config.schema import ModelConfig
 from dlm.diffusion.schedules import LinearSchedule
 from dlm.errors import UserError
@@ -75,6 +76,8 @@ def test_the_training_pass_is_one_pass_over_the_row() -> None:
     assert widths == [16]  # block diffusion's B = 1 runs its layers over 32: the noisy and the clean copy
     n, attention = model.num_parameters, 12 * 2 * 4 * 8 * 16  # 12 x layers x heads x head width x seq_len
     assert model.flops_per_token(16) == 6 * n + attention // 2
+    assert "2L" not in attention_backend(model.config, torch.device("cpu"), "float32")
+    assert "2L" in attention_backend(ModelConfig(block_size=1), torch.device("cpu"), "float32")
 
 
 def test_each_position_predicts_its_token_from_the_tokens_before_it() -> None:

@@ -279,7 +279,9 @@ class DiffusionTransformer(nn.Module):
         """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
         A block model (`config.block_size`) scores noisy `tokens` given `clean_tokens` in one pass
-        over both (the BD3 pattern of `dlm.model.attention`); without them it attends block-causally. With
+        over both (the BD3 pattern of `dlm.model.attention`); without them it attends block-causally. An
+        autoregressive model (`config.is_autoregressive`) scores `clean_tokens` in one causal pass over
+        them shifted by one; without them `tokens` are what it reads, already shifted. With
         a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
         `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
         which no other position sees, and its positions count from the first one after them.
