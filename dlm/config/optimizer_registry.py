@@ -58,6 +58,8 @@ class OptimizerSpec:
     # A module that must be importable to build it, and the `dlm` extra that installs it.
     requires: str | None = None
     needs_extra: str | None = None
+    # Why this installation cannot build it (None when it can), checked before building.
+    unavailable: Callable[[], str | None] | None = None
 
     @property
     def supports_fsdp(self) -> bool:
@@ -66,6 +68,10 @@ class OptimizerSpec:
     def check_installed(self) -> None:
         """Refuse, with the install command, when the optimizer's package is missing."""
 
+        reason = self.unavailable() if self.unavailable is not None else None
+        if reason is not None:
+            raise UserError(f"training.optimizer: {self.name} {reason}",
+                            fix='install what it names, or set training.optimizer = "adamw"')  # fmt: skip
         if self.requires is None:
             return
         if optional_module(self.requires) is None:
@@ -172,6 +178,26 @@ def _build_adamw8bit(
     return optimizer
 
 
+def _build_muon(
+    model: nn.Module, groups: list[dict[str, Any]], training: TrainingConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    from dlm.config.muon import MuonAdamW, split_groups
+
+    vocabulary = {id(module.weight) for module in _vocabulary_modules(model)}
+    muon_groups, adamw_groups = split_groups(groups, vocabulary)
+    return MuonAdamW(muon_groups, adamw_groups, **_adam_settings(training), fused=device.type == "cuda")
+
+
+def _muon_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingConfig) -> int:
+    """One float32 momentum per Muon matrix entry; Adam's two moments for the rest (which, by name
+    alone, counts every matrix outside the vocabulary as Muon's: norms and biases are 1-D but small)."""
+
+    muon = sum(size for name, size in parameters if name not in _VOCABULARY_WEIGHTS and name.endswith(".weight")
+               and "norm" not in name)  # fmt: skip
+    total = sum(size for _, size in parameters)
+    return 4 * muon + _FLOAT32_MOMENTS * (total - muon)
+
+
 def _vocabulary_modules(model: nn.Module) -> list[nn.Module]:
     """The token embedding, and the output head when it is a module of its own (untied)."""
 
@@ -227,5 +253,27 @@ register_optimizer(
         fsdp_refusal="bitsandbytes' 8-bit state is not defined for sharded (DTensor) parameters",
         requires="bitsandbytes",
         needs_extra="gpu",
+    )
+)
+
+
+def _torch_without_muon() -> str | None:
+    import torch
+
+    if hasattr(torch.optim, "Muon"):
+        return None
+    return f"needs torch.optim.Muon, in torch 2.9 or later (this is torch {torch.__version__})"
+
+
+register_optimizer(
+    OptimizerSpec(
+        name="muon",
+        build=_build_muon,
+        description="torch Muon on the blocks' matrices (updates scaled to AdamW's RMS: the same learning rate), "
+        "torch AdamW on the embedding, head, norms and biases; torch 2.9 or later",
+        resumable_hyperparameters=_ADAM_HYPERPARAMETERS,
+        state_bytes=_muon_state_bytes,
+        fsdp_refusal="Muon orthogonalises whole matrices, which FSDP shards",
+        unavailable=_torch_without_muon,
     )
 )
