@@ -29,6 +29,8 @@ from dlm.train.budget import SCHEDULE_SHARE, latest_step, plan_schedule
 from dlm.train.plan import TrainingPlan
 
 ROOT = Path(__file__).resolve().parents[1]
+HAS_MUON = hasattr(torch.optim, "Muon")  # torch 2.9 and later: the demo's CPU model trains with it
+CPU_OPTIMIZER = "Muon" if HAS_MUON else "AdamW (this torch has no Muon)"
 TINY_CONFIG = ROOT / "configs" / "tiny.toml"
 MINUTES = 0.15  # 9 s of training (calibration included): enough for the whole tiny schedule
 STAGES = ("tokenizer", "data", "validate", "calibrate", "train", "evaluate", "export", "samples")
@@ -439,7 +441,14 @@ def test_the_demos_cpu_model_is_the_cpu_recipe(tmp_path: Path) -> None:
              "clip_mask_max")  # fmt: skip
     for name in names:
         assert getattr(demo.training, name) == getattr(recipe.training, name), name
-    assert "mask probabilities 0.3-0.8 in training" in notes[0] and "(configs/cpu.toml)" in notes[0]
+    assert recipe.training.optimizer == "muon" and demo.training.optimizer == ("muon" if HAS_MUON else "adamw")
+    assert "mask probabilities 0.3-0.8 in training" in notes[0] and f", {CPU_OPTIMIZER} (configs/cpu.toml)" in notes[0]
+
+
+def test_the_demo_takes_adamw_on_a_torch_without_muon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
+    assert demo.training.optimizer == "adamw" and ", AdamW (this torch has no Muon) (configs/cpu.toml)" in notes[0]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -453,6 +462,6 @@ def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
     monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     expected = "bfloat16" if native else "float32"
-    assert f", {expected} (configs/cpu.toml)" in notes[0]
+    assert f", {expected}, {CPU_OPTIMIZER} (configs/cpu.toml)" in notes[0]
     assert demo.training.precision == "auto" == load_config(ROOT / "configs" / "cpu.toml").training.precision
     assert device.resolve_training_precision(demo.training.precision, torch.device("cpu")) == expected

@@ -79,6 +79,8 @@ CPU_MODEL_OVERRIDES = (
     "training.clip_mask_min=0.3",
     "training.clip_mask_max=0.8",
 )
+# The demo's CPU optimizer, as its note names it: configs/cpu.toml's Muon, or AdamW on a torch before 2.9.
+_OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW (this torch has no Muon)"}
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
     ("prompt", "ROMEO:", None),
@@ -209,15 +211,18 @@ def demo_experiment(output: Path, config_path: Path | None, device: str | None) 
     if config_path is None and resolved == "cpu":
         # auto: bfloat16 autocast where the CPU multiplies it natively (1.8x the steps on 2 threads), float32 elsewhere.
         precision = resolve_training_precision("auto", torch.device("cpu"))
-        overrides = [*CPU_MODEL_OVERRIDES, "training.precision=auto"]
+        # Muon where this torch has it (2.9 and later), else AdamW: the demo runs on any supported torch.
+        optimizer = "muon" if hasattr(torch.optim, "Muon") else "adamw"
+        overrides = [*CPU_MODEL_OVERRIDES, "training.precision=auto", f"training.optimizer={optimizer}"]
         experiment = with_overrides(experiment, overrides, "the demo's CPU model")
         model, training = experiment.model, experiment.training
         notes.append(
             f"on the CPU the demo trains a smaller model than shakespeare.toml's 14M-parameter one: d_model "
             f"{model.d_model}, {model.n_layers} layers, {model.max_seq_len}-token blocks, batch "
             f"{training.batch_size}, mask probabilities {training.clip_mask_min}-{training.clip_mask_max} in "
-            f"training, {precision} (configs/cpu.toml); in minutes of CPU the full model learns no more than token "
-            "frequencies. A GPU trains the full config; --config trains any config as given"
+            f"training, {precision}, {_OPTIMIZER_NAMES[optimizer]} (configs/cpu.toml); in minutes of CPU the full "
+            "model learns no more than token frequencies. A GPU trains the full config; --config trains any config "
+            "as given"
         )
     return experiment, notes
 
