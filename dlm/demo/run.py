@@ -71,7 +71,9 @@ CPU_MODEL_OVERRIDES = (
     # batch 32: at an equal number of tokens, twice the steps scored 0.11 bits/byte better than batch 64
     # at a CPU's budget (docs/benchmarks.md, "The CPU recipe at an AVX2-only CPU's pace").
     "training.batch_size=32",
-    "training.learning_rate=2e-3",
+    # Muon (where this torch has it, below) at 4e-3: 0.05-0.07 bits/byte below AdamW at 2e-3 in the same
+    # CPU time (docs/benchmarks.md, "Muon at a CPU's pace").
+    "training.learning_rate=4e-3",
     "training.eval_batches=4",
     # configs/cpu.toml's measured winner (docs/benchmarks.md, CPU recipe ablation): training draws
     # mask probabilities in [0.3, 0.8] only (the evaluation still covers all of them).
@@ -79,8 +81,13 @@ CPU_MODEL_OVERRIDES = (
     "training.clip_mask_min=0.3",
     "training.clip_mask_max=0.8",
 )
-# The demo's CPU optimizer, as its note names it: configs/cpu.toml's Muon, or AdamW on a torch before 2.9.
+# The demo's CPU optimizer, as its note names it: configs/cpu.toml's Muon, or on a torch before 2.9
+# AdamW at the learning rate it was measured at.
 _OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW (this torch has no Muon)"}
+_OPTIMIZER_OVERRIDES = {
+    "muon": ("training.optimizer=muon",),
+    "adamw": ("training.optimizer=adamw", "training.learning_rate=2e-3"),
+}
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
     ("prompt", "ROMEO:", None),
@@ -213,7 +220,7 @@ def demo_experiment(output: Path, config_path: Path | None, device: str | None) 
         precision = resolve_training_precision("auto", torch.device("cpu"))
         # Muon where this torch has it (2.9 and later), else AdamW: the demo runs on any supported torch.
         optimizer = "muon" if hasattr(torch.optim, "Muon") else "adamw"
-        overrides = [*CPU_MODEL_OVERRIDES, "training.precision=auto", f"training.optimizer={optimizer}"]
+        overrides = [*CPU_MODEL_OVERRIDES, "training.precision=auto", *_OPTIMIZER_OVERRIDES[optimizer]]
         experiment = with_overrides(experiment, overrides, "the demo's CPU model")
         model, training = experiment.model, experiment.training
         notes.append(
