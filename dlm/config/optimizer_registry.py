@@ -189,8 +189,8 @@ def _build_muon(
 
 
 def _muon_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingConfig) -> int:
-    """One float32 momentum per Muon matrix entry; Adam's two moments for the rest (which, by name
-    alone, counts every matrix outside the vocabulary as Muon's: norms and biases are 1-D but small)."""
+    """One float32 momentum per entry of Muon's matrices, told by name (every `.weight` but the
+    vocabulary's and the norms'); Adam's two moments for the rest."""
 
     muon = sum(size for name, size in parameters if name not in _VOCABULARY_WEIGHTS and name.endswith(".weight")
                and "norm" not in name)  # fmt: skip
