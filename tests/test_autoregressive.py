@@ -151,6 +151,33 @@ def test_sampling_is_one_pass_per_token_and_equals_the_uncached_reference(temper
     assert not bool((cached_tokens == MASK_ID).any()) and torch.equal(cached_tokens[:, ~fill], tokens[:, ~fill])
 
 
+def test_every_pass_past_the_context_feeds_the_shifted_row() -> None:
+    # Past max_seq_len the cache slides, and passes that only store keys and values run too: each
+    # must feed what the model reads (token i - 1 at position i), as the generating passes do.
+    model, fed = ar_model(seq_len=16), []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        def forward(self, tokens: torch.Tensor, *args: object, cache: KVCache | None = None,
+                    **kwargs: object) -> torch.Tensor:  # fmt: skip
+            fed.append((cache.length if cache is not None else 0, tokens.clone()))
+            return self.inner(tokens, *args, cache=cache, **kwargs)
+
+    tokens = torch.randint(2, 64, (2, 40), generator=torch.Generator().manual_seed(10))
+    fill = torch.zeros(40, dtype=torch.bool)
+    fill[4:] = True  # 36 tokens after a prompt of 4: more than twice the context of 16
+    with torch.inference_mode():
+        context = ReverseContext(RowNoise.of(torch.Generator().manual_seed(11), 2), LinearSchedule())
+        result, passes = generate_tokens(Recorder(), tokens, fill, SamplingOptions(), context)
+    shifted = autoregressive_inputs(result, MASK_ID)
+    assert passes == len(fed) > 36  # the sliding window's store-only passes among them
+    for start, chunk in fed:
+        assert torch.equal(chunk, shifted[:, start : start + chunk.shape[1]]), start
+
+
 def test_greedy_sampling_picks_the_most_likely_next_token_of_the_scoring_pass() -> None:
     model = ar_model(seq_len=12)
     tokens = torch.randint(2, 64, (1, 12), generator=torch.Generator().manual_seed(9))

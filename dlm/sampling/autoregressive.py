@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 class ShiftedReverse(BlockReverse):
     """The block reverse process of a model that reads each token at the position after it."""
 
-    def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+    def model_tokens(self, tokens: Tensor, rows: Tensor | None) -> Tensor:
         pad = None if self.pad is None else (self.pad if rows is None else self.pad[rows])
-        return super().logits(autoregressive_inputs(tokens, self.mask_id, pad), positions, rows)
+        return autoregressive_inputs(tokens, self.mask_id, pad)
 
 
 def autoregressive_options(options: SamplingOptions, tokens_to_generate: int) -> SamplingOptions:

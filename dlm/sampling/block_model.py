@@ -84,7 +84,14 @@ class BlockReverse(Reverse):
 
     window: _Window = field(default_factory=_Window)
 
+    def model_tokens(self, tokens: Tensor, rows: Tensor | None) -> Tensor:
+        """What the model reads for `tokens` of the batch rows `rows` (None: all): every pass, and
+        every pass that only stores keys and values, feeds this (`dlm.sampling.autoregressive` shifts it)."""
+
+        return tokens
+
     def logits(self, tokens: Tensor, positions: Tensor, rows: Tensor | None) -> Tensor:
+        tokens = self.model_tokens(tokens, rows)
         window = self.window
         start, end, cache = window.start, window.end, window.cache
         if cache is None:  # reference: the whole prefix under the block-causal mask
@@ -115,6 +122,7 @@ def _commit(reverse: BlockReverse, tokens: Tensor, cache: KVCache, end: int, roo
 
     config = reverse.model.config
     block_size, context = config.block_size, config.max_seq_len
+    tokens = reverse.model_tokens(tokens, None)
     passes = 0
     while cache.length < end:
         if defer and cache.stored + (end - cache.length) + room <= context:
