@@ -202,7 +202,7 @@ def test_a_batch_of_prompts_samples_as_each_prompt_alone(tiny_data_dir: Path, tm
     together = dlm.sample(model, tokenizer, prompts=prompts, length=12, seeds=[3, 4], temperature=0)
     alone = [dlm.sample(model, tokenizer, prompt=p, length=12, seed=s, temperature=0).texts[0]
              for p, s in zip(prompts, (3, 4), strict=True)]  # fmt: skip
-    assert together.texts == alone
+    assert together.texts == alone and together.steps == 12
     assert together.forward_passes <= 12 + 1  # one pass per token (and the prompts' shared first one)
 
 

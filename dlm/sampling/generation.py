@@ -94,6 +94,8 @@ def generate(
         if seeds is not None and len(seeds) != len(prompts):
             raise UserError(f"{len(seeds)} seeds for {len(prompts)} prompts", fix="give one seed per prompt")
         per_prompt = consecutive_seeds(seed, len(prompts)) if seeds is None else list(seeds)
+        if config.is_autoregressive:  # one step per token, whatever `steps` says: the result says so
+            options = autoregressive_options(options, length)
         return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seeds=per_prompt,
                                 options=options, device=device, schedule=chosen, forbidden=forbidden,
                                 end_id=end_id, on_step=on_step)  # fmt: skip
