@@ -155,6 +155,26 @@ def test_block_elbo_of_a_uniform_model_is_log_vocab_within_its_standard_error(bl
     assert combined.item() > 0 and abs(nll.mean().item() - math.log(64)) < 4 * combined.item()
 
 
+@pytest.mark.parametrize("estimator", ["bernoulli", "exact-count"])
+def test_one_token_blocks_take_one_pass_for_any_number_of_samples(estimator: str) -> None:
+    # Every sample of a one-token block's ELBO is the exact likelihood: K samples would be K equal
+    # passes, so one is made, and the Monte Carlo error is exactly 0 (none for K = 1).
+    clean = torch.randint(2, 64, (4, 16), generator=torch.Generator().manual_seed(6))
+    weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
+    calls = []
+
+    def model(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        calls.append(int(mask.sum()))
+        return torch.nn.functional.one_hot(noisy.roll(1, dims=1), 64).float()[mask] @ weights
+
+    one, none = elbo_nll(model, clean, MASK_ID, 1, 1e-3, torch.Generator().manual_seed(1), block_size=1,
+                         estimator=estimator)  # fmt: skip
+    eight, zero = elbo_nll(model, clean, MASK_ID, 8, 1e-3, torch.Generator().manual_seed(2), block_size=1,
+                           estimator=estimator)  # fmt: skip
+    assert calls == [64, 64]
+    assert torch.equal(one, eight) and torch.equal(zero, torch.zeros(4)) and bool(none.isnan().all())
+
+
 def test_block_times_split_across_ranks_like_accumulation() -> None:
     single = [accumulation_mask_probabilities(2, m, 4, 0.3, 1e-3, "cpu", blocks=3) for m in range(4)]
     for m in range(2):

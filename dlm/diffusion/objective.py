@@ -456,8 +456,11 @@ def elbo_nll(
     else:
         per_row = generator
     offsets = _uniform(generator, batch, shape, clean.device)
+    # Blocks of one token (an autoregressive model) are always masked with weight 1 (`_corrupt_blocks`):
+    # every sample is the exact likelihood, so one pass gives all of them, with no Monte Carlo error.
+    exact = block_size == 1 and length > 1
     samples = []
-    for k in range(num_samples):
+    for k in range(1 if exact else num_samples):
         if estimator == "exact-count":
             units = stratified_times(offsets, torch.full_like(offsets, k), num_samples, 0.0)
             corruption = draw_exact_count(clean, mask_token_id, units, generator, block_size=block_size,
@@ -472,7 +475,9 @@ def elbo_nll(
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     stacked = torch.stack(samples)  # [K, B]
-    if num_samples == 1:
+    if exact and num_samples > 1:
+        return stacked[0], torch.zeros_like(stacked[0])
+    if num_samples == 1 or exact:
         return stacked[0], torch.full_like(stacked[0], float("nan"))
     # Standard error as if the K samples were independent. Antithetic (evenly spread) units are
     # negatively correlated, so the true error of the mean is smaller: this bound is conservative.
