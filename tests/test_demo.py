@@ -437,11 +437,12 @@ def test_the_demos_cpu_model_is_the_cpu_recipe(tmp_path: Path) -> None:
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     recipe = load_config(ROOT / "configs" / "cpu.toml")
     assert demo.model == recipe.model and demo.diffusion == recipe.diffusion
-    names = ("batch_size", "min_learning_rate", "weight_decay", "grad_clip", "clip_mask_min", "clip_mask_max")
+    names = ("min_learning_rate", "weight_decay", "grad_clip", "clip_mask_min", "clip_mask_max")
     for name in names:
         assert getattr(demo.training, name) == getattr(recipe.training, name), name
     assert recipe.training.optimizer == "muon" and demo.training.optimizer == ("muon" if HAS_MUON else "adamw")
     assert recipe.training.learning_rate == 4e-3 and demo.training.learning_rate == (4e-3 if HAS_MUON else 2e-3)
+    assert recipe.training.batch_size == 64 and demo.training.batch_size == (64 if HAS_MUON else 32)
     assert "mask probabilities 0.3-0.8 in training" in notes[0] and f", {CPU_OPTIMIZER} (configs/cpu.toml)" in notes[0]
 
 
@@ -449,7 +450,8 @@ def test_the_demo_takes_adamw_on_a_torch_without_muon(tmp_path: Path, monkeypatc
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     demo, notes = demo_experiment(tmp_path / "demo", None, "cpu")
     assert demo.training.optimizer == "adamw" and ", AdamW (this torch has no Muon) (configs/cpu.toml)" in notes[0]
-    assert demo.training.learning_rate == 2e-3  # AdamW's measured rate, not Muon's 4e-3
+    assert demo.training.learning_rate == 2e-3  # AdamW's measured rate and batch, not Muon's 4e-3 and 64
+    assert demo.training.batch_size == 32 and "batch 32" in notes[0]
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -68,9 +68,9 @@ CPU_MODEL_OVERRIDES = (
     "model.n_layers=4",
     "model.n_heads=2",
     "model.max_seq_len=64",  # the data is packed to match
-    # batch 32: at an equal number of tokens, twice the steps scored 0.11 bits/byte better than batch 64
-    # at a CPU's budget (docs/benchmarks.md, "The CPU recipe at an AVX2-only CPU's pace").
-    "training.batch_size=32",
+    # batch 64 with Muon: level with batch 32 at an AVX2-only CPU's pace and 0.03 bits/byte better at an
+    # AVX512-BF16 CPU's, in the same time (docs/benchmarks.md, "Muon's batch").
+    "training.batch_size=64",
     # Muon (where this torch has it, below) at 4e-3: 0.05-0.07 bits/byte below AdamW at 2e-3 in the same
     # CPU time (docs/benchmarks.md, "Muon at a CPU's pace").
     "training.learning_rate=4e-3",
@@ -82,11 +82,12 @@ CPU_MODEL_OVERRIDES = (
     "training.clip_mask_max=0.8",
 )
 # The demo's CPU optimizer, as its note names it: configs/cpu.toml's Muon, or on a torch before 2.9
-# AdamW at the learning rate it was measured at.
+# AdamW at the learning rate and batch it was measured at (batch 32: 0.017 bits/byte better than 64
+# at an AVX2-only CPU's pace, docs/benchmarks.md, "The AVX512-BF16 class's 2.2: the levers left").
 _OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW (this torch has no Muon)"}
 _OPTIMIZER_OVERRIDES = {
     "muon": ("training.optimizer=muon",),
-    "adamw": ("training.optimizer=adamw", "training.learning_rate=2e-3"),
+    "adamw": ("training.optimizer=adamw", "training.learning_rate=2e-3", "training.batch_size=32"),
 }
 SAMPLE_REQUESTS = (  # (label, prompt, infill template)
     ("unconditional", "", None),
