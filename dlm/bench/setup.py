@@ -24,6 +24,7 @@ from dlm.errors import UserError
 from dlm.fileio import GIB
 from dlm.model.attention import training_kernel
 from dlm.model.denoiser import needs_clean_copy
+from dlm.runtime.allocator import give_back_freed_memory
 from dlm.runtime.device import synchronize
 from dlm.runtime.kernels import sdpa_backend_name
 from dlm.runtime.memory import peak_rss_gib as rusage_peak_rss_gib
@@ -232,6 +233,8 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    elif device.type == "cpu":
+        give_back_freed_memory()  # the heap keeps what a CPU step frees (dlm.runtime.allocator)
     reset_peak_memory(device)
 
 

@@ -42,6 +42,7 @@ from dlm.bench.setup import (
 from dlm.config.schema import ExperimentConfig, ModelConfig, with_overrides
 from dlm.errors import UserError
 from dlm.fileio import GIB
+from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import resolve_compile, resolve_device, resolve_training_precision, synchronize
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
@@ -106,6 +107,7 @@ def interleaved_cpu_step_seconds(
     """
 
     cpu = torch.device("cpu")
+    keep_freed_memory()  # as training on the CPU does
     runs = {}
     for name, (experiment, precision) in experiments.items():
         step = TrainingStep(experiment, cpu, precision, DistributedContext())
@@ -141,6 +143,8 @@ def _run_steps(
 
     release_memory(device)
     reset_peak_rss()
+    if device.type == "cpu":
+        keep_freed_memory()  # as training does: the steps timed are the steps it will run
     # Build the weights directly on the device: a 1B model initialised on the CPU takes seconds.
     with device:
         step = TrainingStep(experiment, device, precision, DistributedContext())

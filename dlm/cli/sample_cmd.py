@@ -301,10 +301,11 @@ def sample(
     the final texts are printed, or with --json the texts, steps, forward passes and seconds.
 
     Faster: --steps half of --length (two tokens a step) kept the judge
-    perplexity of a CPU demo model (d_model 256) within 10% at 1.5x; on the
-    smaller d_model 96 demo model, whose passes are cheap, it gains 1.0-1.5x;
-    --block-length 8 --cache dual adds speed at some quality; --threshold
-    pays only on a confident model (docs/benchmarks.md, Fast generation).
+    perplexity of the d_model 256 CPU demo model within 10% at 1.5x; on
+    today's demo model (d_model 96, Muon) it gains 1.1-1.3x and costs 7-50%
+    judge perplexity, so keep the defaults there; --block-length 8 --cache
+    dual adds speed at some quality; --threshold pays only on a confident
+    model (docs/benchmarks.md, Fast generation).
 
     An option that the others would make do nothing is refused with one error line.
     """

@@ -54,6 +54,7 @@ from dlm.errors import UserError
 from dlm.evaluation.likelihood import byte_table, likelihood_figures, packed_token_bytes, scored_counts
 from dlm.fileio import atomic_write_json
 from dlm.model.denoiser import block_size, masked_logits
+from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import autocast_context
 
 if TYPE_CHECKING:
@@ -347,6 +348,8 @@ def evaluate_model(
 
     _check_counts(batches, mc_samples, batch_size, estimator)
     device = torch.device(device)
+    if device.type == "cpu":
+        keep_freed_memory()  # every batch's passes reuse the memory of the last (dlm.runtime.allocator)
     schedule = get_schedule(schedule)
     if metadata is None:
         metadata = getattr(dataset, "metadata", None)

@@ -77,6 +77,7 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "a
 
     from dlm.artifacts.loading import load_model_with_info
     from dlm.data.chat import ChatTemplate
+    from dlm.runtime.allocator import keep_freed_memory
     from dlm.runtime.device import resolve_device
     from dlm.runtime.threads import configure_cpu_threads
     from dlm.sampling.dispatch import check_samplable
@@ -87,6 +88,8 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "a
         raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
     resolved = resolve_device(device)
     configure_cpu_threads(resolved)  # one thread per free core: more would spin against other work
+    if resolved.type == "cpu":
+        keep_freed_memory()  # each request's steps reuse the memory of the last (dlm.runtime.allocator)
     loaded = load_model_with_info(path, resolved, SERVE_DTYPES[dtype])
     # A model no request could sample (a causal import not yet adapted) stops here, not at every request.
     check_samplable(loaded.model.config, SamplingOptions())

@@ -67,6 +67,7 @@ from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.model.lora import adapter_state, load_base_and_adapters
+from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import configure_cuda_backends
@@ -485,6 +486,8 @@ def train(
     precision = resolve_training_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
     threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
+    if device.type == "cpu":
+        keep_freed_memory()  # each step reuses the last one's memory: no page faults (dlm.runtime.allocator)
     ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
     check_parallelism(config)
     run_dir = config.output_dir
