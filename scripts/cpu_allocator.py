@@ -23,16 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One measurement, run in a child process: (config, precision, steps, threads, keep) -> JSON line.
 _CHILD = """
-import json, resource, statistics, sys, time
+import json, resource, statistics, sys
 import torch
 config, precision, steps, threads, keep = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-from dlm.bench.throughput import synthetic_batches
+from dlm.bench.throughput import synthetic_batches, timed_steps
 from dlm.config.schema import load_config
 from dlm.runtime.allocator import keep_freed_memory
 from dlm.train.distributed import DistributedContext
 from dlm.train.step import LogWindow, TrainingStep
 if keep == "keep":
-    assert keep_freed_memory(), "this C library has no mallopt"
+    assert keep_freed_memory(torch.device("cpu")), "this C library has no mallopt"
 torch.set_num_threads(threads)
 experiment = load_config(config)
 cpu = torch.device("cpu")
@@ -42,11 +42,7 @@ batches = synthetic_batches(experiment.model, experiment.training.batch_size, cp
 window = LogWindow(cpu)
 for _ in range(3):
     step.optimizer_step(batches, window)
-times = []
-for _ in range(steps):
-    started = time.perf_counter()
-    step.optimizer_step(batches, window)
-    times.append(time.perf_counter() - started)
+times = timed_steps(step, batches, window, steps)
 peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({"mean": statistics.mean(times), "peak_mib": peak_mib}))
 """

@@ -9,11 +9,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import torch
 from helpers import ROOT
 
 from dlm.runtime import allocator
 
 GLIBC = allocator._glibc() is not None
+CPU = torch.device("cpu")
 
 # Minor page faults and the losses of training steps 3-8 of configs/cpu.toml's model (batch 16),
 # in a fresh process, with or without the allocator setting.
@@ -25,7 +27,7 @@ from dlm.runtime.allocator import keep_freed_memory
 from dlm.train.distributed import DistributedContext
 from dlm.train.step import LogWindow, TrainingStep
 if sys.argv[2] == "keep":
-    assert keep_freed_memory()
+    assert keep_freed_memory(torch.device("cpu"))
 torch.manual_seed(0)
 experiment = with_overrides(load_config(sys.argv[1]), ["training.batch_size=16"], "test")
 cpu = torch.device("cpu")
@@ -46,10 +48,10 @@ print(json.dumps({"faults": faults, "loss": float(window.loss)}))
 @pytest.fixture
 def fresh_allocator() -> Iterator[None]:
     allocator._glibc.cache_clear()
-    allocator.keep_freed_memory.cache_clear()
+    allocator._keep_freed_memory.cache_clear()
     yield
     allocator._glibc.cache_clear()
-    allocator.keep_freed_memory.cache_clear()
+    allocator._keep_freed_memory.cache_clear()
 
 
 def _steps(setting: str) -> dict[str, float]:
@@ -79,7 +81,8 @@ def test_the_setting_is_made_once_per_process(fresh_allocator: None, monkeypatch
         return real(parameter, value)
 
     monkeypatch.setattr(libc, "mallopt", counted)
-    assert allocator.keep_freed_memory() and allocator.keep_freed_memory()
+    assert allocator.keep_freed_memory(torch.device("meta")) is False and calls == []  # only a CPU run
+    assert allocator.keep_freed_memory(CPU) and allocator.keep_freed_memory(CPU)
     assert calls == [(-3, allocator.MMAP_THRESHOLD), (-1, allocator.TRIM_THRESHOLD)]
     allocator.give_back_freed_memory()  # malloc_trim: the heap's free memory back to the OS
 
@@ -87,5 +90,5 @@ def test_the_setting_is_made_once_per_process(fresh_allocator: None, monkeypatch
 def test_without_glibc_nothing_is_set(fresh_allocator: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # macOS's libc has no mallopt; Windows finds no "c" library at all.
     monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: "/nonexistent/libc.so")
-    assert allocator._glibc() is None and allocator.keep_freed_memory() is False
+    assert allocator._glibc() is None and allocator.keep_freed_memory(CPU) is False
     allocator.give_back_freed_memory()  # does nothing, raises nothing

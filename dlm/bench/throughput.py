@@ -72,7 +72,9 @@ def synthetic_batches(model: ModelConfig, batch_size: int, device: torch.device,
         yield tokens
 
 
-def _timed_steps(step: TrainingStep, batches: Iterator[torch.Tensor], window: LogWindow, steps: int) -> list[float]:
+def timed_steps(step: TrainingStep, batches: Iterator[torch.Tensor], window: LogWindow, steps: int) -> list[float]:
+    """Seconds of each of `steps` optimizer steps (device time on CUDA, wall time elsewhere)."""
+
     device = step.device
     if device.type == "cuda":
         # Events on the stream measure device time including any gap the host leaves between
@@ -107,7 +109,7 @@ def interleaved_cpu_step_seconds(
     """
 
     cpu = torch.device("cpu")
-    keep_freed_memory()  # as training on the CPU does
+    keep_freed_memory(cpu)  # as training on the CPU does
     runs = {}
     for name, (experiment, precision) in experiments.items():
         step = TrainingStep(experiment, cpu, precision, DistributedContext())
@@ -143,8 +145,7 @@ def _run_steps(
 
     release_memory(device)
     reset_peak_rss()
-    if device.type == "cpu":
-        keep_freed_memory()  # as training does: the steps timed are the steps it will run
+    keep_freed_memory(device)  # as training does: the steps timed are the steps it will run
     # Build the weights directly on the device: a 1B model initialised on the CPU takes seconds.
     with device:
         step = TrainingStep(experiment, device, precision, DistributedContext())
@@ -157,7 +158,7 @@ def _run_steps(
     synchronize(device)
     warmup_seconds = time.perf_counter() - started
     window.reset()
-    times = _timed_steps(step, batches, window, steps)
+    times = timed_steps(step, batches, window, steps)
     return step, times, warmup_seconds, float(window.loss) / window.steps
 
 

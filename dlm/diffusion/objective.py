@@ -474,11 +474,11 @@ def elbo_nll(
                                             schedule=schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
+    if num_samples == 1:
+        return samples[0], torch.full_like(samples[0], float("nan"))
+    if exact:
+        return samples[0], torch.zeros_like(samples[0])
     stacked = torch.stack(samples)  # [K, B]
-    if exact and num_samples > 1:
-        return stacked[0], torch.zeros_like(stacked[0])
-    if num_samples == 1 or exact:
-        return stacked[0], torch.full_like(stacked[0], float("nan"))
     # Standard error as if the K samples were independent. Antithetic (evenly spread) units are
     # negatively correlated, so the true error of the mean is smaller: this bound is conservative.
     return stacked.mean(dim=0), stacked.std(dim=0) / num_samples**0.5

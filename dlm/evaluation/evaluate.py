@@ -348,8 +348,7 @@ def evaluate_model(
 
     _check_counts(batches, mc_samples, batch_size, estimator)
     device = torch.device(device)
-    if device.type == "cpu":
-        keep_freed_memory()  # every batch's passes reuse the memory of the last (dlm.runtime.allocator)
+    keep_freed_memory(device)  # on the CPU every batch's passes reuse the memory of the last
     schedule = get_schedule(schedule)
     if metadata is None:
         metadata = getattr(dataset, "metadata", None)

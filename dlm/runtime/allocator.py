@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import functools
 
+import torch
+
 # mallopt parameters (malloc.h) and the values set: a 1 GiB mmap threshold keeps every tensor a
 # small model's step allocates in the heap, and a trim threshold of 2 GiB - 1 (the largest an int
 # holds) keeps the freed heap for reuse.
@@ -42,10 +44,15 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-@functools.cache
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse (once per process); False where it cannot."""
+def keep_freed_memory(device: torch.device) -> bool:
+    """For a run on `device`: on the CPU, make glibc's malloc keep freed memory for reuse (once per
+    process). False off the CPU and where the C library is not glibc."""
 
+    return device.type == "cpu" and _keep_freed_memory()
+
+
+@functools.cache
+def _keep_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False

@@ -88,8 +88,7 @@ def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "a
         raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
     resolved = resolve_device(device)
     configure_cpu_threads(resolved)  # one thread per free core: more would spin against other work
-    if resolved.type == "cpu":
-        keep_freed_memory()  # each request's steps reuse the memory of the last (dlm.runtime.allocator)
+    keep_freed_memory(resolved)  # on the CPU each request's steps reuse the memory of the last
     loaded = load_model_with_info(path, resolved, SERVE_DTYPES[dtype])
     # A model no request could sample (a causal import not yet adapted) stops here, not at every request.
     check_samplable(loaded.model.config, SamplingOptions())

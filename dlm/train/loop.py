@@ -486,8 +486,7 @@ def train(
     precision = resolve_training_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
     threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
-    if device.type == "cpu":
-        keep_freed_memory()  # each step reuses the last one's memory: no page faults (dlm.runtime.allocator)
+    keep_freed_memory(device)  # on the CPU each step reuses the last one's memory: no page faults
     ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
     check_parallelism(config)
     run_dir = config.output_dir
