@@ -231,6 +231,7 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
             f"seed {training.get('seed')}"
         )
     lines.append(f"- {info.diffusion.schedule} noise schedule, diffusion times in [{info.diffusion.mask_eps}, 1]")
+    lines += _distillation_lines(info.distillation)
     lines += ["", "## Data", ""] + (data_lines(info) or ["The run's packed data could not be read at export time."])
     lines += ["", "## Evaluation", ""] + (figures or ["No evaluation figures were recorded for this run."])
     lines += [
@@ -251,6 +252,20 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
         "",
     ]
     return "\n".join(lines)
+
+
+def _distillation_lines(record: dict[str, Any] | None) -> list[str]:
+    """The card's word on a distilled student: what it was distilled for, and from which teacher."""
+
+    if record is None:
+        return []
+    teacher = record.get("teacher_sha256")
+    return [
+        f"- distilled ({record.get('method')}, {record.get('divergence')}) from a teacher sampling in "
+        f"{record.get('teacher_steps')} steps to **{record['steps']} sampling steps**, which `dlm sample`, "
+        "`dlm serve`, `dlm bench --generate` and the lm-eval harness default to"
+        + (f"; teacher weights sha256 `{teacher[:16]}`" if teacher else "")
+    ]
 
 
 # safetensors' names of the dtypes an export can hold.
@@ -404,6 +419,7 @@ def _write_export_directory(
         "tied": tied,
         "training": info.training,
         "source": source or {"kind": info.kind, "file": info.path.name},
+        "distillation": info.distillation,
     }
     card = model_card(info, config, _eval_figures(info.run_dir))
     building = temporary_path(output)

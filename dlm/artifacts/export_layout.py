@@ -54,6 +54,9 @@ class SourceInfo:
     # were trained on (`{"path", "sha256"}` of its weights); None for plain weights.
     lora: LoraConfig | None = None
     lora_base: dict[str, str] | None = None
+    # A distilled student (`dlm distill`): its method, the sampling `steps` it was distilled for (what
+    # sampling defaults to), its teacher's steps and weights' sha256; None for any other model.
+    distillation: dict[str, Any] | None = None
 
     @property
     def run_dir(self) -> Path | None:
@@ -95,6 +98,20 @@ def read_export_config(directory: str | Path) -> dict[str, Any]:
 FieldTypes = Mapping[str, tuple[type, ...]]
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
                bool: "true or false", type(None): "null"}  # fmt: skip
+
+
+def read_distillation(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """A distilled student's record in an export's `config` (None for other models); its `steps` must
+    be a positive count, since sampling defaults to it."""
+
+    record = config.get("distillation")
+    if record is None:
+        return None
+    steps = record.get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UserError("the field distillation.steps must be a positive integer (the steps the student samples "
+                        f"in), not {steps!r}", path=path, fix="export the distillation run again")  # fmt: skip
+    return dict(record)
 
 
 def _json_type(value: object) -> str:

@@ -126,6 +126,7 @@ def hf_config(info: SourceInfo, dtype: str, special_ids: dict[str, int]) -> dict
             "step": info.step,
             "tokens_seen": info.tokens_seen,
             "training": info.training,
+            "distillation": info.distillation,  # a distilled student's sampling steps travel with it
         },
     }
 

@@ -36,6 +36,7 @@ from dlm.artifacts.export_layout import (
     SourceInfo,
     check_config_fields,
     checked_tokenizer,
+    read_distillation,
     read_export_config,
 )
 from dlm.artifacts.hf.importer import is_hf_source, read_hf_source
@@ -45,6 +46,7 @@ from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoi
 from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import load_tokenizer
+from dlm.diffusion.distillation import attach_distilled_steps
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.lora import from_peft_names, merged_weights
@@ -121,6 +123,7 @@ def _checkpoint_info(checkpoint: dict[str, Any], path: Path, kind: str, holds_mo
         diffusion=experiment.diffusion,
         experiment=experiment,
         training=_training_settings(experiment),
+        distillation=None if experiment.distill is None else experiment.distill.record(int(checkpoint["step"])),
     )
 
 
@@ -162,6 +165,7 @@ _OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))
 _EXPORT_FIELDS: FieldTypes = {
     "model": _OBJECT, "diffusion": _OBJECT, "training": _OBJECT, "tied": _OBJECT, "source": _OBJECT,
     "step": _COUNT, "tokens_seen": _COUNT, "weights": _TEXT, "tokenizer_sha256": _TEXT, "name": _TEXT,
+    "distillation": (dict, type(None)),
 }  # fmt: skip
 
 
@@ -208,6 +212,7 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
         tokenizer_path=directory / TOKENIZER_NAME,
         diffusion=diffusion,
         training=dict(config.get("training", {})),
+        distillation=read_distillation(config, config_path),
     )
     return info, weights
 
@@ -356,6 +361,8 @@ def load_model_with_info(
     tokenizer = load_tokenizer(checked_tokenizer(info))
     model = build_model(info.model, weights, device, dtype, source=info.path)
     attach_schedule(model, info.diffusion.schedule)
+    if info.distillation is not None:
+        attach_distilled_steps(model, int(info.distillation["steps"]))
     return LoadedModel(model, tokenizer, info)
 
 

@@ -40,6 +40,8 @@ EVAL_NAME = "eval.json"
 # `dlm demo` before the planner served `dlm train --minutes` too kept it under the older name.
 BUDGET_PLAN_NAME = "budget-plan.json"
 EARLIER_BUDGET_PLAN_NAMES = ("demo-plan.json",)
+# A distillation run (`dlm distill`) keeps the teacher of its current round beside its checkpoints.
+TEACHER_SNAPSHOT_GLOB = "teacher-round-*.safetensors"
 # The files whose presence means a run already lives here (besides step-*.pt).
 RUN_FILE_NAMES = (CONFIG_NAME, METRICS_NAME, LATEST_NAME, INFERENCE_NAME)
 
@@ -82,6 +84,14 @@ class RunDir:
 
     def step_checkpoint(self, step: int) -> Path:
         return self.path / step_checkpoint_name(step)
+
+    def teacher_snapshot(self, round_index: int) -> Path:
+        """A distillation run's teacher of round `round_index` (the student as the round began)."""
+
+        return self.path / TEACHER_SNAPSHOT_GLOB.replace("*", f"{round_index:02d}")
+
+    def teacher_snapshots(self) -> list[Path]:
+        return sorted(self.path.glob(TEACHER_SNAPSHOT_GLOB))
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """`(step, path)` of the numbered checkpoints, oldest first."""
@@ -127,7 +137,8 @@ def run_files(directory: Path) -> list[Path]:
     named = [directory / name for name in RUN_FILE_NAMES if (directory / name).exists()]
     sharded = [path for _, path in complete_checkpoints(directory)] + incomplete_checkpoints(directory)
     link = [directory / LATEST_LINK] if (directory / LATEST_LINK).is_symlink() else []
-    return named + [path for _, path in numbered_checkpoints(directory)] + sharded + link
+    teachers = RunDir(directory).teacher_snapshots()
+    return named + [path for _, path in numbered_checkpoints(directory)] + sharded + link + teachers
 
 
 def check_run_file_kinds(directory: Path) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlm.bench.setup import compare_settings
+from dlm.diffusion.distillation import distilled_steps
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size, masked_logits
 
@@ -121,13 +122,14 @@ class GenerateReport:
     repeats: int = 1
     rows: list[GenerateRow] = field(default_factory=list)
     seed: int = 0
+    default_steps: int | None = None  # the default sampler's steps: a distilled student's, else one per token
 
     def default_row(self) -> GenerateRow | None:
         """The row of the default sampler (`dlm sample`'s options, one step per token), when a setting is it."""
 
         from dlm.sampling.options import SamplingOptions
 
-        defaults = asdict(SamplingOptions()) | {"steps": self.length}
+        defaults = asdict(SamplingOptions()) | {"steps": self.default_steps or self.length}
         return next((row for row in self.rows if all(defaults.get(key, object()) == value
                                                       for key, value in row.setting.items())), None)  # fmt: skip
 
@@ -232,8 +234,9 @@ def benchmark_generation(
     """Sample with every setting, timing it, and score the samples with `judge` (default: the model).
 
     `length` defaults to the model's context; the base setting takes one step per token (the
-    slowest, reference sampler) unless a setting names `steps`. The settings run in `repeats`
-    interleaved rounds and each reports its fastest run (and, apart, its least CPU time of a run).
+    slowest, reference sampler), or a distilled student's own steps, unless a setting names `steps`.
+    The settings run in `repeats` interleaved rounds and each reports its fastest run (and, apart, its
+    least CPU time of a run).
     """
 
     context = model.config.max_seq_len
@@ -243,9 +246,11 @@ def benchmark_generation(
         raise UserError(f"--length ({length}) is more than the model's max_seq_len ({context})",
                         fix="lower --length (default: the context), or bench a block model ([model] block_size), "
                         "which generates past its context")  # fmt: skip
-    base: dict[str, Any] = {"length": length, "steps": length, "num_samples": num_samples, "seed": seed}
+    # One step per token, or the steps a distilled student samples in (what `dlm sample` runs).
+    steps = distilled_steps(model) or length
+    base: dict[str, Any] = {"length": length, "steps": steps, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
-    report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed)
+    report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed, default_steps=steps)
     from dlm.sampling.generation import generate
 
     generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels

@@ -21,6 +21,7 @@ from dlm.cli import (
     config_cmd,
     data_cmd,
     demo_cmd,
+    distill_cmd,
     eval_cmd,
     export_cmd,
     report_cmd,
@@ -73,8 +74,8 @@ def _root(
 
 
 # The order of registration is the order of `dlm --help`.
-_COMMANDS = (config_cmd, data_cmd, train_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd, serve_cmd,
-             demo_cmd)  # fmt: skip
+_COMMANDS = (config_cmd, data_cmd, train_cmd, distill_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd,
+             serve_cmd, demo_cmd)  # fmt: skip
 for _module in _COMMANDS:
     _module.register(app)
 

@@ -82,7 +82,13 @@ TextOption = Annotated[
 ]
 LengthOption = Annotated[int, typer.Option("--length", "-n", help="Tokens to generate after the prompt.")]
 StepsOption = Annotated[
-    int, typer.Option("--steps", help="Denoising steps (time from 1 to 0); an autoregressive model: one per token.")
+    int | None,
+    typer.Option(
+        "--steps",
+        show_default=False,
+        help="Denoising steps (time from 1 to 0) [default: a distilled student's own steps, else 64]; an "
+        "autoregressive model: one per token.",
+    ),
 ]
 SamplesOption = Annotated[int, typer.Option("--num-samples", help="Samples, generated as one batch.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed; the same seed on the same device repeats a sample.")]
@@ -200,6 +206,7 @@ class SampleRequest:
     stop_at_end: bool
     device: str
     batch_size: int = 16  # --prompt-file only: prompts per padded batch
+    model_steps: bool = False  # no --steps: the model's own (a distilled student's, else the default)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_sample`),
@@ -207,7 +214,7 @@ class SampleRequest:
 
         settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
                     "stop_at_end": self.stop_at_end, "device": self.device}  # fmt: skip
-        return asdict(self.options) | settings
+        return asdict(self.options) | settings | ({"steps": None} if self.model_steps else {})
 
 
 def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, prompt_file: Path | None,
@@ -243,15 +250,18 @@ def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: s
     from dataclasses import fields
 
     from dlm.runtime.device import resolve_device
-    from dlm.sampling.options import SamplingOptions
+    from dlm.sampling.options import DEFAULT_STEPS, SamplingOptions
     from dlm.sampling.prompting import check_request
 
     names = {field.name for field in fields(SamplingOptions)}
+    model_steps = values.get("steps") is None
+    if model_steps:
+        values = {**values, "steps": DEFAULT_STEPS}  # checked as the default; the model may have its own
     options = SamplingOptions(**{name: value for name, value in values.items() if name in names})
     rest = {name: value for name, value in values.items() if name not in names}
     check_request(prompt=prompt, text=text, length=rest["length"], num_samples=rest["num_samples"], seed=rest["seed"])
     _refuse_unused(ctx, text=text, chat=chat, prompt_file=prompt_file, temperature=options.temperature)
-    return SampleRequest(options, device=str(resolve_device(device, "--device")), **rest)
+    return SampleRequest(options, device=str(resolve_device(device, "--device")), model_steps=model_steps, **rest)
 
 
 def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> SampleResult:
@@ -262,7 +272,11 @@ def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> Sample
     from dlm.sampling.generation import generate
 
     mask_id = model.config.mask_token_id
-    steps = None if getattr(model.config, "is_autoregressive", False) else kwargs["steps"]
+    from dlm.diffusion.distillation import distilled_steps
+    from dlm.sampling.options import DEFAULT_STEPS
+
+    own = distilled_steps(model) or DEFAULT_STEPS  # what `generate` runs without --steps
+    steps = None if getattr(model.config, "is_autoregressive", False) else kwargs["steps"] or own
     with Live(console=console, refresh_per_second=15, transient=True) as live:
 
         def show(step: int, tokens: torch.Tensor) -> None:
@@ -277,7 +291,7 @@ def sample(
     prompt: PromptOption = "",
     text: TextOption = None,
     length: LengthOption = 64,
-    steps: StepsOption = 64,
+    steps: StepsOption = None,
     num_samples: SamplesOption = 1,
     seed: SeedOption = 0,
     temperature: TemperatureOption = 1.0,

@@ -33,6 +33,7 @@ from dlm.cli.common import (
 from dlm.config.schema import ExperimentConfig, load_config
 
 if TYPE_CHECKING:
+    from dlm.train.loop import TrainResult
     from dlm.train.stop import StopSignals
 
 MaxRunSteps = Annotated[
@@ -103,11 +104,24 @@ def _under_signals(experiment: ExperimentConfig, work: Callable[[StopSignals], N
         sys.exit(130)
 
 
+def run_function(experiment: ExperimentConfig) -> Callable[..., TrainResult]:
+    """What runs `experiment`: `dlm.train.loop.train`, or for a `[distill]` config `dlm.distill.run.distill`."""
+
+    if experiment.distill is not None:
+        from dlm.distill.run import distill
+
+        return distill
+    from dlm.train.loop import train
+
+    return train
+
+
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     from dlm.artifacts.events import JsonLinesSink
     from dlm.cli.dashboard import TrainingDashboard
     from dlm.train.distributed import launched_rank
-    from dlm.train.loop import train
+
+    train = run_function(experiment)
 
     minutes = options.pop("max_run_minutes")
     options["max_run_seconds"] = None if minutes is None else minutes * 60
@@ -268,7 +282,7 @@ def resume_command(
     allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Continue a run exactly where it stopped, with the config saved in the run.
+    """Continue a run exactly where it stopped, with the config saved in the run (a distillation run too).
 
     The run continues in RUN_DIR, wherever the directory is now: a copied or moved run writes into
     the copy, never where it was first trained.

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from dlm.config.distill import DistillConfig
 from dlm.config.lora import LoraConfig
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES
 from dlm.config.schema import MOVED_FIELDS, DiffusionConfig, LoggingConfig, ModelConfig, TrainingConfig
@@ -38,18 +39,20 @@ def config_reference_markdown() -> str:
         "",
         "Generated from `dlm/config/schema.py` by `dlm config docs`; a test fails when this file is stale.",
         "Config files are TOML with `[model]`, `[diffusion]`, `[training]`, `[training.lora]` and `[logging]`",
-        "tables. Any command that takes `--config` also takes repeated `--set section.field=value` overrides",
-        "(`--set training.lora.rank=8` for the nested table), parsed with the",
+        "tables, and `[distill]` for a distillation run (`dlm distill`). Any command that takes `--config`",
+        "also takes repeated `--set section.field=value` overrides (`--set training.lora.rank=8` for the",
+        "nested table), parsed with the",
         "field's own type (`none` clears an optional field). Relative paths are relative to the",
         "working directory; the run directory keeps the resolved config as `config.json`.",
         "",
     ]
     sections = ("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)
-    for name, section in (*sections, ("training.lora", LoraConfig), ("logging", LoggingConfig)):
+    for name, section in (*sections, ("training.lora", LoraConfig), ("logging", LoggingConfig),
+                          ("distill", DistillConfig)):  # fmt: skip
         lines += [f"## `[{name}]`", "", inspect.cleandoc(section.__doc__ or ""), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in section.model_fields.items():
-            default = info.get_default(call_default_factory=True)
+            default = "required" if info.is_required() else info.get_default(call_default_factory=True)
             if isinstance(default, BaseModel):
                 default = f"[{name}.{field}]"
             elif default is None:

@@ -242,4 +242,29 @@ EXPERIMENT_RULES = (
         ),
         'set [diffusion] schedule = "linear", or the clipped range to 0 and 1',
     ),
+    Rule(
+        "distill",
+        "a `[distill]` run starts its student from the teacher (`training.init_from`), runs `training.max_steps` = "
+        "`distill.rounds` x `distill.steps_per_round`, and distils a diffusion model with all its weights "
+        "(not an autoregressive model, which already writes one token per pass, nor LoRA adapters)",
+        lambda e: _distill_problem(e),
+        "let `dlm distill` write the config, or set training.init_from to the teacher and max_steps to rounds x "
+        "steps_per_round",
+    ),
 )
+
+
+def _distill_problem(experiment: Any) -> str | None:
+    distill, training = experiment.distill, experiment.training
+    if distill is None:
+        return None
+    if training.init_from is None:
+        return "training.init_from is not set: the student would start from random weights"
+    if training.max_steps != distill.rounds * distill.steps_per_round:
+        return (f"training.max_steps {training.max_steps} is not rounds x steps_per_round "
+                f"({distill.rounds} x {distill.steps_per_round})")
+    if experiment.model.is_autoregressive:
+        return "the model is autoregressive (block_size 1, causal attention)"
+    if training.lora.enabled:
+        return "a LoRA run (training.lora.rank > 0)"
+    return None

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.choices import ElboEstimator
+from dlm.config.distill import DistillConfig
 from dlm.config.lora import LoraConfig
 from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
 from dlm.config.rope import RopeScaling
@@ -353,6 +354,7 @@ class ExperimentConfig(_Strict):
     diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distill: DistillConfig | None = None  # a few-step distillation run (`dlm distill`)
 
     @model_validator(mode="before")
     @classmethod
@@ -382,7 +384,10 @@ class ExperimentConfig(_Strict):
         for name in ("val_data", "init_from"):
             if getattr(training, name) is not None:
                 updates[name] = Path(getattr(training, name)).expanduser().resolve()
-        return self.model_copy(update={"training": training.model_copy(update=updates)})
+        copy: dict[str, BaseModel] = {"training": training.model_copy(update=updates)}
+        if self.distill is not None:
+            copy["distill"] = self.distill.model_copy(update={"teacher": self.distill.teacher.expanduser().resolve()})
+        return self.model_copy(update=copy)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | Path = "<checkpoint>") -> ExperimentConfig:
@@ -435,6 +440,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
         "training": TrainingConfig,
         "logging": LoggingConfig,
         "training.lora": LoraConfig,
+        "distill": DistillConfig,
     }
     for item in overrides:
         key, sep, value = item.partition("=")

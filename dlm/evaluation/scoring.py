@@ -96,7 +96,8 @@ class Scorer:
         block_length: int | None = None,
         reveal_split: RevealSplit = "schedule",
     ) -> None:
-        from dlm.sampling.options import SamplingOptions
+        from dlm.diffusion.distillation import distilled_steps
+        from dlm.sampling.options import SamplingOptions, sampling_steps
 
         if mc_samples < 1:
             raise UserError(f"mc_samples must be at least 1 (got {mc_samples})", fix="pass mc_samples=32")
@@ -110,6 +111,8 @@ class Scorer:
         self.batch_size, self.precision, self.mask_eps = batch_size, precision, mask_eps
         SamplingOptions(steps=steps or 1, remasking=remasking, block_length=block_length,
                         reveal_split=reveal_split)  # refuses bad values now
+        # A distilled student generates in the steps it was distilled for unless told otherwise.
+        steps = distilled_steps(model) if steps is None else sampling_steps(model, steps)
         self.steps, self.remasking, self.block_length = steps, remasking, block_length
         self.reveal_split = reveal_split
         self.device = next(model.parameters()).device

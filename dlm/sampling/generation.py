@@ -15,7 +15,7 @@ from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.autoregressive import autoregressive_options
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
-from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback
+from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback, sampling_steps
 from dlm.sampling.prompting import build_sequence, check_request
 from dlm.sampling.row_noise import noise_device
 
@@ -36,7 +36,7 @@ def generate(
     prompt: str = "",
     text: str | None = None,
     length: int = 64,
-    steps: int = 64,
+    steps: int | None = None,
     num_samples: int = 1,
     seed: int = 0,
     temperature: float = 1.0,
@@ -66,7 +66,8 @@ def generate(
     `stop_at_end` each sample ends at its first generated end-of-document token, and generation
     stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
     counts the generated tokens kept. `threshold` and `cache` are described in `dlm.sampling.fast`;
-    `reveal_split` (`schedule` or LLaDA's `even`) in `dlm.sampling.reverse`.
+    `reveal_split` (`schedule` or LLaDA's `even`) in `dlm.sampling.reverse`. `steps` None takes the
+    steps a distilled student was distilled for (`dlm distill`), else 64 (`sampling_steps`).
 
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
     padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
@@ -77,6 +78,7 @@ def generate(
     block model generates past its `max_seq_len` with a sliding window (`dlm.sampling.block_model`).
     """
 
+    steps = sampling_steps(model, steps)
     options = SamplingOptions(steps=steps, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
                               block_length=block_length, threshold=threshold, cache=cache,
                               reveal_split=reveal_split)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, get_args
@@ -10,7 +11,8 @@ from typing import Any, get_args
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
-from dlm.errors import UserError
+from dlm.diffusion.distillation import distilled_steps
+from dlm.errors import UserError, UserNote
 from dlm.sampling.remasking import remasking_names
 
 CACHE_CHOICES: tuple[str, ...] = get_args(CacheMode)
@@ -19,11 +21,27 @@ REVEAL_SPLITS: tuple[str, ...] = get_args(RevealSplit)
 StepCallback = Callable[[int, torch.Tensor], None]
 
 
+DEFAULT_STEPS = 64  # a model that is no distilled student: one token a step at the default length
+
+
+def sampling_steps(model: object, steps: int | None) -> int:
+    """`steps`, or when None the steps a distilled student was distilled for (`dlm distill`), else 64.
+    Explicit steps below a student's own are kept, with a note: it was not trained for them."""
+
+    distilled = distilled_steps(model)
+    if steps is None:
+        return DEFAULT_STEPS if distilled is None else distilled
+    if distilled is not None and steps < distilled:
+        warnings.warn(f"--steps {steps} is below the {distilled} steps this model was distilled for: expect lower "
+                      "quality than at its own steps", UserNote, stacklevel=2)  # fmt: skip
+    return steps
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """How to run the reverse process; invalid values raise `UserError` naming the CLI option."""
 
-    steps: int = 64
+    steps: int = DEFAULT_STEPS
     temperature: float = 1.0
     top_k: int | None = None
     # Measured (scripts/sampler_defaults.py, docs/benchmarks.md): on a weakly trained model, greedy or

@@ -16,6 +16,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from dlm.diffusion.distillation import distilled_steps
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.serving.guard import Guard, RequestSink
@@ -117,7 +118,7 @@ class Endpoints:
             prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else list(parsed.prompt)
         generation = check_generation(parsed, prompts, chat=kind == "chat", served=self.served.name,
                                       config=self.served.model.config, tokenizer=self.served.tokenizer,
-                                      limits=self.limits)  # fmt: skip
+                                      limits=self.limits, model_steps=distilled_steps(self.served.model))  # fmt: skip
         if generation.rows > self.scheduler.max_batch_rows:
             raise ApiError(400, f"n times the prompts is {generation.rows} rows, more than a batch holds "
                            f"({self.scheduler.max_batch_rows})", param="n")  # fmt: skip

@@ -128,13 +128,14 @@ _FLAG = re.compile(r"--([a-z][a-z-]*)")
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
 
 
-def _options(request: SamplerFields, length: int) -> SamplingOptions:
-    """The request's sampler options through `SamplingOptions`: its refusal becomes a 400 naming the field."""
+def _options(request: SamplerFields, length: int, model_steps: int | None = None) -> SamplingOptions:
+    """The request's sampler options through `SamplingOptions`: its refusal becomes a 400 naming the field.
+    Without `steps`: a distilled student's `model_steps`, else one token a step."""
 
     given = {name: getattr(request, name) for name in ("temperature", "top_p", "steps", "block_length", "threshold",
                                                        "cache", "remasking", "top_k", "reveal_split")}  # fmt: skip
     given = {name: value for name, value in given.items() if value is not None}
-    given.setdefault("steps", length)  # one token a step unless asked otherwise
+    given.setdefault("steps", length if model_steps is None else model_steps)
     try:
         return SamplingOptions(**given)
     except UserError as exc:
@@ -208,8 +209,9 @@ def _asked_length(request: SamplerFields) -> tuple[int | None, str]:
 
 
 def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, served: str, config: Any,
-                     tokenizer: Any, limits: Limits) -> Generation:  # fmt: skip
-    """The request as a `Generation`, or the `ApiError` naming the first field at fault."""
+                     tokenizer: Any, limits: Limits, model_steps: int | None = None) -> Generation:  # fmt: skip
+    """The request as a `Generation`, or the `ApiError` naming the first field at fault. `model_steps`:
+    the steps a distilled student samples in when the request names none."""
 
     if request.model is not None and request.model != served:
         raise ApiError(404, f"the model {request.model!r} does not exist; this server serves {served!r}",
@@ -222,7 +224,7 @@ def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, 
     counts = _prompt_tokens(prompts, prompt_param, tokenizer, config, limits)
     asked, param = _asked_length(request)
     length = _length(asked, param, max(counts), config, limits)
-    options = _options(request, length)
+    options = _options(request, length, model_steps)
     seed = secrets.randbelow(2**62) if request.seed is None else request.seed
     try:  # the prompt checks of `dlm sample` (the mask token spelt out, invalid text)
         encode_prompts(tokenizer, config, prompts, length=length, num_samples=request.n,

@@ -46,15 +46,18 @@ def _describe(shape: dict[str, int], other: dict[str, int]) -> str:
     return ", ".join(f"{name}={value}" for name, value in shape.items() if other[name] != value)
 
 
-def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> dict[str, Tensor]:
-    """The CPU weights of `path` after checking its tokenizer and shape against the new run's."""
+def initial_weights(
+    path: Path, config: ModelConfig, tokenizer_sha256: str, option: str = "--init-from"
+) -> dict[str, Tensor]:
+    """The CPU weights of `path` after checking its tokenizer and shape against the new run's;
+    `option` names the setting that chose `path` in the errors."""
 
     from dlm.artifacts.loading import read_model_source  # imports the export readers: only when asked for
 
     info, weights = read_model_source(path, use_ema=True)
     if info.tokenizer_sha256 != tokenizer_sha256:
         raise UserError(
-            f"--init-from: the model was trained with tokenizer sha256 {info.tokenizer_sha256[:12]}, "
+            f"{option}: the model was trained with tokenizer sha256 {info.tokenizer_sha256[:12]}, "
             f"this run uses {tokenizer_sha256[:12]}",
             path=path,
             fix="pack and train with the tokenizer the model was trained with",
@@ -62,7 +65,7 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
     source, target = model_shape(info.model), model_shape(config)
     if source != target:
         raise UserError(
-            f"--init-from: the model has {_describe(source, target)} but this run's model has "
+            f"{option}: the model has {_describe(source, target)} but this run's model has "
             f"{_describe(target, source)}",
             path=path,
             fix="copy the source model's [model] shape into the config",
@@ -70,7 +73,7 @@ def initial_weights(path: Path, config: ModelConfig, tokenizer_sha256: str) -> d
     if (block_size(info.model), info.model.is_autoregressive) != (block_size(config), config.is_autoregressive):
         # Legitimate (adapting a block model to whole-sequence diffusion, or back), but never silent.
         warnings.warn(
-            f"--init-from: {path} was trained {_describe_attention(info.model)}; this run trains it "
+            f"{option}: {path} was trained {_describe_attention(info.model)}; this run trains it "
             f"{_describe_attention(config)} (the weights fit: only what each position attends to changes)",
             UserNote,
             stacklevel=2,

@@ -114,12 +114,13 @@ class Trainer:
     """Owns the model, optimizer, data and counters of one run on one process."""
 
     def __init__(
-        self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink
-    ):
+        self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink,
+        step_type: type[TrainingStep] = TrainingStep,
+    ):  # fmt: skip
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world, self.sink = device, precision, world, sink
         self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
-        self.step = TrainingStep(experiment, device, precision, world)
+        self.step = step_type(experiment, device, precision, world)
         self.model, self.optimizer = self.step.model, self.step.optimizer
         self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
         self.val_dataset = (
@@ -468,6 +469,7 @@ def train(
     overwrite: bool = False,
     allow_data_change: bool = False,
     stop: StopSignals | None = None,
+    step_type: type[TrainingStep] = TrainingStep,
 ) -> TrainResult:
     """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl.
 
@@ -475,10 +477,15 @@ def train(
     `overwrite` asks to delete it; `allow_data_change` accepts a resume onto other packed data.
     Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
     handlers the caller installed for longer than the run (else the run installs its own).
+    `step_type`: the objective of each optimizer step (`dlm.distill` trains its students with its own).
     """
 
     if max_run_steps is not None and max_run_steps <= 0:
         raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
+    if experiment.distill is not None and step_type is TrainingStep:
+        raise UserError("this config distils a teacher ([distill]), which dlm.train.loop.train does not do",
+                        fix="run it with `dlm distill --config ...` (or dlm.distill.distill), resume it with "
+                        "`dlm resume`")  # fmt: skip
     experiment = experiment.with_absolute_paths()
     config = experiment.training
     world = current_context(experiment)
@@ -505,7 +512,7 @@ def train(
         if world.is_main:  # under the lock: no other run can start or finish in between
             check_run_file_kinds(run_dir)
             check_run_target(run_dir, resume, overwrite)
-        trainer = Trainer(experiment, device, precision, world, fan_out([]))
+        trainer = Trainer(experiment, device, precision, world, fan_out([]), step_type)
         if trainer.checkpointer is not None:  # a save in flight completes before the process ends
             cleanup.callback(trainer.checkpointer.close)
         if resume is not None:

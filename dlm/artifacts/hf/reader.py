@@ -18,6 +18,7 @@ from dlm.artifacts.export_layout import (
     SourceInfo,
     check_config_fields,
     read_config_json,
+    read_distillation,
 )
 from dlm.artifacts.hf.names import from_hf_names
 from dlm.config.schema import DiffusionConfig, ModelConfig
@@ -68,7 +69,8 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "max_position_embeddings", "rope_theta", "rms_norm_eps", "mask_token_id")  # fmt: skip
 _HF_FIELDS = {"dlm": (dict, type(None)), "schedule": (str,), "padded_vocab_size": (int,)}
 _HF_DLM_FIELDS = {"model": (dict, type(None)), "diffusion": (dict,), "training": (dict, type(None)),
-                  "step": (int, type(None)), "tokens_seen": (int, type(None)), "weights": (str,)}  # fmt: skip
+                  "step": (int, type(None)), "tokens_seen": (int, type(None)), "weights": (str,),
+                  "distillation": (dict, type(None))}  # fmt: skip
 
 
 def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
@@ -107,6 +109,7 @@ def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
         tokenizer_path=tokenizer,
         diffusion=diffusion,
         training=dict(meta.get("training") or {}),
+        distillation=read_distillation(meta, path),
     )
     return info, weights
 

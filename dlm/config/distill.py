@@ -1,0 +1,86 @@
+"""`[distill]`: teach a student to sample in fewer steps than its teacher (`dlm distill`).
+
+Distillation through time (SDTT): the student starts as the teacher and learns to do in one step of
+the reverse process what the teacher does in two. Round after round the steps halve, the last
+round's student being the next round's teacher: `teacher_steps` 64 and 3 rounds give a student
+that samples in 8 steps. This module stays torch-free like the rest of the config; the objective is
+`dlm.diffusion.distillation` and the loop `dlm.distill`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dlm.config.rules import FieldProblem
+
+
+class DistillConfig(BaseModel):
+    """Few-step distillation of a trained model (`dlm distill`): `training.max_steps` is
+    `rounds` x `steps_per_round` and the student starts from the teacher's weights."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    teacher: Path = Field(description="The model to distil: an export directory, a checkpoint or a run directory.")
+    method: Literal["sdtt"] = Field(
+        "sdtt", description="sdtt: each round matches one student step to two teacher steps (SDTT)."
+    )
+    divergence: str = Field(
+        "reverse-kl",
+        description="What a round minimises between the teacher's two-step distribution and the student's one-step "
+        "distribution, a name registered in `dlm/diffusion/divergences.py`: kl, reverse-kl or tvd.",
+    )
+    teacher_steps: int = Field(
+        64, ge=2, description="Sampling steps of the first round's teacher (the steps it samples well in)."
+    )
+    rounds: int = Field(
+        3, ge=1, le=10, description="Rounds of halving: the student samples in teacher_steps / 2^rounds."
+    )
+    steps_per_round: int = Field(200, ge=1, description="Optimizer steps of each round.")
+    teacher_sha256: str | None = Field(
+        None, description="sha256 of the teacher's weights, recorded when the run starts (and checked on resume)."
+    )
+
+    @property
+    def student_steps(self) -> int:
+        """The sampling steps the finished student is distilled for."""
+
+        return self.teacher_steps >> self.rounds
+
+    def steps_after(self, optimizer_steps: int) -> int:
+        """The sampling steps a student is distilled for after `optimizer_steps` (its completed rounds)."""
+
+        return self.teacher_steps >> min(optimizer_steps // self.steps_per_round, self.rounds)
+
+    def record(self, optimizer_steps: int) -> dict[str, object]:
+        """What an export says of a student after `optimizer_steps`: `steps` is what sampling defaults to."""
+
+        return {"method": self.method, "steps": self.steps_after(optimizer_steps), "teacher_steps": self.teacher_steps,
+                "rounds_done": min(optimizer_steps // self.steps_per_round, self.rounds),
+                "divergence": self.divergence, "teacher_sha256": self.teacher_sha256}  # fmt: skip
+
+    def round_steps(self, round_index: int) -> tuple[int, int]:
+        """(teacher, student) sampling steps of round `round_index` (0-based)."""
+
+        teacher = self.teacher_steps >> round_index
+        return teacher, teacher // 2
+
+    @model_validator(mode="after")
+    def _check_halving(self) -> DistillConfig:
+        if self.teacher_steps % (1 << self.rounds):
+            raise FieldProblem(
+                "teacher_steps",
+                f"{self.teacher_steps} steps do not halve {self.rounds} times",
+                f"use a multiple of {1 << self.rounds} or fewer rounds",
+            )
+        from dlm.diffusion.divergences import divergence_names  # torch-free at import
+
+        if self.divergence not in divergence_names():
+            raise FieldProblem(
+                "divergence",
+                f"{self.divergence!r} is not a registered divergence",
+                f"use one of: {', '.join(divergence_names())}",
+            )
+        return self

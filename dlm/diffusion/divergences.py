@@ -1,0 +1,66 @@
+"""Divergences between two distributions over the vocabulary, the objectives of `dlm distill`.
+
+Each takes log-probabilities [N, V] of the target (the teacher's) and of the student, with -inf
+at tokens neither may produce (the mask token), and returns the divergence at each of the N
+positions. Log space throughout: a mixture of two softmaxes underflows in float32 where its log
+does not. This module imports no torch at load time (the config validates the names with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dlm.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+Divergence = Callable[["Tensor", "Tensor"], "Tensor"]
+_DIVERGENCES: Registry[Divergence] = Registry("divergence")
+
+
+def register_divergence(name: str, divergence: Divergence, replace: bool = False) -> None:
+    _DIVERGENCES.add(name, divergence, replace=replace)
+
+
+def divergence_names() -> tuple[str, ...]:
+    return _DIVERGENCES.names()
+
+
+def get_divergence(name: str) -> Divergence:
+    divergence = _DIVERGENCES.get(name)
+    if divergence is None:
+        raise KeyError(f"no divergence {name!r}; registered: {', '.join(divergence_names())}")
+    return divergence
+
+
+def _weighted_log_ratio(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """sum_v p (log p - log q), with 0 log 0 = 0 where p is 0 (and log q is then never read)."""
+
+    kept = log_p > float("-inf")
+    ratio = (log_p - log_q.masked_fill(~kept, 0.0)).masked_fill(~kept, 0.0)
+    return (log_p.exp() * ratio).sum(dim=-1)
+
+
+def forward_kl(log_target: Tensor, log_student: Tensor) -> Tensor:
+    """KL(target || student): mass-covering; its gradient is the cross-entropy's with a soft target."""
+
+    return _weighted_log_ratio(log_target, log_student)
+
+
+def reverse_kl(log_target: Tensor, log_student: Tensor) -> Tensor:
+    """KL(student || target): mode-seeking, the divergence SDTT found best for few-step students."""
+
+    return _weighted_log_ratio(log_student, log_target)
+
+
+def total_variation(log_target: Tensor, log_student: Tensor) -> Tensor:
+    """Half the L1 distance between the two distributions, in [0, 1]."""
+
+    return (log_target.exp() - log_student.exp()).abs().sum(dim=-1) / 2
+
+
+register_divergence("kl", forward_kl)
+register_divergence("reverse-kl", reverse_kl)
+register_divergence("tvd", total_variation)

@@ -1,0 +1,138 @@
+"""One optimizer step of distillation through time: `TrainingStep` with SDTT's objective.
+
+Everything else of a training step is `dlm.train.step`'s: gradient accumulation, noise seeded by
+(seed, global micro-batch index), clipping, the grad scaler, the EMA, the counters. A micro-batch
+draws its times on the student's sampling grid (stratified over the optimizer step), masks the
+clean text at t, lets the teacher take its two steps from there (`dlm.diffusion.distillation`) and
+trains the student's one step toward them with the configured divergence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dlm.config.schema import ExperimentConfig
+from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, tokenizer_sha256
+from dlm.diffusion.distillation import (
+    TwoStepTimes,
+    allowed_log_probs,
+    first_step,
+    grid_times,
+    per_position,
+    two_step_log_target,
+)
+from dlm.diffusion.divergences import get_divergence
+from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, noise_generator
+from dlm.diffusion.schedules import NOISE_BUCKETS
+from dlm.distill.teacher import RoundTeachers
+from dlm.model.denoiser import block_size, masked_logits
+from dlm.model.transformer import DiffusionTransformer
+from dlm.runtime.device import autocast_context
+from dlm.runtime.kernels import attention_kernel_context
+from dlm.train.distributed import DistributedContext, build_model
+from dlm.train.step import LogWindow, TrainingStep
+
+
+@dataclass(frozen=True)
+class StudentDivergence:
+    """One micro-batch's comparison: the divergence at each of the K positions the student learns at."""
+
+    per_token: Tensor  # [K]
+    keep: Tensor  # [B, L] bool: masked at t and not revealed by the teacher's first step
+    log_target: Tensor  # [K, V]: log of the teacher's two-step distribution
+    log_student: Tensor  # [K, V]: the student's one-step log-probabilities
+
+
+class DistillStep(TrainingStep):
+    """The student (`model`, trained) and the round's teacher (frozen), one optimizer step at a time."""
+
+    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
+        super().__init__(experiment, device, precision, world)
+        assert experiment.distill is not None  # `dlm.distill.run` passes only distillation configs
+        self.distill = experiment.distill
+        self.divergence = get_divergence(self.distill.divergence)
+        # The teacher's random initial weights are overwritten at once: drawn apart from the global
+        # generator, they leave it where the student's construction left it.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            teacher = build_model(lambda: DiffusionTransformer(experiment.model), device, world,
+                                  self.config.parallelism)  # fmt: skip
+        teacher.requires_grad_(False)
+        self.teacher = teacher.eval()
+        tokenizer = self.config.tokenizer
+        self.teachers = RoundTeachers(teacher, self.distill, experiment.model, tokenizer_sha256(tokenizer),
+                                      self.config.output_dir, world)  # fmt: skip
+        model = experiment.model
+        ids = [model.mask_token_id, *never_sampled_ids(load_tokenizer(tokenizer), model.vocab_size)]
+        self.forbidden = torch.tensor(sorted(set(ids)), device=device)
+
+    def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
+        self.teachers.ensure(self.counters.step, self.model)
+        super().optimizer_step(batches, window)
+
+    def micro_batch(
+        self, clean: Tensor, micro_index: int, offset: float, window: LogWindow, loss_mask: Tensor | None = None
+    ) -> None:
+        config, world = self.config, self.world
+        steps = config.gradient_accumulation_steps
+        generator = noise_generator(config.seed, self.counters.micro_batches_seen + world.rank, self.device)
+        units = accumulation_mask_probabilities(clean.shape[0], micro_index, steps, offset, 0.0, self.device,
+                                                rank=world.rank, world_size=world.world_size,
+                                                blocks=self.blocks_per_sequence)  # fmt: skip
+        _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
+        times = grid_times(units, student_steps)
+        result = self.divergence_at(clean, times, generator, loss_mask)
+        # No position to learn from (every masked one revealed by the first step): a zero loss that
+        # still reaches every parameter, so DDP's gradient reduction sees the same graph on every rank.
+        per_token = result.per_token
+        loss = per_token.mean() if per_token.numel() else result.log_student.sum() * 0.0
+        self.scaler.scale(loss / steps).backward()
+
+        window.loss += loss.detach() / steps
+        agree = (result.log_student.argmax(dim=-1) == result.log_target.argmax(dim=-1)).float()
+        window.accuracy += (agree.mean() if agree.numel() else agree.sum()).detach() / steps
+        # The divergence by time: each kept position in the bucket of its own row's (block's) t.
+        position_time = per_position(times.t, clean.shape[1], block_size(self.experiment.model))[result.keep]
+        bucket = (position_time * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
+        window.bucket_loss.index_add_(0, bucket, per_token.detach().float())
+        window.bucket_count.index_add_(0, bucket, torch.ones_like(per_token, dtype=torch.float32))
+
+    def divergence_at(
+        self, clean: Tensor, times: TwoStepTimes, generator: torch.Generator, loss_mask: Tensor | None = None
+    ) -> StudentDivergence:
+        """The student's divergence from the teacher's two steps on `clean` masked at `times.t`, the mask and
+        the teacher's first step drawn from `generator` (the micro-batch's; a test's fixed one)."""
+
+        model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
+        corruption = corrupt_tokens(clean, model.mask_token_id, times.t, eps, generator, schedule=self.schedule,
+                                    block_size=block_size(model), loss_mask=loss_mask)  # fmt: skip
+        keep, log_target = self.teacher_target(clean, corruption.noisy_tokens, corruption.mask, times, generator)
+        kernel = attention_kernel_context(self.device, self.config.attention_kernel)
+        with autocast_context(self.device, self.precision), kernel:
+            logits = masked_logits(self.step_model, corruption.noisy_tokens, keep, clean, config=model)
+        log_student = allowed_log_probs(logits, self.forbidden)
+        return StudentDivergence(self.divergence(log_target, log_student), keep, log_target, log_student)
+
+    @torch.no_grad()
+    def teacher_target(
+        self, clean: Tensor, noisy: Tensor, mask: Tensor, times: TwoStepTimes, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        """The positions the student learns at [B, L] (masked at t, not revealed by the teacher's first
+        step) and the log of the teacher's two-step distribution there [K, V]."""
+
+        size, length = block_size(self.experiment.model), clean.shape[1]
+        with autocast_context(self.device, self.precision):
+            first = allowed_log_probs(masked_logits(self.teacher, noisy, mask, clean), self.forbidden)
+        reveal = per_position(times.first_reveal_probability(self.schedule), length, size)[mask]
+        revealed, tokens = first_step(first, reveal, generator)
+        middle = noisy.clone()
+        middle[mask] = torch.where(revealed, tokens, noisy[mask])
+        keep = mask.clone()
+        keep[mask] = ~revealed
+        with autocast_context(self.device, self.precision):
+            second = allowed_log_probs(masked_logits(self.teacher, middle, keep, clean), self.forbidden)
+        weight = per_position(times.first_step_weight(self.schedule), length, size)[keep]
+        return keep, two_step_log_target(first[~revealed], second, weight)

@@ -1,0 +1,390 @@
+"""`dlm distill`: the two-step target, the rounds, exact resume, and the student's steps downstream."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same_weights, tiny_experiment, train_losses
+
+from dlm.artifacts.events import Event
+from dlm.artifacts.export import export_model
+from dlm.artifacts.loading import load_model, read_model_source
+from dlm.artifacts.run_dir import RunDir
+from dlm.config.schema import ExperimentConfig
+from dlm.data.dataset import load_packed_dataset
+from dlm.diffusion.distillation import (
+    TwoStepTimes,
+    allowed_log_probs,
+    first_step,
+    grid_times,
+    two_step_log_target,
+)
+from dlm.diffusion.divergences import get_divergence
+from dlm.diffusion.schedules import get_schedule
+from dlm.distill.run import distill, distillation_experiment
+from dlm.distill.step import DistillStep
+from dlm.errors import UserError
+from dlm.model.denoiser import masked_logits
+from dlm.sampling.generation import generate
+from dlm.train.distributed import current_context
+from dlm.train.init_from import initial_weights, load_initial_weights
+from dlm.train.loop import train
+from dlm.train.step import LogWindow
+
+DISTILL = {"teacher_steps": 16, "rounds": 2, "steps_per_round": 4}
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model trained 60 steps, exported: enough that its predictions depend on the context."""
+
+    base = tmp_path_factory.mktemp("teacher")
+    train(tiny_experiment(tiny_data_dir, base / "run"))
+    return export_model(base / "run", base / "model", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def weak_model(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model after 2 steps: far from the teacher, a student with much to learn."""
+
+    base = tmp_path_factory.mktemp("weak")
+    train(tiny_experiment(tiny_data_dir, base / "run", "training.max_steps=2", "training.warmup_steps=1"))
+    return export_model(base / "run", base / "model", dtype="float32")
+
+
+def _experiment(teacher: Path, data: Path, run: Path, *overrides: str, **distill_fields: object) -> ExperimentConfig:
+    fields = DISTILL | distill_fields
+    return distillation_experiment(teacher, data, run, fields, ["training.eval_batches=1", *overrides])
+
+
+def _step(experiment: ExperimentConfig) -> DistillStep:
+    """A distillation step on one CPU process, its student started from `training.init_from` and its
+    round-0 teacher loaded, as `dlm.train.loop` builds them."""
+
+    experiment = experiment.with_absolute_paths()
+    step = DistillStep(experiment, torch.device("cpu"), "float32", current_context(experiment))
+    source = experiment.training.init_from
+    assert source is not None
+    load_initial_weights(step.model, initial_weights(source, experiment.model, step.teachers.tokenizer_sha256))
+    step.teachers.ensure(0, step.model)
+    return step
+
+
+# ------------------------------------------------------------------------------ the target
+
+
+def test_grid_times_are_the_students_sampling_times() -> None:
+    times = grid_times(torch.tensor([0.0, 0.01, 0.25, 0.26, 1.0]), 4)
+    assert times.t.tolist() == [0.25, 0.25, 0.25, 0.5, 1.0]
+    assert times.u.tolist() == [0.125, 0.125, 0.125, 0.375, 0.875]
+    assert times.s.tolist() == [0.0, 0.0, 0.0, 0.25, 0.75]
+    linear = get_schedule("linear")
+    # On the linear schedule the teacher's two equal steps share the reveals evenly.
+    assert times.first_step_weight(linear).tolist() == [0.5] * 5
+    assert times.first_reveal_probability(linear).tolist() == [0.5, 0.5, 0.5, 0.25, 0.125]
+
+
+@pytest.mark.parametrize("schedule_name", ["linear", "cosine"])
+def test_target_equals_the_enumerated_two_step_process(schedule_name: str) -> None:
+    """Two masked positions i and j over a 5-token vocabulary, a teacher whose prediction at i depends on
+    what j holds. The whole two-step process, enumerated, gives the distribution of the token i is
+    revealed with by time s; the target the distillation draws (w1 p1 + (1 - w1) p2 at a z_u with i still
+    masked, z_u from the teacher's first step) averages to exactly that."""
+
+    vocab, mask = 5, 4  # token 4 is the mask, never predicted
+    generator = torch.Generator().manual_seed(3)
+    table = torch.randn(vocab, vocab, generator=generator, dtype=torch.float64) * 2
+
+    def teacher_log_probs(j_token: int) -> torch.Tensor:
+        """log p(x_i | j holds j_token): a different distribution for each j (masked included)."""
+
+        logits = table[j_token].clone()
+        logits[mask] = float("-inf")
+        return logits.log_softmax(-1)
+
+    p_j = teacher_log_probs(mask).roll(1).exp()  # j's own prediction at z_t (any distribution off the mask)
+    p_j[mask] = 0
+    p_j /= p_j.sum()
+    schedule = get_schedule(schedule_name)
+    times = TwoStepTimes(t=torch.tensor([0.75], dtype=torch.float64), u=torch.tensor([0.5], dtype=torch.float64),
+                         s=torch.tensor([0.25], dtype=torch.float64))  # fmt: skip
+    first = float(times.first_reveal_probability(schedule))
+    second = float(schedule.reveal_probability(0.25, 0.5))
+    weight = times.first_step_weight(schedule)
+
+    # The process, enumerated: i revealed in the first step from p(. | z_t), or in the second from p(. | z_u).
+    revealed = first * teacher_log_probs(mask).exp()
+    for j_token in range(vocab):
+        chance = (1 - first) if j_token == mask else first * float(p_j[j_token])
+        revealed += (1 - first) * chance * second * teacher_log_probs(j_token).exp()
+    reference = revealed / revealed.sum()
+
+    # The distillation target: its draw of z_u given i masked, averaged exactly over j's outcomes.
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    for j_token in range(vocab):
+        chance = (1 - first) if j_token == mask else first * float(p_j[j_token])
+        log_target = two_step_log_target(teacher_log_probs(mask)[None], teacher_log_probs(j_token)[None], weight)
+        expected += chance * log_target[0].exp()
+    torch.testing.assert_close(expected, reference, rtol=1e-12, atol=1e-14)
+
+
+def test_first_step_reveals_with_its_probability_and_draws_from_the_teacher() -> None:
+    log_probs = torch.tensor([[0.7, 0.2, 0.1, 0.0]]).log().expand(40_000, 4)
+    reveal = torch.full((40_000,), 0.25, dtype=torch.float64)
+    revealed, tokens = first_step(log_probs, reveal, torch.Generator().manual_seed(0))
+    assert abs(revealed.double().mean().item() - 0.25) < 0.01
+    frequencies = torch.bincount(tokens, minlength=4).double() / tokens.numel()
+    torch.testing.assert_close(frequencies, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.01,
+                               rtol=0)  # fmt: skip
+
+
+def test_divergences_vanish_on_equal_distributions_and_order_as_defined() -> None:
+    target = torch.tensor([[0.5, 0.5, 0.0]]).log()
+    student = torch.tensor([[0.25, 0.75, 0.0]]).log()
+    for name in ("kl", "reverse-kl", "tvd"):
+        assert get_divergence(name)(target, target).item() == pytest.approx(0.0, abs=1e-7)
+    kl = 0.5 * torch.tensor(0.5 / 0.25).log() + 0.5 * torch.tensor(0.5 / 0.75).log()
+    reverse = 0.25 * torch.tensor(0.25 / 0.5).log() + 0.75 * torch.tensor(0.75 / 0.5).log()
+    assert get_divergence("kl")(target, student).item() == pytest.approx(kl.item(), rel=1e-6)
+    assert get_divergence("reverse-kl")(target, student).item() == pytest.approx(reverse.item(), rel=1e-6)
+    assert get_divergence("tvd")(target, student).item() == pytest.approx(0.25, rel=1e-6)
+
+
+def test_teacher_target_is_built_from_the_teachers_two_passes(teacher: Path, tiny_data_dir: Path,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    """The kept positions are those masked at t that the first step left masked, and the target there is
+    log(w1 p1 + (1 - w1) p2) of the teacher run at z_t and at the z_u its first step wrote."""
+
+    step = _step(_experiment(teacher, tiny_data_dir, tmp_path / "run"))
+    clean = load_packed_dataset(tiny_data_dir / "train.bin", 64)[0][None].repeat(4, 1)
+    noisy = clean.clone()
+    mask = torch.zeros_like(clean, dtype=torch.bool)
+    mask[:, 10:40] = True
+    noisy[mask] = 1
+    times = grid_times(torch.tensor([0.2, 0.45, 0.7, 1.0]), 8)
+    keep, log_target = step.teacher_target(clean, noisy, mask, times, torch.Generator().manual_seed(1))
+    assert not (keep & ~mask).any() and keep.sum() < mask.sum()
+    middle = noisy.clone()
+    changed = mask & ~keep  # revealed by the first step: a real token, never the mask
+    assert changed.any()
+    with torch.no_grad():
+        first = allowed_log_probs(masked_logits(step.teacher, noisy, mask, clean), step.forbidden)
+        revealed_first = (mask & ~keep)[mask]
+        # Re-run the second pass on the z_u the first step wrote: the revealed tokens are those of its draw.
+        generator = torch.Generator().manual_seed(1)
+        reveal = times.first_reveal_probability(step.schedule)[:, None].expand_as(clean)[mask]
+        drawn, tokens = first_step(first, reveal, generator)
+        assert torch.equal(drawn, revealed_first)
+        middle[mask] = torch.where(drawn, tokens, noisy[mask])
+        second = allowed_log_probs(masked_logits(step.teacher, middle, keep, clean), step.forbidden)
+    weight = step_weights = times.first_step_weight(step.schedule)[:, None].expand_as(clean)[keep]
+    assert torch.equal(step_weights, torch.full_like(weight, 0.5))
+    torch.testing.assert_close(log_target, two_step_log_target(first[~drawn], second, weight))
+
+
+def test_before_any_update_the_student_predicts_as_the_teacher(teacher: Path, tiny_data_dir: Path,
+                                                               tmp_path: Path) -> None:  # fmt: skip
+    step = _step(_experiment(teacher, tiny_data_dir, tmp_path / "run"))
+    clean = torch.stack([load_packed_dataset(tiny_data_dir / "train.bin", 64)[index] for index in range(4)])
+    noisy = clean.clone()
+    mask = torch.rand(clean.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    noisy[mask] = 1
+    with torch.no_grad():
+        student = masked_logits(step.model, noisy, mask, clean)
+        teacher_logits = masked_logits(step.teacher, noisy, mask, clean)
+    assert torch.equal(student, teacher_logits)
+
+
+def _fixed_divergence(step: DistillStep, clean: torch.Tensor) -> float:
+    """The divergence on a fixed batch, mask and first step: only the student's weights change it."""
+
+    times = grid_times(torch.linspace(0.05, 1.0, clean.shape[0]), 8)
+    with torch.no_grad():
+        result = step.divergence_at(clean, times, torch.Generator().manual_seed(7))
+    return result.per_token.mean().item()
+
+
+def _batches(data: Path, batch_size: int) -> Iterator[torch.Tensor]:
+    dataset = load_packed_dataset(data / "train.bin", 64)
+    for start in itertools.count(0, batch_size):
+        yield torch.stack([dataset[(start + offset) % len(dataset)] for offset in range(batch_size)])
+
+
+def test_a_round_lowers_the_divergence_to_the_two_step_teacher(teacher: Path, weak_model: Path, tiny_data_dir: Path,
+                                                               tmp_path: Path) -> None:  # fmt: skip
+    """A student that starts far from its teacher (from a 2-step model) comes closer over one round."""
+
+    experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run", f"training.init_from={weak_model}",
+                             "training.learning_rate=3e-3", "training.warmup_steps=1",
+                             teacher_steps=16, rounds=1, steps_per_round=30)  # fmt: skip
+    step = _step(experiment)
+    step.prepare()
+    fixed = next(_batches(tiny_data_dir, 16))
+    before = _fixed_divergence(step, fixed)
+    batches, window = _batches(tiny_data_dir, 8), LogWindow(step.device)
+    for _ in range(30):
+        step.optimizer_step(batches, window)
+    after = _fixed_divergence(step, fixed)
+    assert after < 0.8 * before, (before, after)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def test_resume_in_the_middle_of_a_round_is_bit_identical(teacher: Path, tiny_data_dir: Path,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    """Round 1's teacher is the student at step 4, saved beside the checkpoints: a run paused at step 6
+    and resumed reloads it, and ends on the very weights of an uninterrupted run."""
+
+    settings = ("training.save_interval=2", "training.eval_interval=100")
+    straight_events: list[Event] = []
+    straight = distill(_experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings),
+                       sink=straight_events.append)  # fmt: skip
+    split = _experiment(teacher, tiny_data_dir, tmp_path / "split", *settings)
+    first: list[Event] = []
+    paused = distill(split, max_run_steps=6, sink=first.append)
+    assert paused.status == "paused" and paused.step == 6
+    run = RunDir(tmp_path / "split")
+    assert run.teacher_snapshots() == [run.teacher_snapshot(1)]
+    second: list[Event] = []
+    resumed = distill(split, resume=paused.checkpoint, sink=second.append)
+    assert resumed.status == "complete" and resumed.step == straight.step == 8
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)
+    assert train_losses(first) + train_losses(second) == train_losses(straight_events)
+    # The recorded teacher hash guards the resume: a changed teacher is refused, not silently used.
+    recorded = json.loads(run.config.read_text())["distill"]["teacher_sha256"]
+    assert isinstance(recorded, str) and len(recorded) == 64
+
+
+def test_a_changed_teacher_is_refused_on_resume(teacher: Path, weak_model: Path, tiny_data_dir: Path,
+                                                tmp_path: Path) -> None:  # fmt: skip
+    experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run")
+    paused = distill(experiment, max_run_steps=2)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    moved = ExperimentConfig.from_dict(recorded)
+    moved = moved.model_copy(update={"distill": moved.distill.model_copy(update={"teacher": weak_model})})
+    with pytest.raises(UserError, match="weights changed since this run began"):
+        distill(moved, resume=paused.checkpoint)
+
+
+def test_plain_training_refuses_a_distillation_config(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"\[distill\]"):
+        train(_experiment(teacher, tiny_data_dir, tmp_path / "run"))
+
+
+def test_distillation_rules_are_checked_up_front(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="max_steps 5 is not rounds x steps_per_round"):
+        _experiment(teacher, tiny_data_dir, tmp_path / "run", "training.max_steps=5")
+    with pytest.raises(UserError, match="do not halve 2 times"):
+        _experiment(teacher, tiny_data_dir, tmp_path / "run", teacher_steps=6)
+    with pytest.raises(UserError, match="not a registered divergence"):
+        _experiment(teacher, tiny_data_dir, tmp_path / "run", divergence="wasserstein")
+    with pytest.raises(UserError, match="autoregressive"):
+        _experiment(teacher, tiny_data_dir, tmp_path / "run", "model.block_size=1", "model.attention=causal")
+
+
+# ------------------------------------------------------------------------------ the student
+
+
+@pytest.fixture(scope="module")
+def student(teacher: Path, tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("student")
+    distill(_experiment(teacher, tiny_data_dir, base / "run"))
+    return export_model(base / "run", base / "model")
+
+
+def test_the_student_records_its_steps_and_teacher(student: Path, teacher: Path) -> None:
+    config = json.loads((student / "config.json").read_text())
+    record = config["distillation"]
+    _, teacher_weights = read_model_source(teacher)
+    from dlm.artifacts.checksum import weights_sha256
+
+    assert record["steps"] == 4 and record["teacher_steps"] == 16 and record["rounds_done"] == 2
+    assert record["method"] == "sdtt" and record["divergence"] == "reverse-kl"
+    assert record["teacher_sha256"] == weights_sha256(teacher_weights)
+    card = (student / "README.md").read_text()
+    assert "**4 sampling steps**" in card
+    teacher_config = json.loads((teacher / "config.json").read_text())
+    assert teacher_config["distillation"] is None
+
+
+def test_sampling_defaults_to_the_students_steps(student: Path, teacher: Path) -> None:
+    model, tokenizer = load_model(student)
+    assert generate(model, tokenizer, length=16, seed=1).steps == 4
+    assert generate(model, tokenizer, length=16, steps=8, seed=1).steps == 8
+    with pytest.warns(UserWarning, match="below the 4 steps this model was distilled for"):
+        assert generate(model, tokenizer, length=16, steps=2, seed=1).steps == 2
+    teacher_model, teacher_tokenizer = load_model(teacher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate(teacher_model, teacher_tokenizer, length=16, seed=1).steps == 64
+
+
+def test_the_cli_samples_and_serves_in_the_students_steps(student: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
+    result = run_cli("sample", student, "--length", "16", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == 4
+    from dlm.serving.protocol import CompletionRequest, Limits, check_generation
+
+    model, tokenizer = load_model(student)
+    from dlm.diffusion.distillation import distilled_steps
+
+    request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16})
+    generation = check_generation(request, ["ROMEO:"], chat=False, served="s", config=model.config,
+                                  tokenizer=tokenizer, limits=Limits(), model_steps=distilled_steps(model))  # fmt: skip
+    assert generation.options.steps == 4
+    asked = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16, "steps": 16})
+    generation = check_generation(asked, ["ROMEO:"], chat=False, served="s", config=model.config,
+                                  tokenizer=tokenizer, limits=Limits(), model_steps=distilled_steps(model))  # fmt: skip
+    assert generation.options.steps == 16
+
+
+def test_the_hugging_face_export_keeps_the_students_steps(student: Path, tmp_path: Path) -> None:
+    from dlm.artifacts.hf_export import export_hf
+
+    exported = export_hf(student, tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["dlm"]["distillation"]["steps"] == 4
+    info, _ = read_model_source(exported)
+    assert info.distillation is not None and info.distillation["steps"] == 4
+    model, _ = load_model(exported)
+    from dlm.diffusion.distillation import distilled_steps
+
+    assert distilled_steps(model) == 4
+
+
+def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
+                                                   run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    run = tmp_path / "run"
+    args = ("distill", teacher, "--data", tiny_data_dir, "--output", run, "--teacher-steps", "8", "--rounds", "1",
+            "--steps-per-round", "4", "--json")  # fmt: skip
+    result = run_cli(*args, "--max-run-steps", "2")
+    assert result.exit_code == 0, result.stderr
+    assert "continue with: dlm resume" in result.stderr
+    resumed = run_cli("resume", run, "--json")
+    assert resumed.exit_code == 0, resumed.stderr
+    events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
+    assert events[-1]["event"] == "complete" and events[-1]["step"] == 4
+
+
+def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, tmp_path: Path,
+                                                                run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    from conftest import tiny_train_files
+
+    from dlm.data.pack import pack_corpus
+    from dlm.data.tokenizer import train_tokenizer
+
+    other = tmp_path / "other-tokenizer.json"
+    train_tokenizer(tiny_train_files()[:1], 400, other)
+    pack_corpus(tiny_train_files()[:1], other, 64, tmp_path / "data")
+    result = run_cli("distill", teacher, "--data", tmp_path / "data", "--output", tmp_path / "run")
+    result.assert_refused("tokenizer")
+    assert not (tmp_path / "run").exists()
+    missing = run_cli("distill", teacher, "--data", tmp_path / "nowhere", "--output", tmp_path / "run")
+    missing.assert_refused("no train.bin here")
