@@ -21,7 +21,8 @@ from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.distillation import (
     TwoStepTimes,
     allowed_log_probs,
-    first_step,
+    draw_tokens,
+    first_reveals,
     grid_times,
     two_step_log_target,
 )
@@ -84,69 +85,70 @@ def test_grid_times_are_the_students_sampling_times() -> None:
     assert times.t.tolist() == [0.25, 0.25, 0.25, 0.5, 1.0]
     assert times.u.tolist() == [0.125, 0.125, 0.125, 0.375, 0.875]
     assert times.s.tolist() == [0.0, 0.0, 0.0, 0.25, 0.75]
-    linear = get_schedule("linear")
-    # On the linear schedule the teacher's two equal steps share the reveals evenly.
-    assert times.first_step_weight(linear).tolist() == [0.5] * 5
-    assert times.first_reveal_probability(linear).tolist() == [0.5, 0.5, 0.5, 0.25, 0.125]
+    # (m(t) - m(u)) / m(t) on the linear schedule: (t - u) / t.
+    assert times.first_reveal_probability(get_schedule("linear")).tolist() == [0.5, 0.5, 0.5, 0.25, 0.125]
 
 
 @pytest.mark.parametrize("schedule_name", ["linear", "cosine"])
-def test_target_equals_the_enumerated_two_step_process(schedule_name: str) -> None:
+def test_target_averages_to_the_enumerated_two_step_prediction(schedule_name: str) -> None:
     """Two masked positions i and j over a 5-token vocabulary, a teacher whose prediction at i depends on
-    what j holds. The whole two-step process, enumerated, gives the distribution of the token i is
-    revealed with by time s; the target the distillation draws (w1 p1 + (1 - w1) p2 at a z_u with i still
-    masked, z_u from the teacher's first step) averages to exactly that."""
+    what j holds. Enumerating the two-step process gives the teacher's prediction of x_i after it: the
+    prediction of the step that revealed i, else of the last step. The distillation's target (the first
+    step's prediction where that step revealed i, else the second's at the z_u the first step wrote),
+    averaged exactly over the first step's outcomes, is that distribution."""
 
     vocab, mask = 5, 4  # token 4 is the mask, never predicted
     generator = torch.Generator().manual_seed(3)
     table = torch.randn(vocab, vocab, generator=generator, dtype=torch.float64) * 2
 
-    def teacher_log_probs(j_token: int) -> torch.Tensor:
-        """log p(x_i | j holds j_token): a different distribution for each j (masked included)."""
+    def teacher_logits(j_token: int) -> torch.Tensor:
+        """The teacher's logits at i when j holds j_token (a different prediction for each, masked included)."""
 
-        logits = table[j_token].clone()
-        logits[mask] = float("-inf")
-        return logits.log_softmax(-1)
+        return table[j_token][None]
 
-    p_j = teacher_log_probs(mask).roll(1).exp()  # j's own prediction at z_t (any distribution off the mask)
-    p_j[mask] = 0
-    p_j /= p_j.sum()
+    forbidden = torch.tensor([mask])
+    p_j = allowed_log_probs(table[:1].roll(1, dims=1), forbidden)[0].double().exp()  # j's prediction at z_t
     schedule = get_schedule(schedule_name)
     times = TwoStepTimes(t=torch.tensor([0.75], dtype=torch.float64), u=torch.tensor([0.5], dtype=torch.float64),
                          s=torch.tensor([0.25], dtype=torch.float64))  # fmt: skip
-    first = float(times.first_reveal_probability(schedule))
-    second = float(schedule.reveal_probability(0.25, 0.5))
-    weight = times.first_step_weight(schedule)
+    first = float(times.first_reveal_probability(schedule)[0])
+    at_t = allowed_log_probs(teacher_logits(mask), forbidden).double().exp()[0]
 
-    # The process, enumerated: i revealed in the first step from p(. | z_t), or in the second from p(. | z_u).
-    revealed = first * teacher_log_probs(mask).exp()
+    # The process, enumerated: j's first step, then i's belief after the two steps.
+    reference = first * at_t
     for j_token in range(vocab):
         chance = (1 - first) if j_token == mask else first * float(p_j[j_token])
-        revealed += (1 - first) * chance * second * teacher_log_probs(j_token).exp()
-    reference = revealed / revealed.sum()
+        reference += (1 - first) * chance * allowed_log_probs(teacher_logits(j_token), forbidden).double().exp()[0]
 
-    # The distillation target: its draw of z_u given i masked, averaged exactly over j's outcomes.
+    # The target, as the distillation builds it for each outcome of the first step at i and j.
     expected = torch.zeros(vocab, dtype=torch.float64)
-    for j_token in range(vocab):
+    for i_revealed, j_token in itertools.product((True, False), range(vocab)):
         chance = (1 - first) if j_token == mask else first * float(p_j[j_token])
-        log_target = two_step_log_target(teacher_log_probs(mask)[None], teacher_log_probs(j_token)[None], weight)
-        expected += chance * log_target[0].exp()
-    torch.testing.assert_close(expected, reference, rtol=1e-12, atol=1e-14)
+        chance *= first if i_revealed else 1 - first
+        revealed = torch.tensor([i_revealed])
+        second = allowed_log_probs(teacher_logits(j_token), forbidden)[~revealed]
+        target = two_step_log_target(allowed_log_probs(teacher_logits(mask), forbidden), second, revealed)
+        expected += chance * target[0].double().exp()
+    torch.testing.assert_close(expected, reference, rtol=1e-6, atol=1e-7)
+    assert expected.sum().item() == pytest.approx(1.0, abs=1e-6) and expected[mask] == 0
 
 
 def test_first_step_reveals_with_its_probability_and_draws_from_the_teacher() -> None:
-    log_probs = torch.tensor([[0.7, 0.2, 0.1, 0.0]]).log().expand(40_000, 4)
-    reveal = torch.full((40_000,), 0.25, dtype=torch.float64)
-    revealed, tokens = first_step(log_probs, reveal, torch.Generator().manual_seed(0))
+    logits = torch.tensor([[0.7, 0.2, 0.1, 0.3]]).log().expand(40_000, 4)
+    generator = torch.Generator().manual_seed(0)
+    revealed = first_reveals(torch.full((40_000,), 0.25, dtype=torch.float64), generator)
     assert abs(revealed.double().mean().item() - 0.25) < 0.01
+    tokens = draw_tokens(logits, torch.tensor([3]), generator)  # token 3 forbidden: never drawn
     frequencies = torch.bincount(tokens, minlength=4).double() / tokens.numel()
     torch.testing.assert_close(frequencies, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.01,
                                rtol=0)  # fmt: skip
 
 
 def test_divergences_vanish_on_equal_distributions_and_order_as_defined() -> None:
-    target = torch.tensor([[0.5, 0.5, 0.0]]).log()
-    student = torch.tensor([[0.25, 0.75, 0.0]]).log()
+    forbidden = torch.tensor([2])
+    target = allowed_log_probs(torch.tensor([[0.5, 0.5, 9.0]]).log(), forbidden)
+    student = allowed_log_probs(torch.tensor([[0.25, 0.75, 9.0]]).log(), forbidden)
+    assert target.isfinite().all() and target[0, 2].exp() == 0
     for name in ("kl", "reverse-kl", "tvd"):
         assert get_divergence(name)(target, target).item() == pytest.approx(0.0, abs=1e-7)
     kl = 0.5 * torch.tensor(0.5 / 0.25).log() + 0.5 * torch.tensor(0.5 / 0.75).log()
@@ -158,8 +160,8 @@ def test_divergences_vanish_on_equal_distributions_and_order_as_defined() -> Non
 
 def test_teacher_target_is_built_from_the_teachers_two_passes(teacher: Path, tiny_data_dir: Path,
                                                               tmp_path: Path) -> None:  # fmt: skip
-    """The kept positions are those masked at t that the first step left masked, and the target there is
-    log(w1 p1 + (1 - w1) p2) of the teacher run at z_t and at the z_u its first step wrote."""
+    """The target is the teacher's prediction at z_t where its first step revealed the position, and its
+    prediction at the z_u that step wrote everywhere else."""
 
     step = _step(_experiment(teacher, tiny_data_dir, tmp_path / "run"))
     clean = load_packed_dataset(tiny_data_dir / "train.bin", 64)[0][None].repeat(4, 1)
@@ -168,24 +170,26 @@ def test_teacher_target_is_built_from_the_teachers_two_passes(teacher: Path, tin
     mask[:, 10:40] = True
     noisy[mask] = 1
     times = grid_times(torch.tensor([0.2, 0.45, 0.7, 1.0]), 8)
-    keep, log_target = step.teacher_target(clean, noisy, mask, times, torch.Generator().manual_seed(1))
-    assert not (keep & ~mask).any() and keep.sum() < mask.sum()
-    middle = noisy.clone()
-    changed = mask & ~keep  # revealed by the first step: a real token, never the mask
-    assert changed.any()
+    log_target = step.teacher_target(clean, noisy, mask, times, torch.Generator().manual_seed(1))
+    assert log_target.shape == (int(mask.sum()), 512)
     with torch.no_grad():
-        first = allowed_log_probs(masked_logits(step.teacher, noisy, mask, clean), step.forbidden)
-        revealed_first = (mask & ~keep)[mask]
-        # Re-run the second pass on the z_u the first step wrote: the revealed tokens are those of its draw.
+        first_logits = masked_logits(step.teacher, noisy, mask, clean)
+        # The same draws in the same order: the reveals, then a token for each revealed position.
         generator = torch.Generator().manual_seed(1)
         reveal = times.first_reveal_probability(step.schedule)[:, None].expand_as(clean)[mask]
-        drawn, tokens = first_step(first, reveal, generator)
-        assert torch.equal(drawn, revealed_first)
-        middle[mask] = torch.where(drawn, tokens, noisy[mask])
-        second = allowed_log_probs(masked_logits(step.teacher, middle, keep, clean), step.forbidden)
-    weight = step_weights = times.first_step_weight(step.schedule)[:, None].expand_as(clean)[keep]
-    assert torch.equal(step_weights, torch.full_like(weight, 0.5))
-    torch.testing.assert_close(log_target, two_step_log_target(first[~drawn], second, weight))
+        revealed = first_reveals(reveal, generator)
+        assert revealed.any() and not revealed.all()
+        tokens = draw_tokens(first_logits[revealed], step.forbidden, generator)
+        assert (tokens != 1).all()  # never the mask token
+        middle = noisy.clone()
+        middle[mask] = noisy[mask].masked_scatter(revealed, tokens)
+        still = mask.clone()
+        still[mask] = ~revealed
+        second = allowed_log_probs(masked_logits(step.teacher, middle, still, clean), step.forbidden)
+        first = allowed_log_probs(first_logits, step.forbidden)
+    torch.testing.assert_close(log_target[revealed], first[revealed])
+    torch.testing.assert_close(log_target[~revealed], second)
+    assert (log_target[:, 1].exp() == 0).all()  # the mask token is never a target
 
 
 def test_before_any_update_the_student_predicts_as_the_teacher(teacher: Path, tiny_data_dir: Path,

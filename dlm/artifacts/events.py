@@ -111,6 +111,9 @@ class TrainEvent(RunEvent):
     allocated_gib: float = 0.0
     reserved_gib: float = 0.0
     peak_allocated_gib: float = 0.0
+    # What these steps train when it is not plain diffusion training, for people: a distillation
+    # run's round, its sampling steps and the divergence that `loss` then is.
+    phase: str | None = None
 
 
 @register_event

@@ -98,6 +98,7 @@ class GenerateRow:
     # work stretches wall time but hardly the CPU time a setting uses.
     cpu_seconds: float = math.nan
     tokens_per_cpu_second: float = math.nan
+    distinct_2: float = math.nan  # distinct bigrams of the generated tokens (`distinct_ngrams`)
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,14 @@ def unigram_entropy(token_ids: list[list[int]]) -> float:
     return -sum(n / total * math.log2(n / total) for n in counts.values()) if total else 0.0
 
 
+def distinct_ngrams(token_ids: list[list[int]], n: int = 2) -> float:
+    """Distinct n-grams over all n-grams of the rows (distinct-n): 1 when nothing repeats, low for a
+    sampler that writes the same phrases again and again, whatever its perplexity."""
+
+    grams = [tuple(row[i : i + n]) for row in token_ids for i in range(len(row) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
 def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: torch.Generator) -> float:
     """NLL per token of one sequence [1, L]: exact for an autoregressive judge, else the MC ELBO."""
 
@@ -214,6 +223,7 @@ def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_
         forward_tokens_per_token=result.forward_tokens / max(generated, 1),
         judge_perplexity=math.exp(nll), unigram_entropy_bits=unigram_entropy(samples), example=result.texts[0][:120],
         cpu_seconds=cpu_seconds, tokens_per_cpu_second=generated / cpu_seconds if cpu_seconds > 0 else math.inf,
+        distinct_2=distinct_ngrams(samples, 2),
     )  # fmt: skip
 
 
@@ -281,11 +291,11 @@ def setting_label(setting: dict[str, Any]) -> str:
 def report_table(report: GenerateReport) -> tuple[list[str], list[list[str]]]:
     """Headers and rows; with the default sampler among the settings, also each row's speed-up over it."""
 
-    headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)"]
+    headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)", "distinct-2"]
     rows = [
         [setting_label(row.setting), f"{row.tokens_per_second:.1f}",
          f"{row.passes_per_token:.3f}", f"{row.forward_tokens_per_token:.1f}", f"{row.judge_perplexity:.2f}",
-         f"{row.unigram_entropy_bits:.3f}"]
+         f"{row.unigram_entropy_bits:.3f}", f"{row.distinct_2:.3f}"]
         for row in report.rows
     ]  # fmt: skip
     relative = report.relative()

@@ -64,7 +64,8 @@ BenchConfigOption = Annotated[
 GenerateOption = Annotated[
     Path | None,
     typer.Option("--generate", metavar="MODEL", help="Benchmark sampling from this exported model instead: "
-                 "tokens/s, forward passes per token, judge perplexity and unigram entropy per setting.",
+                 "tokens/s, forward passes per token, judge perplexity, unigram entropy and distinct bigrams "
+                 "per setting.",
                  show_default=False),
 ]  # fmt: skip
 JudgeOption = Annotated[

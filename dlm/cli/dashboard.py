@@ -252,6 +252,8 @@ class TrainingDashboard:
     def render(self) -> Panel:
         validation, checkpoint = self.validation, self.checkpoint
         rows: list[Any] = [self._header(), self._progress(), self._metrics()]
+        if self.latest is not None and self.latest.phase:
+            rows.append(Text(self.latest.phase, style="magenta"))
         if self.start is not None and self.start.cpu_threads:
             rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
         if self.start is not None and self.start.precision_note:

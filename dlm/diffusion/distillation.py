@@ -2,21 +2,19 @@
 
 The reverse process samples from time t to s = t - h: every position masked at t is revealed with
 probability (m(t) - m(s)) / m(t), its token drawn from the model's prediction p(x | z_t). A student
-that takes one step of 2h should write what its teacher writes in two steps of h, t -> u = t - h ->
-s = t - 2h. For a position i masked at z_t, conditioned on being revealed by s, the teacher reveals
-it in its first step with probability w1 = (m(t) - m(u)) / (m(t) - m(s)) (1/2 on the linear
-schedule), drawing from p(x_i | z_t), and otherwise in its second step, drawing from p(x_i | z_u)
-for the intermediate sequence z_u its first step wrote. The student's one-step prediction at i
-should therefore be
+that takes one step of 2h should predict what its teacher knows after two steps of h, t -> u = t - h
+-> s = t - 2h (Deschenaux & Gulcehre, 2024). The teacher's first step predicts p1 = p(x | z_t) and
+reveals some positions, writing z_u; its second step predicts p2 = p(x | z_u). At a position i
+masked at t the target is the teacher's prediction from the step that revealed i: p1_i if the first
+step revealed it, else p2_i (the second step's prediction, whether or not that step reveals i).
 
-    T_i = w1 p(x_i | z_t) + (1 - w1) E[p(x_i | z_u) | i still masked at u].
-
-Reveals are independent across positions, so a z_u drawn by the teacher's first step in which i
-stayed masked is a draw of z_u given that i is masked, and w1 p1_i + (1 - w1) p2_i(z_u) is an
-unbiased draw of T_i. Positions the first step revealed carry no such draw and get no loss. The
-loss is linear in the target for the forward KL (a cross-entropy), so its expectation is the loss
-against T itself; `tests/test_distill.py` checks T against an enumeration of the whole two-step
-process on a tiny vocabulary.
+Its expectation, T_i = a p1_i + (1 - a) E[p2_i | i still masked at u] with a the first step's reveal
+probability, is the teacher's belief about x_i after two steps; `tests/test_distill.py` checks it
+against an enumeration of the whole two-step process on a tiny vocabulary. The target itself is a
+draw, and the divergence is not linear in it: minimising the reverse KL (SDTT's best) toward the
+draws makes the student's log-probabilities the average of the targets' (a geometric mean), sharper
+than the teacher where the second step's prediction depends on what the first step wrote. That is
+what lets a student reveal twice as many tokens a step while they still agree.
 
 This module is the arithmetic; `dlm.distill` runs the teacher and the student.
 """
@@ -61,12 +59,6 @@ class TwoStepTimes:
         masked_t = schedule.mask_probability(self.t)
         return (masked_t - schedule.mask_probability(self.u)) / masked_t
 
-    def first_step_weight(self, schedule: Schedule) -> Tensor:
-        """w1 = (m(t) - m(u)) / (m(t) - m(s)): of the positions revealed by s, the share revealed at u."""
-
-        masked_t = schedule.mask_probability(self.t)
-        return (masked_t - schedule.mask_probability(self.u)) / (masked_t - schedule.mask_probability(self.s))
-
 
 def grid_times(units: Tensor, student_steps: int) -> TwoStepTimes:
     """The student's sampling grid: `units` in [0, 1] pick t = k / n, k in 1..n, for n = `student_steps`
@@ -85,29 +77,38 @@ def per_position(values: Tensor, length: int, block_size: int) -> Tensor:
     return values.repeat_interleave(block_size, dim=1)[:, :length]
 
 
-def allowed_log_probs(logits: Tensor, forbidden: Tensor) -> Tensor:
-    """log softmax in float32 over the tokens a reverse process may write (`forbidden` ids: -inf)."""
+# A forbidden token's logit: finite, so that log-probabilities stay finite (no 0 x -inf in a divergence),
+# yet far enough below any trained logit that its probability is exactly 0 in float32.
+FORBIDDEN_LOGIT = -1e4
 
-    logits = logits.float().clone()
-    logits[..., forbidden] = float("-inf")
+
+def allowed_log_probs(logits: Tensor, forbidden: Tensor) -> Tensor:
+    """log softmax in float32 over the tokens a reverse process may write (`forbidden` ids: probability 0)."""
+
+    logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    logits[..., forbidden] = FORBIDDEN_LOGIT
     return logits.log_softmax(dim=-1)
 
 
-def first_step(
-    log_probs: Tensor, reveal_probability: Tensor, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """The teacher's first step at N masked positions: which are revealed [N] bool, and the token
-    drawn for each [N] (used where revealed). Draws come from `generator`: the micro-batch's own."""
+def first_reveals(reveal_probability: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Which of N masked positions the teacher's first step reveals [N] bool, each with its probability.
+    Drawn before the teacher runs (they do not depend on its prediction), from the micro-batch's `generator`."""
 
     draws = torch.rand(reveal_probability.shape, generator=generator, device=reveal_probability.device,
                        dtype=torch.float64)  # fmt: skip
-    revealed = draws < reveal_probability
-    tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-    return revealed, tokens
+    return draws < reveal_probability
 
 
-def two_step_log_target(first: Tensor, second: Tensor, first_weight: Tensor) -> Tensor:
-    """log(w1 p1 + (1 - w1) p2) [K, V] from the log-probabilities of the teacher's two steps at K positions."""
+def draw_tokens(logits: Tensor, forbidden: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of `logits` [R, V] from its softmax (never a `forbidden` id): the first step's writes."""
 
-    weight = first_weight.to(first.dtype)[:, None]
-    return torch.logaddexp(first + weight.log(), second + torch.log1p(-weight))
+    return torch.multinomial(allowed_log_probs(logits, forbidden).exp_(), 1, generator=generator).squeeze(-1)
+
+
+def two_step_log_target(first: Tensor, second: Tensor, revealed: Tensor) -> Tensor:
+    """The target [N, V] at N positions masked at t: the teacher's first-step log-probabilities `first`
+    [N, V] where its first step `revealed` the position [N], its second-step ones `second` [K, V] at the
+    K others. Written over `first`."""
+
+    first[~revealed] = second
+    return first

@@ -20,7 +20,8 @@ from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, tokenizer_sha2
 from dlm.diffusion.distillation import (
     TwoStepTimes,
     allowed_log_probs,
-    first_step,
+    draw_tokens,
+    first_reveals,
     grid_times,
     per_position,
     two_step_log_target,
@@ -39,12 +40,12 @@ from dlm.train.step import LogWindow, TrainingStep
 
 @dataclass(frozen=True)
 class StudentDivergence:
-    """One micro-batch's comparison: the divergence at each of the K positions the student learns at."""
+    """One micro-batch's comparison: the divergence at each of the N positions masked at t."""
 
-    per_token: Tensor  # [K]
-    keep: Tensor  # [B, L] bool: masked at t and not revealed by the teacher's first step
-    log_target: Tensor  # [K, V]: log of the teacher's two-step distribution
-    log_student: Tensor  # [K, V]: the student's one-step log-probabilities
+    per_token: Tensor  # [N]
+    mask: Tensor  # [B, L] bool: the N positions masked at t
+    log_target: Tensor  # [N, V]: log of the teacher's two-step prediction
+    log_student: Tensor  # [N, V]: the student's one-step log-probabilities
 
 
 class DistillStep(TrainingStep):
@@ -69,6 +70,13 @@ class DistillStep(TrainingStep):
         ids = [model.mask_token_id, *never_sampled_ids(load_tokenizer(tokenizer), model.vocab_size)]
         self.forbidden = torch.tensor(sorted(set(ids)), device=device)
 
+    def phase(self) -> str:
+        # The round of the last completed step: the one the logged figures belong to.
+        round_index = self.teachers.round_of(max(self.counters.step - 1, 0))
+        teacher, student = self.distill.round_steps(round_index)
+        return (f"round {round_index + 1}/{self.distill.rounds}: {teacher} -> {student} sampling steps; loss is the "
+                f"{self.distill.divergence} divergence to the teacher's two steps")  # fmt: skip
+
     def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
         self.teachers.ensure(self.counters.step, self.model)
         super().optimizer_step(batches, window)
@@ -85,8 +93,8 @@ class DistillStep(TrainingStep):
         _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
         times = grid_times(units, student_steps)
         result = self.divergence_at(clean, times, generator, loss_mask)
-        # No position to learn from (every masked one revealed by the first step): a zero loss that
-        # still reaches every parameter, so DDP's gradient reduction sees the same graph on every rank.
+        # No masked position (a batch of nothing but loss-masked prompts): a zero loss that still
+        # reaches every parameter, so DDP's gradient reduction sees the same graph on every rank.
         per_token = result.per_token
         loss = per_token.mean() if per_token.numel() else result.log_student.sum() * 0.0
         self.scaler.scale(loss / steps).backward()
@@ -95,7 +103,7 @@ class DistillStep(TrainingStep):
         agree = (result.log_student.argmax(dim=-1) == result.log_target.argmax(dim=-1)).float()
         window.accuracy += (agree.mean() if agree.numel() else agree.sum()).detach() / steps
         # The divergence by time: each kept position in the bucket of its own row's (block's) t.
-        position_time = per_position(times.t, clean.shape[1], block_size(self.experiment.model))[result.keep]
+        position_time = per_position(times.t, clean.shape[1], block_size(self.experiment.model))[result.mask]
         bucket = (position_time * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
         window.bucket_loss.index_add_(0, bucket, per_token.detach().float())
         window.bucket_count.index_add_(0, bucket, torch.ones_like(per_token, dtype=torch.float32))
@@ -109,30 +117,32 @@ class DistillStep(TrainingStep):
         model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
         corruption = corrupt_tokens(clean, model.mask_token_id, times.t, eps, generator, schedule=self.schedule,
                                     block_size=block_size(model), loss_mask=loss_mask)  # fmt: skip
-        keep, log_target = self.teacher_target(clean, corruption.noisy_tokens, corruption.mask, times, generator)
+        mask = corruption.mask
+        log_target = self.teacher_target(clean, corruption.noisy_tokens, mask, times, generator)
         kernel = attention_kernel_context(self.device, self.config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
-            logits = masked_logits(self.step_model, corruption.noisy_tokens, keep, clean, config=model)
+            logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
         log_student = allowed_log_probs(logits, self.forbidden)
-        return StudentDivergence(self.divergence(log_target, log_student), keep, log_target, log_student)
+        return StudentDivergence(self.divergence(log_target, log_student), mask, log_target, log_student)
 
     @torch.no_grad()
     def teacher_target(
         self, clean: Tensor, noisy: Tensor, mask: Tensor, times: TwoStepTimes, generator: torch.Generator
-    ) -> tuple[Tensor, Tensor]:
-        """The positions the student learns at [B, L] (masked at t, not revealed by the teacher's first
-        step) and the log of the teacher's two-step distribution there [K, V]."""
+    ) -> Tensor:
+        """The log of the teacher's two-step prediction [N, V] at the N positions of `mask` (`noisy` is
+        `clean` masked there at `times.t`), its first step's reveals and tokens drawn from `generator`."""
 
         size, length = block_size(self.experiment.model), clean.shape[1]
+        revealed = first_reveals(per_position(times.first_reveal_probability(self.schedule), length, size)[mask],
+                                 generator)  # fmt: skip
         with autocast_context(self.device, self.precision):
-            first = allowed_log_probs(masked_logits(self.teacher, noisy, mask, clean), self.forbidden)
-        reveal = per_position(times.first_reveal_probability(self.schedule), length, size)[mask]
-        revealed, tokens = first_step(first, reveal, generator)
+            first_logits = masked_logits(self.teacher, noisy, mask, clean)
         middle = noisy.clone()
-        middle[mask] = torch.where(revealed, tokens, noisy[mask])
-        keep = mask.clone()
-        keep[mask] = ~revealed
+        middle[mask] = noisy[mask].masked_scatter(revealed, draw_tokens(first_logits[revealed], self.forbidden,
+                                                                        generator))  # fmt: skip
+        still_masked = mask.clone()
+        still_masked[mask] = ~revealed
         with autocast_context(self.device, self.precision):
-            second = allowed_log_probs(masked_logits(self.teacher, middle, keep, clean), self.forbidden)
-        weight = per_position(times.first_step_weight(self.schedule), length, size)[keep]
-        return keep, two_step_log_target(first[~revealed], second, weight)
+            second_logits = masked_logits(self.teacher, middle, still_masked, clean)
+        first = allowed_log_probs(first_logits, self.forbidden)
+        return two_step_log_target(first, allowed_log_probs(second_logits, self.forbidden), revealed)

@@ -346,6 +346,7 @@ class Trainer:
             eta_seconds=steps_left * elapsed / window.steps,
             loss_by_t=buckets,
             **memory_stats(self.device),
+            phase=self.step.phase(),
         )
         self.sink(event)
         window.reset()

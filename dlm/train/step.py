@@ -117,6 +117,11 @@ class TrainingStep:
             add_adapters(model, self.config.lora)
         return model
 
+    def phase(self) -> str | None:
+        """What the step trains, for the dashboard (`TrainEvent.phase`); None for diffusion training."""
+
+        return None
+
     def prepare(self) -> None:
         """Compile and wrap the model for the step (once, after any checkpoint was loaded)."""
 
