@@ -112,8 +112,15 @@ class TrainEvent(RunEvent):
     reserved_gib: float = 0.0
     peak_allocated_gib: float = 0.0
     # What these steps train when it is not plain diffusion training, for people: a distillation
-    # run's round, its sampling steps and the divergence that `loss` then is.
+    # run's round, its sampling steps and the divergence that `loss` then is. Written only when set,
+    # so a diffusion run's lines keep their format.
     phase: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = super().to_dict()
+        if fields["phase"] is None:
+            del fields["phase"]
+        return fields
 
 
 @register_event
