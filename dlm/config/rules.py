@@ -244,8 +244,9 @@ EXPERIMENT_RULES = (
     ),
     Rule(
         "distill",
-        "a `[distill]` run starts its student from the teacher (`training.init_from`), runs `training.max_steps` = "
-        "`distill.rounds` x `distill.steps_per_round`, and distils a diffusion model with all its weights "
+        "a `[distill]` run starts its student from trained weights (`training.init_from`: `dlm distill` sets "
+        "the teacher), runs `training.max_steps` = `distill.rounds` x `distill.steps_per_round`, and distils a "
+        "diffusion model with all its weights "
         "(not an autoregressive model, which already writes one token per pass, nor LoRA adapters)",
         lambda e: _distill_problem(e),
         "let `dlm distill` write the config, or set training.init_from to the teacher and max_steps to rounds x "
