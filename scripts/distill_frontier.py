@@ -69,8 +69,8 @@ def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, 
     steps: dict[str, int] = {}
     samples: dict[str, list[list[int]]] = {}
     passes_now: dict[str, int] = {}
-    for entry in entries:  # an untimed warm-up of each model's kernels
-        generate(entry.model, entry.tokenizer, length=8, steps=2, num_samples=num_samples)
+    for entry in entries:  # an untimed warm-up of each model's kernels, in its own steps
+        generate(entry.model, entry.tokenizer, length=8, steps=entry.steps, num_samples=num_samples)
     for seed in seeds:
         least = dict.fromkeys(tokens, math.inf)
         for _ in range(repeats):  # the same seed draws the same samples in every round
