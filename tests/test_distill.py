@@ -392,3 +392,21 @@ def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, t
     assert not (tmp_path / "run").exists()
     missing = run_cli("distill", teacher, "--data", tmp_path / "nowhere", "--output", tmp_path / "run")
     missing.assert_refused("no train.bin here")
+
+
+def test_dlm_distill_plans_its_rounds_to_fill_minutes(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
+                                                      run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    run = tmp_path / "run"
+    result = run_cli("distill", teacher, "--data", tiny_data_dir, "--output", run, "--teacher-steps", "8",
+                     "--rounds", "2", "--minutes", "0.1", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    plan = lines[0]
+    assert plan["event"] == "distill_plan" and plan["rounds"] == 2 and plan["steps_per_round"] >= 1
+    config = json.loads((run / "config.json").read_text())
+    assert config["distill"]["steps_per_round"] == plan["steps_per_round"]
+    assert config["training"]["max_steps"] == 2 * plan["steps_per_round"]
+    assert lines[-1]["event"] in ("complete", "paused")  # a loaded machine stops at the budget, resumable
+    refused = run_cli("distill", teacher, "--data", tiny_data_dir, "--output", tmp_path / "other", "--minutes", "1",
+                      "--steps-per-round", "5")  # fmt: skip
+    refused.assert_refused("--steps-per-round")

@@ -139,8 +139,9 @@ def _spread_pct(times: list[float], median: float) -> float:
 
 
 def _run_steps(
-    experiment: ExperimentConfig, device: torch.device, precision: str, steps: int, warmup: int
-) -> tuple[TrainingStep, list[float], float, float]:
+    experiment: ExperimentConfig, device: torch.device, precision: str, steps: int, warmup: int,
+    step_type: type[TrainingStep] = TrainingStep,
+) -> tuple[TrainingStep, list[float], float, float]:  # fmt: skip
     """Build the training step, run `warmup` then `steps` timed steps: (step, times, warmup s, mean loss)."""
 
     release_memory(device)
@@ -148,7 +149,7 @@ def _run_steps(
     keep_freed_memory(device)  # as training does: the steps timed are the steps it will run
     # Build the weights directly on the device: a 1B model initialised on the CPU takes seconds.
     with device:
-        step = TrainingStep(experiment, device, precision, DistributedContext())
+        step = step_type(experiment, device, precision, DistributedContext())
     step.prepare()
     batches = synthetic_batches(experiment.model, experiment.training.batch_size, device, experiment.training.seed)
     window = LogWindow(device)
@@ -171,9 +172,10 @@ def _measure(
     warmup: int,
     settings: dict[str, str],
     measured_peak: float | None,
+    step_type: type[TrainingStep] = TrainingStep,
 ) -> BenchResult:
     config, model_config = experiment.training, experiment.model
-    step, times, warmup_seconds, loss = _run_steps(experiment, device, precision, steps, warmup)
+    step, times, warmup_seconds, loss = _run_steps(experiment, device, precision, steps, warmup, step_type)
     median = statistics.median(times)
     tokens_per_second = config.batch_size * config.gradient_accumulation_steps * model_config.max_seq_len / median
     flops_per_token = step.model.flops_per_token(model_config.max_seq_len)
@@ -228,10 +230,12 @@ def run_benchmark(
     memory_limit_gib: float | None = None,
     settings: dict[str, str] | None = None,
     measured_peak: float | None = None,
+    step_type: type[TrainingStep] = TrainingStep,
 ) -> BenchResult:
     """Time `steps` optimizer steps of `experiment` after `warmup` untimed ones.
 
-    `measured_peak` (FLOP/s, from `measure_matmul_peak`) adds an MFU against that ceiling.
+    `measured_peak` (FLOP/s, from `measure_matmul_peak`) adds an MFU against that ceiling. `step_type`
+    times another objective's step (`dlm.distill.step.DistillStep` for `dlm distill --minutes`).
     """
 
     if steps < 1 or warmup < 0:
@@ -256,7 +260,8 @@ def run_benchmark(
     failure = None
     try:
         return _measure(
-            experiment, torch_device, precision, backend, steps, warmup, dict(settings or {}), measured_peak
+            experiment, torch_device, precision, backend, steps, warmup, dict(settings or {}), measured_peak,
+            step_type,
         )
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
         if not is_out_of_memory(exc):

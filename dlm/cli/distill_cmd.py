@@ -7,11 +7,22 @@ from typing import Annotated
 
 import typer
 
-from dlm.cli.common import JsonOption, SetOption, TrainingDeviceOption
+from dlm.cli.common import (
+    JsonOption,
+    SetOption,
+    TrainingDeviceOption,
+    console,
+    given_options,
+    print_json,
+    refuse_other_mode,
+    wants_json,
+)
 from dlm.cli.train_cmd import AllowDataChangeOption, MaxRunMinutes, MaxRunSteps, PrecisionOption, _overrides, _run
+from dlm.config.schema import ExperimentConfig
 
 
 def distill_command(
+    ctx: typer.Context,
     teacher: Annotated[
         Path, typer.Argument(help="The model to distil: an export directory, a checkpoint or a run directory.")
     ],
@@ -41,6 +52,14 @@ def distill_command(
     divergence: Annotated[
         str, typer.Option("--divergence", help="reverse-kl, kl or tvd: what each round minimises.")
     ] = "reverse-kl",
+    minutes: Annotated[
+        float | None,
+        typer.Option(
+            "--minutes",
+            help="Fill this wall-clock budget: a few distillation steps are timed first and --steps-per-round "
+            "is set so that the rounds end in time (the run stops at the budget in any case).",
+        ),
+    ] = None,
     overrides: SetOption = None,
     max_run_steps: MaxRunSteps = None,
     max_run_minutes: MaxRunMinutes = None,
@@ -64,9 +83,42 @@ def distill_command(
 
     distill = {"teacher_steps": teacher_steps, "rounds": rounds, "steps_per_round": steps_per_round,
                "divergence": divergence}  # fmt: skip
-    experiment = distillation_experiment(teacher, data, output, distill, _overrides(overrides, device, precision))
+    settings = _overrides(overrides, device, precision)
+    experiment = distillation_experiment(teacher, data, output, distill, settings)
+    if minutes is not None:
+        refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),
+                          "with --minutes, which sets the steps of each round and stops the run in time")  # fmt: skip
+        planned, seconds_left = _plan(experiment, minutes, as_json)
+        experiment = distillation_experiment(teacher, data, output, distill | {"steps_per_round": planned}, settings)
+        max_run_minutes = seconds_left / 60
     _run(experiment, as_json, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes, overwrite=overwrite,
          allow_data_change=allow_data_change)  # fmt: skip
+
+
+def _plan(experiment: ExperimentConfig, minutes: float, as_json: bool) -> tuple[int, float]:
+    """Time distillation steps and plan the rounds; say what was planned (a JSON line with --json)."""
+
+    from functools import partial
+
+    from dlm.bench.throughput import run_benchmark
+    from dlm.distill.budget import planned_steps_per_round
+    from dlm.distill.step import DistillStep
+
+    timer = partial(run_benchmark, step_type=DistillStep)
+    if wants_json(as_json):
+        steps, seconds_left = planned_steps_per_round(experiment, minutes, timer)
+    else:
+        with console.status("timing distillation steps to plan the rounds"):
+            steps, seconds_left = planned_steps_per_round(experiment, minutes, timer)
+    assert experiment.distill is not None
+    plan = {"event": "distill_plan", "minutes": minutes, "steps_per_round": steps,
+            "rounds": experiment.distill.rounds, "seconds_left": round(seconds_left, 1)}  # fmt: skip
+    if wants_json(as_json):
+        print_json(plan)
+    else:
+        console.print(f"plan: {experiment.distill.rounds} rounds of {steps} steps in {seconds_left / 60:.1f} minutes",
+                      highlight=False)  # fmt: skip
+    return steps, seconds_left
 
 
 def register(app: typer.Typer) -> None:
