@@ -468,3 +468,39 @@ def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
     assert f", {expected}, {CPU_OPTIMIZER} (configs/cpu.toml)" in notes[0]
     assert demo.training.precision == "auto" == load_config(ROOT / "configs" / "cpu.toml").training.precision
     assert device.resolve_training_precision(demo.training.precision, torch.device("cpu")) == expected
+
+
+def test_distill_minutes_distils_the_model_and_shows_both_samples(demo_run: DemoRun, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from rich.console import Console
+
+    from dlm.cli import demo_view
+
+    output = copy_demo(demo_run, tmp_path)
+    events: list[StreamEvent] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("dlm.distill.budget.BUDGET_SHARE", 0.4)  # ends in time on a loaded machine too
+        result = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=events.append, distill_minutes=0.15)
+    assert stage_events(events, "done")["distill"]["path"] == str(output / "student")
+    comparison = result.comparison
+    assert comparison is not None
+    assert comparison["teacher"]["steps"] == result.sample_length and comparison["student"]["steps"] == 8
+    assert comparison["student"]["forward_passes"] <= 8 < comparison["teacher"]["forward_passes"]
+    assert [e for e in events if isinstance(e, dict) and e.get("event") == "demo_compare"] == [
+        {"event": "demo_compare", **comparison}
+    ]
+    again: list[StreamEvent] = []
+    second = run_demo(output, minutes=MINUTES, config_path=TINY_CONFIG, sink=again.append, distill_minutes=0.15)
+    assert "distill" in stage_events(again, "reused") and second.comparison is not None
+    for side in ("teacher", "student"):  # the same seed: the same texts
+        assert second.comparison[side]["text"] == comparison[side]["text"]
+    recorder = Console(record=True, width=100, force_terminal=True)
+    monkeypatch.setattr(demo_view, "console", recorder)
+    view = demo_view.DemoView()
+    try:
+        for event in events:
+            view(event)
+    finally:
+        view.close()
+    text = recorder.export_text()
+    assert "teacher: " in text and "student: 8 steps" in text and "✓ distill" in text

@@ -32,6 +32,11 @@ def demo_command(
     minutes: MinutesOption = 10.0,
     device: DemoDeviceOption = None,
     config: DemoConfigOption = None,
+    distill_minutes: Annotated[
+        float | None,
+        typer.Option("--distill-minutes", help="Then distil the model into a few-step student (dlm distill) within "
+                     "this budget, and show its sample beside the model's, with passes and time."),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Tokenizer, data, training, evaluation, export and samples in one command.
@@ -53,7 +58,8 @@ def demo_command(
     json_mode = wants_json(as_json)
     view = None if json_mode else DemoView()
     try:
-        result = run_demo(output, minutes, device, config, JsonLinesSink() if view is None else view)
+        result = run_demo(output, minutes, device, config, JsonLinesSink() if view is None else view,
+                          distill_minutes=distill_minutes)  # fmt: skip
     except KeyboardInterrupt:
         # Outside training (which saves and returns on Ctrl-C): finished stages are kept on disk.
         err_console.print("interrupted: run the same command again to continue", highlight=False)

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.console import RenderableType
 from rich.markup import escape
+from rich.table import Table
 from rich.text import Text
 
 from dlm.artifacts.events import StreamEvent
@@ -58,6 +59,18 @@ def samples_renderable(samples: list[dict[str, Any]], terminal: bool) -> Rendera
     return table
 
 
+def comparison_renderable(event: dict[str, Any]) -> RenderableType:
+    """The teacher's and the student's sample of one prompt side by side, with their passes and time."""
+
+    table = Table(title=f"{escape(event['prompt'])} (the same seed)", expand=True)
+    for name in ("teacher", "student"):
+        side = event[name]
+        table.add_column(f"{name}: {side['steps']} steps, {side['forward_passes']} passes, {side['seconds']:.2f} s",
+                         ratio=1)  # fmt: skip
+    table.add_row(escape(event["teacher"]["text"]), escape(event["student"]["text"]))
+    return table
+
+
 def sample_quality_line(quality: dict[str, Any]) -> str:
     """The samples' words in one line: how dense (beside real held-out text) and how real."""
 
@@ -105,6 +118,8 @@ class DemoView:
                           f"now ends at step {event['max_steps']}[/]", highlight=False)  # fmt: skip
         elif kind == "demo_sample":
             self.samples.append(event)
+        elif kind == "demo_compare":
+            console.print(comparison_renderable(event))
 
     def _stage(self, event: dict[str, Any]) -> None:
         from rich.markup import escape
@@ -119,6 +134,8 @@ class DemoView:
         if status == "running" and stage == "train":
             budget = Budget(event["budget_seconds"], event["trained_seconds"], event["seconds_per_step"])
             self.dashboard = TrainingDashboard(console, budget=budget).__enter__()
+        elif status == "running" and stage == "distill":  # `--distill-minutes`: its own training run
+            self.dashboard = TrainingDashboard(console).__enter__()
         elif status == "running":
             self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
                                      TaskProgressColumn(), TimeElapsedColumn(), console=console)  # fmt: skip

@@ -118,6 +118,7 @@ class DemoResult:
     # The samples' words pooled (`dlm.evaluation.sample_quality`), beside the held-out plays' words per token.
     sample_quality: dict[str, Any] = field(default_factory=dict)
     sample_length: int = 0  # tokens generated per sample: fits the model's context after a prompt
+    comparison: dict[str, Any] | None = None  # --distill-minutes: the teacher's and the student's sample
     seconds: float = 0.0
     exit_code: int = 0
 
@@ -463,10 +464,12 @@ def run_demo(
     device: str | None = None,
     config_path: str | Path | None = None,
     sink: StreamSink | None = None,
+    distill_minutes: float | None = None,
 ) -> DemoResult:
     """Run (or finish) the demo in `output`; `minutes` bounds the training stage, calibration included.
 
-    `device` None keeps the config's training.device (auto for the bundled config)."""
+    `device` None keeps the config's training.device (auto for the bundled config). `distill_minutes`
+    then distils the model into a few-step student within that budget (`dlm.demo.distill`)."""
 
     check_minutes(minutes)
     started = time.perf_counter()
@@ -502,6 +505,11 @@ def run_demo(
     _export_stage(demo, step)
     result.model_dir = demo.model_dir
     result.samples = _samples_stage(demo)
+    if distill_minutes is not None:
+        from dlm.demo.distill import distill_stage
+
+        result.comparison = distill_stage(demo.model_dir, demo.data_dir, output, distill_minutes,
+                                          result.sample_length or 64, demo.emit)  # fmt: skip
     result.seconds = time.perf_counter() - started
     demo.emit({"event": "demo_done", **result.to_dict()})
     return result
