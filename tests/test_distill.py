@@ -410,3 +410,14 @@ def test_dlm_distill_plans_its_rounds_to_fill_minutes(teacher: Path, tiny_data_d
     refused = run_cli("distill", teacher, "--data", tiny_data_dir, "--output", tmp_path / "other", "--minutes", "1",
                       "--steps-per-round", "5")  # fmt: skip
     refused.assert_refused("--steps-per-round")
+
+
+def test_the_memory_estimate_counts_the_teacher(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    from dlm.train.memory import estimate_training_memory
+
+    experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run")
+    with_teacher = estimate_training_memory(experiment, "float32")
+    alone = estimate_training_memory(experiment.model_copy(update={"distill": None}), "float32")
+    assert with_teacher.teacher == with_teacher.weights > 0 and alone.teacher == 0
+    assert with_teacher.total == alone.total + with_teacher.weights
+    assert "teacher" in with_teacher.breakdown()

@@ -192,6 +192,7 @@ def _estimate_command(experiment: ExperimentConfig, device_memory: float | None,
     table = Table("memory", Column("estimate", justify="right"))
     parts = {"weights": estimate.weights, "gradients": estimate.gradients,
              f"{estimate.optimizer} state": estimate.optimizer_state, "EMA": estimate.ema,
+             "distillation teacher": estimate.teacher,
              "activations (one micro-batch)": estimate.activations,
              f"{plan.precision} weight copies": estimate.weight_copies}  # fmt: skip
     for name, size in parts.items():

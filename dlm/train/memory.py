@@ -154,12 +154,13 @@ class MemoryEstimate:
     optimizer_state_estimated: bool = True  # False: the optimizer's state size is unknown, counted as 0
     trainable: int | None = None  # trained parameters when fewer than all (a LoRA run's adapters)
     weight_copies: int = 0  # autocast's compute-dtype copies of float32 matmul weights (`weight_copy_bytes`)
+    teacher: int = 0  # a distillation run's frozen teacher (`[distill]`), a second copy of the weights
 
     @property
     def model_state(self) -> int:
-        """Weights, gradients, optimizer state and EMA: the part no batch size or kernel changes."""
+        """Weights, gradients, optimizer state, EMA and any teacher: the part no batch size or kernel changes."""
 
-        return self.weights + self.gradients + self.optimizer_state + self.ema
+        return self.weights + self.gradients + self.optimizer_state + self.ema + self.teacher
 
     @property
     def total(self) -> int:
@@ -174,6 +175,8 @@ class MemoryEstimate:
         ]
         if self.ema:
             parts.append(f"EMA {format_bytes(self.ema)}")
+        if self.teacher:
+            parts.append(f"teacher {format_bytes(self.teacher)}")
         counted = f"{format_parameter_count(self.parameters)} parameters"
         if self.trainable is not None:
             counted += f" ({format_parameter_count(self.trainable)} trained, {self.trainable_share:.2%})"
@@ -199,10 +202,11 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
     def per_shard(total: int) -> int:
         return -(-total // shards)
 
+    weights = per_shard(sum(entry.size * entry.element_bytes for entry in entries))
     return MemoryEstimate(
         parameters=parameters,
         optimizer=training.optimizer,
-        weights=per_shard(sum(entry.size * entry.element_bytes for entry in entries)),
+        weights=weights,
         gradients=per_shard(4 * trainable),
         optimizer_state=per_shard(state or 0),
         ema=per_shard(4 * trainable) if training.ema_decay else 0,
@@ -210,6 +214,7 @@ def estimate_training_memory(experiment: ExperimentConfig, precision: str, shard
         optimizer_state_estimated=state is not None,
         trainable=trainable if trainable < parameters else None,
         weight_copies=weight_copy_bytes(entries, model, precision),
+        teacher=weights if experiment.distill is not None else 0,  # its activations: no gradients, fewer
     )
 
 
