@@ -310,7 +310,7 @@ def test_the_student_records_its_steps_and_teacher(student: Path, teacher: Path)
     from dlm.artifacts.checksum import weights_sha256
 
     assert record["steps"] == 4 and record["teacher_steps"] == 16 and record["rounds_done"] == 2
-    assert record["method"] == "sdtt" and record["divergence"] == "reverse-kl"
+    assert record["method"] == "sdtt" and record["divergence"] == "kl"
     assert record["teacher_sha256"] == weights_sha256(teacher_weights)
     card = (student / "README.md").read_text()
     assert "**4 sampling steps**" in card

@@ -50,8 +50,9 @@ def distill_command(
         int, typer.Option("--steps-per-round", min=1, help="Optimizer steps of each round.")
     ] = 200,
     divergence: Annotated[
-        str, typer.Option("--divergence", help="reverse-kl, kl or tvd: what each round minimises.")
-    ] = "reverse-kl",
+        str,
+        typer.Option("--divergence", help="kl, reverse-kl or tvd: what each round minimises (docs/distill.md)."),
+    ] = "kl",
     minutes: Annotated[
         float | None,
         typer.Option(

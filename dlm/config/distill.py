@@ -28,9 +28,10 @@ class DistillConfig(BaseModel):
         "sdtt", description="sdtt: each round matches one student step to two teacher steps (SDTT)."
     )
     divergence: str = Field(
-        "reverse-kl",
-        description="What a round minimises between the teacher's two-step distribution and the student's one-step "
-        "distribution, a name registered in `dlm/diffusion/divergences.py`: kl, reverse-kl or tvd.",
+        "kl",
+        description="What a round minimises between the teacher's two-step prediction and the student's one-step "
+        "prediction, a name registered in `dlm/diffusion/divergences.py`: kl (forward, the best measured on the "
+        "demo's model), reverse-kl (SDTT's choice) or tvd.",
     )
     teacher_steps: int = Field(
         64, ge=2, description="Sampling steps of the first round's teacher (the steps it samples well in)."

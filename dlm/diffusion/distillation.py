@@ -11,10 +11,9 @@ step revealed it, else p2_i (the second step's prediction, whether or not that s
 Its expectation, T_i = a p1_i + (1 - a) E[p2_i | i still masked at u] with a the first step's reveal
 probability, is the teacher's belief about x_i after two steps; `tests/test_distill.py` checks it
 against an enumeration of the whole two-step process on a tiny vocabulary. The target itself is a
-draw, and the divergence is not linear in it: minimising the reverse KL (SDTT's best) toward the
-draws makes the student's log-probabilities the average of the targets' (a geometric mean), sharper
-than the teacher where the second step's prediction depends on what the first step wrote. That is
-what lets a student reveal twice as many tokens a step while they still agree.
+draw, and only the forward KL is linear in it (its student learns T itself); the reverse KL, SDTT's
+choice, pulls the student toward a geometric mean of the draws instead (docs/distill.md has what
+each did on the demo's model).
 
 This module is the arithmetic; `dlm.distill` runs the teacher and the student.
 """
