@@ -371,6 +371,8 @@ def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir:
     result = run_cli(*args, "--max-run-steps", "2")
     assert result.exit_code == 0, result.stderr
     assert "continue with: dlm resume" in result.stderr
+    trained = [json.loads(line) for line in result.stdout.splitlines() if '"event": "train"' in line]
+    assert trained and trained[-1]["phase"].startswith("round 1/1: 8 -> 4 sampling steps; loss is the kl")
     resumed = run_cli("resume", run, "--json")
     assert resumed.exit_code == 0, resumed.stderr
     events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
