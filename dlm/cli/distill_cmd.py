@@ -72,12 +72,15 @@ def distill_command(
     allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Distil TEACHER into a student that samples in fewer steps (distillation through time, SDTT).
+    """Distil TEACHER into a student that samples in fewer steps (SDTT).
 
-    The student starts as the teacher. Each round it learns to take in one step what its teacher
-    takes in two, and then teaches the next round: 64 teacher steps and 3 rounds give an 8-step
-    student. The run resumes with `dlm resume OUTPUT`; `dlm export OUTPUT --output DIR` writes the
-    student, which samples in its steps by default.
+    The student starts as the teacher. Each round it learns to take in one
+    step what its teacher takes in two, then teaches the next round: 64
+    teacher steps and 3 rounds give an 8-step student. Continue a stopped
+    run with `dlm resume OUTPUT`; `dlm export OUTPUT --output DIR` writes the
+    student, which samples in its own steps by default. docs/distill.md has
+    what it measured: on the demo's model no student is yet better than its
+    teacher sampled in the same steps.
     """
 
     from dlm.distill.run import distillation_experiment
