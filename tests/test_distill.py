@@ -255,7 +255,7 @@ def test_resume_in_the_middle_of_a_round_is_bit_identical(teacher: Path, tiny_da
     paused = distill(split, max_run_steps=6, sink=first.append)
     assert paused.status == "paused" and paused.step == 6
     run = RunDir(tmp_path / "split")
-    assert run.teacher_snapshots() == [run.teacher_snapshot(1)]
+    assert run.teacher_snapshots() == {1: run.teacher_snapshot(1)}
     second: list[Event] = []
     resumed = distill(split, resume=paused.checkpoint, sink=second.append)
     assert resumed.status == "complete" and resumed.step == straight.step == 8
@@ -423,3 +423,20 @@ def test_the_memory_estimate_counts_the_teacher(teacher: Path, tiny_data_dir: Pa
     assert with_teacher.teacher == with_teacher.weights > 0 and alone.teacher == 0
     assert with_teacher.total == alone.total + with_teacher.weights
     assert "teacher" in with_teacher.breakdown()
+
+
+def test_a_checkpoint_of_an_earlier_round_keeps_its_teacher(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    """Saves that do not fall on the rounds' starts: the run keeps round 1's teacher while a checkpoint in
+    round 1 remains, and a resume from it (the later checkpoint lost) ends on the uninterrupted weights."""
+
+    settings = ("training.save_interval=3", "training.eval_interval=100", "training.keep_last_checkpoints=2")
+    fields = {"teacher_steps": 8, "rounds": 3, "steps_per_round": 2}
+    straight = distill(_experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings, **fields))
+    split = _experiment(teacher, tiny_data_dir, tmp_path / "split", *settings, **fields)
+    paused = distill(split, max_run_steps=5)
+    run = RunDir(tmp_path / "split")
+    assert paused.step == 5 and run.checkpoint_steps() == [3, 5]
+    assert set(run.teacher_snapshots()) == {1, 2}  # round 2 began at step 4, while step 3's checkpoint was kept
+    resumed = distill(split, resume=run.step_checkpoint(3))
+    assert resumed.status == "complete" and resumed.step == straight.step == 6
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)

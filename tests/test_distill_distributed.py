@@ -88,7 +88,7 @@ def test_two_processes_distil_as_one_with_twice_the_accumulation(runs: Path, par
         assert torch.allclose(left["model"][name], tensor, rtol=0, atol=TOLERANCE), name
     # Round 1's teacher, gathered from the ranks, is the reference's, and the only snapshot kept.
     run, reference = RunDir(runs / parallelism), RunDir(runs / "reference")
-    assert run.teacher_snapshots() == [run.teacher_snapshot(1)]
+    assert run.teacher_snapshots() == {1: run.teacher_snapshot(1)}
     from safetensors.torch import load_file
 
     snapshot, expected = load_file(str(run.teacher_snapshot(1))), load_file(str(reference.teacher_snapshot(1)))

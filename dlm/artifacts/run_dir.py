@@ -90,8 +90,21 @@ class RunDir:
 
         return self.path / TEACHER_SNAPSHOT_GLOB.replace("*", f"{round_index:02d}")
 
-    def teacher_snapshots(self) -> list[Path]:
-        return sorted(self.path.glob(TEACHER_SNAPSHOT_GLOB))
+    def teacher_snapshots(self) -> dict[int, Path]:
+        """The teacher snapshots present, by round."""
+
+        prefix, suffix = TEACHER_SNAPSHOT_GLOB.split("*")
+        found = {}
+        for path in self.path.glob(TEACHER_SNAPSHOT_GLOB):
+            number = path.name[len(prefix) : -len(suffix)]
+            if number.isdigit():
+                found[int(number)] = path
+        return dict(sorted(found.items()))
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of every checkpoint a resume could start from, single-file or sharded."""
+
+        return sorted({step for step, _ in self.checkpoints()} | {step for step, _ in complete_checkpoints(self.path)})
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """`(step, path)` of the numbered checkpoints, oldest first."""
@@ -137,7 +150,7 @@ def run_files(directory: Path) -> list[Path]:
     named = [directory / name for name in RUN_FILE_NAMES if (directory / name).exists()]
     sharded = [path for _, path in complete_checkpoints(directory)] + incomplete_checkpoints(directory)
     link = [directory / LATEST_LINK] if (directory / LATEST_LINK).is_symlink() else []
-    teachers = RunDir(directory).teacher_snapshots()
+    teachers = list(RunDir(directory).teacher_snapshots().values())
     return named + [path for _, path in numbered_checkpoints(directory)] + sharded + link + teachers
 
 

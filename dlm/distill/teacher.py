@@ -4,7 +4,8 @@ Round 0's teacher is the model `[distill] teacher` names. Round r > 0's teacher 
 round r began: when the run crosses into round r its weights are copied into the teacher and saved
 to `teacher-round-RR.safetensors` in the run directory (`RunDir.teacher_snapshot`), so that a run
 resumed anywhere in round r reloads exactly the teacher an uninterrupted run used. Only the current
-round's snapshot is kept: every checkpoint of a round needs that one alone.
+round's snapshot and those of the rounds the run's checkpoints are in are kept, so any checkpoint a
+resume may start from finds its round's teacher.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ class RoundTeachers:
             tensors = {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in state.items()}
             with atomic_path(path, durable=True) as temporary:
                 save_file(tensors, str(temporary), metadata={"round": str(round_index)})
-            for older in self.run.teacher_snapshots():
-                if older != path:
+            # A checkpoint at step s resumes into round_of(s): those rounds' teachers stay.
+            needed = {round_index, *(self.round_of(step) for step in self.run.checkpoint_steps())}
+            for older_round, older in self.run.teacher_snapshots().items():
+                if older_round not in needed:
                     older.unlink(missing_ok=True)
         self.world.barrier()  # no rank trains on a teacher whose snapshot is not yet on disk
 
