@@ -149,7 +149,9 @@ def test_cached_pass_on_an_unchanged_sequence_matches_the_full_pass(tokenizer: T
         cached = reverse.logits(tokens, positions, None)
         rows = torch.tensor([False, True])
         one_row = reverse.logits(tokens[rows], positions[rows], rows)
-    assert torch.equal(first, reference)
+    # Up to float rounding: the refreshing pass runs its last block over the queried columns only, and
+    # matmuls of another shape may take other kernels (AVX2-only ones do here), summing in another order.
+    torch.testing.assert_close(first, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cached, reference, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(one_row, reference[8:], atol=1e-5, rtol=1e-5)
 
