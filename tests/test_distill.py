@@ -440,3 +440,28 @@ def test_a_checkpoint_of_an_earlier_round_keeps_its_teacher(teacher: Path, tiny_
     resumed = distill(split, resume=run.step_checkpoint(3))
     assert resumed.status == "complete" and resumed.step == straight.step == 6
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
+
+
+def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, teacher: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import importlib.util
+    import math
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "distill_frontier.py"
+    spec = importlib.util.spec_from_file_location("distill_frontier", script)
+    assert spec is not None and spec.loader is not None
+    frontier = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "distill_frontier", frontier)  # its dataclasses look their module up
+    spec.loader.exec_module(frontier)
+    entries = [frontier.parse_entry(str(teacher)), frontier.parse_entry(f"{teacher}@4"),
+               frontier.parse_entry(str(student))]  # fmt: skip
+    for entry in entries:
+        entry.model, entry.tokenizer = load_model(entry.path)
+    judge, _ = load_model(teacher)
+    figures = frontier.measure(entries, judge, length=16, num_samples=2, seeds=[0, 1], repeats=1)
+    assert [row.steps for row in figures] == [16, 4, 4]  # one a token, as asked, the student's own
+    assert figures[0].speedup == 1.0 and [row.passes_per_token for row in figures][1:] == [0.25, 0.25]
+    assert all(math.isfinite(row.judge_perplexity) and 0 < row.distinct_2 <= 1 for row in figures)
+    table = frontier.table(figures)
+    assert table.count("\n") == len(figures) + 1 and "(+0.0%)" in table.splitlines()[2]
