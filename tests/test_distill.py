@@ -465,3 +465,30 @@ def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, t
     assert all(math.isfinite(row.judge_perplexity) and 0 < row.distinct_2 <= 1 for row in figures)
     table = frontier.table(figures)
     assert table.count("\n") == len(figures) + 1 and "(+0.0%)" in table.splitlines()[2]
+
+
+def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
+                                                 run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    run = tmp_path / "run"
+    args = ("distill", teacher, "--teacher-samples", "24", "--output", run, "--teacher-steps", "8", "--rounds", "1",
+            "--steps-per-round", "2", "--json")  # fmt: skip
+    result = run_cli(*args)
+    assert result.exit_code == 0, result.stderr
+    samples = run / "teacher-samples"
+    lines = (samples / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 24 and all(json.loads(line)["text"] for line in lines)
+    progress = [json.loads(line) for line in result.stdout.splitlines() if '"progress"' in line]
+    assert progress[-1]["samples"] == progress[-1]["total"] == 24
+    config = json.loads((run / "config.json").read_text())
+    assert Path(config["training"]["train_data"]) == (samples / "train.bin").resolve()
+    written = (samples / "samples.jsonl").stat().st_mtime_ns
+    again = run_cli(*args, "--overwrite")  # a new run on the same samples: not sampled again
+    assert again.exit_code == 0, again.stderr
+    assert (samples / "samples.jsonl").stat().st_mtime_ns == written
+    assert not [line for line in again.stdout.splitlines() if '"progress"' in line]
+    refused = run_cli("distill", teacher, "--teacher-samples", "24", "--output", run)
+    refused.assert_refused("already holds a run")
+    both = run_cli("distill", teacher, "--teacher-samples", "8", "--data", tiny_data_dir, "--output", tmp_path / "b")
+    both.assert_refused("give one of --data")
+    neither = run_cli("distill", teacher, "--output", tmp_path / "c")
+    neither.assert_refused("give one of --data")

@@ -27,13 +27,22 @@ def distill_command(
         Path, typer.Argument(help="The model to distil: an export directory, a checkpoint or a run directory.")
     ],
     data: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--data",
             help="Packed text (`dlm pack --output` with the teacher's tokenizer): train.bin and val.bin.",
             show_default=False,
         ),
-    ],
+    ] = None,
+    teacher_samples: Annotated[
+        int | None,
+        typer.Option(
+            "--teacher-samples",
+            help="Distil on this many of the teacher's own samples instead of --data: written once (to "
+            "OUTPUT/teacher-samples, reused by a second call) before the rounds begin.",
+            show_default=False,
+        ),
+    ] = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="Run directory of the student.")] = Path(
         "runs/distill"
     ),
@@ -88,6 +97,7 @@ def distill_command(
     distill = {"teacher_steps": teacher_steps, "rounds": rounds, "steps_per_round": steps_per_round,
                "divergence": divergence}  # fmt: skip
     settings = _overrides(overrides, device, precision)
+    data = _data(teacher, data, teacher_samples, output, overwrite, as_json)
     experiment = distillation_experiment(teacher, data, output, distill, settings)
     if minutes is not None:
         refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),
@@ -97,6 +107,37 @@ def distill_command(
         max_run_minutes = seconds_left / 60
     _run(experiment, as_json, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes, overwrite=overwrite,
          allow_data_change=allow_data_change)  # fmt: skip
+
+
+def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, overwrite: bool,
+          as_json: bool) -> Path:  # fmt: skip
+    """--data, or the packed directory of --teacher-samples (written now, with a progress bar)."""
+
+    from dlm.errors import UserError
+
+    if (data is None) == (samples is None):
+        raise UserError("give one of --data (packed text) and --teacher-samples N (the teacher's own samples)",
+                        fix="for example --data runs/demo/data, or --teacher-samples 2048")  # fmt: skip
+    if samples is None:
+        assert data is not None
+        return data
+    import sys
+
+    from dlm.artifacts.run_dir import check_run_target
+    from dlm.cli.progress import ProgressView
+    from dlm.distill.samples import teacher_samples
+
+    check_run_target(output, None, overwrite)  # refused now, not after minutes of sampling
+    with ProgressView("teacher samples", wants_json(as_json), console, sys.stdout) as view:
+
+        def progress(done: int, total: int) -> None:
+            rate = done / view.elapsed
+            eta = (total - done) / rate if rate > 0 else None
+            view.show(done, total, f"{rate:.1f} samples/s  ETA {eta:.0f}s" if eta is not None else "",
+                      {"stage": "teacher_samples", "samples": done, "total": total, "samples_per_s": rate,
+                       "eta_s": eta})  # fmt: skip
+
+        return teacher_samples(teacher, samples, output, progress=progress)
 
 
 def _plan(experiment: ExperimentConfig, minutes: float, as_json: bool) -> tuple[int, float]:
