@@ -88,8 +88,8 @@ def distill_command(
     teacher steps and 3 rounds give an 8-step student. Continue a stopped
     run with `dlm resume OUTPUT`; `dlm export OUTPUT --output DIR` writes the
     student, which samples in its own steps by default. docs/distill.md has
-    what it measured: on the demo's model no student is yet better than its
-    teacher sampled in the same steps.
+    what it measured: on the demo's model no student is yet clearly better
+    than its teacher sampled in the same steps.
     """
 
     from dlm.distill.run import distillation_experiment
@@ -97,11 +97,12 @@ def distill_command(
     distill = {"teacher_steps": teacher_steps, "rounds": rounds, "steps_per_round": steps_per_round,
                "divergence": divergence}  # fmt: skip
     settings = _overrides(overrides, device, precision)
-    data = _data(teacher, data, teacher_samples, output, overwrite, as_json)
-    experiment = distillation_experiment(teacher, data, output, distill, settings)
     if minutes is not None:
         refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),
                           "with --minutes, which sets the steps of each round and stops the run in time")  # fmt: skip
+    data = _data(teacher, data, teacher_samples, output, overwrite, as_json)
+    experiment = distillation_experiment(teacher, data, output, distill, settings)
+    if minutes is not None:
         planned, seconds_left = _plan(experiment, minutes, as_json)
         experiment = distillation_experiment(teacher, data, output, distill | {"steps_per_round": planned}, settings)
         max_run_minutes = seconds_left / 60
