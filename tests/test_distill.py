@@ -492,3 +492,17 @@ def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: P
     both.assert_refused("give one of --data")
     neither = run_cli("distill", teacher, "--output", tmp_path / "c")
     neither.assert_refused("give one of --data")
+
+
+@pytest.mark.hf_extra
+def test_transformers_generates_in_the_students_steps(student: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from dlm.artifacts.hf_export import export_hf
+
+    exported = export_hf(student, tmp_path / "hf", dtype="float32")
+    hf_model = transformers.AutoModelForMaskedLM.from_pretrained(exported, trust_remote_code=True).float().eval()
+    model, tokenizer = load_model(student, dtype=torch.float32)
+    expected = generate(model, tokenizer, length=16, num_samples=2, seed=5)  # its 4 steps, not 64
+    ids = hf_model.generate(None, max_new_tokens=16, num_samples=2, seed=5)
+    assert expected.steps == 4 and ids.tolist() == expected.token_ids
+    assert hf_model.generate(None, max_new_tokens=16, num_samples=2, seed=5, steps=16).tolist() != ids.tolist()

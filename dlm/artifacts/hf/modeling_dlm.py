@@ -288,7 +288,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         input_ids: Tensor | None = None,
         *,
         max_new_tokens: int = 64,
-        steps: int = 64,
+        steps: int | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = 0.9,  # the defaults of dlm.sample
@@ -304,9 +304,14 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
 
         Mask tokens (`config.mask_token_id`) already in `input_ids` are filled too (infilling); they
         must sit in the same columns in every row. `forbidden_token_ids` (default: padding) are never
-        generated. The default generator is seeded with `seed` on the model's device.
+        generated. The default generator is seeded with `seed` on the model's device. `steps` defaults
+        to the steps a distilled student was distilled for (`dlm distill`; its config's
+        `dlm.distillation.steps`), else 64, as in dlm.
         """
 
+        if steps is None:
+            record = (getattr(self.config, "dlm", None) or {}).get("distillation") or {}
+            steps = int(record.get("steps") or 64)
         options = _Options(steps, temperature, top_k, top_p, remasking, block_length, reveal_split)
         device = self.model.embed_tokens.weight.device
         tokens = _starting_tokens(input_ids, max_new_tokens, num_samples, self.config.mask_token_id, device)
