@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -101,10 +101,10 @@ def distill_command(
         refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),
                           "with --minutes, which sets the steps of each round and stops the run in time")  # fmt: skip
     data = _data(teacher, data, teacher_samples, output, overwrite, as_json)
-    experiment = distillation_experiment(teacher, data, output, distill, settings)
-    if minutes is not None:
-        planned, seconds_left = _plan(experiment, minutes, as_json)
-        experiment = distillation_experiment(teacher, data, output, distill | {"steps_per_round": planned}, settings)
+    if minutes is None:
+        experiment = distillation_experiment(teacher, data, output, distill, settings)
+    else:
+        experiment, seconds_left = _plan(teacher, data, output, distill, settings, minutes, as_json)
         max_run_minutes = seconds_left / 60
     _run(experiment, as_json, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes, overwrite=overwrite,
          allow_data_change=allow_data_change)  # fmt: skip
@@ -124,11 +124,9 @@ def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, o
         return data
     import sys
 
-    from dlm.artifacts.run_dir import check_run_target
     from dlm.cli.progress import ProgressView
     from dlm.distill.samples import teacher_samples
 
-    check_run_target(output, None, overwrite)  # refused now, not after minutes of sampling
     with ProgressView("teacher samples", wants_json(as_json), console, sys.stdout) as view:
 
         def progress(done: int, total: int) -> None:
@@ -138,33 +136,34 @@ def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, o
                       {"stage": "teacher_samples", "samples": done, "total": total, "samples_per_s": rate,
                        "eta_s": eta})  # fmt: skip
 
-        return teacher_samples(teacher, samples, output, progress=progress)
+        return teacher_samples(teacher, samples, output, overwrite=overwrite, progress=progress)
 
 
-def _plan(experiment: ExperimentConfig, minutes: float, as_json: bool) -> tuple[int, float]:
-    """Time distillation steps and plan the rounds; say what was planned (a JSON line with --json)."""
+def _plan(teacher: Path, data: Path, output: Path, distill: dict[str, Any], settings: list[str], minutes: float,
+          as_json: bool) -> tuple[ExperimentConfig, float]:  # fmt: skip
+    """The experiment with its rounds planned to fill `minutes`; say what was planned (a JSON line with --json)."""
 
     from functools import partial
 
     from dlm.bench.throughput import run_benchmark
-    from dlm.distill.budget import planned_steps_per_round
+    from dlm.distill.budget import budgeted_experiment
     from dlm.distill.step import DistillStep
 
-    timer = partial(run_benchmark, step_type=DistillStep)
+    plan = partial(budgeted_experiment, teacher, data, output, minutes, partial(run_benchmark, step_type=DistillStep),
+                   distill, settings)  # fmt: skip
     if wants_json(as_json):
-        steps, seconds_left = planned_steps_per_round(experiment, minutes, timer)
+        experiment, seconds_left = plan()
     else:
         with console.status("timing distillation steps to plan the rounds"):
-            steps, seconds_left = planned_steps_per_round(experiment, minutes, timer)
+            experiment, seconds_left = plan()
     assert experiment.distill is not None
-    plan = {"event": "distill_plan", "minutes": minutes, "steps_per_round": steps,
-            "rounds": experiment.distill.rounds, "seconds_left": round(seconds_left, 1)}  # fmt: skip
+    rounds, steps = experiment.distill.rounds, experiment.distill.steps_per_round
     if wants_json(as_json):
-        print_json(plan)
+        print_json({"event": "distill_plan", "minutes": minutes, "steps_per_round": steps, "rounds": rounds,
+                    "seconds_left": round(seconds_left, 1)})  # fmt: skip
     else:
-        console.print(f"plan: {experiment.distill.rounds} rounds of {steps} steps in {seconds_left / 60:.1f} minutes",
-                      highlight=False)  # fmt: skip
-    return steps, seconds_left
+        console.print(f"plan: {rounds} rounds of {steps} steps in {seconds_left / 60:.1f} minutes", highlight=False)
+    return experiment, seconds_left
 
 
 def register(app: typer.Typer) -> None:

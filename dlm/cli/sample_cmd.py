@@ -272,11 +272,11 @@ def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> Sample
     from dlm.sampling.generation import generate
 
     mask_id = model.config.mask_token_id
-    from dlm.diffusion.distillation import distilled_steps
-    from dlm.sampling.options import DEFAULT_STEPS
+    from dlm.sampling.options import sampling_steps
 
-    own = distilled_steps(model) or DEFAULT_STEPS  # what `generate` runs without --steps
-    steps = None if getattr(model.config, "is_autoregressive", False) else kwargs["steps"] or own
+    # What `generate` runs (its own note, if any, is said there once).
+    steps = kwargs["steps"] if kwargs["steps"] is not None else sampling_steps(model, None)
+    steps = None if getattr(model.config, "is_autoregressive", False) else steps
     with Live(console=console, refresh_per_second=15, transient=True) as live:
 
         def show(step: int, tokens: torch.Tensor) -> None:

@@ -52,8 +52,8 @@ def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emi
     from dlm.artifacts.checkpoint import load_checkpoint
     from dlm.artifacts.run_dir import RunDir, load_run
     from dlm.bench.throughput import run_benchmark
-    from dlm.distill.budget import planned_steps_per_round
-    from dlm.distill.run import distill, distillation_experiment
+    from dlm.distill.budget import budgeted_experiment
+    from dlm.distill.run import distill
     from dlm.distill.step import DistillStep
     from dlm.train.loop import TrainResult
 
@@ -68,10 +68,10 @@ def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emi
 
     emit({"event": "demo_stage", "stage": "distill", "status": "running",
           "detail": f"timing distillation steps to fill {minutes:g} minutes"})  # fmt: skip
-    experiment = distillation_experiment(model_dir, data_dir, run_dir)
-    steps, seconds_left = planned_steps_per_round(experiment, minutes, partial(run_benchmark, step_type=DistillStep))
-    experiment = distillation_experiment(model_dir, data_dir, run_dir, {"steps_per_round": steps})
+    timer = partial(run_benchmark, step_type=DistillStep)
+    experiment, seconds_left = budgeted_experiment(model_dir, data_dir, run_dir, minutes, timer)
     assert experiment.distill is not None
+    steps = experiment.distill.steps_per_round
     emit({"event": "demo_note", "message": f"distilling {experiment.distill.teacher_steps} -> "
           f"{experiment.distill.student_steps} sampling steps: {experiment.distill.rounds} rounds of {steps} steps"})
     return distill(experiment, overwrite=True, max_run_seconds=seconds_left, sink=emit)

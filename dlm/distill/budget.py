@@ -10,9 +10,11 @@ happens ("paused"; `dlm resume` finishes it), never later.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from dlm.config.schema import ExperimentConfig
+from dlm.distill.run import distillation_experiment
 from dlm.errors import UserError
 from dlm.train.budget import CALIBRATION_STEPS, Calibration, check_minutes
 
@@ -44,3 +46,16 @@ def planned_steps_per_round(experiment: ExperimentConfig, minutes: float, timer:
             fix=f"give at least --minutes {needed:.1f}, or fewer --rounds",
         )
     return steps, seconds_left
+
+
+def budgeted_experiment(
+    teacher: str | Path, data: str | Path, output: str | Path, minutes: float, timer: StepTimer,
+    distill: dict[str, Any] | None = None, overrides: list[str] | None = None,
+) -> tuple[ExperimentConfig, float]:  # fmt: skip
+    """`distillation_experiment(teacher, data, output, distill, overrides)` with its rounds planned to fill
+    `minutes`, and the seconds left for the run once the steps were timed."""
+
+    experiment = distillation_experiment(teacher, data, output, distill, overrides)
+    steps, seconds_left = planned_steps_per_round(experiment, minutes, timer)
+    planned = {**(distill or {}), "steps_per_round": steps}
+    return distillation_experiment(teacher, data, output, planned, overrides), seconds_left

@@ -27,17 +27,21 @@ Progress = Callable[[int, int], None]  # (samples written, samples asked for)
 
 
 def teacher_samples(
-    teacher: str | Path, count: int, run_dir: str | Path, *, seed: int = 0, progress: Progress | None = None
+    teacher: str | Path, count: int, run_dir: str | Path, *, seed: int = 0, overwrite: bool = False,
+    progress: Progress | None = None,
 ) -> Path:
-    """The packed data directory of `count` samples of `teacher` under `run_dir`, written or reused."""
+    """The packed data directory of `count` samples of `teacher` under `run_dir`, written or reused. A run
+    already in `run_dir` is refused first (unless `overwrite`: the run then starts over), not after
+    minutes of sampling."""
 
     from dlm.artifacts.loading import load_model_with_info
-    from dlm.artifacts.run_dir import metadata_sha256
+    from dlm.artifacts.run_dir import check_run_target, metadata_sha256
     from dlm.data.pack import pack_corpus
     from dlm.sampling.generation import generate
 
     if count < 2:
         raise UserError(f"--teacher-samples must be at least 2 (got {count})", fix="for example --teacher-samples 2048")
+    check_run_target(Path(run_dir), None, overwrite)
     output = Path(run_dir) / SAMPLES_DIR
     loaded = load_model_with_info(teacher)
     wanted = {"teacher": str(Path(teacher).resolve()), "count": count, "seed": seed,
