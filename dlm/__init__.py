@@ -26,15 +26,18 @@ __version__ = "0.8.0"
 __all__ = ["__version__", "load", "sample"]
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[DiffusionTransformer, Tokenizer]:
+def load(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[DiffusionTransformer, Tokenizer]:
     """Load an exported model directory (or checkpoint): returns (model, tokenizer).
 
-    The model records the noise schedule it was trained with, which `sample` then follows.
+    `dtype` None keeps the stored dtype (e.g. bfloat16 weights stay bfloat16). The model records the
+    noise schedule it was trained with, which `sample` then follows.
     """
 
     from dlm.artifacts.loading import load_model
 
-    return load_model(path, device=device)
+    return load_model(path, device=device, dtype=dtype)
 
 
 def sample(model: Denoiser, tokenizer: Tokenizer, **options: Any) -> SampleResult:

@@ -50,7 +50,7 @@ from dlm.diffusion.distillation import attach_distilled_steps
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.lora import from_peft_names, merged_weights
-from dlm.model.transformer import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer, rotary_tables
 
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
 _PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir", "init_from")
@@ -338,18 +338,49 @@ def build_model(
 
     if dtype is None:
         dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-    # Built directly on the device. Its random init is wasted, but building on the meta device
-    # instead would import torch._dynamo (seconds) for the meta kernels of the init functions.
-    # MPS lacks the float64 the rotary tables are computed in: build on the CPU and move.
     device = torch.device(device)
-    with torch.device("cpu" if device.type == "mps" else device):
-        model = DiffusionTransformer(config)
+    if device.type == "cpu" and sum(t.numel() for t in weights.values()) < _META_BUILD_MIN_PARAMETERS:
+        model = _built_and_copied(config, weights, dtype, source)
+    else:
+        model = _built_on_meta(config, weights, device, dtype, source)
+    return model.to(device).eval()
+
+
+# Below this size a CPU model is built for real and the weights copied in: its random init costs less
+# than the meta device's first use, which imports torch._dynamo (about a second) for the meta kernels
+# of the init functions. Above it, and on any accelerator, the model is built on the meta device so
+# that loading never holds a float32 copy beside the weights (an 8B model would need 3x its size).
+_META_BUILD_MIN_PARAMETERS = 100_000_000
+
+
+def _built_and_copied(
+    config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, source: Path
+) -> DiffusionTransformer:
+    model = DiffusionTransformer(config)
     _check_weights(model.state_dict(), weights, source)
     with torch.no_grad():
         for parameter in model.parameters():  # parameters only: the rotary tables stay float32
             parameter.data = parameter.data.to(dtype)
         model.load_state_dict(weights, strict=True)
-    return model.to(device).eval()
+    return model
+
+
+def _built_on_meta(
+    config: ModelConfig, weights: dict[str, Tensor], device: torch.device, dtype: torch.dtype, source: Path
+) -> DiffusionTransformer:
+    """The model's structure on the meta device, then each weight moved to `device` in `dtype` and taken
+    as the parameter itself (`assign`): peak memory is the weights' own bytes. The rotary tables,
+    derived from the config, are computed on the CPU in float64 (which MPS lacks) and moved."""
+
+    with torch.device("meta"):
+        model = DiffusionTransformer(config)
+    _check_weights(model.state_dict(), weights, source)
+    placed = {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+              for name, tensor in weights.items()}  # fmt: skip
+    model.load_state_dict(placed, strict=True, assign=True)
+    cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model
 
 
 def load_model_with_info(
