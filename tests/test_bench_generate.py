@@ -88,6 +88,21 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     assert headers[1] == "tokens/s" and table[1][0] == "block_length=8 cache=dual"
 
 
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_block_and_autoregressive_models_bench_with_their_defaults(tokenizer: Tokenizer, block_size: int) -> None:
+    # The warm-up, like the default row, takes one step a token: what a model with short blocks accepts.
+    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
+                         pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    torch.manual_seed(0)
+    model = DiffusionTransformer(config).eval()
+    report = benchmark_generation(model, tokenizer, length=12, num_samples=2, mc_samples=2)
+    (row,) = report.rows
+    assert report.default_row() is row and row.generated_tokens == 24
+    assert math.isfinite(row.judge_perplexity) and row.judge_perplexity > 1
+    # One pass a token for the autoregressive model; a block model also stores each finished block.
+    assert row.passes_per_token == 1.0 if block_size == 1 else 1.0 < row.passes_per_token <= 1.5
+
+
 def test_cli_bench_generate_json_and_table(exports: list[int]) -> None:
     args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
     result = CliRunner().invoke(app, [*args, "--repeats", "2", "--seed", "3", "--json"])

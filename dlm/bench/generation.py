@@ -263,7 +263,10 @@ def benchmark_generation(
     report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed, default_steps=steps)
     from dlm.sampling.generation import generate
 
-    generate(model, tokenizer, **(base | {"length": 8, "steps": 2}))  # untimed warm-up of the kernels
+    # Untimed warm-up of the kernels, one token a step: what every model accepts, also one whose
+    # blocks are shorter than the warm-up (an autoregressive block_size = 1 model needs a step a block).
+    warmup = min(8, length)
+    generate(model, tokenizer, **(base | {"length": warmup, "steps": warmup}))
     # Rounds: every setting runs once per round, so other work on the machine slows them alike and
     # the ratios stay fair. The same seed repeats the same samples; the fastest run of each setting
     # is the one least disturbed.
