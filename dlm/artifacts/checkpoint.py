@@ -291,7 +291,9 @@ def load_checkpoint(path: str | Path, expected_format: str | None = None) -> dic
     return data
 
 
-def check_finite_weights(weights: object, path: Path, what: str = "weights", step: object = None) -> None:
+def check_finite_weights(
+    weights: object, path: Path, what: str = "weights", step: object = None, fix: str | None = None
+) -> None:
     """Refuse weights that hold a NaN or an inf, naming the first such tensor.
 
     Such a model computes NaN for every token, so evaluating, sampling, exporting or training it
@@ -314,7 +316,7 @@ def check_finite_weights(weights: object, path: Path, what: str = "weights", ste
     raise UserError(
         f"the {what} hold NaN or inf values: tensor {bad[0]}{more}; such a model computes only NaN",
         path=path,
-        fix=f"{earlier}, or train it again (lower training.learning_rate or use bfloat16 instead of float16)",
+        fix=fix or f"{earlier}, or train it again (lower training.learning_rate or use bfloat16 instead of float16)",
     )
 
 

@@ -20,9 +20,11 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
+from dlm.artifacts.checkpoint import check_finite_weights
 from dlm.artifacts.export_layout import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, SourceInfo, read_config_json
 from dlm.artifacts.hf.families import FAMILIES, Family, family_of
 from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
+from dlm.config.shapes import parameter_shapes
 from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, special_tokens_of
 from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError
@@ -54,6 +56,10 @@ def _weight_files(directory: Path) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserError(f"unreadable shard index: {exc}", path=index) from None
+        if unsafe := [str(name) for name in names if not _bare_shard_name(name)]:
+            raise UserError(f"the shard index names {unsafe[0]!r}, which is not a .safetensors file in this "
+                            "directory", path=index,
+                            fix="list bare .safetensors file names of this directory in weight_map")  # fmt: skip
         shards = [directory / str(name) for name in names]
         if missing := [shard.name for shard in shards if not shard.is_file()]:
             raise UserError(f"the shard index lists {', '.join(missing[:3])}, which is missing", path=index,
@@ -65,6 +71,14 @@ def _weight_files(directory: Path) -> list[Path]:
     fix = "save it with safetensors (save_pretrained(..., safe_serialization=True))"
     what = f"only pickled weights ({', '.join(pickled[:2])}), which dlm never loads" if pickled else "no weights"
     raise UserError(f"{what}: no {SINGLE_NAME} or {INDEX_NAME}", path=directory, fix=fix)
+
+
+def _bare_shard_name(name: object) -> bool:
+    """A file name of the directory itself: no folder part, no `..`, a `.safetensors` suffix. Links are
+    not resolved: a Hugging Face cache snapshot is a directory of links into its blob store."""
+
+    return isinstance(name, str) and name.endswith(".safetensors") and name == Path(name).name and \
+        not name.startswith(".")  # fmt: skip
 
 
 def _read_tensors(directory: Path) -> dict[str, Tensor]:
@@ -80,10 +94,22 @@ def _read_tensors(directory: Path) -> dict[str, Tensor]:
     return tensors
 
 
+CONFIG_FIX = "restore the config.json and weights the model was saved with (download both again)"
+
+
 def _take(tensors: dict[str, Tensor], name: str, directory: Path) -> Tensor:
     if name not in tensors:
         raise UserError(f"the weights lack {name}", path=directory, fix="download every file of the model again")
     return tensors.pop(name)
+
+
+def _fused(parts: dict[str, Tensor], directory: Path) -> Tensor:
+    """The family's separate projections stacked as dlm's one fused matrix, when their widths agree."""
+
+    if len({tuple(t.shape[1:]) for t in parts.values()}) > 1 or any(t.dim() == 0 for t in parts.values()):
+        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in parts.items())
+        raise UserError(f"tensors of one layer do not fit together: {shapes}", path=directory, fix=CONFIG_FIX)
+    return torch.cat(list(parts.values()))
 
 
 def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig, index: int,
@@ -93,17 +119,20 @@ def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfi
     def take(role: str, suffix: str = "") -> Tensor:
         return _take(tensors, prefix + names[role] + suffix, directory)
 
+    def fused(roles: str | tuple[str, ...], suffix: str = "") -> Tensor:
+        return _fused({prefix + names[role] + suffix: take(role, suffix) for role in roles}, directory)
+
     ours = f"blocks.{index}."
     weights = {
         ours + "attention_norm.weight": take("attention_norm"),
-        ours + "attention.qkv.weight": torch.cat([take(part, ".weight") for part in "qkv"]),
+        ours + "attention.qkv.weight": fused("qkv", ".weight"),
         ours + "attention.out.weight": take("out"),
         ours + "mlp_norm.weight": take("mlp_norm"),
-        ours + "mlp.gate_up.weight": torch.cat([take("gate"), take("up")]),
+        ours + "mlp.gate_up.weight": fused(("gate", "up")),
         ours + "mlp.down.weight": take("down"),
     }
     if model.qkv_bias:
-        weights[ours + "attention.qkv.bias"] = torch.cat([take(part, ".bias") for part in "qkv"])
+        weights[ours + "attention.qkv.bias"] = fused("qkv", ".bias")
     if model.qk_norm:
         weights[ours + "attention.q_norm.weight"] = take("q_norm")
         weights[ours + "attention.k_norm.weight"] = take("k_norm")
@@ -125,7 +154,35 @@ def convert_weights(tensors: dict[str, Tensor], family: Family, model: ModelConf
     if leftover:
         raise UserError(f"the weights hold tensors the {family.name} layout has no place for ({leftover[:3]})",
                         path=directory, fix="import a checkpoint of the published layout")  # fmt: skip
+    check_weights_fit(weights, family, model, directory)
     return weights
+
+
+def _block_source(name: str, family: Family) -> str:
+    """How an error names a block tensor: dlm's name and the family's tensors it was made of."""
+
+    _, index, *_ = name.split(".")
+    return f"{name} (from {family.block_prefix.format(n=index)}*)"
+
+
+def check_weights_fit(weights: dict[str, Tensor], family: Family, model: ModelConfig, directory: Path) -> None:
+    """Refuse weights that the model of config.json could not load: a shape the config does not imply
+    (the vocabulary's rows above all), a tensor that is not floating point, a NaN or an inf."""
+
+    for name, shape in parameter_shapes(model):
+        tensor = weights[name]
+        source = family.top.get(name) or _block_source(name, family)
+        if tuple(tensor.shape) != shape:
+            if name in family.top and tensor.dim() == 2 and tensor.shape[1] == shape[1]:
+                raise UserError(f"config.json's vocabulary ({shape[0]} rows) disagrees with {source}, which has "
+                                f"{tensor.shape[0]} rows", path=directory / CONFIG_NAME, fix=CONFIG_FIX)  # fmt: skip
+            raise UserError(f"{source} has shape {tuple(tensor.shape)}, but config.json implies {shape}",
+                            path=directory / CONFIG_NAME, fix=CONFIG_FIX)  # fmt: skip
+        if not tensor.is_floating_point():
+            raise UserError(f"{source} holds {tensor.dtype} values, not floating point weights", path=directory,
+                            fix="download the weights again")  # fmt: skip
+    fix = "download the model again; a source that itself holds them cannot be used"
+    check_finite_weights(weights, directory, what="source weights", fix=fix)
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -206,12 +263,23 @@ class HfSource:
     def read(self, model: ModelConfig) -> tuple[SourceInfo, dict[str, Tensor]]:
         """Metadata and dlm-named CPU weights, for `model` (this directory's, perhaps with a mask id added)."""
 
-        weights = convert_weights(_read_tensors(self.directory), self.family, model, self.directory)
         tokenizer = self.directory / TOKENIZER_NAME
+        _check_tokenizer_fits(tokenizer, model)
+        weights = convert_weights(_read_tensors(self.directory), self.family, model, self.directory)
         info = SourceInfo(path=self.directory, kind=SOURCE_KIND, model=model, weights="live", step=None,
                           tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
                           diffusion=DiffusionConfig(), training={})  # fmt: skip
         return info, weights
+
+
+def _check_tokenizer_fits(path: Path, model: ModelConfig) -> None:
+    """Refuse a tokenizer that can produce ids past the embedding's rows (a model would index beyond it)."""
+
+    size = _load_tokenizer(path.parent).get_vocab_size(with_added_tokens=True)
+    if size > model.vocab_size:
+        raise UserError(f"{TOKENIZER_NAME} has {size} tokens but the model's embedding only {model.vocab_size} rows, "
+                        "so some token ids have no embedding", path=path,
+                        fix="use the tokenizer the model was saved with")  # fmt: skip
 
 
 def read_source(directory: Path) -> HfSource:

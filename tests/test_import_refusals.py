@@ -1,0 +1,106 @@
+"""`dlm import` refuses, before writing anything, a Hugging Face directory whose model could not load:
+shapes that do not fit config.json, NaN or inf weights, a vocabulary that disagrees with the embedding,
+a tokenizer larger than the embedding, and a shard index naming files outside the directory. The
+sources are tiny Llama and Qwen2 models saved by transformers in several shards (the `hf` extra)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_hf_import import build_hf_model
+
+import dlm
+from dlm.artifacts.hf_import import import_model
+from dlm.errors import UserError
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf_extra
+
+INDEX = "model.safetensors.index.json"
+
+
+def shard_of(source: Path, tensor: str) -> Path:
+    return source / json.loads((source / INDEX).read_text())["weight_map"][tensor]
+
+
+def rewrite_tensor(source: Path, tensor: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    shard = shard_of(source, tensor)
+    tensors = load_file(str(shard))
+    tensors[tensor] = change(tensors[tensor]).contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def with_nan(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor.view(-1)[3] = float("nan")
+    return tensor
+
+
+def add_tokens(data: dict) -> None:
+    """Four special tokens past the 512 the embedding has rows for."""
+
+    data["added_tokens"] += [{"id": 512 + i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True} for i in range(4)]  # fmt: skip
+
+
+CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "shape": (lambda source: rewrite_tensor(source, "model.layers.1.self_attn.o_proj.weight", lambda t: t[:, :16]),
+              r"blocks\.1\.attention\.out\.weight \(from model\.layers\.1\.\*\) has shape \(32, 16\), "
+              r"but config\.json implies \(32, 32\)"),
+    "nan": (lambda source: rewrite_tensor(source, "model.layers.0.mlp.up_proj.weight", with_nan),
+            r"source weights hold NaN or inf values: tensor blocks\.0\.mlp\.gate_up\.weight"),
+    "inf": (lambda source: rewrite_tensor(source, "model.norm.weight", lambda t: t * float("inf")),
+            r"NaN or inf values: tensor norm\.weight"),
+    "vocab": (lambda source: edit_json(source / "config.json", lambda c: c.update(vocab_size=640)),
+              r"config\.json's vocabulary \(640 rows\) disagrees with model\.embed_tokens\.weight, which has 512 rows"),
+    "tokenizer": (lambda source: edit_json(source / "tokenizer.json", add_tokens),
+                  r"tokenizer\.json has 516 tokens but the model's embedding only 512 rows"),
+    "outside": (lambda source: edit_json(source / INDEX, lambda index: index["weight_map"].update(
+                    {"model.norm.weight": "../elsewhere/x.safetensors"})),
+                r"the shard index names '\.\./elsewhere/x\.safetensors', which is not a "
+                r"\.safetensors file in this directory"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_unloadable_source_is_refused_and_nothing_is_written(
+    family: str, case: str, tiny_tokenizer_path: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / family
+    build_hf_model(family, source, tiny_tokenizer_path)
+    if case == "outside":  # the named file exists there: the name alone must be refused
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "x.safetensors").write_bytes(shard_of(source, "model.norm.weight").read_bytes())
+    corrupt, message = CASES[case]
+    corrupt(source)
+    output = tmp_path / "imported"
+    with pytest.raises(UserError, match=message) as refused:
+        import_model(source, output, add_mask_token=True, dtype="float32")
+    assert refused.value.path is not None and refused.value.fix
+    assert not output.exists() and not list(tmp_path.glob(".imported*"))
+
+
+def test_shards_that_are_links_into_a_blob_store_import(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    # A Hugging Face cache snapshot: every file a link to a content-addressed blob elsewhere.
+    source, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    build_hf_model("llama", source, tiny_tokenizer_path)
+    blobs.mkdir()
+    for file in sorted(source.iterdir()):
+        blob = blobs / f"blob-{file.name}"
+        file.rename(blob)
+        file.symlink_to(blob)
+    output = import_model(source, tmp_path / "imported", add_mask_token=True, dtype="float32")
+    model, _ = dlm.load(output)
+    assert model.config.n_layers == 2
