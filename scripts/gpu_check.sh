@@ -33,14 +33,14 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PY=${PYTHON:-python3}
 T_SETUP=${T_SETUP:-40}
-T_PYTEST=${T_PYTEST:-140}
+T_PYTEST=${T_PYTEST:-170}
 T_WRITE=${T_WRITE:-150}
 T_LOAD=${T_LOAD:-90}
 T_LORA=${T_LORA:-90}
 T_QUALITY=${T_QUALITY:-170}
 T_GENERATE=${T_GENERATE:-60}
 T_SERVE=${T_SERVE:-45}
-T_CORE=${T_CORE:-110}
+T_CORE=${T_CORE:-100}
 T_DATA=${T_DATA:-120}
 DLM_COMMIT=${DLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 SYNTHETIC=${SYNTHETIC:-/tmp/llada-8b-synthetic}

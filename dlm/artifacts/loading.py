@@ -300,9 +300,7 @@ def read_model_source(
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
     if path.is_dir() and is_hf_source(path):  # LLaDA, Dream, Llama, Qwen, Mistral: read as data, never run
-        info, weights = read_hf_source(path)
-        check_finite_weights(weights, path)
-        return info, weights
+        return read_hf_source(path)  # its shapes, dtypes and finiteness checked as it is read
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
