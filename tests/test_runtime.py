@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.runtime import device, flops, kernels, memory, rng, threads
 
 CPU = torch.device("cpu")
@@ -284,22 +284,95 @@ def test_busy_cores_is_the_lower_of_the_load_average_and_a_short_sample(
     load: float, idle_share: float, expected: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     samples = iter([(1000, 10_000), (1000 + int(1000 * idle_share), 11_000)])  # (idle, total) jiffies
-    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: next(samples))
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "_affinity", lambda: {0, 1})  # every CPU of the host
     slept: list[float] = []
     monkeypatch.setattr(threads.time, "sleep", slept.append)
     assert threads.busy_cores() == pytest.approx(expected) and slept == [threads.BUSY_SAMPLE_SECONDS]
 
 
 def test_busy_cores_without_proc_stat_is_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "_cpu_times", lambda: None)
+    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: None)
+    monkeypatch.setattr(threads, "_affinity", lambda: None)  # a system that cannot say: the whole host
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
     assert threads.busy_cores() == 1.25
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.2)  # what a run starting on an idle machine sees
     assert threads.plan_cpu_threads().describe() == "2 cores, 0.2 busy: 2 threads"
+
+
+STAT = """cpu  400 0 400 800 0 0 0 0 0 0
+cpu0 100 0 100 200 0 0 0 0 0 0
+cpu1 100 0 100 200 0 0 0 0 0 0
+cpu2 190 0 0 10 0 0 0 0 0 0
+cpu3 10 0 200 390 0 0 0 0 0 0
+intr 1
+"""
+
+
+def test_busy_cores_counts_only_the_cpus_this_process_may_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(STAT)
+    assert threads._cpu_times(None, stat) == (800, 1600)  # the "cpu" line: the whole host
+    assert threads._cpu_times({2, 3}, stat) == (400, 800)  # cpu2 and cpu3 alone
+    # On 2 of a busy host's 4 CPUs, only those two count, and the host's load average not at all.
+    later = iter([STAT, STAT.replace("cpu2 190 0 0 10", "cpu2 290 0 0 10").replace("cpu3 10 0 200 390",
+                                                                                   "cpu3 10 0 200 490")])  # fmt: skip
+    monkeypatch.setattr(threads, "_affinity", lambda: {2, 3})
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (30.0, 0.0, 0.0))
+    monkeypatch.setattr(threads.time, "sleep", lambda seconds: stat.write_text(next(later)))
+    stat.write_text(next(later))
+    read = threads._cpu_times
+    monkeypatch.setattr(threads, "_cpu_times", lambda cpus: read(cpus, stat))
+    assert threads.busy_cores() == pytest.approx(1.0)  # cpu2 fully busy, cpu3 idle over the sample
+
+
+@pytest.mark.parametrize(
+    ("files", "membership", "expected"),
+    [
+        ({"cpu.max": "max 100000"}, "0::/", None),
+        ({"cpu.max": "400000 100000"}, "0::/", 4),
+        ({"job/cpu.max": "150000 100000", "cpu.max": "max 100000"}, "0::/job", 1),  # never below one core
+        ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, "2:cpu,cpuacct:/", 3),
+        ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, "2:cpu,cpuacct:/", None),
+        ({}, "0::/", None),  # no cgroup files: no quota
+    ],
+)
+def test_the_cgroup_quota_caps_the_cores(
+    files: dict[str, str], membership: str, expected: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    (tmp_path / "self-cgroup").write_text(membership + "\n")
+    assert threads.quota_cores(tmp_path, tmp_path / "self-cgroup") == expected
+    monkeypatch.setattr(threads, "quota_cores", lambda: expected)
+    monkeypatch.setattr(threads, "_affinity", lambda: set(range(64)))  # a 64-core host's full mask
+    assert threads._usable_cores() == (64 if expected is None else expected)
+
+
+def test_a_resume_takes_the_recorded_threads_unless_omp_num_threads_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    previous = torch.get_num_threads()
+    try:
+        measured = threads.ThreadPlan(2, 1.2, 1, "measured")
+        plan = threads.resume_cpu_threads(measured, 2)
+        assert plan is not None and plan.threads == 2 == torch.get_num_threads()
+        assert plan.describe() == "2 cores, as the checkpoint recorded: 2 threads"
+        assert threads.resume_cpu_threads(measured, None) is measured  # an older checkpoint: as measured
+        assert threads.resume_cpu_threads(None, 2) is None  # not a CPU run
+        explicit = threads.ThreadPlan(2, None, 1, "OMP_NUM_THREADS")
+        with pytest.warns(UserNote, match="OMP_NUM_THREADS=1, where the run used 2 threads.*no longer bit-identical"):
+            assert threads.resume_cpu_threads(explicit, 2) is explicit
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_cpu_times_reads_this_machine() -> None:

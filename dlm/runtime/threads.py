@@ -1,13 +1,21 @@
-"""CPU threads: one intra-op thread per free core, measured when a CPU run starts."""
+"""CPU threads: one intra-op thread per free core, measured when a CPU run starts; a resumed run takes
+the count its checkpoint recorded, since float sums, and so the weights, depend on it.
+
+"Free" counts only what this process may use: the CPUs of its affinity mask (taskset, a container's
+cpuset), capped by its cgroup CPU quota, less the work running on those CPUs; never the whole host."""
 
 from __future__ import annotations
 
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from dlm.errors import UserNote
 
 BUSY_SAMPLE_SECONDS = 0.1  # how long `busy_cores` watches the CPUs before a run picks its threads
 
@@ -28,42 +36,108 @@ class ThreadPlan:
         return f"{self.cores} cores, {busy}: {self.threads} thread{'s' * (self.threads != 1)}"
 
 
-def _usable_cores() -> int:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _affinity() -> set[int] | None:
+    """The CPUs this process may run on (containers, taskset); None where the system cannot say."""
+
     try:
-        return len(os.sched_getaffinity(0))  # what this process may run on (containers, taskset)
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        return None
 
 
-def _cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of all CPUs from /proc/stat (Linux), or None."""
+def quota_cores(root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Whole cores' worth of this process's cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), at least one; None without a quota. A container limited to 4 CPUs on a
+    64-core host gets 4 here, whatever the host's affinity mask says."""
 
     try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = [int(value) for value in stat.readline().split()[1:]]
+        lines = membership.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    own = {path for line in lines for _, controllers, path in [line.split(":", 2)] if ":" in line
+           and (controllers == "" or "cpu" in controllers.split(","))}  # fmt: skip
+    candidates = [root / path.lstrip("/") for path in own] + [root]
+    for directory in candidates:  # v2: "max 100000" or "400000 100000"
+        fields = _read_fields(directory / "cpu.max")
+        if fields and len(fields) == 2:
+            return None if fields[0] == "max" else _cores(fields[0], fields[1])
+    for directory in [root / name / path.lstrip("/") for name in ("cpu", "cpu,cpuacct") for path in own] + [
+        root / "cpu", root / "cpu,cpuacct"
+    ]:  # v1: quota -1 means none
+        quota, period = _read_fields(directory / "cpu.cfs_quota_us"), _read_fields(directory / "cpu.cfs_period_us")
+        if quota and period:
+            return None if quota[0].startswith("-") else _cores(quota[0], period[0])
+    return None
+
+
+def _read_fields(path: Path) -> list[str] | None:
+    try:
+        return path.read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _cores(quota: str, period: str) -> int | None:
+    try:
+        return max(1, int(quota) // int(period)) if int(period) > 0 else None
+    except ValueError:
+        return None
+
+
+def _usable_cores() -> int:
+    """The CPUs this process may run on, capped by its cgroup quota."""
+
+    cpus = _affinity()
+    count = len(cpus) if cpus else (os.cpu_count() or 1)
+    quota = quota_cores()
+    return count if quota is None else min(count, quota)
+
+
+def _cpu_times(cpus: set[int] | None = None, stat_path: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(idle, total) jiffies summed over `cpus` (all CPUs when None) from /proc/stat (Linux), or None."""
+
+    try:
+        with open(stat_path, encoding="ascii") as stat:
+            lines = [line.split() for line in stat if line.startswith("cpu")]
     except (OSError, ValueError):
         return None
-    return (fields[3] + fields[4], sum(fields[:8])) if len(fields) >= 8 else None  # idle + iowait
+    idle = total = 0
+    for name, *values in lines:
+        wanted = name == "cpu" if cpus is None else name[3:].isdigit() and int(name[3:]) in cpus
+        if wanted and len(values) >= 8:
+            fields = [int(value) for value in values[:8]]
+            idle, total = idle + fields[3] + fields[4], total + sum(fields)  # idle + iowait
+    return (idle, total) if total else None
 
 
 def busy_cores(sample_seconds: float = BUSY_SAMPLE_SECONDS) -> float | None:
-    """Cores' worth of work running now: the lower of the 1-minute load average and the CPU time
-    used over the last `sample_seconds` (/proc/stat). The load average alone lags by a minute: after
-    a job ends it still counts it, and a run starting then took one thread on an idle machine."""
+    """Cores' worth of work running now on the CPUs this process may use: the CPU time used over the
+    last `sample_seconds` (/proc/stat, those CPUs' lines only), and where this process may use every
+    CPU, no more than the 1-minute load average (which alone lags by a minute: after a job ends it
+    still counts it, and a run starting then took one thread on an idle machine). The host's load
+    average counts every CPU, so it is left out when this process has only some of them."""
 
-    try:
-        load: float | None = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average on this system
-        load = None
-    before = _cpu_times()
+    cpus = _affinity()
+    whole_host = cpus is None or len(cpus) >= (os.cpu_count() or 1)
+    load: float | None = None
+    if whole_host:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this system
+            load = None
+    mine = None if whole_host else cpus
+    before = _cpu_times(mine)
     if before is None:
         return load
     time.sleep(sample_seconds)
-    after = _cpu_times()
+    after = _cpu_times(mine)
     if after is None or after[1] <= before[1]:
         return load
     idle, total = after[0] - before[0], after[1] - before[1]
-    sampled = (1.0 - idle / total) * (os.cpu_count() or 1)
+    sampled = (1.0 - idle / total) * (len(cpus) if cpus else (os.cpu_count() or 1))
     return sampled if load is None else min(load, sampled)
 
 
@@ -93,3 +167,20 @@ def configure_cpu_threads(device: torch.device, processes: int = 1) -> ThreadPla
     plan = plan_cpu_threads(processes)
     torch.set_num_threads(plan.threads)
     return plan
+
+
+def resume_cpu_threads(plan: ThreadPlan | None, recorded: int | None) -> ThreadPlan | None:
+    """The threads of a resumed CPU run: the count its checkpoint recorded, whatever the load now,
+    because float sums (and so the weights) depend on how the work splits over threads. An explicit
+    OMP_NUM_THREADS still wins, with a note that the run then no longer continues bit for bit."""
+
+    if plan is None or recorded is None:
+        return plan
+    if plan.source != "measured":
+        if plan.threads != recorded:
+            warnings.warn(f"OMP_NUM_THREADS={plan.threads}, where the run used {recorded} threads: it continues, "
+                          "but no longer bit-identical to an uninterrupted run (unset OMP_NUM_THREADS to reuse "
+                          f"{recorded})", UserNote, stacklevel=2)  # fmt: skip
+        return plan
+    torch.set_num_threads(recorded)
+    return ThreadPlan(plan.cores, plan.busy, recorded, "as the checkpoint recorded")

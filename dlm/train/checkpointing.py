@@ -437,3 +437,4 @@ def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool) -> 
         step=int(record["step"]), tokens_seen=int(record["tokens_seen"]),
         micro_batches_seen=int(record["micro_batches_seen"]),
     )
+    trainer.recorded_threads = record.get("cpu_threads")

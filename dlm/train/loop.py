@@ -73,7 +73,7 @@ from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import configure_cuda_backends
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
-from dlm.runtime.threads import configure_cpu_threads
+from dlm.runtime.threads import configure_cpu_threads, resume_cpu_threads
 from dlm.train.checkpointing import load_trainer, report_saves, save_trainer, sharded_checkpointer
 from dlm.train.distributed import (
     DistributedContext,
@@ -142,6 +142,7 @@ class Trainer:
         # None for single-file checkpoints. Built on every rank at this point: it may create a group.
         self.checkpointer = sharded_checkpointer(self.config, world)
         self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
+        self.recorded_threads: int | None = None  # the CPU threads of the checkpoint resumed from
 
     @property
     def counters(self) -> RunCounters:
@@ -184,6 +185,7 @@ class Trainer:
             tokens_seen=int(checkpoint["tokens_seen"]),
             micro_batches_seen=int(checkpoint["micro_batches_seen"]),
         )
+        self.recorded_threads = checkpoint.get("cpu_threads")
         self.checkpoint_path = Path(path)
 
     def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
@@ -218,6 +220,8 @@ class Trainer:
             "tokens_seen": self.counters.tokens_seen,
             "micro_batches_seen": self.counters.micro_batches_seen,
             "world_size": self.world.world_size,
+            # A CPU run's intra-op threads: a resume reuses them (`resume_cpu_threads`), since they shape the sums.
+            "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "config": self.experiment.to_dict(),
             "tokenizer_sha256": self.tokenizer_sha256,
             "data_sha256": self.data_sha256,
@@ -518,6 +522,7 @@ def train(
             cleanup.callback(trainer.checkpointer.close)
         if resume is not None:
             trainer.load(resume, allow_data_change, initial)
+            threads = resume_cpu_threads(threads, trainer.recorded_threads)
         elif initial is not None:
             trainer.start_from(initial)
             del initial  # the model holds them now
