@@ -30,7 +30,7 @@ from helpers import tiny_settings
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.train.distributed import check_parallelism, check_world_size, end_process
+from dlm.train.distributed import check_parallelism, check_world_size, end_process, kept_accumulation
 from dlm.train.loop import train
 from dlm.train.step import LogWindow, TrainingStep
 
@@ -288,6 +288,22 @@ def test_resume_refuses_a_world_size_that_cannot_split_the_consumed_batches() ->
     check_world_size(checkpoint, 3, Path("latest.pt"))
     with pytest.raises(UserError, match=r"9 micro-batches .*world size 1.*2 processes cannot split"):
         check_world_size(checkpoint, 2, Path("latest.pt"))
+
+
+def test_another_world_size_keeps_the_global_batch_or_refuses_in_one_line() -> None:
+    # Saved by 2 processes of batch_size 4 at accumulation 2: a global batch of 16.
+    record = {"world_size": 2, "config": {"training": {"batch_size": 4, "gradient_accumulation_steps": 2}}}
+    assert kept_accumulation(record, 4, 2, 2, "ckpt") == (2, None)
+    assert kept_accumulation(record, 4, 2, 1, "ckpt") == (
+        4, "global batch 16 kept on 1 process: gradient accumulation 4 (the run used 2 on 2)")  # fmt: skip
+    assert kept_accumulation(record, 4, 2, 4, "ckpt")[0] == 1
+    with pytest.raises(UserError, match=r"global batch of 16 sequences \(batch_size 4 x accumulation 2 x 2 processes\) "
+                       r"cannot be kept on 3 processes.*resume on 1, 2, 4 processes, or pass --allow-batch-change to "
+                       r"continue with a global batch of 24"):  # fmt: skip
+        kept_accumulation(record, 4, 2, 3, "ckpt")
+    assert kept_accumulation(record, 4, 2, 3, "ckpt", allow_change=True) == (
+        2, "global batch changed from 16 to 24 on 3 processes (--allow-batch-change)")  # fmt: skip
+    assert kept_accumulation({"config": {}}, 4, 2, 3, "ckpt") == (2, None)  # recorded before world sizes were
 
 
 def test_fsdp_refuses_adamw8bit_and_float16(tiny_data_dir: Path, tmp_path: Path) -> None:

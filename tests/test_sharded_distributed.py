@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import tiny_settings
 
+from dlm.artifacts.events import Event, StartEvent
 from dlm.artifacts.sharded_checkpoint import (
     MARKER_NAME,
     IncompleteCheckpointNote,
@@ -185,6 +186,23 @@ def test_resume_from_two_processes_on_one(root: Path, tiny_data_dir: Path, tmp_p
     assert result.step == STEPS and read_marker(result.checkpoint)["world_size"] == 1
     assert_close_losses(losses(run), [loss for loss in losses(root / "single") if loss[1] > 3])
     assert_same_state(run / "latest", root / "single" / "latest", TOLERANCE)
+
+
+@pytest.mark.slow
+def test_two_processes_resumed_on_one_keep_the_global_batch(root: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    # The run's own config (accumulation 2 on each of 2 processes), as `dlm resume` reads it, on one
+    # process: the accumulation is derived as 4, so the run continues as if never interrupted.
+    run = tmp_path / "kept"
+    events: list[Event] = []
+    config = tiny(tiny_data_dir, run, "training.gradient_accumulation_steps=2", "training.checkpoint_format=dcp")
+    result = train(config, resume=root / "fsdp" / "step-00000003", sink=events.append)
+    start = next(event for event in events if isinstance(event, StartEvent))
+    assert start.global_batch == 16 and start.world_size == 1
+    assert start.batch_note == "global batch 16 kept on 1 process: gradient accumulation 4 (the run used 2 on 2)"
+    assert json.loads((run / "config.json").read_text())["training"]["gradient_accumulation_steps"] == 4
+    assert result.step == STEPS and read_marker(result.checkpoint)["world_size"] == 1
+    assert_close_losses(losses(run), [loss for loss in losses(root / "fsdp") if loss[1] > 3])
+    assert_same_state(run / "latest", root / "fsdp" / "latest", TOLERANCE)
 
 
 def _killed_mid_save(rank: int, world_size: int, data_dir: Path, root: Path) -> None:

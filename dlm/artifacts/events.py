@@ -80,6 +80,8 @@ class StartEvent(RunEvent):
     dlm_version: str
     # The CPU thread plan (`dlm.runtime.threads.ThreadPlan.describe`); None off the CPU and in older files.
     cpu_threads: str | None = None
+    # How a resume on another number of processes kept (or changed) the global batch; None otherwise.
+    batch_note: str | None = None
     # A warning about the precision on this CPU (`dlm.runtime.device.cpu_precision_note`); None when all is well.
     precision_note: str | None = None
     # The trained model whose weights the run started from (`training.init_from`); None otherwise.

@@ -256,6 +256,8 @@ class TrainingDashboard:
             rows.append(Text(self.latest.phase, style="magenta"))
         if self.start is not None and self.start.cpu_threads:
             rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
+        if self.start is not None and self.start.batch_note:
+            rows.append(Text(self.start.batch_note, style="yellow" if "changed" in self.start.batch_note else "dim"))
         if self.start is not None and self.start.precision_note:
             rows.append(Text(self.start.precision_note, style="yellow"))
         if self.budget is not None and self.planned_seconds_per_step and self.max_steps:

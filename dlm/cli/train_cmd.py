@@ -66,6 +66,14 @@ AllowDataChangeOption = Annotated[
         "--allow-data-change", help="Continue even though the packed data differs from the data the run used."
     ),
 ]
+AllowBatchChangeOption = Annotated[
+    bool,
+    typer.Option(
+        "--allow-batch-change",
+        help="On another number of processes, continue even where the run's global batch cannot be kept "
+        "(by default the gradient accumulation is derived to keep it, or the resume is refused).",
+    ),
+]
 
 
 def _overrides(overrides: list[str] | None, device: str | None, precision: str | None) -> list[str]:
@@ -220,6 +228,7 @@ def train_command(
         typer.Option("--overwrite", help="Delete the run already in training.output_dir and start over."),
     ] = False,
     allow_data_change: AllowDataChangeOption = False,
+    allow_batch_change: AllowBatchChangeOption = False,
     minutes: BudgetOption = None,
     init_from: Annotated[
         Path | None,
@@ -261,7 +270,7 @@ def train_command(
         _under_signals(experiment, work, again="the same command again")
         return
     _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
-         overwrite=overwrite, allow_data_change=allow_data_change)  # fmt: skip
+         overwrite=overwrite, allow_data_change=allow_data_change, allow_batch_change=allow_batch_change)  # fmt: skip
 
 
 def resume_command(
@@ -280,6 +289,7 @@ def resume_command(
     device: TrainingDeviceOption = None,
     precision: PrecisionOption = None,
     allow_data_change: AllowDataChangeOption = False,
+    allow_batch_change: AllowBatchChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Continue a run exactly where it stopped, with the config saved in the run (a distillation run too).
@@ -292,7 +302,7 @@ def resume_command(
 
     experiment, source = load_run(run_dir, checkpoint, _overrides(overrides, device, precision))
     _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
-         allow_data_change=allow_data_change)  # fmt: skip
+         allow_data_change=allow_data_change, allow_batch_change=allow_batch_change)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

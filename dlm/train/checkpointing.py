@@ -411,7 +411,7 @@ def report_saves(trainer: Trainer, block: bool) -> None:
         trainer.sink(CheckpointEvent(step=sharded_step(path) or 0, path=str(path)))
 
 
-def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool) -> None:
+def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, allow_batch_change: bool = False) -> None:
     """Resume the trainer from a sharded checkpoint, on this world size whatever the saved one."""
 
     from dlm.artifacts.run_dir import check_resumable, check_same_data
@@ -426,6 +426,7 @@ def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool) -> 
     check_resumable(record, trainer.experiment, trainer.tokenizer_sha256, directory)
     trainer.data_changed = check_same_data(record, trainer.data_sha256, directory, allow_data_change)
     check_world_size(record, trainer.world.world_size, directory)
+    trainer.keep_global_batch(record, directory, allow_batch_change)
     step = trainer.step
     resumable = optimizer_spec(trainer.config.optimizer).resumable_hyperparameters
     with configured_hyperparameters_kept(step.optimizer, resumable):

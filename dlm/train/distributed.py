@@ -198,6 +198,44 @@ def check_world_size(checkpoint: Mapping[str, Any], world_size: int, path: str |
         )
 
 
+def kept_accumulation(
+    checkpoint: Mapping[str, Any], batch_size: int, accumulation: int, world_size: int, path: str | Path,
+    allow_change: bool = False,
+) -> tuple[int, str | None]:  # fmt: skip
+    """The accumulation that keeps a checkpoint's global batch (batch_size x accumulation x processes)
+    on `world_size` processes, and a sentence for the start of the run when it is not the config's.
+
+    A recipe continues as it began on another number of processes (torchtitan's global batch): 2 GPUs
+    at accumulation 1 continue on 1 at accumulation 2, which also sees the same micro-batches and noise.
+    Where the global batch cannot be kept, the resume is refused unless `allow_change` continues with
+    the config's accumulation on purpose."""
+
+    saved_world = checkpoint.get("world_size")
+    training = (checkpoint.get("config") or {}).get("training") or {}
+    saved_batch, saved_accumulation = training.get("batch_size"), training.get("gradient_accumulation_steps", 1)
+    if not all(isinstance(value, int) for value in (saved_world, saved_batch, saved_accumulation)):
+        return accumulation, None  # written before world sizes were recorded: nothing to keep
+    if saved_world == world_size:
+        return accumulation, None
+    saved_global = saved_batch * saved_accumulation * saved_world
+    now = f"{world_size} process{'es' * (world_size != 1)}"
+    if saved_global % (batch_size * world_size) == 0:
+        kept = saved_global // (batch_size * world_size)
+        return kept, (f"global batch {saved_global} kept on {now}: gradient accumulation {kept} "
+                      f"(the run used {saved_accumulation} on {saved_world})")  # fmt: skip
+    changed = batch_size * accumulation * world_size
+    if allow_change:
+        return accumulation, f"global batch changed from {saved_global} to {changed} on {now} (--allow-batch-change)"
+    divisors = [n for n in range(1, saved_global // batch_size + 1) if saved_global % (batch_size * n) == 0]
+    raise UserError(
+        f"the run's global batch of {saved_global} sequences (batch_size {saved_batch} x accumulation "
+        f"{saved_accumulation} x {saved_world} processes) cannot be kept on {now} of batch_size {batch_size}",
+        path=path,
+        fix=f"resume on {', '.join(map(str, divisors[:6]))} processes, or pass --allow-batch-change to continue "
+        f"with a global batch of {changed}",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # FSDP2 and DTensor imports (public since torch 2.6 / 2.5, under private names in 2.4)
 # ---------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ from dlm.train.distributed import (
     full_model_state,
     full_optimizer_state,
     full_tensors,
+    kept_accumulation,
     load_full_state,
     shard_like,
 )
@@ -143,26 +144,30 @@ class Trainer:
         self.checkpointer = sharded_checkpointer(self.config, world)
         self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
         self.recorded_threads: int | None = None  # the CPU threads of the checkpoint resumed from
+        self.batch_note: str | None = None  # how a resume on another world size kept (or changed) the batch
 
     @property
     def counters(self) -> RunCounters:
         return self.step.counters
 
     # ----------------------------------------------------------------------------- state
-    def load(self, path: Path, allow_data_change: bool = False, base: dict[str, Tensor] | None = None) -> None:
+    def load(self, path: Path, allow_data_change: bool = False, base: dict[str, Tensor] | None = None,
+             allow_batch_change: bool = False) -> None:  # fmt: skip
         """Restore everything a checkpoint holds; refuse one that does not belong to this config.
-        A LoRA run's checkpoint holds the adapters alone: `base` is its base model's weights, read again."""
+        A LoRA run's checkpoint holds the adapters alone: `base` is its base model's weights, read again.
+        On another number of processes the run keeps its global batch (`keep_global_batch`)."""
 
         if path.is_dir() and not is_sharded_checkpoint(path):
             path = RunDir(path).latest_checkpoint()
         if is_sharded_checkpoint(path):
-            load_trainer(self, path, allow_data_change)
+            load_trainer(self, path, allow_data_change, allow_batch_change)
             self.checkpoint_path = path.resolve()
             return
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
         check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
         self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
         check_world_size(checkpoint, self.world.world_size, path)
+        self.keep_global_batch(checkpoint, path, allow_batch_change)
         # Every rank reads the file; under FSDP each keeps only its shard of the full state.
         check_state_layout(self.optimizer, checkpoint["optimizer"], path)
         # Whatever the optimizer, the config's hyperparameters win over the checkpoint's (a changed
@@ -187,6 +192,19 @@ class Trainer:
         )
         self.recorded_threads = checkpoint.get("cpu_threads")
         self.checkpoint_path = Path(path)
+
+    def keep_global_batch(self, record: dict[str, Any], path: Path, allow_change: bool) -> None:
+        """Take the gradient accumulation that keeps the checkpoint's global batch on this world size
+        (`kept_accumulation`); the checkpoints and config.json written from here on record it."""
+
+        accumulation, self.batch_note = kept_accumulation(record, self.config.batch_size,
+                                                          self.config.gradient_accumulation_steps,
+                                                          self.world.world_size, path, allow_change)  # fmt: skip
+        if accumulation != self.config.gradient_accumulation_steps:
+            training = self.config.model_copy(update={"gradient_accumulation_steps": accumulation})
+            self.experiment = self.experiment.model_copy(update={"training": training})
+            self.config = self.step.config = training
+            self.step.experiment = self.experiment
 
     def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
         """The base weights, refused unless they are the ones the run began with; then the checkpoint's
@@ -439,6 +457,7 @@ class Trainer:
             data_changed=self.data_changed,
             dlm_version=__version__,
             cpu_threads=cpu_threads,
+            batch_note=self.batch_note,
             precision_note=cpu_precision_note(self.device, self.precision),
             init_from=None if config.init_from is None else str(config.init_from),
         )
@@ -475,11 +494,13 @@ def train(
     allow_data_change: bool = False,
     stop: StopSignals | None = None,
     step_type: type[TrainingStep] = TrainingStep,
+    allow_batch_change: bool = False,
 ) -> TrainResult:
     """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl.
 
     A directory that already holds a run is refused unless `resume` is one of its checkpoints or
-    `overwrite` asks to delete it; `allow_data_change` accepts a resume onto other packed data.
+    `overwrite` asks to delete it; `allow_data_change` accepts a resume onto other packed data, and
+    `allow_batch_change` one on a world size that cannot keep the run's global batch.
     Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
     handlers the caller installed for longer than the run (else the run installs its own).
     `step_type`: the objective of each optimizer step (`dlm.distill` trains its students with its own).
@@ -521,7 +542,7 @@ def train(
         if trainer.checkpointer is not None:  # a save in flight completes before the process ends
             cleanup.callback(trainer.checkpointer.close)
         if resume is not None:
-            trainer.load(resume, allow_data_change, initial)
+            trainer.load(resume, allow_data_change, initial, allow_batch_change)
             threads = resume_cpu_threads(threads, trainer.recorded_threads)
         elif initial is not None:
             trainer.start_from(initial)
@@ -542,7 +563,7 @@ def train(
                 cleanup.callback(logger.close)
             sinks: list[Sink] = [metrics, *loggers]
             trainer.sink = fan_out(sinks + ([sink] if sink is not None else []))
-            write_config(run_dir, experiment)
+            write_config(run_dir, trainer.experiment)  # with the accumulation a resume kept
         trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
         result = trainer.run(end_step, deadline, stop)
