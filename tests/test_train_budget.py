@@ -264,6 +264,26 @@ def test_a_budgeted_run_trains_to_its_plan_and_a_rerun_reuses_it(
     assert again[-1]["step"] == trained["step"] and (run_dir / "latest.pt").stat().st_mtime_ns == latest
 
 
+def test_a_replanned_run_never_raises_its_learning_rate_after_warmup(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calibrated far slower than the tiny model trains: every re-plan extends max_steps a lot, which
+    # with a plain cosine would throw the learning rate back up the curve.
+    monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.5))
+    run_dir = tmp_path / "run"
+    command = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--minutes", "0.1", "--json")
+    cli = run_cli(*command)
+    assert cli.exit_code == 0, cli.stderr
+    events = [json.loads(line) for line in cli.stdout.splitlines()]
+    replans = budget_events(events, "budget_replan")
+    assert any(r["max_steps"] > r["previous_max_steps"] for r in replans)
+    plan = TrainingPlan.load(run_dir)
+    assert plan is not None and plan.decay_anchor_step == replans[-1]["step"] and 0 < plan.decay_anchor_progress < 1
+    rates = [(event["step"], event["learning_rate"]) for event in budget_events(events, "train")]
+    decaying = [rate for step, rate in rates if step > plan.warmup_steps]
+    assert len(decaying) > 3 and all(later <= earlier for earlier, later in zip(decaying, decaying[1:]))
+
+
 def test_the_terminal_view_shows_the_plan_and_its_replans() -> None:
     import io
 

@@ -184,6 +184,16 @@ class TrainingConfig(_Strict):
     min_learning_rate: float = Field(3e-5, ge=0, le=1, description="Floor of the cosine decay.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup length in optimizer steps.")
     max_steps: int = Field(1000, ge=1, description="Total optimizer steps of the run.")
+    decay_anchor_step: int = Field(
+        0,
+        ge=0,
+        description="Set by a time budget's re-plan (`--minutes`), which moves max_steps: from this step on the "
+        "cosine continues from decay_anchor_progress of its decay to the floor at max_steps, so the learning "
+        "rate never jumps. 0: the plain cosine from the end of warmup.",
+    )
+    decay_anchor_progress: float = Field(
+        0.0, ge=0, lt=1, description="The share of the cosine decay done at decay_anchor_step (see there)."
+    )
     budget_minutes: float = Field(
         0,
         ge=0,

@@ -8,8 +8,9 @@ ends near its peak learning rate, the worst moment to stop. So the budget plans 
    fill SCHEDULE_SHARE of the budget; warmup is scaled with the run length.
 2. On the CPU, which is often shared and changed pace by 3x within a minute in our runs, train in
    segments of half the steps left (the last ones short) and re-plan max_steps after each from the
-   pace it really kept (start-up, validation and checkpoints included). The learning rate then
-   follows a cosine fitted to the time actually left, with small steps where the plan changes. A
+   pace it really kept (start-up, validation and checkpoints included). Each re-plan anchors the
+   cosine where it is (`training.decay_anchor_step`): the learning rate keeps its value and only the
+   rest of the decay stretches or shrinks to the new end, so it never rises after warmup. A
    GPU trains in one segment: it is rarely shared, and every segment would pay torch.compile again.
 3. The deadline still holds: a run slower than even the last plan stops at the budget, in the
    schedule's tail, where the learning rate is already near its floor.
@@ -308,6 +309,9 @@ class BudgetedTraining:
         source = "measured" if measured else "calibration"
         new = TrainingPlan(self.budget, pace, source, plan.calibration_seconds, **fields,
                            trained_seconds=plan.trained_seconds)  # fmt: skip
+        if not finished:  # an interrupted run given another budget: its learning rate goes on from here
+            self.bend_schedule(plan, step)  # the share of the decay done, on the curve it trained on
+            new.decay_anchor_step, new.decay_anchor_progress = plan.decay_anchor_step, plan.decay_anchor_progress
         if finished:
             stretched = with_overrides(self.experiment, new.overrides(), "the time budget's plan").training
             rate = learning_rate(step, stretched)
@@ -337,12 +341,23 @@ class BudgetedTraining:
             previous = plan.max_steps
             plan.seconds_per_step, plan.rate_source = pace, "measured"
             if not isinstance(fields, int):
+                self.bend_schedule(plan, step)
                 plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
             plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
             if isinstance(fields, int):
                 return result  # not one more step fits
             self.emit({"event": f"{self.prefix}_replan", "step": step, "seconds_per_step": round(pace, 4),
                        "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
+
+    def bend_schedule(self, plan: TrainingPlan, step: int) -> None:
+        """Anchor the cosine at `step` before the plan's max_steps moves: the decay goes on from the share
+        done so far, so the learning rate keeps its value here and only the rest of the curve changes."""
+
+        from dlm.train.optimizer import decay_progress
+
+        if step > plan.warmup_steps:
+            training = with_overrides(self.experiment, plan.overrides(), "the time budget's plan").training
+            plan.decay_anchor_step, plan.decay_anchor_progress = step, min(decay_progress(step, training), 0.999)
 
     def schedule_left(self, plan: TrainingPlan, pace: float, step: int) -> dict[str, Any] | int:
         """The steps from `step` that still fit in the plan's budget at `pace` (`plan_schedule`)."""

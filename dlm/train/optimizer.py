@@ -83,10 +83,22 @@ def learning_rate(step: int, training: TrainingConfig) -> float:
     peak, floor, warmup = training.learning_rate, training.min_learning_rate, training.warmup_steps
     if step < warmup:
         return peak * (step + 1) / max(1, warmup)
-    # The last step (max_steps - 1) lands exactly on the floor.
-    progress = (step - warmup) / max(1, training.max_steps - warmup - 1)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * decay_progress(step, training)))
     return floor + cosine * (peak - floor)
+
+
+def decay_progress(step: int, training: TrainingConfig) -> float:
+    """The share of the cosine decay done at `step` (past warmup): 0 at its start, 1 at the last step
+    (max_steps - 1), which lands exactly on the floor. A re-planned run (`decay_anchor_step`) goes on
+    from the share done at the re-plan, so the new max_steps bends the rest of the curve and never
+    raises the learning rate."""
+
+    anchor, done = training.decay_anchor_step, training.decay_anchor_progress
+    if anchor > training.warmup_steps and step >= anchor:
+        progress = done + (1.0 - done) * (step - anchor) / max(1, training.max_steps - anchor - 1)
+    else:
+        progress = (step - training.warmup_steps) / max(1, training.max_steps - training.warmup_steps - 1)
+    return min(max(progress, 0.0), 1.0)
 
 
 def _canonical_name(name: str) -> str:

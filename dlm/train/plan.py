@@ -14,7 +14,8 @@ from dlm.fileio import atomic_write_json
 
 PLAN_FORMAT = "dlm-budget-plan-v1"
 EARLIER_PLAN_FORMATS = ("dlm-demo-plan-v1",)  # the same fields, written by `dlm demo` before
-PLANNED_FIELDS = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval")
+PLANNED_FIELDS = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval", "decay_anchor_step",
+                  "decay_anchor_progress")
 
 
 @dataclass
@@ -31,6 +32,9 @@ class TrainingPlan:
     save_interval: int
     log_interval: int
     trained_seconds: float = 0.0  # budget used up to the last checkpoint, calibration included
+    # Where the last re-plan bent the cosine (`dlm.train.optimizer.decay_progress`); 0: not re-planned.
+    decay_anchor_step: int = 0
+    decay_anchor_progress: float = 0.0
     format: str = PLAN_FORMAT
 
     def overrides(self) -> list[str]:
