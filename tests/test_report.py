@@ -188,6 +188,18 @@ def test_a_demo_directory_is_its_run_with_the_samples_beside_it(run_copy: Path) 
     history = gather_run(demo)
     assert history.samples[0]["text"] == "ROMEO: hi"
     assert (history.run_dir, history.name) == (demo / "run", "demo")
+    # Named itself, the demo's run shows the demo's samples too.
+    assert find_run(demo / "run") == (demo / "run", demo / "samples.json")
+    assert gather_run(demo / "run").samples == history.samples
+
+
+def test_the_unigram_level_of_a_demo_report_is_shown(run_copy: Path) -> None:
+    # `dlm demo` before 0.9 wrote the unigram level into the report's context only.
+    report = {"format": "dlm-eval-v1", "bits_per_byte": 3.1, "nll": 5.0, "sequences": 4, "tokens": 256,
+              "context": {"step": 4, "unigram_bits_per_byte": 2.991}}  # fmt: skip
+    (run_copy / "eval.json").write_text(json.dumps(report))
+    (result,) = gather_run(run_copy).evals
+    assert result.figure("unigram_bits_per_byte") == 2.991
 
 
 def test_not_a_run_directory_is_refused(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:

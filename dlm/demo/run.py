@@ -372,6 +372,7 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
                             mask_eps=info.diffusion.mask_eps, schedule=info.diffusion.schedule,
                             metadata=val.metadata, token_bytes=token_bytes)  # fmt: skip
     unigram = unigram_bits_per_byte(demo.data_dir, blocks.indices, token_bytes)
+    report.unigram_bits_per_byte = unigram  # where `dlm eval` writes it, and `dlm report` reads it
     report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
                       "unigram_bits_per_byte": unigram}  # fmt: skip
     write_report(report, demo.run.eval_report)

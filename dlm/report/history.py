@@ -56,6 +56,8 @@ class EvalResult:
 
     def figure(self, key: str) -> float | None:
         value = self.report.get(key)
+        if value is None:  # `dlm demo` before 0.9 wrote its unigram level into the context alone
+            value = (self.report.get("context") or {}).get(key)
         return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
@@ -159,6 +161,9 @@ def find_run(path: Path) -> tuple[Path, Path]:
             path=path,
             fix="pass the training.output_dir of a `dlm train` run, or a `dlm demo` output directory",
         )
+    beside = path.parent / SAMPLES_NAME  # the run of a demo directory, named itself: its demo's samples
+    if not (path / SAMPLES_NAME).is_file() and path.name == DEMO_RUN_NAME and beside.is_file():
+        return path, beside
     return path, path / SAMPLES_NAME
 
 
