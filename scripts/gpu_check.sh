@@ -8,7 +8,8 @@
 #
 # Parts, each under its own `timeout`, so that the whole stays within about 9.5 minutes on an H200
 # (override a budget with T_SETUP, T_PYTEST, T_WRITE, T_LOAD, T_LORA, T_QUALITY, T_GENERATE, T_SERVE,
-# T_CORE, T_DATA, in seconds):
+# T_CORE, T_DATA, in seconds; MEMORY_PARTS="lora" leaves out the 8B load, CORE_ARGS=--no-baseline the
+# baseline's throughput, e.g. for a rerun that has their figures):
 #   setup       carried wheels into /tmp/site (PYTHONPATH), the working tree itself via PYTHONPATH
 #   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus
 #   memory      in the background, beside pytest (each process measures its own peak): a synthetic
@@ -44,6 +45,7 @@ T_CORE=${T_CORE:-100}
 T_DATA=${T_DATA:-120}
 DLM_COMMIT=${DLM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 SYNTHETIC=${SYNTHETIC:-/tmp/llada-8b-synthetic}
+MEMORY_PARTS=${MEMORY_PARTS:-load lora}  # which memory parts run: the 8B load, the 8B LoRA step
 RUNS=$ROOT/runs/gpu-check-shakespeare
 export PY ROOT DLM_COMMIT SYNTHETIC PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -97,15 +99,19 @@ prepare_data() {
 }
 
 memory_parts() {
-  rm -rf "$SYNTHETIC"
-  part write "$T_WRITE" "$PY" scripts/load_memory.py write "$SYNTHETIC" --shape llada-8b --device cuda \
-    >> "$OUT_DIR/results.jsonl"
-  part load "$T_LOAD" "$PY" scripts/load_memory.py load "$SYNTHETIC" --device cuda >> "$OUT_DIR/results.jsonl"
-  rm -rf "$SYNTHETIC"
-  part lora "$T_LORA" "$PY" scripts/load_memory.py lora --device cuda --seq-len 2048 >> "$OUT_DIR/results.jsonl"
+  if [[ " $MEMORY_PARTS " == *" load "* ]]; then
+    rm -rf "$SYNTHETIC"
+    part write "$T_WRITE" "$PY" scripts/load_memory.py write "$SYNTHETIC" --shape llada-8b --device cuda \
+      >> "$OUT_DIR/results.jsonl"
+    part load "$T_LOAD" "$PY" scripts/load_memory.py load "$SYNTHETIC" --device cuda >> "$OUT_DIR/results.jsonl"
+    rm -rf "$SYNTHETIC"
+  fi
+  if [[ " $MEMORY_PARTS " == *" lora "* ]]; then
+    part lora "$T_LORA" "$PY" scripts/load_memory.py lora --device cuda --seq-len 2048 >> "$OUT_DIR/results.jsonl"
+  fi
 }
 export -f log part install_wheels prepare_data memory_parts
-export OUT_DIR START T_WRITE T_LOAD T_LORA
+export OUT_DIR START T_WRITE T_LOAD T_LORA MEMORY_PARTS
 
 # Carried wheels first on the path (pydantic 2.14 needs a newer typing-extensions than some images
 # have); the working tree itself is the dlm package, so nothing is built or installed for it.

@@ -186,7 +186,10 @@ def lora(device: str, seq_len: int, extra: list[str]) -> dict[str, Any]:
     ]
     experiment = load_config(ROOT / "configs" / "llada-8b-lora.toml", overrides)
     estimate = estimate_training_memory(experiment, "bfloat16")
-    step = TrainingStep(experiment, torch.device(device), "bfloat16", DistributedContext())
+    # Built on the device itself: a training run draws its weights on the CPU (the same on any device),
+    # which for 8B random weights that init_from would replace costs minutes; the memory is the same.
+    with torch.device(device):
+        step = TrainingStep(experiment, torch.device(device), "bfloat16", DistributedContext())
     step.model.train()
     clean = torch.randint(3, experiment.model.vocab_size - MASK_ID_OFFSET, (1, seq_len), device=device)
     cuda = step.device.type == "cuda"

@@ -30,6 +30,17 @@ def test_help_lists_every_workflow() -> None:
         assert command in result.output, command
 
 
+def test_the_cli_runs_with_a_typer_that_shows_flags_plainly() -> None:
+    # Typer before 0.28 has no display_type_rich (the version some GPU images carry): the help of a flag
+    # needs no correction there, and the CLI must not fail at import.
+    code = ("import typer.core; del typer.core.TyperOption.display_type_rich; "
+            "from typer.testing import CliRunner; from dlm.cli import app; "
+            "result = CliRunner().invoke(app, ['train', '--help']); "
+            "assert result.exit_code == 0 and '--overwrite' in result.output, result.output")  # fmt: skip
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+
+
 def test_version() -> None:
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and __version__ in result.output

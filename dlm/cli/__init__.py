@@ -32,18 +32,22 @@ from dlm.cli import (
 from dlm.cli.common import err_console
 from dlm.errors import UserError, UserNote
 
-_display_type = typer.core.TyperOption.display_type_rich
+# Typer from 0.28 shows `--overwrite <bool>` in the help as if a flag took a value; earlier versions
+# have no such method and show flags plainly, so there is nothing to correct.
+_display_type = getattr(typer.core.TyperOption, "display_type_rich", None)
 
 
 def _flag_display_type(self: typer.core.TyperOption, ctx: Any) -> str | None:
-    """No value type for a flag: typer's help shows `--overwrite <bool>` as if the flag took a value."""
+    """No value type for a flag."""
 
     if self.is_flag and self.metavar is None:
         return None
+    assert _display_type is not None  # installed only where typer has it
     return _display_type(self, ctx)
 
 
-typer.core.TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+if _display_type is not None:
+    typer.core.TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="dlm",
