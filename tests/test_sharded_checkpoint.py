@@ -27,6 +27,7 @@ from dlm.artifacts.sharded_checkpoint import (
     MARKER_NAME,
     IncompleteCheckpointNote,
     complete_checkpoints,
+    read_marker,
     read_sharded_weights,
 )
 from dlm.config.schema import ExperimentConfig, load_config
@@ -144,6 +145,30 @@ def test_a_missing_or_foreign_shard_names_itself_and_the_older_checkpoint(
     assert "step-00000002" in result.stderr
     (newest / "__0_0.distcp").unlink()
     with pytest.raises(UserError, match=r"shard __0_0.distcp of this checkpoint is missing.*step-00000002"):
+        train(tiny(runs["data"], run, "training.checkpoint_format=dcp"), resume=newest)
+
+
+@pytest.mark.parametrize("foreign", ["unlisted metadata", "extra file"])
+def test_a_step_directory_with_files_dlm_did_not_vouch_for_is_refused(
+    runs: dict[str, Path], tmp_path: Path, foreign: str
+) -> None:
+    # DCP's .metadata is a pickle: it is read only when the marker lists it with its sha256, and a
+    # file the marker does not list (a pickled payload dropped beside the shards) is refused too.
+    run = tmp_path / "run"
+    shutil.copytree(runs["dcp"], run, symlinks=True)
+    newest = run / "step-00000004"
+    marker = newest / MARKER_NAME
+    if foreign == "extra file":
+        (newest / "__9_0.distcp").write_bytes(b"not ours")
+        message = r"__9_0\.distcp is not listed in dlm-checkpoint\.json: this step directory holds files dlm did not"
+    else:
+        record = json.loads(marker.read_text())
+        del record["files"][".metadata"]
+        marker.write_text(json.dumps(record))
+        message = r"\.metadata is not listed in dlm-checkpoint\.json: this step directory holds files dlm did not"
+    with pytest.raises(UserError, match=message):
+        read_marker(newest)
+    with pytest.raises(UserError, match=message):
         train(tiny(runs["data"], run, "training.checkpoint_format=dcp"), resume=newest)
 
 

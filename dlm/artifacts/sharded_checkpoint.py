@@ -215,6 +215,15 @@ def read_marker(directory: Path) -> dict[str, Any]:
         record.get("files"), dict
     ):
         raise UserError(f"not a dlm sharded checkpoint marker (format {SHARDED_FORMAT})", path=marker)
+    # DCP's .metadata is a pickle and its shards may hold pickled values: every file must be one the
+    # marker vouches for (by sha256, checked before a byte is read), or the directory is not dlm's own.
+    listed = record["files"]
+    unlisted = sorted(path.name for path in directory.iterdir() if path.name != MARKER_NAME and path.name not in listed)
+    if DCP_METADATA not in listed or unlisted:
+        what = f"{unlisted[0]} is not listed in" if unlisted else f"{DCP_METADATA} (a pickle) is not listed in"
+        fix = "use a checkpoint dlm wrote (step directories are trusted input: load only your own)"
+        raise UserError(f"{what} {MARKER_NAME}: this step directory holds files dlm did not write", path=directory,
+                        fix=fix)  # fmt: skip
     return record
 
 
