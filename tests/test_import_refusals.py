@@ -41,6 +41,13 @@ def edit_json(path: Path, change: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(data))
 
 
+def truncate(path: Path, size: int) -> None:
+    """Cut the last `size` bytes off a file, as an interrupted download does."""
+
+    data = path.read_bytes()
+    path.write_bytes(data[:-size])
+
+
 def with_nan(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.clone()
     tensor.view(-1)[3] = float("nan")
@@ -66,6 +73,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
               r"config\.json's vocabulary \(640 rows\) disagrees with model\.embed_tokens\.weight, which has 512 rows"),
     "tokenizer": (lambda source: edit_json(source / "tokenizer.json", add_tokens),
                   r"tokenizer\.json has 516 tokens but the model's embedding only 512 rows"),
+    "truncated": (lambda source: truncate(shard_of(source, "model.norm.weight"), 64),
+                  r"damaged weights: tensor .* lies outside the file or has the wrong size"),
     "outside": (lambda source: edit_json(source / INDEX, lambda index: index["weight_map"].update(
                     {"model.norm.weight": "../elsewhere/x.safetensors"})),
                 r"the shard index names '\.\./elsewhere/x\.safetensors', which is not a "
@@ -104,3 +113,20 @@ def test_shards_that_are_links_into_a_blob_store_import(tiny_tokenizer_path: Pat
     output = import_model(source, tmp_path / "imported", add_mask_token=True, dtype="float32")
     model, _ = dlm.load(output)
     assert model.config.n_layers == 2
+
+
+def test_each_tensor_is_placed_as_soon_as_it_is_read(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
+    # dlm.load hands every converted tensor to its device at once: the source is never held whole.
+    from dlm.artifacts.hf.importer import read_source
+
+    source = tmp_path / "llama"
+    build_hf_model("llama", source, tiny_tokenizer_path)
+    hf = read_source(source)
+    placed: list[tuple[int, ...]] = []
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        placed.append(tuple(tensor.shape))
+        return tensor.double()
+
+    _, weights = hf.read(hf.model(mask_token_id=0), place)
+    assert len(placed) == len(weights) and all(tensor.dtype == torch.float64 for tensor in weights.values())

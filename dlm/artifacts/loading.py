@@ -39,7 +39,7 @@ from dlm.artifacts.export_layout import (
     read_distillation,
     read_export_config,
 )
-from dlm.artifacts.hf.importer import is_hf_source, read_hf_source
+from dlm.artifacts.hf.importer import Placement, is_hf_source, read_hf_source
 from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
 from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
@@ -286,12 +286,13 @@ def _merged_if_asked(info: SourceInfo, weights: dict[str, Tensor], merge: bool) 
 
 
 def read_model_source(
-    path: str | Path, use_ema: bool = True, merge_adapters: bool = True
+    path: str | Path, use_ema: bool = True, merge_adapters: bool = True, place: Placement | None = None
 ) -> tuple[SourceInfo, dict[str, Tensor]]:
     """Metadata and CPU weights of an exported dir, an adapter export, a checkpoint file, a run dir (its
     latest checkpoint) or a Hugging Face model directory of a family dlm imports (`dlm.artifacts.hf.importer`).
     A LoRA source's adapters come merged onto their base model unless `merge_adapters` is false (then the
-    weights are the adapters alone, and `info.lora` says so)."""
+    weights are the adapters alone, and `info.lora` says so). `place`, for a Hugging Face directory, takes
+    each tensor as it is read (to its device and dtype), so the source is never held whole."""
 
     path = Path(path)
     if path.is_dir() and (path / ADAPTER_CONFIG_NAME).is_file():
@@ -300,7 +301,8 @@ def read_model_source(
     if path.is_file() and path.suffix == ".safetensors":
         path = path.parent  # the weights file of an export: the directory is the model
     if path.is_dir() and is_hf_source(path):  # LLaDA, Dream, Llama, Qwen, Mistral: read as data, never run
-        return read_hf_source(path)  # its shapes, dtypes and finiteness checked as it is read
+        # Its shapes, dtypes and finiteness are checked as it is read.
+        return read_hf_source(path) if place is None else read_hf_source(path, place)
     if path.is_dir() and (path / WEIGHTS_NAME).exists():
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
@@ -386,7 +388,10 @@ def load_model_with_info(
 ) -> LoadedModel:
     """Model (eval mode, on `device`), checked tokenizer and metadata of any model source."""
 
-    info, weights = read_model_source(path, use_ema)
+    def place(tensor: Tensor) -> Tensor:  # each weight of a Hugging Face directory, as soon as it is read
+        return tensor.to(device, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
+
+    info, weights = read_model_source(path, use_ema, place=place)
     tokenizer = load_tokenizer(checked_tokenizer(info))
     model = build_model(info.model, weights, device, dtype, source=info.path)
     attach_schedule(model, info.diffusion.schedule)

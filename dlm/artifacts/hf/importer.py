@@ -12,6 +12,13 @@ reads for a tokenizer that lacks dlm's own. A causal model's tokenizer has no ma
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, 
 from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError
 
+Placement = Callable[[Tensor], Tensor]  # where a converted tensor goes as soon as it is made
 SOURCE_KIND = "hf-source"
 IMPORT_KIND = "hf-import"  # an export's source.kind when `dlm import` wrote it
 INDEX_NAME, SINGLE_NAME, TEMPLATE_NAME = "model.safetensors.index.json", "model.safetensors", "chat_template.jinja"
@@ -81,46 +89,150 @@ def _bare_shard_name(name: object) -> bool:
         not name.startswith(".")  # fmt: skip
 
 
-def _read_tensors(directory: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+# The dtypes of safetensors' header and torch's; a weight of any other is refused by name.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # fmt: skip
 
-    tensors: dict[str, Tensor] = {}
-    for file in _weight_files(directory):
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+
+
+class SourceTensors:
+    """The tensors of a model directory's safetensors files, each read only when taken, so that a load
+    or an import never holds the source beside what it makes of it.
+
+    It reads the files itself, by the format's documented layout (an 8-byte header length, a JSON
+    header of names, dtypes, shapes and offsets, then the raw little-endian data), straight into each
+    tensor's own memory: safetensors' memory map would keep every page it touched resident (and
+    counted against the process) until the file is closed, as much again as the weights.
+    """
+
+    def __init__(self, files: list[Path]):
+        self._entries: dict[str, _Entry] = {}
+        for file in files:
+            self._entries.update(self._header(file))
+
+    @staticmethod
+    def _damaged(file: Path, problem: str) -> UserError:
+        return UserError(f"damaged weights: {problem}", path=file, fix="download the file again")
+
+    def _header(self, file: Path) -> dict[str, _Entry]:
         try:
-            tensors.update(load_file(str(file), device="cpu"))
-        except (OSError, SafetensorError) as exc:
-            raise UserError(f"damaged weights: {exc}", path=file, fix="download the file again") from None
-    return tensors
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length)) if length <= 100 << 20 else None
+                size = os.fstat(handle.fileno()).st_size
+        except (OSError, ValueError, struct.error) as exc:
+            raise self._damaged(file, f"unreadable safetensors header ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._damaged(file, "its safetensors header is not a JSON object")
+        entries = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape = _DTYPES[spec["dtype"]], tuple(int(n) for n in spec["shape"])
+                start, end = (8 + length + int(offset) for offset in spec["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._damaged(file, f"tensor {name} has dtype {spec.get('dtype')!r} or a field dlm cannot "
+                                    "read") from None  # fmt: skip
+            if not 8 + length <= start <= end <= size or end - start != math.prod(shape) * dtype.itemsize:
+                raise self._damaged(file, f"tensor {name} lies outside the file or has the wrong size")
+            entries[name] = _Entry(file, dtype, shape, start, end)
+        return entries
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        entry = self._entries.get(name)
+        return None if entry is None else (entry.shape, entry.dtype)
+
+    def pop(self, name: str, out: Tensor | None = None) -> Tensor | None:
+        """The tensor `name` read from disk, into `out` (a contiguous tensor of its shape and dtype) or
+        into memory of its own; None if there is no such tensor (left)."""
+
+        entry = self._entries.pop(name, None)
+        if entry is None:
+            return None
+        tensor = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
+        assert tensor.shape == entry.shape and tensor.dtype == entry.dtype and tensor.is_contiguous()
+        if not tensor.numel():
+            return tensor
+        # The tensor's bytes alone are mapped, copied (torch's copy, on every thread) and unmapped at once.
+        start = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(entry.file, "rb") as handle, mmap.mmap(
+                handle.fileno(), entry.end - start, access=mmap.ACCESS_READ, offset=start
+            ) as mapped:
+                with warnings.catch_warnings():  # read-only memory, which the copy only reads
+                    warnings.simplefilter("ignore", UserWarning)
+                    stored = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.start,
+                                              offset=entry.start - start)  # fmt: skip
+                tensor.view(-1).view(torch.uint8).copy_(stored)
+                del stored  # the mapping closes only once nothing points into it
+        except (OSError, ValueError) as exc:  # ValueError: the file shrank under the mapping's range
+            raise self._damaged(entry.file, f"tensor {name}: {exc}") from None
+        if sys.byteorder != "little":  # safetensors stores little-endian
+            tensor.copy_(tensor.view(torch.uint8).view(-1, entry.dtype.itemsize).flip(-1).view(entry.dtype)
+                         .view(entry.shape))  # fmt: skip
+        return tensor
 
 
 CONFIG_FIX = "restore the config.json and weights the model was saved with (download both again)"
 
 
-def _take(tensors: dict[str, Tensor], name: str, directory: Path) -> Tensor:
-    if name not in tensors:
+def _take(tensors: SourceTensors, name: str, directory: Path) -> Tensor:
+    tensor = tensors.pop(name)
+    if tensor is None:
         raise UserError(f"the weights lack {name}", path=directory, fix="download every file of the model again")
-    return tensors.pop(name)
+    return tensor
 
 
-def _fused(parts: dict[str, Tensor], directory: Path) -> Tensor:
-    """The family's separate projections stacked as dlm's one fused matrix, when their widths agree."""
+def _fused(tensors: SourceTensors, names: list[str], directory: Path) -> Tensor:
+    """The family's separate projections stacked as dlm's one fused matrix, when their widths agree: each
+    read straight into its rows of the fused tensor, which is the only copy ever made."""
 
-    if len({tuple(t.shape[1:]) for t in parts.values()}) > 1 or any(t.dim() == 0 for t in parts.values()):
-        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in parts.items())
-        raise UserError(f"tensors of one layer do not fit together: {shapes}", path=directory, fix=CONFIG_FIX)
-    return torch.cat(list(parts.values()))
+    found = {name: tensors.shape_and_dtype(name) for name in names}
+    if missing := [name for name, spec in found.items() if spec is None]:
+        raise UserError(f"the weights lack {missing[0]}", path=directory, fix="download every file of the model again")
+    specs = {name: spec for name, spec in found.items() if spec is not None}
+    shapes = [shape for shape, _ in specs.values()]
+    if len({shape[1:] for shape in shapes}) > 1 or any(len(shape) == 0 for shape in shapes):
+        listed = ", ".join(f"{name} {shape}" for name, (shape, _) in specs.items())
+        raise UserError(f"tensors of one layer do not fit together: {listed}", path=directory, fix=CONFIG_FIX)
+    dtype = next(iter(specs.values()))[1]
+    fused = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=dtype)
+    offset = 0
+    for name, (shape, part_dtype) in specs.items():
+        rows = fused[offset : offset + shape[0]]
+        if part_dtype == dtype:
+            tensors.pop(name, out=rows)
+        else:  # a part stored in another dtype than the first: read, then cast into place
+            rows.copy_(_take(tensors, name, directory))
+        offset += shape[0]
+    return fused
 
 
-def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig, index: int,
-                   directory: Path) -> dict[str, Tensor]:  # fmt: skip
+def _block_weights(tensors: SourceTensors, family: Family, model: ModelConfig, index: int, directory: Path,
+                   place: Placement) -> dict[str, Tensor]:  # fmt: skip
     prefix, names = family.block_prefix.format(n=index), family.block
 
     def take(role: str, suffix: str = "") -> Tensor:
-        return _take(tensors, prefix + names[role] + suffix, directory)
+        return place(_take(tensors, prefix + names[role] + suffix, directory))
 
     def fused(roles: str | tuple[str, ...], suffix: str = "") -> Tensor:
-        return _fused({prefix + names[role] + suffix: take(role, suffix) for role in roles}, directory)
+        return place(_fused(tensors, [prefix + names[role] + suffix for role in roles], directory))
 
     ours = f"blocks.{index}."
     weights = {
@@ -139,17 +251,21 @@ def _block_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfi
     return weights
 
 
-def convert_weights(tensors: dict[str, Tensor], family: Family, model: ModelConfig,
-                    directory: Path) -> dict[str, Tensor]:  # fmt: skip
-    """The family's tensors under dlm's names (q, k, v and gate, up fused); a tensor left over is refused."""
+def convert_weights(tensors: SourceTensors, family: Family, model: ModelConfig, directory: Path,
+                    place: Placement = lambda tensor: tensor) -> dict[str, Tensor]:  # fmt: skip
+    """The family's tensors under dlm's names (q, k, v and gate, up fused); a tensor left over is refused.
+    Each is read when its turn comes and handed to `place` (e.g. moved to the GPU) as soon as it is made,
+    so the source is never held whole beside the result."""
 
-    weights = {"token_embedding.weight": _take(tensors, family.top["token_embedding.weight"], directory),
-               "norm.weight": _take(tensors, family.top["norm.weight"], directory)}  # fmt: skip
-    head = tensors.pop(family.top["head.weight"], None)
+    weights = {"token_embedding.weight": place(_take(tensors, family.top["token_embedding.weight"], directory)),
+               "norm.weight": place(_take(tensors, family.top["norm.weight"], directory))}  # fmt: skip
+    head_name = family.top["head.weight"]
     if not model.tie_embeddings:
-        weights["head.weight"] = head if head is not None else _take(tensors, family.top["head.weight"], directory)
+        weights["head.weight"] = place(_take(tensors, head_name, directory))
+    elif head_name in tensors:
+        tensors.pop(head_name)  # a tied model's saved copy of its embedding
     for index in range(model.n_layers):
-        weights.update(_block_weights(tensors, family, model, index, directory))
+        weights.update(_block_weights(tensors, family, model, index, directory, place))
     leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
     if leftover:
         raise UserError(f"the weights hold tensors the {family.name} layout has no place for ({leftover[:3]})",
@@ -260,12 +376,16 @@ class HfSource:
         except ValidationError as exc:
             raise UserError(format_validation_error(exc), path=self.directory / CONFIG_NAME) from None
 
-    def read(self, model: ModelConfig) -> tuple[SourceInfo, dict[str, Tensor]]:
-        """Metadata and dlm-named CPU weights, for `model` (this directory's, perhaps with a mask id added)."""
+    def read(
+        self, model: ModelConfig, place: Placement = lambda tensor: tensor
+    ) -> tuple[SourceInfo, dict[str, Tensor]]:
+        """Metadata and dlm-named weights for `model` (this directory's, perhaps with a mask id added), each
+        handed to `place` as it is read (by default kept as read, on the CPU)."""
 
         tokenizer = self.directory / TOKENIZER_NAME
         _check_tokenizer_fits(tokenizer, model)
-        weights = convert_weights(_read_tensors(self.directory), self.family, model, self.directory)
+        tensors = SourceTensors(_weight_files(self.directory))
+        weights = convert_weights(tensors, self.family, model, self.directory, place)
         info = SourceInfo(path=self.directory, kind=SOURCE_KIND, model=model, weights="live", step=None,
                           tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
                           diffusion=DiffusionConfig(), training={})  # fmt: skip
@@ -297,15 +417,16 @@ def read_source(directory: Path) -> HfSource:
     return HfSource(directory, family, fields, settings)
 
 
-def read_hf_source(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
-    """Metadata and dlm-named CPU weights of a Hugging Face model directory with a mask token."""
+def read_hf_source(directory: Path, place: Placement = lambda tensor: tensor) -> tuple[SourceInfo, dict[str, Tensor]]:
+    """Metadata and dlm-named weights of a Hugging Face model directory with a mask token, each handed to
+    `place` as it is read (`dlm.load` moves them to the device then: the source is never held whole)."""
 
     source = read_source(directory)
     model = source.model()
     if source.settings.get("eos_token") is None:
         raise UserError("neither tokenizer_config.json nor config.json names an end-of-document token",
                         path=directory, fix="set eos_token in tokenizer_config.json")  # fmt: skip
-    return source.read(model)
+    return source.read(model, place)
 
 
 def source_shape(path: Path) -> tuple[ModelConfig, Path] | None:
