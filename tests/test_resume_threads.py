@@ -52,3 +52,30 @@ def test_a_resume_under_more_load_continues_bit_identically(
     assert start.cpu_threads == "2 cores, as the checkpoint recorded: 2 threads"
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
     assert train_losses(first) + train_losses(second) == train_losses(straight_events)
+
+
+def test_a_run_gives_back_the_process_settings_it_changed(
+    tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU a run turns TF32 on and, with require_fused_attention, the math attention kernel off; a
+    # program that trains and then runs its own float32 attention (transformers) must find them as before.
+    def as_on_a_gpu(device: torch.device, require_fused_attention: bool) -> None:  # as if it were required
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.enable_math_sdp(False)
+
+    monkeypatch.setattr("dlm.train.loop.configure_cuda_backends", as_on_a_gpu)
+    tf32, math_kernel = torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled()
+    try:
+        torch.set_num_threads(3)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        seen: list[tuple[bool, bool]] = []
+        experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1")
+        monkeypatch.setattr("dlm.train.loop.ensure_valid", lambda *args: seen.append(
+            (torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled())))  # fmt: skip
+        assert train(experiment).status == "complete"
+        assert seen == [(True, False)]  # changed for the run
+        assert torch.get_num_threads() == 3 and torch.backends.cuda.matmul.allow_tf32 is False
+        assert torch.backends.cuda.math_sdp_enabled() == math_kernel
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cuda.enable_math_sdp(math_kernel)

@@ -6,6 +6,7 @@ Off CUDA these do nothing, except that requiring the fused attention kernels the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +34,26 @@ def configure_cuda_backends(device: torch.device, require_fused_attention: bool)
     # L x L attention matrix. Set it in both directions so one call in a process (a bench sweep)
     # cannot leak its choice into the next.
     torch.backends.cuda.enable_math_sdp(not require_fused_attention)
+
+
+@contextlib.contextmanager
+def process_settings_restored() -> Iterator[None]:
+    """Give back on exit the process-wide settings a run changes: TF32, the CUDA attention kernels it
+    enables or forbids, and the CPU's intra-op threads. A program that calls `dlm.train` and then runs
+    its own float32 attention (transformers, say) must not find the math kernel switched off."""
+
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    sdpa, threads = enabled_sdpa_backends(), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.enable_flash_sdp(sdpa["flash"])
+        torch.backends.cuda.enable_mem_efficient_sdp(sdpa["mem_efficient"])
+        torch.backends.cuda.enable_math_sdp(sdpa["math"])
+        if "cudnn" in sdpa:
+            torch.backends.cuda.enable_cudnn_sdp(sdpa["cudnn"])
+        torch.set_num_threads(threads)
 
 
 def enabled_sdpa_backends() -> dict[str, bool]:

@@ -70,7 +70,7 @@ from dlm.model.lora import adapter_state, load_base_and_adapters
 from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.flops import peak_flops
-from dlm.runtime.kernels import configure_cuda_backends
+from dlm.runtime.kernels import configure_cuda_backends, process_settings_restored
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
 from dlm.runtime.threads import configure_cpu_threads, resume_cpu_threads
@@ -504,8 +504,20 @@ def train(
     Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
     handlers the caller installed for longer than the run (else the run installs its own).
     `step_type`: the objective of each optimizer step (`dlm.distill` trains its students with its own).
+    The process-wide settings a run changes (TF32, the CUDA attention kernels, the CPU's threads) are
+    given back when it returns.
     """
 
+    with process_settings_restored():
+        return _train(experiment, resume, max_run_steps, max_run_seconds, sink, overwrite, allow_data_change, stop,
+                      step_type, allow_batch_change)  # fmt: skip
+
+
+def _train(
+    experiment: ExperimentConfig, resume: str | Path | None, max_run_steps: int | None, max_run_seconds: float | None,
+    sink: Sink | None, overwrite: bool, allow_data_change: bool, stop: StopSignals | None,
+    step_type: type[TrainingStep], allow_batch_change: bool,
+) -> TrainResult:  # fmt: skip
     if max_run_steps is not None and max_run_steps <= 0:
         raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
     if experiment.distill is not None and step_type is TrainingStep:
