@@ -68,7 +68,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "nan": (lambda source: rewrite_tensor(source, "model.layers.0.mlp.up_proj.weight", with_nan),
             r"source weights hold NaN or inf values: tensor blocks\.0\.mlp\.gate_up\.weight"),
     "inf": (lambda source: rewrite_tensor(source, "model.norm.weight", lambda t: t * float("inf")),
-            r"NaN or inf values: tensor norm\.weight"),
+            r"NaN or inf values: tensor model\.norm\.weight"),
     "vocab": (lambda source: edit_json(source / "config.json", lambda c: c.update(vocab_size=640)),
               r"config\.json's vocabulary \(640 rows\) disagrees with model\.embed_tokens\.weight, which has 512 rows"),
     "tokenizer": (lambda source: edit_json(source / "tokenizer.json", add_tokens),
@@ -130,3 +130,35 @@ def test_each_tensor_is_placed_as_soon_as_it_is_read(tiny_tokenizer_path: Path, 
 
     _, weights = hf.read(hf.model(mask_token_id=0), place)
     assert len(placed) == len(weights) and all(tensor.dtype == torch.float64 for tensor in weights.values())
+
+
+def test_the_import_holds_one_tensor_at_a_time(
+    tiny_tokenizer_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each tensor is read as it is written and let go of after: an 8B import needs the memory of its
+    # largest tensors, not of the model.
+    import gc
+    import weakref
+
+    from dlm.artifacts.hf.conversion import ConvertedWeights
+
+    source = tmp_path / "llama"
+    build_hf_model("llama", source, tiny_tokenizer_path)
+    alive: list[weakref.ref[torch.Tensor]] = []
+    most = 0
+    read = ConvertedWeights.read
+
+    def counted(self: ConvertedWeights, name: str) -> torch.Tensor:
+        nonlocal most
+        gc.collect()
+        most = max(most, sum(ref() is not None for ref in alive))
+        tensor = read(self, name)
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(ConvertedWeights, "read", counted)
+    output = import_model(source, tmp_path / "imported", add_mask_token=True, dtype="float32")
+    # Embedding, head, 6 per block and the norm; while one is read, only the one just written is held.
+    assert len(alive) == 2 + 2 * 6 + 1 and most == 1
+    model, _ = dlm.load(output)
+    assert model.config.vocab_size == 513

@@ -19,9 +19,9 @@ import math
 import shutil
 import struct
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -49,7 +49,6 @@ from dlm.artifacts.hf.importer import SOURCE_KIND
 from dlm.artifacts.hf.reader import is_hf_export
 from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
-from dlm.artifacts.sharded_checkpoint import ShardedWeights
 from dlm.choices import ExportDtype
 from dlm.config.schema import ModelConfig
 from dlm.config.shapes import format_parameter_count
@@ -276,11 +275,32 @@ _SAFETENSORS_DTYPES = {
 _WEIGHTS_METADATA = {"format": "pt", "dlm_format": EXPORT_FORMAT}
 
 
-def _stream_safetensors(path: Path, weights: ShardedWeights, dtype: torch.dtype) -> int:
-    """Write a sharded checkpoint's weights as one safetensors file, one tensor in memory at a time.
+class StreamedWeights(Protocol):
+    """Weights whose names, shapes and dtypes are known before any is read, then read one at a time: a
+    sharded checkpoint's (`ShardedWeights`) or a Hugging Face directory's (`ConvertedWeights`)."""
 
-    The header (names, dtypes, shapes, offsets) comes from DCP's index before any tensor is read,
-    then each tensor is read, cast, checked finite and appended. Returns the parameter count.
+    @property
+    def names(self) -> list[str]: ...
+
+    @property
+    def dtypes(self) -> Mapping[str, torch.dtype]: ...
+
+    @property
+    def directory(self) -> Path: ...
+
+    @property
+    def record(self) -> Mapping[str, Any]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str) -> Tensor: ...
+
+
+def _stream_safetensors(path: Path, weights: StreamedWeights, dtype: torch.dtype) -> int:
+    """Write streamed weights as one safetensors file, one tensor in memory at a time.
+
+    The header (names, dtypes, shapes, offsets) comes from the source's index before any tensor is
+    read, then each tensor is read, cast, checked finite and appended. Returns the parameter count.
     """
 
     def stored_dtype(name: str) -> torch.dtype:
@@ -382,6 +402,20 @@ def export_model(
     tokenizer_settings, _ = export_tokenizer_config(info)
     return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
                                    tokenizer_settings=tokenizer_settings)  # fmt: skip
+
+
+def write_streamed_export(
+    info: SourceInfo, weights: StreamedWeights, output: Path, *, dtype: ExportDtype, tokenizer: Path,
+    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """`write_export` for weights read one tensor at a time as they are written (`dlm import`): the
+    export never holds the model whole."""
+
+    stored = EXPORT_DTYPES[dtype]
+    parameters = sum(math.prod(weights.shape(name)) for name in weights.names)
+    writer: WeightsWriter = (lambda path: _stream_safetensors(path, weights, stored), parameters, {})
+    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
+                                   tokenizer_settings=tokenizer_settings, source=source)  # fmt: skip
 
 
 def write_export(

@@ -18,49 +18,41 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dlm.artifacts.export import check_import_output, write_export
+from dlm.artifacts.export import check_import_output, write_streamed_export
 from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
-from dlm.artifacts.hf.importer import IMPORT_KIND, MASK_TOKEN, read_source
+from dlm.artifacts.hf.conversion import Transform
+from dlm.artifacts.hf.importer import IMPORT_KIND, MASK_TOKEN, SOURCE_KIND, check_tokenizer_fits, read_source
 from dlm.choices import ExportDtype
-from dlm.config.schema import ModelConfig
+from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 
 
-def _with_mask_token(info: SourceInfo, weights: dict[str, Tensor], work: Path,
-                     settings: dict[str, Any]) -> tuple[SourceInfo, dict[str, Tensor]]:  # fmt: skip
-    """Add `<|mask|>` to the tokenizer (written into `work`) and give it the mean embedding (and
-    head) row: a spare row of a padded vocabulary when there is one, else a new row."""
+def _mask_token_rows(work: Path, source_tokenizer: Path, rows: int,
+                     settings: dict[str, Any]) -> tuple[int, dict[str, Transform], int]:  # fmt: skip
+    """Add `<|mask|>` to the tokenizer (written into `work`); its id, the change that gives it the mean
+    embedding (and head) row as those tables are read, and the rows they grow by: a spare row of a
+    padded vocabulary is used when there is one, else a new row is added."""
 
     from tokenizers import AddedToken, Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
+    tokenizer = Tokenizer.from_file(str(source_tokenizer))
     used = tokenizer.get_vocab_size(with_added_tokens=True)  # rows past it (padding) were never trained
     tokenizer.add_special_tokens([AddedToken(MASK_TOKEN, special=True, normalized=False)])
     mask_id = tokenizer.token_to_id(MASK_TOKEN)
     assert mask_id is not None  # just added
-    rows = weights["token_embedding.weight"].shape[0]
-    for name in ("token_embedding.weight", "head.weight"):
-        if name in weights:
-            table = weights[name]
-            mean = table[:used].float().mean(dim=0, keepdim=True).to(table.dtype)
-            table = torch.cat([table, mean]) if mask_id >= rows else table.clone()
-            table[mask_id] = mean[0]
-            weights[name] = table
     tokenizer.save(str(work / TOKENIZER_NAME))
     settings["mask_token"] = MASK_TOKEN
-    model = info.model.model_copy(update={"mask_token_id": mask_id, "vocab_size": max(rows, mask_id + 1)})
-    return _with_tokenizer(info, model, work), weights
 
+    def with_mask_row(table: Tensor) -> Tensor:
+        mean = table[:used].float().mean(dim=0, keepdim=True).to(table.dtype)
+        table = torch.cat([table, mean]) if mask_id >= rows else table
+        table[mask_id] = mean[0]
+        return table
 
-def _with_tokenizer(info: SourceInfo, model: ModelConfig, work: Path) -> SourceInfo:
-    """`info` for `model` (validated anew) and the tokenizer file in `work`."""
-
-    tokenizer = work / TOKENIZER_NAME
-    return SourceInfo(path=info.path, kind=info.kind, model=ModelConfig.model_validate(model.model_dump()),
-                      weights=info.weights, step=None, tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer),
-                      tokenizer_path=tokenizer, diffusion=info.diffusion, training={})  # fmt: skip
+    transforms: dict[str, Transform] = {"token_embedding.weight": with_mask_row, "head.weight": with_mask_row}
+    return mask_id, transforms, int(mask_id >= rows)
 
 
 def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool = False,
@@ -80,14 +72,25 @@ def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool
     with tempfile.TemporaryDirectory(prefix="dlm-import-") as scratch:
         work = Path(scratch)
         if add_mask_token:  # a stand-in mask id until the token exists
-            info, weights = hf.read(hf.model(mask_token_id=0))
-            info, weights = _with_mask_token(info, weights, work, settings)
+            source_model = hf.model(mask_token_id=0)
+            mask_id, transforms, grown = _mask_token_rows(work, directory / TOKENIZER_NAME,
+                                                          source_model.vocab_size, settings)  # fmt: skip
+            model = source_model.model_copy(update={"mask_token_id": mask_id,
+                                                    "vocab_size": source_model.vocab_size + grown})  # fmt: skip
         else:
-            info, weights = hf.read(hf.model())
+            source_model = model = hf.model()
+            transforms, grown = {}, 0
             shutil.copyfile(directory / TOKENIZER_NAME, work / TOKENIZER_NAME)
-            info = _with_tokenizer(info, info.model, work)
+        check_tokenizer_fits(directory / TOKENIZER_NAME, source_model)
+        # Every tensor's shape and dtype checked now, from the headers; each is read (and checked finite)
+        # only as it is written, so the import never holds the model whole.
+        weights = hf.weights(source_model, transforms, grown)
+        info = SourceInfo(path=directory, kind=SOURCE_KIND, model=ModelConfig.model_validate(model.model_dump()),
+                          weights="live", step=None, tokens_seen=None,
+                          tokenizer_sha256=tokenizer_sha256(work / TOKENIZER_NAME),
+                          tokenizer_path=work / TOKENIZER_NAME, diffusion=DiffusionConfig(), training={})  # fmt: skip
         (work / TOKENIZER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
         record = {"kind": IMPORT_KIND, "file": directory.name, "model_type": hf.family.name,
                   "added_mask_token": add_mask_token}  # fmt: skip
-        return write_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
-                            tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip
+        return write_streamed_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
+                                     tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip

@@ -12,26 +12,18 @@ reads for a tokenizer that lacks dlm's own. A causal model's tokenizer has no ma
 from __future__ import annotations
 
 import json
-import math
-import mmap
-import os
-import struct
-import sys
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from dlm.artifacts.checkpoint import check_finite_weights
 from dlm.artifacts.export_layout import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, SourceInfo, read_config_json
+from dlm.artifacts.hf.conversion import ConvertedWeights, Transform, convert_weights
 from dlm.artifacts.hf.families import FAMILIES, Family, family_of
 from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
-from dlm.config.shapes import parameter_shapes
 from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, special_tokens_of
 from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError
@@ -87,218 +79,6 @@ def _bare_shard_name(name: object) -> bool:
 
     return isinstance(name, str) and name.endswith(".safetensors") and name == Path(name).name and \
         not name.startswith(".")  # fmt: skip
-
-
-# The dtypes of safetensors' header and torch's; a weight of any other is refused by name.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Entry:
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    end: int
-
-
-class SourceTensors:
-    """The tensors of a model directory's safetensors files, each read only when taken, so that a load
-    or an import never holds the source beside what it makes of it.
-
-    It reads the files itself, by the format's documented layout (an 8-byte header length, a JSON
-    header of names, dtypes, shapes and offsets, then the raw little-endian data), straight into each
-    tensor's own memory: safetensors' memory map would keep every page it touched resident (and
-    counted against the process) until the file is closed, as much again as the weights.
-    """
-
-    def __init__(self, files: list[Path]):
-        self._entries: dict[str, _Entry] = {}
-        for file in files:
-            self._entries.update(self._header(file))
-
-    @staticmethod
-    def _damaged(file: Path, problem: str) -> UserError:
-        return UserError(f"damaged weights: {problem}", path=file, fix="download the file again")
-
-    def _header(self, file: Path) -> dict[str, _Entry]:
-        try:
-            with open(file, "rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(length)) if length <= 100 << 20 else None
-                size = os.fstat(handle.fileno()).st_size
-        except (OSError, ValueError, struct.error) as exc:
-            raise self._damaged(file, f"unreadable safetensors header ({exc})") from None
-        if not isinstance(header, dict):
-            raise self._damaged(file, "its safetensors header is not a JSON object")
-        entries = {}
-        for name, spec in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, shape = _DTYPES[spec["dtype"]], tuple(int(n) for n in spec["shape"])
-                start, end = (8 + length + int(offset) for offset in spec["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self._damaged(file, f"tensor {name} has dtype {spec.get('dtype')!r} or a field dlm cannot "
-                                    "read") from None  # fmt: skip
-            if not 8 + length <= start <= end <= size or end - start != math.prod(shape) * dtype.itemsize:
-                raise self._damaged(file, f"tensor {name} lies outside the file or has the wrong size")
-            entries[name] = _Entry(file, dtype, shape, start, end)
-        return entries
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._entries))
-
-    def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
-        entry = self._entries.get(name)
-        return None if entry is None else (entry.shape, entry.dtype)
-
-    def pop(self, name: str, out: Tensor | None = None) -> Tensor | None:
-        """The tensor `name` read from disk, into `out` (a contiguous tensor of its shape and dtype) or
-        into memory of its own; None if there is no such tensor (left)."""
-
-        entry = self._entries.pop(name, None)
-        if entry is None:
-            return None
-        tensor = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
-        assert tensor.shape == entry.shape and tensor.dtype == entry.dtype and tensor.is_contiguous()
-        if not tensor.numel():
-            return tensor
-        # The tensor's bytes alone are mapped, copied (torch's copy, on every thread) and unmapped at once.
-        start = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
-        try:
-            with open(entry.file, "rb") as handle, mmap.mmap(
-                handle.fileno(), entry.end - start, access=mmap.ACCESS_READ, offset=start
-            ) as mapped:
-                with warnings.catch_warnings():  # read-only memory, which the copy only reads
-                    warnings.simplefilter("ignore", UserWarning)
-                    stored = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.start,
-                                              offset=entry.start - start)  # fmt: skip
-                tensor.view(-1).view(torch.uint8).copy_(stored)
-                del stored  # the mapping closes only once nothing points into it
-        except (OSError, ValueError) as exc:  # ValueError: the file shrank under the mapping's range
-            raise self._damaged(entry.file, f"tensor {name}: {exc}") from None
-        if sys.byteorder != "little":  # safetensors stores little-endian
-            tensor.copy_(tensor.view(torch.uint8).view(-1, entry.dtype.itemsize).flip(-1).view(entry.dtype)
-                         .view(entry.shape))  # fmt: skip
-        return tensor
-
-
-CONFIG_FIX = "restore the config.json and weights the model was saved with (download both again)"
-
-
-def _take(tensors: SourceTensors, name: str, directory: Path) -> Tensor:
-    tensor = tensors.pop(name)
-    if tensor is None:
-        raise UserError(f"the weights lack {name}", path=directory, fix="download every file of the model again")
-    return tensor
-
-
-def _fused(tensors: SourceTensors, names: list[str], directory: Path) -> Tensor:
-    """The family's separate projections stacked as dlm's one fused matrix, when their widths agree: each
-    read straight into its rows of the fused tensor, which is the only copy ever made."""
-
-    found = {name: tensors.shape_and_dtype(name) for name in names}
-    if missing := [name for name, spec in found.items() if spec is None]:
-        raise UserError(f"the weights lack {missing[0]}", path=directory, fix="download every file of the model again")
-    specs = {name: spec for name, spec in found.items() if spec is not None}
-    shapes = [shape for shape, _ in specs.values()]
-    if len({shape[1:] for shape in shapes}) > 1 or any(len(shape) == 0 for shape in shapes):
-        listed = ", ".join(f"{name} {shape}" for name, (shape, _) in specs.items())
-        raise UserError(f"tensors of one layer do not fit together: {listed}", path=directory, fix=CONFIG_FIX)
-    dtype = next(iter(specs.values()))[1]
-    fused = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=dtype)
-    offset = 0
-    for name, (shape, part_dtype) in specs.items():
-        rows = fused[offset : offset + shape[0]]
-        if part_dtype == dtype:
-            tensors.pop(name, out=rows)
-        else:  # a part stored in another dtype than the first: read, then cast into place
-            rows.copy_(_take(tensors, name, directory))
-        offset += shape[0]
-    return fused
-
-
-def _block_weights(tensors: SourceTensors, family: Family, model: ModelConfig, index: int, directory: Path,
-                   place: Placement) -> dict[str, Tensor]:  # fmt: skip
-    prefix, names = family.block_prefix.format(n=index), family.block
-
-    def take(role: str, suffix: str = "") -> Tensor:
-        return place(_take(tensors, prefix + names[role] + suffix, directory))
-
-    def fused(roles: str | tuple[str, ...], suffix: str = "") -> Tensor:
-        return place(_fused(tensors, [prefix + names[role] + suffix for role in roles], directory))
-
-    ours = f"blocks.{index}."
-    weights = {
-        ours + "attention_norm.weight": take("attention_norm"),
-        ours + "attention.qkv.weight": fused("qkv", ".weight"),
-        ours + "attention.out.weight": take("out"),
-        ours + "mlp_norm.weight": take("mlp_norm"),
-        ours + "mlp.gate_up.weight": fused(("gate", "up")),
-        ours + "mlp.down.weight": take("down"),
-    }
-    if model.qkv_bias:
-        weights[ours + "attention.qkv.bias"] = fused("qkv", ".bias")
-    if model.qk_norm:
-        weights[ours + "attention.q_norm.weight"] = take("q_norm")
-        weights[ours + "attention.k_norm.weight"] = take("k_norm")
-    return weights
-
-
-def convert_weights(tensors: SourceTensors, family: Family, model: ModelConfig, directory: Path,
-                    place: Placement = lambda tensor: tensor) -> dict[str, Tensor]:  # fmt: skip
-    """The family's tensors under dlm's names (q, k, v and gate, up fused); a tensor left over is refused.
-    Each is read when its turn comes and handed to `place` (e.g. moved to the GPU) as soon as it is made,
-    so the source is never held whole beside the result."""
-
-    weights = {"token_embedding.weight": place(_take(tensors, family.top["token_embedding.weight"], directory)),
-               "norm.weight": place(_take(tensors, family.top["norm.weight"], directory))}  # fmt: skip
-    head_name = family.top["head.weight"]
-    if not model.tie_embeddings:
-        weights["head.weight"] = place(_take(tensors, head_name, directory))
-    elif head_name in tensors:
-        tensors.pop(head_name)  # a tied model's saved copy of its embedding
-    for index in range(model.n_layers):
-        weights.update(_block_weights(tensors, family, model, index, directory, place))
-    leftover = sorted(name for name in tensors if not name.endswith("rotary_emb.inv_freq"))
-    if leftover:
-        raise UserError(f"the weights hold tensors the {family.name} layout has no place for ({leftover[:3]})",
-                        path=directory, fix="import a checkpoint of the published layout")  # fmt: skip
-    check_weights_fit(weights, family, model, directory)
-    return weights
-
-
-def _block_source(name: str, family: Family) -> str:
-    """How an error names a block tensor: dlm's name and the family's tensors it was made of."""
-
-    _, index, *_ = name.split(".")
-    return f"{name} (from {family.block_prefix.format(n=index)}*)"
-
-
-def check_weights_fit(weights: dict[str, Tensor], family: Family, model: ModelConfig, directory: Path) -> None:
-    """Refuse weights that the model of config.json could not load: a shape the config does not imply
-    (the vocabulary's rows above all), a tensor that is not floating point, a NaN or an inf."""
-
-    for name, shape in parameter_shapes(model):
-        tensor = weights[name]
-        source = family.top.get(name) or _block_source(name, family)
-        if tuple(tensor.shape) != shape:
-            if name in family.top and tensor.dim() == 2 and tensor.shape[1] == shape[1]:
-                raise UserError(f"config.json's vocabulary ({shape[0]} rows) disagrees with {source}, which has "
-                                f"{tensor.shape[0]} rows", path=directory / CONFIG_NAME, fix=CONFIG_FIX)  # fmt: skip
-            raise UserError(f"{source} has shape {tuple(tensor.shape)}, but config.json implies {shape}",
-                            path=directory / CONFIG_NAME, fix=CONFIG_FIX)  # fmt: skip
-        if not tensor.is_floating_point():
-            raise UserError(f"{source} holds {tensor.dtype} values, not floating point weights", path=directory,
-                            fix="download the weights again")  # fmt: skip
-    fix = "download the model again; a source that itself holds them cannot be used"
-    check_finite_weights(weights, directory, what="source weights", fix=fix)
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -376,6 +156,13 @@ class HfSource:
         except ValidationError as exc:
             raise UserError(format_validation_error(exc), path=self.directory / CONFIG_NAME) from None
 
+    def weights(self, model: ModelConfig, transforms: dict[str, Transform] | None = None,
+                grown_rows: int = 0) -> ConvertedWeights:  # fmt: skip
+        """The directory's weights for `model`, checked from the headers and read only when asked for."""
+
+        return ConvertedWeights(self.directory, _weight_files(self.directory), self.family, model, transforms,
+                                grown_rows)  # fmt: skip
+
     def read(
         self, model: ModelConfig, place: Placement = lambda tensor: tensor
     ) -> tuple[SourceInfo, dict[str, Tensor]]:
@@ -383,16 +170,15 @@ class HfSource:
         handed to `place` as it is read (by default kept as read, on the CPU)."""
 
         tokenizer = self.directory / TOKENIZER_NAME
-        _check_tokenizer_fits(tokenizer, model)
-        tensors = SourceTensors(_weight_files(self.directory))
-        weights = convert_weights(tensors, self.family, model, self.directory, place)
+        check_tokenizer_fits(tokenizer, model)
+        weights = convert_weights(self.weights(model), place)
         info = SourceInfo(path=self.directory, kind=SOURCE_KIND, model=model, weights="live", step=None,
                           tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
                           diffusion=DiffusionConfig(), training={})  # fmt: skip
         return info, weights
 
 
-def _check_tokenizer_fits(path: Path, model: ModelConfig) -> None:
+def check_tokenizer_fits(path: Path, model: ModelConfig) -> None:
     """Refuse a tokenizer that can produce ids past the embedding's rows (a model would index beyond it)."""
 
     size = _load_tokenizer(path.parent).get_vocab_size(with_added_tokens=True)
