@@ -3,6 +3,7 @@ contradict the plan are refused, a finished run is reused, and the plan file kee
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -281,7 +282,7 @@ def test_a_replanned_run_never_raises_its_learning_rate_after_warmup(
     assert plan is not None and plan.decay_anchor_step == replans[-1]["step"] and 0 < plan.decay_anchor_progress < 1
     rates = [(event["step"], event["learning_rate"]) for event in budget_events(events, "train")]
     decaying = [rate for step, rate in rates if step > plan.warmup_steps]
-    assert len(decaying) > 3 and all(later <= earlier for earlier, later in zip(decaying, decaying[1:]))
+    assert len(decaying) > 3 and all(later <= earlier for earlier, later in itertools.pairwise(decaying))
 
 
 def test_the_terminal_view_shows_the_plan_and_its_replans() -> None:
