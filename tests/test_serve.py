@@ -280,6 +280,51 @@ def test_refusals_name_the_field(live: Running, request_fields: dict[str, Any], 
     live.assert_healthy()
 
 
+def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: Running) -> None:
+    # What OpenAI's SDK and frameworks send by default: accepted, and the text is what it is without them.
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "user": "u1",
+               "extra_body": {"service_tier": "auto", "store": False, "metadata": {}}}  # fmt: skip
+    assert live.complete(seed=9, **neutral).choices[0].text == live.complete(seed=9).choices[0].text
+    parts = [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]
+    messages = [{"role": "developer", "content": "Speak as a player."}, {"role": "user", "content": parts}]
+    chat = live.client.chat.completions.create(model="model", messages=messages, max_tokens=6, seed=4,
+                                               response_format={"type": "text"}, logprobs=False, top_logprobs=0,
+                                               tool_choice="none", parallel_tool_calls=False)  # fmt: skip
+    # The developer message renders as the system one; text parts join with a newline.
+    plain = [{"role": "system", "content": "Speak as a player."}, {"role": "user", "content": "Who art\nthou?"}]
+    again = live.client.chat.completions.create(model="model", messages=plain, max_tokens=6, seed=4)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == again.choices[0].message.content
+    assert chat.usage is not None and again.usage is not None
+    assert chat.usage.prompt_tokens == again.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+     ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+     ({"suffix": "and so to bed"}, "suffix")],
+)  # fmt: skip
+def test_a_field_asking_what_dlm_does_not_do_is_refused_by_name(
+    live: Running, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        live.complete(**fields)
+    error = refused.value.response.json()["error"]
+    assert refused.value.status_code == 400 and error["param"] == param and "not supported" in error["message"]
+    with pytest.raises(openai.APIStatusError) as typo:  # an unknown field stays an error: a typo is not ignored
+        live.complete(extra_body={"presense_penalty": 0})
+    assert typo.value.response.json()["error"]["param"] == "presense_penalty"
+
+
+def test_top_p_defaults_to_the_whole_distribution_as_openai_s_does(live: Running) -> None:
+    from dlm.serving.protocol import CompletionRequest, _options
+
+    assert _options(CompletionRequest(prompt="ROMEO:"), 8).top_p == 1.0  # `dlm sample`'s own default is 0.9
+    assert _options(CompletionRequest(prompt="ROMEO:", top_p=0.9), 8).top_p == 0.9
+    left_out = live.complete(prompt="ROMEO:", max_tokens=8, seed=11).choices[0].text
+    assert left_out == live.complete(prompt="ROMEO:", max_tokens=8, seed=11, top_p=1.0).choices[0].text
+
+
 def test_malformed_and_oversized_bodies(live: Running) -> None:
     post = f"{live.url}/v1/completions"
     for content, status in ((b'{"prompt": "ROMEO:",', 400), (b"[1, 2]", 400), (b'{"prompt": 7}', 400),

@@ -52,6 +52,15 @@ class SamplerFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, bool] | None = None  # {"include_usage": true}
     user: str | None = None  # accepted for compatibility; not used
+    # OpenAI fields that clients send with their neutral values: accepted as such, refused (naming the
+    # field) where a value asks for what dlm's sampler does not do, never silently ignored.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Of no effect on the text: accepted and not used.
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     # dlm's own (`dlm sample`'s options of the same names)
     steps: int | None = None
     block_length: int | None = None
@@ -64,19 +73,73 @@ class SamplerFields(BaseModel):
 
 class CompletionRequest(SamplerFields):
     prompt: str | list[str]
+    logprobs: int | None = None  # neutral: None or 0
+    echo: bool = False
+    best_of: int | None = None  # neutral: None or 1
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """One part of a message's content as current OpenAI clients send it: text only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is OpenAI's newer name for the system message: rendered as one.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
     name: str | None = None  # accepted for compatibility; the template does not render it
+
+    @property
+    def text(self) -> str:
+        """The content as one text: the parts joined by newlines, as OpenAI-compatible servers do."""
+
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatRequest(SamplerFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # neutral: None or false
+    top_logprobs: int | None = None  # neutral: None or 0
+    response_format: dict[str, Any] | None = None  # neutral: {"type": "text"}
+    tools: list[dict[str, Any]] | None = None  # neutral: none
+    tool_choice: str | dict[str, Any] | None = None  # neutral: "none" (or "auto" with no tools)
+    parallel_tool_calls: bool | None = None  # of no effect without tools
+
+
+# Each OpenAI field dlm accepts only at its neutral value: (is it neutral?, what to say otherwise).
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "presence_penalty": (lambda v: not v, "dlm's sampler has no repetition penalties; send 0 or leave it out"),
+    "frequency_penalty": (lambda v: not v, "dlm's sampler has no repetition penalties; send 0 or leave it out"),
+    "logit_bias": (lambda v: not v, "dlm's sampler takes no logit bias; leave it out"),
+    "logprobs": (lambda v: not v, "dlm does not return log-probabilities; leave it out"),
+    "top_logprobs": (lambda v: not v, "dlm does not return log-probabilities; leave it out"),
+    "echo": (lambda v: not v, "dlm does not echo the prompt; leave it out"),
+    "best_of": (lambda v: v in (None, 1), "dlm does not rank samples; use n for several"),
+    "suffix": (lambda v: v is None, "use the infilling of `dlm sample --template` instead"),
+    "response_format": (lambda v: v is None or v.get("type") == "text",
+                        "dlm does not constrain the output to JSON; send {\"type\": \"text\"} or leave it out"),
+    "tools": (lambda v: not v, "dlm's models do not call tools; leave it out"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "dlm's models do not call tools; leave it out"),
+}  # fmt: skip
+
+
+def _check_neutral(request: SamplerFields) -> None:
+    for name, (neutral, fix) in _NEUTRAL.items():
+        value = getattr(request, name, None)
+        if not neutral(value):
+            raise ApiError(400, f"{name} = {value!r} is not supported: {fix}", param=name)
 
 
 @dataclass(frozen=True)
@@ -136,6 +199,10 @@ def _options(request: SamplerFields, length: int, model_steps: int | None = None
                                                        "cache", "remasking", "top_k", "reveal_split")}  # fmt: skip
     given = {name: value for name, value in given.items() if value is not None}
     given.setdefault("steps", length if model_steps is None else model_steps)
+    # OpenAI's default: the whole distribution (`dlm sample`'s own default cuts it at 0.9). A request
+    # that leaves top_p out is sampled as an OpenAI client expects.
+    if "top_p" not in request.model_fields_set:
+        given["top_p"] = 1.0
     try:
         return SamplingOptions(**given)
     except UserError as exc:
@@ -213,6 +280,7 @@ def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, 
     """The request as a `Generation`, or the `ApiError` naming the first field at fault. `model_steps`:
     the steps a distilled student samples in when the request names none."""
 
+    _check_neutral(request)
     if request.model is not None and request.model != served:
         raise ApiError(404, f"the model {request.model!r} does not exist; this server serves {served!r}",
                        param="model", code="model_not_found")  # fmt: skip
@@ -240,6 +308,6 @@ def chat_prompt_text(template: ChatTemplate, messages: list[Message]) -> str:
     """The conversation in the model's chat template (that of `dlm pack --chat`), up to the reply."""
 
     try:
-        return template.prompt([Turn(message.role, message.content) for message in messages])
+        return template.prompt([Turn(message.template_role, message.text) for message in messages])
     except UserError as exc:
         raise ApiError(400, f"messages: the chat template cannot render them ({exc})", param="messages") from None
