@@ -491,6 +491,57 @@ def test_a_full_queue_answers_429_and_nothing_hangs(model_dir: Path) -> None:
         server.assert_healthy()
 
 
+def test_a_request_whose_thread_cannot_start_fails_alone(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(model_dir) as handle:
+        start = threading.Thread.start
+        refusals = iter([True])
+
+        def start_or_refuse(thread: threading.Thread) -> None:
+            if thread.name.startswith("dlm-request-") and next(refusals, False):
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+        with pytest.raises(openai.APIStatusError) as refused:
+            handle.complete(seed=1)
+        assert refused.value.status_code == 503 and "can't start new thread" in refused.value.response.text
+        handle.assert_healthy()  # the next request runs
+
+
+def test_a_scheduler_that_stops_fails_every_request_and_health_says_so(model_dir: Path) -> None:
+    with running(model_dir) as handle:
+        statuses: list[int] = []
+
+        def send(seed: int) -> None:
+            try:
+                handle.complete(seed=seed)
+                statuses.append(200)
+            except openai.APIStatusError as exc:
+                statuses.append(exc.status_code)
+
+        with handle.gate.closed():
+            threads = [threading.Thread(target=send, args=(1,))]
+            threads[0].start()
+            handle.until(handle.gate.holding.is_set, "a request is in its pass")
+            threads.append(threading.Thread(target=send, args=(2,)))
+            threads[1].start()
+            handle.until(lambda: handle.stats.queued == 1, "a second request waits")
+
+            def broken() -> None:
+                raise RuntimeError("scheduler bug")
+
+            handle.server.scheduler._next_calls = broken  # type: ignore[method-assign]
+        for thread in threads:
+            thread.join(WAIT)
+            assert not thread.is_alive(), "a client waits forever"
+        assert statuses == [503, 503]  # the running request and the queued one, each told why
+        health = httpx.get(f"{handle.url}/health", timeout=WAIT)
+        assert health.status_code == 503 and health.json()["status"] == "error" and "scheduler bug" in health.text
+        with pytest.raises(openai.APIStatusError) as refused:
+            handle.complete(seed=3)
+        assert refused.value.status_code == 503 and "scheduler has stopped" in refused.value.response.text
+
+
 def test_api_key(model_dir: Path) -> None:
     with running(model_dir, api_key="sesame") as server:
         assert server.complete().choices  # the client sends the right key

@@ -133,8 +133,8 @@ class Endpoints:
             raise ApiError(429, f"the server is busy: its queue holds {self.scheduler.max_queue} requests; retry "
                            f"after {exc.retry_after} s", kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
-        except ShuttingDown:
-            raise ApiError(503, "the server is shutting down", kind="server_error") from None
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc), kind="server_error") from None
         return job
 
     async def wait(self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
@@ -160,8 +160,8 @@ class Endpoints:
                     return
                 elif await request.is_disconnected():
                     raise ClientGone
-        except ShuttingDown:
-            raise ApiError(503, "the server shut down before this request ran", kind="server_error") from None
+        except ShuttingDown as exc:
+            raise ApiError(503, f"the request did not run: {exc}", kind="server_error") from None
         except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
             raise sampler_error(exc) from None
         finally:
@@ -260,7 +260,10 @@ def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api
     @app.get("/health")
     async def health() -> Any:
         snapshot = scheduler.stats.snapshot()
-        return {"status": "ok", "model": served.name, "in_flight": snapshot.in_flight, "queued": snapshot.queued}
+        figures = {"model": served.name, "in_flight": snapshot.in_flight, "queued": snapshot.queued}
+        if scheduler.failure is not None:  # requests are refused: a load balancer must take it out
+            return JSONResponse({"status": "error", "error": repr(scheduler.failure), **figures}, status_code=503)
+        return {"status": "ok", **figures}
 
     @app.get("/v1/models")
     async def models() -> Any:

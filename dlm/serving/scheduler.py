@@ -79,6 +79,10 @@ class ShuttingDown(Exception):
     pass
 
 
+class SchedulerFailed(ShuttingDown):
+    """The scheduler stopped on an error of its own: every request is refused (503), none waits forever."""
+
+
 class Scheduler:
     """The queue, the thread that shares the running requests' passes, and a thread per running request."""
 
@@ -96,7 +100,8 @@ class Scheduler:
         self._busy = 0  # running requests that are sampling, neither waiting for a pass nor finished
         self._request_seconds = 1.0  # the last request's time: what a refused client is told to wait
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="dlm-scheduler", daemon=True)
+        self.failure: BaseException | None = None  # what stopped the scheduler, if anything did
+        self._thread = threading.Thread(target=self._run, name="dlm-scheduler", daemon=True)
 
     def start(self) -> None:
         self.model.eval()  # the requests' stand-ins never change the mode: passes run in eval mode
@@ -120,6 +125,8 @@ class Scheduler:
         if job.generation.rows > self.max_batch_rows:
             raise ValueError(f"{job.generation.rows} rows do not fit a batch of {self.max_batch_rows}")
         with self._ready:
+            if self.failure is not None:
+                raise SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}")
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             if len(self._queue) >= self.max_queue:
@@ -145,6 +152,9 @@ class Scheduler:
         """A running request's model call (from its thread): it waits for the next pass."""
 
         with self._ready:
+            if self.failure is not None:  # no pass will come
+                call.answer(error=SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}"))
+                return
             self._calls.append(call)
             self._busy -= 1
             self._ready.notify_all()
@@ -168,11 +178,17 @@ class Scheduler:
         started = False
         while self._queue and rows + self._queue[0].generation.rows <= self.max_batch_rows:
             job = self._queue.popleft()
+            thread = threading.Thread(target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}",
+                                      daemon=True)  # fmt: skip
+            try:
+                thread.start()
+            except RuntimeError as exc:  # the system's thread limit: this request fails, the others go on
+                log.error("request %s could not start: %s", job.request_id, exc)
+                job.future.set_exception(ShuttingDown(f"the server cannot start the request now ({exc})"))
+                continue
             rows += job.generation.rows
             self._running.append(job)
             self._busy += 1
-            threading.Thread(target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}",
-                             daemon=True).start()  # fmt: skip
             started = True
         if started:
             self._publish()
@@ -193,6 +209,25 @@ class Scheduler:
                 if self._stopping and not self._queue:
                     return None
             self._ready.wait(self._company_wait() if self._busy == 0 else None)
+
+    def _run(self) -> None:
+        """The scheduler's thread: on an error of its own, it fails every request, queued or running, and
+        every later one (`SchedulerFailed`), and /health says so, rather than leave them waiting."""
+
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the scheduler stopped")
+            with self._ready:
+                self.failure = exc
+                waiting, self._queue = list(self._queue), deque()
+                calls, self._calls = self._calls, []
+                self._publish()
+            failed = SchedulerFailed(f"the server's scheduler has stopped: {exc!r}")
+            for job in waiting:
+                job.future.set_exception(failed)
+            for call in calls:
+                call.answer(error=failed)  # their request threads end and answer their clients
 
     def _loop(self) -> None:
         while True:
