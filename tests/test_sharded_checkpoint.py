@@ -32,7 +32,7 @@ from dlm.artifacts.sharded_checkpoint import (
 )
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.train.checkpointing import flatten_rank_state, unflatten_rank_state
+from dlm.train.checkpointing import flatten_rank_state, rank_share, unflatten_rank_state
 from dlm.train.loop import train
 from dlm.train.stop import SignalStop
 
@@ -220,6 +220,17 @@ def test_a_full_disk_during_an_async_save_stops_cleanly(
         train(tiny(runs["data"], run, "training.async_checkpoint=true", "training.max_steps=6"))
     assert [step for step, _ in complete_checkpoints(run)] == [2]
     assert os.readlink(run / "latest") == "step-00000002" and not (run / "step-00000006").exists()
+
+
+def test_each_replicated_tensor_is_saved_by_one_rank_with_the_bytes_balanced() -> None:
+    # DDP's tensors are whole on every rank: an asynchronous save stages only this rank's share of them.
+    sizes = {"embedding": 1000, "head": 900, "norm": 10, "a": 300, "b": 300, "c": 290, "d": 5}
+    tensors = {name: torch.zeros(size) for name, size in sizes.items()}
+    shares = [rank_share(tensors, rank, 3) for rank in range(3)]
+    assert sorted(name for share in shares for name in share) == sorted(sizes)  # each exactly once
+    loads = [sum(tensor.numel() for tensor in share.values()) for share in shares]
+    assert max(loads) == 1000 and sum(loads) == sum(sizes.values())  # no rank holds more than the largest
+    assert rank_share(tensors, 0, 1) == tensors
 
 
 def test_rank_state_round_trips_through_tensors() -> None:

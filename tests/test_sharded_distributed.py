@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -114,9 +115,31 @@ def _pair(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
         ddp = ("training.gradient_accumulation_steps=2", "training.checkpoint_format=dcp")
         assert train(tiny(data_dir, root / "ddp", *ddp), max_run_steps=3).step == 3
         assert train(tiny(data_dir, root / "ddp", *ddp), resume=root / "ddp").step == STEPS
+        _record_staged_bytes(root, rank, lambda: train(tiny(data_dir, root / "ddp-async", *ddp,
+                                                            "training.async_checkpoint=true"), max_run_steps=3))
     finally:
         dist.destroy_process_group()
     end_process(0)
+
+
+def _record_staged_bytes(root: Path, rank: int, run: Callable[[], object]) -> None:
+    """Run `run` with each asynchronous save's tensors counted: the bytes this rank hands DCP to stage."""
+
+    import dlm.train.checkpointing as checkpointing
+
+    saves: list[int] = []
+    original = checkpointing.dcp.async_save
+
+    def counted(state_dict: dict[str, torch.Tensor], **options: object) -> object:
+        saves.append(sum(value.numel() * value.element_size() for value in state_dict.values()))
+        return original(state_dict, **options)  # type: ignore[arg-type]
+
+    checkpointing.dcp.async_save = counted  # type: ignore[assignment]
+    try:
+        run()
+    finally:
+        checkpointing.dcp.async_save = original
+    (root / f"staged-{rank}.json").write_text(json.dumps(saves))
 
 
 def _spawn(worker: object, root: Path, data_dir: Path) -> list[int | None]:
@@ -177,6 +200,17 @@ def test_ddp_with_sharded_checkpoints(root: Path) -> None:
     assert marker["world_size"] == 2 and {".metadata", "__0_0.distcp"} <= set(marker["files"])
     assert_close_losses(losses(root / "ddp"), losses(root / "single"))
     assert_same_state(root / "ddp" / "latest", root / "single" / "latest", TOLERANCE)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_ddp_save_stages_each_ranks_share_only(root: Path) -> None:
+    # DDP's tensors are whole on every rank; each rank stages only the half it writes (and its RNG state).
+    staged = [json.loads((root / f"staged-{rank}.json").read_text()) for rank in range(2)]
+    whole = sum(tensor.numel() * tensor.element_size() for tensor in state(root / "ddp-async" / "latest").values())
+    assert len(staged[0]) == len(staged[1]) >= 1
+    for first, second in zip(staged[0], staged[1], strict=True):
+        assert first + second <= whole + 64 * 1024  # each tensor once, RNG states aside
+        assert max(first, second) <= 0.6 * whole
 
 
 @pytest.mark.slow

@@ -145,6 +145,20 @@ def training_tensors(
     return optimizer_state, tensors
 
 
+def rank_share(tensors: Mapping[str, Tensor], rank: int, world_size: int) -> dict[str, Tensor]:
+    """This rank's part of replicated tensors: every tensor goes to exactly one rank, the largest first
+    to the rank with the fewest bytes so far (the same split on every rank: names and sizes only)."""
+
+    loads = [0] * world_size
+    mine: dict[str, Tensor] = {}
+    for name in sorted(tensors, key=lambda key: (-tensors[key].numel() * tensors[key].element_size(), key)):
+        owner = min(range(world_size), key=lambda index: (loads[index], index))
+        loads[owner] += tensors[name].numel() * tensors[name].element_size()
+        if owner == rank:
+            mine[name] = tensors[name]
+    return mine
+
+
 # ---------------------------------------------------------------------------------------------
 # Saving
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +400,10 @@ def save_trainer(trainer: Trainer, checkpointer: ShardedCheckpointer) -> Path:
 
     step = trainer.step
     _, tensors = training_tensors(step.model, step.optimizer, step.ema)
+    if trainer.world.active and trainer.config.parallelism != "fsdp":
+        # DDP's tensors are whole on every rank: each rank hands DCP only its share, so that an
+        # asynchronous save stages 1 / W of the state per rank, not all of it on every rank.
+        tensors = rank_share(tensors, trainer.world.rank, trainer.world.world_size)
     rank_state = {"rng": capture_rng_state(trainer.device), "data_generator": trainer.data_generator.get_state()}
     tensors.update(flatten_rank_state(rank_state, rank_prefix(trainer.world.rank)))
     ema = None if step.ema is None else {"decay": step.ema.decay, "num_updates": step.ema.num_updates}
