@@ -562,7 +562,7 @@ def _block_target(records: list[dict[str, Any]]) -> dict[str, Any]:
     if whole is None or block is None:
         return {"target": target, "measured": None, "met": None}
     ratio = whole["tokens_per_s"] / block["tokens_per_s"]
-    measured = f"{block['step_ms']} ms against {whole['step_ms']} ms = {ratio:.2f}x"
+    measured = f"{block.get('step_ms')} ms against {whole.get('step_ms')} ms = {ratio:.2f}x"
     return {"target": target, "measured": measured, "met": ratio <= 1.6}
 
 
