@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi", reason="fastapi is not installed (pip install -e '.[serve-test]')")
 pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -e '.[serve-test]')")
@@ -489,6 +490,64 @@ def test_a_full_queue_answers_429_and_nothing_hangs(model_dir: Path) -> None:
         refused = next(answer for answer in answers if answer.status_code == 429)
         assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
         server.assert_healthy()
+
+
+def test_a_full_queue_refuses_before_reading_the_body(model_dir: Path) -> None:
+    with running(model_dir, max_queue=1) as handle:
+        with handle.gate.closed():
+            first = threading.Thread(target=handle.complete, kwargs={"seed": 1})
+            first.start()
+            handle.until(handle.gate.holding.is_set, "a request is in its pass")
+            answers, threads = handle.start_queued([{"seed": 2}], "one request waits: the queue is full")
+            # Not even parsed: a body that is not JSON gets the 429 a full queue gives, not a 400.
+            refused = httpx.post(f"{handle.url}/v1/completions", content=b"{not json", timeout=WAIT)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        for thread in [first, *threads]:
+            thread.join(WAIT)
+        assert answers[0].choices[0].text is not None
+        handle.assert_healthy()
+
+
+def test_a_request_past_its_deadline_gets_504_and_leaves_its_batch(model_dir: Path) -> None:
+    with running(model_dir, limits=Limits(request_timeout=0.5)) as handle:
+        with handle.gate.closed():
+            with pytest.raises(openai.APIStatusError) as late:
+                handle.complete(seed=1, max_tokens=8)
+            handle.gate.open()
+        error = late.value.response.json()["error"]
+        assert late.value.status_code == 504 and error["code"] == "timeout" and "--request-timeout" in error["message"]
+        handle.until(lambda: handle.stats.in_flight == 0, "the late request has left its batch")
+        assert handle.stats.timed_out == 1 and handle.stats.dropped == 0
+        handle.assert_healthy()
+
+
+def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlm.serving.scheduler as scheduler_module
+
+    run_calls = scheduler_module.run_calls
+    shared: list[int] = []
+
+    def too_large_together(model: Any, calls: list[Any], on_pass: Any) -> None:
+        if len(calls) > 1:
+            shared.append(len(calls))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        run_calls(model, calls, on_pass)
+
+    with running(model_dir) as handle:
+        requests = [{"prompt": prompt, "max_tokens": 6, "seed": 30 + i} for i, prompt in enumerate(("ROMEO:", "To be"))]
+        alone = [handle.complete(**request).choices[0].text for request in requests]
+        monkeypatch.setattr(scheduler_module, "run_calls", too_large_together)
+        with handle.gate.closed():
+            blocker = threading.Thread(target=handle.complete, kwargs={"seed": 1})
+            blocker.start()
+            handle.until(handle.gate.holding.is_set, "the blocker's first pass is held")
+            answers, threads = handle.start_queued(requests, "both wait")
+        for thread in [blocker, *threads]:
+            thread.join(WAIT)
+        assert shared and [answer.choices[0].text for answer in answers] == alone  # each as it runs alone
+        handle.assert_healthy()
 
 
 def test_a_request_whose_thread_cannot_start_fails_alone(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,11 @@ BatchWaitOption = Annotated[
                  "nothing runs."),
 ]
 GraceOption = Annotated[float, typer.Option("--grace", help="Seconds a shutdown waits for the requests it holds.")]
+RequestTimeoutOption = Annotated[
+    float | None,
+    typer.Option("--request-timeout", show_default=False, help="Seconds a request may take from its arrival to "
+                 "its answer; past them it leaves its batch and gets 504 (default: no deadline)."),
+]  # fmt: skip
 
 
 def serve_command(
@@ -71,6 +76,7 @@ def serve_command(
     max_batch: MaxBatchOption = 32,
     batch_wait: BatchWaitOption = 0.0,
     grace: GraceOption = 30.0,
+    request_timeout: RequestTimeoutOption = None,
     json_output: JsonOption = False,
 ) -> None:
     """Serve MODEL with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
@@ -79,7 +85,7 @@ def serve_command(
     from dlm.serving.server import Server, ServeSettings, check_requirements, load_served
 
     limits = Limits(max_tokens=max_tokens, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
-                    max_body_bytes=max_body_bytes)  # fmt: skip
+                    max_body_bytes=max_body_bytes, request_timeout=request_timeout)  # fmt: skip
     settings = ServeSettings(host=host, port=port, api_key=api_key, limits=limits, max_queue=max_queue,
                              max_batch_rows=max_batch, batch_wait=batch_wait / 1000, grace_seconds=grace,
                              name=name)  # fmt: skip

@@ -86,6 +86,11 @@ def _event(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def _queue_full(max_queue: int, retry_after: int) -> ApiError:
+    return ApiError(429, f"the server is busy: its queue holds {max_queue} requests; retry after {retry_after} s",
+                    kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after)})  # fmt: skip
+
+
 class Endpoints:
     """The routes' work, apart from FastAPI's wiring."""
 
@@ -124,15 +129,19 @@ class Endpoints:
                            f"({self.scheduler.max_batch_rows})", param="n")  # fmt: skip
         return generation
 
+    def refuse_if_full(self) -> None:
+        retry_after = self.scheduler.retry_after_if_full()
+        if retry_after is not None:
+            self.scheduler.stats.count("rejected")
+            raise _queue_full(self.scheduler.max_queue, retry_after)
+
     def submit(self, request_id: str, generation: Generation, on_text: TextSink | None = None) -> Job:
         job = Job(request_id, generation, on_text=on_text)
         try:
             self.scheduler.submit(job)
         except QueueFull as exc:
             self.scheduler.stats.count("rejected")
-            raise ApiError(429, f"the server is busy: its queue holds {self.scheduler.max_queue} requests; retry "
-                           f"after {exc.retry_after} s", kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(exc.retry_after)}) from None  # fmt: skip
+            raise _queue_full(self.scheduler.max_queue, exc.retry_after) from None
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
         return job
@@ -160,6 +169,8 @@ class Endpoints:
                     return
                 elif await request.is_disconnected():
                     raise ClientGone
+                elif self._past_deadline(job):
+                    raise self._timed_out(job)
         except ShuttingDown as exc:
             raise ApiError(503, f"the request did not run: {exc}", kind="server_error") from None
         except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
@@ -168,9 +179,22 @@ class Endpoints:
             if getter is not None:
                 getter.cancel()
             if not job.future.done():
-                self.scheduler.cancel(job)
-                self.scheduler.stats.count("dropped")
+                if not job.cancelled.is_set():  # the client left (a request past its deadline was counted)
+                    self.scheduler.cancel(job)
+                    self.scheduler.stats.count("dropped")
                 waiter.add_done_callback(_read_exception)  # nobody will: asyncio would log it as lost
+
+    def _past_deadline(self, job: Job) -> bool:
+        timeout = self.limits.request_timeout
+        return timeout is not None and time.perf_counter() - job.enqueued > timeout
+
+    def _timed_out(self, job: Job) -> ApiError:
+        """Past its deadline: the request leaves the queue or its batch (before its next pass), and 504."""
+
+        self.scheduler.cancel(job)
+        self.scheduler.stats.count("timed_out")
+        return ApiError(504, f"the request took more than the server's --request-timeout "
+                        f"({self.limits.request_timeout:g} s)", kind="server_error", code="timeout")  # fmt: skip
 
     async def outcome(self, request: Any, job: Job) -> Outcome:
         async with aclosing(self.wait(request, job)) as items:
@@ -271,6 +295,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api
 
     async def complete(request: Any, kind: str) -> Any:
         request_id = request.scope["state"]["request_id"]
+        endpoints.refuse_if_full()  # before the body is parsed and tokenized
         generation = await endpoints.read(request, kind)
         if generation.stream:
             texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()

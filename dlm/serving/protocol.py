@@ -145,12 +145,14 @@ def _check_neutral(request: SamplerFields) -> None:
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask: `max_tokens` (None: the model's context, or a block model's window),
-    `n`, the prompt's tokens (None: the model's context) and the body's bytes."""
+    `n`, the prompt's tokens (None: the model's context), the body's bytes, and the seconds it may take
+    from its arrival to its answer (`request_timeout`; None: no deadline)."""
 
     max_tokens: int | None = None
     max_n: int = 8
     max_prompt_tokens: int | None = None
     max_body_bytes: int = 1 << 20
+    request_timeout: float | None = None
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class ServeSettings:
                 raise UserError(f"{option} must be at least 1 (got {value})")
         if not 0 <= self.port < 65536:
             raise UserError(f"--port must be in [0, 65535] (got {self.port})", fix="0 picks a free port")
+        timeout = self.limits.request_timeout
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise UserError(f"--request-timeout must be a number of seconds > 0 (got {timeout})")
         if not 0 <= self.grace_seconds < float("inf"):
             raise UserError(f"--grace must be a number of seconds >= 0 (got {self.grace_seconds})")
         if not 0 <= self.batch_wait <= 10:

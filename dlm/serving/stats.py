@@ -31,6 +31,7 @@ class StatsSnapshot:
     left: int  # of those, the ones whose rows left a running batch (the others left the queue)
     errors: int  # failed inside the server (500)
     passes: int  # forward passes since start (each shared by the requests it served)
+    timed_out: int = 0  # answered 504: past the server's --request-timeout
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,7 +54,7 @@ class ServeStats:
         self._generated: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of each finished request
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
         self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.left = self.errors = 0
-        self.passes = 0
+        self.passes = self.timed_out = 0
 
     def queue_changed(self, queued: int, in_flight: int) -> None:
         with self._lock:
@@ -79,7 +80,7 @@ class ServeStats:
             self._latencies.append(seconds)
 
     def count(self, outcome: str) -> None:
-        """One more request `rejected`, `dropped`, `left` or ended in an `errors`."""
+        """One more request `rejected`, `dropped`, `left`, `timed_out` or ended in an `errors`."""
 
         with self._lock:
             setattr(self, outcome, getattr(self, outcome) + 1)
@@ -93,7 +94,7 @@ class ServeStats:
                 self._generated.popleft()
             passes, generated = list(self._passes), list(self._generated)
             latencies = list(self._latencies)
-            counters = (self.requests, self.rejected, self.dropped, self.left, self.errors, self.passes)
+            counters = (self.requests, self.rejected, self.dropped, self.left, self.errors, self.passes, self.timed_out)
             in_flight, queued = self.in_flight, self.queued
         span = min(WINDOW_SECONDS, now - min(start for start, _, _ in generated)) if generated else 0.0
         tokens = sum(count for _, _, count in generated)
