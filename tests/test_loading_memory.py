@@ -62,3 +62,28 @@ def test_wrong_shapes_are_refused_before_anything_is_placed() -> None:
     weights["norm.weight"] = torch.ones(7)
     with pytest.raises(UserError, match="wrong shape"):
         loading._built_on_meta(CONFIG, weights, torch.device("cpu"), torch.float32, Path("w"))
+
+
+def test_a_run_from_trained_weights_takes_them_without_a_random_draw() -> None:
+    # training.init_from: the weights become the parameters (no float32 model drawn at random first, which
+    # for 8B would need 32 GB of host memory); stored in float32 they are the very tensors given.
+    from dlm.config.schema import ExperimentConfig
+    from dlm.train.distributed import DistributedContext
+    from dlm.train.step import TrainingStep
+
+    experiment = ExperimentConfig.model_validate({"model": CONFIG.model_dump(), "training": {"device": "cpu"}})
+    weights = stored_weights(torch.float32)
+    draws: list[str] = []
+    original = DiffusionTransformer.init_weights
+
+    def counted(model: DiffusionTransformer) -> None:
+        draws.append(next(model.parameters()).device.type)
+        original(model)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DiffusionTransformer, "init_weights", counted)
+        step = TrainingStep(experiment, torch.device("cpu"), "float32", DistributedContext(), initial=weights)
+    assert draws == ["meta"]  # built on the meta device: nothing drawn for real
+    parameters = dict(step.model.named_parameters())
+    assert all(parameters[name].data_ptr() == weights[name].data_ptr() for name in parameters)
+    assert torch.equal(step.model.rope_cos, DiffusionTransformer(CONFIG).rope_cos)

@@ -9,7 +9,7 @@ trains the student's one step toward them with the configured divergence.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +51,9 @@ class StudentDivergence:
 class DistillStep(TrainingStep):
     """The student (`model`, trained) and the round's teacher (frozen), one optimizer step at a time."""
 
-    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
-        super().__init__(experiment, device, precision, world)
+    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext,
+                 initial: Mapping[str, Tensor] | None = None):  # fmt: skip
+        super().__init__(experiment, device, precision, world, initial)
         assert experiment.distill is not None  # `dlm.distill.run` passes only distillation configs
         self.distill = experiment.distill
         self.divergence = get_divergence(self.distill.divergence)

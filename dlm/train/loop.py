@@ -116,12 +116,12 @@ class Trainer:
 
     def __init__(
         self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink,
-        step_type: type[TrainingStep] = TrainingStep,
+        step_type: type[TrainingStep] = TrainingStep, initial: dict[str, Tensor] | None = None,
     ):  # fmt: skip
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world, self.sink = device, precision, world, sink
         self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
-        self.step = step_type(experiment, device, precision, world)
+        self.step = step_type(experiment, device, precision, world, initial)
         self.model, self.optimizer = self.step.model, self.step.optimizer
         self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
         self.val_dataset = (
@@ -550,7 +550,7 @@ def _train(
         if world.is_main:  # under the lock: no other run can start or finish in between
             check_run_file_kinds(run_dir)
             check_run_target(run_dir, resume, overwrite)
-        trainer = Trainer(experiment, device, precision, world, fan_out([]), step_type)
+        trainer = Trainer(experiment, device, precision, world, fan_out([]), step_type, initial)
         if trainer.checkpointer is not None:  # a save in flight completes before the process ends
             cleanup.callback(trainer.checkpointer.close)
         if resume is not None:

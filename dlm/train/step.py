@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from dlm.config.schema import ExperimentConfig, TrainingConfig
+from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.diffusion.objective import (
     TokenLosses,
     accumulation_mask_probabilities,
@@ -33,12 +33,34 @@ from dlm.diffusion.objective import (
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.model.attention import AttentionAnneal
 from dlm.model.denoiser import block_size, masked_logits
-from dlm.model.transformer import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer, rotary_tables
 from dlm.runtime.device import autocast_context, resolve_compile
 from dlm.runtime.kernels import attention_kernel_context
 from dlm.runtime.rng import seed_everything
 from dlm.train.distributed import DistributedContext, build_model, replicated, wrap_model
 from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
+
+
+def model_from_weights(
+    config: ModelConfig, weights: Mapping[str, Tensor], training: TrainingConfig
+) -> DiffusionTransformer:
+    """A model built on the meta device that takes `weights` as its parameters (on the CPU, as a freshly
+    drawn model is), in float32, or for a LoRA run with a bfloat16 base its Linear weights in bfloat16, as
+    the adapters will store them: no random draw, no second copy where the stored dtype is already the one."""
+
+    with torch.device("meta"):
+        model = DiffusionTransformer(config)
+    lora_base = training.lora.enabled and training.lora.base_dtype == "bfloat16"
+    linear = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, nn.Linear)}
+    state = model.state_dict()
+    if missing := sorted(set(state) - set(weights)):
+        raise ValueError(f"the initial weights lack {missing[:3]}")  # `initial_weights` checked the shape
+    placed = {name: weights[name].to("cpu", torch.bfloat16 if lora_base and name in linear else state[name].dtype)
+              for name in state}  # fmt: skip
+    model.load_state_dict(placed, strict=True, assign=True)
+    cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model
 
 
 @dataclass
@@ -90,14 +112,20 @@ def attention_anneal(step: int, config: TrainingConfig) -> AttentionAnneal | Non
 class TrainingStep:
     """Model, optimizer and the arithmetic of one optimizer step on one process."""
 
-    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext):
+    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext,
+                 initial: Mapping[str, Tensor] | None = None):  # fmt: skip
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world = device, precision, world
         self.schedule = get_schedule(experiment.diffusion.schedule)
         self.counters = RunCounters()
         seed_everything(self.config.seed, device)
+        # A run that starts from trained weights (`initial`, read from training.init_from) takes them as its
+        # parameters at once instead of drawing random ones to overwrite (an 8B model's float32 draw alone
+        # needs 32 GB of host memory). Under FSDP rank 0 builds the whole model: it draws, as before.
+        self._initial = None if world.active and self.config.parallelism == "fsdp" else initial
         # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
         self.model = build_model(self._new_model, device, world, self.config.parallelism)
+        self._initial = None
         self.optimizer = build_optimizer(self.model, self.config, device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=device.type == "cuda" and precision == "float16")
         self.ema = ModelEMA(self.model, self.config.ema_decay) if self.config.ema_decay else None
@@ -108,9 +136,13 @@ class TrainingStep:
         self.blocks_per_sequence = model.max_seq_len // blocks if blocks else 1
 
     def _new_model(self) -> DiffusionTransformer:
-        """The model as seeded; with `[training.lora]` its adapters are drawn right after the weights."""
+        """The model as seeded, or built from the initial weights; with `[training.lora]` its adapters are
+        drawn right after the weights."""
 
-        model = DiffusionTransformer(self.experiment.model)
+        if self._initial is not None:
+            model = model_from_weights(self.experiment.model, self._initial, self.config)
+        else:
+            model = DiffusionTransformer(self.experiment.model)
         if self.config.lora.enabled:
             from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
 
