@@ -162,3 +162,17 @@ def test_the_import_holds_one_tensor_at_a_time(
     assert len(alive) == 2 + 2 * 6 + 1 and most == 1
     model, _ = dlm.load(output)
     assert model.config.vocab_size == 513
+
+
+@pytest.mark.parametrize(("entry", "message"), [([1, 2], r"tensor w has dtype \[1, 2\]"),
+                                                ({"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]},
+                                                 r"tensor w lies outside the file or has the wrong size")])  # fmt: skip
+def test_a_malformed_safetensors_header_is_one_error(tmp_path: Path, entry: object, message: str) -> None:
+    import struct
+
+    from dlm.artifacts.hf.conversion import SourceTensors
+
+    header = json.dumps({"w": entry}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(UserError, match="damaged weights: " + message):
+        SourceTensors([tmp_path / "model.safetensors"])

@@ -69,6 +69,16 @@ def test_resume_of_a_lora_run_is_bit_identical(
     assert len(losses) == 6 and all(loss is not None for loss in losses)
 
 
+def test_the_adapters_are_float32_on_a_bfloat16_base(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
+    # The base is placed in bfloat16 as it is read; peft would make the adapters bfloat16 too, where
+    # AdamW's small updates are lost.
+    settings = lora_settings(base_run, "training.precision=bfloat16", "training.lora.base_dtype=bfloat16")
+    result = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *settings))
+    adapters = load_checkpoint(result.checkpoint)["model"]
+    assert adapters and all(tensor.dtype == torch.float32 for tensor in adapters.values())
+    assert any(bool(tensor.abs().sum() > 0) for name, tensor in adapters.items() if "lora_A" in name)
+
+
 def test_a_resume_refuses_a_changed_base(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
     base = tmp_path / "base.pt"
     base.write_bytes((base_run / "latest.pt").read_bytes())

@@ -342,6 +342,8 @@ def test_busy_cores_counts_only_the_cpus_this_process_may_use(
         ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, "2:cpu,cpuacct:/", 3),
         ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, "2:cpu,cpuacct:/", None),
         ({}, "0::/", None),  # no cgroup files: no quota
+        ({"slice/cpu.max": "200000 100000", "slice/job/cpu.max": "max 100000"}, "0::/slice/job", 2),  # a parent's
+        ({"cpu.max": "300000 100000"}, "garbage\n0::/", 3),  # a malformed line is skipped
     ],
 )
 def test_the_cgroup_quota_caps_the_cores(
@@ -357,6 +359,16 @@ def test_the_cgroup_quota_caps_the_cores(
     assert threads._usable_cores() == (64 if expected is None else expected)
 
 
+def test_a_quota_narrower_than_a_busy_host_still_gets_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A container with a 4-CPU quota whose affinity spans a 64-core host, 8 of those cores busy with
+    # others' work: 4 threads, not one.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "quota_cores", lambda: 4)
+    monkeypatch.setattr(threads, "_affinity", lambda: set(range(64)))
+    assert threads.plan_cpu_threads(load=8.0).threads == 4
+    assert threads.plan_cpu_threads(load=62.0).threads == 2
+
+
 def test_a_resume_takes_the_recorded_threads_unless_omp_num_threads_says_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -368,6 +380,8 @@ def test_a_resume_takes_the_recorded_threads_unless_omp_num_threads_says_otherwi
         assert plan.describe() == "2 cores, as the checkpoint recorded: 2 threads"
         assert threads.resume_cpu_threads(measured, None) is measured  # an older checkpoint: as measured
         assert threads.resume_cpu_threads(None, 2) is None  # not a CPU run
+        with pytest.warns(UserNote, match="recorded 8 CPU threads and this machine gives it 2 cores"):
+            assert threads.resume_cpu_threads(measured, 8) is not None and torch.get_num_threads() == 8
         explicit = threads.ThreadPlan(2, None, 1, "OMP_NUM_THREADS")
         with pytest.warns(UserNote, match="OMP_NUM_THREADS=1, where the run used 2 threads.*no longer bit-identical"):
             assert threads.resume_cpu_threads(explicit, 2) is explicit

@@ -322,6 +322,7 @@ def test_top_p_defaults_to_the_whole_distribution_as_openai_s_does(live: Running
 
     assert _options(CompletionRequest(prompt="ROMEO:"), 8).top_p == 1.0  # `dlm sample`'s own default is 0.9
     assert _options(CompletionRequest(prompt="ROMEO:", top_p=0.9), 8).top_p == 0.9
+    assert _options(CompletionRequest(prompt="ROMEO:", top_p=None), 8).top_p == 1.0  # null, as clients send unset
     left_out = live.complete(prompt="ROMEO:", max_tokens=8, seed=11).choices[0].text
     assert left_out == live.complete(prompt="ROMEO:", max_tokens=8, seed=11, top_p=1.0).choices[0].text
 
@@ -524,21 +525,21 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_its_batch(model_dir: Pa
 def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlm.serving.scheduler as scheduler_module
+    import dlm.serving.passes as passes
 
-    run_calls = scheduler_module.run_calls
+    run_batch = passes._run_batch
     shared: list[int] = []
 
-    def too_large_together(model: Any, calls: list[Any], on_pass: Any) -> None:
-        if len(calls) > 1:
-            shared.append(len(calls))
+    def too_large_together(model: Any, batch: list[Any], config: Any) -> Any:
+        if len(batch) > 1:  # raised by the model's forward pass of a shared batch, as CUDA raises it
+            shared.append(len(batch))
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
-        run_calls(model, calls, on_pass)
+        return run_batch(model, batch, config)
 
     with running(model_dir) as handle:
         requests = [{"prompt": prompt, "max_tokens": 6, "seed": 30 + i} for i, prompt in enumerate(("ROMEO:", "To be"))]
         alone = [handle.complete(**request).choices[0].text for request in requests]
-        monkeypatch.setattr(scheduler_module, "run_calls", too_large_together)
+        monkeypatch.setattr(passes, "_run_batch", too_large_together)
         with handle.gate.closed():
             blocker = threading.Thread(target=handle.complete, kwargs={"seed": 1})
             blocker.start()
@@ -547,6 +548,13 @@ def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
         for thread in [blocker, *threads]:
             thread.join(WAIT)
         assert shared and [answer.choices[0].text for answer in answers] == alone  # each as it runs alone
+        assert handle.stats.errors == 0
+        # A pass that does not fit even alone: its request alone gets 503, worth a retry.
+        monkeypatch.setattr(passes, "_run_batch", lambda *args: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError()))
+        with pytest.raises(openai.APIStatusError) as refused:
+            handle.complete(seed=5)
+        assert refused.value.status_code == 503 and "does not fit the device's memory" in refused.value.response.text
+        monkeypatch.setattr(passes, "_run_batch", run_batch)
         handle.assert_healthy()
 
 

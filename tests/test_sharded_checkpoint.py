@@ -158,6 +158,7 @@ def test_a_step_directory_with_files_dlm_did_not_vouch_for_is_refused(
     shutil.copytree(runs["dcp"], run, symlinks=True)
     newest = run / "step-00000004"
     marker = newest / MARKER_NAME
+    (newest / ".DS_Store").write_bytes(b"a file browser's")  # never read by DCP: no reason to refuse
     if foreign == "extra file":
         (newest / "__9_0.distcp").write_bytes(b"not ours")
         message = r"__9_0\.distcp is not listed in dlm-checkpoint\.json: this step directory holds files dlm did not"
@@ -170,6 +171,9 @@ def test_a_step_directory_with_files_dlm_did_not_vouch_for_is_refused(
         read_marker(newest)
     with pytest.raises(UserError, match=message):
         train(tiny(runs["data"], run, "training.checkpoint_format=dcp"), resume=newest)
+    assert read_marker(run / "step-00000002")["step"] == 2
+    (run / "step-00000002" / ".DS_Store").write_bytes(b"")
+    assert read_marker(run / "step-00000002")["step"] == 2
 
 
 def test_an_incomplete_save_is_ignored_and_removed_with_a_note(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -322,6 +322,8 @@ def _stream_safetensors(path: Path, weights: StreamedWeights, dtype: torch.dtype
         handle.write(struct.pack("<Q", len(encoded)) + encoded)
         for name in weights.names:
             tensor = weights.read(name)
+            if tuple(tensor.shape) != tuple(weights.shape(name)):  # the header already promised its size
+                raise ValueError(f"{name} was read with shape {tuple(tensor.shape)}, not {weights.shape(name)}")
             check_finite_weights({name: tensor}, weights.directory, step=weights.record.get("step"))
             flat = tensor.to(stored_dtype(name)).contiguous().reshape(-1)
             handle.write(flat.view(torch.uint8).numpy().data)  # little-endian, as safetensors stores

@@ -215,16 +215,24 @@ def read_marker(directory: Path) -> dict[str, Any]:
         record.get("files"), dict
     ):
         raise UserError(f"not a dlm sharded checkpoint marker (format {SHARDED_FORMAT})", path=marker)
-    # DCP's .metadata is a pickle and its shards may hold pickled values: every file must be one the
-    # marker vouches for (by sha256, checked before a byte is read), or the directory is not dlm's own.
+    # DCP's .metadata is a pickle and its shards may hold pickled values: every file DCP could read must
+    # be one the marker vouches for (by sha256, checked before a byte is read), or the directory is not
+    # dlm's own. Files DCP never reads (a .DS_Store a file browser left) do not matter.
     listed = record["files"]
-    unlisted = sorted(path.name for path in directory.iterdir() if path.name != MARKER_NAME and path.name not in listed)
+    unlisted = sorted(path.name for path in directory.iterdir()
+                      if _read_by_dcp(path.name) and path.name not in listed)  # fmt: skip
     if DCP_METADATA not in listed or unlisted:
         what = f"{unlisted[0]} is not listed in" if unlisted else f"{DCP_METADATA} (a pickle) is not listed in"
-        fix = "use a checkpoint dlm wrote (step directories are trusted input: load only your own)"
         raise UserError(f"{what} {MARKER_NAME}: this step directory holds files dlm did not write", path=directory,
-                        fix=fix)  # fmt: skip
+                        fix="use a checkpoint dlm wrote (step directories are trusted input: load only your "
+                        "own), or delete the files it does not list")  # fmt: skip
     return record
+
+
+def _read_by_dcp(name: str) -> bool:
+    """Whether DCP's reader may open a file of this name in a step directory: its index and shards."""
+
+    return name.startswith(DCP_METADATA) or name.endswith(".distcp")
 
 
 def check_files(directory: Path, record: Mapping[str, Any], names: Iterable[str] | None = None) -> None:

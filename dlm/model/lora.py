@@ -78,6 +78,15 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:
     check_targets(model, lora)
     peft = require(LORA_EXTRA)
     peft.inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+    for module in model.modules():  # peft makes adapters in the dtype of the layer it wraps
+        layer: Any = module  # a peft LoraLayer, read by its attributes
+        adapters_a = getattr(layer, "lora_A", None)
+        if adapters_a is not None and ADAPTER in adapters_a and adapters_a[ADAPTER].weight.dtype != torch.float32:
+            # A base placed in bfloat16 (a run from trained weights): the adapters are float32, drawn
+            # again in float32 by peft's own initialisation (A Kaiming-uniform, B zero).
+            layer.lora_A[ADAPTER].float()
+            layer.lora_B[ADAPTER].float()
+            layer.reset_lora_parameters(ADAPTER, True)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(is_adapter(name))
     if lora.base_dtype == "bfloat16":

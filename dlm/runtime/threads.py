@@ -50,27 +50,36 @@ def _affinity() -> set[int] | None:
 
 def quota_cores(root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")) -> int | None:
     """Whole cores' worth of this process's cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
-    `cpu.cfs_period_us`), at least one; None without a quota. A container limited to 4 CPUs on a
-    64-core host gets 4 here, whatever the host's affinity mask says."""
+    `cpu.cfs_period_us`), the smallest of its cgroup and every parent, at least one; None without a
+    quota. A container limited to 4 CPUs on a 64-core host gets 4 here, whatever its affinity says."""
 
     try:
         lines = membership.read_text(encoding="utf-8").splitlines()
     except OSError:
         lines = []
-    own = {path for line in lines for _, controllers, path in [line.split(":", 2)] if ":" in line
-           and (controllers == "" or "cpu" in controllers.split(","))}  # fmt: skip
-    candidates = [root / path.lstrip("/") for path in own] + [root]
-    for directory in candidates:  # v2: "max 100000" or "400000 100000"
-        fields = _read_fields(directory / "cpu.max")
-        if fields and len(fields) == 2:
-            return None if fields[0] == "max" else _cores(fields[0], fields[1])
-    for directory in [root / name / path.lstrip("/") for name in ("cpu", "cpu,cpuacct") for path in own] + [
-        root / "cpu", root / "cpu,cpuacct"
-    ]:  # v1: quota -1 means none
-        quota, period = _read_fields(directory / "cpu.cfs_quota_us"), _read_fields(directory / "cpu.cfs_period_us")
-        if quota and period:
-            return None if quota[0].startswith("-") else _cores(quota[0], period[0])
-    return None
+    own = [parts[2] for parts in (line.split(":", 2) for line in lines)
+           if len(parts) == 3 and (parts[1] == "" or "cpu" in parts[1].split(","))]  # fmt: skip
+    quotas = []
+    for path in own or ["/"]:
+        for directory in _up_to_root(root, path):  # v2: "max 100000" or "400000 100000"
+            fields = _read_fields(directory / "cpu.max")
+            if fields and len(fields) == 2 and fields[0] != "max":
+                quotas.append(_cores(fields[0], fields[1]))
+        for name in ("cpu", "cpu,cpuacct"):  # v1: quota -1 means none
+            for directory in _up_to_root(root / name, path):
+                quota = _read_fields(directory / "cpu.cfs_quota_us")
+                period = _read_fields(directory / "cpu.cfs_period_us")
+                if quota and period and not quota[0].startswith("-"):
+                    quotas.append(_cores(quota[0], period[0]))
+    found = [quota for quota in quotas if quota is not None]
+    return min(found) if found else None
+
+
+def _up_to_root(root: Path, path: str) -> list[Path]:
+    """`root / path` and each of its parents up to `root` itself."""
+
+    parts = [part for part in path.split("/") if part and part != ".."]
+    return [root.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
 def _read_fields(path: Path) -> list[str] | None:
@@ -153,8 +162,13 @@ def plan_cpu_threads(processes: int = 1, load: float | None = None) -> ThreadPla
         return ThreadPlan(cores, None, int(requested), "OMP_NUM_THREADS")
     if load is None:
         load = busy_cores()
-    busy = None if load is None else min(float(cores), max(0.0, load))
-    free = cores - (busy or 0.0)
+    cpus = len(_affinity() or ()) or cores
+    if cpus > cores:  # a quota narrower than the CPUs it may run on: the load is over all of those CPUs
+        busy = None if load is None else min(float(cpus), max(0.0, load))
+        free = min(float(cores), cpus - (busy or 0.0))
+    else:
+        busy = None if load is None else min(float(cores), max(0.0, load))
+        free = cores - (busy or 0.0)
     threads = max(1, math.floor(free / max(processes, 1) + 0.5))
     return ThreadPlan(cores, busy, min(threads, cores), "measured")
 
@@ -182,5 +196,9 @@ def resume_cpu_threads(plan: ThreadPlan | None, recorded: int | None) -> ThreadP
                           "but no longer bit-identical to an uninterrupted run (unset OMP_NUM_THREADS to reuse "
                           f"{recorded})", UserNote, stacklevel=2)  # fmt: skip
         return plan
+    if recorded > plan.cores:
+        warnings.warn(f"the run recorded {recorded} CPU threads and this machine gives it {plan.cores} cores: it "
+                      "continues bit for bit but oversubscribed, which can be many times slower (set "
+                      "OMP_NUM_THREADS to trade exactness for speed)", UserNote, stacklevel=2)  # fmt: skip
     torch.set_num_threads(recorded)
     return ThreadPlan(plan.cores, plan.busy, recorded, "as the checkpoint recorded")

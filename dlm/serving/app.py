@@ -20,6 +20,7 @@ from dlm.diffusion.distillation import distilled_steps
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.serving.guard import Guard, RequestSink
+from dlm.serving.passes import OutOfMemory
 from dlm.serving.protocol import (
     ApiError,
     ChatRequest,
@@ -171,7 +172,7 @@ class Endpoints:
                     raise ClientGone
                 elif self._past_deadline(job):
                     raise self._timed_out(job)
-        except ShuttingDown as exc:
+        except (ShuttingDown, OutOfMemory) as exc:
             raise ApiError(503, f"the request did not run: {exc}", kind="server_error") from None
         except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
             raise sampler_error(exc) from None

@@ -201,16 +201,39 @@ def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = la
         key = call.group(block)
         (alone if key is None else groups.setdefault(key, [])).append(call)
     batches = [[call] for call in alone] + list(groups.values())
-    for batch in batches:
+    while batches:
+        batch = batches.pop(0)
         try:
             results = _run_batch(model, batch, config)
         except Exception as exc:  # each call's request fails with it; the others go on
+            if out_of_memory(exc):
+                release_memory(model)
+                if len(batch) > 1:  # too large together: each call in a pass of its own, as it runs alone
+                    batches[:0] = [[call] for call in batch]
+                    continue
+                exc = OutOfMemory("the request's forward pass does not fit the device's memory now; retry later")
             for call in batch:
                 call.answer(error=exc)
             continue
         on_pass(sum(call.rows for call in batch))
         for call, result in zip(batch, results, strict=True):
             call.answer(result)
+
+
+class OutOfMemory(Exception):
+    """A request's pass did not fit the device's memory, even alone: answered 503, worth a retry."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory error of any device (the CPU's allocator says it in words)."""
+
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(exc, oom) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+def release_memory(model: Any) -> None:
+    if next(iter(model.parameters())).device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _run_batch(model: Any, batch: list[Call], config: ModelConfig) -> list[Tensor]:

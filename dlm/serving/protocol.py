@@ -203,7 +203,7 @@ def _options(request: SamplerFields, length: int, model_steps: int | None = None
     given.setdefault("steps", length if model_steps is None else model_steps)
     # OpenAI's default: the whole distribution (`dlm sample`'s own default cuts it at 0.9). A request
     # that leaves top_p out is sampled as an OpenAI client expects.
-    if "top_p" not in request.model_fields_set:
+    if request.top_p is None:  # left out, or null as some clients send for "unset"
         given["top_p"] = 1.0
     try:
         return SamplingOptions(**given)

@@ -79,23 +79,6 @@ class ShuttingDown(Exception):
     pass
 
 
-class ServerOutOfMemory(ShuttingDown):
-    """A request's pass did not fit the device's memory, even alone: 503, worth retrying later."""
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """torch's out-of-memory error of any device (the CPU's allocator says it in words)."""
-
-    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(exc, oom) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
-
-
-def _release_memory(model: Any) -> None:
-    device = next(iter(model.parameters())).device
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 class SchedulerFailed(ShuttingDown):
     """The scheduler stopped on an error of its own: every request is refused (503), none waits forever."""
 
@@ -216,8 +199,7 @@ class Scheduler:
             self._running.append(job)
             self._busy += 1
             started = True
-        if started:
-            self._publish()
+        self._publish()  # the queue changed whether or not a request started (one may have failed to)
         return started
 
     def _next_calls(self) -> list[Call] | None:
@@ -265,31 +247,10 @@ class Scheduler:
                 with torch.inference_mode():
                     run_calls(self.model, calls, self.stats.pass_done)
             except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
-                if _out_of_memory(exc) and len(calls) > 1:
-                    self._one_by_one(calls)  # a shared pass too large: each call alone, as it would run
-                    continue
                 log.exception("forward passes failed")
                 for call in calls:
                     if not call.done.is_set():
                         call.answer(error=exc)
-
-    def _one_by_one(self, calls: list[Call]) -> None:
-        """After a shared pass ran out of memory: each call in a pass of its own. A call that still does
-        not fit fails alone, with a 503 its client can retry; the others go on."""
-
-        log.warning("a shared pass of %d calls ran out of memory: running them one by one", len(calls))
-        _release_memory(self.model)
-        for call in calls:
-            if call.done.is_set():
-                continue
-            try:
-                with torch.inference_mode():
-                    run_calls(self.model, [call], self.stats.pass_done)
-            except Exception as exc:
-                if not _out_of_memory(exc):
-                    raise
-                _release_memory(self.model)
-                call.answer(error=ServerOutOfMemory("the request does not fit the device's memory now"))
 
     def _sample(self, job: Job) -> None:
         """A running request's thread: sample it, then answer it."""

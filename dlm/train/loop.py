@@ -570,7 +570,7 @@ def _train(
             remove_incomplete_checkpoints(run_dir)
             metrics = MetricsFile(run_dir)
             cleanup.callback(metrics.close)
-            loggers = open_loggers(run_dir, experiment, trainer.counters.step)
+            loggers = open_loggers(run_dir, trainer.experiment, trainer.counters.step)
             for logger in loggers:
                 cleanup.callback(logger.close)
             sinks: list[Sink] = [metrics, *loggers]

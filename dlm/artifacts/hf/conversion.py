@@ -82,9 +82,11 @@ class SourceTensors:
                 dtype, shape = _DTYPES[spec["dtype"]], tuple(int(n) for n in spec["shape"])
                 start, end = (8 + length + int(offset) for offset in spec["data_offsets"])
             except (KeyError, TypeError, ValueError):
-                raise self._damaged(file, f"tensor {name} has dtype {spec.get('dtype')!r} or a field dlm cannot "
+                described = spec.get("dtype") if isinstance(spec, dict) else spec
+                raise self._damaged(file, f"tensor {name} has dtype {described!r} or a field dlm cannot "
                                     "read") from None  # fmt: skip
-            if not 8 + length <= start <= end <= size or end - start != math.prod(shape) * dtype.itemsize:
+            if any(n < 0 for n in shape) or not 8 + length <= start <= end <= size or \
+                    end - start != math.prod(shape) * dtype.itemsize:  # fmt: skip
                 raise self._damaged(file, f"tensor {name} lies outside the file or has the wrong size")
             entries[name] = _Entry(file, dtype, shape, start, end)
         return entries
