@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -134,8 +133,11 @@ def write(directory: Path, shape_name: str, device: str) -> dict[str, Any]:
     }
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _peak_rss_bytes() -> int:
+    from dlm.fileio import GIB
+    from dlm.runtime.memory import peak_rss_gib
+
+    return int((peak_rss_gib() or 0.0) * GIB)
 
 
 def load(directory: Path, device: str) -> dict[str, Any]:
@@ -144,7 +146,7 @@ def load(directory: Path, device: str) -> dict[str, Any]:
 
     if device.startswith("cuda"):
         torch.zeros(1, device=device)  # the CUDA context too: host memory the weights do not cause
-    baseline_rss = peak_rss_bytes()
+    baseline_rss = _peak_rss_bytes()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -157,7 +159,7 @@ def load(directory: Path, device: str) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "weight_bytes": weight_bytes,
         "seconds": round(seconds, 1),
-        "peak_rss_over_baseline": peak_rss_bytes() - baseline_rss,
+        "peak_rss_over_baseline": _peak_rss_bytes() - baseline_rss,
     }
     record["rss_ratio"] = round(record["peak_rss_over_baseline"] / weight_bytes, 3)
     if device.startswith("cuda"):

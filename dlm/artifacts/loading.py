@@ -50,7 +50,7 @@ from dlm.diffusion.distillation import attach_distilled_steps
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.lora import from_peft_names, merged_weights
-from dlm.model.transformer import DiffusionTransformer, rotary_tables
+from dlm.model.transformer import DiffusionTransformer
 
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
 _PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir", "init_from")
@@ -368,19 +368,14 @@ def _built_and_copied(
 def _built_on_meta(
     config: ModelConfig, weights: dict[str, Tensor], device: torch.device, dtype: torch.dtype, source: Path
 ) -> DiffusionTransformer:
-    """The model's structure on the meta device, then each weight moved to `device` in `dtype` and taken
-    as the parameter itself (`assign`): peak memory is the weights' own bytes. The rotary tables,
-    derived from the config, are computed on the CPU in float64 (which MPS lacks) and moved."""
+    """Each weight moved to `device` in `dtype` and taken as the parameter itself
+    (`DiffusionTransformer.from_weights`): peak memory is the weights' own bytes."""
 
     with torch.device("meta"):
-        model = DiffusionTransformer(config)
-    _check_weights(model.state_dict(), weights, source)
+        _check_weights(DiffusionTransformer(config).state_dict(), weights, source)
     placed = {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
               for name, tensor in weights.items()}  # fmt: skip
-    model.load_state_dict(placed, strict=True, assign=True)
-    cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return model
+    return DiffusionTransformer.from_weights(config, placed)
 
 
 def load_model_with_info(

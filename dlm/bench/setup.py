@@ -238,14 +238,6 @@ def release_memory(device: torch.device) -> None:
     reset_peak_memory(device)
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    # The CUDA allocator raises OutOfMemoryError; cuBLAS / cuDNN workspaces and bitsandbytes can
-    # surface the same condition as a plain RuntimeError.
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-    )
-
-
 def measure_matmul_peak(device: torch.device, precision: str) -> float:
     """The FLOP/s of one large square matmul in the step's dtype on `device`: the ceiling actually
     reachable here, beside the datasheet figure (clocks, power limits and cooling lower the latter).

@@ -30,7 +30,6 @@ from dlm.bench.setup import (
     bench_config,
     compare_settings,
     device_name,
-    is_out_of_memory,
     measure_matmul_peak,
     parse_compare,
     peak_rss_gib,
@@ -46,6 +45,7 @@ from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import resolve_compile, resolve_device, resolve_training_precision, synchronize
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.kernels import attention_kernel_context, configure_cuda_backends
+from dlm.runtime.memory import is_out_of_memory
 from dlm.train.distributed import DistributedContext
 from dlm.train.memory import estimate_checkpoints, estimate_training_memory
 from dlm.train.step import LogWindow, TrainingStep

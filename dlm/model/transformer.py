@@ -27,7 +27,7 @@ names and every operation are those of the network above.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 import torch
@@ -239,6 +239,21 @@ class DiffusionTransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: Mapping[str, Tensor]) -> DiffusionTransformer:
+        """A model whose parameters are `weights` themselves, where and in the dtype each already is:
+        built on the meta device and assigned, so nothing is drawn at random and nothing is copied.
+        The rotary tables, derived from the config, are computed on the CPU in float64 (which MPS
+        lacks) and moved to the weights' device."""
+
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(dict(weights), strict=True, assign=True)
+        device = next(iter(weights.values())).device
+        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,4 +1,4 @@
-"""Memory: accelerator allocation and peaks, and this process's peak resident memory."""
+"""Memory: accelerator allocation and peaks, running out of it, and this process's peak resident memory."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ def memory_stats(device: torch.device) -> dict[str, float]:
         "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
     }
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is the device running out of memory: the CUDA allocator's OutOfMemoryError, the
+    same condition as a plain RuntimeError from cuBLAS / cuDNN workspaces or bitsandbytes, or the CPU
+    allocator's "can't allocate memory"."""
+
+    text = str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    )
 
 
 def reset_peak_memory(device: torch.device) -> None:

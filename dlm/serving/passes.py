@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from dlm.model.attention import KVCache
 from dlm.model.denoiser import block_size
+from dlm.runtime.memory import is_out_of_memory
 
 if TYPE_CHECKING:
     from dlm.config.schema import ModelConfig
@@ -206,7 +207,7 @@ def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = la
         try:
             results = _run_batch(model, batch, config)
         except Exception as exc:  # each call's request fails with it; the others go on
-            if out_of_memory(exc):
+            if is_out_of_memory(exc):
                 release_memory(model)
                 if len(batch) > 1:  # too large together: each call in a pass of its own, as it runs alone
                     batches[:0] = [[call] for call in batch]
@@ -222,13 +223,6 @@ def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = la
 
 class OutOfMemory(Exception):
     """A request's pass did not fit the device's memory, even alone: answered 503, worth a retry."""
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """torch's out-of-memory error of any device (the CPU's allocator says it in words)."""
-
-    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(exc, oom) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 def release_memory(model: Any) -> None:

@@ -130,8 +130,7 @@ class Scheduler:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             if len(self._queue) >= self.max_queue:
-                waiting = math.ceil(self._request_seconds * (1 + len(self._queue) // max(1, self.max_batch_rows)))
-                raise QueueFull(max(1, waiting))
+                raise QueueFull(self._retry_after())
             self._queue.append(job)
             self._publish()
             self._ready.notify_all()
@@ -141,9 +140,12 @@ class Scheduler:
         a request is even parsed, so a flood of requests costs the event loop no tokenizing."""
 
         with self._ready:
-            if len(self._queue) < self.max_queue:
-                return None
-            return max(1, math.ceil(self._request_seconds * (1 + len(self._queue) // max(1, self.max_batch_rows))))
+            return self._retry_after() if len(self._queue) >= self.max_queue else None
+
+    def _retry_after(self) -> int:
+        """Under the lock: the seconds the queue in front of a new request will take, from the last request's."""
+
+        return max(1, math.ceil(self._request_seconds * (1 + len(self._queue) // max(1, self.max_batch_rows))))
 
     def cancel(self, job: Job) -> None:
         """The client has gone: drop `job` if it still waits, else its rows leave before their next pass."""

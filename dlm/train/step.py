@@ -33,7 +33,7 @@ from dlm.diffusion.objective import (
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.model.attention import AttentionAnneal
 from dlm.model.denoiser import block_size, masked_logits
-from dlm.model.transformer import DiffusionTransformer, rotary_tables
+from dlm.model.transformer import DiffusionTransformer
 from dlm.runtime.device import autocast_context, resolve_compile
 from dlm.runtime.kernels import attention_kernel_context
 from dlm.runtime.rng import seed_everything
@@ -44,23 +44,19 @@ from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
 def model_from_weights(
     config: ModelConfig, weights: Mapping[str, Tensor], training: TrainingConfig
 ) -> DiffusionTransformer:
-    """A model built on the meta device that takes `weights` as its parameters (on the CPU, as a freshly
-    drawn model is), in float32, or for a LoRA run with a bfloat16 base its Linear weights in bfloat16, as
-    the adapters will store them: no random draw, no second copy where the stored dtype is already the one."""
+    """A model that takes `weights` as its parameters (on the CPU, as a freshly drawn model is), in
+    float32, or for a LoRA run with a bfloat16 base its Linear weights (every matrix but the embedding,
+    which is only indexed) in bfloat16, as the adapters will store them: no random draw, and no second
+    copy where the stored dtype is already the one (`DiffusionTransformer.from_weights`)."""
 
-    with torch.device("meta"):
-        model = DiffusionTransformer(config)
     lora_base = training.lora.enabled and training.lora.base_dtype == "bfloat16"
-    linear = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, nn.Linear)}
-    state = model.state_dict()
-    if missing := sorted(set(state) - set(weights)):
-        raise ValueError(f"the initial weights lack {missing[:3]}")  # `initial_weights` checked the shape
-    placed = {name: weights[name].to("cpu", torch.bfloat16 if lora_base and name in linear else state[name].dtype)
-              for name in state}  # fmt: skip
-    model.load_state_dict(placed, strict=True, assign=True)
-    cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
-    model.rope_cos, model.rope_sin = cos, sin
-    return model
+
+    def dtype_of(name: str, tensor: Tensor) -> torch.dtype:
+        linear = tensor.dim() == 2 and name != "token_embedding.weight"
+        return torch.bfloat16 if lora_base and linear else torch.float32
+
+    return DiffusionTransformer.from_weights(config, {name: tensor.to("cpu", dtype_of(name, tensor))
+                                                      for name, tensor in weights.items()})  # fmt: skip
 
 
 @dataclass

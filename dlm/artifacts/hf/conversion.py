@@ -39,7 +39,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}  # fmt: skip
 CONFIG_FIX = "restore the config.json and weights the model was saved with (download both again)"
 MISSING_FIX = "download every file of the model again"
-Transform = Callable[[Tensor], Tensor]
+Transform = Callable[[Tensor], Tensor]  # a tensor changed as it is read (the mask token's new row)
+Placement = Callable[[Tensor], Tensor]  # where a converted tensor goes as soon as it is read
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ class ConvertedWeights:
             yield name, self.read(name)
 
 
-def convert_weights(weights: ConvertedWeights, place: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+def convert_weights(weights: ConvertedWeights, place: Placement) -> dict[str, Tensor]:
     """Every tensor, each handed to `place` (e.g. moved to the GPU) as soon as it is read."""
 
     return {name: place(tensor) for name, tensor in weights}

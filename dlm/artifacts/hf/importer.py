@@ -12,7 +12,6 @@ reads for a tokenizer that lacks dlm's own. A causal model's tokenizer has no ma
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,13 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from dlm.artifacts.export_layout import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, SourceInfo, read_config_json
-from dlm.artifacts.hf.conversion import ConvertedWeights, Transform, convert_weights
+from dlm.artifacts.hf.conversion import ConvertedWeights, Placement, Transform, convert_weights
 from dlm.artifacts.hf.families import FAMILIES, Family, family_of
 from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
 from dlm.data.chat import TOKENIZER_CONFIG_NAME, chat_template_of, read_config, special_tokens_of
 from dlm.data.tokenizer import SPECIAL_TOKENS, tokenizer_sha256
 from dlm.errors import UserError
 
-Placement = Callable[[Tensor], Tensor]  # where a converted tensor goes as soon as it is made
 SOURCE_KIND = "hf-source"
 IMPORT_KIND = "hf-import"  # an export's source.kind when `dlm import` wrote it
 INDEX_NAME, SINGLE_NAME, TEMPLATE_NAME = "model.safetensors.index.json", "model.safetensors", "chat_template.jinja"
