@@ -1,7 +1,8 @@
 """Fast sampling: confidence-threshold decoding, stopping at the end of a document, approximate KV caches.
 
-The exactness tests compare against token ids that the sampler produced before these options
-existed (`data/sampler_expectation.json`), so the default path stays bit-identical for a seed.
+The exactness tests compare against token ids recorded from the plain sampler
+(`data/sampler_expectation.json`, last re-recorded when the token draw became an inverse of the
+distribution function), so the default path stays bit-identical for a seed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dlm.sampling.reverse import cut_after_stop
 END = 0  # <|endoftext|>
 
 EXPECTATION = Path(__file__).parent / "data" / "sampler_expectation.json"
-# Settings whose outputs were recorded before threshold, cache and early stopping were added.
+# Settings of the plain sampler, whose outputs the fast paths must keep.
 CASES: dict[str, dict[str, Any]] = {
     "random": {},
     "confidence": {"remasking": "confidence", "steps": 8},

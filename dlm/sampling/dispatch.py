@@ -19,6 +19,7 @@ import torch
 from dlm.diffusion.schedules import Schedule, model_schedule
 from dlm.errors import UserError
 from dlm.registry import Registry
+from dlm.runtime.allocator import keep_freed_memory
 from dlm.sampling import autoregressive, block_model, fast, plain
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.reverse import ReverseContext, Strategy
@@ -85,6 +86,7 @@ def denoise(
     """
 
     check_samplable(model.config, options)
+    keep_freed_memory(tokens.device)  # on the CPU each step reuses the last one's buffers: no page faults
     noise = RowNoise.of(generator, tokens.shape[0])
     schedule = model_schedule(model) if schedule is None else schedule
     strategy = strategy_for(model, options, stop_token_id)

@@ -47,7 +47,7 @@ from dlm.errors import UserError
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.remasking import token_confidence
 from dlm.sampling.row_noise import RowNoise
-from dlm.sampling.tokens import sample_tokens
+from dlm.sampling.tokens import draws_per_row, sample_tokens, sample_with_probabilities
 
 if TYPE_CHECKING:
     from dlm.model.attention import KVCache
@@ -92,28 +92,32 @@ class Reverse:
         counts = positions.sum(dim=1)
         if rows is not None:
             counts = torch.zeros(rows.shape, dtype=counts.dtype, device=counts.device).masked_scatter(rows, counts)
-        return self.noise.stacked(counts, self.model.config.vocab_size)
+        return self.noise.stacked(counts, draws_per_row(self.options.top_p))
+
+    def scores(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The logits at `positions`, on the noise device, at least float32, forbidden tokens -inf."""
+
+        logits = self.logits(tokens, positions, rows)
+        logits = logits.to(self.noise.device, torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.forbidden] = float("-inf")
+        return logits
 
     def predict(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
 
-        logits = self.logits(tokens, positions, rows).to(self.noise.device, torch.float64)
-        logits[:, self.forbidden] = float("-inf")
+        logits = self.scores(tokens, positions, rows)
         options = self.options
-        new = sample_tokens(
-            logits,
-            temperature=options.temperature,
-            top_k=options.top_k,
-            top_p=options.top_p,
-            uniform=self.uniform(positions, rows),
-        )
-        confidence = None
-        if options.remasking != "random":
-            # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
-            confidence = token_confidence(logits.softmax(dim=-1), new, options.remasking)
-        return new.to(tokens.device), confidence
+        uniform = self.uniform(positions, rows)
+        temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
+        if options.remasking == "random":
+            new = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
+            return new.to(tokens.device), None
+        # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
+        new, probabilities = sample_with_probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                       uniform=uniform)  # fmt: skip
+        return new.to(tokens.device), token_confidence(probabilities, new, options.remasking)
 
     def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
         """Ancestral step: reveal each masked position of `block` with `probability`."""
@@ -145,7 +149,7 @@ class Reverse:
         candidates[:, block] = tokens[:, block] == self.mask_id
         new, confidence = self.predict(tokens, candidates)
         assert confidence is not None
-        scores = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+        scores = torch.full(tokens.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
         scores[candidates.to(scores.device)] = confidence
         # Every row has the same number of masked positions (>= count): top-k picks only candidates.
         chosen = scores.topk(count, dim=1).indices.to(tokens.device)
@@ -199,17 +203,17 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
         return 0
     candidates = torch.zeros_like(tokens, dtype=torch.bool)
     candidates[:, block] = masked
-    logits = reverse.logits(tokens, candidates, None).to(reverse.noise.device, torch.float64)
-    logits[:, reverse.forbidden] = float("-inf")
+    logits = reverse.scores(tokens, candidates, None)
     options = reverse.options
-    new = sample_tokens(logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-                        uniform=reverse.uniform(candidates, None))  # fmt: skip
+    uniform = reverse.uniform(candidates, None)
+    new, probabilities = sample_with_probabilities(logits, temperature=options.temperature, top_k=options.top_k,
+                                                   top_p=options.top_p, uniform=uniform)  # fmt: skip
     # The probability of the token each position would commit (Fast-dLLM's rule, and what
     # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
     # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
     ranking = "confidence" if options.remasking == "random" else options.remasking
-    confidence = token_confidence(logits.softmax(dim=-1), new, ranking)
-    scores = torch.full(masked.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+    confidence = token_confidence(probabilities, new, ranking)
+    scores = torch.full(masked.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
     scores[masked.to(scores.device)] = confidence
     need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
     rank = scores.argsort(dim=1, descending=True).argsort(dim=1)

@@ -1,82 +1,83 @@
-"""Token sampling from logits: top-k / top-p filtering and the Gumbel-max draw."""
+"""Token sampling from logits: top-k / top-p filtering and an exact draw from what is left.
+
+A diffusion sampler draws one token at every position it reveals, over the whole vocabulary, so
+the draw is as much work per position as the model's output layer. It is done in a few linear
+passes, with no sort and no noise per vocabulary entry:
+
+- **The draw** is the inverse of the distribution function with one float64 uniform per row. The
+  vocabulary is split into blocks of 64: a block is chosen by its mass, then a token inside it by
+  a float64 cumulative sum of its 64 weights. Every token's chance is its weight to float64
+  precision within its block; a block's own mass is a float32 sum (relative error ~1e-7), so no
+  token with a positive weight is ever out of reach, however small (the failure of Gumbel noise in
+  16 or 32 bits, whose truncated tails lose the rare tokens).
+- **The top-p nucleus** is every token whose strictly more likely tokens hold less than `top_p` of
+  the mass (tokens tied at the cut are all kept, as top-k keeps ties). It is sampled by rejection:
+  a token drawn from the whole distribution is kept when it is in the nucleus, which one pass over
+  the row decides, else another is drawn. The nucleus holds at least `top_p` of the mass, so a
+  draw is kept with probability >= top_p; after `trials(top_p)` refusals (a chance of at most 1 in
+  1,000) the row is drawn from the explicitly filtered nucleus (`filter_logits`, a sort), with one
+  more uniform. Either way the token follows the nucleus distribution exactly.
+
+The weights are float32 for a 16- or 32-bit model and float64 for a float64 one, so that a float64
+model's batched and one-by-one samples agree as its logits do (docs/reproducibility.md).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+
+_BLOCK = 64  # vocabulary entries per block of the two-level draw
+_MISS = 1e-3  # the largest chance that every rejection trial of a row fails
+_MAX_TRIALS = 16
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Set to -inf all but the top-k logits and all but the smallest top-p probability nucleus.
+    """Set to -inf all but the top-k logits and all but the top-p nucleus.
 
-    Tokens tied with the k-th logit are kept. The most likely token always survives, so every row
-    keeps a non-empty support.
+    Tokens tied with the k-th logit are kept; the nucleus keeps every token whose strictly more
+    likely tokens hold less than `top_p` of the probability, so tokens tied at its cut are kept
+    too. The most likely token always survives, so every row keeps a non-empty support.
     """
 
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        drop = _nucleus_cut(logits, top_p)
-        if drop is None:
-            drop = _sorted_drop(logits, top_p)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(logits < _nucleus_floor(logits, top_p), float("-inf"))
     return logits
 
 
-def _sorted_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The tokens outside the top-p nucleus, by a full sort with indices (the reference).
+def _nucleus_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The least logit [..., 1] of the top-p nucleus of each row.
 
-    The sort is stable, so tokens tied exactly at the cut are kept in the order of their ids: an
-    unstable sort orders ties by its kernels, which differ between CPUs (ATen's `default` and AVX2
-    sorts of the same bfloat16-valued logits disagree), and the nucleus with them.
+    Sorted from the most likely, the k-th value is in the nucleus when the values before it hold
+    less than `top_p`; every token tied with the last such value is kept with it. A sort of the
+    values alone suffices (no indices: ties need no order).
     """
 
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the more likely tokens before it already reach top_p.
-    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-
-
-def _nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
-    """`_sorted_drop` of `logits` [N, V] from sorted values alone, or None where that cannot be exact.
-
-    torch's CPU sort with indices costs ~25x numpy's sort of the values, and was most of a step
-    that samples every masked position. The values alone give the same sorted sequence, hence the
-    same softmax and cumulative sums bit for bit, so the same cut: when the drops are the tail of
-    the sorted order, the nucleus is every token more likely than its least likely kept value
-    `last`, plus as many of the tokens tied at `last` as the kept count leaves, the lowest ids first
-    (the stable sort's order of ties). Logits from a bfloat16 model tie at the cut often.
-    """
-
-    if logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float64):
-        return None
-    # Descending values as -sort(-x) in one buffer: negation is exact, and every new [N, V] float64
-    # buffer costs its page faults. (NaN lands last, not first; such a row's probabilities are all NaN.)
-    values = torch.neg(logits.detach())
-    values.numpy().sort(axis=-1)
-    values.neg_()
+    values = logits.detach().sort(dim=-1, descending=True).values
     probs = values.softmax(dim=-1)
-    drop_sorted = probs.cumsum(dim=-1).sub_(probs) >= top_p
-    width = drop_sorted.shape[-1]
-    kept = width - drop_sorted.sum(dim=-1, keepdim=True)  # the nucleus size, when the drops are one tail
-    tail = torch.arange(width)[None, :] >= kept
-    # A row with NaN or +inf has NaN probabilities, no drops here nor in the reference: it keeps all.
-    if not torch.equal(drop_sorted, tail):
-        return None
-    last = values.gather(-1, (kept - 1).clamp_min(0))  # the least likely kept value (kept >= 1: p[0] - p[0] = 0)
-    first_out = values.gather(-1, kept.clamp_max(width - 1))
-    cut = kept < width
-    keep = logits > last
-    tied = cut & (first_out == last)
-    if bool(tied.any()):
-        # Of the tokens equal to `last`, keep the first (kept - #more likely) by id.
-        at_last = logits == last
-        room = kept - keep.sum(dim=-1, keepdim=True)
-        keep |= at_last & (at_last.cumsum(dim=-1) <= room)
-    else:
-        keep |= logits == last
-    return cut & ~keep
+    ahead = probs.cumsum(dim=-1).sub_(probs)
+    kept = (ahead < top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # a row of NaN keeps its first
+    return values.gather(-1, kept - 1)
+
+
+def trials(top_p: float | None) -> int:
+    """Rejection trials per row for `top_p`: enough that all of them fail with chance <= 1/1000."""
+
+    if top_p is None or top_p >= 1:
+        return 1
+    return max(1, min(_MAX_TRIALS, math.ceil(math.log(_MISS) / math.log1p(-top_p))))
+
+
+def draws_per_row(top_p: float | None) -> int:
+    """Uniform draws `sample_tokens` takes per row: one per trial, and one for the fallback."""
+
+    return 1 if top_p is None or top_p >= 1 else trials(top_p) + 1
 
 
 def sample_tokens(
@@ -88,22 +89,145 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row of `logits` [N, V] by the Gumbel-max trick (argmax at temperature 0).
+    """One token per row of `logits` [N, V] (the most likely at temperature 0), as described above.
 
-    The noise is float64: in 16-bit (or even 32-bit) precision the Gumbel tails are truncated and
-    repeated samples lose diversity. `uniform` [N, V] gives the uniform draws instead of `generator`.
+    `uniform` [N, draws_per_row(top_p)] (float64) gives the uniform draws instead of `generator`.
     """
 
-    logits = logits.double()
+    return _draw(_widened(logits), temperature, top_k, top_p, generator, uniform)[0]
+
+
+def sample_with_probabilities(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens`, and the model's own distribution [N, V] (untempered and unfiltered), which
+    confidence remasking and thresholds rank by. At temperature 1 without top-k these are the draw's
+    weights over their total, normalised in place: no second pass of exponentials."""
+
+    scores = _widened(logits)
+    tokens, weights, total = _draw(scores, temperature, top_k, top_p, generator, uniform)
+    plain = temperature == 1 and (top_k is None or top_k >= scores.size(-1))
+    if weights is None or total is None or not plain:
+        return tokens, scores.softmax(dim=-1)
+    return tokens, weights.div_(total[:, None].to(weights.dtype))
+
+
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    # float32 for a 16- or 32-bit model, float64 for a float64 one
+    return logits.detach().to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _draw(
+    scores: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    uniform: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The tokens, and the weights [N, V] (exp of the filtered scores less their maximum, a fresh
+    buffer) with their total [N] (None at temperature 0, which draws nothing)."""
+
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return scores.argmax(dim=-1), None, None
     if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
-        logits = logits / temperature
-    logits = filter_logits(logits, top_k=top_k, top_p=top_p)
+        scores = scores / temperature
+    if top_k is not None and top_k < scores.size(-1):
+        scores = filter_logits(scores, top_k=top_k)
+    rows, width = scores.shape[0], draws_per_row(top_p)
     if uniform is None:
-        uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    # logits + -log(-log(u)), as logits - log(-log(u)) (IEEE subtraction is addition of the
-    # negation, so the same bits) in place on one new buffer: the same kernels as out of place
-    # without allocating a fresh [N, V] float64 tensor per operation.
-    gumbel = uniform.clamp_min(torch.finfo(torch.float64).tiny).log_().neg_().log_()
-    return torch.sub(logits, gumbel, out=gumbel).argmax(dim=-1)
+        uniform = torch.rand((rows, width), dtype=torch.float64, device=scores.device, generator=generator)
+    elif tuple(uniform.shape) != (rows, width):
+        raise ValueError(f"uniform draws of shape {tuple(uniform.shape)} for {rows} rows of {width}")
+    weights = torch.sub(scores, scores.amax(dim=-1, keepdim=True)).exp_()
+    mass = _BlockMass.of(weights)
+    total = mass.ends[:, -1]
+    picks = mass.draw(uniform[:, 0])
+    if width == 1:
+        return picks, weights, total
+    assert top_p is not None
+    enough = top_p * total
+    pending = torch.arange(rows, device=scores.device)
+    for trial in range(width - 1):
+        subset = pending if trial else None
+        if trial:
+            picks[pending] = mass.select(pending).draw(uniform[pending, trial])
+        inside = _mass_ahead(scores, weights, picks, subset) < (enough if subset is None else enough[subset])
+        pending = pending[~inside]
+        if pending.numel() == 0:
+            return picks, weights, total
+    nucleus = filter_logits(scores[pending], top_p=top_p)
+    fallback = torch.sub(nucleus, nucleus.amax(dim=-1, keepdim=True)).exp_()
+    picks[pending] = _BlockMass.of(fallback).draw(uniform[pending, -1])
+    return picks, weights, total
+
+
+def _mass_ahead(scores: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor | None
+                ) -> torch.Tensor:  # fmt: skip
+    """The weight of the tokens strictly more likely than each row's pick (of `rows`; None: all).
+
+    sign(x - x_pick) clamped at 0 is the indicator x > x_pick, in place in one buffer: a third of
+    the time of a comparison, a where and a sum.
+    """
+
+    if rows is not None:
+        scores, weights, picks = scores[rows], weights[rows], picks[rows]
+    chosen = scores.gather(-1, picks[:, None])
+    return torch.sub(scores, chosen).sign_().clamp_(min=0).mul_(weights).sum(dim=-1)
+
+
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token [N] of each row of non-negative `weights` [N, V] at the uniform draw `uniform` [N]:
+    the first whose cumulative weight passes u x total. Only entries of positive weight are returned."""
+
+    return _BlockMass.of(weights).draw(uniform)
+
+
+@dataclass(frozen=True)
+class _BlockMass:
+    """Weights [N, V] as blocks of 64 [N, V / 64, 64] (zero-padded), with each block's mass and the
+    float64 cumulative masses of the blocks."""
+
+    blocks: torch.Tensor
+    mass: torch.Tensor
+    ends: torch.Tensor
+
+    @classmethod
+    def of(cls, weights: torch.Tensor) -> _BlockMass:
+        rows, vocab = weights.shape
+        padded = F.pad(weights, (0, -vocab % _BLOCK)) if vocab % _BLOCK else weights
+        blocks = padded.view(rows, -1, _BLOCK)
+        mass = blocks.sum(dim=-1).double()
+        return cls(blocks, mass, mass.cumsum(dim=-1))
+
+    def select(self, rows: torch.Tensor) -> _BlockMass:
+        return _BlockMass(self.blocks[rows], self.mass[rows], self.ends[rows])
+
+    def draw(self, uniform: torch.Tensor) -> torch.Tensor:
+        """Two levels: the block whose cumulative mass passes u x total, then the entry inside it
+        whose float64 cumulative weight passes the rest."""
+
+        ends, mass = self.ends, self.mass
+        target = uniform.to(ends) * ends[:, -1]
+        block = torch.searchsorted(ends, target[:, None], right=True)
+        block = torch.minimum(block, _last_positive(mass))  # u x total rounded up to the total
+        start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
+        within = (target[:, None] - start) / mass.gather(-1, block)  # uniform in [0, 1) inside the block
+        entries = self.blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).double()
+        cumulative = entries.cumsum(dim=-1)
+        entry = torch.searchsorted(cumulative, within.clamp(0, 1) * cumulative[:, -1:], right=True)
+        entry = torch.minimum(entry, _last_positive(entries))
+        return (block * _BLOCK + entry).squeeze(-1)
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """The index [N, 1] of the last positive entry of each row of `weights` [N, W]."""
+
+    width = weights.shape[-1]
+    return (width - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)).to(torch.long)

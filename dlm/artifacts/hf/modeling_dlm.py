@@ -376,31 +376,84 @@ def _starting_tokens(input_ids: Tensor | None, new: int, num_samples: int, mask_
 
 
 def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    """-inf for all but the top-k logits and all but the smallest top-p nucleus (ties kept)."""
+    """-inf for all but the top-k logits and all but the top-p nucleus: the tokens whose strictly more
+    likely tokens hold less than top_p (ties at either cut kept)."""
 
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
-        # stable: tokens tied at the cut are kept lowest id first, the same on every CPU
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        values = logits.sort(dim=-1, descending=True).values
+        probs = values.softmax(dim=-1)
+        kept = (probs.cumsum(dim=-1) - probs < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
+        logits = logits.masked_fill(logits < values.gather(-1, kept - 1), float("-inf"))
     return logits
 
 
-def sample_tokens(logits: Tensor, options: _Options, generator: torch.Generator) -> Tensor:
-    """One token per row by Gumbel-max with float64 noise (16 or 32 bits truncate its tails)."""
+def draws_per_row(top_p: float | None) -> int:
+    """Uniforms per row: one per rejection trial (all fail with chance <= 1/1000), one for the fallback."""
 
-    logits = logits.double()
+    if top_p is None or top_p >= 1:
+        return 1
+    return max(1, min(16, math.ceil(math.log(1e-3) / math.log1p(-top_p)))) + 1
+
+
+def _last_positive(weights: Tensor) -> Tensor:
+    return (weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)).long()
+
+
+def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
+    """The token of each row of `weights` [N, V] whose cumulative weight passes u x total: the block of
+    64 by its (float32-summed) mass, then the entry by a float64 cumulative sum inside it."""
+
+    rows, vocab = weights.shape
+    blocks = F.pad(weights, (0, -vocab % 64)).view(rows, -1, 64)
+    mass = blocks.sum(dim=-1).double()
+    ends = mass.cumsum(dim=-1)
+    target = uniform.to(ends) * ends[:, -1]
+    block = torch.minimum(torch.searchsorted(ends, target[:, None], right=True), _last_positive(mass))
+    start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
+    within = (target[:, None] - start) / mass.gather(-1, block)
+    entries = blocks.gather(1, block[:, :, None].expand(-1, -1, 64)).squeeze(1).double()
+    cumulative = entries.cumsum(dim=-1)
+    entry = torch.searchsorted(cumulative, within.clamp(0, 1) * cumulative[:, -1:], right=True)
+    return (block * 64 + torch.minimum(entry, _last_positive(entries))).squeeze(-1)
+
+
+def sample_tokens(logits: Tensor, options: _Options, generator: torch.Generator, probabilities: bool = False
+                  ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """One token per row, as `dlm.sampling.tokens.sample_with_probabilities`: float64 uniforms, an
+    inverse of the distribution function, the top-p nucleus by rejection (a sorted fallback after
+    the trials); and the model's own distribution (untempered, unfiltered), which remasking ranks by."""
+
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if options.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = filter_logits(logits / options.temperature, options.top_k, options.top_p)
-    uniform = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float64).tiny)))
-    return (logits + gumbel).argmax(dim=-1)
+        return scores.argmax(dim=-1), scores.softmax(dim=-1) if probabilities else None
+    drawn = scores / options.temperature if options.temperature != 1 else scores
+    drawn = filter_logits(drawn, options.top_k, None)
+    top_p, width = options.top_p, draws_per_row(options.top_p)
+    uniform = torch.rand((scores.shape[0], width), dtype=torch.float64, device=scores.device, generator=generator)
+    weights = (drawn - drawn.amax(dim=-1, keepdim=True)).exp()
+    blocks = F.pad(weights, (0, -weights.shape[1] % 64)).view(weights.shape[0], -1, 64)
+    total = blocks.sum(dim=-1).double().cumsum(dim=-1)[:, -1]  # the total as inverse_cdf sums it
+    picks = inverse_cdf(weights, uniform[:, 0])
+    pending = torch.arange(scores.shape[0], device=scores.device)
+    for trial in range(width - 1):
+        if trial:
+            picks[pending] = inverse_cdf(weights[pending], uniform[pending, trial])
+        rows = drawn[pending]
+        ahead = torch.where(rows > rows.gather(-1, picks[pending, None]), weights[pending], 0).sum(dim=-1)
+        assert top_p is not None
+        pending = pending[~(ahead < top_p * total[pending])]
+        if pending.numel() == 0:
+            break
+    if pending.numel() and width > 1:
+        nucleus = filter_logits(drawn[pending], None, top_p)
+        picks[pending] = inverse_cdf((nucleus - nucleus.amax(dim=-1, keepdim=True)).exp(), uniform[pending, -1])
+    if not probabilities:
+        return picks, None
+    plain = options.temperature == 1 and (options.top_k is None or options.top_k >= scores.size(-1))
+    return picks, weights / total[:, None].to(weights.dtype) if plain else scores.softmax(dim=-1)
 
 
 def _mask_probability(schedule: str, t: float) -> float:
@@ -448,12 +501,13 @@ class _Reverse:
 
     def predict(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
         end = self.end
-        logits = self.model.logits_at(tokens[:, :end], positions[:, :end]).to(self.generator.device, torch.float64)
+        logits = self.model.logits_at(tokens[:, :end], positions[:, :end])
+        logits = logits.to(self.generator.device, torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.forbidden] = float("-inf")
-        new = sample_tokens(logits, self.options, self.generator)
+        ranked = self.options.remasking != "random"
+        new, probs = sample_tokens(logits, self.options, self.generator, ranked)  # probs untempered, unfiltered
         confidence = None
-        if self.options.remasking != "random":
-            probs = logits.softmax(dim=-1)  # untempered and unfiltered, as in LLaDA
+        if probs is not None:
             if self.options.remasking == "margin":
                 top2 = probs.topk(2, dim=-1).values
                 confidence = top2[:, 0] - top2[:, 1]
@@ -482,7 +536,7 @@ class _Reverse:
         candidates[:, block] = tokens[:, block] == self.mask_id
         new, confidence = self.predict(tokens, candidates)
         assert confidence is not None
-        scores = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=confidence.device)
+        scores = torch.full(tokens.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
         scores[candidates.to(scores.device)] = confidence
         chosen = scores.topk(count, dim=1).indices.to(tokens.device)
         proposal = tokens.clone()
