@@ -259,6 +259,12 @@ def _distillation_lines(record: dict[str, Any] | None) -> list[str]:
     if record is None:
         return []
     teacher = record.get("teacher_sha256")
+    if record.get("method") == "certainty":
+        return [
+            f"- trained by certainty forcing (entropy weight {record.get('certainty_weight')}) for sampling with "
+            f"`--threshold`, from a teacher sampling in {record.get('teacher_steps')} steps"
+            + (f"; teacher weights sha256 `{teacher[:16]}`" if teacher else "")
+        ]
     return [
         f"- distilled ({record.get('method')}, {record.get('divergence')}) from a teacher sampling in "
         f"{record.get('teacher_steps')} steps to **{record['steps']} sampling steps**, which `dlm sample`, "

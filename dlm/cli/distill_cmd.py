@@ -62,6 +62,17 @@ def distill_command(
         str,
         typer.Option("--divergence", help="kl, reverse-kl or tvd: what each round minimises (docs/distill.md)."),
     ] = "kl",
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            help="sdtt (rounds that halve the steps) or certainty (one round of certainty forcing for "
+            "--threshold sampling; give it --rounds 1 and, at best, --teacher-samples).",
+        ),
+    ] = "sdtt",
+    certainty_weight: Annotated[
+        float, typer.Option("--certainty-weight", min=0.0, help="--method certainty: the entropy term's weight.")
+    ] = 1.0,
     minutes: Annotated[
         float | None,
         typer.Option(
@@ -85,7 +96,9 @@ def distill_command(
 
     The student starts as the teacher. Each round it learns to take in one
     step what its teacher takes in two, then teaches the next round: 64
-    teacher steps and 3 rounds give an 8-step student. Continue a stopped
+    teacher steps and 3 rounds give an 8-step student. --method certainty
+    instead trains one round of certainty forcing, for sampling with
+    --threshold. Continue a stopped
     run with `dlm resume OUTPUT`; `dlm export OUTPUT --output DIR` writes the
     student, which samples in its own steps by default. docs/distill.md has
     what it measured: on the demo's model no student is yet clearly better
@@ -95,7 +108,7 @@ def distill_command(
     from dlm.distill.run import distillation_experiment
 
     distill = {"teacher_steps": teacher_steps, "rounds": rounds, "steps_per_round": steps_per_round,
-               "divergence": divergence}  # fmt: skip
+               "divergence": divergence, "method": method, "certainty_weight": certainty_weight}  # fmt: skip
     settings = _overrides(overrides, device, precision)
     if minutes is not None:
         refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),

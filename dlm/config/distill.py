@@ -24,8 +24,14 @@ class DistillConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     teacher: Path = Field(description="The model to distil: an export directory, a checkpoint or a run directory.")
-    method: Literal["sdtt"] = Field(
-        "sdtt", description="sdtt: each round matches one student step to two teacher steps (SDTT)."
+    method: Literal["sdtt", "certainty"] = Field(
+        "sdtt",
+        description="sdtt: each round matches one student step to two teacher steps (SDTT); certainty: one round "
+        "of certainty forcing (dParallel) for threshold decoding: cross-entropy to the data (best: the teacher's "
+        "own samples) plus certainty_weight x the student's entropy where it already predicts the data's token.",
+    )
+    certainty_weight: float = Field(
+        1.0, ge=0, description="method = certainty: the weight of the entropy term (0 is plain fine-tuning)."
     )
     divergence: str = Field(
         "kl",
@@ -45,32 +51,48 @@ class DistillConfig(BaseModel):
     )
 
     @property
+    def halving(self) -> bool:
+        """Whether rounds halve the sampling steps (SDTT); certainty forcing keeps the teacher's."""
+
+        return self.method == "sdtt"
+
+    @property
     def student_steps(self) -> int:
         """The sampling steps the finished student is distilled for."""
 
-        return self.teacher_steps >> self.rounds
+        return self.teacher_steps >> self.rounds if self.halving else self.teacher_steps
 
     def steps_after(self, optimizer_steps: int) -> int:
         """The sampling steps a student is distilled for after `optimizer_steps` (its completed rounds)."""
 
+        if not self.halving:
+            return self.teacher_steps
         return self.teacher_steps >> min(optimizer_steps // self.steps_per_round, self.rounds)
 
     def record(self, optimizer_steps: int) -> dict[str, object]:
         """What an export says of a student after `optimizer_steps`: `steps` is what sampling defaults to."""
 
-        return {"method": self.method, "steps": self.steps_after(optimizer_steps), "teacher_steps": self.teacher_steps,
-                "rounds_done": min(optimizer_steps // self.steps_per_round, self.rounds),
-                "divergence": self.divergence, "teacher_sha256": self.teacher_sha256}  # fmt: skip
+        record: dict[str, object] = {"method": self.method, "steps": self.steps_after(optimizer_steps),
+                  "teacher_steps": self.teacher_steps, "rounds_done": min(optimizer_steps // self.steps_per_round,
+                                                                          self.rounds),
+                  "divergence": self.divergence, "teacher_sha256": self.teacher_sha256}  # fmt: skip
+        if not self.halving:
+            record["certainty_weight"] = self.certainty_weight
+        return record
 
     def round_steps(self, round_index: int) -> tuple[int, int]:
         """(teacher, student) sampling steps of round `round_index` (0-based)."""
 
         teacher = self.teacher_steps >> round_index
-        return teacher, teacher // 2
+        return (teacher, teacher // 2) if self.halving else (teacher, teacher)
 
     @model_validator(mode="after")
     def _check_halving(self) -> DistillConfig:
-        if self.teacher_steps % (1 << self.rounds):
+        if not self.halving and self.rounds != 1:
+            raise FieldProblem(
+                "rounds", f"certainty forcing trains one round, not {self.rounds}", "set rounds = 1 (--rounds 1)"
+            )
+        if self.halving and self.teacher_steps % (1 << self.rounds):
             raise FieldProblem(
                 "teacher_steps",
                 f"{self.teacher_steps} steps do not halve {self.rounds} times",

@@ -15,6 +15,9 @@ draw, and only the forward KL is linear in it (its student learns T itself); the
 choice, pulls the student toward a geometric mean of the draws instead (docs/distill.md has what
 each did on the demo's model).
 
+`certainty_forcing_loss` is the second method's objective: no teacher pass, the data's tokens as
+targets and an entropy term that makes a threshold sampler commit more per pass (dParallel).
+
 This module is the arithmetic; `dlm.distill` runs the teacher and the student.
 """
 
@@ -111,3 +114,20 @@ def two_step_log_target(first: Tensor, second: Tensor, revealed: Tensor) -> Tens
 
     first[~revealed] = second
     return first
+
+
+def certainty_forcing_loss(log_student: Tensor, targets: Tensor, weight: float) -> Tensor:
+    """Certainty forcing (dParallel, 2025) at N masked positions [N]: the cross-entropy of the student's
+    log-probabilities `log_student` [N, V] to the data's tokens `targets` [N], plus `weight` x the
+    student's entropy where its most likely token already is the target.
+
+    The entropy term makes the student sure where it is right, so that a threshold sampler commits
+    those positions early; where it is wrong only the cross-entropy acts (sharpening a wrong guess
+    would make it confidently wrong). Trained on the teacher's own samples, the targets are the
+    teacher's trajectory.
+    """
+
+    cross_entropy = -log_student.gather(-1, targets[:, None]).squeeze(-1)
+    right = log_student.argmax(dim=-1) == targets
+    entropy = -(log_student.exp() * log_student).sum(dim=-1)
+    return cross_entropy + weight * torch.where(right, entropy, 0.0)

@@ -1,10 +1,15 @@
-"""One optimizer step of distillation through time: `TrainingStep` with SDTT's objective.
+"""One optimizer step of distillation: `TrainingStep` with SDTT's or certainty forcing's objective.
 
 Everything else of a training step is `dlm.train.step`'s: gradient accumulation, noise seeded by
-(seed, global micro-batch index), clipping, the grad scaler, the EMA, the counters. A micro-batch
-draws its times on the student's sampling grid (stratified over the optimizer step), masks the
-clean text at t, lets the teacher take its two steps from there (`dlm.diffusion.distillation`) and
-trains the student's one step toward them with the configured divergence.
+(seed, global micro-batch index), clipping, the grad scaler, the EMA, the counters.
+
+- `sdtt`: a micro-batch draws its times on the student's sampling grid (stratified over the
+  optimizer step), masks the clean text at t, lets the teacher take its two steps from there
+  (`dlm.diffusion.distillation`) and trains the student's one step toward them with the configured
+  divergence.
+- `certainty`: a micro-batch masks the clean text (the teacher's own samples, at best) at its
+  stratified times and trains the student toward the text's tokens with the entropy term of
+  certainty forcing; the teacher is not run.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, tokenizer_sha2
 from dlm.diffusion.distillation import (
     TwoStepTimes,
     allowed_log_probs,
+    certainty_forcing_loss,
     draw_tokens,
     first_reveals,
     grid_times,
@@ -40,12 +46,14 @@ from dlm.train.step import LogWindow, TrainingStep
 
 @dataclass(frozen=True)
 class StudentDivergence:
-    """One micro-batch's comparison: the divergence at each of the N positions masked at t."""
+    """One micro-batch's comparison: the objective at each of the N positions masked at t."""
 
     per_token: Tensor  # [N]
     mask: Tensor  # [B, L] bool: the N positions masked at t
-    log_target: Tensor  # [N, V]: log of the teacher's two-step prediction
     log_student: Tensor  # [N, V]: the student's one-step log-probabilities
+    targets: Tensor  # [N]: the token the target favours (the accuracy's reference)
+    t: Tensor  # [B] or [B, blocks]: the times the rows (blocks) were masked at
+    log_target: Tensor | None = None  # [N, V]: log of the teacher's two-step prediction (sdtt)
 
 
 class DistillStep(TrainingStep):
@@ -75,6 +83,9 @@ class DistillStep(TrainingStep):
         # The round of the last completed step: the one the logged figures belong to.
         round_index = self.teachers.round_of(max(self.counters.step - 1, 0))
         teacher, student = self.distill.round_steps(round_index)
+        if not self.distill.halving:
+            return (f"certainty forcing for threshold decoding; loss is the cross-entropy to the data plus "
+                    f"{self.distill.certainty_weight:g} x the entropy where the student is right")  # fmt: skip
         return (f"round {round_index + 1}/{self.distill.rounds}: {teacher} -> {student} sampling steps; loss is the "
                 f"{self.distill.divergence} divergence to the teacher's two steps")  # fmt: skip
 
@@ -91,9 +102,11 @@ class DistillStep(TrainingStep):
         units = accumulation_mask_probabilities(clean.shape[0], micro_index, steps, offset, 0.0, self.device,
                                                 rank=world.rank, world_size=world.world_size,
                                                 blocks=self.blocks_per_sequence)  # fmt: skip
-        _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
-        times = grid_times(units, student_steps)
-        result = self.divergence_at(clean, times, generator, loss_mask)
+        if self.distill.halving:
+            _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
+            result = self.divergence_at(clean, grid_times(units, student_steps), generator, loss_mask)
+        else:
+            result = self.certainty_at(clean, units, generator, loss_mask)
         # No masked position (a batch of nothing but loss-masked prompts): a zero loss that still
         # reaches every parameter, so DDP's gradient reduction sees the same graph on every rank.
         per_token = result.per_token
@@ -101,10 +114,10 @@ class DistillStep(TrainingStep):
         self.scaler.scale(loss / steps).backward()
 
         window.loss += loss.detach() / steps
-        agree = (result.log_student.argmax(dim=-1) == result.log_target.argmax(dim=-1)).float()
+        agree = (result.log_student.argmax(dim=-1) == result.targets).float()
         window.accuracy += (agree.mean() if agree.numel() else agree.sum()).detach() / steps
         # The divergence by time: each kept position in the bucket of its own row's (block's) t.
-        position_time = per_position(times.t, clean.shape[1], block_size(self.experiment.model))[result.mask]
+        position_time = per_position(result.t, clean.shape[1], block_size(self.experiment.model))[result.mask]
         bucket = (position_time * NOISE_BUCKETS).long().clamp(max=NOISE_BUCKETS - 1)
         window.bucket_loss.index_add_(0, bucket, per_token.detach().float())
         window.bucket_count.index_add_(0, bucket, torch.ones_like(per_token, dtype=torch.float32))
@@ -124,7 +137,25 @@ class DistillStep(TrainingStep):
         with autocast_context(self.device, self.precision), kernel:
             logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
         log_student = allowed_log_probs(logits, self.forbidden)
-        return StudentDivergence(self.divergence(log_target, log_student), mask, log_target, log_student)
+        return StudentDivergence(self.divergence(log_target, log_student), mask, log_student,
+                                 log_target.argmax(dim=-1), times.t, log_target)  # fmt: skip
+
+    def certainty_at(
+        self, clean: Tensor, times: Tensor, generator: torch.Generator, loss_mask: Tensor | None = None
+    ) -> StudentDivergence:
+        """Certainty forcing on `clean` masked at `times` [B] (or [B, blocks]), the mask drawn from `generator`."""
+
+        model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
+        corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator, schedule=self.schedule,
+                                    block_size=block_size(model), loss_mask=loss_mask)  # fmt: skip
+        mask = corruption.mask
+        kernel = attention_kernel_context(self.device, self.config.attention_kernel)
+        with autocast_context(self.device, self.precision), kernel:
+            logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
+        log_student = allowed_log_probs(logits, self.forbidden)
+        targets = clean[mask]
+        per_token = certainty_forcing_loss(log_student, targets, self.distill.certainty_weight)
+        return StudentDivergence(per_token, mask, log_student, targets, times)
 
     @torch.no_grad()
     def teacher_target(
