@@ -3,8 +3,10 @@
 usage: python scripts/distill_frontier.py REFERENCE MODEL... --judge JUDGE [--length 64]
            [--num-samples 16] [--seeds 0,1,2] [--repeats 2] [--json FILE]
 
-Each model is `PATH` (sampled in its own steps: a distilled student's, else one per token) or
-`PATH@STEPS`. For every seed the models sample `--num-samples` unconditional texts of `--length`
+Each model is `PATH` (sampled in its own steps: a distilled student's, else one per token),
+`PATH@STEPS`, or `PATH@KEY=VALUE,...` with the keys `steps` and `threshold` (e.g.
+`student@threshold=0.7`: a certainty-forced student at a confidence threshold, whose passes per token
+the table shows). For every seed the models sample `--num-samples` unconditional texts of `--length`
 tokens in `--repeats` interleaved rounds on one thread; the least CPU time of a model's rounds is
 its time for that seed. The judge (best an autoregressive model: its likelihood is exact) scores all
 samples of all seeds. The table gives each model's tokens per CPU second as a ratio to the first
@@ -33,6 +35,7 @@ class Entry:
     label: str
     path: Path
     steps: int | None  # None: the model's own (a student's distilled steps, else one per token)
+    threshold: float | None = None  # commit every position above this confidence (`--threshold`)
     model: Any = None
     tokenizer: Any = None
 
@@ -50,8 +53,18 @@ class Figures:
 
 
 def parse_entry(text: str) -> Entry:
-    path, _, steps = text.partition("@")
-    return Entry(label=text, path=Path(path), steps=int(steps) if steps else None)
+    path, _, spec = text.rpartition("@") if "@" in text else (text, "", "")
+    if "/" in spec:  # an "@" inside the path itself
+        path, spec = text, ""
+    if not spec or spec.isdigit():
+        return Entry(label=text, path=Path(path), steps=int(spec) if spec else None)
+    settings = dict(item.split("=", 1) for item in spec.split(","))
+    unknown = set(settings) - {"steps", "threshold"}
+    if unknown:
+        sys.exit(f"error: {text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold)")
+    steps, threshold = settings.get("steps"), settings.get("threshold")
+    return Entry(label=text, path=Path(path), steps=int(steps) if steps else None,
+                 threshold=float(threshold) if threshold else None)  # fmt: skip
 
 
 def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, seeds: list[int],
@@ -70,7 +83,8 @@ def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, 
     samples: dict[str, list[list[int]]] = {}
     passes_now: dict[str, int] = {}
     for entry in entries:  # an untimed warm-up of each model's kernels, in its own steps
-        generate(entry.model, entry.tokenizer, length=8, steps=entry.steps, num_samples=num_samples)
+        generate(entry.model, entry.tokenizer, length=8, steps=entry.steps, num_samples=num_samples,
+                 threshold=entry.threshold)  # fmt: skip
     for seed in seeds:
         least = dict.fromkeys(tokens, math.inf)
         for _ in range(repeats):  # the same seed draws the same samples in every round
@@ -78,7 +92,7 @@ def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, 
                 own = distilled_steps(entry.model) or length
                 started = time.process_time()
                 result = generate(entry.model, entry.tokenizer, length=length, steps=entry.steps or own,
-                                  num_samples=num_samples, seed=seed)  # fmt: skip
+                                  num_samples=num_samples, seed=seed, threshold=entry.threshold)  # fmt: skip
                 least[entry.label] = min(least[entry.label], time.process_time() - started)
                 steps[entry.label] = result.steps
                 samples[entry.label] = [row[len(row) - length :] for row in result.token_ids]
@@ -124,7 +138,7 @@ def table(figures: list[Figures]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="PATH or PATH@STEPS; the first is the reference")
+    parser.add_argument("models", nargs="+", help="PATH, PATH@STEPS or PATH@threshold=P; the first is the reference")
     parser.add_argument("--judge", required=True)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--num-samples", type=int, default=16)

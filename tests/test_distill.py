@@ -455,13 +455,15 @@ def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, t
     monkeypatch.setitem(sys.modules, "distill_frontier", frontier)  # its dataclasses look their module up
     spec.loader.exec_module(frontier)
     entries = [frontier.parse_entry(str(teacher)), frontier.parse_entry(f"{teacher}@4"),
-               frontier.parse_entry(str(student))]  # fmt: skip
+               frontier.parse_entry(str(student)), frontier.parse_entry(f"{teacher}@threshold=0.01")]  # fmt: skip
+    assert entries[3].threshold == 0.01 and entries[3].steps is None
     for entry in entries:
         entry.model, entry.tokenizer = load_model(entry.path)
     judge, _ = load_model(teacher)
     figures = frontier.measure(entries, judge, length=16, num_samples=2, seeds=[0, 1], repeats=1)
-    assert [row.steps for row in figures] == [16, 4, 4]  # one a token, as asked, the student's own
-    assert figures[0].speedup == 1.0 and [row.passes_per_token for row in figures][1:] == [0.25, 0.25]
+    assert [row.steps for row in figures] == [16, 4, 4, 16]  # one a token, as asked, the student's own
+    assert figures[0].speedup == 1.0 and [row.passes_per_token for row in figures][1:3] == [0.25, 0.25]
+    assert figures[3].passes_per_token < 1  # a threshold low enough commits several positions a pass
     assert all(math.isfinite(row.judge_perplexity) and 0 < row.distinct_2 <= 1 for row in figures)
     table = frontier.table(figures)
     assert table.count("\n") == len(figures) + 1 and "(+0.0%)" in table.splitlines()[2]
