@@ -106,8 +106,11 @@ class DlmLM(TemplateLM):
         super().__init__()
         if unknown or pretrained is None:
             what = f"unknown model_args {', '.join(sorted(unknown))}" if unknown else "model_args lacks pretrained"
-            raise UserError(what, fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
-                                      "steps, remasking, block_length, reveal_split")  # fmt: skip
+            raise UserError(
+                what,
+                fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
+                "steps, remasking, block_length, reveal_split",
+            )
         from dlm.artifacts.loading import load_model_with_info
         from dlm.runtime.device import resolve_precision
 

@@ -69,8 +69,14 @@ def prepare_data(args: argparse.Namespace) -> Path:
     data = args.out / "data"
     if not (data / "val.bin").is_file():
         train_tokenizer(shakespeare_files("train"), args.vocab_size, args.out / "tokenizer.json")
-        pack_corpus(shakespeare_files("train"), args.out / "tokenizer.json", args.seq_len, data,
-                    val_inputs=shakespeare_files("val"), overwrite=True)  # fmt: skip
+        pack_corpus(
+            shakespeare_files("train"),
+            args.out / "tokenizer.json",
+            args.seq_len,
+            data,
+            val_inputs=shakespeare_files("val"),
+            overwrite=True,
+        )
     return data
 
 
@@ -93,11 +99,20 @@ def train_autoregressive(args: argparse.Namespace, data: Path) -> dict[str, Any]
     if record.is_file():
         return dict(json.loads(record.read_text(encoding="utf-8")))
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=ffn_size(args),
-                         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                         num_key_value_heads=args.n_kv_heads, max_position_embeddings=args.seq_len,
-                         tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0,
-                         pad_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.d_model,
+        intermediate_size=ffn_size(args),
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     blocks = torch.from_numpy(load_packed_dataset(data, args.seq_len).tokens.astype("int64")).view(-1, args.seq_len)
@@ -133,14 +148,36 @@ def diffusion_experiment(args: argparse.Namespace, data: Path, run: Path, steps:
     from dlm.config.schema import ExperimentConfig
     from dlm.train.init_from import adopt_source_model
 
-    model = {"vocab_size": args.vocab_size, "mask_token_id": 1, "max_seq_len": args.seq_len, "d_model": args.d_model,
-             "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-             "norm_eps": 1e-6, "pad_vocab_multiple": 1}  # fmt: skip
-    training = {"tokenizer": args.out / "tokenizer.json", "train_data": data / "train.bin", "val_data": None,
-                "output_dir": run, "device": "cpu", "precision": "float32", "compile": False, "seed": args.seed,
-                "learning_rate": args.learning_rate, "min_learning_rate": args.learning_rate / 10,
-                "warmup_steps": min(50, steps - 1), "max_steps": steps, "batch_size": args.batch_size,
-                "log_interval": 50, "save_interval": steps, "eval_interval": steps, "init_from": init_from}  # fmt: skip
+    model = {
+        "vocab_size": args.vocab_size,
+        "mask_token_id": 1,
+        "max_seq_len": args.seq_len,
+        "d_model": args.d_model,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "norm_eps": 1e-6,
+        "pad_vocab_multiple": 1,
+    }
+    training = {
+        "tokenizer": args.out / "tokenizer.json",
+        "train_data": data / "train.bin",
+        "val_data": None,
+        "output_dir": run,
+        "device": "cpu",
+        "precision": "float32",
+        "compile": False,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "min_learning_rate": args.learning_rate / 10,
+        "warmup_steps": min(50, steps - 1),
+        "max_steps": steps,
+        "batch_size": args.batch_size,
+        "log_interval": 50,
+        "save_interval": steps,
+        "eval_interval": steps,
+        "init_from": init_from,
+    }
     experiment = ExperimentConfig.model_validate({"model": model, "training": training})
     return adopt_source_model(experiment) if init_from is not None else experiment
 
@@ -157,8 +194,12 @@ def train_diffusion(
     start, wall = time.process_time(), time.perf_counter()
     result = train(diffusion_experiment(args, data, run, steps, init_from), overwrite=True)
     seconds = time.process_time() - start
-    summary = {"steps": result.step, "cpu_seconds": seconds, "wall_seconds": time.perf_counter() - wall,
-               "status": result.status}  # fmt: skip
+    summary = {
+        "steps": result.step,
+        "cpu_seconds": seconds,
+        "wall_seconds": time.perf_counter() - wall,
+        "status": result.status,
+    }
     record.write_text(json.dumps(summary), encoding="utf-8")
     return summary
 
@@ -179,10 +220,20 @@ def seconds_per_diffusion_step(args: argparse.Namespace, data: Path) -> float:
 def score(source: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
     from dlm.evaluation.evaluate import evaluate_source
 
-    report = evaluate_source(source, data / "val.bin", batches=args.eval_batches, mc_samples=args.mc_samples,
-                             batch_size=8, precision="float32")  # fmt: skip
-    return {"bits_per_byte": report.bits_per_byte, "stderr": report.bits_per_byte_stderr, "nll": report.nll,
-            "sequences": report.sequences}  # fmt: skip
+    report = evaluate_source(
+        source,
+        data / "val.bin",
+        batches=args.eval_batches,
+        mc_samples=args.mc_samples,
+        batch_size=8,
+        precision="float32",
+    )
+    return {
+        "bits_per_byte": report.bits_per_byte,
+        "stderr": report.bits_per_byte_stderr,
+        "nll": report.nll,
+        "sequences": report.sequences,
+    }
 
 
 @torch.no_grad()
@@ -202,8 +253,11 @@ def autoregressive_bits_per_byte(args: argparse.Namespace, data: Path, sequences
     for batch in blocks.split(8):
         logits = model(input_ids=batch).logits[:, :-1]
         targets = batch[:, 1:]
-        nats += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                        reduction="sum"))  # fmt: skip
+        nats += float(
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            )
+        )
         scored_bytes += int(lengths[targets].sum())
     return nats / scored_bytes / math.log(2)
 
@@ -220,11 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     adapted = train_diffusion(args, data, "adapted", adapt_steps, args.out / "ar-llama")
     scratch = train_diffusion(args, data, "scratch", scratch_steps, None)
     results = {
-        "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
-        "seconds_per_diffusion_step": per_step, "autoregressive": ar, "adapted": adapted, "scratch": scratch,
+        "cpu": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "seconds_per_diffusion_step": per_step,
+        "autoregressive": ar,
+        "adapted": adapted,
+        "scratch": scratch,
         "adapted_eval": score(args.out / "adapted", data, args),
         "scratch_eval": score(args.out / "scratch", data, args),
-    }  # fmt: skip
+    }
     sequences = int(results["adapted_eval"]["sequences"])
     results["autoregressive_bits_per_byte"] = autoregressive_bits_per_byte(args, data, sequences)
     (args.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
@@ -234,12 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     adapted_cpu = ar["cpu_seconds"] + adapted["cpu_seconds"]
     print("| model | CPU seconds | steps | held-out bits/byte (ELBO bound) |")
     print("|---|---|---|---|")
-    print(f"| from scratch (diffusion) | {scratch['cpu_seconds']:.0f} | {scratch['steps']} "
-          f"| {results['scratch_eval']['bits_per_byte']:.4f} ± {results['scratch_eval']['stderr']:.4f} |")
-    print(f"| adapted (AR, then diffusion) | {adapted_cpu:.0f} | {ar['steps']} + {adapted['steps']} "
-          f"| {results['adapted_eval']['bits_per_byte']:.4f} ± {results['adapted_eval']['stderr']:.4f} |")
-    print(f"| the AR model itself (exact next-token) | {ar['cpu_seconds']:.0f} | {ar['steps']} "
-          f"| {results['autoregressive_bits_per_byte']:.4f} |")
+    print(
+        f"| from scratch (diffusion) | {scratch['cpu_seconds']:.0f} | {scratch['steps']} "
+        f"| {results['scratch_eval']['bits_per_byte']:.4f} ± {results['scratch_eval']['stderr']:.4f} |"
+    )
+    print(
+        f"| adapted (AR, then diffusion) | {adapted_cpu:.0f} | {ar['steps']} + {adapted['steps']} "
+        f"| {results['adapted_eval']['bits_per_byte']:.4f} ± {results['adapted_eval']['stderr']:.4f} |"
+    )
+    print(
+        f"| the AR model itself (exact next-token) | {ar['cpu_seconds']:.0f} | {ar['steps']} "
+        f"| {results['autoregressive_bits_per_byte']:.4f} |"
+    )
     return 0
 
 

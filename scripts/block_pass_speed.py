@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     length, size = config.max_seq_len, config.block_size
     clean = torch.randint(2, config.vocab_size, (args.batch, length), generator=torch.Generator().manual_seed(1))
     times = torch.rand(args.batch, -(-length // size), generator=torch.Generator().manual_seed(2))
-    corruption = corrupt_tokens(clean, config.mask_token_id, times, 1e-3, torch.Generator().manual_seed(3),
-                                block_size=size)  # fmt: skip
+    corruption = corrupt_tokens(
+        clean, config.mask_token_id, times, 1e-3, torch.Generator().manual_seed(3), block_size=size
+    )
 
     def every_position(noisy: Tensor, mask: Tensor, tokens: Tensor) -> Tensor:
         cos, sin = (table[:length].float().repeat(2, 1) for table in (model.rope_cos, model.rope_sin))
@@ -93,18 +94,26 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     # The median of each round's ratio: a round's two passes see nearly the same load.
     ratios = [full / trimmed for full, trimmed in zip(seconds["every position"], seconds["trimmed"], strict=True)]
-    result = {"config": str(args.config), "block_size": size, "batch": args.batch, "seq_len": length,
-              "threads": torch.get_num_threads(), "median_seconds": medians,
-              "speedup": statistics.median(ratios),
-              "loss_difference": abs(losses["trimmed"] - losses["every position"]),
-              "rounds": [round(ratio, 3) for ratio in ratios]}  # fmt: skip
+    result = {
+        "config": str(args.config),
+        "block_size": size,
+        "batch": args.batch,
+        "seq_len": length,
+        "threads": torch.get_num_threads(),
+        "median_seconds": medians,
+        "speedup": statistics.median(ratios),
+        "loss_difference": abs(losses["trimmed"] - losses["every position"]),
+        "rounds": [round(ratio, 3) for ratio in ratios],
+    }
     if args.json:
         print(json.dumps(result))
     else:
         for name, value in medians.items():
             print(f"{name:>15}: {value:.4f} s per forward + backward")
-        print(f"speedup {result['speedup']:.3f}x (rounds: {result['rounds']}), "
-              f"loss difference {result['loss_difference']:.2e}")
+        print(
+            f"speedup {result['speedup']:.3f}x (rounds: {result['rounds']}), "
+            f"loss difference {result['loss_difference']:.2e}"
+        )
     return 0
 
 

@@ -93,18 +93,29 @@ def prepare_data(out: Path) -> Path:
 def train_command(args: argparse.Namespace, variant: Variant, data: Path, run: Path) -> list[str]:
     low, high = variant.clip
     overrides = {
-        "model.d_model": args.d_model, "model.n_layers": args.n_layers, "model.n_heads": 4,
-        "model.max_seq_len": SEQ_LEN, "model.block_size": variant.block_size,
-        "training.batch_size": args.batch_size, "training.learning_rate": args.learning_rate,
-        "training.warmup_steps": max(1, args.steps // 20), "training.max_steps": args.steps,
-        "training.eval_interval": args.steps, "training.save_interval": args.steps,
-        "training.eval_batches": 2, "training.log_interval": max(1, args.steps // 10),
-        "training.clip_mask_min": low, "training.clip_mask_max": high,
+        "model.d_model": args.d_model,
+        "model.n_layers": args.n_layers,
+        "model.n_heads": 4,
+        "model.max_seq_len": SEQ_LEN,
+        "model.block_size": variant.block_size,
+        "training.batch_size": args.batch_size,
+        "training.learning_rate": args.learning_rate,
+        "training.warmup_steps": max(1, args.steps // 20),
+        "training.max_steps": args.steps,
+        "training.eval_interval": args.steps,
+        "training.save_interval": args.steps,
+        "training.eval_batches": 2,
+        "training.log_interval": max(1, args.steps // 10),
+        "training.clip_mask_min": low,
+        "training.clip_mask_max": high,
         **({} if variant.seed is None else {"training.seed": variant.seed}),
-        "training.device": "cpu", "training.precision": "float32",
-        "training.tokenizer": data / "tokenizer.json", "training.train_data": data / "train.bin",
-        "training.val_data": data / "val.bin", "training.output_dir": run,
-    }  # fmt: skip
+        "training.device": "cpu",
+        "training.precision": "float32",
+        "training.tokenizer": data / "tokenizer.json",
+        "training.train_data": data / "train.bin",
+        "training.val_data": data / "val.bin",
+        "training.output_dir": run,
+    }
     command = [sys.executable, "-m", "dlm", "train", "--config", str(ROOT / "configs" / "shakespeare.toml"), "--json"]
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
@@ -120,11 +131,37 @@ def run_variant(args: argparse.Namespace, variant: Variant, data: Path) -> dict[
     if not result.exists():
         run.mkdir(parents=True, exist_ok=True)
         with open(run / "train.log", "w") as log:
-            subprocess.run(["nice", "-n", "10", *train_command(args, variant, data, run), "--overwrite"],
-                           stdout=log, stderr=subprocess.STDOUT, env=env, check=True, cwd=ROOT)  # fmt: skip
-        evaluate = ["nice", "-n", "10", sys.executable, "-m", "dlm", "eval", str(run), "--data", str(data),
-                    "--batches", "8", "--batch-size", "64", "--mc-samples", str(args.mc_samples),
-                    "--device", "cpu", "--json", "-o", str(result)]  # fmt: skip
+            subprocess.run(
+                ["nice", "-n", "10", *train_command(args, variant, data, run), "--overwrite"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                check=True,
+                cwd=ROOT,
+            )
+        evaluate = [
+            "nice",
+            "-n",
+            "10",
+            sys.executable,
+            "-m",
+            "dlm",
+            "eval",
+            str(run),
+            "--data",
+            str(data),
+            "--batches",
+            "8",
+            "--batch-size",
+            "64",
+            "--mc-samples",
+            str(args.mc_samples),
+            "--device",
+            "cpu",
+            "--json",
+            "-o",
+            str(result),
+        ]
         with open(run / "eval.log", "w") as log:
             subprocess.run(evaluate, stdout=log, stderr=subprocess.STDOUT, env=env, check=True, cwd=ROOT)
     report = json.loads(result.read_text())
@@ -148,8 +185,10 @@ def train_losses(log: Path) -> list[tuple[int, float]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| block size | clip | bits/byte | ± s.e. | NLL bound (nats/token) | Monte Carlo s.e. |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| block size | clip | bits/byte | ± s.e. | NLL bound (nats/token) | Monte Carlo s.e. |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         low, high = row["clip"]
         lines.append(
@@ -160,8 +199,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     if unigram is not None:
         lines += ["", f"Unigram level of the same sequences: {unigram:.3f} bits/byte."]
     steps = [step for step, _ in rows[0]["train_losses"]]
-    lines += ["", "| block size | clip | " + " | ".join(f"step {step}" for step in steps) + " |",
-              "|---|---|" + "---|" * len(steps)]  # fmt: skip
+    lines += [
+        "",
+        "| block size | clip | " + " | ".join(f"step {step}" for step in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
     for row in rows:
         low, high = row["clip"]
         losses = " | ".join(f"{loss:.3f}" for _, loss in row["train_losses"])
@@ -192,12 +234,14 @@ def sequence_nlls(run: Path, data: Path, mc_samples: int) -> list[float]:
     with torch.no_grad():
         for start in range(0, 512, 64):
             clean = torch.stack([torch.as_tensor(dataset[i]) for i in range(start, start + 64)])
+
             def logits(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
                 return masked_logits(model, noisy, mask, clean)  # noqa: B023 - used within the iteration
 
             generator = torch.Generator().manual_seed(start)
-            nll, _ = elbo_nll(logits, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator,
-                              block_size=blocks)  # fmt: skip
+            nll, _ = elbo_nll(
+                logits, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator, block_size=blocks
+            )
             values += nll.double().tolist()
     cached.write_text(json.dumps(values))
     return values

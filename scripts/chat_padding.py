@@ -65,8 +65,15 @@ def exact(checkpoint: Path, prompts: list[str], told_length: bool) -> int:
             text = templated + f"[MASK*{words}]" + SPECIAL_TOKENS["eos"] * (length - words)
             ids = generate(loaded.model, loaded.tokenizer, text=text, steps=words, **options).token_ids[0]
         else:
-            ids = generate(loaded.model, loaded.tokenizer, prompt=templated, length=length, steps=length,
-                           stop_at_end=True, **options).token_ids[0]  # fmt: skip
+            ids = generate(
+                loaded.model,
+                loaded.tokenizer,
+                prompt=templated,
+                length=length,
+                steps=length,
+                stop_at_end=True,
+                **options,
+            ).token_ids[0]
         hits += reply(loaded.tokenizer, ids, len(prompt_ids), eos=eos) == prompt
     return hits
 
@@ -80,9 +87,12 @@ def measure(seed: int, steps: int, directory: Path) -> dict[str, int]:
     pack_chat([directory / "chat.jsonl"], directory / "tokenizer.json", task.SEQ_LEN, learned)
     unlearn_padding(learned, unlearned)
     base = task.run(directory, "base", plain / "train.bin", plain / "val.bin", 100)
-    runs = {name: task.run(directory, f"{name}-run", data / "train.bin", data / "train.bin", steps,
-                           f"training.init_from={base}") for name, data in (("learned", learned),
-                                                                            ("unlearned", unlearned))}  # fmt: skip
+    runs = {
+        name: task.run(
+            directory, f"{name}-run", data / "train.bin", data / "train.bin", steps, f"training.init_from={base}"
+        )
+        for name, data in (("learned", learned), ("unlearned", unlearned))
+    }
     return {
         "learned": exact(runs["learned"], held_out, told_length=False),
         "unlearned": exact(runs["unlearned"], held_out, told_length=False),

@@ -101,13 +101,26 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, root: Path) ->
     from dlm.train.optimizer import build_optimizer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
-                            timeout=timedelta(minutes=10))
-    experiment = ExperimentConfig.from_dict({
-        "model": {"vocab_size": args.vocab, "mask_token_id": 1, "max_seq_len": 64, "d_model": args.d_model,
-                  "n_layers": args.layers, "n_heads": args.d_model // 64},
-        "training": {"device": "cpu", "precision": "float32", "parallelism": "fsdp", "output_dir": str(root)},
-    })
+    dist.init_process_group(
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=10),
+    )
+    experiment = ExperimentConfig.from_dict(
+        {
+            "model": {
+                "vocab_size": args.vocab,
+                "mask_token_id": 1,
+                "max_seq_len": 64,
+                "d_model": args.d_model,
+                "n_layers": args.layers,
+                "n_heads": args.d_model // 64,
+            },
+            "training": {"device": "cpu", "precision": "float32", "parallelism": "fsdp", "output_dir": str(root)},
+        }
+    )
     world = DistributedContext(rank=rank, local_rank=rank, world_size=world_size)
     device = torch.device("cpu")
     model = build_model(lambda: DiffusionTransformer(experiment.model), device, world, "fsdp")
@@ -142,8 +155,17 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace, root: Path) ->
             complete = time.perf_counter() - started
             extra = rss.stop() if rss is not None else 0
             world.barrier()
-            records.append({"kind": kind, "round": round_index, "rank": rank, "blocked_s": blocked,
-                            "complete_s": complete, "rank0_extra_rss": extra, "written": _written(folder, rank, kind)})
+            records.append(
+                {
+                    "kind": kind,
+                    "round": round_index,
+                    "rank": rank,
+                    "blocked_s": blocked,
+                    "complete_s": complete,
+                    "rank0_extra_rss": extra,
+                    "written": _written(folder, rank, kind),
+                }
+            )
             world.barrier()
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -202,14 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     mib = float(1 << 20)
-    print(f"{summary['parameters'] / 1e6:.1f}M parameters, full state {summary['state_bytes'] / mib:.0f} MiB "
-          f"(float32 weights + AdamW), {world_size} processes, FSDP, gloo, median of {args.rounds} rounds")
-    print(f"{'format':<10} {'blocked s':>10} {'x single':>9} {'complete s':>11} {'rank0 +RSS MiB':>15} "
-          f"{'written MiB per rank':>22}")
+    print(
+        f"{summary['parameters'] / 1e6:.1f}M parameters, full state {summary['state_bytes'] / mib:.0f} MiB "
+        f"(float32 weights + AdamW), {world_size} processes, FSDP, gloo, median of {args.rounds} rounds"
+    )
+    print(
+        f"{'format':<10} {'blocked s':>10} {'x single':>9} {'complete s':>11} {'rank0 +RSS MiB':>15} "
+        f"{'written MiB per rank':>22}"
+    )
     for kind, figures in summary["kinds"].items():
         written = " / ".join(f"{value / mib:.0f}" for value in figures["written_bytes_per_rank"])
-        print(f"{kind:<10} {figures['blocked_s']:>10.2f} {figures['blocked_vs_single']:>9.3f} "
-              f"{figures['complete_s']:>11.2f} {figures['rank0_extra_rss_bytes'] / mib:>15.0f} {written:>22}")
+        print(
+            f"{kind:<10} {figures['blocked_s']:>10.2f} {figures['blocked_vs_single']:>9.3f} "
+            f"{figures['complete_s']:>11.2f} {figures['rank0_extra_rss_bytes'] / mib:>15.0f} {written:>22}"
+        )
     return 0
 
 

@@ -63,8 +63,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, keep: bool) -> dict[str, float]:
-    command = [sys.executable, "-c", _CHILD, str(args.config), args.precision, str(args.steps), str(args.threads),
-               "keep" if keep else "default"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        _CHILD,
+        str(args.config),
+        args.precision,
+        str(args.steps),
+        str(args.threads),
+        "keep" if keep else "default",
+    ]
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, **env})
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -79,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(measure(args, name == "keep"))
     step = {name: statistics.mean(run["mean"] for run in found) for name, found in runs.items()}
     peak = {name: max(run["peak_mib"] for run in found) for name, found in runs.items()}
-    report = {"config": str(args.config), "precision": args.precision, "threads": args.threads,
-              "step_seconds": step, "speedup": step["default"] / step["keep"], "peak_mib": peak}  # fmt: skip
+    report = {
+        "config": str(args.config),
+        "precision": args.precision,
+        "threads": args.threads,
+        "step_seconds": step,
+        "speedup": step["default"] / step["keep"],
+        "peak_mib": peak,
+    }
     if args.json:
         print(json.dumps(report))
         return 0

@@ -63,12 +63,17 @@ def parse_entry(text: str) -> Entry:
     if unknown:
         sys.exit(f"error: {text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold)")
     steps, threshold = settings.get("steps"), settings.get("threshold")
-    return Entry(label=text, path=Path(path), steps=int(steps) if steps else None,
-                 threshold=float(threshold) if threshold else None)  # fmt: skip
+    return Entry(
+        label=text,
+        path=Path(path),
+        steps=int(steps) if steps else None,
+        threshold=float(threshold) if threshold else None,
+    )
 
 
-def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, seeds: list[int],
-            repeats: int) -> list[Figures]:  # fmt: skip
+def measure(
+    entries: list[Entry], judge: Any, *, length: int, num_samples: int, seeds: list[int], repeats: int
+) -> list[Figures]:
     import torch
 
     from dlm.bench.generation import distinct_ngrams, judge_nll, unigram_entropy
@@ -83,16 +88,29 @@ def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, 
     samples: dict[str, list[list[int]]] = {}
     passes_now: dict[str, int] = {}
     for entry in entries:  # an untimed warm-up of each model's kernels, in its own steps
-        generate(entry.model, entry.tokenizer, length=8, steps=entry.steps, num_samples=num_samples,
-                 threshold=entry.threshold)  # fmt: skip
+        generate(
+            entry.model,
+            entry.tokenizer,
+            length=8,
+            steps=entry.steps,
+            num_samples=num_samples,
+            threshold=entry.threshold,
+        )
     for seed in seeds:
         least = dict.fromkeys(tokens, math.inf)
         for _ in range(repeats):  # the same seed draws the same samples in every round
             for entry in entries:
                 own = distilled_steps(entry.model) or length
                 started = time.process_time()
-                result = generate(entry.model, entry.tokenizer, length=length, steps=entry.steps or own,
-                                  num_samples=num_samples, seed=seed, threshold=entry.threshold)  # fmt: skip
+                result = generate(
+                    entry.model,
+                    entry.tokenizer,
+                    length=length,
+                    steps=entry.steps or own,
+                    num_samples=num_samples,
+                    seed=seed,
+                    threshold=entry.threshold,
+                )
                 least[entry.label] = min(least[entry.label], time.process_time() - started)
                 steps[entry.label] = result.steps
                 samples[entry.label] = [row[len(row) - length :] for row in result.token_ids]
@@ -107,13 +125,18 @@ def measure(entries: list[Entry], judge: Any, *, length: int, num_samples: int, 
         generated = sum(len(row) for row in tokens[entry.label])
         rate = generated / cpu[entry.label]
         reference = rate if reference is None else reference
-        figures.append(Figures(
-            label=entry.label, steps=steps[entry.label], passes_per_token=passes[entry.label],
-            tokens_per_cpu_second=rate, speedup=rate / reference,
-            judge_perplexity=math.exp(judge_nll(judge, tokens[entry.label])),
-            unigram_entropy_bits=unigram_entropy(tokens[entry.label]),
-            distinct_2=distinct_ngrams(tokens[entry.label], 2),
-        ))  # fmt: skip
+        figures.append(
+            Figures(
+                label=entry.label,
+                steps=steps[entry.label],
+                passes_per_token=passes[entry.label],
+                tokens_per_cpu_second=rate,
+                speedup=rate / reference,
+                judge_perplexity=math.exp(judge_nll(judge, tokens[entry.label])),
+                unigram_entropy_bits=unigram_entropy(tokens[entry.label]),
+                distinct_2=distinct_ngrams(tokens[entry.label], 2),
+            )
+        )
     return figures
 
 
@@ -123,8 +146,10 @@ def table(figures: list[Figures]) -> str:
     def change(value: float, base: float) -> str:
         return f"{value / base - 1:+.1%}"
 
-    lines = ["| model | steps | passes/token | tokens/CPU s | x first | judge ppl | entropy (bits) | distinct-2 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| model | steps | passes/token | tokens/CPU s | x first | judge ppl | entropy (bits) | distinct-2 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in figures:
         lines.append(
             f"| {row.label} | {row.steps} | {row.passes_per_token:.3f} | {row.tokens_per_cpu_second:.0f} | "
@@ -154,10 +179,13 @@ def main() -> None:
         entry.model, entry.tokenizer = load_model(entry.path)
     judge, _ = load_model(args.judge)
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    figures = measure(entries, judge, length=args.length, num_samples=args.num_samples, seeds=seeds,
-                      repeats=args.repeats)  # fmt: skip
-    print(f"{args.num_samples} samples x {len(seeds)} seeds of {args.length} tokens, least CPU time of "
-          f"{args.repeats} interleaved rounds, one thread; judge: {args.judge}")  # fmt: skip
+    figures = measure(
+        entries, judge, length=args.length, num_samples=args.num_samples, seeds=seeds, repeats=args.repeats
+    )
+    print(
+        f"{args.num_samples} samples x {len(seeds)} seeds of {args.length} tokens, least CPU time of "
+        f"{args.repeats} interleaved rounds, one thread; judge: {args.judge}"
+    )
     print(table(figures))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(row) for row in figures], indent=2) + "\n")

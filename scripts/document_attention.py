@@ -137,20 +137,26 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [(corpus, documents) for corpus in corpora for documents in (False, True)]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = dict(zip(jobs, pool.map(lambda job: run(*job), jobs), strict=True))
-    lines = ["| corpus | attention | bits/byte | ± s.e. | unigram | documents minus whole row (paired) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| corpus | attention | bits/byte | ± s.e. | unigram | documents minus whole row (paired) |",
+        "|---|---|---|---|---|---|",
+    ]
     for corpus, data in corpora.items():
         whole, aware = rows[corpus, False], rows[corpus, True]
         report = json.loads((args.out / corpus / "whole-row" / whole_row.name / "eval.json").read_text())
         to_bits = report["tokens"] / report["bytes"] / math.log(2)
-        nlls = [sequence_nlls(args.out / corpus / kind / whole_row.name, data, args.mc_samples)
-                for kind in ("documents", "whole-row")]  # fmt: skip
+        nlls = [
+            sequence_nlls(args.out / corpus / kind / whole_row.name, data, args.mc_samples)
+            for kind in ("documents", "whole-row")
+        ]
         differences = [(a - b) * to_bits for a, b in zip(*nlls, strict=True)]
         error = statistics.stdev(differences) / math.sqrt(len(differences))
         paired = f"{statistics.fmean(differences):+.3f} ± {error:.3f}"
         for name, row, note in (("whole row", whole, ""), ("documents", aware, paired)):
-            lines.append(f"| {corpus} | {name} | {row['bits_per_byte']:.3f} | {row['bits_per_byte_stderr']:.3f} | "
-                         f"{row['unigram_bits_per_byte']:.3f} | {note} |")  # fmt: skip
+            lines.append(
+                f"| {corpus} | {name} | {row['bits_per_byte']:.3f} | {row['bits_per_byte_stderr']:.3f} | "
+                f"{row['unigram_bits_per_byte']:.3f} | {note} |"
+            )
     print("\n".join(lines))
 
 

@@ -61,8 +61,18 @@ def estimates(
     rows = []
     for repeat in range(repeats):
         generator = torch.Generator().manual_seed(noise_seed(seed, samples, repeat))
-        mean, _ = elbo_nll(logits, clean, config.mask_token_id, samples, eps, generator, schedule=model_schedule(model),
-                           block_size=block, loss_mask=loss_mask, estimator=estimator)  # fmt: skip
+        mean, _ = elbo_nll(
+            logits,
+            clean,
+            config.mask_token_id,
+            samples,
+            eps,
+            generator,
+            schedule=model_schedule(model),
+            block_size=block,
+            loss_mask=loss_mask,
+            estimator=estimator,
+        )
         rows.append(mean.double())
     return torch.stack(rows)
 
@@ -85,17 +95,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             means = {name: float(values.mean()) for name, values in drawn.items()}
             count = drawn["bernoulli"].numel()
             difference_error = math.sqrt(sum(variance.values()) / count)
-            rows.append({
-                "mc_samples": samples,
-                "nll": means,
-                "mc_variance": variance,
-                "mc_stderr_per_sequence": {name: math.sqrt(value) for name, value in variance.items()},
-                "variance_ratio": variance["bernoulli"] / variance["exact-count"],
-                "mean_difference": means["bernoulli"] - means["exact-count"],
-                "mean_difference_stderr": difference_error,
-            })  # fmt: skip
-    return {"model": str(loaded.info.path), "step": loaded.info.step, "sequences": len(items),
-            "tokens_per_sequence": model.config.max_seq_len, "repeats": args.repeats, "rows": rows}  # fmt: skip
+            rows.append(
+                {
+                    "mc_samples": samples,
+                    "nll": means,
+                    "mc_variance": variance,
+                    "mc_stderr_per_sequence": {name: math.sqrt(value) for name, value in variance.items()},
+                    "variance_ratio": variance["bernoulli"] / variance["exact-count"],
+                    "mean_difference": means["bernoulli"] - means["exact-count"],
+                    "mean_difference_stderr": difference_error,
+                }
+            )
+    return {
+        "model": str(loaded.info.path),
+        "step": loaded.info.step,
+        "sequences": len(items),
+        "tokens_per_sequence": model.config.max_seq_len,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,8 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     print("K   NLL bernoulli  NLL exact-count  MC s.e. bernoulli  MC s.e. exact-count  variance ratio")
     for row in result["rows"]:
         nll, error = row["nll"], row["mc_stderr_per_sequence"]
-        print(f"{row['mc_samples']:<3} {nll['bernoulli']:13.4f}  {nll['exact-count']:15.4f}  "
-              f"{error['bernoulli']:17.4f}  {error['exact-count']:19.4f}  {row['variance_ratio']:14.2f}")  # fmt: skip
+        print(
+            f"{row['mc_samples']:<3} {nll['bernoulli']:13.4f}  {nll['exact-count']:15.4f}  "
+            f"{error['bernoulli']:17.4f}  {error['exact-count']:19.4f}  {row['variance_ratio']:14.2f}"
+        )
         print(f"    mean difference {row['mean_difference']:+.4f} ± {row['mean_difference_stderr']:.4f}")
 
 

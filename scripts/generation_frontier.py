@@ -34,8 +34,12 @@ if TYPE_CHECKING:
 
 def default_grid(length: int) -> list[str]:
     steps = sorted({length, max(length // 2, 1), max(length // 4, 1)}, reverse=True)
-    return ["block_length=none,16,8", "cache=none,dual", "threshold=none,0.9,0.7,0.5",
-            f"steps={','.join(map(str, steps))}"]  # fmt: skip
+    return [
+        "block_length=none,16,8",
+        "cache=none,dual",
+        "threshold=none,0.9,0.7,0.5",
+        f"steps={','.join(map(str, steps))}",
+    ]
 
 
 def table(report: GenerateReport, ppl_bound: float, entropy_bound: float) -> list[str]:
@@ -45,23 +49,31 @@ def table(report: GenerateReport, ppl_bound: float, entropy_bound: float) -> lis
 
     relative = report.relative()
     if relative is None:
-        sys.exit("error: the grid needs the default sampler (block_length=none, cache=none, threshold=none and "
-                 "steps=LENGTH) as the reference of the ratios")  # fmt: skip
-    lines = ["| setting | tokens/s | x default | x default (CPU s) | passes/token | judge ppl | ppl change | "
-             "entropy (bits) | entropy change | within bounds | frontier |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+        sys.exit(
+            "error: the grid needs the default sampler (block_length=none, cache=none, threshold=none and "
+            "steps=LENGTH) as the reference of the ratios"
+        )
+    lines = [
+        "| setting | tokens/s | x default | x default (CPU s) | passes/token | judge ppl | ppl change | "
+        "entropy (bits) | entropy change | within bounds | frontier |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     ranked = sorted(zip(report.rows, relative, strict=True), key=lambda pair: -pair[1].cpu_speedup)
     best = next(((row, r) for row, r in ranked if r.within(ppl_bound, entropy_bound)), None)
     for row, r in ranked:
         within, frontier = "yes" if r.within(ppl_bound, entropy_bound) else "no", "yes" if r.frontier else ""
-        lines.append(f"| {setting_label(row.setting)} | {row.tokens_per_second:.0f} | {r.speedup:.2f} | "
-                     f"{r.cpu_speedup:.2f} | "
-                     f"{row.passes_per_token:.3f} | {row.judge_perplexity:.1f} | {r.perplexity_change:+.1%} | "
-                     f"{row.unigram_entropy_bits:.3f} | {r.entropy_change:+.1%} | {within} | {frontier} |")  # fmt: skip
+        lines.append(
+            f"| {setting_label(row.setting)} | {row.tokens_per_second:.0f} | {r.speedup:.2f} | "
+            f"{r.cpu_speedup:.2f} | "
+            f"{row.passes_per_token:.3f} | {row.judge_perplexity:.1f} | {r.perplexity_change:+.1%} | "
+            f"{row.unigram_entropy_bits:.3f} | {r.entropy_change:+.1%} | {within} | {frontier} |"
+        )
     if best is not None:
-        lines.append(f"\nFastest within the bounds (by CPU seconds): {setting_label(best[0].setting)}, "
-                     f"{best[1].cpu_speedup:.2f}x the default sampler's tokens per CPU second "
-                     f"({best[1].speedup:.2f}x its tokens/s).")  # fmt: skip
+        lines.append(
+            f"\nFastest within the bounds (by CPU seconds): {setting_label(best[0].setting)}, "
+            f"{best[1].cpu_speedup:.2f}x the default sampler's tokens per CPU second "
+            f"({best[1].speedup:.2f}x its tokens/s)."
+        )
     return lines
 
 
@@ -86,18 +98,30 @@ def main() -> None:
     from dlm.bench.generation import benchmark_generation, check_judge_tokenizer
 
     loaded, judged = load_model_with_info(args.model, device="cpu"), load_model_with_info(args.judge, device="cpu")
-    check_judge_tokenizer((loaded.info.tokenizer_path, loaded.tokenizer),
-                          (judged.info.tokenizer_path, judged.tokenizer))  # fmt: skip
+    check_judge_tokenizer(
+        (loaded.info.tokenizer_path, loaded.tokenizer), (judged.info.tokenizer_path, judged.tokenizer)
+    )
     length = args.length or loaded.model.config.max_seq_len
     compare = args.compare or default_grid(length)
     reports = []
     for num_samples in args.num_samples:
-        report = benchmark_generation(loaded.model, loaded.tokenizer, judge=judged.model, judge_name=str(args.judge),
-                                      compare=compare, length=length, num_samples=num_samples, seed=args.seed,
-                                      repeats=args.repeats, progress=print_progress)  # fmt: skip
+        report = benchmark_generation(
+            loaded.model,
+            loaded.tokenizer,
+            judge=judged.model,
+            judge_name=str(args.judge),
+            compare=compare,
+            length=length,
+            num_samples=num_samples,
+            seed=args.seed,
+            repeats=args.repeats,
+            progress=print_progress,
+        )
         reports.append(report.to_dict())
-        print(f"\n{num_samples} samples of {length} tokens per setting, fastest of {args.repeats} runs; "
-              f"--compare {' --compare '.join(compare)}\n")  # fmt: skip
+        print(
+            f"\n{num_samples} samples of {length} tokens per setting, fastest of {args.repeats} runs; "
+            f"--compare {' --compare '.join(compare)}\n"
+        )
         print("\n".join(table(report, args.ppl_bound, args.entropy_bound)), flush=True)
         if args.json is not None:
             args.json.write_text(json.dumps(reports, indent=1), encoding="utf-8")

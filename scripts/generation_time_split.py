@@ -53,15 +53,23 @@ def main() -> None:
             spent["refresh"] += time.perf_counter() - start
 
     setattr(decoding._FastReverse, "_refresh", timed_refresh)  # noqa: B010 (a method swapped for timing)
-    options = {"length": args.length, "steps": args.steps, "num_samples": args.samples,
-               "block_length": args.block_length, "cache": "dual", "seed": 0}  # fmt: skip
+    options = {
+        "length": args.length,
+        "steps": args.steps,
+        "num_samples": args.samples,
+        "block_length": args.block_length,
+        "cache": "dual",
+        "seed": 0,
+    }
     generate(model, tokenizer, **(options | {"length": 8, "steps": 2}))  # warm-up
     for _ in range(args.runs):
         spent.update(model=0.0, refresh=0.0)
         total = generate(model, tokenizer, **options).seconds
         outside = total - spent["model"]
-        print(f"total {total:.3f} s: model {spent['model']:.3f} (refresh passes {spent['refresh']:.3f}, "
-              f"{spent['refresh'] / total:.0%}), outside the model {outside:.3f} ({outside / total:.0%})")  # fmt: skip
+        print(
+            f"total {total:.3f} s: model {spent['model']:.3f} (refresh passes {spent['refresh']:.3f}, "
+            f"{spent['refresh'] / total:.0%}), outside the model {outside:.3f} ({outside / total:.0%})"
+        )
 
 
 if __name__ == "__main__":

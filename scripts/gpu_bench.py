@@ -86,8 +86,11 @@ QUALITY_VARIANTS: dict[str, tuple[str, list[str]]] = {
 QUALITY_DEFAULT = ["config", "ar"]  # trained by default; their step times are probed
 # Groups of sampler settings for the generate part (`--compare` items, LENGTH the tokens to generate); the
 # first group's default sampler (one token a pass) is the reference of every row at the same batch.
-GENERATE_GROUPS = [["steps=LENGTH,EIGHTH"], ["block_length=32", "cache=dual"],
-                   ["block_length=32", "cache=dual", "threshold=0.9"]]  # fmt: skip
+GENERATE_GROUPS = [
+    ["steps=LENGTH,EIGHTH"],
+    ["block_length=32", "cache=dual"],
+    ["block_length=32", "cache=dual", "threshold=0.9"],
+]
 # As the baseline: bf16, one micro-batch per optimizer step, on the GPU.
 DLM_COMMON = ["training.precision=bfloat16", "training.gradient_accumulation_steps=1", "training.device=cuda"]
 PYTEST_SUMMARY = re.compile(r"\b(passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
@@ -489,21 +492,35 @@ def run_generate(args: argparse.Namespace) -> int:
                 item.replace("LENGTH", str(args.length)).replace("EIGHTH", str(args.length // 8)) for item in group
             ]
             try:
-                report = benchmark_generation(loaded.model, loaded.tokenizer, judge=judged.model,
-                                              judge_name=str(args.judge), compare=compare, length=args.length,
-                                              num_samples=batch, repeats=args.repeats)  # fmt: skip
+                report = benchmark_generation(
+                    loaded.model,
+                    loaded.tokenizer,
+                    judge=judged.model,
+                    judge_name=str(args.judge),
+                    compare=compare,
+                    length=args.length,
+                    num_samples=batch,
+                    repeats=args.repeats,
+                )
             except Exception as exc:  # report it and go on to the next group
                 records.add({"batch": batch, "compare": compare, "error": repr(exc)[:500]})
                 failed += 1
                 continue
             base_row = report.default_row()
             for row in report.rows:
-                records.add({"batch": batch, "compare": compare, "setting": row.setting,
-                             "default": row is base_row, "tokens_per_s": round(row.tokens_per_second, 1),
-                             "passes_per_token": round(row.passes_per_token, 3),
-                             "judge_perplexity": round(row.judge_perplexity, 2),
-                             "entropy_bits": round(row.unigram_entropy_bits, 3),
-                             "distinct_2": round(row.distinct_2, 3)})  # fmt: skip
+                records.add(
+                    {
+                        "batch": batch,
+                        "compare": compare,
+                        "setting": row.setting,
+                        "default": row is base_row,
+                        "tokens_per_s": round(row.tokens_per_second, 1),
+                        "passes_per_token": round(row.passes_per_token, 3),
+                        "judge_perplexity": round(row.judge_perplexity, 2),
+                        "entropy_bits": round(row.unigram_entropy_bits, 3),
+                        "distinct_2": round(row.distinct_2, 3),
+                    }
+                )
     return 1 if failed else 0
 
 

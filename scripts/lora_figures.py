@@ -52,8 +52,16 @@ def copy_task(seeds: list[int], lora_steps: int) -> None:
             for name, steps, extra in (("full", 300, ()), ("LoRA", lora_steps, task.LORA)):
                 started = time.process_time()
                 sft = root / "sft" / "train.bin"
-                tuned = task.run(root, f"{name}-{seed}", sft, sft, steps, f"training.init_from={base}",
-                                 f"training.seed={seed}", *extra)  # fmt: skip
+                tuned = task.run(
+                    root,
+                    f"{name}-{seed}",
+                    sft,
+                    sft,
+                    steps,
+                    f"training.init_from={base}",
+                    f"training.seed={seed}",
+                    *extra,
+                )
                 seconds = time.process_time() - started
                 trained = sum(t.numel() for t in load_checkpoint(tuned)["model"].values())
                 share = f"{trained:,} ({trained / base_parameters:.1%})"
@@ -87,16 +95,26 @@ def measured_step(experiment: ExperimentConfig, precision: str) -> dict[str, int
 
 
 def memory_check() -> None:
-    small = ["model.d_model=256", "model.n_heads=4", "model.max_seq_len=128", "model.vocab_size=4096",
-             "training.batch_size=4", "training.lora.rank=8", "training.init_from=base"]  # fmt: skip
+    small = [
+        "model.d_model=256",
+        "model.n_heads=4",
+        "model.max_seq_len=128",
+        "model.vocab_size=4096",
+        "training.batch_size=4",
+        "training.lora.rank=8",
+        "training.init_from=base",
+    ]
     print("\n| precision | base | kind | measured bytes | estimated bytes |\n|---|---|---|---|---|")
     for precision, base in (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")):
         overrides = [*small, f"training.precision={precision}", f"training.lora.base_dtype={base}"]
         experiment = load_config(ROOT / "configs" / "tiny.toml", overrides)
         estimate = estimate_training_memory(experiment, precision)
-        estimated = {"weights": estimate.weights, "gradients": estimate.gradients,
-                     "optimizer": estimate.optimizer_state,
-                     "kept for backward": estimate.activations + estimate.weight_copies}  # fmt: skip
+        estimated = {
+            "weights": estimate.weights,
+            "gradients": estimate.gradients,
+            "optimizer": estimate.optimizer_state,
+            "kept for backward": estimate.activations + estimate.weight_copies,
+        }
         for kind, measured in measured_step(experiment, precision).items():
             print(f"| {precision} | {base} | {kind} | {measured:,} | {estimated[kind]:,} |")
 
@@ -115,9 +133,11 @@ def llada_8b() -> None:
         plan = plan_memory(experiment, 24)
         e = plan.estimate
         trained = e.trainable if e.trainable is not None else e.parameters
-        print(f"| {name} | {trained / 1e6:,.1f}M | {e.weights / GIB:.1f} GiB | "
-              f"{(e.gradients + e.optimizer_state) / GIB:.1f} GiB | {(e.activations + e.weight_copies) / GIB:.1f} GiB "
-              f"| {e.total / GIB:.1f} GiB | {'yes' if plan.fits else 'no'} |")  # fmt: skip
+        print(
+            f"| {name} | {trained / 1e6:,.1f}M | {e.weights / GIB:.1f} GiB | "
+            f"{(e.gradients + e.optimizer_state) / GIB:.1f} GiB | {(e.activations + e.weight_copies) / GIB:.1f} GiB "
+            f"| {e.total / GIB:.1f} GiB | {'yes' if plan.fits else 'no'} |"
+        )
 
 
 def main() -> None:

@@ -64,10 +64,16 @@ def train_model(work: Path, steps: int) -> Path:
     data = work / "data"
     train_tokenizer(files, 512, data / "tokenizer.json", overwrite=True)
     pack_corpus(files, data / "tokenizer.json", 64, data, val_inputs=shakespeare_files("val")[:1], overwrite=True)
-    overrides = [f"training.tokenizer={data / 'tokenizer.json'}", f"training.train_data={data / 'train.bin'}",
-                 f"training.val_data={data / 'val.bin'}", f"training.output_dir={work / 'run'}",
-                 f"training.max_steps={steps}", f"training.eval_interval={steps}", f"training.save_interval={steps}",
-                 f"training.log_interval={max(1, steps // 10)}"]  # fmt: skip
+    overrides = [
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.output_dir={work / 'run'}",
+        f"training.max_steps={steps}",
+        f"training.eval_interval={steps}",
+        f"training.save_interval={steps}",
+        f"training.log_interval={max(1, steps // 10)}",
+    ]
     train(load_config(ROOT / "configs" / "tiny.toml", overrides), overwrite=True)
     return work / "run"
 
@@ -115,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| setting | words per token | newline tokens | words seen in training |")
     print("|---|---:|---:|---:|")
     for candidate, figures in rows:
-        print(f"| {candidate.label} | {figures['words_per_token']:.2f} | {figures['newline_share']:.0%} "
-              f"| {figures['known_words']:.0%} |")  # fmt: skip
+        print(
+            f"| {candidate.label} | {figures['words_per_token']:.2f} | {figures['newline_share']:.0%} "
+            f"| {figures['known_words']:.0%} |"
+        )
     return 0
 
 

@@ -52,8 +52,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore art thou", "To be, or not to be", "HAMLET:",
-           "Now is the winter of our discontent", "KING LEAR: Blow, winds", "", "MACBETH: Is this a dagger"]
+PROMPTS = [
+    "ROMEO:",
+    "JULIET: O Romeo, Romeo, wherefore art thou",
+    "To be, or not to be",
+    "HAMLET:",
+    "Now is the winter of our discontent",
+    "KING LEAR: Blow, winds",
+    "",
+    "MACBETH: Is this a dagger",
+]
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -68,13 +76,19 @@ def requests_for(clients: int, per_client: int) -> list[tuple[str, int]]:
 def sampler_options(args: argparse.Namespace) -> dict[str, Any]:
     """The sampler options both sides get: `dlm.sample`'s keywords, the requests' extra body fields."""
 
-    options = {"steps": args.steps or args.tokens, "block_length": args.block_length, "cache": args.cache,
-               "threshold": args.threshold, "remasking": args.remasking}  # fmt: skip
+    options = {
+        "steps": args.steps or args.tokens,
+        "block_length": args.block_length,
+        "cache": args.cache,
+        "threshold": args.threshold,
+        "remasking": args.remasking,
+    }
     return {name: value for name, value in options.items() if value is not None}
 
 
-def one_at_a_time(model: Any, tokenizer: Any, requests: list[tuple[str, int]], tokens: int,
-                  options: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+def one_at_a_time(
+    model: Any, tokenizer: Any, requests: list[tuple[str, int]], tokens: int, options: dict[str, Any]
+) -> dict[str, float]:
     import dlm
 
     latencies, generated = [], 0
@@ -87,8 +101,9 @@ def one_at_a_time(model: Any, tokenizer: Any, requests: list[tuple[str, int]], t
     return summary(generated, time.perf_counter() - start, latencies)
 
 
-def served(url: str, requests: list[tuple[str, int]], clients: int, tokens: int,
-           options: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+def served(
+    url: str, requests: list[tuple[str, int]], clients: int, tokens: int, options: dict[str, Any]
+) -> dict[str, float]:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -99,8 +114,9 @@ def served(url: str, requests: list[tuple[str, int]], clients: int, tokens: int,
     def run(share: list[tuple[str, int]]) -> None:
         for prompt, seed in share:
             began = time.perf_counter()
-            answer = client.completions.create(model="model", prompt=prompt, max_tokens=tokens, seed=seed,
-                                               extra_body=options)  # fmt: skip
+            answer = client.completions.create(
+                model="model", prompt=prompt, max_tokens=tokens, seed=seed, extra_body=options
+            )
             with lock:
                 latencies.append(time.perf_counter() - began)
                 generated[0] += answer.usage.completion_tokens if answer.usage else 0
@@ -115,15 +131,39 @@ def served(url: str, requests: list[tuple[str, int]], clients: int, tokens: int,
 
 
 def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, float]:
-    return {"tokens_per_second": tokens / seconds, "p50": statistics.median(latencies),
-            "p99": percentile(latencies, 0.99), "tokens": tokens}  # fmt: skip
+    return {
+        "tokens_per_second": tokens / seconds,
+        "p50": statistics.median(latencies),
+        "p99": percentile(latencies, 0.99),
+        "tokens": tokens,
+    }
 
 
-def start_server(model: Path, max_batch: int, device: str, threads: int, batch_wait: float
-                 ) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
-    command = [sys.executable, "-m", "dlm", "serve", str(model), "--port", "0", "--json", "--name", "model",
-               "--device", device, "--max-batch", str(max_batch), "--max-n", "1", "--max-queue", str(4 * max_batch),
-               "--batch-wait", str(batch_wait)]  # fmt: skip
+def start_server(
+    model: Path, max_batch: int, device: str, threads: int, batch_wait: float
+) -> tuple[subprocess.Popen[str], str]:
+    command = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "serve",
+        str(model),
+        "--port",
+        "0",
+        "--json",
+        "--name",
+        "model",
+        "--device",
+        device,
+        "--max-batch",
+        str(max_batch),
+        "--max-n",
+        "1",
+        "--max-queue",
+        str(4 * max_batch),
+        "--batch-wait",
+        str(batch_wait),
+    ]
     environment = os.environ | {"OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
     assert process.stdout is not None
@@ -132,8 +172,7 @@ def start_server(model: Path, max_batch: int, device: str, threads: int, batch_w
     return process, start["url"]
 
 
-def step_pass(model: Any, rows: int, tokens: int, cache_mode: str | None, block_length: int | None,
-              device: str) -> Any:  # fmt: skip
+def step_pass(model: Any, rows: int, tokens: int, cache_mode: str | None, block_length: int | None, device: str) -> Any:
     """The forward pass of one denoising step halfway through `tokens` after a 16-token prompt, for `rows`
     rows, as a function to time: its cache, if any, is filled beforehand."""
 
@@ -163,8 +202,15 @@ def step_pass(model: Any, rows: int, tokens: int, cache_mode: str | None, block_
     return lambda: model(fed, scored, cache=cache)
 
 
-def pass_cost(model: Any, counts: list[int], tokens: int, device: str, cache_mode: str | None,
-              block_length: int | None, rounds: int = 8) -> None:  # fmt: skip
+def pass_cost(
+    model: Any,
+    counts: list[int],
+    tokens: int,
+    device: str,
+    cache_mode: str | None,
+    block_length: int | None,
+    rounds: int = 8,
+) -> None:
     """Median seconds per row of one step's forward pass at each batch size, the sizes interleaved."""
 
     import torch
@@ -233,14 +279,18 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(60)
-    print("| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
-          "| p50 served | p99 served |")
+    print(
+        "| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
+        "| p50 served | p99 served |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for clients in counts:
         alone, server = best[("alone", clients)], best[("served", clients)]
-        print(f"| {clients} | {alone['tokens_per_second']:.0f} | {server['tokens_per_second']:.0f} | "
-              f"{server['tokens_per_second'] / alone['tokens_per_second']:.1f}x | {alone['p50']:.3f} s | "
-              f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s |")
+        print(
+            f"| {clients} | {alone['tokens_per_second']:.0f} | {server['tokens_per_second']:.0f} | "
+            f"{server['tokens_per_second'] / alone['tokens_per_second']:.1f}x | {alone['p50']:.3f} s | "
+            f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s |"
+        )
 
 
 if __name__ == "__main__":

@@ -66,11 +66,37 @@ def data_dir(work: Path, row: Row, dry_run: bool) -> Path:
     corpus, data = work / row.corpus, work / "data" / f"{row.corpus.replace('/', '-')}-{row.vocab}"
     dlm = [sys.executable, "-m", "dlm"]
     if not (data / "train.bin").is_file():
-        run([*dlm, "tokenizer", "train", str(corpus), "--vocab-size", str(row.vocab),
-             "--output", str(data / "tokenizer.json"), "--overwrite"], dry_run)  # fmt: skip
+        run(
+            [
+                *dlm,
+                "tokenizer",
+                "train",
+                str(corpus),
+                "--vocab-size",
+                str(row.vocab),
+                "--output",
+                str(data / "tokenizer.json"),
+                "--overwrite",
+            ],
+            dry_run,
+        )
         split = [row.split[0], str(work / row.split[1]) if row.split[0] == "--val-input" else row.split[1]]
-        run([*dlm, "pack", str(corpus), "--tokenizer", str(data / "tokenizer.json"), "--seq-len", "64", *split,
-             "--output", str(data), "--overwrite"], dry_run)  # fmt: skip
+        run(
+            [
+                *dlm,
+                "pack",
+                str(corpus),
+                "--tokenizer",
+                str(data / "tokenizer.json"),
+                "--seq-len",
+                "64",
+                *split,
+                "--output",
+                str(data),
+                "--overwrite",
+            ],
+            dry_run,
+        )
     return data
 
 
@@ -83,15 +109,33 @@ def train_and_evaluate(work: Path, row: Row, dry_run: bool) -> Path:
     sets = [
         # a fixed step count at batch 64 and 4 heads, as measured (configs/cpu.toml now plans its own
         # steps of a smaller model at batch 32)
-        "training.budget_minutes=0", "training.batch_size=64", "model.n_heads=4",
-        "training.precision=float32", f"training.max_steps={row.steps}", f"training.warmup_steps={row.steps // 10}",
-        f"training.eval_interval={row.steps // 8}", "training.save_interval=100000", f"model.vocab_size={row.vocab}",
-        f"model.d_model={row.d_model}", f"training.tokenizer={data / 'tokenizer.json'}",
-        f"training.train_data={data / 'train.bin'}", f"training.val_data={data / 'val.bin'}",
+        "training.budget_minutes=0",
+        "training.batch_size=64",
+        "model.n_heads=4",
+        "training.precision=float32",
+        f"training.max_steps={row.steps}",
+        f"training.warmup_steps={row.steps // 10}",
+        f"training.eval_interval={row.steps // 8}",
+        "training.save_interval=100000",
+        f"model.vocab_size={row.vocab}",
+        f"model.d_model={row.d_model}",
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
         f"training.output_dir={output}",
-    ]  # fmt: skip
-    run([*dlm, "train", "--config", str(ROOT / "configs" / "cpu.toml"), *[a for s in sets for a in ("--set", s)],
-         "--json", "--overwrite"], dry_run)  # fmt: skip
+    ]
+    run(
+        [
+            *dlm,
+            "train",
+            "--config",
+            str(ROOT / "configs" / "cpu.toml"),
+            *[a for s in sets for a in ("--set", s)],
+            "--json",
+            "--overwrite",
+        ],
+        dry_run,
+    )
     run([*dlm, "eval", str(output), "--data", str(data), "--all", "--json"], dry_run, stdout=report)
     return report
 
@@ -113,8 +157,10 @@ def main() -> int:
     for row in rows:
         report = json.loads(reports[row.name].read_text().splitlines()[-1])
         bits, error, unigram = report["bits_per_byte"], report["bits_per_byte_stderr"], report["unigram_bits_per_byte"]
-        print(f"| {row.name} | {row.corpus} ({row.role}) | {row.vocab} | {row.d_model} | {row.steps:,} | "
-              f"{bits:.3f} \u00b1 {error:.3f} | {unigram:.3f} | {unigram - bits:.3f} |")  # fmt: skip
+        print(
+            f"| {row.name} | {row.corpus} ({row.role}) | {row.vocab} | {row.d_model} | {row.steps:,} | "
+            f"{bits:.3f} \u00b1 {error:.3f} | {unigram:.3f} | {unigram - bits:.3f} |"
+        )
     return 0
 
 

@@ -76,22 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         median = statistics.median(seconds[name])
-        rows.append({
-            "model": name,
-            "parameters": parameters[name],
-            "median_step_seconds": round(median, 4),
-            "speed_over_reference": round(reference / median, 3),
-            "budget_steps": round(args.reference_steps * reference / median),
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "parameters": parameters[name],
+                "median_step_seconds": round(median, 4),
+                "speed_over_reference": round(reference / median, 3),
+                "budget_steps": round(args.reference_steps * reference / median),
+            }
+        )
     if args.json:
         summary = {"config": str(args.config), "reference": args.reference, "precision": args.precision}
         print(json.dumps({**summary, "threads": torch.get_num_threads(), "rows": rows}))
         return 0
-    print(f"{args.config} ({args.reference}), {torch.get_num_threads()} threads, {args.rounds} rounds, "
-          f"{args.precision}")
+    print(
+        f"{args.config} ({args.reference}), {torch.get_num_threads()} threads, {args.rounds} rounds, {args.precision}"
+    )
     for row in rows:
-        print(f"{row['budget_steps']:>6} steps  x{row['speed_over_reference']:<6} "
-              f"{format_parameter_count(row['parameters']):>6}  {row['model']}")  # fmt: skip
+        print(
+            f"{row['budget_steps']:>6} steps  x{row['speed_over_reference']:<6} "
+            f"{format_parameter_count(row['parameters']):>6}  {row['model']}"
+        )
     return 0
 
 

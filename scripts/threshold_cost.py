@@ -34,15 +34,18 @@ def main() -> None:
     from dlm.sampling.dispatch import denoise
     from dlm.sampling.options import SamplingOptions
 
-    config = ModelConfig(vocab_size=args.vocab, max_seq_len=args.length, d_model=64, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=args.vocab, max_seq_len=args.length, d_model=64, n_layers=2, n_heads=2, pad_vocab_multiple=64
+    )
     torch.manual_seed(0)
     model = DiffusionTransformer(config).eval()
     tokens = torch.full((args.samples, args.length), config.mask_token_id)
     fill = torch.ones(args.length, dtype=torch.bool)
-    settings = {"plain": SamplingOptions(steps=args.length),
-                "plain confidence": SamplingOptions(steps=args.length, remasking="confidence"),
-                "threshold": SamplingOptions(steps=args.length, threshold=args.threshold)}  # fmt: skip
+    settings = {
+        "plain": SamplingOptions(steps=args.length),
+        "plain confidence": SamplingOptions(steps=args.length, remasking="confidence"),
+        "threshold": SamplingOptions(steps=args.length, threshold=args.threshold),
+    }
     best = dict.fromkeys(settings, float("inf"))
     with torch.inference_mode():
         for round_index in range(args.rounds + 1):
@@ -52,8 +55,10 @@ def main() -> None:
                 if round_index > 0:  # the first round warms the kernels up, untimed
                     best[name] = min(best[name], (time.perf_counter() - start) / passes)
     print("per pass: " + ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in best.items()))
-    print(f"threshold / plain {best['threshold'] / best['plain']:.2f}, "
-          f"threshold / plain confidence {best['threshold'] / best['plain confidence']:.2f}")
+    print(
+        f"threshold / plain {best['threshold'] / best['plain']:.2f}, "
+        f"threshold / plain confidence {best['threshold'] / best['plain confidence']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ def tiny_experiment(data_dir: Path, run_dir: Path, *overrides: str) -> Experimen
 def train_tiny_run(data_dir: Path, run_dir: Path, *extra: str) -> Path:
     """A finished 4-step tiny run (validated and saved at step 4) to evaluate or export."""
 
-    overrides = ("training.max_steps=4", "training.warmup_steps=1", "training.eval_interval=4",
-                 "training.save_interval=4")
+    overrides = (
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.eval_interval=4",
+        "training.save_interval=4",
+    )
     train(tiny_experiment(data_dir, run_dir, *overrides, *extra))
     return run_dir
 

@@ -31,9 +31,18 @@ AR = ("model.block_size=1", "model.attention=causal")
 
 def ar_model(seq_len: int = 16, seed: int = 0, **fields: object) -> DiffusionTransformer:
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=seq_len, d_model=32, n_layers=2,
-                         n_heads=4, pad_vocab_multiple=64, block_size=1, attention="causal",
-                         **fields)  # type: ignore[arg-type]  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=seq_len,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=1,
+        attention="causal",
+        **fields,
+    )  # type: ignore[arg-type]
     return DiffusionTransformer(config).eval()
 
 
@@ -161,8 +170,9 @@ def test_every_pass_past_the_context_feeds_the_shifted_row() -> None:
             super().__init__()
             self.inner, self.config = model, model.config
 
-        def forward(self, tokens: torch.Tensor, *args: object, cache: KVCache | None = None,
-                    **kwargs: object) -> torch.Tensor:  # fmt: skip
+        def forward(
+            self, tokens: torch.Tensor, *args: object, cache: KVCache | None = None, **kwargs: object
+        ) -> torch.Tensor:
             fed.append((cache.length if cache is not None else 0, tokens.clone()))
             return self.inner(tokens, *args, cache=cache, **kwargs)
 
@@ -185,8 +195,14 @@ def test_greedy_sampling_picks_the_most_likely_next_token_of_the_scoring_pass() 
     fill[4:] = True
     with torch.inference_mode():
         assert strategy_for(model, SamplingOptions(), None).name == "autoregressive"
-        result, passes = denoise(model, tokens, fill, SamplingOptions(steps=8, temperature=0, top_p=None),
-                                 generator=torch.Generator().manual_seed(0), forbidden_token_ids=(0,))  # fmt: skip
+        result, passes = denoise(
+            model,
+            tokens,
+            fill,
+            SamplingOptions(steps=8, temperature=0, top_p=None),
+            generator=torch.Generator().manual_seed(0),
+            forbidden_token_ids=(0,),
+        )
         logits = scored_logits(model, result)
         logits[..., [MASK_ID, 0]] = float("-inf")  # the sampler never writes the mask or a forbidden token
     assert passes == 8 and torch.equal(result[0, 4:], logits[0, 4:].argmax(-1))
@@ -194,22 +210,34 @@ def test_greedy_sampling_picks_the_most_likely_next_token_of_the_scoring_pass() 
 
 def test_a_batch_of_prompts_samples_as_each_prompt_alone(tiny_data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    settings = (*AR, "training.max_steps=3", "training.warmup_steps=1", "training.eval_interval=3",
-                "training.save_interval=3")  # fmt: skip
+    settings = (
+        *AR,
+        "training.max_steps=3",
+        "training.warmup_steps=1",
+        "training.eval_interval=3",
+        "training.save_interval=3",
+    )
     train(tiny_experiment(tiny_data_dir, run, *settings))
     model, tokenizer = dlm.load(export_model(run, tmp_path / "model", dtype="float32"))
     prompts = ["ROMEO:", "JULIET: O Romeo, Romeo"]
     together = dlm.sample(model, tokenizer, prompts=prompts, length=12, seeds=[3, 4], temperature=0)
-    alone = [dlm.sample(model, tokenizer, prompt=p, length=12, seed=s, temperature=0).texts[0]
-             for p, s in zip(prompts, (3, 4), strict=True)]  # fmt: skip
+    alone = [
+        dlm.sample(model, tokenizer, prompt=p, length=12, seed=s, temperature=0).texts[0]
+        for p, s in zip(prompts, (3, 4), strict=True)
+    ]
     assert together.texts == alone and together.steps == 12
     assert together.forward_passes <= 12 + 1  # one pass per token (and the prompts' shared first one)
 
 
 def test_trains_evaluates_exports_loads_and_samples(tiny_data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    settings = (*AR, "training.max_steps=4", "training.warmup_steps=1", "training.eval_interval=4",
-                "training.save_interval=4")  # fmt: skip
+    settings = (
+        *AR,
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.eval_interval=4",
+        "training.save_interval=4",
+    )
     train(tiny_experiment(tiny_data_dir, run, *settings))
     report = evaluate_source(run, batches=1, mc_samples=2, batch_size=2)
     assert report.bits_per_byte is not None and 0 < report.nll < 10 and report.nll_mc_stderr == 0.0
@@ -224,16 +252,24 @@ def test_trains_evaluates_exports_loads_and_samples(tiny_data_dir: Path, tmp_pat
 
 
 def test_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = (*AR, "training.max_steps=8", "training.log_interval=2", "training.warmup_steps=2",
-                "training.gradient_accumulation_steps=2", "training.eval_interval=4", "training.save_interval=100")
+    settings = (
+        *AR,
+        "training.max_steps=8",
+        "training.log_interval=2",
+        "training.warmup_steps=2",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_interval=4",
+        "training.save_interval=100",
+    )
     losses = check_resume_is_exact(tiny_data_dir, tmp_path, settings, pause_at=4)
     assert len(losses) == 4 and all(loss is not None and loss < 7 for loss in losses)
 
 
 def test_an_imported_causal_model_is_still_refused_by_the_sampler() -> None:
     torch.manual_seed(0)
-    imported = DiffusionTransformer(ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
-                                                attention="causal")).eval()  # fmt: skip
+    imported = DiffusionTransformer(
+        ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=1, n_heads=2, attention="causal")
+    ).eval()
     fill = torch.ones(16, dtype=torch.bool)
     with pytest.raises(UserError, match="cannot be sampled as a diffusion model"):
         denoise(imported, torch.full((1, 16), MASK_ID), fill, SamplingOptions(), generator=torch.Generator())

@@ -38,11 +38,22 @@ RANKED = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But so
 
 
 def transformer(
-    vocab_size: int, max_seq_len: int = 48, block_size: int = 0, dtype: torch.dtype = torch.float64,
+    vocab_size: int,
+    max_seq_len: int = 48,
+    block_size: int = 0,
+    dtype: torch.dtype = torch.float64,
     attention: str = "bidirectional",
 ) -> DiffusionTransformer:
-    config = ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64, block_size=block_size, attention=attention)  # type: ignore[arg-type]  # fmt: skip
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+        attention=attention,
+    )  # type: ignore[arg-type]
     torch.manual_seed(0)
     return DiffusionTransformer(config).to(dtype).eval()
 
@@ -102,8 +113,15 @@ def test_the_same_batch_repeats_bit_for_bit_in_float32(tokenizer: Tokenizer) -> 
     # Same machine, same batch shape: every sum runs the same kernel in the same order, so even the
     # near-ties of a float32 model and an empty prompt's symmetric first step come out the same.
     model = transformer(tokenizer.get_vocab_size(), dtype=torch.float32)
-    common = {"length": 12, "steps": 12, "num_samples": 2, "cache": "dual", "block_length": 4, "threshold": 0.05,
-              "remasking": "margin"}  # fmt: skip
+    common = {
+        "length": 12,
+        "steps": 12,
+        "num_samples": 2,
+        "cache": "dual",
+        "block_length": 4,
+        "threshold": 0.05,
+        "remasking": "margin",
+    }
     first = generate(model, tokenizer, prompts=PROMPTS, seed=5, **common)
     assert generate(model, tokenizer, prompts=PROMPTS, seed=5, **common).token_ids == first.token_ids
 
@@ -149,8 +167,11 @@ def test_a_batch_past_the_context_equals_one_by_one(tokenizer: Tokenizer) -> Non
     model = transformer(tokenizer.get_vocab_size(), max_seq_len=16, block_size=4)
     common = {"length": 30, "steps": 40, "num_samples": 1}
     batch = generate(model, tokenizer, prompts=PROMPTS * 2, seed=0, **common)
-    expected = [row for index, prompt in enumerate(PROMPTS * 2)
-                for row in generate(model, tokenizer, prompt=prompt, seed=index, **common).token_ids]  # fmt: skip
+    expected = [
+        row
+        for index, prompt in enumerate(PROMPTS * 2)
+        for row in generate(model, tokenizer, prompt=prompt, seed=index, **common).token_ids
+    ]
     assert batch.token_ids == expected
 
 
@@ -207,8 +228,22 @@ def prompt_file(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> Path:
     return path
 
 
-SAMPLE = ["--length", "8", "--steps", "8", "--seed", "3", "--num-samples", "2", "--remasking", "confidence",
-          "--threshold", "0.05", "--device", "cpu"]  # fmt: skip
+SAMPLE = [
+    "--length",
+    "8",
+    "--steps",
+    "8",
+    "--seed",
+    "3",
+    "--num-samples",
+    "2",
+    "--remasking",
+    "confidence",
+    "--threshold",
+    "0.05",
+    "--device",
+    "cpu",
+]
 
 
 def test_cli_prompt_file_in_batches_equals_one_batch(prompt_file: Path, run_cli: Any) -> None:

@@ -352,18 +352,53 @@ def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
         },
         {"part": "status", "name": "core", "rc": 124, "seconds": 200, "limit": 200},
         {**dlm, "size": "110M", "case": "dlm-110M-block16", "tokens_per_s": 300_000, "step_ms": 107.0},
-        {"part": "load", "peak_gpu_bytes": 16 * 2**30, "weight_bytes": 16 * 2**30, "gpu_ratio": 1.0, "seconds": 8.2,
-         "rss_ratio": 1.6},
-        {"part": "lora", "peak_gpu_bytes": 22 * 10**9, "estimate_bytes": 20 * 10**9, "ratio_to_estimate": 1.1,
-         "seconds_per_step": 1.7},
+        {
+            "part": "load",
+            "peak_gpu_bytes": 16 * 2**30,
+            "weight_bytes": 16 * 2**30,
+            "gpu_ratio": 1.0,
+            "seconds": 8.2,
+            "rss_ratio": 1.6,
+        },
+        {
+            "part": "lora",
+            "peak_gpu_bytes": 22 * 10**9,
+            "estimate_bytes": 20 * 10**9,
+            "ratio_to_estimate": 1.1,
+            "seconds_per_step": 1.7,
+        },
         # The default sampler, 8 tokens a pass (6x at +8% judge perplexity), and a threshold (faster, +40%).
-        {"part": "generate", "batch": 32, "compare": ["steps=256,32"], "setting": {"steps": 256}, "default": True,
-         "tokens_per_s": 100.0, "judge_perplexity": 50.0, **figures},
-        {"part": "generate", "batch": 32, "compare": ["steps=256,32"], "setting": {"steps": 32}, "default": False,
-         "tokens_per_s": 600.0, "judge_perplexity": 54.0, **figures},
-        {"part": "generate", "batch": 32, "compare": ["threshold=0.9"], "setting": {"threshold": 0.9},
-         "default": False, "tokens_per_s": 900.0, "judge_perplexity": 70.0, **figures},
-    ]  # fmt: skip
+        {
+            "part": "generate",
+            "batch": 32,
+            "compare": ["steps=256,32"],
+            "setting": {"steps": 256},
+            "default": True,
+            "tokens_per_s": 100.0,
+            "judge_perplexity": 50.0,
+            **figures,
+        },
+        {
+            "part": "generate",
+            "batch": 32,
+            "compare": ["steps=256,32"],
+            "setting": {"steps": 32},
+            "default": False,
+            "tokens_per_s": 600.0,
+            "judge_perplexity": 54.0,
+            **figures,
+        },
+        {
+            "part": "generate",
+            "batch": 32,
+            "compare": ["threshold=0.9"],
+            "setting": {"threshold": 0.9},
+            "default": False,
+            "tokens_per_s": 900.0,
+            "judge_perplexity": 70.0,
+            **figures,
+        },
+    ]
     (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "pytest.log").write_text("....s\n9 passed, 1 skipped, 290 deselected in 41.20s\n")
     gpu_bench.main(
@@ -438,9 +473,21 @@ def test_cli_table_at_80_columns_keeps_every_header_word_whole(capsys, tmp_path:
     monkeypatch.setattr("dlm.cli.common.console.width", 80)
     missing = tmp_path / "a-long-temporary-directory-name" / "nope" / "train.bin"
     code, out, err = run_cli(
-        capsys, "bench", "--config", str(TINY), "--set", f"training.train_data={missing}",
-        "--steps", "1", "--warmup", "0", "--batch-size", "2", "--device", "cpu",
-    )  # fmt: skip
+        capsys,
+        "bench",
+        "--config",
+        str(TINY),
+        "--set",
+        f"training.train_data={missing}",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     assert "…" not in out and "tokens/s" in out and "batch" in out
     assert max(len(line) for line in out.splitlines()) <= 80

@@ -52,8 +52,15 @@ def test_compare_makes_every_combination_with_typed_values() -> None:
 
 
 def test_autoregressive_judge_scores_the_exact_likelihood(tokenizer: Tokenizer) -> None:
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
-                         pad_vocab_multiple=64, block_size=1)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=16,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=1,
+    )
     torch.manual_seed(0)
     judge = DiffusionTransformer(config).eval()
     rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -73,11 +80,23 @@ def test_autoregressive_judge_scores_the_exact_likelihood(tokenizer: Tokenizer) 
 def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
     model = small_transformer(tokenizer.get_vocab_size())
     runs: list[str] = []
-    report = benchmark_generation(model, tokenizer, length=16, num_samples=2, mc_samples=2, repeats=2,
-                                  compare=["block_length=8", "cache=none,dual"], progress=runs.append)  # fmt: skip
+    report = benchmark_generation(
+        model,
+        tokenizer,
+        length=16,
+        num_samples=2,
+        mc_samples=2,
+        repeats=2,
+        compare=["block_length=8", "cache=none,dual"],
+        progress=runs.append,
+    )
     # Interleaved rounds: every setting once per round, so a busy machine slows them alike.
     assert [(run.split(":")[0], "'dual'" in run) for run in runs] == [
-        ("round 1/2", False), ("round 1/2", True), ("round 2/2", False), ("round 2/2", True)]
+        ("round 1/2", False),
+        ("round 1/2", True),
+        ("round 2/2", False),
+        ("round 2/2", True),
+    ]
     none, dual = report.rows
     assert none.generated_tokens == dual.generated_tokens == 32
     assert none.tokens_per_second > 0 and 0 < none.passes_per_token <= 1
@@ -91,8 +110,15 @@ def test_benchmark_rows_report_speed_and_quality(tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_block_and_autoregressive_models_bench_with_their_defaults(tokenizer: Tokenizer, block_size: int) -> None:
     # The warm-up, like the default row, takes one step a token: what a model with short blocks accepts.
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
-                         pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=16,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+    )
     torch.manual_seed(0)
     model = DiffusionTransformer(config).eval()
     report = benchmark_generation(model, tokenizer, length=12, num_samples=2, mc_samples=2)
@@ -133,17 +159,23 @@ def exports(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> list[int]:
     big.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
     big.train_from_iterator([*test_sampling.CORPUS, "other words, other merges: a larger vocabulary"], trainer)
-    tokenizers = {"m": tokenizer, "same": Tokenizer.from_str(tokenizer.to_str()), "big": big,
-                  "small": word_tokenizer(["ROMEO:", "JULIET:", "Verona"])}  # fmt: skip
+    tokenizers = {
+        "m": tokenizer,
+        "same": Tokenizer.from_str(tokenizer.to_str()),
+        "big": big,
+        "small": word_tokenizer(["ROMEO:", "JULIET:", "Verona"]),
+    }
     assert tokenizers["small"].get_vocab_size() < tokenizer.get_vocab_size() < big.get_vocab_size()
 
     def load_model_with_info(path: object, device: str = "cpu") -> SimpleNamespace:
         tok = tokenizers[str(path)]
-        config = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2,
-                             pad_vocab_multiple=1)  # fmt: skip
+        config = ModelConfig(
+            vocab_size=tok.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2, pad_vocab_multiple=1
+        )
         torch.manual_seed(0)
         info = SimpleNamespace(tokenizer_path=Path(f"{path}/tokenizer.json"))
         return SimpleNamespace(model=DiffusionTransformer(config).eval(), tokenizer=tok, info=info)
@@ -170,8 +202,11 @@ def test_a_judge_with_another_tokenizer_is_refused_before_generating(exports: li
     # A smaller vocabulary cannot index the generated ids; a larger one scores other text: both refused.
     result = run_cli("bench", "--generate", "m", "--judge", judge, "--length", "8", "--num-samples", "2")
     model, other = Path("m", "tokenizer.json"), Path(judge, "tokenizer.json")
-    result.assert_refused(f"error: the judge's tokenizer {other} (", f"is not the model's {model} (300 tokens)",
-                          "the judge scores the generated token ids")  # fmt: skip
+    result.assert_refused(
+        f"error: the judge's tokenizer {other} (",
+        f"is not the model's {model} (300 tokens)",
+        "the judge scores the generated token ids",
+    )
     assert result.stdout == "" and exports == []  # nothing generated
 
 
@@ -186,13 +221,26 @@ def test_a_judge_with_the_same_tokenizer_scores(exports: list[int], run_cli) -> 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 # Each option that one mode reads alone, as given on a command line (the config file need not exist: the
 # refusal comes first).
-TRAINING_ONLY = {"config": ["--config", "tiny.toml"], "overrides": ["--set", "training.batch_size=2"],
-                 "fused_attention": ["--fused-attention"], "steps": ["--steps", "3"], "warmup": ["--warmup", "0"],
-                 "batch_size": ["--batch-size", "2"], "find_max_batch": ["--find-max-batch"],
-                 "memory_limit": ["--memory-limit", "1"], "measure_peak": ["--measure-peak"],
-                 "estimate": ["--estimate"], "device_memory": ["--device-memory", "24"]}  # fmt: skip
-GENERATION_ONLY = {"judge": ["--judge", "m"], "length": ["--length", "8"], "num_samples": ["--num-samples", "2"],
-                   "repeats": ["--repeats", "2"], "seed": ["--seed", "0"]}  # fmt: skip
+TRAINING_ONLY = {
+    "config": ["--config", "tiny.toml"],
+    "overrides": ["--set", "training.batch_size=2"],
+    "fused_attention": ["--fused-attention"],
+    "steps": ["--steps", "3"],
+    "warmup": ["--warmup", "0"],
+    "batch_size": ["--batch-size", "2"],
+    "find_max_batch": ["--find-max-batch"],
+    "memory_limit": ["--memory-limit", "1"],
+    "measure_peak": ["--measure-peak"],
+    "estimate": ["--estimate"],
+    "device_memory": ["--device-memory", "24"],
+}
+GENERATION_ONLY = {
+    "judge": ["--judge", "m"],
+    "length": ["--length", "8"],
+    "num_samples": ["--num-samples", "2"],
+    "repeats": ["--repeats", "2"],
+    "seed": ["--seed", "0"],
+}
 
 
 def test_every_bench_option_belongs_to_a_mode_or_to_both() -> None:
@@ -239,19 +287,33 @@ def test_a_length_past_the_context_names_benchs_own_options(exports: list[int], 
 
 
 def _row(setting: dict[str, object], tokens_per_second: float, perplexity: float, entropy: float) -> GenerateRow:
-    return GenerateRow(setting=setting, generated_tokens=64, seconds=64 / tokens_per_second,
-                       tokens_per_second=tokens_per_second, passes_per_token=1.0, forward_tokens_per_token=64.0,
-                       judge_perplexity=perplexity, unigram_entropy_bits=entropy, example="",
-                       cpu_seconds=32 / tokens_per_second, tokens_per_cpu_second=2 * tokens_per_second)  # fmt: skip
+    return GenerateRow(
+        setting=setting,
+        generated_tokens=64,
+        seconds=64 / tokens_per_second,
+        tokens_per_second=tokens_per_second,
+        passes_per_token=1.0,
+        forward_tokens_per_token=64.0,
+        judge_perplexity=perplexity,
+        unigram_entropy_bits=entropy,
+        example="",
+        cpu_seconds=32 / tokens_per_second,
+        tokens_per_cpu_second=2 * tokens_per_second,
+    )
 
 
 def test_rows_are_compared_with_the_default_sampler_of_the_same_run() -> None:
-    report = GenerateReport(length=64, num_samples=16, judge="j", rows=[
-        _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 64}, 500.0, 109.0, 7.0),
-        _row({"block_length": None, "cache": "none", "threshold": None, "steps": 64}, 100.0, 100.0, 7.0),
-        _row({"block_length": None, "cache": "none", "threshold": None, "steps": 16}, 300.0, 120.0, 6.3),
-        _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 32}, 800.0, 105.0, 7.28),
-    ])  # fmt: skip
+    report = GenerateReport(
+        length=64,
+        num_samples=16,
+        judge="j",
+        rows=[
+            _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 64}, 500.0, 109.0, 7.0),
+            _row({"block_length": None, "cache": "none", "threshold": None, "steps": 64}, 100.0, 100.0, 7.0),
+            _row({"block_length": None, "cache": "none", "threshold": None, "steps": 16}, 300.0, 120.0, 6.3),
+            _row({"block_length": 8, "cache": "dual", "threshold": None, "steps": 32}, 800.0, 105.0, 7.28),
+        ],
+    )
     assert report.default_row() is report.rows[1]
     relative = report.relative()
     assert relative is not None
@@ -272,8 +334,12 @@ def test_rows_are_compared_with_the_default_sampler_of_the_same_run() -> None:
 
 
 def test_the_default_row_is_the_sampler_with_no_option_changed() -> None:
-    report = GenerateReport(length=32, num_samples=1, judge="j", rows=[
-        _row({"steps": 16}, 1.0, 2.0, 3.0), _row({"top_p": 0.5}, 1.0, 2.0, 3.0), _row({}, 1.0, 2.0, 3.0)])  # fmt: skip
+    report = GenerateReport(
+        length=32,
+        num_samples=1,
+        judge="j",
+        rows=[_row({"steps": 16}, 1.0, 2.0, 3.0), _row({"top_p": 0.5}, 1.0, 2.0, 3.0), _row({}, 1.0, 2.0, 3.0)],
+    )
     assert report.default_row() is report.rows[2]
     report.rows[2] = _row({"steps": 32, "top_p": 0.9, "remasking": "random", "cache": "none"}, 1.0, 2.0, 3.0)
     assert report.default_row() is report.rows[2]

@@ -50,8 +50,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def small_model(block_size: int, seq_len: int = 16, seed: int = 0) -> DiffusionTransformer:
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=seq_len, d_model=32, n_layers=2,
-                         n_heads=4, pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=seq_len,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+    )
     return DiffusionTransformer(config).eval()
 
 
@@ -167,10 +175,12 @@ def test_one_token_blocks_take_one_pass_for_any_number_of_samples(estimator: str
         calls.append(int(mask.sum()))
         return torch.nn.functional.one_hot(noisy.roll(1, dims=1), 64).float()[mask] @ weights
 
-    one, none = elbo_nll(model, clean, MASK_ID, 1, 1e-3, torch.Generator().manual_seed(1), block_size=1,
-                         estimator=estimator)  # fmt: skip
-    eight, zero = elbo_nll(model, clean, MASK_ID, 8, 1e-3, torch.Generator().manual_seed(2), block_size=1,
-                           estimator=estimator)  # fmt: skip
+    one, none = elbo_nll(
+        model, clean, MASK_ID, 1, 1e-3, torch.Generator().manual_seed(1), block_size=1, estimator=estimator
+    )
+    eight, zero = elbo_nll(
+        model, clean, MASK_ID, 8, 1e-3, torch.Generator().manual_seed(2), block_size=1, estimator=estimator
+    )
     assert calls == [64, 64]
     assert torch.equal(one, eight) and torch.equal(zero, torch.zeros(4)) and bool(none.isnan().all())
 
@@ -188,8 +198,12 @@ def test_block_times_split_across_ranks_like_accumulation() -> None:
 
 
 def test_block_size_of_the_whole_sequence_trains_exactly_as_today(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = ("training.max_steps=3", "training.warmup_steps=1", "training.log_interval=1",
-                "training.eval_interval=3")  # fmt: skip
+    settings = (
+        "training.max_steps=3",
+        "training.warmup_steps=1",
+        "training.log_interval=1",
+        "training.eval_interval=3",
+    )
     runs = {}
     for name, extra in (("today", ()), ("full", ("model.block_size=64",))):
         events: list[Event] = []
@@ -201,9 +215,15 @@ def test_block_size_of_the_whole_sequence_trains_exactly_as_today(tiny_data_dir:
 
 
 def test_block_model_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = ("model.block_size=16", "training.max_steps=8", "training.log_interval=2",
-                "training.warmup_steps=2", "training.gradient_accumulation_steps=2", "training.eval_interval=4",
-                "training.save_interval=100")  # fmt: skip
+    settings = (
+        "model.block_size=16",
+        "training.max_steps=8",
+        "training.log_interval=2",
+        "training.warmup_steps=2",
+        "training.gradient_accumulation_steps=2",
+        "training.eval_interval=4",
+        "training.save_interval=100",
+    )
     losses = check_resume_is_exact(tiny_data_dir, tmp_path, settings, pause_at=4)
     assert all(loss is not None and loss < 7 for loss in losses)
 
@@ -217,8 +237,13 @@ BLOCK_PARALLEL = {
 def _parallel_worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
     try:
         for name, extra in BLOCK_PARALLEL.items():
             result = train(tiny(data_dir, root / name, PER_PROCESS, "model.block_size=16", *extra))
@@ -234,8 +259,9 @@ def parallel_block_runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFa
 
     root = tmp_path_factory.mktemp("parallel-block")
     train(tiny(tiny_data_dir, root / "reference", SINGLE, "model.block_size=16"))
-    context = mp.start_processes(_parallel_worker, args=(2, tiny_data_dir, root), nprocs=2, join=False,
-                                 start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        _parallel_worker, args=(2, tiny_data_dir, root), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 900
     try:
         while not context.join(timeout=5):
@@ -272,8 +298,11 @@ def test_cached_block_sampling_equals_the_uncached_reference(remasking: str) -> 
     with torch.inference_mode():
         for cached in (True, False):
             generator = torch.Generator().manual_seed(7)
-            outputs.append(denoise_blocks(model, tokens, fill, options, generator=generator, schedule=LinearSchedule(),
-                                          kv_cache=cached))  # fmt: skip
+            outputs.append(
+                denoise_blocks(
+                    model, tokens, fill, options, generator=generator, schedule=LinearSchedule(), kv_cache=cached
+                )
+            )
     (cached_tokens, cached_passes), (reference, reference_passes) = outputs
     assert torch.equal(cached_tokens, reference)
     assert not bool((cached_tokens == MASK_ID).any()) and torch.equal(cached_tokens[:, ~fill], tokens[:, ~fill])
@@ -296,8 +325,11 @@ def test_block_size_one_samples_one_forward_pass_per_token(temperature: float) -
     with torch.inference_mode():
         for cached in (True, False):
             generator = torch.Generator().manual_seed(9)
-            outputs.append(denoise_blocks(model, tokens, fill, options, generator=generator, schedule=LinearSchedule(),
-                                          kv_cache=cached))  # fmt: skip
+            outputs.append(
+                denoise_blocks(
+                    model, tokens, fill, options, generator=generator, schedule=LinearSchedule(), kv_cache=cached
+                )
+            )
     (cached_tokens, passes), (reference, reference_passes) = outputs
     assert torch.equal(cached_tokens, reference)  # the reference recomputes the whole prefix every pass
     assert passes == reference_passes == 15  # the prompt and each new token are stored by the next pass
@@ -312,8 +344,17 @@ def test_block_sampling_reads_only_the_prefix() -> None:
     later = tokens.clone()
     later[:, 8:] = torch.randint(2, 64, (1, 8), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
-        runs = [denoise_blocks(model, t, fill, SamplingOptions(steps=4), generator=torch.Generator().manual_seed(1),
-                               schedule=LinearSchedule())[0] for t in (tokens, later)]  # fmt: skip
+        runs = [
+            denoise_blocks(
+                model,
+                t,
+                fill,
+                SamplingOptions(steps=4),
+                generator=torch.Generator().manual_seed(1),
+                schedule=LinearSchedule(),
+            )[0]
+            for t in (tokens, later)
+        ]
     assert torch.equal(runs[0][:, :8], runs[1][:, :8])
 
 
@@ -335,17 +376,28 @@ def test_block_sampling_stops_at_the_end_of_document() -> None:
     fill = torch.ones(16, dtype=torch.bool)
     fill[0] = False
     with torch.inference_mode():
-        result, _ = denoise_blocks(FavoursStop(small_model(4)), tokens, fill, SamplingOptions(steps=4, temperature=0),
-                                   generator=torch.Generator().manual_seed(0), schedule=LinearSchedule(),
-                                   stop_token_id=stop)  # fmt: skip
+        result, _ = denoise_blocks(
+            FavoursStop(small_model(4)),
+            tokens,
+            fill,
+            SamplingOptions(steps=4, temperature=0),
+            generator=torch.Generator().manual_seed(0),
+            schedule=LinearSchedule(),
+            stop_token_id=stop,
+        )
     assert bool((result[:, 1:4] == stop).all())
     assert bool((result[:, 4:] == MASK_ID).all())  # later blocks were never generated
     assert cut_after_stop(result.tolist(), fill.tolist(), stop) == [[9, stop]] * 2
 
 
 def test_block_model_trains_evaluates_exports_loads_and_samples(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = ("model.block_size=8", "training.max_steps=4", "training.warmup_steps=1", "training.eval_interval=4",
-                "training.save_interval=4")  # fmt: skip
+    settings = (
+        "model.block_size=8",
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.eval_interval=4",
+        "training.save_interval=4",
+    )
     run = tmp_path / "run"
     train(tiny_experiment(tiny_data_dir, run, *settings))
     report = evaluate_source(run, batches=1, mc_samples=2, batch_size=2)
@@ -361,8 +413,11 @@ def test_block_model_trains_evaluates_exports_loads_and_samples(tiny_data_dir: P
 
 
 def test_bench_times_the_block_step_and_counts_its_2l_pass(tmp_path: Path) -> None:
-    overrides = (f"training.tokenizer={tmp_path / 'tokenizer.json'}", f"training.train_data={tmp_path / 'x.bin'}",
-                 "training.val_data=none")  # fmt: skip
+    overrides = (
+        f"training.tokenizer={tmp_path / 'tokenizer.json'}",
+        f"training.train_data={tmp_path / 'x.bin'}",
+        "training.val_data=none",
+    )
     plain = load_config(ROOT / "configs" / "tiny.toml", list(overrides))
     block = load_config(ROOT / "configs" / "tiny.toml", [*overrides, "model.block_size=16"])
     result = run_benchmark(block, steps=2, warmup=1, batch_size=4)
@@ -396,9 +451,15 @@ def test_clipped_training_range_keeps_block_times_inside_it(tiny_data_dir: Path,
         seen.append(args[2])
         return original(*args, **kwargs)
 
-    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "model.block_size=16", "training.max_steps=2",
-                                 "training.warmup_steps=1", "training.clip_mask_min=0.3",
-                                 "training.clip_mask_max=0.8")  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir,
+        tmp_path / "run",
+        "model.block_size=16",
+        "training.max_steps=2",
+        "training.warmup_steps=1",
+        "training.clip_mask_min=0.3",
+        "training.clip_mask_max=0.8",
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("dlm.train.step.corrupt_tokens", spy)
         train(experiment)

@@ -41,8 +41,16 @@ def test_variants_and_train_commands_are_valid_dlm_configs(tmp_path: Path) -> No
 
 
 def test_tables_of_validation_and_training_loss() -> None:
-    row = {"block_size": 4, "clip": [0.3, 0.8], "bits_per_byte": 2.5, "bits_per_byte_stderr": 0.02, "nll": 5.4,
-           "nll_mc_stderr": 0.03, "unigram_bits_per_byte": 2.9, "train_losses": [(20, 7.0), (40, 6.25)]}  # fmt: skip
+    row = {
+        "block_size": 4,
+        "clip": [0.3, 0.8],
+        "bits_per_byte": 2.5,
+        "bits_per_byte_stderr": 0.02,
+        "nll": 5.4,
+        "nll_mc_stderr": 0.03,
+        "unigram_bits_per_byte": 2.9,
+        "train_losses": [(20, 7.0), (40, 6.25)],
+    }
     lines = script().table([row]).splitlines()
     assert "| 4 | [0.3, 0.8] | 2.500 | 0.020 | 5.400 | 0.030 |" in lines
     assert "Unigram level of the same sequences: 2.900 bits/byte." in lines

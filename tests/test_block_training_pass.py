@@ -20,9 +20,17 @@ MASK_ID = 1
 
 def model_of(block_size: int, checkpointing: bool = False) -> DiffusionTransformer:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=16, d_model=32, n_layers=3, n_heads=4,
-                         pad_vocab_multiple=64, block_size=block_size,
-                         activation_checkpointing=checkpointing)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=16,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+        activation_checkpointing=checkpointing,
+    )
     return DiffusionTransformer(config).double().train()
 
 
@@ -39,8 +47,9 @@ def every_position_logits(model: DiffusionTransformer, noisy: Tensor, mask: Tens
     return F.linear(x, model.token_embedding.weight)[..., : config.vocab_size]
 
 
-def loss_and_gradients(model: DiffusionTransformer, logits_of: object, block_size: int
-                       ) -> tuple[Tensor, Tensor, list[Tensor]]:  # fmt: skip
+def loss_and_gradients(
+    model: DiffusionTransformer, logits_of: object, block_size: int
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     clean = torch.randint(2, 64, (3, 16), generator=torch.Generator().manual_seed(1))
     times = torch.rand(3, 16 // block_size, generator=torch.Generator().manual_seed(2))
     corruption = corrupt_tokens(clean, MASK_ID, times, 1e-3, torch.Generator().manual_seed(3), block_size=block_size)

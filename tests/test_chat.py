@@ -32,8 +32,15 @@ def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
 @pytest.fixture
 def chat_file(tmp_path: Path) -> Path:
     records: list[dict[str, object]] = [{"prompt": f"say {w}", "response": f"{w} {w}"} for w in ("to", "be", "or")]
-    records.append({"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi"},
-                                 {"role": "assistant", "content": "hello"}]})  # fmt: skip
+    records.append(
+        {
+            "messages": [
+                {"role": "system", "content": "brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        }
+    )
     records.append({"prompt": "long " * 80, "response": "x"})
     return write_jsonl(tmp_path / "chat.jsonl", records)
 
@@ -48,14 +55,18 @@ def test_pack_chat_masks_the_prompt_and_counts_the_padding(
     chat_file: Path, tiny_tokenizer_path: Path, tmp_path: Path
 ) -> None:
     counts = pack_chat([chat_file], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out")
-    assert {k: counts["train"][k] for k in ("examples", "truncated", "dropped")} == {"examples": 4, "truncated": 0,
-                                                                                  "dropped": 1}  # fmt: skip
+    assert {k: counts["train"][k] for k in ("examples", "truncated", "dropped")} == {
+        "examples": 4,
+        "truncated": 0,
+        "dropped": 1,
+    }
     dataset = load_packed_dataset(tmp_path / "out", SEQ_LEN)
     assert dataset.metadata["chat"]["dropped"] == 1 and dataset.metadata["loss_mask"] == "train.mask.bin"
     tokenizer = load_tokenizer(tiny_tokenizer_path)
     template = ChatTemplate()
-    ids, prompt_length = encode_example(tokenizer, template, parse_example({"prompt": "say to", "response": "to to"},
-                                                                           "x"), eos=0)  # fmt: skip
+    ids, prompt_length = encode_example(
+        tokenizer, template, parse_example({"prompt": "say to", "response": "to to"}, "x"), eos=0
+    )
     tokens, loss_mask = dataset[0]
     assert tokens[: len(ids)].tolist() == ids and (tokens[len(ids) :] == 0).all()  # padded with end-of-document
     assert not loss_mask[:prompt_length].any() and loss_mask[prompt_length:].all()
@@ -84,13 +95,17 @@ def test_truncation_keeps_a_long_reply(tiny_tokenizer_path: Path, tmp_path: Path
 
 
 def test_examples_with_an_empty_reply_are_skipped_and_counted(
-    tiny_tokenizer_path: Path, tmp_path: Path, run_cli: Callable[..., CliResult], monkeypatch: pytest.MonkeyPatch,
+    tiny_tokenizer_path: Path,
+    tmp_path: Path,
+    run_cli: Callable[..., CliResult],
+    monkeypatch: pytest.MonkeyPatch,
     narrow_console: int,
-) -> None:  # fmt: skip
+) -> None:
     good = [{"prompt": f"say {w}", "response": f"{w} {w}"} for w in ("to", "be", "or")]
-    empty: list[dict[str, object]] = [{"prompt": "say nothing", "response": ""},
-                                      {"messages": [{"role": "user", "content": "hi"},
-                                                    {"role": "assistant", "content": " \n"}]}]  # fmt: skip
+    empty: list[dict[str, object]] = [
+        {"prompt": "say nothing", "response": ""},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}]},
+    ]
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [good[0], empty[0], good[1], empty[1], good[2]])
     counts = pack_chat([mixed], tiny_tokenizer_path, SEQ_LEN, tmp_path / "mixed")["train"]
     clean = pack_chat([write_jsonl(tmp_path / "clean.jsonl", good)], tiny_tokenizer_path, SEQ_LEN, tmp_path / "clean")
@@ -106,7 +121,8 @@ def test_examples_with_an_empty_reply_are_skipped_and_counted(
     assert "train: skipped 2 examples with an empty reply" in result.stdout
     only_empty = write_jsonl(tmp_path / "empty.jsonl", empty)
     run_cli("pack", "--chat", only_empty, *args, "--overwrite").assert_refused(
-        "the train split holds no example to pack (2 with an empty reply)", "give each example a non-empty reply")
+        "the train split holds no example to pack (2 with an empty reply)", "give each example a non-empty reply"
+    )
 
 
 def test_an_empty_split_names_its_cause_and_a_fix_that_helps(
@@ -146,10 +162,17 @@ def test_the_loss_mask_keeps_the_prompt_clean_with_the_same_draws() -> None:
 def test_training_on_chat_data_runs(chat_file: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
     tokenizer = tiny_data_dir / "tokenizer.json"
     pack_chat([chat_file], tokenizer, SEQ_LEN, tmp_path / "chat", val_inputs=[held_out(chat_file)])
-    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=3", "training.warmup_steps=1",
-                                 "training.batch_size=2", "training.eval_interval=3", "training.save_interval=3",
-                                 f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
-                                 f"training.val_data={tmp_path / 'chat' / 'val.bin'}")  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir,
+        tmp_path / "run",
+        "training.max_steps=3",
+        "training.warmup_steps=1",
+        "training.batch_size=2",
+        "training.eval_interval=3",
+        "training.save_interval=3",
+        f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
+        f"training.val_data={tmp_path / 'chat' / 'val.bin'}",
+    )
     assert train(experiment).status == "complete"
 
 
@@ -162,17 +185,25 @@ def test_chat_sampling_keeps_the_prompt_and_returns_only_the_reply(
 
     tokenizer = tiny_data_dir / "tokenizer.json"
     pack_chat([chat_file], tokenizer, SEQ_LEN, tmp_path / "chat", val_inputs=[held_out(chat_file)])
-    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1",
-                                 "training.batch_size=2", "training.eval_interval=2", "training.save_interval=2",
-                                 f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
-                                 f"training.val_data={tmp_path / 'chat' / 'val.bin'}")  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir,
+        tmp_path / "run",
+        "training.max_steps=2",
+        "training.warmup_steps=1",
+        "training.batch_size=2",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+        f"training.train_data={tmp_path / 'chat' / 'train.bin'}",
+        f"training.val_data={tmp_path / 'chat' / 'val.bin'}",
+    )
     checkpoint = train(experiment).checkpoint
     loaded = load_model_with_info(checkpoint, device="cpu")
     prompt = chat_prompt(loaded.info.tokenizer_path, "say be")
     prompt_ids = loaded.tokenizer.encode(prompt, add_special_tokens=False).ids
     for remasking in ("random", "confidence"):
-        result = generate(loaded.model, loaded.tokenizer, prompt=prompt, length=16, num_samples=2, seed=3,
-                          remasking=remasking)  # fmt: skip
+        result = generate(
+            loaded.model, loaded.tokenizer, prompt=prompt, length=16, num_samples=2, seed=3, remasking=remasking
+        )
         for ids in result.token_ids:  # the templated prompt is never changed by sampling
             assert list(ids[: len(prompt_ids)]) == prompt_ids
 

@@ -35,16 +35,24 @@ def chat_records(count: int, seed: int = 0) -> list[dict[str, Any]]:
         prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 40 if index % 7 == 0 else 8)))
         response = " ".join(rng.choices(WORDS, k=rng.randint(0, 50 if index % 5 == 0 else 6)))
         if index % 3 == 0:
-            records.append({"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": prompt},
-                                         {"role": "assistant", "content": response}]})  # fmt: skip
+            records.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "brief"},
+                        {"role": "user", "content": prompt},
+                        {"role": "assistant", "content": response},
+                    ]
+                }
+            )
         else:
             records.append({"prompt": prompt, "response": response})
     return records
 
 
 def write_chat(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i % 11 == 0 else "") for i, r in enumerate(records)),
-                    encoding="utf-8")  # fmt: skip
+    path.write_text(
+        "".join(json.dumps(r) + "\n" + ("\n" if i % 11 == 0 else "") for i, r in enumerate(records)), encoding="utf-8"
+    )
     return path
 
 
@@ -54,8 +62,10 @@ def pack_digests(tokenizer: Path, directory: Path, case: dict[str, Any]) -> dict
 
     options = dict(case)
     val_inputs = [write_chat(directory / "val.jsonl", chat_records(12, seed=2))] if options.pop("val_input", 0) else []
-    inputs = [write_chat(directory / "a.jsonl", chat_records(60, seed=0)),
-              write_chat(directory / "b.jsonl", chat_records(25, seed=1))]  # fmt: skip
+    inputs = [
+        write_chat(directory / "a.jsonl", chat_records(60, seed=0)),
+        write_chat(directory / "b.jsonl", chat_records(25, seed=1)),
+    ]
     counts = pack_chat(inputs, tokenizer, SEQ_LEN, directory / "out", val_inputs=val_inputs, **options)
     digests: dict[str, Any] = {"counts": counts}
     for path in sorted((directory / "out").iterdir()):
@@ -125,7 +135,11 @@ def test_a_repack_without_validation_removes_the_old_split(tiny_tokenizer_path: 
     counts = pack_chat([chat], tiny_tokenizer_path, SEQ_LEN, tmp_path / "out", overwrite=True)
     assert list(counts) == ["train"]
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
-        "tokenizer.json", "train.bin", "train.json", "train.mask.bin"]  # fmt: skip
+        "tokenizer.json",
+        "train.bin",
+        "train.json",
+        "train.mask.bin",
+    ]
 
 
 def test_a_killed_packs_temporaries_are_removed(tiny_tokenizer_path: Path, tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ from dlm.data.chat_pack import pack_chat
 from dlm.data.pack import pack_corpus
 from dlm.errors import UserError
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant] {% endif %}")  # fmt: skip
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 CONFIG = {"chat_template": TEMPLATE, "bos_token": "<s>"}
 TURNS = [Turn("system", "brief"), Turn("user", "hi"), Turn("assistant", "hello")]
 
@@ -45,8 +47,12 @@ def test_the_packs_tokenizer_renders_with_the_same_template(tiny_tokenizer_path:
 def test_a_pack_with_a_tokenizer_without_config_drops_the_old_one(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
     """Re-packing with a tokenizer that has no config must not leave the previous template beside it."""
 
-    pack_chat([chat_data(tmp_path / "chat.jsonl")], tokenizer_with_template(tmp_path / "tok", tiny_tokenizer_path),
-              32, tmp_path / "pack")  # fmt: skip
+    pack_chat(
+        [chat_data(tmp_path / "chat.jsonl")],
+        tokenizer_with_template(tmp_path / "tok", tiny_tokenizer_path),
+        32,
+        tmp_path / "pack",
+    )
     pack_chat([tmp_path / "chat.jsonl"], tiny_tokenizer_path, 32, tmp_path / "pack", overwrite=True)
     assert not (tmp_path / "pack/tokenizer_config.json").exists()
     assert ChatTemplate.for_tokenizer(tmp_path / "pack/tokenizer.json").name == "default"

@@ -67,9 +67,7 @@ def test_save_writes_numbered_file_latest_link_and_format(tmp_path: Path) -> Non
     assert _leftovers(tmp_path) == []
 
 
-def test_latest_falls_back_to_a_copy_without_hard_links(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_latest_falls_back_to_a_copy_without_hard_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_links(*args: object, **kwargs: object) -> None:
         raise OSError("hard links not supported")
 
@@ -361,11 +359,20 @@ def _zero_bytes_inside_a_tensor(path: Path) -> None:
 
 def test_checksum_survives_the_round_trip_of_every_payload_type(tmp_path: Path) -> None:
     payload = {
-        "step": 3, "lr": 0.1 + 0.2, "name": "x", "none": None, "flag": True, "betas": (0.9, 0.95),
-        "groups": [{"params": [0, 1]}], "state": {0: {"exp_avg": torch.randn(5)}},
-        "bf16": torch.randn(3, 4).to(torch.bfloat16), "mask": torch.tensor([True, False]),
-        "view": torch.arange(10.0)[2:8:2], "scalar": torch.tensor(7), "empty": torch.zeros(0),
-    }  # fmt: skip
+        "step": 3,
+        "lr": 0.1 + 0.2,
+        "name": "x",
+        "none": None,
+        "flag": True,
+        "betas": (0.9, 0.95),
+        "groups": [{"params": [0, 1]}],
+        "state": {0: {"exp_avg": torch.randn(5)}},
+        "bf16": torch.randn(3, 4).to(torch.bfloat16),
+        "mask": torch.tensor([True, False]),
+        "view": torch.arange(10.0)[2:8:2],
+        "scalar": torch.tensor(7),
+        "empty": torch.zeros(0),
+    }
     save_training_checkpoint(tmp_path, payload, step=3, keep_last=0)
     loaded = load_checkpoint(tmp_path / "latest.pt")
     assert loaded[CHECKSUM_KEY] == payload_sha256(loaded) == payload_sha256({**payload, "format": TRAINING_FORMAT})

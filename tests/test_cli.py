@@ -17,26 +17,37 @@ runner = CliRunner()
 
 
 def run_dlm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dlm", *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+    return subprocess.run([sys.executable, "-m", "dlm", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
 def test_help_lists_every_workflow() -> None:
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("config", "tokenizer", "pack", "validate", "train", "resume", "eval", "bench",
-                    "export", "sample", "demo"):
+    for command in (
+        "config",
+        "tokenizer",
+        "pack",
+        "validate",
+        "train",
+        "resume",
+        "eval",
+        "bench",
+        "export",
+        "sample",
+        "demo",
+    ):
         assert command in result.output, command
 
 
 def test_the_cli_runs_with_a_typer_that_shows_flags_plainly() -> None:
     # Typer before 0.28 has no display_type_rich (the version some GPU images carry): the help of a flag
     # needs no correction there, and the CLI must not fail at import.
-    code = ("import typer.core; del typer.core.TyperOption.display_type_rich; "
-            "from typer.testing import CliRunner; from dlm.cli import app; "
-            "result = CliRunner().invoke(app, ['train', '--help']); "
-            "assert result.exit_code == 0 and '--overwrite' in result.output, result.output")  # fmt: skip
+    code = (
+        "import typer.core; del typer.core.TyperOption.display_type_rich; "
+        "from typer.testing import CliRunner; from dlm.cli import app; "
+        "result = CliRunner().invoke(app, ['train', '--help']); "
+        "assert result.exit_code == 0 and '--overwrite' in result.output, result.output"
+    )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
 
@@ -70,14 +81,19 @@ def test_config_show_json_applies_overrides() -> None:
     assert data["training"]["seed"] == 7 and data["model"]["d_model"] == 64
 
 
-def test_train_human_output_keeps_paths_to_copy_whole(tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch,
-                                                      narrow_console: int) -> None:
+def test_train_human_output_keeps_paths_to_copy_whole(
+    tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch, narrow_console: int
+) -> None:
     monkeypatch.setattr("dlm.cli.train_cmd.wants_json", lambda flag: False)
     run_dir = tmp_path / "a-run-directory-whose-name-alone-is-long-enough-to-fill-most-of-a-terminal-line"
     assert len(str(run_dir)) > narrow_console
-    settings = (f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
-                f"training.train_data={tiny_data_dir / 'train.bin'}", "training.val_data=none",
-                f"training.output_dir={run_dir}", "training.max_steps=10")
+    settings = (
+        f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+        f"training.train_data={tiny_data_dir / 'train.bin'}",
+        "training.val_data=none",
+        f"training.output_dir={run_dir}",
+        "training.max_steps=10",
+    )
     overrides = [part for setting in settings for part in ("--set", setting)]
     result = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *overrides, "--max-run-steps", "1")
     assert result.exit_code == 0, result.stderr

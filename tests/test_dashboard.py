@@ -54,8 +54,13 @@ def real_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> R
 
     run_dir = tmp_path_factory.mktemp("events") / "run"
     events: list[Event] = []
-    overrides = ("training.max_steps=2", "training.warmup_steps=1", "training.log_interval=1",
-                 "training.eval_interval=2", "training.save_interval=2")  # fmt: skip
+    overrides = (
+        "training.max_steps=2",
+        "training.warmup_steps=1",
+        "training.log_interval=1",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+    )
     train(tiny_experiment(tiny_data_dir, run_dir, *overrides), sink=events.append)
     return RealRun(run_dir, events)
 
@@ -145,14 +150,30 @@ def test_dashboard_shows_progress_metrics_validation_and_checkpoint(real_run: Re
     start = one(events, StartEvent)
     assert isinstance(start, StartEvent)
     # The figures to look for, put into the real events (so no field can be missing or extra).
-    figures = {TrainEvent: {"loss": 4.25, "tokens_per_second": 12345.0, "mfu": None, "eta_seconds": 65.2,
-                            "loss_by_t": [1.0, 2.0, None, 4.0] + [5.0] * 6},
-               ValidationEvent: {"loss": 3.5, "masked_accuracy": 0.25},
-               EndEvent: {"status": "paused"}}  # fmt: skip
+    figures = {
+        TrainEvent: {
+            "loss": 4.25,
+            "tokens_per_second": 12345.0,
+            "mfu": None,
+            "eta_seconds": 65.2,
+            "loss_by_t": [1.0, 2.0, None, 4.0] + [5.0] * 6,
+        },
+        ValidationEvent: {"loss": 3.5, "masked_accuracy": 0.25},
+        EndEvent: {"status": "paused"},
+    }
     events = [dataclasses.replace(event, **figures.get(type(event), {})) for event in events]  # type: ignore[arg-type]
     text = render(events)
-    expected = ("step 2/2", "4.2500", "12,345", "n/a", "validation @ 2: loss 3.5000", "step-00000002.pt", "paused",
-                "0.2-0.3: -", "eta 0:01:05")  # fmt: skip
+    expected = (
+        "step 2/2",
+        "4.2500",
+        "12,345",
+        "n/a",
+        "validation @ 2: loss 3.5000",
+        "step-00000002.pt",
+        "paused",
+        "0.2-0.3: -",
+        "eta 0:01:05",
+    )
     for shown in (start.run_dir, start.parameters_human, *expected):
         assert shown in text, shown
 
@@ -163,7 +184,9 @@ def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(real_run: RealRun
     # A CPU run reports zero accelerator memory; give its last train event the figures a GPU run would have.
     events[last_train] = dataclasses.replace(
         events[last_train],  # type: ignore[type-var]
-        allocated_gib=1.25, reserved_gib=2.0, peak_allocated_gib=1.75,
+        allocated_gib=1.25,
+        reserved_gib=2.0,
+        peak_allocated_gib=1.75,
     )
     stream = io.StringIO()
     text = render(events)
@@ -282,8 +305,12 @@ def test_bfloat16_on_a_cpu_that_emulates_it_is_said_at_the_start(
 
     monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: False)
     events: list[Event] = []
-    overrides = ("training.max_steps=1", "training.warmup_steps=0", "training.precision=bfloat16",
-                 "training.device=cpu")  # fmt: skip
+    overrides = (
+        "training.max_steps=1",
+        "training.warmup_steps=0",
+        "training.precision=bfloat16",
+        "training.device=cpu",
+    )
     train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides), sink=events.append)
     start = one(events, StartEvent)
     assert isinstance(start, StartEvent) and start.precision == "bfloat16"

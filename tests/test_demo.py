@@ -35,8 +35,15 @@ TINY_CONFIG = ROOT / "configs" / "tiny.toml"
 MINUTES = 0.15  # 9 s of training (calibration included): enough for the whole tiny schedule
 STAGES = ("tokenizer", "data", "validate", "calibrate", "train", "evaluate", "export", "samples")
 REUSABLE = ("tokenizer", "data", "calibrate", "train", "evaluate", "export")
-WATCHED_FILES = ("data/tokenizer.json", "data/train.bin", "data/val.json", "run/latest.pt",
-                 "run/eval.json", "model/model.safetensors", "model/config.json")  # fmt: skip
+WATCHED_FILES = (
+    "data/tokenizer.json",
+    "data/train.bin",
+    "data/val.json",
+    "run/latest.pt",
+    "run/eval.json",
+    "model/model.safetensors",
+    "model/config.json",
+)
 
 
 @dataclass
@@ -127,10 +134,16 @@ def test_a_long_plan_keeps_the_config_intervals_and_its_warmup_share() -> None:
 
 def test_a_continued_plan_starts_at_the_step_and_keeps_its_warmup() -> None:
     base = load_config(TINY_CONFIG)
-    fields = plan_schedule(budget_seconds=100, spent_seconds=50, seconds_per_step=1.0, base=base, start_step=40,
-                           warmup_steps=7)  # fmt: skip
-    assert fields == {"max_steps": 40 + 45, "warmup_steps": 7, "eval_interval": 11, "save_interval": 11,
-                      "log_interval": 1}  # fmt: skip
+    fields = plan_schedule(
+        budget_seconds=100, spent_seconds=50, seconds_per_step=1.0, base=base, start_step=40, warmup_steps=7
+    )
+    assert fields == {
+        "max_steps": 40 + 45,
+        "warmup_steps": 7,
+        "eval_interval": 11,
+        "save_interval": 11,
+        "log_interval": 1,
+    }
 
 
 def test_a_budget_too_short_for_a_schedule_plans_nothing() -> None:
@@ -143,8 +156,17 @@ def test_unigram_bits_per_byte_of_a_uniform_corpus(tmp_path: Path) -> None:
     # Four tokens equally often: 2 bits per token; 2 bytes of text per token: 1 bit per byte.
     two_bytes_each = np.full(4, 2)
     tokens = np.tile(np.arange(4, dtype="<u2"), 64)
-    metadata = dict(format="dlm-packed-v1", vocab_size=4, tokenizer_sha256="0" * 64, seq_len=8, dtype="uint16",
-                    num_blocks=32, num_tokens=256, dropped_tokens=0, text_bytes=512)  # fmt: skip
+    metadata = dict(
+        format="dlm-packed-v1",
+        vocab_size=4,
+        tokenizer_sha256="0" * 64,
+        seq_len=8,
+        dtype="uint16",
+        num_blocks=32,
+        num_tokens=256,
+        dropped_tokens=0,
+        text_bytes=512,
+    )
     for split in ("train", "val"):
         tokens.tofile(tmp_path / f"{split}.bin")
         (tmp_path / f"{split}.json").write_text(json.dumps(metadata))
@@ -419,9 +441,11 @@ def test_the_samples_sit_side_by_side_on_a_terminal() -> None:
 
     from dlm.cli.demo_view import samples_renderable
 
-    samples = [{"label": "unconditional", "prompt": "", "template": None, "text": "alpha " * 12},
-               {"label": "prompt", "prompt": "ROMEO:", "template": None, "text": "ROMEO: beta " * 6},
-               {"label": "infill", "prompt": "", "template": "A [MASK*2] B", "text": "A gamma B"}]  # fmt: skip
+    samples = [
+        {"label": "unconditional", "prompt": "", "template": None, "text": "alpha " * 12},
+        {"label": "prompt", "prompt": "ROMEO:", "template": None, "text": "ROMEO: beta " * 6},
+        {"label": "infill", "prompt": "", "template": "A [MASK*2] B", "text": "A gamma B"},
+    ]
     console = Console(width=80, force_terminal=True, color_system=None, record=True)
     console.print(samples_renderable(samples, terminal=True))
     text = console.export_text()
@@ -470,8 +494,9 @@ def test_the_demo_takes_bfloat16_where_the_cpu_has_it(
     assert device.resolve_training_precision(demo.training.precision, torch.device("cpu")) == expected
 
 
-def test_distill_minutes_distils_the_model_and_shows_both_samples(demo_run: DemoRun, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_distill_minutes_distils_the_model_and_shows_both_samples(
+    demo_run: DemoRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rich.console import Console
 
     from dlm.cli import demo_view

@@ -109,8 +109,11 @@ def test_target_averages_to_the_enumerated_two_step_prediction(schedule_name: st
     forbidden = torch.tensor([mask])
     p_j = allowed_log_probs(table[:1].roll(1, dims=1), forbidden)[0].double().exp()  # j's prediction at z_t
     schedule = get_schedule(schedule_name)
-    times = TwoStepTimes(t=torch.tensor([0.75], dtype=torch.float64), u=torch.tensor([0.5], dtype=torch.float64),
-                         s=torch.tensor([0.25], dtype=torch.float64))  # fmt: skip
+    times = TwoStepTimes(
+        t=torch.tensor([0.75], dtype=torch.float64),
+        u=torch.tensor([0.5], dtype=torch.float64),
+        s=torch.tensor([0.25], dtype=torch.float64),
+    )
     first = float(times.first_reveal_probability(schedule)[0])
     at_t = allowed_log_probs(teacher_logits(mask), forbidden).double().exp()[0]
 
@@ -140,8 +143,7 @@ def test_first_step_reveals_with_its_probability_and_draws_from_the_teacher() ->
     assert abs(revealed.double().mean().item() - 0.25) < 0.01
     tokens = draw_tokens(logits, torch.tensor([3]), generator)  # token 3 forbidden: never drawn
     frequencies = torch.bincount(tokens, minlength=4).double() / tokens.numel()
-    torch.testing.assert_close(frequencies, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.01,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(frequencies, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.01, rtol=0)
 
 
 def test_divergences_vanish_on_equal_distributions_and_order_as_defined() -> None:
@@ -158,8 +160,9 @@ def test_divergences_vanish_on_equal_distributions_and_order_as_defined() -> Non
     assert get_divergence("tvd")(target, student).item() == pytest.approx(0.25, rel=1e-6)
 
 
-def test_teacher_target_is_built_from_the_teachers_two_passes(teacher: Path, tiny_data_dir: Path,
-                                                              tmp_path: Path) -> None:  # fmt: skip
+def test_teacher_target_is_built_from_the_teachers_two_passes(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     """The target is the teacher's prediction at z_t where its first step revealed the position, and its
     prediction at the z_u that step wrote everywhere else."""
 
@@ -192,8 +195,9 @@ def test_teacher_target_is_built_from_the_teachers_two_passes(teacher: Path, tin
     assert (log_target[:, 1].exp() == 0).all()  # the mask token is never a target
 
 
-def test_before_any_update_the_student_predicts_as_the_teacher(teacher: Path, tiny_data_dir: Path,
-                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_before_any_update_the_student_predicts_as_the_teacher(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     step = _step(_experiment(teacher, tiny_data_dir, tmp_path / "run"))
     clean = torch.stack([load_packed_dataset(tiny_data_dir / "train.bin", 64)[index] for index in range(4)])
     noisy = clean.clone()
@@ -220,13 +224,22 @@ def _batches(data: Path, batch_size: int) -> Iterator[torch.Tensor]:
         yield torch.stack([dataset[(start + offset) % len(dataset)] for offset in range(batch_size)])
 
 
-def test_a_round_lowers_the_divergence_to_the_two_step_teacher(teacher: Path, weak_model: Path, tiny_data_dir: Path,
-                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_a_round_lowers_the_divergence_to_the_two_step_teacher(
+    teacher: Path, weak_model: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     """A student that starts far from its teacher (from a 2-step model) comes closer over one round."""
 
-    experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run", f"training.init_from={weak_model}",
-                             "training.learning_rate=3e-3", "training.warmup_steps=1",
-                             teacher_steps=16, rounds=1, steps_per_round=30)  # fmt: skip
+    experiment = _experiment(
+        teacher,
+        tiny_data_dir,
+        tmp_path / "run",
+        f"training.init_from={weak_model}",
+        "training.learning_rate=3e-3",
+        "training.warmup_steps=1",
+        teacher_steps=16,
+        rounds=1,
+        steps_per_round=30,
+    )
     step = _step(experiment)
     step.prepare()
     fixed = next(_batches(tiny_data_dir, 16))
@@ -241,15 +254,15 @@ def test_a_round_lowers_the_divergence_to_the_two_step_teacher(teacher: Path, we
 # ------------------------------------------------------------------------------ the run
 
 
-def test_resume_in_the_middle_of_a_round_is_bit_identical(teacher: Path, tiny_data_dir: Path,
-                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_resume_in_the_middle_of_a_round_is_bit_identical(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
     """Round 1's teacher is the student at step 4, saved beside the checkpoints: a run paused at step 6
     and resumed reloads it, and ends on the very weights of an uninterrupted run."""
 
     settings = ("training.save_interval=2", "training.eval_interval=100")
     straight_events: list[Event] = []
-    straight = distill(_experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings),
-                       sink=straight_events.append)  # fmt: skip
+    straight = distill(
+        _experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append
+    )
     split = _experiment(teacher, tiny_data_dir, tmp_path / "split", *settings)
     first: list[Event] = []
     paused = distill(split, max_run_steps=6, sink=first.append)
@@ -266,8 +279,9 @@ def test_resume_in_the_middle_of_a_round_is_bit_identical(teacher: Path, tiny_da
     assert isinstance(recorded, str) and len(recorded) == 64
 
 
-def test_a_changed_teacher_is_refused_on_resume(teacher: Path, weak_model: Path, tiny_data_dir: Path,
-                                                tmp_path: Path) -> None:  # fmt: skip
+def test_a_changed_teacher_is_refused_on_resume(
+    teacher: Path, weak_model: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run")
     paused = distill(experiment, max_run_steps=2)
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -340,12 +354,28 @@ def test_the_cli_samples_and_serves_in_the_students_steps(student: Path, run_cli
     from dlm.diffusion.distillation import distilled_steps
 
     request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16})
-    generation = check_generation(request, ["ROMEO:"], chat=False, served="s", config=model.config,
-                                  tokenizer=tokenizer, limits=Limits(), model_steps=distilled_steps(model))  # fmt: skip
+    generation = check_generation(
+        request,
+        ["ROMEO:"],
+        chat=False,
+        served="s",
+        config=model.config,
+        tokenizer=tokenizer,
+        limits=Limits(),
+        model_steps=distilled_steps(model),
+    )
     assert generation.options.steps == 4
     asked = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16, "steps": 16})
-    generation = check_generation(asked, ["ROMEO:"], chat=False, served="s", config=model.config,
-                                  tokenizer=tokenizer, limits=Limits(), model_steps=distilled_steps(model))  # fmt: skip
+    generation = check_generation(
+        asked,
+        ["ROMEO:"],
+        chat=False,
+        served="s",
+        config=model.config,
+        tokenizer=tokenizer,
+        limits=Limits(),
+        model_steps=distilled_steps(model),
+    )
     assert generation.options.steps == 16
 
 
@@ -363,11 +393,23 @@ def test_the_hugging_face_export_keeps_the_students_steps(student: Path, tmp_pat
     assert distilled_steps(model) == 4
 
 
-def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
-                                                   run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
     run = tmp_path / "run"
-    args = ("distill", teacher, "--data", tiny_data_dir, "--output", run, "--teacher-steps", "8", "--rounds", "1",
-            "--steps-per-round", "4", "--json")  # fmt: skip
+    args = (
+        "distill",
+        teacher,
+        "--data",
+        tiny_data_dir,
+        "--output",
+        run,
+        "--teacher-steps",
+        "8",
+        "--rounds",
+        "1",
+        "--steps-per-round",
+        "4",
+        "--json",
+    )
     result = run_cli(*args, "--max-run-steps", "2")
     assert result.exit_code == 0, result.stderr
     assert "continue with: dlm resume" in result.stderr
@@ -379,8 +421,7 @@ def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir:
     assert events[-1]["event"] == "complete" and events[-1]["step"] == 4
 
 
-def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, tmp_path: Path,
-                                                                run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
     from conftest import tiny_train_files
 
     from dlm.data.pack import pack_corpus
@@ -396,11 +437,25 @@ def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, t
     missing.assert_refused("no train.bin here")
 
 
-def test_dlm_distill_plans_its_rounds_to_fill_minutes(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
-                                                      run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_dlm_distill_plans_its_rounds_to_fill_minutes(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path, run_cli
+) -> None:  # type: ignore[no-untyped-def]
     run = tmp_path / "run"
-    result = run_cli("distill", teacher, "--data", tiny_data_dir, "--output", run, "--teacher-steps", "8",
-                     "--rounds", "2", "--minutes", "0.1", "--json")  # fmt: skip
+    result = run_cli(
+        "distill",
+        teacher,
+        "--data",
+        tiny_data_dir,
+        "--output",
+        run,
+        "--teacher-steps",
+        "8",
+        "--rounds",
+        "2",
+        "--minutes",
+        "0.1",
+        "--json",
+    )
     assert result.exit_code == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     plan = lines[0]
@@ -409,8 +464,18 @@ def test_dlm_distill_plans_its_rounds_to_fill_minutes(teacher: Path, tiny_data_d
     assert config["distill"]["steps_per_round"] == plan["steps_per_round"]
     assert config["training"]["max_steps"] == 2 * plan["steps_per_round"]
     assert lines[-1]["event"] in ("complete", "paused")  # a loaded machine stops at the budget, resumable
-    refused = run_cli("distill", teacher, "--data", tiny_data_dir, "--output", tmp_path / "other", "--minutes", "1",
-                      "--steps-per-round", "5")  # fmt: skip
+    refused = run_cli(
+        "distill",
+        teacher,
+        "--data",
+        tiny_data_dir,
+        "--output",
+        tmp_path / "other",
+        "--minutes",
+        "1",
+        "--steps-per-round",
+        "5",
+    )
     refused.assert_refused("--steps-per-round")
 
 
@@ -442,8 +507,9 @@ def test_a_checkpoint_of_an_earlier_round_keeps_its_teacher(teacher: Path, tiny_
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
 
 
-def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, teacher: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_frontier_script_measures_models_at_their_own_steps(
+    student: Path, teacher: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
     import math
     import sys
@@ -454,8 +520,12 @@ def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, t
     frontier = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "distill_frontier", frontier)  # its dataclasses look their module up
     spec.loader.exec_module(frontier)
-    entries = [frontier.parse_entry(str(teacher)), frontier.parse_entry(f"{teacher}@4"),
-               frontier.parse_entry(str(student)), frontier.parse_entry(f"{teacher}@threshold=0.01")]  # fmt: skip
+    entries = [
+        frontier.parse_entry(str(teacher)),
+        frontier.parse_entry(f"{teacher}@4"),
+        frontier.parse_entry(str(student)),
+        frontier.parse_entry(f"{teacher}@threshold=0.01"),
+    ]
     assert entries[3].threshold == 0.01 and entries[3].steps is None
     for entry in entries:
         entry.model, entry.tokenizer = load_model(entry.path)
@@ -469,11 +539,23 @@ def test_the_frontier_script_measures_models_at_their_own_steps(student: Path, t
     assert table.count("\n") == len(figures) + 1 and "(+0.0%)" in table.splitlines()[2]
 
 
-def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: Path, tmp_path: Path,
-                                                 run_cli) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
     run = tmp_path / "run"
-    args = ("distill", teacher, "--teacher-samples", "24", "--output", run, "--teacher-steps", "8", "--rounds", "1",
-            "--steps-per-round", "2", "--json")  # fmt: skip
+    args = (
+        "distill",
+        teacher,
+        "--teacher-samples",
+        "24",
+        "--output",
+        run,
+        "--teacher-steps",
+        "8",
+        "--rounds",
+        "1",
+        "--steps-per-round",
+        "2",
+        "--json",
+    )
     result = run_cli(*args)
     assert result.exit_code == 0, result.stderr
     samples = run / "teacher-samples"

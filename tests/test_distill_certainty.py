@@ -55,8 +55,14 @@ def _sureness(step: DistillStep, clean: torch.Tensor) -> tuple[float, float]:
 def _sureness_after(teacher: Path, data: Path, run: Path, weight: float) -> tuple[float, float]:
     """`_sureness` on a fixed batch after 30 certainty-forcing steps with entropy weight `weight`."""
 
-    experiment = _experiment(teacher, data, run, "training.learning_rate=1e-2", "training.warmup_steps=1",
-                             **(CERTAINTY | {"steps_per_round": 30, "certainty_weight": weight}))  # fmt: skip
+    experiment = _experiment(
+        teacher,
+        data,
+        run,
+        "training.learning_rate=1e-2",
+        "training.warmup_steps=1",
+        **(CERTAINTY | {"steps_per_round": 30, "certainty_weight": weight}),
+    )
     step = _step(experiment)
     step.prepare()
     batches, window = _batches(data, 8), LogWindow(step.device)
@@ -65,8 +71,9 @@ def _sureness_after(teacher: Path, data: Path, run: Path, weight: float) -> tupl
     return _sureness(step, next(_batches(data, 16)))
 
 
-def test_the_entropy_term_makes_the_student_sure_where_it_is_right(teacher: Path, tiny_data_dir: Path,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_the_entropy_term_makes_the_student_sure_where_it_is_right(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     """Against plain fine-tuning on the same batches (weight 0), the entropy term lowers the student's
     entropy where it predicts the data's token, at little cost in cross-entropy."""
 
@@ -76,12 +83,14 @@ def test_the_entropy_term_makes_the_student_sure_where_it_is_right(teacher: Path
     assert cross_entropy < 1.1 * plain_cross_entropy, (plain_cross_entropy, cross_entropy)
 
 
-def test_certainty_forcing_resumes_bit_identically_and_records_its_method(teacher: Path, tiny_data_dir: Path,
-                                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_certainty_forcing_resumes_bit_identically_and_records_its_method(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     settings = ("training.save_interval=2", "training.eval_interval=100")
     straight_events: list[Event] = []
-    straight = distill(_experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings, **CERTAINTY),
-                       sink=straight_events.append)  # fmt: skip
+    straight = distill(
+        _experiment(teacher, tiny_data_dir, tmp_path / "straight", *settings, **CERTAINTY), sink=straight_events.append
+    )
     split = _experiment(teacher, tiny_data_dir, tmp_path / "split", *settings, **CERTAINTY)
     first: list[Event] = []
     paused = distill(split, max_run_steps=6, sink=first.append)
@@ -92,8 +101,10 @@ def test_certainty_forcing_resumes_bit_identically_and_records_its_method(teache
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
     assert train_losses(first) + train_losses(second) == train_losses(straight_events)
     phases = {event.phase for event in straight_events if getattr(event, "phase", None)}
-    assert phases == {"certainty forcing for threshold decoding; loss is the cross-entropy to the data plus 1 x "
-                      "the entropy where the student is right"}  # fmt: skip
+    assert phases == {
+        "certainty forcing for threshold decoding; loss is the cross-entropy to the data plus 1 x "
+        "the entropy where the student is right"
+    }
 
     model = export_model(tmp_path / "straight", tmp_path / "student", dtype="float32")
     record = json.loads((model / "config.json").read_text())["distillation"]

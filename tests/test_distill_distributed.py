@@ -27,8 +27,15 @@ from dlm.train.loop import train
 TOLERANCE = 1e-5
 STEPS = 4  # two rounds of two steps: round 1's teacher is gathered and saved at step 2
 DISTILL = {"teacher_steps": 8, "rounds": 2, "steps_per_round": 2}
-COMMON = ("training.batch_size=4", "training.log_interval=1", "training.eval_interval=2", "training.save_interval=2",
-          "training.eval_batches=1", "training.warmup_steps=1", "training.keep_last_checkpoints=0")  # fmt: skip
+COMMON = (
+    "training.batch_size=4",
+    "training.log_interval=1",
+    "training.eval_interval=2",
+    "training.save_interval=2",
+    "training.eval_batches=1",
+    "training.warmup_steps=1",
+    "training.keep_last_checkpoints=0",
+)
 DEADLINE_S = 600
 
 
@@ -39,8 +46,13 @@ def experiment(teacher: Path, data: Path, run: Path, *overrides: str) -> Experim
 def _worker(rank: int, world_size: int, teacher: Path, data: Path, root: Path) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
     try:
         fsdp = ("training.parallelism=fsdp", "training.checkpoint_format=single")
         for name, extra in (("ddp", ()), ("fsdp", fsdp)):
@@ -57,8 +69,9 @@ def runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     train(tiny_experiment(tiny_data_dir, root / "teacher-run", "training.max_steps=20"))
     teacher = export_model(root / "teacher-run", root / "teacher", dtype="float32")
     distill(experiment(teacher, tiny_data_dir, root / "reference", "training.gradient_accumulation_steps=2"))
-    context = mp.start_processes(_worker, args=(2, teacher, tiny_data_dir, root), nprocs=2, join=False,
-                                 start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        _worker, args=(2, teacher, tiny_data_dir, root), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + DEADLINE_S
     try:
         while not context.join(timeout=5):

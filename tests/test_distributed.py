@@ -39,9 +39,15 @@ TOLERANCE = 1e-5
 STEPS = 6
 # Saves at steps 3 and 6 (a resume point in the middle), validation at both.
 COMMON = (
-    f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.log_interval=1",
-    "training.eval_interval=3", "training.save_interval=3", "training.eval_batches=1",
-    "training.ema_decay=0.9", "training.keep_last_checkpoints=0", "training.batch_size=4",
+    f"training.max_steps={STEPS}",
+    "training.warmup_steps=1",
+    "training.log_interval=1",
+    "training.eval_interval=3",
+    "training.save_interval=3",
+    "training.eval_batches=1",
+    "training.ema_decay=0.9",
+    "training.keep_last_checkpoints=0",
+    "training.batch_size=4",
 )
 PER_PROCESS = "training.gradient_accumulation_steps=2"  # x 2 processes
 SINGLE = "training.gradient_accumulation_steps=4"  # x 1 process: the same global batch of 16
@@ -115,7 +121,10 @@ def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     # each collective: long enough for a rank that saves while the machine is loaded, short
     # enough that desynchronised ranks fail the test (before the fixture's deadline) instead of hanging it.
     dist.init_process_group(
-        "gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     try:
@@ -156,8 +165,18 @@ def runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
     settings = [*data_overrides(tiny_data_dir, result.cli_ddp), PER_PROCESS]
     overrides = [part for item in settings for part in ("--set", item)]
-    command = [sys.executable, "-m", "dlm", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
-               "--nproc", "2", *overrides, "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--nproc",
+        "2",
+        *overrides,
+        "--json",
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     finished = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -217,8 +236,15 @@ def test_ddp_resume_is_exact(runs: Runs) -> None:
 
 @pytest.mark.slow
 def test_only_rank_zero_writes(runs: Runs) -> None:
-    expected = {".lock", "config.json", "metrics.jsonl", "latest.pt", "inference-latest.pt",
-                "step-00000003.pt", "step-00000006.pt"}
+    expected = {
+        ".lock",
+        "config.json",
+        "metrics.jsonl",
+        "latest.pt",
+        "inference-latest.pt",
+        "step-00000003.pt",
+        "step-00000006.pt",
+    }
     for run_dir, launches in ((runs.cli_ddp, 1), (runs.ddp, 2), (runs.fsdp, 2)):
         assert {path.name for path in run_dir.iterdir()} == expected, run_dir
         kinds = [event["event"] for event in events(run_dir)]
@@ -269,11 +295,26 @@ def test_a_finished_worker_exits_without_interpreter_teardown(tiny_data_dir: Pat
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(EXIT_PROBE)
-    settings = [*data_overrides(tiny_data_dir, tmp_path / "run"), PER_PROCESS, "training.max_steps=2",
-                "training.eval_interval=2", "training.save_interval=2"]
+    settings = [
+        *data_overrides(tiny_data_dir, tmp_path / "run"),
+        PER_PROCESS,
+        "training.max_steps=2",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+    ]
     overrides = [part for item in settings for part in ("--set", item)]
-    command = [sys.executable, "-m", "dlm", "train", "--config", str(ROOT / "configs" / "tiny.toml"),
-               "--nproc", "2", *overrides, "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--nproc",
+        "2",
+        *overrides,
+        "--json",
+    ]
     paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     finished = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
@@ -295,14 +336,21 @@ def test_another_world_size_keeps_the_global_batch_or_refuses_in_one_line() -> N
     record = {"world_size": 2, "config": {"training": {"batch_size": 4, "gradient_accumulation_steps": 2}}}
     assert kept_accumulation(record, 4, 2, 2, "ckpt") == (2, None)
     assert kept_accumulation(record, 4, 2, 1, "ckpt") == (
-        4, "global batch 16 kept on 1 process: gradient accumulation 4 (the run used 2 on 2)")  # fmt: skip
+        4,
+        "global batch 16 kept on 1 process: gradient accumulation 4 (the run used 2 on 2)",
+    )
     assert kept_accumulation(record, 4, 2, 4, "ckpt")[0] == 1
-    with pytest.raises(UserError, match=r"global batch of 16 sequences \(batch_size 4 x accumulation 2 x 2 processes\) "
-                       r"cannot be kept on 3 processes.*resume on 1, 2, 4 processes, or pass --allow-batch-change to "
-                       r"continue with a global batch of 24"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"global batch of 16 sequences \(batch_size 4 x accumulation 2 x 2 processes\) "
+        r"cannot be kept on 3 processes.*resume on 1, 2, 4 processes, or pass --allow-batch-change to "
+        r"continue with a global batch of 24",
+    ):
         kept_accumulation(record, 4, 2, 3, "ckpt")
     assert kept_accumulation(record, 4, 2, 3, "ckpt", allow_change=True) == (
-        2, "global batch changed from 16 to 24 on 3 processes (--allow-batch-change)")  # fmt: skip
+        2,
+        "global batch changed from 16 to 24 on 3 processes (--allow-batch-change)",
+    )
     assert kept_accumulation({"config": {}}, 4, 2, 3, "ckpt") == (2, None)  # recorded before world sizes were
 
 
@@ -310,7 +358,12 @@ def test_fsdp_refuses_adamw8bit_and_float16(tiny_data_dir: Path, tmp_path: Path)
     with pytest.raises(UserError, match=r"adamw8bit.*fsdp"):
         train(tiny(tiny_data_dir, tmp_path / "run", "training.parallelism=fsdp", "training.optimizer=adamw8bit"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    half = tiny(tiny_data_dir, tmp_path / "run", "training.device=cuda", "training.precision=float16",
-                "training.parallelism=fsdp")
+    half = tiny(
+        tiny_data_dir,
+        tmp_path / "run",
+        "training.device=cuda",
+        "training.precision=float16",
+        "training.parallelism=fsdp",
+    )
     with pytest.raises(UserError, match=r"float16.*fsdp.*bfloat16"):
         check_parallelism(half.training)

@@ -53,5 +53,5 @@ def test_the_held_out_example_keeps_validation_outside_the_training_inputs() -> 
         if "--val-input" in line and line.startswith("dlm pack"):
             words = shlex.split(line)
             held_out = words[words.index("--val-input") + 1]
-            training = [w for w in words[2:words.index("--val-input")] if not w.startswith("-")]
+            training = [w for w in words[2 : words.index("--val-input")] if not w.startswith("-")]
             assert all(not held_out.startswith(t) for t in training), f"{name}: {line}"

@@ -23,8 +23,17 @@ SEPARATOR = 0  # dlm's tokenizers: <|endoftext|> is id 0
 
 def _model(**fields: object) -> DiffusionTransformer:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=64, mask_token_id=1, max_seq_len=24, d_model=32, n_layers=2, n_heads=4,
-                         pad_vocab_multiple=1, document_separator_id=SEPARATOR, **fields)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=1,
+        max_seq_len=24,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=1,
+        document_separator_id=SEPARATOR,
+        **fields,
+    )
     return DiffusionTransformer(config).double().eval()
 
 
@@ -52,8 +61,10 @@ def test_a_packed_document_scores_as_if_fed_alone(block_size: int) -> None:
     noisy[0, [2, 5, 9, 14, 18]] = 1
     everywhere = torch.ones_like(clean, dtype=torch.bool)
     packed = masked_logits(model, noisy, everywhere, clean)
-    alone = [masked_logits(model, noisy[:, :8], everywhere[:, :8], clean[:, :8]),
-             masked_logits(model, noisy[:, 8:], everywhere[:, 8:], clean[:, 8:])]  # fmt: skip
+    alone = [
+        masked_logits(model, noisy[:, :8], everywhere[:, :8], clean[:, :8]),
+        masked_logits(model, noisy[:, 8:], everywhere[:, 8:], clean[:, 8:]),
+    ]
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-10, rtol=0)
     # Without it the documents see each other: the test can tell.
     unaware = DiffusionTransformer(model.config.model_copy(update={"document_separator_id": None})).double().eval()
@@ -98,8 +109,14 @@ def test_sampling_with_a_cache_or_padding_is_refused() -> None:
 
 @pytest.mark.slow
 def test_training_with_document_attention_resumes_exactly(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = ("training.max_steps=8", "training.log_interval=2", "training.warmup_steps=2",
-                "training.eval_interval=4", "training.save_interval=100", f"model.document_separator_id={SEPARATOR}")
+    settings = (
+        "training.max_steps=8",
+        "training.log_interval=2",
+        "training.warmup_steps=2",
+        "training.eval_interval=4",
+        "training.save_interval=100",
+        f"model.document_separator_id={SEPARATOR}",
+    )
     losses = check_resume_is_exact(tiny_data_dir, tmp_path, settings, pause_at=4)
     assert all(loss is not None and loss > 0 for loss in losses)
 
@@ -115,14 +132,17 @@ def test_validate_suggests_document_attention_for_short_documents(
     tiny_data_dir: Path, tiny_tokenizer_path: Path, tmp_path: Path
 ) -> None:
     # One speech-sized document a line: about 20 tokens each in 64-token rows.
-    lines = [json.dumps({"text": f"First speaker, part {i}: my lord, the night is cold and the watch is set."})
-             for i in range(300)]  # fmt: skip
+    lines = [
+        json.dumps({"text": f"First speaker, part {i}: my lord, the night is cold and the watch is set."})
+        for i in range(300)
+    ]
     (tmp_path / "short.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     pack_corpus([tmp_path / "short.jsonl"], tiny_tokenizer_path, 64, tmp_path / "data", val_fraction=0.0)
 
     def documents_check(data: Path, *extra: str) -> CheckResult:
-        experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", f"training.train_data={data / 'train.bin'}",
-                                     *extra)  # fmt: skip
+        experiment = tiny_experiment(
+            tiny_data_dir, tmp_path / "run", f"training.train_data={data / 'train.bin'}", *extra
+        )
         return next(check for check in validate_experiment(experiment) if check.name == "train data documents")
 
     short = documents_check(tmp_path / "data")
@@ -133,8 +153,13 @@ def test_validate_suggests_document_attention_for_short_documents(
 
 
 def test_a_model_trained_with_documents_keeps_the_setting(tiny_data_dir: Path, tmp_path: Path) -> None:
-    overrides = ("training.max_steps=2", "training.warmup_steps=1", "training.eval_interval=2",
-                 "training.save_interval=2", f"model.document_separator_id={SEPARATOR}")  # fmt: skip
+    overrides = (
+        "training.max_steps=2",
+        "training.warmup_steps=1",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+        f"model.document_separator_id={SEPARATOR}",
+    )
     result = train(tiny_experiment(tiny_data_dir, tmp_path / "run", *overrides))
     from dlm.artifacts.checkpoint import load_checkpoint
 

@@ -78,8 +78,9 @@ def exact_count_expectation(
         keys = torch.tensor([order], dtype=torch.float32) / LENGTH
         for picks in itertools.product(*(range(n) for n in counts)):
             units = torch.tensor([[(pick + 0.5) / n for pick, n in zip(picks, counts, strict=True)]])
-            corruption = corrupt_exact_count(clean, MASK_ID, units if blocks > 1 else units[:, 0], keys,
-                                             block_size=block, loss_mask=loss_mask)  # fmt: skip
+            corruption = corrupt_exact_count(
+                clean, MASK_ID, units if blocks > 1 else units[:, 0], keys, block_size=block, loss_mask=loss_mask
+            )
             logits = logits_fn(corruption.noisy_tokens, corruption.mask)
             values.append(float(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll[0]))
     return sum(values) / len(values)
@@ -120,8 +121,16 @@ def test_a_count_of_l_masks_exactly_l_positions_with_weight_n_over_l() -> None:
 
 def tiny_model(seed: int = 0, block_size: int = 0) -> DiffusionTransformer:
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
-                         pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+    )
     return DiffusionTransformer(config).eval()
 
 
@@ -132,8 +141,9 @@ def sample_estimates(model: DiffusionTransformer, clean: Tensor, estimator: str,
         return model(noisy, output_positions=mask)
 
     generator = torch.Generator().manual_seed(11)
-    return torch.stack([elbo_nll(logits, clean, MASK_ID, 1, 1e-3, generator, estimator=estimator)[0]
-                        for _ in range(draws)])  # fmt: skip
+    return torch.stack(
+        [elbo_nll(logits, clean, MASK_ID, 1, 1e-3, generator, estimator=estimator)[0] for _ in range(draws)]
+    )
 
 
 def test_both_estimators_agree_and_exact_count_has_the_smaller_error() -> None:
@@ -153,8 +163,9 @@ def test_both_estimators_agree_and_exact_count_has_the_smaller_error() -> None:
 def test_the_elbo_does_not_depend_on_the_batch_size(estimator: str) -> None:
     model = tiny_model()
     data = torch.randint(2, 64, (8, 32), generator=torch.Generator().manual_seed(2))
-    reports = [evaluate_model(model, data, batches=8, batch_size=size, mc_samples=3, estimator=estimator)
-               for size in (2, 8)]  # fmt: skip
+    reports = [
+        evaluate_model(model, data, batches=8, batch_size=size, mc_samples=3, estimator=estimator) for size in (2, 8)
+    ]
     assert reports[0].nll == pytest.approx(reports[1].nll, abs=1e-6)
     assert reports[0].nll_mc_stderr == pytest.approx(reports[1].nll_mc_stderr, abs=1e-6)
     assert reports[0].estimator == estimator
@@ -163,8 +174,10 @@ def test_the_elbo_does_not_depend_on_the_batch_size(estimator: str) -> None:
 def test_block_size_one_estimators_give_the_same_exact_likelihood() -> None:
     model = tiny_model(block_size=1)
     data = torch.randint(2, 64, (4, 32), generator=torch.Generator().manual_seed(3))
-    reports = [evaluate_model(model, data, batches=1, batch_size=4, mc_samples=2, estimator=name)
-               for name in ("bernoulli", "exact-count")]  # fmt: skip
+    reports = [
+        evaluate_model(model, data, batches=1, batch_size=4, mc_samples=2, estimator=name)
+        for name in ("bernoulli", "exact-count")
+    ]
     assert reports[0].nll == reports[1].nll and reports[1].nll_mc_stderr == 0.0
 
 
@@ -177,8 +190,9 @@ def test_cli_eval_estimator_option(
     tiny_run: Path, run_cli, narrow_console: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = tiny_run
-    result = run_cli("eval", str(run_dir), "--estimator", "exact-count", "--batches", "1", "--mc-samples", "2",
-                     "--json")  # fmt: skip
+    result = run_cli(
+        "eval", str(run_dir), "--estimator", "exact-count", "--batches", "1", "--mc-samples", "2", "--json"
+    )
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["estimator"] == "exact-count" and report["nll"] > 0
@@ -198,8 +212,21 @@ def test_the_variance_script_compares_the_estimators_on_one_model(
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    script.main([str(tiny_run), "--data", str(tiny_data_dir), "--sequences", "4", "--repeats", "3",
-                 "--mc-samples", "1", "2", "--json"])  # fmt: skip
+    script.main(
+        [
+            str(tiny_run),
+            "--data",
+            str(tiny_data_dir),
+            "--sequences",
+            "4",
+            "--repeats",
+            "3",
+            "--mc-samples",
+            "1",
+            "2",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert (result["sequences"], result["repeats"], result["step"]) == (4, 3, 4)
     assert [row["mc_samples"] for row in result["rows"]] == [1, 2]

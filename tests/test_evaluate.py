@@ -358,8 +358,9 @@ def test_likelihood_figures_are_total_nll_over_total_tokens() -> None:
     errors = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64)
     counts = torch.tensor([4, 14, 2, 0])  # the last sequence has nothing to score
     notes: list[str] = []
-    figures = likelihood_figures(torch.cat((means, torch.zeros(1))), torch.cat((errors, torch.zeros(1))), counts,
-                                 8, 40, notes)  # fmt: skip
+    figures = likelihood_figures(
+        torch.cat((means, torch.zeros(1))), torch.cat((errors, torch.zeros(1))), counts, 8, 40, notes
+    )
     assert figures["nll"] == pytest.approx(17 / 20, rel=1e-12) and figures["tokens"] == 20
     assert figures["bits_per_byte"] == pytest.approx(17 / (40 * math.log(2)), rel=1e-12)
     # Ratio estimator: residuals n_s (m_s - 0.85) = 4.6, -4.9, 0.3 over 3 sequences.
@@ -367,8 +368,9 @@ def test_likelihood_figures_are_total_nll_over_total_tokens() -> None:
     assert figures["nll_stderr"] == pytest.approx(stderr, rel=1e-12)
     assert figures["bits_per_byte_stderr"] == pytest.approx(stderr * 20 / (40 * math.log(2)), rel=1e-12)
     assert figures["nll_mc_stderr"] == pytest.approx(math.sqrt(0.4**2 + 2.8**2 + 0.6**2) / 20, rel=1e-12)
-    assert figures["sequences"] == 3 and notes == ["1 of 4 sequences hold no scored token (a loss mask of zeros): "
-                                                   "left out"]
+    assert figures["sequences"] == 3 and notes == [
+        "1 of 4 sequences hold no scored token (a loss mask of zeros): left out"
+    ]
     # Equal counts (plain text): the plain mean and its usual standard error.
     plain = likelihood_figures(means, errors, torch.full((3,), 64), 8, None, [])
     assert plain["nll"] == pytest.approx(float(means.mean()), rel=1e-12)
@@ -379,8 +381,16 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
     # Block size 1 makes the ELBO the exact left-to-right likelihood, so bits per byte must be
     # the replies' total -log2 p over their total bytes.
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=64, mask_token_id=1, max_seq_len=16, d_model=32, n_layers=2, n_heads=4,
-                         pad_vocab_multiple=64, block_size=1)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=1,
+        max_seq_len=16,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=1,
+    )
     model = DiffusionTransformer(config).double().eval()
     ids = torch.randint(2, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     masks = torch.zeros(2, 16, dtype=torch.bool)
@@ -394,8 +404,15 @@ def test_bits_per_byte_of_replies_of_unequal_length_are_the_exact_likelihood_of_
             total -= float(model(prefix)[0, -1].log_softmax(-1)[ids[row, position]])
             text_bytes += int(token_bytes[ids[row, position]])
     data = [(ids[0], masks[0]), (ids[1], masks[1])]
-    report = evaluate_model(model, data, batches=1, batch_size=2, mc_samples=2, token_bytes=token_bytes,
-                            metadata={"loss_mask": "val.mask.bin"})  # fmt: skip
+    report = evaluate_model(
+        model,
+        data,
+        batches=1,
+        batch_size=2,
+        mc_samples=2,
+        token_bytes=token_bytes,
+        metadata={"loss_mask": "val.mask.bin"},
+    )
     assert report.tokens == 18 and report.bytes == text_bytes and report.sequences == 2
     assert report.nll == pytest.approx(total / 18, rel=1e-5)
     assert report.bits_per_byte == pytest.approx(total / (text_bytes * math.log(2)), rel=1e-5)

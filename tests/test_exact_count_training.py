@@ -13,8 +13,14 @@ from dlm.diffusion.objective import draw_exact_count
 from dlm.errors import UserError
 from dlm.train.loop import train
 
-STEPS = ("training.max_steps=6", "training.warmup_steps=1", "training.log_interval=1",
-         "training.eval_interval=100", "training.save_interval=100", "training.masking=exact-count")  # fmt: skip
+STEPS = (
+    "training.max_steps=6",
+    "training.warmup_steps=1",
+    "training.log_interval=1",
+    "training.eval_interval=100",
+    "training.save_interval=100",
+    "training.masking=exact-count",
+)
 
 
 def _spy(seen: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -30,8 +36,9 @@ def _spy(seen: list[tuple[torch.Tensor, torch.Tensor]]):
 def test_every_sequence_masks_a_stratified_exact_count(tiny_data_dir: Path, tmp_path: Path, block_size) -> None:
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     extra = () if block_size is None else (f"model.block_size={block_size}",)
-    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *STEPS, "training.gradient_accumulation_steps=2",
-                                 *extra)  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir, tmp_path / "run", *STEPS, "training.gradient_accumulation_steps=2", *extra
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("dlm.train.step.draw_exact_count", _spy(seen))
         result = train(experiment)
@@ -60,8 +67,13 @@ def test_exact_count_training_learns_and_resumes_bit_identically(tiny_data_dir: 
 
 def test_exact_count_refuses_a_clipped_range(tiny_data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="masking") as refused:
-        tiny_experiment(tiny_data_dir, tmp_path / "run", "training.masking=exact-count",
-                        "training.clip_mask_min=0.3", "training.clip_mask_max=0.8")  # fmt: skip
+        tiny_experiment(
+            tiny_data_dir,
+            tmp_path / "run",
+            "training.masking=exact-count",
+            "training.clip_mask_min=0.3",
+            "training.clip_mask_max=0.8",
+        )
     assert "bernoulli" in str(refused.value)
     with pytest.raises(UserError, match="masking"):
         tiny_experiment(tiny_data_dir, tmp_path / "run", "training.masking=binomial")

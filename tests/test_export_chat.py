@@ -21,8 +21,7 @@ def chat_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A 4-step fine-tune of a 4-step run on a `dlm pack --chat` pack (its sources are plain paths)."""
 
     root = tmp_path_factory.mktemp("chat-export")
-    examples = [{"prompt": f"say {word} {i}", "response": f"{word} {i}"} for i in range(40)
-                for word in ("one", "two")]  # fmt: skip
+    examples = [{"prompt": f"say {word} {i}", "response": f"{word} {i}"} for i in range(40) for word in ("one", "two")]
     (root / "sft.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
     pack_chat([root / "sft.jsonl"], tiny_data_dir / "tokenizer.json", 64, root / "sft", val_fraction=0.1)
     base = train_tiny_run(tiny_data_dir, root / "base")
@@ -39,17 +38,23 @@ def test_a_chat_run_exports_with_its_sources_in_the_card(
         assert result.exit_code == 0, result.stderr
         card = (tmp_path / name / "README.md").read_text()
         examples = metadata["chat"]["examples"]
-        assert f"- training: {metadata['num_tokens']:,} tokens in {metadata['num_blocks']:,} blocks of 64, " \
-               f"{examples:,} chat examples, from `sft.jsonl`" in card  # fmt: skip
+        assert (
+            f"- training: {metadata['num_tokens']:,} tokens in {metadata['num_blocks']:,} blocks of 64, "
+            f"{examples:,} chat examples, from `sft.jsonl`" in card
+        )
         assert "bytes of text" not in card
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
-    [("sources", [3], "a source as 3, not a path"), ("sources", [{"bytes": 5}], 'a source as {"bytes": 5}'),
-     ("sources", {"path": "a.txt"}, "its sources as no list"), ("num_tokens", "many", 'num_tokens as "many"'),
-     ("chat", {"examples": True}, "chat.examples as true, not an integer")],
-)  # fmt: skip
+    [
+        ("sources", [3], "a source as 3, not a path"),
+        ("sources", [{"bytes": 5}], 'a source as {"bytes": 5}'),
+        ("sources", {"path": "a.txt"}, "its sources as no list"),
+        ("num_tokens", "many", 'num_tokens as "many"'),
+        ("chat", {"examples": True}, "chat.examples as true, not an integer"),
+    ],
+)
 def test_metadata_in_no_shape_a_packer_writes_is_refused(
     chat_run: Path, tmp_path: Path, field: str, value: object, message: str
 ) -> None:

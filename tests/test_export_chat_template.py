@@ -17,8 +17,10 @@ from dlm.data.chat import chat_prompt
 from dlm.data.chat_pack import pack_chat
 from dlm.errors import UserError, UserNote
 
-TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<<assistant>> {% endif %}")  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>> {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,9 @@ def test_both_formats_carry_the_chat_template(templated_run: Path, tmp_path: Pat
     expected = "<<user>> hi there\n<<assistant>> "
     assert chat_prompt(templated_run.parent / "tok" / "tokenizer.json", "hi there") == expected
     plain = export_model(templated_run, tmp_path / "plain")
-    assert (plain / "tokenizer_config.json").read_bytes() == (templated_run.parent / "tok" /
-                                                              "tokenizer_config.json").read_bytes()  # fmt: skip
+    assert (plain / "tokenizer_config.json").read_bytes() == (
+        templated_run.parent / "tok" / "tokenizer_config.json"
+    ).read_bytes()
     hf = export_hf(templated_run, tmp_path / "hf")
     settings = json.loads((hf / "tokenizer_config.json").read_text())
     assert settings["chat_template"] == TEMPLATE and settings["tokenizer_class"] == "PreTrainedTokenizerFast"
@@ -70,8 +73,9 @@ def test_a_damaged_tokenizer_config_is_refused_not_copied(templated_run: Path, t
 def test_transformers_renders_the_hf_export_s_template(templated_run: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(export_hf(templated_run, tmp_path / "hf")))
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True
+    )
     expected = "<<user>> hi there\n<<assistant>> "
     assert rendered == chat_prompt(tmp_path / "hf" / "tokenizer.json", "hi there") == expected
 
@@ -79,8 +83,13 @@ def test_transformers_renders_the_hf_export_s_template(templated_run: Path, tmp_
 def test_a_template_lost_since_packing_is_warned_about(templated_run: Path, tmp_path: Path) -> None:
     examples = [{"prompt": f"say {i}", "response": f"{i}"} for i in range(30)]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(example) + "\n" for example in examples))
-    pack_chat([tmp_path / "sft.jsonl"], templated_run.parent / "tok" / "tokenizer.json", 64, tmp_path / "sft",
-              val_fraction=0.1)  # fmt: skip
+    pack_chat(
+        [tmp_path / "sft.jsonl"],
+        templated_run.parent / "tok" / "tokenizer.json",
+        64,
+        tmp_path / "sft",
+        val_fraction=0.1,
+    )
     assert json.loads((tmp_path / "sft" / "train.json").read_text())["chat"]["template"] != "default"
     run = train_tiny_run(tmp_path / "sft", tmp_path / "run", f"training.init_from={templated_run}")
     with warnings.catch_warnings():

@@ -47,8 +47,9 @@ fake_export = pytest.fixture()(test_sampling.fake_export.__wrapped__)
 
 
 def small_transformer(vocab_size: int, max_seq_len: int = 32, seed: int = 0) -> DiffusionTransformer:
-    config = ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=vocab_size, max_seq_len=max_seq_len, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64
+    )
     torch.manual_seed(seed)
     return DiffusionTransformer(config)
 
@@ -74,8 +75,9 @@ def test_fast_path_without_threshold_or_cache_equals_the_plain_sampler(tokenizer
         with torch.inference_mode():
             plain = denoise(model, tokens, fill, options, generator=torch.Generator().manual_seed(3))
             generator = torch.Generator().manual_seed(3)
-            fast = denoise_fast(model, tokens.clone(), fill, options, blocks, generator=generator,
-                                schedule=LinearSchedule())  # fmt: skip
+            fast = denoise_fast(
+                model, tokens.clone(), fill, options, blocks, generator=generator, schedule=LinearSchedule()
+            )
         assert torch.equal(plain[0], fast[0]) and plain[1] == fast[1]
 
 
@@ -121,8 +123,9 @@ def test_threshold_ranks_by_the_probability_of_the_sampled_token(tokenizer: Toke
     table[:, [MASK, PAD]] = float("-inf")  # never predicted: the probabilities the sampler sees
     probability = table.softmax(dim=-1)[0]
     threshold, length = 0.5, 16
-    history, result = recorded_generate(TableModel(table), tokenizer, length, steps=length, threshold=threshold,
-                                        temperature=1.0, top_p=None, seed=0)  # fmt: skip
+    history, result = recorded_generate(
+        TableModel(table), tokenizer, length, steps=length, threshold=threshold, temperature=1.0, top_p=None, seed=0
+    )
     assert MASK not in result.token_ids[0]
     for step, (before, after) in enumerate(itertools.pairwise(history)):
         committed = after[0][(before[0] == MASK) & (after[0] != MASK)]
@@ -163,8 +166,9 @@ def test_prefix_and_dual_caches_give_valid_tokens_for_less_compute(tokenizer: To
     fed = {}
     for mode in ("none", "prefix", "dual"):
         result = generate(model, tokenizer, cache=mode, **options)
-        assert all(MASK not in row and PAD not in row and len(row) == len(result.token_ids[0])
-                   for row in result.token_ids)  # fmt: skip
+        assert all(
+            MASK not in row and PAD not in row and len(row) == len(result.token_ids[0]) for row in result.token_ids
+        )
         fed[mode] = result.forward_tokens
     assert fed["dual"] < fed["prefix"] < fed["none"]
     fast = generate(model, tokenizer, cache="dual", threshold=0.5, **options)
@@ -173,8 +177,15 @@ def test_prefix_and_dual_caches_give_valid_tokens_for_less_compute(tokenizer: To
 
 def test_block_model_refuses_the_approximate_cache(tokenizer: Tokenizer) -> None:
     model = small_transformer(tokenizer.get_vocab_size())
-    model.config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2,
-                               n_heads=2, pad_vocab_multiple=64, block_size=4)  # fmt: skip
+    model.config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=4,
+    )
     with pytest.raises(UserError, match="block model"):
         generate(model, tokenizer, length=8, steps=8, cache="prefix")
 

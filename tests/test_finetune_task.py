@@ -76,12 +76,23 @@ def write_task(directory: Path) -> tuple[list[str], list[str]]:
 
 
 def run(directory: Path, name: str, train_bin: Path, val_bin: Path, steps: int, *extra: str) -> Path:
-    overrides = [f"model.vocab_size={VOCAB_SIZE}", f"model.max_seq_len={SEQ_LEN}",
-                 f"training.tokenizer={directory / 'tokenizer.json'}", f"training.train_data={train_bin}",
-                 f"training.val_data={val_bin}", f"training.output_dir={directory / name}",
-                 f"training.max_steps={steps}", "training.warmup_steps=10", "training.batch_size=64",
-                 "training.log_interval=50", f"training.eval_interval={steps}", "training.eval_batches=1",
-                 f"training.save_interval={steps}", f"training.seed={SEED}", *extra]  # fmt: skip
+    overrides = [
+        f"model.vocab_size={VOCAB_SIZE}",
+        f"model.max_seq_len={SEQ_LEN}",
+        f"training.tokenizer={directory / 'tokenizer.json'}",
+        f"training.train_data={train_bin}",
+        f"training.val_data={val_bin}",
+        f"training.output_dir={directory / name}",
+        f"training.max_steps={steps}",
+        "training.warmup_steps=10",
+        "training.batch_size=64",
+        "training.log_interval=50",
+        f"training.eval_interval={steps}",
+        "training.eval_batches=1",
+        f"training.save_interval={steps}",
+        f"training.seed={SEED}",
+        *extra,
+    ]
     result = train(load_config(ROOT / "configs" / "tiny.toml", overrides))
     assert result.status == "complete"
     return result.checkpoint
@@ -102,8 +113,16 @@ def exact_replies(checkpoint: Path, prompts: list[str]) -> int:
     hits = 0
     for prompt in prompts:
         templated, prompt_ids, length = reply_length(loaded.tokenizer, loaded.info.tokenizer_path, prompt)
-        result = generate(loaded.model, loaded.tokenizer, prompt=templated, length=length, steps=length,
-                          temperature=0, remasking="confidence", stop_at_end=True)  # fmt: skip
+        result = generate(
+            loaded.model,
+            loaded.tokenizer,
+            prompt=templated,
+            length=length,
+            steps=length,
+            temperature=0,
+            remasking="confidence",
+            stop_at_end=True,
+        )
         ids = result.token_ids[0]
         assert ids[: len(prompt_ids)] == prompt_ids  # sampling fills the reply only
         hits += reply(loaded.tokenizer, ids, len(prompt_ids), eos=0) == prompt
@@ -134,8 +153,9 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
 
 def fine_tune(task: Task, name: str, steps: int, *extra: str) -> Path:
     sft = task.directory / "sft"
-    return run(task.directory, name, sft / "train.bin", sft / "train.bin", steps, f"training.init_from={task.base}",
-               *extra)  # fmt: skip
+    return run(
+        task.directory, name, sft / "train.bin", sft / "train.bin", steps, f"training.init_from={task.base}", *extra
+    )
 
 
 @pytest.mark.slow  # about 25 s on one core; CI runs it
@@ -149,8 +169,21 @@ def test_a_fine_tuned_model_repeats_held_out_prompts(task: Task, run_cli: Callab
 
     tokenizer = tmp_path / "tokenizer.json"
     length = str(reply_length(load_tokenizer(tokenizer), tokenizer, held_out[0])[2])
-    answer = run_cli("sample", tuned, "--chat", held_out[0], "--length", length, "--steps", length,
-                     "--temperature", "0", "--remasking", "confidence", "--json")  # fmt: skip
+    answer = run_cli(
+        "sample",
+        tuned,
+        "--chat",
+        held_out[0],
+        "--length",
+        length,
+        "--steps",
+        length,
+        "--temperature",
+        "0",
+        "--remasking",
+        "confidence",
+        "--json",
+    )
     assert answer.exit_code == 0, answer.stderr
     assert json.loads(answer.stdout)["replies"] == [held_out[0]]
 

@@ -73,8 +73,16 @@ def block_model(block_size: int, seq_len: int = 64, seed: int = 0) -> DiffusionT
     """A tiny block model on the device; heads 64 wide, as the flex kernel wants them."""
 
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=64, mask_token_id=MASK_ID, max_seq_len=seq_len, d_model=128, n_layers=2,
-                         n_heads=2, pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=seq_len,
+        d_model=128,
+        n_layers=2,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+    )
     return DiffusionTransformer(config).to(DEVICE)
 
 
@@ -127,8 +135,12 @@ def test_the_block_training_loss_of_the_device_kernel_equals_the_masked_sdpa_los
     assert math.isfinite(loss) and 3 < want_loss < 6  # about log 64 = 4.2 for an untrained model
     assert loss == pytest.approx(want_loss, abs=2e-2)
     assert grads.keys() == want_grads.keys() and len(grads) == len(list(model.parameters()))
-    for name in ("token_embedding.weight", "blocks.0.attention.qkv.weight", "blocks.1.attention.out.weight",
-                 "blocks.1.mlp.down.weight"):  # fmt: skip
+    for name in (
+        "token_embedding.weight",
+        "blocks.0.attention.qkv.weight",
+        "blocks.1.attention.out.weight",
+        "blocks.1.mlp.down.weight",
+    ):
         difference = (grads[name] - want_grads[name]).norm() / want_grads[name].norm()
         assert difference.item() < 5e-2, (name, difference.item())
 
@@ -139,9 +151,7 @@ def test_the_block_training_loss_of_the_device_kernel_equals_the_masked_sdpa_los
 # moves the logits by ~1e-2, enough to flip a drawn token now and then; in float32 with TF32 off the
 # ~1e-7 differences decide no draw.
 @pytest.mark.parametrize("remasking", ["confidence", "random"])
-def test_cached_block_sampling_on_the_device_equals_the_uncached_reference(
-    remasking: str, full_float32: None
-) -> None:
+def test_cached_block_sampling_on_the_device_equals_the_uncached_reference(remasking: str, full_float32: None) -> None:
     model = block_model(4, seq_len=32).eval()
     tokens = torch.randint(2, 64, (3, 32), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     fill = torch.zeros(32, dtype=torch.bool, device=DEVICE)
@@ -151,8 +161,11 @@ def test_cached_block_sampling_on_the_device_equals_the_uncached_reference(
     with torch.inference_mode():
         for cached in (True, False):
             generator = torch.Generator(device=noise_device(torch.device(DEVICE))).manual_seed(7)
-            outputs.append(denoise_blocks(model, tokens, fill, options, generator=generator, schedule=LinearSchedule(),
-                                          kv_cache=cached))  # fmt: skip
+            outputs.append(
+                denoise_blocks(
+                    model, tokens, fill, options, generator=generator, schedule=LinearSchedule(), kv_cache=cached
+                )
+            )
     (cached_tokens, cached_passes), (reference, reference_passes) = outputs
     assert cached_tokens.device.type == torch.device(DEVICE).type
     assert torch.equal(cached_tokens, reference)
@@ -202,9 +215,16 @@ def test_a_lora_run_on_the_device_resumes_bit_exactly(tiny_data_dir: Path, devic
 
 
 def test_a_sharded_run_saved_and_resumed_on_the_device_continues_exactly(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = (f"training.device={DEVICE}", "training.checkpoint_format=dcp", "training.max_steps=4",
-                "training.warmup_steps=1", "training.log_interval=1", "training.save_interval=2",
-                "training.eval_interval=100", "training.ema_decay=0.9")  # fmt: skip
+    settings = (
+        f"training.device={DEVICE}",
+        "training.checkpoint_format=dcp",
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.log_interval=1",
+        "training.save_interval=2",
+        "training.eval_interval=100",
+        "training.ema_decay=0.9",
+    )
     straight_events: list[Event] = []
     straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
     split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
@@ -232,8 +252,9 @@ def test_a_distillation_on_the_device_gives_a_student_that_samples_in_its_steps(
 ) -> None:
     teacher = export_model(device_run, tmp_path / "teacher", dtype="float32")
     fields = {"teacher_steps": 8, "rounds": 2, "steps_per_round": 2}
-    experiment = distillation_experiment(teacher, tiny_data_dir, tmp_path / "run", fields,
-                                         ["training.eval_batches=1", f"training.device={DEVICE}"])  # fmt: skip
+    experiment = distillation_experiment(
+        teacher, tiny_data_dir, tmp_path / "run", fields, ["training.eval_batches=1", f"training.device={DEVICE}"]
+    )
     assert experiment.training.device == DEVICE
     events: list[Event] = []
     result = distill(experiment, sink=events.append)
@@ -263,8 +284,9 @@ def test_a_bfloat16_export_loads_onto_the_device_in_bfloat16_with_the_logits_of_
     assert all(b.device.type == torch.device(DEVICE).type for b in model.buffers())
     moved, _ = load_model(exported, dtype=torch.bfloat16)
     moved = moved.to(DEVICE)
-    tokens = torch.randint(3, model.config.vocab_size, (2, model.config.max_seq_len),
-                           generator=torch.Generator().manual_seed(5)).to(DEVICE)  # fmt: skip
+    tokens = torch.randint(
+        3, model.config.vocab_size, (2, model.config.max_seq_len), generator=torch.Generator().manual_seed(5)
+    ).to(DEVICE)
     with torch.no_grad():
         logits, want = model(tokens), moved(tokens)
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
@@ -275,13 +297,20 @@ def test_a_bfloat16_load_onto_the_gpu_peaks_at_the_weights_own_bytes(device_run:
     if not ON_CUDA:
         pytest.skip("the peak of GPU memory is measured on CUDA only")
     # A ~76M-parameter model written as a bfloat16 export (the small run's tokenizer and settings).
-    config = ModelConfig(vocab_size=512, mask_token_id=1, max_seq_len=64, d_model=1024, n_layers=6, n_heads=8,
-                         pad_vocab_multiple=64)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=512, mask_token_id=1, max_seq_len=64, d_model=1024, n_layers=6, n_heads=8, pad_vocab_multiple=64
+    )
     with torch.device(DEVICE):
         weights = {name: t.to("cpu", torch.bfloat16) for name, t in DiffusionTransformer(config).state_dict().items()}
     info, _ = read_model_source(device_run)
-    exported = write_export(dataclasses.replace(info, model=config), weights, tmp_path / "large", dtype="bfloat16",
-                            tokenizer=info.tokenizer_path, tokenizer_settings=None)  # fmt: skip
+    exported = write_export(
+        dataclasses.replace(info, model=config),
+        weights,
+        tmp_path / "large",
+        dtype="bfloat16",
+        tokenizer=info.tokenizer_path,
+        tokenizer_settings=None,
+    )
     del weights
     gc.collect()
     torch.cuda.synchronize()
@@ -296,7 +325,6 @@ def test_a_bfloat16_load_onto_the_gpu_peaks_at_the_weights_own_bytes(device_run:
     assert peak <= 1.15 * weight_bytes, f"peak {peak / 2**20:.0f} MiB for {weight_bytes / 2**20:.0f} MiB of weights"
 
 
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_causal_model_trains_without_seeing_the_future(compiled: bool) -> None:
     # configs/shakespeare-ar.toml diverged on an H200 (torch 2.11, default kernels: cuDNN attention
@@ -307,8 +335,17 @@ def test_a_causal_model_trains_without_seeing_the_future(compiled: bool) -> None
     if compiled and not ON_CUDA:
         pytest.skip("compiled CPU attention is not what the GPU run used")
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=256, mask_token_id=MASK_ID, max_seq_len=256, d_model=384, n_layers=2, n_heads=6,
-                         pad_vocab_multiple=64, block_size=1, attention="causal")  # fmt: skip
+    config = ModelConfig(
+        vocab_size=256,
+        mask_token_id=MASK_ID,
+        max_seq_len=256,
+        d_model=384,
+        n_layers=2,
+        n_heads=6,
+        pad_vocab_multiple=64,
+        block_size=1,
+        attention="causal",
+    )
     model = DiffusionTransformer(config).to(DEVICE).train()
     forward = torch.compile(model) if compiled else model
     precision = "bfloat16" if ON_CUDA else "float32"

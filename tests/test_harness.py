@@ -22,12 +22,23 @@ pytestmark = pytest.mark.lm_eval_extra
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[lm-eval]')")
 
 DOCS = [
-    {"question": "ROMEO: I will", "choices": ["go", "not", "see thee"], "answer": 0,
-     "text": "To be, or not to be, that is the question.", "prompt": "KING:", "target": "my lord"},
-    {"question": "JULIET: O Romeo,", "choices": ["Romeo", "wherefore", "art"], "answer": 1,
-     "text": "Now is the winter of our discontent\nmade glorious summer by this sun of York.",
-     "prompt": "HAMLET:", "target": "the king"},
-]  # fmt: skip
+    {
+        "question": "ROMEO: I will",
+        "choices": ["go", "not", "see thee"],
+        "answer": 0,
+        "text": "To be, or not to be, that is the question.",
+        "prompt": "KING:",
+        "target": "my lord",
+    },
+    {
+        "question": "JULIET: O Romeo,",
+        "choices": ["Romeo", "wherefore", "art"],
+        "answer": 1,
+        "text": "Now is the winter of our discontent\nmade glorious summer by this sun of York.",
+        "prompt": "HAMLET:",
+        "target": "the king",
+    },
+]
 COMMON = """dataset_path: json
 dataset_kwargs:
   data_files:
@@ -94,9 +105,15 @@ def test_simple_evaluate_reports_the_adapters_own_numbers(exported: Path, task_d
 
     from dlm.harness import DlmLM
 
-    results = simple_evaluate(model="dlm", model_args=f"pretrained={exported},mc_samples=4", tasks=list(TASKS),
-                              task_manager=TaskManager(include_path=str(task_dir)), log_samples=True, batch_size=2,
-                              device="cpu")  # fmt: skip
+    results = simple_evaluate(
+        model="dlm",
+        model_args=f"pretrained={exported},mc_samples=4",
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(task_dir)),
+        log_samples=True,
+        batch_size=2,
+        device="cpu",
+    )
     assert set(results["results"]) == set(TASKS)
     samples = results["samples"]
     # The same requests through the adapter directly, in batches of another size.
@@ -126,9 +143,23 @@ def test_simple_evaluate_reports_the_adapters_own_numbers(exported: Path, task_d
 
 def test_python_m_dlm_harness_is_lm_evals_command_line(exported: Path, task_dir: Path, tmp_path: Path) -> None:
     output = tmp_path / "results"
-    command = [sys.executable, "-m", "dlm.harness", "--model", "dlm", "--model_args",
-               f"pretrained={exported},mc_samples=2", "--tasks", "dlm_tiny_choice", "--include_path", str(task_dir),
-               "--device", "cpu", "--output_path", str(output)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dlm.harness",
+        "--model",
+        "dlm",
+        "--model_args",
+        f"pretrained={exported},mc_samples=2",
+        "--tasks",
+        "dlm_tiny_choice",
+        "--include_path",
+        str(task_dir),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(output),
+    ]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -143,8 +174,18 @@ def test_a_model_the_adapter_cannot_load_is_one_error_line(
     from dlm.harness import main
 
     monkeypatch.chdir(tmp_path)
-    arguments = ["--model", "dlm", "--model_args", f"pretrained={tmp_path / 'missing'}", "--tasks",
-                 "dlm_tiny_choice", "--include_path", str(task_dir), "--device", "cpu"]  # fmt: skip
+    arguments = [
+        "--model",
+        "dlm",
+        "--model_args",
+        f"pretrained={tmp_path / 'missing'}",
+        "--tasks",
+        "dlm_tiny_choice",
+        "--include_path",
+        str(task_dir),
+        "--device",
+        "cpu",
+    ]
     monkeypatch.setattr(sys, "argv", ["dlm.harness"])
     with pytest.raises(SystemExit) as exit_info:
         main(arguments)

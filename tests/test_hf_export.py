@@ -37,8 +37,15 @@ def hf_dir(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_hf_export_files_config_and_tokenizer(hf_dir: Path, tiny_data_dir: Path) -> None:
     names = {path.name for path in hf_dir.iterdir()}
-    assert names == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json", "README.md", *CODE_FILES}  # fmt: skip
+    assert names == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "README.md",
+        *CODE_FILES,
+    }
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["model_type"] == "dlm_diffusion" and config["architectures"] == ["DlmDiffusionForMaskedLM"]
     for target in AUTO_MAP.values():  # every auto_map entry names a file shipped in the directory
@@ -179,8 +186,12 @@ def test_a_directory_without_dlm_s_record_exports_with_a_card_that_says_so(
 def test_either_format_replaces_the_other(run_dir: Path, tmp_path: Path) -> None:
     output = export_hf(run_dir, tmp_path / "model")
     assert export_model(run_dir, output, overwrite=True) == output
-    assert {path.name for path in output.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
-                                                        "README.md"}  # fmt: skip
+    assert {path.name for path in output.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+    }
     assert json.loads((output / "config.json").read_text())["format"] == "dlm-export-v1"
     assert export_hf(run_dir, output, overwrite=True) == output
     (output / "notes.txt").write_text("keep me")

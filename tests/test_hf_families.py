@@ -45,40 +45,87 @@ def word_tokenizer(directory: Path, specials: dict[int, str], settings: dict[str
 
 def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: (torch.randn(shape, generator=generator) * (0.3 if len(shape) > 1 else 0.2) + (len(shape) == 1))
-            for name, shape in shapes.items()}  # fmt: skip
+    return {
+        name: (torch.randn(shape, generator=generator) * (0.3 if len(shape) > 1 else 0.2) + (len(shape) == 1))
+        for name, shape in shapes.items()
+    }
 
 
 def layer_shapes(prefix: str, names: dict[str, str], bias: bool) -> dict[str, tuple[int, ...]]:
     head = D // HEADS
-    shapes = {names["attn_norm"]: (D,), names["ff_norm"]: (D,), names["q"] + ".weight": (D, D),
-              names["k"] + ".weight": (KV_HEADS * head, D), names["v"] + ".weight": (KV_HEADS * head, D),
-              names["o"]: (D, D), names["gate"]: (FFN, D), names["up"]: (FFN, D), names["down"]: (D, FFN)}  # fmt: skip
+    shapes = {
+        names["attn_norm"]: (D,),
+        names["ff_norm"]: (D,),
+        names["q"] + ".weight": (D, D),
+        names["k"] + ".weight": (KV_HEADS * head, D),
+        names["v"] + ".weight": (KV_HEADS * head, D),
+        names["o"]: (D, D),
+        names["gate"]: (FFN, D),
+        names["up"]: (FFN, D),
+        names["down"]: (D, FFN),
+    }
     if bias:
         shapes.update({names[p] + ".bias": (D if p == "q" else KV_HEADS * head,) for p in "qkv"})
     return {prefix + name: shape for name, shape in shapes.items()}
 
 
-LLADA = {"attn_norm": "attn_norm.weight", "ff_norm": "ff_norm.weight", "q": "q_proj", "k": "k_proj", "v": "v_proj",
-         "o": "attn_out.weight", "gate": "ff_proj.weight", "up": "up_proj.weight", "down": "ff_out.weight"}  # fmt: skip
-QWEN = {"attn_norm": "input_layernorm.weight", "ff_norm": "post_attention_layernorm.weight",
-        "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj.weight",
-        "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}  # fmt: skip
+LLADA = {
+    "attn_norm": "attn_norm.weight",
+    "ff_norm": "ff_norm.weight",
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "attn_out.weight",
+    "gate": "ff_proj.weight",
+    "up": "up_proj.weight",
+    "down": "ff_out.weight",
+}
+QWEN = {
+    "attn_norm": "input_layernorm.weight",
+    "ff_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
 
 
 def write_llada(directory: Path, mask_id: int = 37) -> dict[str, Tensor]:
     directory.mkdir(parents=True)
-    shapes = {"model.transformer.wte.weight": (VOCAB, D), "model.transformer.ln_f.weight": (D,),
-              "model.transformer.ff_out.weight": (VOCAB, D)}  # fmt: skip
+    shapes = {
+        "model.transformer.wte.weight": (VOCAB, D),
+        "model.transformer.ln_f.weight": (D,),
+        "model.transformer.ff_out.weight": (VOCAB, D),
+    }
     for n in range(LAYERS):
         shapes.update(layer_shapes(f"model.transformer.blocks.{n}.", LLADA, bias=False))
     tensors = random_tensors(shapes, 1)
     save_file(tensors, str(directory / "model.safetensors"))
-    config = {"model_type": "llada", "architectures": ["LLaDAModelLM"], "d_model": D, "n_heads": HEADS,
-              "n_kv_heads": KV_HEADS, "n_layers": LAYERS, "mlp_hidden_size": FFN, "vocab_size": VOCAB,
-              "embedding_size": VOCAB, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_sequence_length": 64,
-              "weight_tying": False, "include_bias": False, "block_type": "llama", "layer_norm_type": "rms",
-              "activation_type": "silu", "rope": True, "alibi": False, "mask_token_id": mask_id}  # fmt: skip
+    config = {
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+        "d_model": D,
+        "n_heads": HEADS,
+        "n_kv_heads": KV_HEADS,
+        "n_layers": LAYERS,
+        "mlp_hidden_size": FFN,
+        "vocab_size": VOCAB,
+        "embedding_size": VOCAB,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_sequence_length": 64,
+        "weight_tying": False,
+        "include_bias": False,
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "activation_type": "silu",
+        "rope": True,
+        "alibi": False,
+        "mask_token_id": mask_id,
+    }
     (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
     word_tokenizer(directory, {0: "<|endoftext|>", mask_id: "<|mdm_mask|>"}, {"eos_token": "<|endoftext|>"})
     return tensors
@@ -91,10 +138,23 @@ def write_dream(directory: Path, tensors: dict[str, Tensor] | None = None) -> di
         shapes.update(layer_shapes(f"model.layers.{n}.", QWEN, bias=True))
     tensors = tensors if tensors is not None else random_tensors(shapes, 2)
     save_file(tensors, str(directory / "model.safetensors"))
-    config = {"model_type": "Dream", "architectures": ["DreamModel"], "hidden_size": D, "num_attention_heads": HEADS,
-              "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
-              "vocab_size": VOCAB, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
-              "hidden_act": "silu", "tie_word_embeddings": False, "mask_token_id": 38, "eos_token_id": 0}  # fmt: skip
+    config = {
+        "model_type": "Dream",
+        "architectures": ["DreamModel"],
+        "hidden_size": D,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FFN,
+        "vocab_size": VOCAB,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "mask_token_id": 38,
+        "eos_token_id": 0,
+    }
     (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
     word_tokenizer(directory, {0: "<|endoftext|>", 38: "<|mask|>"}, {"eos_token": "<|endoftext|>"})
     return tensors
@@ -118,8 +178,16 @@ def rope(x: Tensor, theta: float) -> Tensor:
     return x * cos + rotated * sin
 
 
-def reference_logits(t: dict[str, Tensor], tokens: Tensor, top: dict[str, str], prefix: str, names: dict[str, str],
-                     theta: float, eps: float, bias: bool) -> Tensor:  # fmt: skip
+def reference_logits(
+    t: dict[str, Tensor],
+    tokens: Tensor,
+    top: dict[str, str],
+    prefix: str,
+    names: dict[str, str],
+    theta: float,
+    eps: float,
+    bias: bool,
+) -> Tensor:
     """Logits [L, V] of one sequence: pre-norm blocks, bidirectional attention, SwiGLU, untied head."""
 
     head = D // HEADS
@@ -149,13 +217,17 @@ def test_llada_logits_equal_the_reference(tmp_path: Path) -> None:
     tensors = write_llada(tmp_path / "llada")
     model, _ = dlm.load(tmp_path / "llada")
     assert model.config.mask_token_id == 37 and model.config.attention == "bidirectional"
-    top = {"embed": "model.transformer.wte.weight", "norm": "model.transformer.ln_f.weight",
-           "head": "model.transformer.ff_out.weight"}  # fmt: skip
+    top = {
+        "embed": "model.transformer.wte.weight",
+        "norm": "model.transformer.ln_f.weight",
+        "head": "model.transformer.ff_out.weight",
+    }
     with torch.no_grad():
         logits = model(TOKENS)
     for row in range(2):
-        expected = reference_logits(tensors, TOKENS[row], top, "model.transformer.blocks.{n}.", LLADA, 500000.0,
-                                    1e-5, bias=False)  # fmt: skip
+        expected = reference_logits(
+            tensors, TOKENS[row], top, "model.transformer.blocks.{n}.", LLADA, 500000.0, 1e-5, bias=False
+        )
         assert (logits[row] - expected).abs().max().item() < 1e-5
 
 
@@ -215,7 +287,12 @@ def test_dlm_import_on_the_command_line(tmp_path: Path, run_cli: Callable[..., C
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["dtype"] == "bfloat16" and set(summary["files"]) == {
-        "README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     run_cli("import", tmp_path / "dream", "--output", tmp_path / "out").assert_refused("already exists", "--overwrite")
     run_cli("import", tmp_path / "dream", "--output", tmp_path / "again", "--add-mask-token").assert_refused(
         "already has a mask token (<|mask|>)", "omit --add-mask-token"
@@ -273,11 +350,16 @@ def test_unsupported_rope_scaling_is_refused(tmp_path: Path) -> None:
 
 
 VARIANTS = {
-    "gqa, biases, norms, untied, scaled": {"n_kv_heads": 1, "qkv_bias": True, "qk_norm": True,
-                                           "tie_embeddings": False, "attention_head_dim": 16,
-                                           "rope_scaling": {"type": "linear", "factor": 2.0}},
+    "gqa, biases, norms, untied, scaled": {
+        "n_kv_heads": 1,
+        "qkv_bias": True,
+        "qk_norm": True,
+        "tie_embeddings": False,
+        "attention_head_dim": 16,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    },
     "causal, shifted, unpadded": {"attention": "causal", "shift_logits": True, "pad_vocab_multiple": 1},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -354,8 +436,13 @@ def test_the_benchmark_scorer_runs_on_a_dream_directory(tmp_path: Path) -> None:
 
 
 def test_a_run_with_an_anneal_resumes_exactly_and_differs_from_one_without(tiny_data_dir: Path, tmp_path: Path) -> None:
-    settings = ("training.max_steps=6", "training.warmup_steps=1", "training.save_interval=100",
-                "training.eval_interval=100", "training.log_interval=1")  # fmt: skip
+    settings = (
+        "training.max_steps=6",
+        "training.warmup_steps=1",
+        "training.save_interval=100",
+        "training.eval_interval=100",
+        "training.log_interval=1",
+    )
     anneal = (*settings, "training.attention_anneal_steps=4")
     annealed = check_resume_is_exact(tiny_data_dir, tmp_path / "anneal", anneal, pause_at=2)
     plain = check_resume_is_exact(tiny_data_dir, tmp_path / "plain", settings, pause_at=2)
@@ -370,6 +457,7 @@ def test_a_shifted_model_samples_without_a_cache_and_refuses_one(
     assert sampled.exit_code == 0, sampled.stderr
     result = json.loads(sampled.stdout.splitlines()[-1])
     assert result["token_ids"][0][0] == 5 and len(result["token_ids"][0]) == 7
-    refused = run_cli("sample", tmp_path / "dream", "--prompt", "w5", "--length", "6", "--cache", "prefix",
-                      "--threshold", "0.9")  # fmt: skip
+    refused = run_cli(
+        "sample", tmp_path / "dream", "--prompt", "w5", "--length", "6", "--cache", "prefix", "--threshold", "0.9"
+    )
     refused.assert_refused("--cache prefix cannot serve a shifted-logits model", "omit --cache")

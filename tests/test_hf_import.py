@@ -32,18 +32,37 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf_extra
 
 VOCAB = 512
-TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant] {% endif %}")
-SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Llama 3.1's frequency scaling, an untied head; within a short context its low band is divided.
-    "llama": ("Llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama": (
+        "Llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
     "qwen2": ("Qwen2", {"tie_word_embeddings": True, "rope_theta": 1e6}),
     "qwen3": ("Qwen3", {"head_dim": 16, "rms_norm_eps": 1e-5}),
     "mistral": ("Mistral", {"sliding_window": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-}  # fmt: skip
+}
 
 
 def hf_style_tokenizer(dlm_tokenizer: Path, directory: Path) -> None:
@@ -73,8 +92,9 @@ def build_hf_model(family: str, directory: Path, tokenizer: Path, **shape: Any) 
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def imported(request: pytest.FixtureRequest, tiny_tokenizer_path: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, torch.nn.Module]:  # fmt: skip
+def imported(
+    request: pytest.FixtureRequest, tiny_tokenizer_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, Path, torch.nn.Module]:
     family = str(request.param)
     source = tmp_path_factory.mktemp(f"hf-{family}") / family
     model = build_hf_model(family, source, tiny_tokenizer_path)
@@ -123,8 +143,14 @@ def test_the_source_chat_template_travels(imported: tuple[str, Path, Path, torch
 
 
 def _packed(output: Path, directory: Path) -> Path:
-    pack_corpus(tiny_train_files()[:2], output / "tokenizer.json", TINY_SEQ_LEN, directory, val_inputs=tiny_val_files(),
-                overwrite=True)  # fmt: skip
+    pack_corpus(
+        tiny_train_files()[:2],
+        output / "tokenizer.json",
+        TINY_SEQ_LEN,
+        directory,
+        val_inputs=tiny_val_files(),
+        overwrite=True,
+    )
     return directory
 
 
@@ -133,9 +159,15 @@ def test_trains_20_steps_as_diffusion_exports_and_samples(
 ) -> None:
     family, _, output, _ = imported
     data = _packed(output, tmp_path / "data")
-    sets = [f"training.train_data={data / 'train.bin'}", f"training.val_data={data / 'val.bin'}",
-            f"training.output_dir={tmp_path / 'run'}", "training.max_steps=20", "training.warmup_steps=2",
-            "training.eval_interval=20", "training.save_interval=20"]  # fmt: skip
+    sets = [
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.max_steps=20",
+        "training.warmup_steps=2",
+        "training.eval_interval=20",
+        "training.save_interval=20",
+    ]
     args = [item for value in sets for item in ("--set", value)]
     result = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *args, "--init-from", output, "--json")
     assert result.exit_code == 0, result.stderr
@@ -153,11 +185,21 @@ def test_trains_20_steps_as_diffusion_exports_and_samples(
     assert json.loads(sampled.stdout.splitlines()[-1])["texts"][0].startswith("ROMEO:"), family
 
 
-def test_a_contradicting_set_is_refused(imported: tuple[str, Path, Path, torch.nn.Module], tmp_path: Path,
-                                        run_cli: Callable[..., CliResult]) -> None:  # fmt: skip
+def test_a_contradicting_set_is_refused(
+    imported: tuple[str, Path, Path, torch.nn.Module], tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
     _, _, output, _ = imported
-    result = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", "--init-from", output, "--set",
-                     "model.d_model=64", "--set", f"training.output_dir={tmp_path / 'run'}")  # fmt: skip
+    result = run_cli(
+        "train",
+        "--config",
+        ROOT / "configs" / "tiny.toml",
+        "--init-from",
+        output,
+        "--set",
+        "model.d_model=64",
+        "--set",
+        f"training.output_dir={tmp_path / 'run'}",
+    )
     result.assert_refused("--set model.d_model", "contradicts --init-from", "d_model = 32")
     assert not (tmp_path / "run").exists()
 
@@ -171,8 +213,9 @@ def test_the_causal_source_itself_names_the_mask_token_fix(
         import_model(source, source.parent / "again")
 
 
-def test_a_causal_model_is_not_sampled(imported: tuple[str, Path, Path, torch.nn.Module],
-                                       run_cli: Callable[..., CliResult]) -> None:  # fmt: skip
+def test_a_causal_model_is_not_sampled(
+    imported: tuple[str, Path, Path, torch.nn.Module], run_cli: Callable[..., CliResult]
+) -> None:
     _, _, output, _ = imported
     run_cli("sample", output, "--prompt", "A").assert_refused("causal model", "model.attention = bidirectional")
 
@@ -194,15 +237,15 @@ def test_init_from_notes_what_it_replaced(imported: tuple[str, Path, Path, torch
     assert adopted.model.max_seq_len == experiment.model.max_seq_len  # the run's choice, not the source's
 
 
-def test_chat_data_is_packed_in_the_source_template(imported: tuple[str, Path, Path, torch.nn.Module],
-                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_chat_data_is_packed_in_the_source_template(
+    imported: tuple[str, Path, Path, torch.nn.Module], tmp_path: Path
+) -> None:
     from dlm.data.chat_pack import pack_chat
     from dlm.data.dataset import load_packed_dataset
 
     _, _, output, _ = imported
     examples = tmp_path / "chat.jsonl"
-    examples.write_text(json.dumps({"prompt": "Who is there?", "response": "Nay, answer me."}) + "\n",
-                        encoding="utf-8")  # fmt: skip
+    examples.write_text(json.dumps({"prompt": "Who is there?", "response": "Nay, answer me."}) + "\n", encoding="utf-8")
     pack_chat([examples], output / "tokenizer.json", TINY_SEQ_LEN, tmp_path / "packed")
     tokenizer = load_tokenizer(output / "tokenizer.json")
     block, loss_mask = load_packed_dataset(tmp_path / "packed", TINY_SEQ_LEN)[0]
@@ -221,8 +264,9 @@ def test_a_hugging_face_export_of_an_imported_variant_is_refused(
     result.assert_refused("implements dlm's own variant only", "grouped_query = True", "omit --format hf")
 
 
-def test_embedding_rows_past_the_tokenizer_are_never_sampled(tiny_tokenizer_path: Path, tmp_path: Path,
-                                                             run_cli: Callable[..., CliResult]) -> None:  # fmt: skip
+def test_embedding_rows_past_the_tokenizer_are_never_sampled(
+    tiny_tokenizer_path: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
     """A checkpoint padded past its tokenizer (Qwen's 151936 rows for 151665 tokens): the mask token
     takes the first spare row, validation accepts the tokenizer, sampling never produces a spare id."""
 
@@ -231,8 +275,11 @@ def test_embedding_rows_past_the_tokenizer_are_never_sampled(tiny_tokenizer_path
     model, tokenizer = dlm.load(output)
     assert model.config.vocab_size == 576 and model.config.mask_token_id == VOCAB  # no new row
     data = _packed(output, tmp_path / "data")
-    sets = [f"training.train_data={data / 'train.bin'}", f"training.val_data={data / 'val.bin'}",
-            f"training.init_from={output}"]  # fmt: skip
+    sets = [
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.init_from={output}",
+    ]
     args = [item for value in sets for item in ("--set", value)]
     checked = run_cli("validate", "--config", ROOT / "configs" / "tiny.toml", *args, "--json")
     assert checked.exit_code == 0, checked.stdout
@@ -258,9 +305,15 @@ def test_lora_on_an_imported_model_exports_adapters_that_load_alone(
     build_hf_model("llama", tmp_path / "llama", tiny_tokenizer_path)
     output = import_model(tmp_path / "llama", tmp_path / "imported", add_mask_token=True, dtype="float32")
     data = _packed(output, tmp_path / "data")
-    sets = [f"training.train_data={data / 'train.bin'}", "training.val_data=none", "training.max_steps=2",
-            f"training.output_dir={tmp_path / 'run'}", "training.warmup_steps=1", "training.save_interval=2",
-            "training.lora.rank=4"]  # fmt: skip
+    sets = [
+        f"training.train_data={data / 'train.bin'}",
+        "training.val_data=none",
+        "training.max_steps=2",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.warmup_steps=1",
+        "training.save_interval=2",
+        "training.lora.rank=4",
+    ]
     args = [item for value in sets for item in ("--set", value)]
     trained = run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *args, "--init-from", output, "--json")
     assert trained.exit_code == 0, trained.stderr

@@ -89,8 +89,9 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_seeded_generation_equals_dlm_sample(hf_model: torch.nn.Module, hf_dir: Path, run_dir: Path,
-                                             settings: dict) -> None:  # fmt: skip
+def test_seeded_generation_equals_dlm_sample(
+    hf_model: torch.nn.Module, hf_dir: Path, run_dir: Path, settings: dict
+) -> None:
     model, tokenizer = dlm.load(run_dir)
     options = {"steps": 12, **settings}
     expected = dlm.sample(model, tokenizer, prompt="ROMEO:", length=20, num_samples=3, seed=11, **options)
@@ -263,8 +264,15 @@ def test_export_loads_where_dlm_cannot_be_imported(hf_dir: Path, run_dir: Path, 
     # Without trust_remote_code, transformers 5 asks whether to run the config's code before loading
     # the tokenizer; with no terminal to answer it declines, and the stock fast tokenizer loads anyway.
     arguments = [str(hf_dir), json.dumps(tokens.tolist()), str(tmp_path / "report.json")]
-    result = subprocess.run([sys.executable, "-I", "-c", _ISOLATED_LOAD, *arguments], stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", _ISOLATED_LOAD, *arguments],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["dlm_modules"] == [] and "modeling_dlm" in report["model_module"] and report["mask"] == 1

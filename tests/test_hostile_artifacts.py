@@ -99,8 +99,12 @@ def test_export_init_from_and_resume_refuse_nan_weights_and_write_nothing(
     run_cli("export", nan_run, "--output", tmp_path / "export").assert_refused(f"tensor {POISONED}")
     assert not (tmp_path / "export").exists()
     data = tiny_data_dir
-    sets = [f"training.tokenizer={data / 'tokenizer.json'}", f"training.train_data={data / 'train.bin'}",
-            f"training.val_data={data / 'val.bin'}", f"training.output_dir={tmp_path / 'new'}"]  # fmt: skip
+    sets = [
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.output_dir={tmp_path / 'new'}",
+    ]
     options = [item for value in sets for item in ("--set", value)]
     config = ROOT / "configs" / "tiny.toml"
     result = run_cli("train", "--config", config, *options, "--init-from", nan_run / "latest.pt", "--json")

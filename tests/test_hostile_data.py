@@ -22,8 +22,11 @@ from conftest import CliResult
 from dlm.data.chat import ChatTemplate, Turn
 
 SEQ_LEN = 64
-CONVERSATION = [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi <b>é</b>"},
-                {"role": "assistant", "content": "hello"}]  # fmt: skip
+CONVERSATION = [
+    {"role": "system", "content": "brief"},
+    {"role": "user", "content": "hi <b>é</b>"},
+    {"role": "assistant", "content": "hello"},
+]
 EXAMPLES = [
     {"prompt": "say to", "response": "to to"},
     {"messages": CONVERSATION},
@@ -71,8 +74,11 @@ def test_a_chat_template_never_runs_code(name: str, tmp_path: Path, tiny_tokeniz
     tokenizer = tokenizer_with_config(tmp_path / "tok", tiny_tokenizer_path, {"chat_template": template})
     chat = write_jsonl(tmp_path / "chat.jsonl", EXAMPLES)
     result = pack_chat_cli(run_cli, tokenizer, tmp_path / "out", chat)
-    result.assert_refused(str(tmp_path / "tok" / "tokenizer_config.json"), "Jinja's sandbox forbids",
-                          "move the file away to use dlm's default template")  # fmt: skip
+    result.assert_refused(
+        str(tmp_path / "tok" / "tokenizer_config.json"),
+        "Jinja's sandbox forbids",
+        "move the file away to use dlm's default template",
+    )
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
@@ -101,8 +107,10 @@ BROKEN_CONFIGS: dict[str, tuple[str | bytes | dict[str, Any], str]] = {
     "syntax error": ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "syntax error on its line 1"),
     "undefined name": ({"chat_template": "{{ toolz.name }}"}, "uses an undefined name ('toolz' is undefined"),
     "undefined name printed": ({"chat_template": "{{ undefined_thing }}"}, "'undefined_thing' is undefined"),
-    "misspelt eos_token": ({"chat_template": "{% for m in messages %}{{ m.content }}{{ eos_tokn }}{% endfor %}"},
-                           "'eos_tokn' is undefined"),
+    "misspelt eos_token": (
+        {"chat_template": "{% for m in messages %}{{ m.content }}{{ eos_tokn }}{% endfor %}"},
+        "'eos_tokn' is undefined",
+    ),
     "raise_exception": ({"chat_template": "{{ raise_exception('no tools') }}"}, "raised an error: no tools"),
     "error in an expression": ({"chat_template": "{{ messages[0].content + 1 }}"}, "failed: TypeError"),
     "prompt not a prefix": ({"chat_template": "{{ messages | length }}"}, "does not render the prompt as a prefix"),
@@ -137,19 +145,22 @@ def test_hub_templates_render_as_transformers_renders_them(tmp_path: Path) -> No
     turns = [Turn("system", "brief"), Turn("user", 'hi <b>"é"</b>'), Turn("assistant", "hello")]
     prompt, response = ChatTemplate(HUB_TEMPLATE, tmp_path / "tokenizer_config.json").split(turns)
     messages = [vars(turn) for turn in turns]
-    rendered = chat_template_utils.render_jinja_template([messages], chat_template=HUB_TEMPLATE, bos_token="",
-                                                         eos_token="")  # fmt: skip
-    expected_prompt = chat_template_utils.render_jinja_template([messages[:-1]], chat_template=HUB_TEMPLATE,
-                                                                add_generation_prompt=True, bos_token="",
-                                                                eos_token="")  # fmt: skip
+    rendered = chat_template_utils.render_jinja_template(
+        [messages], chat_template=HUB_TEMPLATE, bos_token="", eos_token=""
+    )
+    expected_prompt = chat_template_utils.render_jinja_template(
+        [messages[:-1]], chat_template=HUB_TEMPLATE, add_generation_prompt=True, bos_token="", eos_token=""
+    )
     assert (prompt, prompt + response) == (expected_prompt[0][0], rendered[0][0])
     assert '"hi <b>\\"é\\"</b>"' in prompt and response == "hello<|im_end|>\n"
 
 
 def test_templates_see_the_special_tokens_of_their_config_and_can_test_names(tmp_path: Path) -> None:
-    source = ("{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
-              "{% if unk_token is defined %}[{{ unk_token }}]{% endif %}{% if nothing is defined %}!{% endif %}"
-              "{% if tools %}tools{% endif %}{% if documents %}documents{% endif %}")  # fmt: skip
+    source = (
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if unk_token is defined %}[{{ unk_token }}]{% endif %}{% if nothing is defined %}!{% endif %}"
+        "{% if tools %}tools{% endif %}{% if documents %}documents{% endif %}"
+    )
     config = {"chat_template": source, "bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}}
     directory = tmp_path / "tok"
     directory.mkdir()
@@ -172,9 +183,7 @@ def test_a_chat_file_cannot_be_both_training_and_validation_input(
     assert not (tmp_path / "out").exists()
 
 
-def test_invalid_utf8_in_chat_data_names_the_file_and_line(
-    tmp_path: Path, tiny_tokenizer_path: Path, run_cli
-) -> None:
+def test_invalid_utf8_in_chat_data_names_the_file_and_line(tmp_path: Path, tiny_tokenizer_path: Path, run_cli) -> None:
     chat = tmp_path / "chat.jsonl"
     good = json.dumps(EXAMPLES[0]).encode() + b"\n"
     chat.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "response": "x"}\n')
@@ -222,8 +231,12 @@ def write_formats(directory: Path, records: list[dict[str, Any]]) -> dict[str, P
     table = pyarrow.Table.from_pylist(records)
     parquet.write_table(table, directory / "chat.parquet", row_group_size=3)
     datasets.Dataset(table).save_to_disk(str(directory / "saved"), num_shards=2)
-    return {"jsonl.zst": directory / "chat.jsonl.zst", "parquet": directory / "chat.parquet",
-            "saved dataset": directory / "saved", "jsonl": jsonl}  # fmt: skip
+    return {
+        "jsonl.zst": directory / "chat.jsonl.zst",
+        "parquet": directory / "chat.parquet",
+        "saved dataset": directory / "saved",
+        "jsonl": jsonl,
+    }
 
 
 @pytest.mark.data_extras
@@ -232,9 +245,10 @@ def test_chat_packs_every_format_with_records_to_the_same_blocks(
     shape: str, tmp_path: Path, tiny_tokenizer_path: Path, run_cli
 ) -> None:
     if shape == "messages":  # one shape per table: a column holds one type
-        records: list[dict[str, Any]] = [{"messages": [{"role": "user", "content": f"hi {i}"},
-                                                       {"role": "assistant", "content": f"hello {i}"}]}
-                                         for i in range(12)]  # fmt: skip
+        records: list[dict[str, Any]] = [
+            {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+            for i in range(12)
+        ]
     else:
         records = [{"prompt": f"say {i}", "response": f"{i} {i}"} for i in range(12)]
     records = [{**r, "id": i} for i, r in enumerate(records)]  # another field: never read, never in the split's draw
@@ -243,8 +257,10 @@ def test_chat_packs_every_format_with_records_to_the_same_blocks(
     for kind, path in inputs.items():
         result = pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / kind, path, "--val-fraction", "0.3", "--json")
         assert result.exit_code == 0, result.stderr
-        outputs[kind] = {name: (tmp_path / kind / name).read_bytes() for name in
-                         ("train.bin", "train.mask.bin", "val.bin", "val.mask.bin")}  # fmt: skip
+        outputs[kind] = {
+            name: (tmp_path / kind / name).read_bytes()
+            for name in ("train.bin", "train.mask.bin", "val.bin", "val.mask.bin")
+        }
     assert all(files == outputs["jsonl"] for files in outputs.values())
 
 
@@ -256,9 +272,11 @@ def test_bad_rows_and_tables_of_chat_data_are_named(tmp_path: Path, tiny_tokeniz
     parquet.write_table(pyarrow.table({"text": ["a"]}), no_columns)
     parquet.write_table(pyarrow.table({"prompt": ["q", "q"], "response": ["a", None]}), null_row)
     pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / "out", no_columns).assert_refused(
-        str(no_columns), "has none of the columns prompt, response, messages (its columns: text)")
+        str(no_columns), "has none of the columns prompt, response, messages (its columns: text)"
+    )
     pack_chat_cli(run_cli, tiny_tokenizer_path, tmp_path / "out", null_row).assert_refused(
-        f"{null_row}: row 1 (0-based): expected an object with prompt and response strings")
+        f"{null_row}: row 1 (0-based): expected an object with prompt and response strings"
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -57,29 +57,55 @@ def with_nan(tensor: torch.Tensor) -> torch.Tensor:
 def add_tokens(data: dict) -> None:
     """Four special tokens past the 512 the embedding has rows for."""
 
-    data["added_tokens"] += [{"id": 512 + i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False,
-                              "rstrip": False, "normalized": False, "special": True} for i in range(4)]  # fmt: skip
+    data["added_tokens"] += [
+        {
+            "id": 512 + i,
+            "content": f"<extra_{i}>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i in range(4)
+    ]
 
 
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "shape": (lambda source: rewrite_tensor(source, "model.layers.1.self_attn.o_proj.weight", lambda t: t[:, :16]),
-              r"blocks\.1\.attention\.out\.weight \(from model\.layers\.1\.\*\) has shape \(32, 16\), "
-              r"but config\.json implies \(32, 32\)"),
-    "nan": (lambda source: rewrite_tensor(source, "model.layers.0.mlp.up_proj.weight", with_nan),
-            r"source weights hold NaN or inf values: tensor blocks\.0\.mlp\.gate_up\.weight"),
-    "inf": (lambda source: rewrite_tensor(source, "model.norm.weight", lambda t: t * float("inf")),
-            r"NaN or inf values: tensor model\.norm\.weight"),
-    "vocab": (lambda source: edit_json(source / "config.json", lambda c: c.update(vocab_size=640)),
-              r"config\.json's vocabulary \(640 rows\) disagrees with model\.embed_tokens\.weight, which has 512 rows"),
-    "tokenizer": (lambda source: edit_json(source / "tokenizer.json", add_tokens),
-                  r"tokenizer\.json has 516 tokens but the model's embedding only 512 rows"),
-    "truncated": (lambda source: truncate(shard_of(source, "model.norm.weight"), 64),
-                  r"damaged weights: tensor .* lies outside the file or has the wrong size"),
-    "outside": (lambda source: edit_json(source / INDEX, lambda index: index["weight_map"].update(
-                    {"model.norm.weight": "../elsewhere/x.safetensors"})),
-                r"the shard index names '\.\./elsewhere/x\.safetensors', which is not a "
-                r"\.safetensors file in this directory"),
-}  # fmt: skip
+    "shape": (
+        lambda source: rewrite_tensor(source, "model.layers.1.self_attn.o_proj.weight", lambda t: t[:, :16]),
+        r"blocks\.1\.attention\.out\.weight \(from model\.layers\.1\.\*\) has shape \(32, 16\), "
+        r"but config\.json implies \(32, 32\)",
+    ),
+    "nan": (
+        lambda source: rewrite_tensor(source, "model.layers.0.mlp.up_proj.weight", with_nan),
+        r"source weights hold NaN or inf values: tensor blocks\.0\.mlp\.gate_up\.weight",
+    ),
+    "inf": (
+        lambda source: rewrite_tensor(source, "model.norm.weight", lambda t: t * float("inf")),
+        r"NaN or inf values: tensor model\.norm\.weight",
+    ),
+    "vocab": (
+        lambda source: edit_json(source / "config.json", lambda c: c.update(vocab_size=640)),
+        r"config\.json's vocabulary \(640 rows\) disagrees with model\.embed_tokens\.weight, which has 512 rows",
+    ),
+    "tokenizer": (
+        lambda source: edit_json(source / "tokenizer.json", add_tokens),
+        r"tokenizer\.json has 516 tokens but the model's embedding only 512 rows",
+    ),
+    "truncated": (
+        lambda source: truncate(shard_of(source, "model.norm.weight"), 64),
+        r"damaged weights: tensor .* lies outside the file or has the wrong size",
+    ),
+    "outside": (
+        lambda source: edit_json(
+            source / INDEX,
+            lambda index: index["weight_map"].update({"model.norm.weight": "../elsewhere/x.safetensors"}),
+        ),
+        r"the shard index names '\.\./elsewhere/x\.safetensors', which is not a "
+        r"\.safetensors file in this directory",
+    ),
+}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -164,9 +190,16 @@ def test_the_import_holds_one_tensor_at_a_time(
     assert model.config.vocab_size == 513
 
 
-@pytest.mark.parametrize(("entry", "message"), [([1, 2], r"tensor w has dtype \[1, 2\]"),
-                                                ({"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]},
-                                                 r"tensor w lies outside the file or has the wrong size")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ([1, 2], r"tensor w has dtype \[1, 2\]"),
+        (
+            {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]},
+            r"tensor w lies outside the file or has the wrong size",
+        ),
+    ],
+)
 def test_a_malformed_safetensors_header_is_one_error(tmp_path: Path, entry: object, message: str) -> None:
     import struct
 

@@ -16,8 +16,13 @@ from dlm.artifacts.events import Event, StartEvent
 from dlm.train.loop import train
 from dlm.train.step import LogWindow, TrainingStep
 
-SETTINGS = ("training.max_steps=6", "training.warmup_steps=1", "training.save_interval=100",
-            "training.eval_interval=100", "training.log_interval=1")  # fmt: skip
+SETTINGS = (
+    "training.max_steps=6",
+    "training.warmup_steps=1",
+    "training.save_interval=100",
+    "training.eval_interval=100",
+    "training.log_interval=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +80,14 @@ def test_resume_of_a_fine_tuning_run_is_exact_and_never_reads_the_source(
 
 
 def _train_cli(run_cli: Callable[..., CliResult], data: Path, run: Path, source: Path, *extra: str) -> CliResult:
-    overrides = [f"training.tokenizer={data / 'tokenizer.json'}", f"training.train_data={data / 'train.bin'}",
-                 f"training.val_data={data / 'val.bin'}", f"training.output_dir={run}", *SETTINGS, *extra]  # fmt: skip
+    overrides = [
+        f"training.tokenizer={data / 'tokenizer.json'}",
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.output_dir={run}",
+        *SETTINGS,
+        *extra,
+    ]
     sets = [item for value in overrides for item in ("--set", value)]
     return run_cli("train", "--config", ROOT / "configs" / "tiny.toml", *sets, "--init-from", source, "--json")
 
@@ -144,24 +155,44 @@ def block_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     [
         (4, "0", "a block diffusion model (block_size 4); this run trains it as a whole-sequence model (block_size 0)"),
         (0, "4", "a whole-sequence model (block_size 0); this run trains it as a block diffusion model (block_size 4)"),
-        (0, "1", "a whole-sequence model (block_size 0); this run trains it as a block diffusion model of one-token "
-                 "blocks (block_size 1)"),
-        (0, "1,causal", "a whole-sequence model (block_size 0); this run trains it as an autoregressive model "
-                        "(block_size 1, causal attention: one pass)"),
+        (
+            0,
+            "1",
+            "a whole-sequence model (block_size 0); this run trains it as a block diffusion model of one-token "
+            "blocks (block_size 1)",
+        ),
+        (
+            0,
+            "1,causal",
+            "a whole-sequence model (block_size 0); this run trains it as an autoregressive model "
+            "(block_size 1, causal attention: one pass)",
+        ),
         (4, "4", None),
         (0, "64", None),  # one block of the whole sequence is the whole sequence
     ],
 )
 def test_a_change_of_attention_blocks_is_said_and_trained(
-    tiny_data_dir: Path, source_run: Path, block_run: Path, tmp_path: Path, run_cli: Callable[..., CliResult],
-    source_blocks: int, run_blocks: str, said: str | None,
-) -> None:  # fmt: skip
+    tiny_data_dir: Path,
+    source_run: Path,
+    block_run: Path,
+    tmp_path: Path,
+    run_cli: Callable[..., CliResult],
+    source_blocks: int,
+    run_blocks: str,
+    said: str | None,
+) -> None:
     source = (block_run if source_blocks else source_run) / "latest.pt"
     blocks, _, attention = run_blocks.partition(",")
     settings = [f"model.block_size={blocks}"] + ([f"model.attention={attention}"] if attention else [])
     result = _train_cli(run_cli, tiny_data_dir, tmp_path / "run", source, *settings)
     assert result.exit_code == 0, result.stderr
-    expected = [] if said is None else [f"warning: --init-from: {source} was trained as {said} (the weights fit: "
-                                        "only what each position attends to changes)"]  # fmt: skip
+    expected = (
+        []
+        if said is None
+        else [
+            f"warning: --init-from: {source} was trained as {said} (the weights fit: "
+            "only what each position attends to changes)"
+        ]
+    )
     assert result.stderr.splitlines() == expected
     assert load_checkpoint(tmp_path / "run" / "latest.pt")["step"] == 6

@@ -13,8 +13,15 @@ from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
 
-CONFIG = ModelConfig(vocab_size=96, mask_token_id=1, max_seq_len=32, d_model=32, n_layers=2, n_heads=4,
-                     rope_scaling={"type": "linear", "factor": 2.0})  # fmt: skip
+CONFIG = ModelConfig(
+    vocab_size=96,
+    mask_token_id=1,
+    max_seq_len=32,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    rope_scaling={"type": "linear", "factor": 2.0},
+)
 
 
 def stored_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:

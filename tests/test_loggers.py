@@ -29,9 +29,18 @@ SHORT_RUN = ("training.max_steps=10", "training.log_interval=5", "training.eval_
 
 def train_event(**changes: Any) -> TrainEvent:
     fields: dict[str, Any] = dict(
-        step=5, max_steps=10, loss=2.5, masked_accuracy=0.25, learning_rate=1e-3, grad_norm=0.75, tokens_seen=640,
-        tokens_per_second=1e4, mfu=None, eta_seconds=1.0, loss_by_t=[1.0, None, *map(float, range(3, 11))],
-    )  # fmt: skip
+        step=5,
+        max_steps=10,
+        loss=2.5,
+        masked_accuracy=0.25,
+        learning_rate=1e-3,
+        grad_norm=0.75,
+        tokens_seen=640,
+        tokens_per_second=1e4,
+        mfu=None,
+        eta_seconds=1.0,
+        loss_by_t=[1.0, None, *map(float, range(3, 11))],
+    )
     return TrainEvent(**{**fields, **changes})
 
 
@@ -122,8 +131,9 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tiny_data_dir: Path, tmp_path: 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    experiment = tiny_experiment(tiny_data_dir, run_dir, *SHORT_RUN, "training.save_interval=5",
-                                 "logging.tensorboard=true")  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir, run_dir, *SHORT_RUN, "training.save_interval=5", "logging.tensorboard=true"
+    )
     train(experiment)
     if resumed:  # step 10 again, from the step-5 checkpoint: TensorBoard must show the second step 10 only
         train(experiment, resume=run_dir / "step-00000005.pt")

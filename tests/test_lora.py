@@ -23,8 +23,15 @@ from dlm.train.loop import train
 pytestmark = pytest.mark.lora
 peft = pytest.importorskip("peft")
 
-LORA = ("training.lora.rank=4", "training.lora.alpha=8", "training.max_steps=6", "training.warmup_steps=1",
-        "training.save_interval=3", "training.eval_interval=100", "training.log_interval=1")  # fmt: skip
+LORA = (
+    "training.lora.rank=4",
+    "training.lora.alpha=8",
+    "training.max_steps=6",
+    "training.warmup_steps=1",
+    "training.save_interval=3",
+    "training.eval_interval=100",
+    "training.log_interval=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +66,11 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_them_alone(
 
 @pytest.mark.parametrize(
     "extra",
-    [("training.lora.dropout=0.1",),  # dropout draws from the global RNG: its state is part of the resume
-     ("training.precision=bfloat16", "training.lora.base_dtype=bfloat16", "training.lora.target_modules=qkv,down")],
-)  # fmt: skip
+    [
+        ("training.lora.dropout=0.1",),  # dropout draws from the global RNG: its state is part of the resume
+        ("training.precision=bfloat16", "training.lora.base_dtype=bfloat16", "training.lora.target_modules=qkv,down"),
+    ],
+)
 def test_resume_of_a_lora_run_is_bit_identical(
     tiny_data_dir: Path, base_run: Path, tmp_path: Path, extra: tuple[str, ...]
 ) -> None:
@@ -91,8 +100,9 @@ def test_a_resume_refuses_a_changed_base(tiny_data_dir: Path, base_run: Path, tm
 
 
 def test_an_unknown_target_is_refused_with_the_valid_names(tiny_data_dir: Path, base_run: Path, tmp_path: Path) -> None:
-    experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", *lora_settings(base_run),
-                                 'training.lora.target_modules=qkv,q_proj')  # fmt: skip
+    experiment = tiny_experiment(
+        tiny_data_dir, tmp_path / "run", *lora_settings(base_run), "training.lora.target_modules=qkv,q_proj"
+    )
     with pytest.raises(UserError, match=r"'q_proj' is not a Linear layer.*down, gate_up, out, qkv"):
         train(experiment)
     assert not (tmp_path / "run").exists()
@@ -139,8 +149,11 @@ def test_merged_and_adapter_exports_equal_the_adapter_model(
 
     apart = run_cli("export", tmp_path / "run", "--output", tmp_path / "adapters", "--adapters-only", "--json")
     assert apart.exit_code == 0, apart.stderr
-    assert sorted(json.loads(apart.stdout)["files"]) == ["adapter_config.json", "adapter_model.safetensors",
-                                                          "tokenizer.json"]  # fmt: skip
+    assert sorted(json.loads(apart.stdout)["files"]) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+    ]
     config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert config["dlm"]["base"] == checkpoint["lora_base"]
@@ -201,16 +214,34 @@ def test_two_ddp_processes_train_the_adapters_as_one_process(
     import sys
 
     config = Path(__file__).parents[1] / "configs" / "tiny.toml"
-    settings = [f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}", "training.val_data=none",
-                f"training.train_data={tiny_data_dir / 'train.bin'}", "training.batch_size=4",
-                *lora_settings(base_run)]  # fmt: skip
-    single = train(load_config(config, [*settings, f"training.output_dir={tmp_path / 'one'}",
-                                        "training.gradient_accumulation_steps=4"]))  # fmt: skip
+    settings = [
+        f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+        "training.val_data=none",
+        f"training.train_data={tiny_data_dir / 'train.bin'}",
+        "training.batch_size=4",
+        *lora_settings(base_run),
+    ]
+    single = train(
+        load_config(
+            config, [*settings, f"training.output_dir={tmp_path / 'one'}", "training.gradient_accumulation_steps=4"]
+        )
+    )
     overrides = [*settings, f"training.output_dir={tmp_path / 'two'}", "training.gradient_accumulation_steps=2"]
-    command = [sys.executable, "-m", "dlm", "train", "--config", str(config), "--nproc", "2",
-               *[part for item in overrides for part in ("--set", item)], "--json"]  # fmt: skip
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "train",
+        "--config",
+        str(config),
+        "--nproc",
+        "2",
+        *[part for item in overrides for part in ("--set", item)],
+        "--json",
+    ]
+    finished = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert finished.returncode == 0, finished.stderr[-3000:]
     one, two = load_checkpoint(single.checkpoint), load_checkpoint(tmp_path / "two" / "latest.pt")
     assert one["model"].keys() == two["model"].keys() and one["lora_base"] == two["lora_base"]
@@ -227,8 +258,9 @@ def test_lora_on_a_model_with_the_imported_variant_properties(
     from dlm.model.lora import add_adapters, load_base_and_adapters
 
     base = train_tiny_run(tiny_data_dir, tmp_path / "base", *VARIANT)
-    head = tiny_experiment(tiny_data_dir, tmp_path / "head", *VARIANT, *lora_settings(base),
-                           "training.lora.target_modules=qkv,head")  # fmt: skip
+    head = tiny_experiment(
+        tiny_data_dir, tmp_path / "head", *VARIANT, *lora_settings(base), "training.lora.target_modules=qkv,head"
+    )
     # The model multiplies by the untied head's weight, not through the module: an adapter there would never train.
     valid = r"'head' is not a Linear layer of the model's blocks \(use some of: down, gate_up, out, qkv\)"
     with pytest.raises(UserError, match=valid):

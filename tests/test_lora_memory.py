@@ -21,8 +21,15 @@ from dlm.train.step import LogWindow, TrainingStep
 pytestmark = pytest.mark.lora
 pytest.importorskip("peft")
 
-SMALL = ("model.d_model=256", "model.n_heads=4", "model.max_seq_len=128", "model.vocab_size=4096",
-         "training.batch_size=4", "training.lora.rank=8", "training.init_from=base")  # fmt: skip
+SMALL = (
+    "model.d_model=256",
+    "model.n_heads=4",
+    "model.max_seq_len=128",
+    "model.vocab_size=4096",
+    "training.batch_size=4",
+    "training.lora.rank=8",
+    "training.init_from=base",
+)
 
 
 def small(*extra: str) -> ExperimentConfig:
@@ -85,8 +92,16 @@ def test_an_8b_lora_run_fits_one_24_gib_gpu_and_full_training_does_not() -> None
     assert 15.5 * GIB < estimate.weights < 16.5 * GIB  # frozen Linear weights and head bfloat16, embedding float32
     assert estimate.weight_copies < 0.01 * GIB  # only the adapters are float32 matmul weights
     assert 18 * GIB < estimate.total < 20 * GIB
-    float32_base = plan_memory(llada_8b().model_copy(update={"training": llada_8b().training.model_copy(
-        update={"lora": llada_8b().training.lora.model_copy(update={"base_dtype": "float32"})})}), 24)  # fmt: skip
+    float32_base = plan_memory(
+        llada_8b().model_copy(
+            update={
+                "training": llada_8b().training.model_copy(
+                    update={"lora": llada_8b().training.lora.model_copy(update={"base_dtype": "float32"})}
+                )
+            }
+        ),
+        24,
+    )
     assert float32_base.fits is False and float32_base.verdict is not None and not float32_base.verdict.fits
     assert "base_dtype" in float32_base.verdict.fix
 
@@ -94,15 +109,15 @@ def test_an_8b_lora_run_fits_one_24_gib_gpu_and_full_training_does_not() -> None
 def test_bench_estimate_reports_it_from_the_config_alone(
     run_cli: Callable[..., CliResult], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = run_cli("bench", "--config", ROOT / "configs" / "llada-8b-lora.toml", "--estimate",
-                     "--device-memory", "24", "--json")  # fmt: skip
+    result = run_cli(
+        "bench", "--config", ROOT / "configs" / "llada-8b-lora.toml", "--estimate", "--device-memory", "24", "--json"
+    )
     assert result.exit_code == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["fits"] is True and plan["precision"] == "bfloat16"
     assert plan["estimate"]["trainable"] == 35_651_584
     monkeypatch.setattr("dlm.cli.bench_cmd.wants_json", lambda flag: flag)  # the table, as on a terminal
-    table = run_cli("bench", "--config", ROOT / "configs" / "llada-8b-lora.toml", "--estimate",
-                    "--device-memory", "24")  # fmt: skip
+    table = run_cli("bench", "--config", ROOT / "configs" / "llada-8b-lora.toml", "--estimate", "--device-memory", "24")
     assert table.exit_code == 0, table.stderr
     assert "fits one 24 GiB GPU" in table.stdout and "35.7M trained" in table.stdout
 
@@ -110,18 +125,30 @@ def test_bench_estimate_reports_it_from_the_config_alone(
 def test_validate_reports_the_adapters_and_compares_with_a_planned_gpu(
     tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
 ) -> None:
-    sets = [f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}", "training.lora.rank=4",
-            f"training.train_data={tiny_data_dir / 'train.bin'}", f"training.output_dir={tmp_path / 'run'}",
-            f"training.init_from={tmp_path}"]  # fmt: skip
+    sets = [
+        f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+        "training.lora.rank=4",
+        f"training.train_data={tiny_data_dir / 'train.bin'}",
+        f"training.output_dir={tmp_path / 'run'}",
+        f"training.init_from={tmp_path}",
+    ]
     args = [item for value in sets for item in ("--set", value)]
-    result = run_cli("validate", "--config", ROOT / "configs" / "tiny.toml", *args, "--device-memory", "0.0005",
-                     "--json")  # fmt: skip
+    result = run_cli(
+        "validate", "--config", ROOT / "configs" / "tiny.toml", *args, "--device-memory", "0.0005", "--json"
+    )
     checks = {check["name"]: check for check in json.loads(result.stdout)["checks"]}
     assert "8.7K of 148.3K parameters train (5.87%)" in checks["LoRA adapters"]["detail"]
     assert checks["memory"]["status"] == "failed" and "on a 0.0005 GiB device" in checks["memory"]["detail"]
     assert result.exit_code == 2 and "error: " in result.stderr
-    bad = run_cli("validate", "--config", ROOT / "configs" / "tiny.toml", *args, "--set",
-                  "training.lora.target_modules=qkv,wq", "--json")  # fmt: skip
+    bad = run_cli(
+        "validate",
+        "--config",
+        ROOT / "configs" / "tiny.toml",
+        *args,
+        "--set",
+        "training.lora.target_modules=qkv,wq",
+        "--json",
+    )
     checks = {check["name"]: check for check in json.loads(bad.stdout)["checks"]}
     adapters = checks["LoRA adapters"]
     assert adapters["status"] == "failed" and "'wq' is not a Linear layer" in adapters["detail"]
@@ -137,8 +164,11 @@ def test_adamw8bit_holds_the_adapters_alone_as_estimated() -> None:
     # The embedding's 32-bit override names a frozen parameter now: it must not bring it into the optimizer.
     optimized = {id(p) for group in step.optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for p in step.model.parameters() if p.requires_grad}
-    moments = sum(state[key].numel() * state[key].element_size()
-                  for state in step.optimizer.state.values() for key in ("state1", "state2"))  # fmt: skip
+    moments = sum(
+        state[key].numel() * state[key].element_size()
+        for state in step.optimizer.state.values()
+        for key in ("state1", "state2")
+    )
     assert moments == estimate_training_memory(experiment, "float32").optimizer_state
 
 

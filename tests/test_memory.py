@@ -92,9 +92,7 @@ def test_adamw_state_matches_torch() -> None:
 
 @pytest.mark.parametrize("embedding_32bit", [True, False])
 def test_adamw8bit_keeps_small_tensors_and_the_embedding_in_32_bit(embedding_32bit: bool) -> None:
-    config = experiment(
-        optimizer="adamw8bit", optimizer_min_8bit_size=1024, optimizer_embedding_32bit=embedding_32bit
-    )
+    config = experiment(optimizer="adamw8bit", optimizer_min_8bit_size=1024, optimizer_embedding_32bit=embedding_32bit)
     expected = 0
     for name, parameter in DiffusionTransformer(config.model).named_parameters():
         full = parameter.numel() < 1024 or (embedding_32bit and name == "token_embedding.weight")
@@ -103,8 +101,11 @@ def test_adamw8bit_keeps_small_tensors_and_the_embedding_in_32_bit(embedding_32b
 
 
 def test_an_optimizer_without_a_known_state_size_counts_none() -> None:
-    spec = OptimizerSpec(name="toy-sgd", build=lambda model, groups, training, device: torch.optim.SGD(groups),
-                         description="plain SGD, for this test")
+    spec = OptimizerSpec(
+        name="toy-sgd",
+        build=lambda model, groups, training, device: torch.optim.SGD(groups),
+        description="plain SGD, for this test",
+    )
     register_optimizer(spec)
     try:
         estimate = estimate_training_memory(experiment(optimizer="toy-sgd"), "float32")
@@ -159,9 +160,11 @@ def test_activation_estimate_is_close_to_what_autograd_keeps(precision: str) -> 
     assert measured / 1.5 <= estimated <= measured * 1.5
     checkpointed = experiment({**fields, "activation_checkpointing": True}, batch_size=4)
     # Checkpointed, autograd keeps only block inputs; the estimate adds the block being recomputed.
-    assert saved_activation_bytes(checkpointed, precision) <= activation_bytes(
-        checkpointed.model, checkpointed.training, precision
-    ) < estimated
+    assert (
+        saved_activation_bytes(checkpointed, precision)
+        <= activation_bytes(checkpointed.model, checkpointed.training, precision)
+        < estimated
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -177,7 +180,8 @@ def test_weight_copies_are_the_bfloat16_casts_autograd_keeps(tied: bool) -> None
         # A matmul keeps its weight's copy as is or transposed.
         if tensor.dtype == torch.bfloat16 and any(
             tensor.shape == view.shape and torch.equal(tensor, view.detach().to(torch.bfloat16))
-            for p in matrices for view in (p, p.T)
+            for p in matrices
+            for view in (p, p.T)
         ):
             copies[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
@@ -193,8 +197,14 @@ def test_weight_copies_are_the_bfloat16_casts_autograd_keeps(tied: bool) -> None
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_estimate_counts_the_2l_pass_of_block_models(checkpointing: bool) -> None:
-    fields = {"vocab_size": 2048, "d_model": 128, "n_layers": 4, "n_heads": 2, "max_seq_len": 128,
-              "activation_checkpointing": checkpointing}  # fmt: skip
+    fields = {
+        "vocab_size": 2048,
+        "d_model": 128,
+        "n_layers": 4,
+        "n_heads": 2,
+        "max_seq_len": 128,
+        "activation_checkpointing": checkpointing,
+    }
     whole, block = experiment(fields, batch_size=4), experiment({**fields, "block_size": 16}, batch_size=4)
     estimated = activation_bytes(block.model, block.training, "float32")
     measured = saved_activation_bytes(block, "float32")
@@ -231,7 +241,12 @@ def test_this_machine_reports_its_free_ram() -> None:
 
 def test_format_bytes() -> None:
     assert [format_bytes(n) for n in (0, 1023, 1536, 20 << 20, 3 << 30, 5 << 50)] == [
-        "0 B", "1023 B", "1.5 KiB", "20.0 MiB", "3.0 GiB", "5120.0 TiB"
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "20.0 MiB",
+        "3.0 GiB",
+        "5120.0 TiB",
     ]
 
 
@@ -278,8 +293,14 @@ def tiny_args(data: Path, run_dir: Path, *overrides: str) -> list[str]:
 def test_train_refuses_a_model_too_large_before_writing(tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:
     run_dir = tmp_path / "run"
     result = run_cli("train", *tiny_args(tiny_data_dir, run_dir, *HUGE), "--json")
-    result.assert_refused("error: memory: the run needs at least ", " TiB for the model state", "26.39T parameters",
-                          "of RAM available", "use a smaller model (model.d_model, model.n_layers)", "adamw8bit")
+    result.assert_refused(
+        "error: memory: the run needs at least ",
+        " TiB for the model state",
+        "26.39T parameters",
+        "of RAM available",
+        "use a smaller model (model.d_model, model.n_layers)",
+        "adamw8bit",
+    )
     assert result.stdout == ""
     assert not run_dir.exists()  # no lock, no metrics.jsonl, no config.json: not even the directory
     run_dir.mkdir()

@@ -262,8 +262,9 @@ def test_subs_gives_the_mask_token_no_probability_and_copies_unmasked_tokens(blo
     model = tiny_model(mask_logit="subs", block_size=block_size).double()
     plain = tiny_model(mask_logit="plain", block_size=block_size).double()  # the same weights (seed 0)
     clean = torch.randint(2, 100, (3, 16), generator=torch.Generator().manual_seed(2))
-    corruption = corrupt_tokens(clean, 1, torch.tensor([0.3, 0.6, 0.9]), 1e-3, torch.Generator().manual_seed(3),
-                                block_size=block_size)  # fmt: skip
+    corruption = corrupt_tokens(
+        clean, 1, torch.tensor([0.3, 0.6, 0.9]), 1e-3, torch.Generator().manual_seed(3), block_size=block_size
+    )
     noisy, mask = corruption.noisy_tokens, corruption.mask
     context = {"clean_tokens": clean} if block_size else {}
     logits = model(noisy, output_positions=mask, **context)
@@ -281,8 +282,10 @@ def test_subs_gives_the_mask_token_no_probability_and_copies_unmasked_tokens(blo
     torch.testing.assert_close(full[mask], probabilities, rtol=1e-12, atol=1e-15)  # gathered before the head
     # The loss is finite and lower than the plain model's on the same masks; gradients are finite.
     loss = diffusion_cross_entropy(logits, clean, corruption).loss
-    assert torch.isfinite(loss) and loss < diffusion_cross_entropy(plain(noisy, output_positions=mask, **context),
-                                                                   clean, corruption).loss  # fmt: skip
+    assert (
+        torch.isfinite(loss)
+        and loss < diffusion_cross_entropy(plain(noisy, output_positions=mask, **context), clean, corruption).loss
+    )
     loss.backward()
     assert all(torch.isfinite(parameter.grad).all() for parameter in model.parameters())
 

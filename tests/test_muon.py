@@ -24,8 +24,9 @@ MUON = ("training.optimizer=muon",)
 
 def small_model(**fields: object) -> DiffusionTransformer:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64,
-                         **fields)  # type: ignore[arg-type]  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64, **fields
+    )  # type: ignore[arg-type]
     return DiffusionTransformer(config)
 
 
@@ -39,8 +40,11 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tied: bool) -> None:
     model = small_model(tie_embeddings=tied)
     optimizer = build_optimizer(model, TrainingConfig(optimizer="muon"), torch.device("cpu"))
     muon, vocabulary, no_decay = (names_of(model, group) for group in optimizer.param_groups)
-    assert muon == {f"blocks.{i}.{name}.weight" for i in range(2)
-                    for name in ("attention.qkv", "attention.out", "mlp.gate_up", "mlp.down")}  # fmt: skip
+    assert muon == {
+        f"blocks.{i}.{name}.weight"
+        for i in range(2)
+        for name in ("attention.qkv", "attention.out", "mlp.gate_up", "mlp.down")
+    }
     assert vocabulary == ({"token_embedding.weight"} if tied else {"token_embedding.weight", "head.weight"})
     assert all(name.endswith("norm.weight") for name in no_decay) and len(no_decay) == 5
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.1, 0.0]
@@ -53,10 +57,15 @@ def test_it_steps_exactly_as_torchs_muon_and_adamw_each_over_its_part() -> None:
     hidden = [p for name, p in reference.named_parameters() if name.startswith("blocks") and p.ndim == 2]
     alone_muon = torch.optim.Muon(hidden, lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     no_decay = parameter_groups(reference, training.weight_decay)[1]["params"]
-    alone_adamw = torch.optim.AdamW([{"params": [reference.token_embedding.weight], "weight_decay": 0.1},
-                                     {"params": no_decay, "weight_decay": 0.0}],
-                                    lr=3e-3, betas=(training.adam_beta1, training.adam_beta2),
-                                    eps=training.adam_eps)  # fmt: skip
+    alone_adamw = torch.optim.AdamW(
+        [
+            {"params": [reference.token_embedding.weight], "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_eps,
+    )
     tokens = torch.randint(2, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(3):  # momentum and moments carry over between steps
         for network in (model, reference):
@@ -111,8 +120,9 @@ def test_a_muon_run_resumes_exactly_from_sharded_checkpoints(tiny_data_dir: Path
     assert expected.keys() == weights.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
-def test_fsdp_and_a_torch_without_muon_are_refused(monkeypatch: pytest.MonkeyPatch, tiny_data_dir: Path,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_fsdp_and_a_torch_without_muon_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tiny_data_dir: Path, tmp_path: Path
+) -> None:
     with pytest.raises(UserError, match="FSDP shards"):
         check_fsdp_support("muon")
     monkeypatch.delattr(torch.optim, "Muon")

@@ -104,9 +104,7 @@ def test_adamw8bit_embedding_override_and_min_size() -> None:
     assert _state_dtypes(model, optimizer) == (torch.uint8, torch.uint8)
 
     model = TinyModel()
-    optimizer = build_optimizer(
-        model, _config(optimizer="adamw8bit", optimizer_min_8bit_size=10_000), CPU
-    )
+    optimizer = build_optimizer(model, _config(optimizer="adamw8bit", optimizer_min_8bit_size=10_000), CPU)
     _train(model, optimizer, range(1))
     assert _state_dtypes(model, optimizer) == (torch.float32, torch.float32)
 
@@ -238,8 +236,13 @@ def test_resume_keeps_the_ema_warmup_exact(tiny_data_dir: Path, tmp_path: Path) 
 
     # 8 updates at decay 0.999 stay inside the warmup (the 8th uses 8 / 17): a resume that lost
     # the update count would restart the warmup and average differently.
-    settings = ("training.max_steps=8", "training.warmup_steps=1", "training.ema_decay=0.999",
-                "training.save_interval=100", "training.eval_interval=100")
+    settings = (
+        "training.max_steps=8",
+        "training.warmup_steps=1",
+        "training.ema_decay=0.999",
+        "training.save_interval=100",
+        "training.eval_interval=100",
+    )
     straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=lambda event: None)
     split = tiny_experiment(tiny_data_dir, tmp_path / "split", *settings)
     paused = train(split, max_run_steps=5, sink=lambda event: None)

@@ -22,8 +22,13 @@ from dlm.train.loop import train
 from dlm.train.optimizer import build_optimizer, check_state_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("training.max_steps=8", "training.warmup_steps=2", "training.log_interval=2", "training.save_interval=100",
-         "training.eval_interval=100")
+STEPS = (
+    "training.max_steps=8",
+    "training.warmup_steps=2",
+    "training.log_interval=2",
+    "training.save_interval=100",
+    "training.eval_interval=100",
+)
 
 
 class Lion(torch.optim.Optimizer):

@@ -39,11 +39,25 @@ def test_disk_full_during_export_keeps_the_old_export(run_dir: Path, tmp_path: P
     output = export_model(run_dir, tmp_path / LONG / "model", dtype="float32")
     before = files(output)
     result = subprocess.run(
-        [sys.executable, "-m", "dlm", "export", str(run_dir), "--output", str(output), "--overwrite",
-         "--dtype", "float32", "--json"],
-        capture_output=True, text=True, timeout=300, preexec_fn=lambda: _limit_file_size(100_000),
+        [
+            sys.executable,
+            "-m",
+            "dlm",
+            "export",
+            str(run_dir),
+            "--output",
+            str(output),
+            "--overwrite",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: _limit_file_size(100_000),
         env={**os.environ, "COLUMNS": "80"},
-    )  # fmt: skip
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: {output}: cannot write the export: ") and "File too large" in lines[0]
@@ -103,8 +117,11 @@ def test_eval_output_into_an_unwritable_directory_is_refused_before_evaluating(
 def test_sample_text_that_is_not_utf8_is_one_error_line(run_dir: Path, option: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "dlm", "sample", str(run_dir), option, b"ROMEO \xff\xfe"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: {option} is not valid UTF-8 text (at character 7) (pass the text in UTF-8)"

@@ -219,8 +219,12 @@ def test_a_plain_pack_over_a_chat_pack_removes_its_loss_masks_only(
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i} {i}"}) + "\n" for i in range(20)))
     output = tmp_path / "data"
-    assert run_cli("pack", "--chat", chat, "-t", tiny_tokenizer_path, "-l", "32", "-o", output,
-                   "--val-fraction", "0.3").exit_code == 0  # fmt: skip
+    assert (
+        run_cli(
+            "pack", "--chat", chat, "-t", tiny_tokenizer_path, "-l", "32", "-o", output, "--val-fraction", "0.3"
+        ).exit_code
+        == 0
+    )
     mine = [output / "notes.mask.bin", output / "train.mask.bin.bak", output / "mask.bin"]
     for path in mine:
         path.write_bytes(b"the user's own")
@@ -229,7 +233,8 @@ def test_a_plain_pack_over_a_chat_pack_removes_its_loss_masks_only(
     run_cli(*args).assert_refused("output already holds", "train.mask.bin, val.mask.bin", "--overwrite")
     assert run_cli(*args, "--overwrite").exit_code == 0
     assert sorted(path.name for path in output.iterdir()) == sorted(
-        ["tokenizer.json", "train.bin", "train.json", *(path.name for path in mine)])  # fmt: skip
+        ["tokenizer.json", "train.bin", "train.json", *(path.name for path in mine)]
+    )
     assert all(path.read_bytes() == b"the user's own" for path in mine)
     assert "loss_mask" not in metadata(output, "train")
     assert tuple(mask_path(output / f"{name}.bin").name for name in ("train", "val")) == MASK_FILES

@@ -26,8 +26,16 @@ from dlm.train.loop import train
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Offline and quiet: no first-run pages, no background or component traffic, no QUIC probing.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 INJECTION = "</pre><script>alert('run')</script><img src=x onerror=alert(2)>"
 EVAL_REPORT = {
     "format": "dlm-eval-v2",
@@ -51,8 +59,13 @@ def tiny_run(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """A finished 4-step run, logged every step and validated every second step."""
 
     run_dir = tmp_path_factory.mktemp("report") / "run"
-    overrides = ("training.max_steps=4", "training.warmup_steps=1", "training.log_interval=1",
-                 "training.eval_interval=2", "training.save_interval=2")  # fmt: skip
+    overrides = (
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.log_interval=1",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+    )
     train(tiny_experiment(tiny_data_dir, run_dir, *overrides))
     return run_dir
 
@@ -100,27 +113,63 @@ def test_history_holds_the_logged_figures_exactly(tiny_run: Path) -> None:
 
 
 def _train(step: int, loss: float) -> TrainEvent:
-    return TrainEvent(step=step, max_steps=4, loss=loss, masked_accuracy=0.5, learning_rate=1e-3, grad_norm=1.0,
-                      tokens_seen=step * 64, tokens_per_second=100.0, mfu=None, eta_seconds=0.0,
-                      loss_by_t=[loss, None])  # fmt: skip
+    return TrainEvent(
+        step=step,
+        max_steps=4,
+        loss=loss,
+        masked_accuracy=0.5,
+        learning_rate=1e-3,
+        grad_norm=1.0,
+        tokens_seen=step * 64,
+        tokens_per_second=100.0,
+        mfu=None,
+        eta_seconds=0.0,
+        loss_by_t=[loss, None],
+    )
 
 
 def _start(start_step: int) -> StartEvent:
-    return StartEvent(run_dir="r", device="cpu", precision="float32", parameters=1, parameters_human="1",
-                      optimizer="adamw", compile=False, activation_checkpointing=False, fused_attention_required=False,
-                      world_size=1, parallelism=None, global_batch=1, tokens_per_step=64, training_blocks=1,
-                      start_step=start_step, max_steps=4, resumed_from=None, data_changed=False,
-                      dlm_version="0")  # fmt: skip
+    return StartEvent(
+        run_dir="r",
+        device="cpu",
+        precision="float32",
+        parameters=1,
+        parameters_human="1",
+        optimizer="adamw",
+        compile=False,
+        activation_checkpointing=False,
+        fused_attention_required=False,
+        world_size=1,
+        parallelism=None,
+        global_batch=1,
+        tokens_per_step=64,
+        training_blocks=1,
+        start_step=start_step,
+        max_steps=4,
+        resumed_from=None,
+        data_changed=False,
+        dlm_version="0",
+    )
 
 
 def test_a_resume_from_an_older_checkpoint_replaces_the_steps_trained_again() -> None:
-    first = [_start(0), _train(1, 9.0), _train(2, 8.0), ValidationEvent(step=2, loss=7.0, masked_accuracy=0.1,
-             batches=1), _train(3, 7.5), EndEvent("interrupted", 3, "c", "dlm resume r")]  # fmt: skip
+    first = [
+        _start(0),
+        _train(1, 9.0),
+        _train(2, 8.0),
+        ValidationEvent(step=2, loss=7.0, masked_accuracy=0.1, batches=1),
+        _train(3, 7.5),
+        EndEvent("interrupted", 3, "c", "dlm resume r"),
+    ]
     again = [_start(1), _train(2, 6.0), _train(3, 5.0)]
     kept = current_events([*first, *again])
     assert [(type(event).__name__, getattr(event, "step", None)) for event in kept] == [
-        ("StartEvent", None), ("TrainEvent", 1), ("StartEvent", None), ("TrainEvent", 2), ("TrainEvent", 3)
-    ]  # fmt: skip
+        ("StartEvent", None),
+        ("TrainEvent", 1),
+        ("StartEvent", None),
+        ("TrainEvent", 2),
+        ("TrainEvent", 3),
+    ]
     assert [event.loss for event in kept if isinstance(event, TrainEvent)] == [9.0, 6.0, 5.0]
 
 
@@ -195,8 +244,14 @@ def test_a_demo_directory_is_its_run_with_the_samples_beside_it(run_copy: Path) 
 
 def test_the_unigram_level_of_a_demo_report_is_shown(run_copy: Path) -> None:
     # `dlm demo` before 0.9 wrote the unigram level into the report's context only.
-    report = {"format": "dlm-eval-v1", "bits_per_byte": 3.1, "nll": 5.0, "sequences": 4, "tokens": 256,
-              "context": {"step": 4, "unigram_bits_per_byte": 2.991}}  # fmt: skip
+    report = {
+        "format": "dlm-eval-v1",
+        "bits_per_byte": 3.1,
+        "nll": 5.0,
+        "sequences": 4,
+        "tokens": 256,
+        "context": {"step": 4, "unigram_bits_per_byte": 2.991},
+    }
     (run_copy / "eval.json").write_text(json.dumps(report))
     (result,) = gather_run(run_copy).evals
     assert result.figure("unigram_bits_per_byte") == 2.991

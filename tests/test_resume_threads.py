@@ -15,8 +15,14 @@ from dlm.runtime import threads
 from dlm.train.loop import train
 
 # Batch 16: the tiny model's sums then split over threads, so one thread and two give other weights.
-SETTINGS = ("training.max_steps=8", "training.warmup_steps=1", "training.save_interval=4", "training.eval_interval=100",
-            "training.log_interval=1", "training.batch_size=16")  # fmt: skip
+SETTINGS = (
+    "training.max_steps=8",
+    "training.warmup_steps=1",
+    "training.save_interval=4",
+    "training.eval_interval=100",
+    "training.log_interval=1",
+    "training.batch_size=16",
+)
 
 
 def with_load(monkeypatch: pytest.MonkeyPatch, busy: float) -> None:
@@ -70,8 +76,10 @@ def test_a_run_gives_back_the_process_settings_it_changed(
         torch.backends.cuda.matmul.allow_tf32 = False
         seen: list[tuple[bool, bool]] = []
         experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1")
-        monkeypatch.setattr("dlm.train.loop.ensure_valid", lambda *args: seen.append(
-            (torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled())))  # fmt: skip
+        monkeypatch.setattr(
+            "dlm.train.loop.ensure_valid",
+            lambda *args: seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled())),
+        )
         assert train(experiment).status == "complete"
         assert seen == [(True, False)]  # changed for the run
         assert torch.get_num_threads() == 3 and torch.backends.cuda.matmul.allow_tf32 is False

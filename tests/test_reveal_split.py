@@ -81,8 +81,15 @@ def test_a_threshold_keeps_the_chosen_split_as_its_minimum(tokenizer: Tokenizer)
 def test_a_block_model_reveals_by_the_chosen_split(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     import dlm.sampling.reverse
 
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64, block_size=8)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        pad_vocab_multiple=64,
+        block_size=8,
+    )
     torch.manual_seed(0)
     model = DiffusionTransformer(config)
     counts: list[int] = []
@@ -90,8 +97,9 @@ def test_a_block_model_reveals_by_the_chosen_split(tokenizer: Tokenizer, monkeyp
     monkeypatch.setattr(dlm.sampling.reverse, "reveal_count", lambda *a: counts.append(real(*a)) or counts[-1])
     for split, expected in (("schedule", [2, 1, 2, 1] * 2), ("even", [2, 2, 1, 1] * 2)):
         counts.clear()
-        result = generate(model, tokenizer, length=12, prompt="ROMEO:", steps=8, remasking="confidence",
-                          reveal_split=split)  # fmt: skip
+        result = generate(
+            model, tokenizer, length=12, prompt="ROMEO:", steps=8, remasking="confidence", reveal_split=split
+        )
         # "ROMEO:" is 2 tokens: the generated positions fill 6 of the first block and 6 of the second.
         assert counts == expected and MASK not in result.token_ids[0]
 
@@ -109,8 +117,9 @@ def test_cli_reveal_split(fake_export: list[object], tokenizer: Tokenizer, run_c
     args = ["sample", "m", "--length", "6", "--steps", "4", "--seed", "2", "--remasking", "confidence", "--json"]
     result = CliRunner().invoke(app, [*args, "--reveal-split", "even"])
     assert result.exit_code == 0, result.output
-    expected = generate(random_model(tokenizer), tokenizer, length=6, steps=4, seed=2, remasking="confidence",
-                        reveal_split="even")  # fmt: skip
+    expected = generate(
+        random_model(tokenizer), tokenizer, length=6, steps=4, seed=2, remasking="confidence", reveal_split="even"
+    )
     assert json.loads(result.output)["token_ids"] == expected.token_ids
     run_cli("sample", "m", "--reveal-split", "even").assert_refused("--reveal-split even", "--remasking random")
     assert len(fake_export) == 1  # refused before loading the model
@@ -123,8 +132,9 @@ def test_the_scorer_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.Mo
     seen: list[SamplingOptions] = []
     real = dlm.sampling.dispatch.denoise
     monkeypatch.setattr(dlm.sampling.dispatch, "denoise", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64
+    )
     scorer = Scorer(DiffusionTransformer(config).eval(), tokenizer)
     scorer.generate([5, 6], max_tokens=6, steps=4, remasking="confidence", reveal_split="even")
     assert seen[0].reveal_split == "even"
@@ -140,8 +150,11 @@ def test_the_harness_takes_the_split(tokenizer: Tokenizer, monkeypatch: pytest.M
     import dlm.artifacts.loading
     from dlm.harness import DlmLM
 
-    loaded = SimpleNamespace(model=random_model(tokenizer), tokenizer=tokenizer,
-                             info=SimpleNamespace(diffusion=SimpleNamespace(mask_eps=1e-3)))  # fmt: skip
+    loaded = SimpleNamespace(
+        model=random_model(tokenizer),
+        tokenizer=tokenizer,
+        info=SimpleNamespace(diffusion=SimpleNamespace(mask_eps=1e-3)),
+    )
     monkeypatch.setattr(dlm.artifacts.loading, "load_model_with_info", lambda *args, **kwargs: loaded)
     model = DlmLM(pretrained="model", device="cpu", reveal_split="even")
     seen: list[Any] = []

@@ -47,8 +47,12 @@ def cli_args(data_dir: Path, run_dir: Path, *settings: str) -> list[str]:
 def tiny_run(data_dir: Path, run_dir: Path, *settings: str, steps: int | None = None) -> Path:
     """A run saved every 2 steps, without validation, stopped after `steps` (default: all)."""
 
-    defaults = ("training.max_steps=4", "training.save_interval=2", "training.eval_interval=1000",
-                "training.warmup_steps=1")  # fmt: skip
+    defaults = (
+        "training.max_steps=4",
+        "training.save_interval=2",
+        "training.eval_interval=1000",
+        "training.warmup_steps=1",
+    )
     train(tiny_experiment(data_dir, run_dir, *defaults, *settings), max_run_steps=steps, sink=lambda event: None)
     return run_dir
 
@@ -101,8 +105,9 @@ def test_train_refuses_a_directory_that_holds_a_run_until_told_to_overwrite(
     (run_dir / "notes.txt").write_text("mine\n")
     before = snapshot(run_dir)
 
-    again = cli_args(tiny_data_dir, run_dir, "training.max_steps=3", "training.save_interval=3",
-                     "training.warmup_steps=1")  # fmt: skip
+    again = cli_args(
+        tiny_data_dir, run_dir, "training.max_steps=3", "training.save_interval=3", "training.warmup_steps=1"
+    )
     run_cli("train", *again, "--json").assert_refused(
         f"{run_dir}: already holds a run", f"dlm resume {run_dir}", "--overwrite"
     )
@@ -278,9 +283,12 @@ def run_limited(limit: int, *args: str | Path) -> subprocess.CompletedProcess[st
 
     return subprocess.run(
         [sys.executable, "-m", "dlm", *map(str, args)],
-        capture_output=True, text=True, timeout=300, preexec_fn=lambda: _limit_file_size(limit),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: _limit_file_size(limit),
         env={**os.environ, "COLUMNS": "80"},
-    )  # fmt: skip
+    )
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -311,8 +319,12 @@ def test_run_dir_owns_the_layout_and_what_a_resume_continues(tiny_data_dir: Path
     run_dir = tiny_run(tiny_data_dir, tmp_path / "run", "training.max_steps=6", steps=4)
     run = RunDir(run_dir)
     assert [path.name for path in (run.config, run.metrics, run.latest, run.inference, run.eval_report)] == [
-        "config.json", "metrics.jsonl", "latest.pt", "inference-latest.pt", "eval.json",
-    ]  # fmt: skip
+        "config.json",
+        "metrics.jsonl",
+        "latest.pt",
+        "inference-latest.pt",
+        "eval.json",
+    ]
     assert run.checkpoints() == [(2, run.step_checkpoint(2)), (4, run.step_checkpoint(4))]
     assert run.resume_checkpoint() == run.latest
     assert run.resume_checkpoint(Path("step-00000002.pt")) == run.step_checkpoint(2)

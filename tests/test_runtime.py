@@ -313,16 +313,15 @@ intr 1
 """
 
 
-def test_busy_cores_counts_only_the_cpus_this_process_may_use(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_busy_cores_counts_only_the_cpus_this_process_may_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stat = tmp_path / "stat"
     stat.write_text(STAT)
     assert threads._cpu_times(None, stat) == (800, 1600)  # the "cpu" line: the whole host
     assert threads._cpu_times({2, 3}, stat) == (400, 800)  # cpu2 and cpu3 alone
     # On 2 of a busy host's 4 CPUs, only those two count, and the host's load average not at all.
-    later = iter([STAT, STAT.replace("cpu2 190 0 0 10", "cpu2 290 0 0 10").replace("cpu3 10 0 200 390",
-                                                                                   "cpu3 10 0 200 490")])  # fmt: skip
+    later = iter(
+        [STAT, STAT.replace("cpu2 190 0 0 10", "cpu2 290 0 0 10").replace("cpu3 10 0 200 390", "cpu3 10 0 200 490")]
+    )
     monkeypatch.setattr(threads, "_affinity", lambda: {2, 3})
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (30.0, 0.0, 0.0))
@@ -520,14 +519,20 @@ print(json.dumps(result.loss))
 def test_compiled_kernels_of_one_cap_are_never_served_to_another(tmp_path: Path) -> None:
     # One shared temporary folder, as on a machine that runs the suite with and without the caps:
     # the kernels compiled first must not be loaded by the process of the other cap.
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}  # fmt: skip
+    environment = {
+        key: value for key, value in os.environ.items() if key not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")
+    }
     environment["TMPDIR"] = str(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
     losses = []
     for cap in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
-        run = subprocess.run([sys.executable, "-c", COMPILED_LOSS, str(tmp_path), str(config)], env=environment | cap,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", COMPILED_LOSS, str(tmp_path), str(config)],
+            env=environment | cap,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stderr[-2000:]
         losses.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert all(math.isfinite(loss) for loss in losses), losses  # AVX-512 kernels under the cap: NaN

@@ -26,10 +26,37 @@ from dlm.sampling.options import SamplingOptions
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 QUESTION = "say be"
 # Every sampling option away from its default, as flags and as `SamplingOptions`.
-FLAGS = ["--steps", "6", "--temperature", "0.5", "--top-k", "40", "--top-p", "0.95", "--remasking", "confidence",
-         "--block-length", "4", "--threshold", "0.05", "--cache", "dual", "--reveal-split", "even"]  # fmt: skip
-OPTIONS = SamplingOptions(steps=6, temperature=0.5, top_k=40, top_p=0.95, remasking="confidence", block_length=4,
-                          threshold=0.05, cache="dual", reveal_split="even")  # fmt: skip
+FLAGS = [
+    "--steps",
+    "6",
+    "--temperature",
+    "0.5",
+    "--top-k",
+    "40",
+    "--top-p",
+    "0.95",
+    "--remasking",
+    "confidence",
+    "--block-length",
+    "4",
+    "--threshold",
+    "0.05",
+    "--cache",
+    "dual",
+    "--reveal-split",
+    "even",
+]
+OPTIONS = SamplingOptions(
+    steps=6,
+    temperature=0.5,
+    top_k=40,
+    top_p=0.95,
+    remasking="confidence",
+    block_length=4,
+    threshold=0.05,
+    cache="dual",
+    reveal_split="even",
+)
 SETTINGS = ["--length", "8", "--num-samples", "2", "--seed", "3", "--device", "cpu"]
 
 
@@ -60,8 +87,9 @@ class Loaded:
 def loaded(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, tmp_path: Path) -> Loaded:
     """A tiny transformer behind both of the CLI's loaders, and a record of the sampler's calls."""
 
-    config = ModelConfig(vocab_size=tokenizer.get_vocab_size(), max_seq_len=48, d_model=32, n_layers=2, n_heads=2,
-                         pad_vocab_multiple=64)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer.get_vocab_size(), max_seq_len=48, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64
+    )
     torch.manual_seed(0)
     model = DiffusionTransformer(config).double().eval()  # float64: equal to a direct call on any CPU
     info = SimpleNamespace(tokenizer_path=tmp_path / "tokenizer.json")  # no tokenizer_config.json: default template
@@ -69,8 +97,10 @@ def loaded(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, tmp_path: Path
     monkeypatch.setattr(
         "dlm.artifacts.loading.load_model", lambda path, device: loads.append("export") or (model, tokenizer)
     )
-    monkeypatch.setattr("dlm.artifacts.loading.load_model_with_info", lambda path, device: loads.append("chat")
-                        or SimpleNamespace(model=model, tokenizer=tokenizer, info=info))  # fmt: skip
+    monkeypatch.setattr(
+        "dlm.artifacts.loading.load_model_with_info",
+        lambda path, device: loads.append("chat") or SimpleNamespace(model=model, tokenizer=tokenizer, info=info),
+    )
     calls: list[dict[str, Any]] = []
     real = dlm.sampling.generation.generate
     monkeypatch.setattr(
@@ -84,9 +114,7 @@ def sampled_options(kwargs: dict[str, Any]) -> SamplingOptions:
 
 
 @pytest.mark.parametrize("mode", ["plain", "chat", "prompt-file"])
-def test_every_mode_hands_the_sampler_every_option(
-    mode: str, loaded: Loaded, run_cli: Any, tmp_path: Path
-) -> None:
+def test_every_mode_hands_the_sampler_every_option(mode: str, loaded: Loaded, run_cli: Any, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO:\nTo be\n", encoding="utf-8")
     extra = {"plain": ["--prompt", "ROMEO:"], "chat": ["--chat", QUESTION], "prompt-file": ["--prompt-file", prompts]}
@@ -115,8 +143,24 @@ def test_a_chat_reply_is_what_generate_gives_the_templated_prompt(
 ) -> None:
     # (Every option reaches the sampler, above; these two also change this model's tokens, so a
     # reply that dropped them would differ.)
-    result = run_cli("sample", "model", "--chat", QUESTION, "--length", "12", "--steps", "8", "--seed", "4",
-                     "--num-samples", "2", "--device", "cpu", "--json", *flags)  # fmt: skip
+    result = run_cli(
+        "sample",
+        "model",
+        "--chat",
+        QUESTION,
+        "--length",
+        "12",
+        "--steps",
+        "8",
+        "--seed",
+        "4",
+        "--num-samples",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        *flags,
+    )
     assert result.exit_code == 0, result.stderr
     prompt = chat_prompt(tmp_path / "tokenizer.json", QUESTION)
     common = {"prompt": prompt, "length": 12, "steps": 8, "seed": 4, "num_samples": 2, "stop_at_end": True}
@@ -155,8 +199,9 @@ def test_chat_json_reports_what_plain_sampling_json_reports(
     plain = json.loads(run_cli("sample", "model", "--prompt", "ROMEO:", *args).stdout)
     assert set(chat) == {"replies", *plain}
     prompt = chat_prompt(tmp_path / "tokenizer.json", QUESTION)
-    expected = generate(loaded.model, tokenizer, prompt=prompt, length=12, steps=8, seed=4, num_samples=2,
-                        stop_at_end=True)  # fmt: skip
+    expected = generate(
+        loaded.model, tokenizer, prompt=prompt, length=12, steps=8, seed=4, num_samples=2, stop_at_end=True
+    )
     for key in ("texts", "token_ids", "steps", "forward_passes", "forward_tokens", "lengths", "prompt_tokens"):
         assert chat[key] == getattr(expected, key), key
     assert chat["forward_passes"] > 0 and len(chat["lengths"]) == 2
@@ -164,8 +209,11 @@ def test_chat_json_reports_what_plain_sampling_json_reports(
 
 def test_a_too_long_chat_question_is_named_as_chat(loaded: Loaded, run_cli: Any) -> None:
     result = run_cli("sample", "model", "--chat", "be " * 60, "--length", "8", "--device", "cpu")
-    result.assert_refused("--chat (", "tokens, the question in the chat template) plus --length (8)",
-                          "more than the model's max_seq_len (48)")  # fmt: skip
+    result.assert_refused(
+        "--chat (",
+        "tokens, the question in the chat template) plus --length (8)",
+        "more than the model's max_seq_len (48)",
+    )
     assert "--prompt" not in result.stderr and loaded.calls == []
 
 

@@ -29,8 +29,13 @@ def test_only_the_words_the_model_wrote_are_scored() -> None:
     assert (again.words, again.known_words) == (2, 2)
     blank = sample_quality("ROMEO:\n\n\n,\n", "ROMEO:", 8, vocabulary)
     assert (blank.words, blank.known_share, blank.words_per_token) == (0, 0.0, 0.0)
-    assert blank.to_dict() == {"words": 0, "known_words": 0, "generated_tokens": 8, "known_word_share": 0.0,
-                               "words_per_token": 0.0}  # fmt: skip
+    assert blank.to_dict() == {
+        "words": 0,
+        "known_words": 0,
+        "generated_tokens": 8,
+        "known_word_share": 0.0,
+        "words_per_token": 0.0,
+    }
 
 
 def test_pooled_figures_sum_words_and_tokens() -> None:

@@ -104,9 +104,7 @@ def recorded_generate(
     """Unconditional generation of one sample, with the tokens before and after every step."""
 
     history: list[torch.Tensor] = []
-    result = generate(
-        model, tokenizer, length=length, on_step=lambda step, tokens: history.append(tokens), **options
-    )
+    result = generate(model, tokenizer, length=length, on_step=lambda step, tokens: history.append(tokens), **options)
     return history, result
 
 
@@ -262,7 +260,11 @@ def test_real_transformer_smoke(tokenizer: Tokenizer) -> None:
     from dlm.model.transformer import DiffusionTransformer
 
     config = ModelConfig(
-        vocab_size=tokenizer.get_vocab_size(), max_seq_len=32, d_model=32, n_layers=1, n_heads=2,
+        vocab_size=tokenizer.get_vocab_size(),
+        max_seq_len=32,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
         pad_vocab_multiple=64,
     )
     torch.manual_seed(0)
@@ -443,8 +445,9 @@ def test_cli_sample_live_view_on_a_terminal(fake_export: list[object], monkeypat
     real_render = sample_cmd.render_samples
     monkeypatch.setattr(sample_cmd, "render_samples", lambda *args: frames.append(args[3]) or real_render(*args))
     # Confidence remasking reveals at every step (random may skip a step's model call).
-    result = CliRunner().invoke(app, ["sample", "m", "--length", "6", "--steps", "3", "--device", "cpu",
-                                      "--remasking", "confidence"])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["sample", "m", "--length", "6", "--steps", "3", "--device", "cpu", "--remasking", "confidence"]
+    )
     assert result.exit_code == 0, result.output
     assert frames == [0, 1, 2, 3]  # the all-masked start, then one frame per step
     shown = screen.getvalue()
@@ -476,8 +479,9 @@ def test_a_sampler_strategy_registered_outside_the_library_runs_the_reverse_proc
     from dlm.sampling.dispatch import register_strategy, strategy_names, unregister_strategy
     from dlm.sampling.reverse import ReverseContext, Strategy, sequence_blocks
 
-    def left_to_right(model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions,
-                      context: ReverseContext) -> tuple[torch.Tensor, int]:  # fmt: skip
+    def left_to_right(
+        model: Any, tokens: torch.Tensor, fill_mask: torch.Tensor, options: SamplingOptions, context: ReverseContext
+    ) -> tuple[torch.Tensor, int]:
         """Greedy, one position per forward pass, left to right."""
         tokens, _blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
         for position in fill_mask.nonzero().squeeze(-1).tolist():

@@ -290,6 +290,7 @@ def test_an_old_run_directory_resumes_bit_identically(tiny_data_dir: Path, tmp_p
     assert source.name == LATEST_NAME and experiment.diffusion.mask_eps == EPS
     second: list[Event] = []
     resumed = train(experiment, resume=source, sink=second.append)
+
     def losses(events: list[Event]) -> list[float | None]:
         return [event.loss for event in events if isinstance(event, TrainEvent | ValidationEvent)]
 

@@ -25,8 +25,16 @@ MASK_ID, LENGTH = 1, 32
 
 def tiny_model(block_size: int = 0) -> DiffusionTransformer:
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=512, mask_token_id=MASK_ID, max_seq_len=LENGTH, d_model=32, n_layers=2,
-                         n_heads=4, pad_vocab_multiple=64, block_size=block_size)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=512,
+        mask_token_id=MASK_ID,
+        max_seq_len=LENGTH,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+    )
     return DiffusionTransformer(config).eval()
 
 
@@ -95,8 +103,18 @@ def greedy_continuation(model: DiffusionTransformer, context: list[int], count: 
 def test_greedy_means_what_the_greedy_sampler_writes(tokenizer: Tokenizer, block_size: int) -> None:
     model = tiny_model(block_size)
     # Contexts of two lengths (rows of one length share a reverse process), continuations of 3 to 6 tokens.
-    requests = [(ids(length, start), count) for length, start, count in
-                ((8, 10, 3), (8, 150, 3), (8, 60, 4), (8, 110, 6), (12, 20, 5), (12, 90, 6), (5, 30, 6))]  # fmt: skip
+    requests = [
+        (ids(length, start), count)
+        for length, start, count in (
+            (8, 10, 3),
+            (8, 150, 3),
+            (8, 60, 4),
+            (8, 110, 6),
+            (12, 20, 5),
+            (12, 90, 6),
+            (5, 30, 6),
+        )
+    ]
     written = [(context, greedy_continuation(model, context, count)) for context, count in requests]
     changed = [(context, [(new[0] + 1) % 500 + 3, *new[1:]]) for context, new in written]
     scorer = Scorer(model, tokenizer, mc_samples=1, batch_size=4)
@@ -163,22 +181,31 @@ def test_generation_stops_at_the_first_until_string(tokenizer: Tokenizer) -> Non
 
 
 def test_scorer_options_are_checked(tokenizer: Tokenizer) -> None:
-    for options, message in (({"mc_samples": 0}, "mc_samples"), ({"estimator": "x"}, "estimator"),
-                             ({"batch_size": 0}, "batch_size")):  # fmt: skip
+    for options, message in (
+        ({"mc_samples": 0}, "mc_samples"),
+        ({"estimator": "x"}, "estimator"),
+        ({"batch_size": 0}, "batch_size"),
+    ):
         with pytest.raises(UserError, match=message):
             Scorer(tiny_model(), tokenizer, **options)  # type: ignore[arg-type]
 
 
 def test_without_lm_eval_the_harness_names_the_extra() -> None:
     # lm_eval blocked as if it were not installed, in a fresh interpreter.
-    code = ("import runpy, sys; sys.modules['lm_eval'] = None; "
-            "runpy.run_module('dlm.harness', run_name='__main__', alter_sys=True)")  # fmt: skip
+    code = (
+        "import runpy, sys; sys.modules['lm_eval'] = None; "
+        "runpy.run_module('dlm.harness', run_name='__main__', alter_sys=True)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == (
         "error: evaluating with lm-evaluation-harness needs lm_eval, which is not installed "
         "(pip install 'dlm[lm-eval]')"
     )
-    imported = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lm_eval'] = None; import dlm.harness"],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['lm_eval'] = None; import dlm.harness"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert imported.returncode == 1 and "pip install 'dlm[lm-eval]'" in imported.stderr

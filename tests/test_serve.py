@@ -82,8 +82,7 @@ class Running:
     def __init__(self, server: Server, gate: Gate, api_key: str | None) -> None:
         self.server, self.gate = server, gate
         self.url = f"http://127.0.0.1:{server.port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0,
-                                    timeout=WAIT)  # fmt: skip
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0, timeout=WAIT)
         self.log: list[dict[str, Any]] = []
 
     @property
@@ -105,8 +104,10 @@ class Running:
         the list their answers land in (by position) and the threads."""
 
         answers: list[Any] = [None] * len(requests)
-        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, self.complete(**requests[i])))
-                   for i in range(len(requests))]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda i=i: answers.__setitem__(i, self.complete(**requests[i])))
+            for i in range(len(requests))
+        ]
         for thread in threads:
             thread.start()
         self.until(lambda: self.stats.queued == len(requests), what)
@@ -162,16 +163,20 @@ def test_models_completions_and_chat(live: Running, model_dir: Path) -> None:
     served = load_served(model_dir)
     assert answer.usage.prompt_tokens == len(served.tokenizer.encode("ROMEO:").ids)
     assert answer.usage.completion_tokens <= 12 and answer.usage.total_tokens == (
-        answer.usage.prompt_tokens + answer.usage.completion_tokens)  # fmt: skip
+        answer.usage.prompt_tokens + answer.usage.completion_tokens
+    )
     assert choice.finish_reason in ("stop", "length") and choice.text
     assert live.complete(prompt="ROMEO:", max_tokens=12, seed=3).choices[0].text == choice.text  # same seed, same text
-    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Who art thou?"}],
-                                               max_tokens=10, seed=4)  # fmt: skip
+    chat = live.client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Who art thou?"}], max_tokens=10, seed=4
+    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content is not None
     prompt = served.template.prompt([Turn("user", "Who art thou?")])
     assert chat.usage.prompt_tokens == len(served.tokenizer.encode(prompt).ids)  # the template of `dlm pack --chat`
-    live.until(lambda: any(record["path"] == "/v1/chat/completions" and record["status"] == 200
-                           for record in live.log), "the request is logged")  # fmt: skip
+    live.until(
+        lambda: any(record["path"] == "/v1/chat/completions" and record["status"] == 200 for record in live.log),
+        "the request is logged",
+    )
 
 
 def test_n_samples_and_sampler_options(live: Running) -> None:
@@ -190,8 +195,9 @@ def test_a_list_of_prompts_is_each_prompt_with_its_seed(live: Running) -> None:
     assert [c.text for c in both.choices] == [c.text for c in first.choices + second.choices]
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
     assert both.usage.prompt_tokens == first.usage.prompt_tokens + second.usage.prompt_tokens
-    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Hail!"}],
-                                               max_completion_tokens=5, seed=6)  # fmt: skip
+    chat = live.client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Hail!"}], max_completion_tokens=5, seed=6
+    )
     assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 5
 
 
@@ -209,15 +215,21 @@ def test_streaming_sends_the_text_of_a_whole_request(live: Running) -> None:
     chunks = list(live.client.completions.create(model="model", prompt="ROMEO:", max_tokens=10, seed=9, stream=True))
     assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    chat = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Speak."}],
-                                               max_tokens=6, seed=2, stream=True,
-                                               stream_options={"include_usage": True})  # fmt: skip
+    chat = live.client.chat.completions.create(
+        model="model",
+        messages=[{"role": "user", "content": "Speak."}],
+        max_tokens=6,
+        seed=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     events = list(chat)
     assert events[0].choices[0].delta.role == "assistant"
     assert events[-1].usage is not None and events[-1].usage.completion_tokens <= 6
     text = "".join(event.choices[0].delta.content or "" for event in events if event.choices)
-    plain = live.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Speak."}],
-                                                max_tokens=6, seed=2)  # fmt: skip
+    plain = live.client.chat.completions.create(
+        model="model", messages=[{"role": "user", "content": "Speak."}], max_tokens=6, seed=2
+    )
     assert text == plain.choices[0].message.content
 
 
@@ -283,14 +295,28 @@ def test_refusals_name_the_field(live: Running, request_fields: dict[str, Any], 
 
 def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: Running) -> None:
     # What OpenAI's SDK and frameworks send by default: accepted, and the text is what it is without them.
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "user": "u1",
-               "extra_body": {"service_tier": "auto", "store": False, "metadata": {}}}  # fmt: skip
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "logprobs": None,
+        "user": "u1",
+        "extra_body": {"service_tier": "auto", "store": False, "metadata": {}},
+    }
     assert live.complete(seed=9, **neutral).choices[0].text == live.complete(seed=9).choices[0].text
     parts = [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]
     messages = [{"role": "developer", "content": "Speak as a player."}, {"role": "user", "content": parts}]
-    chat = live.client.chat.completions.create(model="model", messages=messages, max_tokens=6, seed=4,
-                                               response_format={"type": "text"}, logprobs=False, top_logprobs=0,
-                                               tool_choice="none", parallel_tool_calls=False)  # fmt: skip
+    chat = live.client.chat.completions.create(
+        model="model",
+        messages=messages,
+        max_tokens=6,
+        seed=4,
+        response_format={"type": "text"},
+        logprobs=False,
+        top_logprobs=0,
+        tool_choice="none",
+        parallel_tool_calls=False,
+    )
     # The developer message renders as the system one; text parts join with a newline.
     plain = [{"role": "system", "content": "Speak as a player."}, {"role": "user", "content": "Who art\nthou?"}]
     again = live.client.chat.completions.create(model="model", messages=plain, max_tokens=6, seed=4)  # type: ignore[arg-type]
@@ -301,10 +327,15 @@ def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: 
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
-     ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
-     ({"suffix": "and so to bed"}, "suffix")],
-)  # fmt: skip
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "and so to bed"}, "suffix"),
+    ],
+)
 def test_a_field_asking_what_dlm_does_not_do_is_refused_by_name(
     live: Running, fields: dict[str, Any], param: str
 ) -> None:
@@ -329,8 +360,12 @@ def test_top_p_defaults_to_the_whole_distribution_as_openai_s_does(live: Running
 
 def test_malformed_and_oversized_bodies(live: Running) -> None:
     post = f"{live.url}/v1/completions"
-    for content, status in ((b'{"prompt": "ROMEO:",', 400), (b"[1, 2]", 400), (b'{"prompt": 7}', 400),
-                            (b'{"prompt": "a", "temperature": "hot"}', 400)):  # fmt: skip
+    for content, status in (
+        (b'{"prompt": "ROMEO:",', 400),
+        (b"[1, 2]", 400),
+        (b'{"prompt": 7}', 400),
+        (b'{"prompt": "a", "temperature": "hot"}', 400),
+    ):
         answer = httpx.post(post, content=content, headers={"content-type": "application/json"}, timeout=WAIT)
         assert answer.status_code == status and answer.json()["error"]["type"] == "invalid_request_error"
         assert answer.headers["x-request-id"]
@@ -356,12 +391,26 @@ def pass_rows(model: Any) -> Iterator[list[int]]:
 
 
 def test_requests_of_any_length_and_steps_share_passes_and_equal_each_alone(live: Running) -> None:
-    prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "", "MERCUTIO: A plague",
-               "Now is the winter", "HAMLET:", "What light"]  # fmt: skip
+    prompts = [
+        "ROMEO:",
+        "JULIET: O Romeo, Romeo, wherefore",
+        "To be",
+        "",
+        "MERCUTIO: A plague",
+        "Now is the winter",
+        "HAMLET:",
+        "What light",
+    ]
     # Lengths 6 and 10, steps from 4 to 10, and some with a threshold: each its own reverse process.
-    requests = [{"prompt": prompts[i % len(prompts)], "max_tokens": 6 + 4 * (i % 2), "seed": 100 + i,
-                 "extra_body": {"steps": 4 + i % 4 + 2 * (i % 2)} | ({"threshold": 0.5} if i % 5 == 0 else {})}
-                for i in range(16)]  # fmt: skip
+    requests = [
+        {
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": 6 + 4 * (i % 2),
+            "seed": 100 + i,
+            "extra_body": {"steps": 4 + i % 4 + 2 * (i % 2)} | ({"threshold": 0.5} if i % 5 == 0 else {}),
+        }
+        for i in range(16)
+    ]
     with pass_rows(live.server.scheduler.model) as rows:
         alone = [live.complete(**request).choices[0].text for request in requests]
     passes_alone = len(rows)
@@ -410,8 +459,10 @@ def test_a_streaming_client_that_leaves_mid_batch_takes_its_rows_out(live: Runni
 
     extra = {"steps": 40, "block_length": 4}  # a block of 4 is final (and streamed) after its 4 steps
     leaving = {"prompt": "ROMEO:", "max_tokens": 40, "seed": 41, "extra_body": extra}
-    staying = [{"prompt": prompt, "max_tokens": 40, "seed": 42 + i, "extra_body": extra}
-               for i, prompt in enumerate(["To be", "JULIET: O Romeo"])]  # fmt: skip
+    staying = [
+        {"prompt": prompt, "max_tokens": 40, "seed": 42 + i, "extra_body": extra}
+        for i, prompt in enumerate(["To be", "JULIET: O Romeo"])
+    ]
     alone = [live.complete(**request).choices[0] for request in [leaving, *staying]]
     assert all(choice.finish_reason == "length" for choice in alone)  # they run all their steps
     leaving_alone, alone = alone[0], alone[1:]
@@ -475,9 +526,14 @@ def test_a_full_queue_answers_429_and_nothing_hangs(model_dir: Path) -> None:
 
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=WAIT, limits=httpx.Limits(max_connections=200)) as client:
-                tasks = [asyncio.create_task(client.post(f"{server.url}/v1/completions",
-                                                         json={"prompt": "ROMEO:", "max_tokens": 4, "seed": i}))
-                         for i in range(200)]  # fmt: skip
+                tasks = [
+                    asyncio.create_task(
+                        client.post(
+                            f"{server.url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "seed": i}
+                        )
+                    )
+                    for i in range(200)
+                ]
                 while sum(task.done() for task in tasks) + server.stats.queued + server.stats.in_flight < 200:
                     await asyncio.sleep(0.01)
                 server.gate.opened.set()  # the surplus is answered: let the held requests run
@@ -647,8 +703,14 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path, tm
             waves += 1
             answers: list[httpx.Response] = []
             requests = [{"prompt": "ROMEO:", "max_tokens": 20 + i, "seed": i, "steps": 600} for i in range(3)]
-            threads = [threading.Thread(target=lambda r=r, got=answers: got.append(
-                httpx.post(f"{url}/v1/completions", json=r, timeout=WAIT))) for r in requests]  # fmt: skip
+            threads = [
+                threading.Thread(
+                    target=lambda r=r, got=answers: got.append(
+                        httpx.post(f"{url}/v1/completions", json=r, timeout=WAIT)
+                    )
+                )
+                for r in requests
+            ]
             for thread in threads:
                 thread.start()
             while True:
@@ -685,16 +747,19 @@ def test_a_missing_extra_is_one_error_line(model_dir: Path, monkeypatch: pytest.
     assert "dlm serve needs uvicorn, which is not installed" in result.stderr and "dlm[serve]" in result.stderr
 
 
-def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(tiny_data_dir: Path,
-                                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(
+    tiny_data_dir: Path, tmp_path: Path
+) -> None:
     run = train_tiny_run(tiny_data_dir, tmp_path / "run", "model.block_size=8")
     model_dir = export_model(run, tmp_path / "block-model", dtype="float32")
     with running(model_dir, limits=Limits(max_tokens=96)) as server:  # more than the window of 64
         tokenizer = server.server.scheduler.tokenizer
         prompts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "MERCUTIO: A plague"]
         assert len({len(tokenizer.encode(prompt).ids) % 8 for prompt in prompts}) > 1  # phases differ
-        requests = [{"prompt": prompt, "max_tokens": 16 + 8 * (i % 2), "seed": 30 + i,
-                     "extra_body": {"steps": 16 + 4 * i}} for i, prompt in enumerate(prompts)]  # fmt: skip
+        requests = [
+            {"prompt": prompt, "max_tokens": 16 + 8 * (i % 2), "seed": 30 + i, "extra_body": {"steps": 16 + 4 * i}}
+            for i, prompt in enumerate(prompts)
+        ]
         alone = [server.complete(**request).choices[0].text for request in requests]
         with pass_rows(server.server.scheduler.model) as rows:
             with server.gate.closed():
@@ -710,8 +775,9 @@ def test_a_block_model_shares_passes_across_phases_streams_by_block_and_slides(t
         # Past the context (64 tokens), where --max-tokens allows it: the block model slides its window on.
         long = server.complete(max_tokens=80, seed=3, extra_body={"steps": 80})
         assert long.usage.completion_tokens <= 80 and long.choices[0].text
-        pieces = [text for chunk in server.complete(max_tokens=32, seed=4, stream=True)
-                  if (text := chunk.choices[0].text)]  # fmt: skip
+        pieces = [
+            text for chunk in server.complete(max_tokens=32, seed=4, stream=True) if (text := chunk.choices[0].text)
+        ]
         whole = server.complete(max_tokens=32, seed=4).choices[0]
         assert "".join(pieces) == whole.text
         assert len(pieces) > 1 or whole.finish_reason == "stop"  # a block at a time, unless it ended in the first
@@ -730,8 +796,13 @@ def test_the_console_shows_the_figures() -> None:
     stats.generated(tokens=64, seconds=0.5)
     stats.answered(0.25)
     output = StringIO()
-    view = ServeConsole(stats, live=True, url="http://127.0.0.1:1", model="m",
-                        console=Console(file=output, force_terminal=True, color_system=None, width=100))  # fmt: skip
+    view = ServeConsole(
+        stats,
+        live=True,
+        url="http://127.0.0.1:1",
+        model="m",
+        console=Console(file=output, force_terminal=True, color_system=None, width=100),
+    )
     view.start()
     view.request({"id": "abc", "method": "POST", "path": "/v1/completions", "status": 429, "seconds": 0.001})
     view.close()
@@ -762,8 +833,9 @@ def test_a_taken_port_is_one_error_line(model_dir: Path, run_cli: Any) -> None:
         (("--api-key", " "), "the API key is empty"),
     ],
 )
-def test_server_options_are_checked_before_loading(options: tuple[str, ...], message: str, run_cli: Any,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_server_options_are_checked_before_loading(
+    options: tuple[str, ...], message: str, run_cli: Any, tmp_path: Path
+) -> None:
     result = run_cli("serve", tmp_path / "no-model", *options)  # the model is never read
     assert result.exit_code == 2 and f"error: {message}" in result.stderr
 

@@ -47,12 +47,20 @@ def adapted(imported: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("serve-adapted")
     data = _packed(imported, root / "data")
-    sets = [f"training.train_data={data / 'train.bin'}", f"training.val_data={data / 'val.bin'}",
-            f"training.output_dir={root / 'run'}", "training.max_steps=4", "training.warmup_steps=1",
-            "training.eval_interval=4", "training.save_interval=4"]  # fmt: skip
+    sets = [
+        f"training.train_data={data / 'train.bin'}",
+        f"training.val_data={data / 'val.bin'}",
+        f"training.output_dir={root / 'run'}",
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.eval_interval=4",
+        "training.save_interval=4",
+    ]
     args = [item for value in sets for item in ("--set", value)]
-    for command in (["train", "--config", str(ROOT / "configs" / "tiny.toml"), *args, "--init-from", str(imported)],
-                    ["export", str(root / "run"), "--output", str(root / "export")]):  # fmt: skip
+    for command in (
+        ["train", "--config", str(ROOT / "configs" / "tiny.toml"), *args, "--init-from", str(imported)],
+        ["export", str(root / "run"), "--output", str(root / "export")],
+    ):
         with pytest.raises(SystemExit) as finished:
             main([*command, "--json"])
         assert finished.value.code == 0
@@ -63,12 +71,14 @@ def adapted(imported: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serving(model: Path) -> Iterator[openai.OpenAI]:
     served = load_served(model, dtype="float64", name="model")
     # Every position's logits favour the end token: each reply must stop at once, on the imported model's id.
-    served.model.register_forward_hook(lambda module, args, logits: logits.index_add(
-        -1, torch.tensor([END]), torch.full((*logits.shape[:-1], 1), 100.0, dtype=logits.dtype)))  # fmt: skip
+    served.model.register_forward_hook(
+        lambda module, args, logits: logits.index_add(
+            -1, torch.tensor([END]), torch.full((*logits.shape[:-1], 1), 100.0, dtype=logits.dtype)
+        )
+    )
     server = Server(served, ServeSettings(port=0))
     thread = start_in_thread(server)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
-                           timeout=WAIT)  # fmt: skip
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=WAIT)
     try:
         yield client
     finally:
@@ -90,8 +100,9 @@ def test_an_adapted_import_is_served_with_its_own_end_token_and_chat_template(ad
     with serving(adapted) as client:
         completion = client.completions.create(model="model", prompt="ROMEO:", max_tokens=8, seed=1)
         assert completion.choices[0].finish_reason == "stop" and completion.choices[0].text == ""
-        chat = client.chat.completions.create(model="model", messages=[{"role": "user", "content": "Who?"}],
-                                              max_tokens=8, seed=1)  # fmt: skip
+        chat = client.chat.completions.create(
+            model="model", messages=[{"role": "user", "content": "Who?"}], max_tokens=8, seed=1
+        )
     assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content == ""
     prompt = tokenizer.encode("[user] Who?\n[assistant] ", add_special_tokens=False).ids  # the source's template
     assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)

@@ -30,21 +30,32 @@ WAIT = 60.0
 EOS = 0
 
 
-def request(tokenizer: Tokenizer, prompts: tuple[str, ...], length: int, seed: int, n: int = 1,
-            **options: Any) -> Generation:  # fmt: skip
+def request(
+    tokenizer: Tokenizer, prompts: tuple[str, ...], length: int, seed: int, n: int = 1, **options: Any
+) -> Generation:
     counts = tuple(len(tokenizer.encode(prompt).ids) for prompt in prompts)
-    return Generation(prompts, counts, length, n, seed, SamplingOptions(**{"steps": length} | options), (), False,
-                      False, False)  # fmt: skip
+    return Generation(
+        prompts, counts, length, n, seed, SamplingOptions(**{"steps": length} | options), (), False, False, False
+    )
 
 
 def alone(model: Any, tokenizer: Tokenizer, generation: Generation) -> tuple[list[str], int]:
     """The request's texts sampled by itself, and the passes that took."""
 
-    result = generate(model, tokenizer, prompts=list(generation.prompts), length=generation.length,
-                      seeds=[generation.seed + i for i in range(len(generation.prompts))], num_samples=generation.n,
-                      stop_at_end=True, **asdict(generation.options))  # fmt: skip
-    texts = [finish_row(tokenizer, ids, prompt, EOS, ()).text
-             for ids, prompt in zip(result.token_ids, result.prompt_tokens, strict=True)]  # fmt: skip
+    result = generate(
+        model,
+        tokenizer,
+        prompts=list(generation.prompts),
+        length=generation.length,
+        seeds=[generation.seed + i for i in range(len(generation.prompts))],
+        num_samples=generation.n,
+        stop_at_end=True,
+        **asdict(generation.options),
+    )
+    texts = [
+        finish_row(tokenizer, ids, prompt, EOS, ()).text
+        for ids, prompt in zip(result.token_ids, result.prompt_tokens, strict=True)
+    ]
     return texts, result.forward_passes
 
 
@@ -71,18 +82,30 @@ PROMPTS = ("ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But s
 
 
 @pytest.mark.parametrize("block", [0, 4])
-def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_alone(tokenizer: Tokenizer,
-                                                                                     block: int) -> None:  # fmt: skip
+def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_alone(
+    tokenizer: Tokenizer, block: int
+) -> None:
     model = transformer(tokenizer.get_vocab_size(), block_size=block)
     options: list[dict[str, Any]] = [
-        {}, {"steps": 5}, {"remasking": "confidence"}, {"threshold": 0.3}, {"remasking": "margin", "steps": 6},
-        {"temperature": 0.0, "remasking": "confidence", "reveal_split": "even"}, {"top_k": 5, "top_p": None},
-    ]  # fmt: skip
+        {},
+        {"steps": 5},
+        {"remasking": "confidence"},
+        {"threshold": 0.3},
+        {"remasking": "margin", "steps": 6},
+        {"temperature": 0.0, "remasking": "confidence", "reveal_split": "even"},
+        {"top_k": 5, "top_p": None},
+    ]
     if not block:
-        options += [{"block_length": 4}, {"cache": "prefix", "block_length": 4}, {"cache": "dual", "block_length": 4},
-                    {"threshold": 0.3, "cache": "prefix", "block_length": 4}]  # fmt: skip
-    generations = [request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 100 + i, **option)
-                   for i, option in enumerate(options)]  # fmt: skip
+        options += [
+            {"block_length": 4},
+            {"cache": "prefix", "block_length": 4},
+            {"cache": "dual", "block_length": 4},
+            {"threshold": 0.3, "cache": "prefix", "block_length": 4},
+        ]
+    generations = [
+        request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 100 + i, **option)
+        for i, option in enumerate(options)
+    ]
     generations.append(request(tokenizer, ("", "To be"), 10, 7, n=2))  # two prompts (seeds 7, 8), two samples each
     if block:
         generations.append(request(tokenizer, ("ROMEO:",), 60, 9))  # past the context of 48: a sliding window
@@ -97,8 +120,7 @@ def test_requests_of_every_length_steps_and_option_share_passes_and_equal_each_a
 def test_an_autoregressive_models_requests_share_passes_and_equal_each_alone(tokenizer: Tokenizer) -> None:
     model = transformer(tokenizer.get_vocab_size(), block_size=1, attention="causal")
     options: list[dict[str, Any]] = [{}, {"temperature": 0.0}, {"top_k": 5, "top_p": None}, {"steps": 3}]
-    generations = [request(tokenizer, (PROMPTS[i],), 6 + 3 * i, 200 + i, **option)
-                   for i, option in enumerate(options)]  # fmt: skip
+    generations = [request(tokenizer, (PROMPTS[i],), 6 + 3 * i, 200 + i, **option) for i, option in enumerate(options)]
     generations.append(request(tokenizer, ("ROMEO:",), 60, 9))  # past the context of 48: a sliding window
     expected = [alone(model, tokenizer, generation) for generation in generations]
     assert [count for _, count in expected[:4]] == [6, 9, 12, 15]  # one pass per token, whatever the steps
@@ -113,8 +135,10 @@ def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache:
     the block included); every step's calls share one pass."""
 
     model = transformer(tokenizer.get_vocab_size())
-    generations = [request(tokenizer, (prompt,), 12, 50 + i, cache=cache, block_length=4, remasking="confidence")
-                   for i, prompt in enumerate(PROMPTS[:4])]  # fmt: skip
+    generations = [
+        request(tokenizer, (prompt,), 12, 50 + i, cache=cache, block_length=4, remasking="confidence")
+        for i, prompt in enumerate(PROMPTS[:4])
+    ]
     expected = [alone(model, tokenizer, generation) for generation in generations]
     outcomes, scheduler = served(model, tokenizer, generations)
     assert outcomes == [texts for texts, _ in expected]
@@ -201,7 +225,8 @@ def test_shared_passes_run_in_eval_mode_without_autograd(tokenizer: Tokenizer) -
     model = transformer(tokenizer.get_vocab_size()).train()
     seen: list[tuple[bool, bool]] = []
     hook = model.register_forward_pre_hook(
-        lambda module, args: seen.append((module.training, torch.is_inference_mode_enabled())) and None)
+        lambda module, args: seen.append((module.training, torch.is_inference_mode_enabled())) and None
+    )
     try:
         served(model, tokenizer, [request(tokenizer, ("ROMEO:",), 6, 3)])
     finally:

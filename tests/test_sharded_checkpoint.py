@@ -42,12 +42,19 @@ STEPS = 4
 
 def tiny(data_dir: Path, run_dir: Path, *overrides: str) -> ExperimentConfig:
     return tiny_experiment(
-        data_dir, run_dir,
-        f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.log_interval=1",
-        "training.save_interval=2", "training.eval_interval=2", "training.eval_batches=1",
-        "training.batch_size=4", "training.ema_decay=0.9", "training.keep_last_checkpoints=0",
+        data_dir,
+        run_dir,
+        f"training.max_steps={STEPS}",
+        "training.warmup_steps=1",
+        "training.log_interval=1",
+        "training.save_interval=2",
+        "training.eval_interval=2",
+        "training.eval_batches=1",
+        "training.batch_size=4",
+        "training.ema_decay=0.9",
+        "training.keep_last_checkpoints=0",
         *overrides,
-    )  # fmt: skip
+    )
 
 
 def losses(run_dir: Path) -> list[tuple[str, int, float]]:
@@ -68,7 +75,12 @@ def runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 def test_the_layout_of_a_sharded_run(runs: dict[str, Path]) -> None:
     run = runs["dcp"]
     assert sorted(path.name for path in run.iterdir()) == [
-        ".lock", "config.json", "latest", "metrics.jsonl", "step-00000002", "step-00000004",
+        ".lock",
+        "config.json",
+        "latest",
+        "metrics.jsonl",
+        "step-00000002",
+        "step-00000004",
     ]
     assert os.readlink(run / "latest") == "step-00000004"
     marker = json.loads((run / "step-00000004" / MARKER_NAME).read_text())
@@ -347,16 +359,23 @@ def test_a_sharded_run_is_refused_unless_overwritten(runs: dict[str, Path], tmp_
         train(experiment)
     train(experiment, overwrite=True)
     assert sorted(path.name for path in run.iterdir()) == [
-        ".lock", "config.json", "inference-latest.pt", "latest.pt", "metrics.jsonl", "step-00000002.pt",
+        ".lock",
+        "config.json",
+        "inference-latest.pt",
+        "latest.pt",
+        "metrics.jsonl",
+        "step-00000002.pt",
     ]
 
 
 @pytest.mark.parametrize(
     "variant",
-    [("model.n_kv_heads=1", "model.qkv_bias=true", "model.qk_norm=true", "model.tie_embeddings=false"),
-     ("model.document_separator_id=0",)],  # dlm's tokenizers end a document with id 0
+    [
+        ("model.n_kv_heads=1", "model.qkv_bias=true", "model.qk_norm=true", "model.tie_embeddings=false"),
+        ("model.document_separator_id=0",),
+    ],  # dlm's tokenizers end a document with id 0
     ids=["imported-variant", "document-attention"],
-)  # fmt: skip
+)
 def test_the_model_variants_save_resume_and_export_sharded(
     tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], variant: tuple[str, ...]
 ) -> None:

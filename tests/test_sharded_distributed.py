@@ -43,9 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 STEPS = 6
 COMMON = (
-    f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.log_interval=1",
-    "training.eval_interval=3", "training.save_interval=3", "training.eval_batches=1",
-    "training.ema_decay=0.9", "training.keep_last_checkpoints=0", "training.batch_size=4",
+    f"training.max_steps={STEPS}",
+    "training.warmup_steps=1",
+    "training.log_interval=1",
+    "training.eval_interval=3",
+    "training.save_interval=3",
+    "training.eval_batches=1",
+    "training.ema_decay=0.9",
+    "training.keep_last_checkpoints=0",
+    "training.batch_size=4",
 )
 PER_PROCESS = ("training.gradient_accumulation_steps=2", "training.parallelism=fsdp")  # x 2 processes
 SINGLE = ("training.gradient_accumulation_steps=4", "training.checkpoint_format=dcp")  # x 1 process
@@ -94,7 +100,10 @@ def _join(root: Path, rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
     # Through a file in the test's directory, not a TCP port that another test run could take.
     dist.init_process_group(
-        "gloo", init_method=(root / "rendezvous").as_uri(), rank=rank, world_size=world_size,
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
 
@@ -115,8 +124,11 @@ def _pair(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
         ddp = ("training.gradient_accumulation_steps=2", "training.checkpoint_format=dcp")
         assert train(tiny(data_dir, root / "ddp", *ddp), max_run_steps=3).step == 3
         assert train(tiny(data_dir, root / "ddp", *ddp), resume=root / "ddp").step == STEPS
-        _record_staged_bytes(root, rank, lambda: train(tiny(data_dir, root / "ddp-async", *ddp,
-                                                            "training.async_checkpoint=true"), max_run_steps=3))
+        _record_staged_bytes(
+            root,
+            rank,
+            lambda: train(tiny(data_dir, root / "ddp-async", *ddp, "training.async_checkpoint=true"), max_run_steps=3),
+        )
     finally:
         dist.destroy_process_group()
     end_process(0)

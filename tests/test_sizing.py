@@ -184,8 +184,9 @@ def test_validate_warns_of_many_epochs(tiny_data_dir: Path, tmp_path: Path, run_
         f"watch the validation loss; lower training.max_steps to about {2 * blocks:,} steps (16 epochs), or pack more "
         "text"
     )
-    code, report, _ = checks(*overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={2 * blocks}"),
-                             run_cli=run_cli)  # fmt: skip
+    code, report, _ = checks(
+        *overrides(tiny_data_dir, tmp_path / "run", f"training.max_steps={2 * blocks}"), run_cli=run_cli
+    )
     assert code == 0 and report["warnings"] == []  # 16 epochs or fewer do not warn
 
 
@@ -208,20 +209,28 @@ def test_a_time_budget_is_judged_by_its_plan_not_by_max_steps(tiny_data_dir: Pat
     )
     TrainingPlan(60.0, 0.01, "calibration", 1.0, 4 * blocks, 10, 100, 100, 10).save(run)
     budget = {result.name: result for result in validate_config_file(TINY, args)[1]}["training budget"]
-    assert budget.status == "warning" and budget.detail.startswith(f"planned for 1 minutes in {run}: {4 * blocks:,} "
-                                                                   "steps x 8 blocks")  # fmt: skip
-    assert budget.fix == ("watch the validation loss; start over with a lower training.budget_minutes, planning "
-                          f"at most {2 * blocks:,} steps (16 epochs), or pack more text")  # fmt: skip
+    assert budget.status == "warning" and budget.detail.startswith(
+        f"planned for 1 minutes in {run}: {4 * blocks:,} steps x 8 blocks"
+    )
+    assert budget.fix == (
+        "watch the validation loss; start over with a lower training.budget_minutes, planning "
+        f"at most {2 * blocks:,} steps (16 epochs), or pack more text"
+    )
     notes: list[object] = []
     training = BudgetedTraining(load_config(TINY, args), 1, calibrate=lambda *a, **k: None, emit=notes.append)
     training.check_epochs(TrainingPlan(60.0, 0.01, "calibration", 1.0, 2 * blocks, 10, 100, 100, 10))
     assert notes == []  # 16 epochs
     training.check_epochs(TrainingPlan(60.0, 0.01, "calibration", 1.0, 4 * blocks, 10, 100, 100, 10))
-    assert notes == [{"event": "budget_note", "message": f"{4 * blocks:,} steps x 8 blocks = {32 * blocks:,} "
-                      f"blocks ({32 * blocks * 64:,} tokens) = 32.00 epochs of {blocks:,} blocks, per process: over "
-                      "16 epochs, repeats add less than new text and the model may overfit; watch the validation "
-                      f"loss; pass fewer minutes, to plan at most {2 * blocks:,} steps (16 epochs), or pack more "
-                      "text"}]  # fmt: skip
+    assert notes == [
+        {
+            "event": "budget_note",
+            "message": f"{4 * blocks:,} steps x 8 blocks = {32 * blocks:,} "
+            f"blocks ({32 * blocks * 64:,} tokens) = 32.00 epochs of {blocks:,} blocks, per process: over "
+            "16 epochs, repeats add less than new text and the model may overfit; watch the validation "
+            f"loss; pass fewer minutes, to plan at most {2 * blocks:,} steps (16 epochs), or pack more "
+            "text",
+        }
+    ]
 
 
 def test_a_model_too_wide_for_data_is_shown_a_narrower_one(tiny_data_dir: Path, tmp_path: Path) -> None:

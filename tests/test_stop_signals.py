@@ -81,22 +81,25 @@ main(sys.argv[2:])
 
 
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
-def test_two_signals_during_a_checkpoint_write_leave_it_whole(
-    tiny_data_dir: Path, tmp_path: Path, number: int
-) -> None:
+def test_two_signals_during_a_checkpoint_write_leave_it_whole(tiny_data_dir: Path, tmp_path: Path, number: int) -> None:
     run_dir = tmp_path / "run"
     command = tiny_train_command(tiny_data_dir, run_dir, "training.save_interval=2")
     result = subprocess.run(
         [sys.executable, "-c", SIGNALS_DURING_SAVE, str(int(number)), *command],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert result.returncode == 128 + number, result.stderr
     assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"continue with: dlm resume {run_dir}"]
     assert json.loads(result.stdout.splitlines()[-1]) == {
-        "event": "interrupted", "step": 2, "checkpoint": str(run_dir / "step-00000002.pt"),
+        "event": "interrupted",
+        "step": 2,
+        "checkpoint": str(run_dir / "step-00000002.pt"),
         "resume_command": f"dlm resume {run_dir}",
-    }  # fmt: skip
+    }
     assert load_checkpoint(run_dir / "latest.pt")["step"] == 2
     assert not temporaries(run_dir)
 
@@ -106,8 +109,11 @@ def test_two_signals_20_ms_apart_exit_with_the_signals_code(tiny_data_dir: Path,
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-m", "dlm", *tiny_train_command(tiny_data_dir, run_dir, "training.save_interval=1")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "80"},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert process.stdout is not None
     for line in process.stdout:  # under way, saving after every step
         if json.loads(line)["event"] == "train":

@@ -21,9 +21,24 @@ def test_bitsandbytes_tests_skip_when_it_is_not_installed(tmp_path: Path) -> Non
     )
     paths = [str(hidden), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "bitsandbytes",
-         "--basetemp", str(tmp_path / "basetemp"), str(ROOT / "tests")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "bitsandbytes",
+            "--basetemp",
+            str(tmp_path / "basetemp"),
+            str(ROOT / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
     )
     assert result.returncode == 0, result.stdout[-3000:]

@@ -115,15 +115,18 @@ def test_no_draw_lands_on_a_token_without_weight() -> None:
     assert bool(torch.isfinite(logits.gather(1, tokens[:, None])).all())
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, None), (1.0, None, 0.9), (0.7, None, 0.8),
-                                                             (1.3, 5, 0.95), (1.0, None, 0.2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, None, None), (1.0, None, 0.9), (0.7, None, 0.8), (1.3, 5, 0.95), (1.0, None, 0.2)],
+)
 def test_draws_follow_the_filtered_distribution(temperature: float, top_k: int | None, top_p: float | None) -> None:
     logits = bfloat16_logits(1, 70, seed=5) / 2
     target = filter_logits(logits.double() / temperature, top_k=top_k, top_p=top_p).softmax(dim=-1)[0]
     draws = 40_000
     generator = torch.Generator().manual_seed(6)
-    tokens = sample_tokens(logits.expand(draws, -1), temperature=temperature, top_k=top_k, top_p=top_p,
-                           generator=generator)  # fmt: skip
+    tokens = sample_tokens(
+        logits.expand(draws, -1), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
     frequencies = torch.bincount(tokens, minlength=70).double() / draws
     assert bool((frequencies[target == 0] == 0).all())  # nothing outside the filtered support
     # Total variation of 40,000 draws from a distribution over ~30-70 tokens: ~0.01 by chance alone.

@@ -53,9 +53,13 @@ def test_loss_decreases_and_run_dir_is_complete(tiny_data_dir: Path, tmp_path: P
 @pytest.mark.parametrize("accumulation,workers", [(1, 0), (2, 1)])
 def test_resume_is_bit_identical(tiny_data_dir: Path, tmp_path: Path, accumulation: int, workers: int) -> None:
     settings = (
-        "training.max_steps=12", "training.log_interval=2", "training.save_interval=100",
-        "training.warmup_steps=3", f"training.gradient_accumulation_steps={accumulation}",
-        f"training.num_workers={workers}", "training.eval_interval=4",
+        "training.max_steps=12",
+        "training.log_interval=2",
+        "training.save_interval=100",
+        "training.warmup_steps=3",
+        f"training.gradient_accumulation_steps={accumulation}",
+        f"training.num_workers={workers}",
+        "training.eval_interval=4",
     )
     straight_events: list[Event] = []
     straight = train(tiny_experiment(tiny_data_dir, tmp_path / "straight", *settings), sink=straight_events.append)
@@ -144,16 +148,23 @@ def test_a_second_run_on_the_same_directory_is_refused(tiny_data_dir: Path, tmp_
 @pytest.mark.bitsandbytes
 def test_adamw8bit_and_ema_train_on_cpu(tiny_data_dir: Path, tmp_path: Path) -> None:
     experiment = tiny_experiment(
-        tiny_data_dir, tmp_path / "run", "training.optimizer=adamw8bit", "training.optimizer_min_8bit_size=1024",
-        "training.max_steps=8", "training.ema_decay=0.9",
+        tiny_data_dir,
+        tmp_path / "run",
+        "training.optimizer=adamw8bit",
+        "training.optimizer_min_8bit_size=1024",
+        "training.max_steps=8",
+        "training.ema_decay=0.9",
     )
     events: list[Event] = []
     result = train(experiment, sink=events.append)
     assert result.status == "complete"
     checkpoint = load_checkpoint(result.checkpoint)
     assert checkpoint["ema"] is not None
-    resumed = train(experiment.model_copy(update={"training": experiment.training.model_copy(
-        update={"max_steps": 10})}), resume=result.checkpoint, sink=events.append)
+    resumed = train(
+        experiment.model_copy(update={"training": experiment.training.model_copy(update={"max_steps": 10})}),
+        resume=result.checkpoint,
+        sink=events.append,
+    )
     assert resumed.step == 10
 
 
@@ -185,16 +196,28 @@ def _cli(*args: str) -> list[str]:
 def test_sigint_saves_a_resumable_checkpoint(tiny_data_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     overrides = [
-        "--set", f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
-        "--set", f"training.train_data={tiny_data_dir / 'train.bin'}",
-        "--set", f"training.val_data={tiny_data_dir / 'val.bin'}",
-        "--set", f"training.output_dir={run_dir}",
-        "--set", "training.max_steps=100000", "--set", "training.warmup_steps=1",
-        "--set", "training.save_interval=100000", "--set", "training.log_interval=1",
+        "--set",
+        f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+        "--set",
+        f"training.train_data={tiny_data_dir / 'train.bin'}",
+        "--set",
+        f"training.val_data={tiny_data_dir / 'val.bin'}",
+        "--set",
+        f"training.output_dir={run_dir}",
+        "--set",
+        "training.max_steps=100000",
+        "--set",
+        "training.warmup_steps=1",
+        "--set",
+        "training.save_interval=100000",
+        "--set",
+        "training.log_interval=1",
     ]
     process = subprocess.Popen(
         _cli("train", "--config", str(ROOT / "configs" / "tiny.toml"), *overrides, "--json"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert process.stdout is not None
     for line in process.stdout:  # wait until training is really under way
@@ -219,12 +242,26 @@ def test_sigint_saves_a_resumable_checkpoint(tiny_data_dir: Path, tmp_path: Path
 def test_kill_during_training_leaves_a_loadable_latest(tiny_data_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
-        _cli("train", "--config", str(ROOT / "configs" / "tiny.toml"),
-             "--set", f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
-             "--set", f"training.train_data={tiny_data_dir / 'train.bin'}",
-             "--set", "training.val_data=none", "--set", f"training.output_dir={run_dir}",
-             "--set", "training.max_steps=100000", "--set", "training.save_interval=1", "--json"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        _cli(
+            "train",
+            "--config",
+            str(ROOT / "configs" / "tiny.toml"),
+            "--set",
+            f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+            "--set",
+            f"training.train_data={tiny_data_dir / 'train.bin'}",
+            "--set",
+            "training.val_data=none",
+            "--set",
+            f"training.output_dir={run_dir}",
+            "--set",
+            "training.max_steps=100000",
+            "--set",
+            "training.save_interval=1",
+            "--json",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     # A save writes step-N.pt, then relinks latest.pt; saves run one after another. So once any
     # file past step 3 exists, latest.pt is at step 3 or later (step-00000003.pt alone is not enough).

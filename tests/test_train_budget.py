@@ -78,8 +78,16 @@ def test_the_plan_fills_the_budget_at_the_calibrated_pace(tiny_data_dir: Path, t
     assert plan.max_steps > 2000 and plan.warmup_steps == round(plan.max_steps * 5 / 60)  # tiny.toml's warmup share
     assert (plan.eval_interval, plan.save_interval) == (20, 20)  # the config's, fewer than the plan needs
     done = [event for event in events if isinstance(event, dict) and event["status"] == "done"]
-    assert done == [{"event": "budget_stage", "stage": "calibrate", "status": "done", "seconds": done[0]["seconds"],
-                     "tokens_per_second": 1000.0, **asdict(plan)}]  # fmt: skip
+    assert done == [
+        {
+            "event": "budget_stage",
+            "stage": "calibrate",
+            "status": "done",
+            "seconds": done[0]["seconds"],
+            "tokens_per_second": 1000.0,
+            **asdict(plan),
+        }
+    ]
     assert not (tmp_path / "run").exists()  # the plan is saved when training starts, not before
 
 
@@ -87,8 +95,10 @@ def test_a_slower_pace_plans_fewer_steps_in_the_same_budget(tiny_data_dir: Path,
     """What makes one config right on a fast and a slow CPU: the steps follow the measured pace."""
 
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")
-    fast, slow = (BudgetedTraining(experiment, 10, calibrate=fake_calibrator(pace), emit=lambda event: None).calibrate()
-                  for pace in (0.2, 0.8))  # fmt: skip
+    fast, slow = (
+        BudgetedTraining(experiment, 10, calibrate=fake_calibrator(pace), emit=lambda event: None).calibrate()
+        for pace in (0.2, 0.8)
+    )
     assert slow.max_steps < fast.max_steps / 3.5 and slow.max_steps * 0.8 < 600 * SCHEDULE_SHARE
 
 
@@ -166,8 +176,10 @@ def test_a_budget_in_the_config_plans_as_minutes_does_and_its_conflicts_name_the
     assert [(event["stage"], event["status"]) for event in events] == [("calibrate", "reused"), ("train", "reused")]
     source = f"training.budget_minutes = 1 in {TINY_CONFIG}"
     cli = run_cli(*base, *budget, "--set", "training.max_steps=8")
-    cli.assert_refused(f"--set training.max_steps does not apply with {source}",
-                       "add --set training.budget_minutes=0 to train a fixed number of steps")  # fmt: skip
+    cli.assert_refused(
+        f"--set training.max_steps does not apply with {source}",
+        "add --set training.budget_minutes=0 to train a fixed number of steps",
+    )
     cli = run_cli(*base, *budget, "--max-run-steps", "5")
     cli.assert_refused(f"--max-run-steps does not apply with {source}", "add --set training.budget_minutes=0")
     with pytest.MonkeyPatch.context() as torchrun:
@@ -191,8 +203,11 @@ def test_a_run_that_no_budget_planned_is_refused(
     before = sorted(path.name for path in run_dir.iterdir())
     monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.1))
     cli = run_cli("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--minutes", "1")
-    cli.assert_refused("holds a training run that --minutes did not plan (trained to step 4)", str(run_dir),
-                       "or pass --overwrite to start over")  # fmt: skip
+    cli.assert_refused(
+        "holds a training run that --minutes did not plan (trained to step 4)",
+        str(run_dir),
+        "or pass --overwrite to start over",
+    )
     assert sorted(path.name for path in run_dir.iterdir()) == before
 
 
@@ -244,9 +259,13 @@ def test_a_budgeted_run_trains_to_its_plan_and_a_rerun_reuses_it(
     calibrated = budget_events(events, "budget_stage")[1]
     assert calibrated["stage"] == "calibrate" and calibrated["status"] == "done"
     experiment = tiny_experiment(tiny_data_dir, run_dir)
-    expected = plan_schedule(budget_seconds=6.0, spent_seconds=calibrated["calibration_seconds"] + 0.3,
-                             seconds_per_step=0.3, base=experiment,
-                             validation_steps=validation_steps(experiment, validation_blocks(experiment)))  # fmt: skip
+    expected = plan_schedule(
+        budget_seconds=6.0,
+        spent_seconds=calibrated["calibration_seconds"] + 0.3,
+        seconds_per_step=0.3,
+        base=experiment,
+        validation_steps=validation_steps(experiment, validation_blocks(experiment)),
+    )
     assert isinstance(expected, dict) and calibrated["max_steps"] == expected["max_steps"]
     trained = budget_events(events, "budget_stage")[-1]
     assert (trained["stage"], trained["status"]) == ("train", "done") and trained["outcome"] in ("complete", "paused")
@@ -299,8 +318,9 @@ def test_the_terminal_view_shows_the_plan_and_its_replans() -> None:
     view({"event": "budget_stage", "stage": "calibrate", "status": "done", "seconds": 2.0, **asdict(plan)})
     view({"event": "budget_stage", "stage": "train", "status": "running", **asdict(plan)})
     assert view.dashboard is not None
-    view({"event": "budget_replan", "step": 1000, "seconds_per_step": 0.3, "previous_max_steps": 2000,
-          "max_steps": 1800})  # fmt: skip
+    view(
+        {"event": "budget_replan", "step": 1000, "seconds_per_step": 0.3, "previous_max_steps": 2000, "max_steps": 1800}
+    )
     panel = io.StringIO()
     Console(file=panel, width=80, force_terminal=True, color_system=None).print(view.dashboard.render())
     view({"event": "budget_stage", "stage": "train", "status": "done", "outcome": "complete", "step": 1800})
@@ -328,8 +348,9 @@ def test_the_same_budget_again_finishes_an_interrupted_run(tiny_data_dir: Path, 
             if isinstance(event, CheckpointEvent):
                 stop.signal_number = signal.SIGINT  # as the handler records Ctrl-C
 
-        training = BudgetedTraining(experiment, 0.1, calibrate=fake_calibrator(0.3), stop=stop,
-                                    emit=ctrl_c_at_the_first_checkpoint)  # fmt: skip
+        training = BudgetedTraining(
+            experiment, 0.1, calibrate=fake_calibrator(0.3), stop=stop, emit=ctrl_c_at_the_first_checkpoint
+        )
         plan, step, result = training.run()
     assert result is not None and result.status == "interrupted" and step < plan.max_steps
     saved = TrainingPlan.load(tmp_path / "run")

@@ -144,9 +144,14 @@ def test_lora_without_peft_is_one_error_naming_the_extra(
     tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` fail, installed or not
-    sets = [f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}", f"training.output_dir={tmp_path / 'run'}",
-            f"training.train_data={tiny_data_dir / 'train.bin'}", f"training.val_data={tiny_data_dir / 'val.bin'}",
-            "training.lora.rank=4", f"training.init_from={tmp_path}"]  # fmt: skip
+    sets = [
+        f"training.tokenizer={tiny_data_dir / 'tokenizer.json'}",
+        f"training.output_dir={tmp_path / 'run'}",
+        f"training.train_data={tiny_data_dir / 'train.bin'}",
+        f"training.val_data={tiny_data_dir / 'val.bin'}",
+        "training.lora.rank=4",
+        f"training.init_from={tmp_path}",
+    ]
     result = run_cli("train", "--config", TINY, *[item for value in sets for item in ("--set", value)])
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -74,8 +74,11 @@ def _count(record: dict[str, Any], key: str, meta: Path, within: str = "") -> in
 
     value = record.get(key, 0)
     if not isinstance(value, int) or isinstance(value, bool):  # JSON true is no count
-        raise UserError(f"the packed data's metadata records {within}{key} as {json.dumps(value)[:60]}, "
-                        "not an integer", path=meta, fix=_REPACK)  # fmt: skip
+        raise UserError(
+            f"the packed data's metadata records {within}{key} as {json.dumps(value)[:60]}, not an integer",
+            path=meta,
+            fix=_REPACK,
+        )
     return value
 
 
@@ -150,7 +153,7 @@ def export_tokenizer_config(info: SourceInfo) -> tuple[Path | None, str | None]:
     export would render dlm's default template instead."""
 
     path, template = tokenizer_config(info)
-    packed = ((_split_metadata(info, "train") or {}).get("chat") or {})
+    packed = (_split_metadata(info, "train") or {}).get("chat") or {}
     used = packed.get("template") if isinstance(packed, dict) else None
     if template is None and isinstance(used, str) and used != "default":
         warnings.warn(

@@ -209,7 +209,13 @@ def save_inference_checkpoint(
 _BLOCKED_GLOBAL = re.compile(r"\bGLOBAL\s+([\w.]+?)\.?(?:\s|$)")
 # Lines of torch's advice around the reason, which say nothing about this file.
 _BOILERPLATE = (
-    "Weights only load failed", "(1)", "(2)", "Check the documentation", "Re-running", "In PyTorch", "Please file",
+    "Weights only load failed",
+    "(1)",
+    "(2)",
+    "Check the documentation",
+    "Re-running",
+    "In PyTorch",
+    "Please file",
 )
 
 

@@ -16,8 +16,16 @@ from dlm.errors import UserError, check_can_create
 EVAL_FORMAT_PREFIX = "dlm-eval"
 
 # The fields of an eval report the page reads, by the JSON type each must have (absent is fine).
-EVAL_FIGURES = ("nll", "nll_stderr", "bits_per_byte", "bits_per_byte_stderr", "unigram_bits_per_byte",
-                "perplexity_bound", "fixed_noise_loss", "fixed_noise_accuracy")  # fmt: skip
+EVAL_FIGURES = (
+    "nll",
+    "nll_stderr",
+    "bits_per_byte",
+    "bits_per_byte_stderr",
+    "unigram_bits_per_byte",
+    "perplexity_bound",
+    "fixed_noise_loss",
+    "fixed_noise_accuracy",
+)
 _EVAL_COUNTS = ("sequences", "tokens")
 
 

@@ -187,11 +187,14 @@ def _kind_line(model: ModelConfig, origin: str) -> str:
     """The card's first sentence: what kind of model this is, and where it came from."""
 
     if model.is_autoregressive:
-        return (f"An autoregressive language model (causal attention, one token at a time), {origin}: the "
-                "baseline of dlm's diffusion models, sampled one forward pass per token.")  # fmt: skip
+        return (
+            f"An autoregressive language model (causal attention, one token at a time), {origin}: the "
+            "baseline of dlm's diffusion models, sampled one forward pass per token."
+        )
     kind = f"A masked discrete diffusion language model (MDLM / LLaDA family) {origin}"
-    return kind + ("; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal"
-                   else ".")  # fmt: skip
+    return kind + (
+        "; its attention is causal, as imported: adapt it before sampling." if model.attention == "causal" else "."
+    )
 
 
 def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> str:
@@ -275,9 +278,15 @@ def _distillation_lines(record: dict[str, Any] | None) -> list[str]:
 
 # safetensors' names of the dtypes an export can hold.
 _SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _WEIGHTS_METADATA = {"format": "pt", "dlm_format": EXPORT_FORMAT}
 
 
@@ -337,9 +346,13 @@ def _stream_safetensors(path: Path, weights: StreamedWeights, dtype: torch.dtype
 
 
 def _write_export(
-    directory: Path, write_weights: Callable[[Path], object], config: dict[str, Any], card: str, tokenizer: Path,
+    directory: Path,
+    write_weights: Callable[[Path], object],
+    config: dict[str, Any],
+    card: str,
+    tokenizer: Path,
     tokenizer_settings: Path | None,
-) -> None:  # fmt: skip
+) -> None:
     directory.mkdir()
     write_weights(directory / WEIGHTS_NAME)
     # safetensors creates its file 0600; an export is for sharing, so give it the umask's usual mode.
@@ -408,28 +421,42 @@ def export_model(
     writer, info = _weights_writer(source, use_ema, EXPORT_DTYPES[dtype])
     tokenizer = checked_tokenizer(info)
     tokenizer_settings, _ = export_tokenizer_config(info)
-    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
-                                   tokenizer_settings=tokenizer_settings)  # fmt: skip
+    return _write_export_directory(
+        info, writer, output, dtype=dtype, tokenizer=tokenizer, tokenizer_settings=tokenizer_settings
+    )
 
 
 def write_streamed_export(
-    info: SourceInfo, weights: StreamedWeights, output: Path, *, dtype: ExportDtype, tokenizer: Path,
-    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
-) -> Path:  # fmt: skip
+    info: SourceInfo,
+    weights: StreamedWeights,
+    output: Path,
+    *,
+    dtype: ExportDtype,
+    tokenizer: Path,
+    tokenizer_settings: Path | None,
+    source: dict[str, Any] | None = None,
+) -> Path:
     """`write_export` for weights read one tensor at a time as they are written (`dlm import`): the
     export never holds the model whole."""
 
     stored = EXPORT_DTYPES[dtype]
     parameters = sum(math.prod(weights.shape(name)) for name in weights.names)
     writer: WeightsWriter = (lambda path: _stream_safetensors(path, weights, stored), parameters, {})
-    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
-                                   tokenizer_settings=tokenizer_settings, source=source)  # fmt: skip
+    return _write_export_directory(
+        info, writer, output, dtype=dtype, tokenizer=tokenizer, tokenizer_settings=tokenizer_settings, source=source
+    )
 
 
 def write_export(
-    info: SourceInfo, weights: dict[str, Tensor], output: Path, *, dtype: ExportDtype, tokenizer: Path,
-    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
-) -> Path:  # fmt: skip
+    info: SourceInfo,
+    weights: dict[str, Tensor],
+    output: Path,
+    *,
+    dtype: ExportDtype,
+    tokenizer: Path,
+    tokenizer_settings: Path | None,
+    source: dict[str, Any] | None = None,
+) -> Path:
     """Write `weights` and `info` as an export directory at `output` (checked by the caller), atomically;
     `source` records where the model came from (default: the kind and file name of `info.path`)."""
 
@@ -437,14 +464,21 @@ def write_export(
         raise UserError(f"unknown export dtype {dtype!r}", fix=f"use one of {', '.join(EXPORT_DTYPES)}")
     writer = _stored_writer(weights, EXPORT_DTYPES[dtype])
     del weights  # the stored tensors are what is written
-    return _write_export_directory(info, writer, output, dtype=dtype, tokenizer=tokenizer,
-                                   tokenizer_settings=tokenizer_settings, source=source)  # fmt: skip
+    return _write_export_directory(
+        info, writer, output, dtype=dtype, tokenizer=tokenizer, tokenizer_settings=tokenizer_settings, source=source
+    )
 
 
 def _write_export_directory(
-    info: SourceInfo, writer: WeightsWriter, output: Path, *, dtype: ExportDtype, tokenizer: Path,
-    tokenizer_settings: Path | None, source: dict[str, Any] | None = None,
-) -> Path:  # fmt: skip
+    info: SourceInfo,
+    writer: WeightsWriter,
+    output: Path,
+    *,
+    dtype: ExportDtype,
+    tokenizer: Path,
+    tokenizer_settings: Path | None,
+    source: dict[str, Any] | None = None,
+) -> Path:
     write_weights, parameters, tied = writer
     config = {
         "format": EXPORT_FORMAT,
@@ -499,18 +533,29 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
     # An imported tokenizer's special tokens (and any chat template) are named by its tokenizer_config.json.
     tokenizer_settings, _ = export_tokenizer_config(info)
     stored = {name: tensor.float().contiguous() for name, tensor in to_peft_names(adapters).items()}
-    lora_settings = {key: sorted(value) if isinstance(value, set) else value
-                     for key, value in peft_config(info.lora).to_dict().items()}  # fmt: skip
+    lora_settings = {
+        key: sorted(value) if isinstance(value, set) else value
+        for key, value in peft_config(info.lora).to_dict().items()
+    }
     config = {
         **json.loads(json.dumps(lora_settings, default=str)),  # peft's own fields, as it writes them
         "dlm": {
-            "format": ADAPTER_FORMAT, "name": output.name, "dlm_version": __version__,
-            "model": info.model.model_dump(mode="json"), "diffusion": info.diffusion.model_dump(mode="json"),
-            "lora": info.lora.model_dump(mode="json"), "base": info.lora_base, "weights": info.weights,
-            "step": info.step, "tokens_seen": info.tokens_seen, "tokenizer_sha256": info.tokenizer_sha256,
-            "training": info.training, "parameters": sum(t.numel() for t in stored.values()), "dtype": "float32",
+            "format": ADAPTER_FORMAT,
+            "name": output.name,
+            "dlm_version": __version__,
+            "model": info.model.model_dump(mode="json"),
+            "diffusion": info.diffusion.model_dump(mode="json"),
+            "lora": info.lora.model_dump(mode="json"),
+            "base": info.lora_base,
+            "weights": info.weights,
+            "step": info.step,
+            "tokens_seen": info.tokens_seen,
+            "tokenizer_sha256": info.tokenizer_sha256,
+            "training": info.training,
+            "parameters": sum(t.numel() for t in stored.values()),
+            "dtype": "float32",
         },
-    }  # fmt: skip
+    }
     building = temporary_path(output)
     with reported_os_errors("the export", output):
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -523,8 +568,9 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
     return output
 
 
-def _write_adapters(directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path,
-                    tokenizer_settings: Path | None) -> None:  # fmt: skip
+def _write_adapters(
+    directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path, tokenizer_settings: Path | None
+) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir()

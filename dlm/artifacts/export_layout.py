@@ -30,8 +30,17 @@ HF_TOKENIZER_FILES = (TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
 ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME = "adapter_model.safetensors", "adapter_config.json"
 ADAPTER_FORMAT = "dlm-adapters-v1"
 # Every file an export of any format writes: what `--overwrite` may replace, whichever format was there.
-EXPORT_FILES = (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME, CARD_NAME, *CODE_FILES, *HF_TOKENIZER_FILES,
-                ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME)  # fmt: skip
+EXPORT_FILES = (
+    WEIGHTS_NAME,
+    CONFIG_NAME,
+    TOKENIZER_NAME,
+    CARD_NAME,
+    *CODE_FILES,
+    *HF_TOKENIZER_FILES,
+    ADAPTER_WEIGHTS_NAME,
+    ADAPTER_CONFIG_NAME,
+)
+
 
 @dataclass
 class SourceInfo:
@@ -96,8 +105,15 @@ def read_export_config(directory: str | Path) -> dict[str, Any]:
 
 # The JSON type of each field a loader reads; a wrong type is refused naming the field, never a traceback.
 FieldTypes = Mapping[str, tuple[type, ...]]
-_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
-               bool: "true or false", type(None): "null"}  # fmt: skip
+_JSON_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def read_distillation(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
@@ -109,8 +125,12 @@ def read_distillation(config: dict[str, Any], path: Path) -> dict[str, Any] | No
         return None
     steps = record.get("steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise UserError("the field distillation.steps must be a positive integer (the steps the student samples "
-                        f"in), not {steps!r}", path=path, fix="export the distillation run again")  # fmt: skip
+        raise UserError(
+            "the field distillation.steps must be a positive integer (the steps the student samples "
+            f"in), not {steps!r}",
+            path=path,
+            fix="export the distillation run again",
+        )
     return dict(record)
 
 

@@ -67,9 +67,15 @@ AUTO_MAP = {
 # Model variant properties the bundled modeling file does not implement, with the value it has.
 # (`grouped_query`: fewer key / value heads than query heads.)
 HF_VARIANT_DEFAULTS: dict[str, object] = {
-    "grouped_query": False, "attention_head_dim": None, "qkv_bias": False, "qk_norm": False, "tie_embeddings": True,
-    "rope_scaling": None, "attention": "bidirectional", "shift_logits": False,
-}  # fmt: skip
+    "grouped_query": False,
+    "attention_head_dim": None,
+    "qkv_bias": False,
+    "qk_norm": False,
+    "tie_embeddings": True,
+    "rope_scaling": None,
+    "attention": "bidirectional",
+    "shift_logits": False,
+}
 
 
 def check_hf_exportable(model: ModelConfig, diffusion: DiffusionConfig) -> None:
@@ -136,8 +142,11 @@ def tokenizer_files(max_seq_len: int, chat_template: str | None = None) -> dict[
     tokenizer's chat_template when it has one (transformers' apply_chat_template and `dlm sample
     --chat` read it there)."""
 
-    special = {"eos_token": SPECIAL_TOKENS["eos"], "mask_token": SPECIAL_TOKENS["mask"],
-               "pad_token": SPECIAL_TOKENS["pad"]}  # fmt: skip
+    special = {
+        "eos_token": SPECIAL_TOKENS["eos"],
+        "mask_token": SPECIAL_TOKENS["mask"],
+        "pad_token": SPECIAL_TOKENS["pad"],
+    }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
@@ -149,26 +158,34 @@ def tokenizer_files(max_seq_len: int, chat_template: str | None = None) -> dict[
 
 
 def hf_card(name: str) -> str:
-    return "\n".join([
-        f"# {name}",
-        "",
-        "A masked discrete diffusion language model trained with dlm, in the Hugging Face transformers format.",
-        "",
-        "```python",
-        "from transformers import AutoModelForMaskedLM, AutoTokenizer",
-        "",
-        f'model = AutoModelForMaskedLM.from_pretrained("{name}", trust_remote_code=True)',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
-        'prompt = tokenizer("ROMEO:", return_tensors="pt").input_ids',
-        "ids = model.generate(prompt, max_new_tokens=32, steps=32, seed=0)",
-        "print(tokenizer.decode(ids[0]))",
-        "```",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"# {name}",
+            "",
+            "A masked discrete diffusion language model trained with dlm, in the Hugging Face transformers format.",
+            "",
+            "```python",
+            "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForMaskedLM.from_pretrained("{name}", trust_remote_code=True)',
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+            'prompt = tokenizer("ROMEO:", return_tensors="pt").input_ids',
+            "ids = model.generate(prompt, max_new_tokens=32, steps=32, seed=0)",
+            "print(tokenizer.decode(ids[0]))",
+            "```",
+            "",
+        ]
+    )
 
 
-def _write(directory: Path, name: str, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path,
-           chat_template: str | None) -> None:  # fmt: skip
+def _write(
+    directory: Path,
+    name: str,
+    stored: dict[str, Tensor],
+    config: dict[str, Any],
+    tokenizer: Path,
+    chat_template: str | None,
+) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir()
@@ -206,8 +223,9 @@ def _check_template_renders_alike(source: Path, template: str, files: dict[str, 
         )
 
 
-def export_hf(source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True,
-              overwrite: bool = False) -> Path:  # fmt: skip
+def export_hf(
+    source: str | Path, output: str | Path, dtype: str = "bfloat16", use_ema: bool = True, overwrite: bool = False
+) -> Path:
     """Write a Hugging Face directory from a checkpoint, a run dir, a dlm export or an HF export."""
 
     output = Path(output)

@@ -29,8 +29,9 @@ from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 
 
-def _mask_token_rows(work: Path, source_tokenizer: Path, rows: int,
-                     settings: dict[str, Any]) -> tuple[int, dict[str, Transform], int]:  # fmt: skip
+def _mask_token_rows(
+    work: Path, source_tokenizer: Path, rows: int, settings: dict[str, Any]
+) -> tuple[int, dict[str, Transform], int]:
     """Add `<|mask|>` to the tokenizer (written into `work`); its id, the change that gives it the mean
     embedding (and head) row as those tables are read, and the rows they grow by: a spare row of a
     padded vocabulary is used when there is one, else a new row is added."""
@@ -55,28 +56,42 @@ def _mask_token_rows(work: Path, source_tokenizer: Path, rows: int,
     return mask_id, transforms, int(mask_id >= rows)
 
 
-def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool = False,
-                 dtype: ExportDtype = "bfloat16", overwrite: bool = False) -> Path:  # fmt: skip
+def import_model(
+    source: str | Path,
+    output: str | Path,
+    *,
+    add_mask_token: bool = False,
+    dtype: ExportDtype = "bfloat16",
+    overwrite: bool = False,
+) -> Path:
     """`dlm import`: a dlm export directory from a Hugging Face model directory."""
 
     directory, output = Path(source), Path(output)
     check_import_output(output, overwrite)
     hf = read_source(directory)
     if hf.has_mask_token and add_mask_token:
-        raise UserError(f"the tokenizer already has a mask token ({hf.settings.get('mask_token')})",
-                        path=directory, fix="omit --add-mask-token")  # fmt: skip
+        raise UserError(
+            f"the tokenizer already has a mask token ({hf.settings.get('mask_token')})",
+            path=directory,
+            fix="omit --add-mask-token",
+        )
     if not hf.has_mask_token and not add_mask_token:
-        raise UserError(f"the tokenizer of this {hf.family.name} model has no mask token", path=directory,
-                        fix="pass --add-mask-token to add <|mask|> (its row starts as the mean)")  # fmt: skip
+        raise UserError(
+            f"the tokenizer of this {hf.family.name} model has no mask token",
+            path=directory,
+            fix="pass --add-mask-token to add <|mask|> (its row starts as the mean)",
+        )
     settings = dict(hf.settings)
     with tempfile.TemporaryDirectory(prefix="dlm-import-") as scratch:
         work = Path(scratch)
         if add_mask_token:  # a stand-in mask id until the token exists
             source_model = hf.model(mask_token_id=0)
-            mask_id, transforms, grown = _mask_token_rows(work, directory / TOKENIZER_NAME,
-                                                          source_model.vocab_size, settings)  # fmt: skip
-            model = source_model.model_copy(update={"mask_token_id": mask_id,
-                                                    "vocab_size": source_model.vocab_size + grown})  # fmt: skip
+            mask_id, transforms, grown = _mask_token_rows(
+                work, directory / TOKENIZER_NAME, source_model.vocab_size, settings
+            )
+            model = source_model.model_copy(
+                update={"mask_token_id": mask_id, "vocab_size": source_model.vocab_size + grown}
+            )
         else:
             source_model = model = hf.model()
             transforms, grown = {}, 0
@@ -85,12 +100,31 @@ def import_model(source: str | Path, output: str | Path, *, add_mask_token: bool
         # Every tensor's shape and dtype checked now, from the headers; each is read (and checked finite)
         # only as it is written, so the import never holds the model whole.
         weights = hf.weights(source_model, transforms, grown)
-        info = SourceInfo(path=directory, kind=SOURCE_KIND, model=ModelConfig.model_validate(model.model_dump()),
-                          weights="live", step=None, tokens_seen=None,
-                          tokenizer_sha256=tokenizer_sha256(work / TOKENIZER_NAME),
-                          tokenizer_path=work / TOKENIZER_NAME, diffusion=DiffusionConfig(), training={})  # fmt: skip
+        info = SourceInfo(
+            path=directory,
+            kind=SOURCE_KIND,
+            model=ModelConfig.model_validate(model.model_dump()),
+            weights="live",
+            step=None,
+            tokens_seen=None,
+            tokenizer_sha256=tokenizer_sha256(work / TOKENIZER_NAME),
+            tokenizer_path=work / TOKENIZER_NAME,
+            diffusion=DiffusionConfig(),
+            training={},
+        )
         (work / TOKENIZER_CONFIG_NAME).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        record = {"kind": IMPORT_KIND, "file": directory.name, "model_type": hf.family.name,
-                  "added_mask_token": add_mask_token}  # fmt: skip
-        return write_streamed_export(info, weights, output, dtype=dtype, tokenizer=info.tokenizer_path,
-                                     tokenizer_settings=work / TOKENIZER_CONFIG_NAME, source=record)  # fmt: skip
+        record = {
+            "kind": IMPORT_KIND,
+            "file": directory.name,
+            "model_type": hf.family.name,
+            "added_mask_token": add_mask_token,
+        }
+        return write_streamed_export(
+            info,
+            weights,
+            output,
+            dtype=dtype,
+            tokenizer=info.tokenizer_path,
+            tokenizer_settings=work / TOKENIZER_CONFIG_NAME,
+            source=record,
+        )

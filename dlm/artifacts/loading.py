@@ -163,10 +163,18 @@ def _read_checkpoint(path: Path, use_ema: bool, merge: bool) -> tuple[SourceInfo
 
 _OBJECT, _TEXT, _COUNT = (dict,), (str,), (int, type(None))
 _EXPORT_FIELDS: FieldTypes = {
-    "model": _OBJECT, "diffusion": _OBJECT, "training": _OBJECT, "tied": _OBJECT, "source": _OBJECT,
-    "step": _COUNT, "tokens_seen": _COUNT, "weights": _TEXT, "tokenizer_sha256": _TEXT, "name": _TEXT,
+    "model": _OBJECT,
+    "diffusion": _OBJECT,
+    "training": _OBJECT,
+    "tied": _OBJECT,
+    "source": _OBJECT,
+    "step": _COUNT,
+    "tokens_seen": _COUNT,
+    "weights": _TEXT,
+    "tokenizer_sha256": _TEXT,
+    "name": _TEXT,
     "distillation": (dict, type(None)),
-}  # fmt: skip
+}
 
 
 def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
@@ -228,8 +236,13 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     dlm = config.get("dlm") if isinstance(config, dict) else None
     if not isinstance(dlm, dict) or dlm.get("format") != ADAPTER_FORMAT:
         raise UserError(f"not a dlm adapter export: it lacks dlm.format {ADAPTER_FORMAT!r}", path=path)
-    check_config_fields(dlm, {**_EXPORT_FIELDS, "lora": _OBJECT, "base": _OBJECT}, path,
-                        required=("model", "lora", "base"), within="dlm.")  # fmt: skip
+    check_config_fields(
+        dlm,
+        {**_EXPORT_FIELDS, "lora": _OBJECT, "base": _OBJECT},
+        path,
+        required=("model", "lora", "base"),
+        within="dlm.",
+    )
     return dlm
 
 
@@ -250,11 +263,19 @@ def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]
     except (OSError, SafetensorError) as exc:
         raise UserError(f"damaged adapter export: {exc}", path=directory, fix="export the adapters again") from None
     info = SourceInfo(
-        path=directory, kind="adapters", model=model, weights=str(dlm.get("weights", "live")), step=dlm.get("step"),
-        tokens_seen=dlm.get("tokens_seen"), tokenizer_sha256=str(dlm.get("tokenizer_sha256", "")),
-        tokenizer_path=directory / TOKENIZER_NAME, diffusion=diffusion, training=dict(dlm.get("training", {})),
-        lora=lora, lora_base=dlm["base"],
-    )  # fmt: skip
+        path=directory,
+        kind="adapters",
+        model=model,
+        weights=str(dlm.get("weights", "live")),
+        step=dlm.get("step"),
+        tokens_seen=dlm.get("tokens_seen"),
+        tokenizer_sha256=str(dlm.get("tokenizer_sha256", "")),
+        tokenizer_path=directory / TOKENIZER_NAME,
+        diffusion=diffusion,
+        training=dict(dlm.get("training", {})),
+        lora=lora,
+        lora_base=dlm["base"],
+    )
     return info, adapters
 
 
@@ -373,8 +394,10 @@ def _built_on_meta(
 
     with torch.device("meta"):
         _check_weights(DiffusionTransformer(config).state_dict(), weights, source)
-    placed = {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
-              for name, tensor in weights.items()}  # fmt: skip
+    placed = {
+        name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+        for name, tensor in weights.items()
+    }
     return DiffusionTransformer.from_weights(config, placed)
 
 

@@ -95,8 +95,7 @@ def remove_incomplete_checkpoints(run_dir: Path, keep: Iterable[Path] = ()) -> l
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
         warnings.warn(
-            f"{path}: removed a checkpoint whose save never finished (no {MARKER_NAME}); "
-            "the complete ones are kept",
+            f"{path}: removed a checkpoint whose save never finished (no {MARKER_NAME}); the complete ones are kept",
             IncompleteCheckpointNote,
             stacklevel=2,
         )
@@ -211,21 +210,25 @@ def read_marker(directory: Path) -> dict[str, Any]:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"unreadable {MARKER_NAME}: {exc}", path=marker, fix=_next_older_fix(directory)) from None
-    if not isinstance(record, dict) or record.get("format") != SHARDED_FORMAT or not isinstance(
-        record.get("files"), dict
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != SHARDED_FORMAT
+        or not isinstance(record.get("files"), dict)
     ):
         raise UserError(f"not a dlm sharded checkpoint marker (format {SHARDED_FORMAT})", path=marker)
     # DCP's .metadata is a pickle and its shards may hold pickled values: every file DCP could read must
     # be one the marker vouches for (by sha256, checked before a byte is read), or the directory is not
     # dlm's own. Files DCP never reads (a .DS_Store a file browser left) do not matter.
     listed = record["files"]
-    unlisted = sorted(path.name for path in directory.iterdir()
-                      if _read_by_dcp(path.name) and path.name not in listed)  # fmt: skip
+    unlisted = sorted(path.name for path in directory.iterdir() if _read_by_dcp(path.name) and path.name not in listed)
     if DCP_METADATA not in listed or unlisted:
         what = f"{unlisted[0]} is not listed in" if unlisted else f"{DCP_METADATA} (a pickle) is not listed in"
-        raise UserError(f"{what} {MARKER_NAME}: this step directory holds files dlm did not write", path=directory,
-                        fix="use a checkpoint dlm wrote (step directories are trusted input: load only your "
-                        "own), or delete the files it does not list")  # fmt: skip
+        raise UserError(
+            f"{what} {MARKER_NAME}: this step directory holds files dlm did not write",
+            path=directory,
+            fix="use a checkpoint dlm wrote (step directories are trusted input: load only your "
+            "own), or delete the files it does not list",
+        )
     return record
 
 

@@ -36,9 +36,16 @@ if TYPE_CHECKING:
 
 # Sampler options a setting may name, and how each value is read ("none" turns an optional one off).
 _OPTION_TYPES: dict[str, Callable[[str], Any]] = {
-    "steps": int, "block_length": int, "threshold": float, "cache": str, "remasking": str,
-    "temperature": float, "top_k": int, "top_p": float, "reveal_split": str,
-}  # fmt: skip
+    "steps": int,
+    "block_length": int,
+    "threshold": float,
+    "cache": str,
+    "remasking": str,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "reveal_split": str,
+}
 Progress = Callable[[str], None]
 
 
@@ -51,14 +58,20 @@ def parse_generate_compare(items: list[str]) -> list[dict[str, Any]]:
         key = key.strip().replace("-", "_")
         choices = [value.strip() for value in values.split(",") if value.strip()]
         if not sep or not choices or key not in _OPTION_TYPES:
-            raise UserError(f"--compare {item!r} is not of the form key=value1,value2 with a sampler option as key",
-                            fix=f"keys: {', '.join(_OPTION_TYPES)}; e.g. --compare cache=none,prefix,dual")  # fmt: skip
+            raise UserError(
+                f"--compare {item!r} is not of the form key=value1,value2 with a sampler option as key",
+                fix=f"keys: {', '.join(_OPTION_TYPES)}; e.g. --compare cache=none,prefix,dual",
+            )
         parsed.append((key, choices))
     settings = []
     for setting in compare_settings(parsed):
         try:
-            settings.append({key: None if value == "none" and key != "cache" else _OPTION_TYPES[key](value)
-                             for key, value in setting.items()})  # fmt: skip
+            settings.append(
+                {
+                    key: None if value == "none" and key != "cache" else _OPTION_TYPES[key](value)
+                    for key, value in setting.items()
+                }
+            )
         except ValueError as exc:
             raise UserError(f"--compare has a value of the wrong type: {exc}") from None
     return settings
@@ -76,9 +89,11 @@ def check_judge_tokenizer(model: tuple[Path, Any], judge: tuple[Path, Any]) -> N
     def name(path: Path, tokenizer: Any) -> str:
         return f"{path} ({tokenizer.get_vocab_size():,} tokens)"
 
-    raise UserError(f"the judge's tokenizer {name(judge_path, judge_tokenizer)} is not the model's "
-                    f"{name(model_path, model_tokenizer)}: the judge scores the generated token ids",
-                    fix="judge with a model trained with the same tokenizer, or leave out --judge")  # fmt: skip
+    raise UserError(
+        f"the judge's tokenizer {name(judge_path, judge_tokenizer)} is not the model's "
+        f"{name(model_path, model_tokenizer)}: the judge scores the generated token ids",
+        fix="judge with a model trained with the same tokenizer, or leave out --judge",
+    )
 
 
 @dataclass(frozen=True)
@@ -131,8 +146,14 @@ class GenerateReport:
         from dlm.sampling.options import SamplingOptions
 
         defaults = asdict(SamplingOptions()) | {"steps": self.default_steps or self.length}
-        return next((row for row in self.rows if all(defaults.get(key, object()) == value
-                                                      for key, value in row.setting.items())), None)  # fmt: skip
+        return next(
+            (
+                row
+                for row in self.rows
+                if all(defaults.get(key, object()) == value for key, value in row.setting.items())
+            ),
+            None,
+        )
 
     def relative(self) -> list[Relative] | None:
         """Every row against the default sampler's row (None without one): ratios taken within one run,
@@ -141,13 +162,20 @@ class GenerateReport:
         reference = self.default_row()
         if reference is None:
             return None
-        return [Relative(row.tokens_per_second / reference.tokens_per_second,
-                         row.tokens_per_cpu_second / reference.tokens_per_cpu_second,
-                         row.judge_perplexity / reference.judge_perplexity - 1,
-                         row.unigram_entropy_bits / reference.unigram_entropy_bits - 1,
-                         not any(other.tokens_per_cpu_second > row.tokens_per_cpu_second
-                                 and other.judge_perplexity < row.judge_perplexity for other in self.rows))
-                for row in self.rows]  # fmt: skip
+        return [
+            Relative(
+                row.tokens_per_second / reference.tokens_per_second,
+                row.tokens_per_cpu_second / reference.tokens_per_cpu_second,
+                row.judge_perplexity / reference.judge_perplexity - 1,
+                row.unigram_entropy_bits / reference.unigram_entropy_bits - 1,
+                not any(
+                    other.tokens_per_cpu_second > row.tokens_per_cpu_second
+                    and other.judge_perplexity < row.judge_perplexity
+                    for other in self.rows
+                ),
+            )
+            for row in self.rows
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         relative = self.relative()
@@ -181,11 +209,20 @@ def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: t
         noisy = torch.full_like(clean, config.mask_token_id)
         logits = masked_logits(judge, noisy, torch.ones_like(clean, dtype=torch.bool), clean)
         return float(torch.nn.functional.cross_entropy(logits.double(), clean[0], reduction="mean"))
+
     def logits_fn(noisy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return masked_logits(judge, noisy, mask, clean)
 
-    mean, _ = elbo_nll(logits_fn, clean, config.mask_token_id, mc_samples, DEFAULT_MASK_EPS, generator,
-                       schedule=model_schedule(judge), block_size=block_size(config))  # fmt: skip
+    mean, _ = elbo_nll(
+        logits_fn,
+        clean,
+        config.mask_token_id,
+        mc_samples,
+        DEFAULT_MASK_EPS,
+        generator,
+        schedule=model_schedule(judge),
+        block_size=block_size(config),
+    )
     return float(mean[0])
 
 
@@ -207,8 +244,14 @@ def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 
     return total / max(count, 1)
 
 
-def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_samples: int,
-             result: SampleResult, cpu_seconds: float) -> GenerateRow:  # fmt: skip
+def _measure(
+    judge: Denoiser,
+    setting: dict[str, Any],
+    base: dict[str, Any],
+    mc_samples: int,
+    result: SampleResult,
+    cpu_seconds: float,
+) -> GenerateRow:
     options = base | setting
     generated = sum(result.lengths)
     per_sample = generated / max(len(result.lengths), 1)
@@ -217,14 +260,19 @@ def _measure(judge: Denoiser, setting: dict[str, Any], base: dict[str, Any], mc_
     fill_from = len(result.token_ids[0]) - result.lengths[0]  # the prompt, when there is one
     samples = [row[fill_from:] for row in result.token_ids]
     return GenerateRow(
-        setting=setting, generated_tokens=generated, seconds=result.seconds,
+        setting=setting,
+        generated_tokens=generated,
+        seconds=result.seconds,
         tokens_per_second=generated / result.seconds if result.seconds > 0 else math.inf,
         passes_per_token=result.forward_passes / per_sample,
         forward_tokens_per_token=result.forward_tokens / max(generated, 1),
-        judge_perplexity=math.exp(nll), unigram_entropy_bits=unigram_entropy(samples), example=result.texts[0][:120],
-        cpu_seconds=cpu_seconds, tokens_per_cpu_second=generated / cpu_seconds if cpu_seconds > 0 else math.inf,
+        judge_perplexity=math.exp(nll),
+        unigram_entropy_bits=unigram_entropy(samples),
+        example=result.texts[0][:120],
+        cpu_seconds=cpu_seconds,
+        tokens_per_cpu_second=generated / cpu_seconds if cpu_seconds > 0 else math.inf,
         distinct_2=distinct_ngrams(samples, 2),
-    )  # fmt: skip
+    )
 
 
 def benchmark_generation(
@@ -253,9 +301,11 @@ def benchmark_generation(
     length = context if length is None else length
     # Checked here, in bench's own words: generate would blame a --prompt that bench does not have.
     if length > context and not block_size(model.config):
-        raise UserError(f"--length ({length}) is more than the model's max_seq_len ({context})",
-                        fix="lower --length (default: the context), or bench a block model ([model] block_size), "
-                        "which generates past its context")  # fmt: skip
+        raise UserError(
+            f"--length ({length}) is more than the model's max_seq_len ({context})",
+            fix="lower --length (default: the context), or bench a block model ([model] block_size), "
+            "which generates past its context",
+        )
     # One step per token, or the steps a distilled student samples in (what `dlm sample` runs).
     steps = distilled_steps(model) or length
     base: dict[str, Any] = {"length": length, "steps": steps, "num_samples": num_samples, "seed": seed}
@@ -296,11 +346,17 @@ def report_table(report: GenerateReport) -> tuple[list[str], list[list[str]]]:
 
     headers = ["setting", "tokens/s", "passes/token", "fed/token", "judge ppl", "entropy (bits)", "distinct-2"]
     rows = [
-        [setting_label(row.setting), f"{row.tokens_per_second:.1f}",
-         f"{row.passes_per_token:.3f}", f"{row.forward_tokens_per_token:.1f}", f"{row.judge_perplexity:.2f}",
-         f"{row.unigram_entropy_bits:.3f}", f"{row.distinct_2:.3f}"]
+        [
+            setting_label(row.setting),
+            f"{row.tokens_per_second:.1f}",
+            f"{row.passes_per_token:.3f}",
+            f"{row.forward_tokens_per_token:.1f}",
+            f"{row.judge_perplexity:.2f}",
+            f"{row.unigram_entropy_bits:.3f}",
+            f"{row.distinct_2:.3f}",
+        ]
         for row in report.rows
-    ]  # fmt: skip
+    ]
     relative = report.relative()
     if relative is not None:
         headers[2:2] = ["x default", "x default (CPU s)"]

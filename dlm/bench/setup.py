@@ -144,8 +144,9 @@ def attention_backend(model: ModelConfig, device: torch.device, precision: str) 
     if choose is None:
         return sdpa_backend_name(device)
     try:
-        name = torch.nn.attention.SDPBackend(choose(*_attention_probe(model, device, precision), mask, 0.0,
-                                                    causal)).name  # fmt: skip
+        name = torch.nn.attention.SDPBackend(
+            choose(*_attention_probe(model, device, precision), mask, 0.0, causal)
+        ).name
     except RuntimeError:
         return "none (no kernel serves this shape)"
     label = _SDPA_NAMES.get(name, name.lower())

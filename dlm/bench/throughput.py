@@ -139,9 +139,13 @@ def _spread_pct(times: list[float], median: float) -> float:
 
 
 def _run_steps(
-    experiment: ExperimentConfig, device: torch.device, precision: str, steps: int, warmup: int,
+    experiment: ExperimentConfig,
+    device: torch.device,
+    precision: str,
+    steps: int,
+    warmup: int,
     step_type: type[TrainingStep] = TrainingStep,
-) -> tuple[TrainingStep, list[float], float, float]:  # fmt: skip
+) -> tuple[TrainingStep, list[float], float, float]:
     """Build the training step, run `warmup` then `steps` timed steps: (step, times, warmup s, mean loss)."""
 
     release_memory(device)
@@ -260,7 +264,14 @@ def run_benchmark(
     failure = None
     try:
         return _measure(
-            experiment, torch_device, precision, backend, steps, warmup, dict(settings or {}), measured_peak,
+            experiment,
+            torch_device,
+            precision,
+            backend,
+            steps,
+            warmup,
+            dict(settings or {}),
+            measured_peak,
             step_type,
         )
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:

@@ -78,8 +78,19 @@ def _root(
 
 
 # The order of registration is the order of `dlm --help`.
-_COMMANDS = (config_cmd, data_cmd, train_cmd, distill_cmd, eval_cmd, report_cmd, export_cmd, bench_cmd, sample_cmd,
-             serve_cmd, demo_cmd)  # fmt: skip
+_COMMANDS = (
+    config_cmd,
+    data_cmd,
+    train_cmd,
+    distill_cmd,
+    eval_cmd,
+    report_cmd,
+    export_cmd,
+    bench_cmd,
+    sample_cmd,
+    serve_cmd,
+    demo_cmd,
+)
 for _module in _COMMANDS:
     _module.register(app)
 

@@ -37,9 +37,7 @@ def _min_width(cells: list[str]) -> int:
     return max((len(word) for cell in cells for word in str(cell).split()), default=1)
 
 
-def fit_columns(
-    headers: list[str], rows: list[list[str]], width: int
-) -> tuple[list[str], list[list[str]], list[str]]:
+def fit_columns(headers: list[str], rows: list[list[str]], width: int) -> tuple[list[str], list[list[str]], list[str]]:
     """Drop columns in `_DROP_ORDER` until every header word fits whole in `width` (a box table
     takes 3 characters per column and 1 more); return the headers, rows and names left out."""
 
@@ -63,16 +61,25 @@ BenchConfigOption = Annotated[
 ]
 GenerateOption = Annotated[
     Path | None,
-    typer.Option("--generate", metavar="MODEL", help="Benchmark sampling from this exported model instead: "
-                 "tokens/s, forward passes per token, judge perplexity, unigram entropy and distinct bigrams "
-                 "per setting.",
-                 show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "--generate",
+        metavar="MODEL",
+        help="Benchmark sampling from this exported model instead: "
+        "tokens/s, forward passes per token, judge perplexity, unigram entropy and distinct bigrams "
+        "per setting.",
+        show_default=False,
+    ),
+]
 JudgeOption = Annotated[
     Path | None,
-    typer.Option("--judge", metavar="MODEL", help="With --generate: the model that scores the samples "
-                 "(default: the sampled model); a block_size = 1 model scores exact likelihoods.", show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "--judge",
+        metavar="MODEL",
+        help="With --generate: the model that scores the samples "
+        "(default: the sampled model); a block_size = 1 model scores exact likelihoods.",
+        show_default=False,
+    ),
+]
 LengthOption = Annotated[
     int | None, typer.Option("--length", min=1, help="With --generate: tokens per sample (default: the context).")
 ]
@@ -128,10 +135,21 @@ BenchPeakOption = Annotated[
 # Given to the other mode they are refused, never ignored. --steps counts optimizer steps: the
 # sampler's steps are a setting of --compare.
 MODE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "training": ("config", "overrides", "fused_attention", "steps", "warmup", "batch_size", "find_max_batch",
-                 "memory_limit", "measure_peak", "estimate", "device_memory"),
+    "training": (
+        "config",
+        "overrides",
+        "fused_attention",
+        "steps",
+        "warmup",
+        "batch_size",
+        "find_max_batch",
+        "memory_limit",
+        "measure_peak",
+        "estimate",
+        "device_memory",
+    ),
     "generation": ("judge", "length", "num_samples", "repeats", "seed"),
-}  # fmt: skip
+}
 
 
 def _check_mode_options(ctx: typer.Context, generating: bool) -> None:
@@ -140,8 +158,12 @@ def _check_mode_options(ctx: typer.Context, generating: bool) -> None:
         steps = "; the sampler's steps are a setting: --compare steps=N" if "steps" in given else ""
         refuse_other_mode(given, MODE_OPTIONS["training"], "to --generate, which times sampling", steps)
     else:
-        refuse_other_mode(given, MODE_OPTIONS["generation"], "without --generate (timing the training step)",
-                          ", or time sampling with --generate MODEL")  # fmt: skip
+        refuse_other_mode(
+            given,
+            MODE_OPTIONS["generation"],
+            "without --generate (timing the training step)",
+            ", or time sampling with --generate MODEL",
+        )
 
 
 def _generate_command(model_path: Path, judge_path: Path | None, options: dict[str, Any], as_json: bool) -> None:
@@ -165,10 +187,18 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
         print_json(benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options).to_dict())
         return
     with console.status("benchmarking generation") as status:
-        report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name,
-                                      progress=lambda text: status.update(escape(text)), **options)  # fmt: skip
-    console.print(f"{report.num_samples} samples of {report.length} tokens per setting, fastest of {report.repeats} "
-                  f"runs; judge: {escape(judge_name)}")  # fmt: skip
+        report = benchmark_generation(
+            model,
+            tokenizer,
+            judge=judge,
+            judge_name=judge_name,
+            progress=lambda text: status.update(escape(text)),
+            **options,
+        )
+    console.print(
+        f"{report.num_samples} samples of {report.length} tokens per setting, fastest of {report.repeats} "
+        f"runs; judge: {escape(judge_name)}"
+    )
     headers, rows = report_table(report)
     table = Table(*headers)
     for row in rows:
@@ -190,11 +220,15 @@ def _estimate_command(experiment: ExperimentConfig, device_memory: float | None,
     estimate = plan.estimate
     console.print(escape(f"{estimate.breakdown()}; {plan.precision}"), highlight=False)
     table = Table("memory", Column("estimate", justify="right"))
-    parts = {"weights": estimate.weights, "gradients": estimate.gradients,
-             f"{estimate.optimizer} state": estimate.optimizer_state, "EMA": estimate.ema,
-             "distillation teacher": estimate.teacher,
-             "activations (one micro-batch)": estimate.activations,
-             f"{plan.precision} weight copies": estimate.weight_copies}  # fmt: skip
+    parts = {
+        "weights": estimate.weights,
+        "gradients": estimate.gradients,
+        f"{estimate.optimizer} state": estimate.optimizer_state,
+        "EMA": estimate.ema,
+        "distillation teacher": estimate.teacher,
+        "activations (one micro-batch)": estimate.activations,
+        f"{plan.precision} weight copies": estimate.weight_copies,
+    }
     for name, size in parts.items():
         if size or name == "weights":
             table.add_row(escape(name), format_bytes(size))
@@ -251,8 +285,11 @@ def bench_command(
 
     experiment = load_config(config, overrides)
     if estimate:
-        timing = tuple(name for name in MODE_OPTIONS["training"] if name not in ("config", "overrides", "estimate",
-                                                                                 "device_memory"))  # fmt: skip
+        timing = tuple(
+            name
+            for name in MODE_OPTIONS["training"]
+            if name not in ("config", "overrides", "estimate", "device_memory")
+        )
         refuse_other_mode(given_options(ctx), (*timing, "compare", "device"), "to --estimate, which runs no step")
         return _estimate_command(experiment, device_memory, as_json)
     if device_memory is not None:

@@ -21,9 +21,11 @@ def plan_line(event: dict[str, Any]) -> str:
     """The plan in one line, from a calibrate stage event (which carries the plan's fields)."""
 
     minutes = event["budget_seconds"] / 60
-    return (f"plan: {event['max_steps']} steps at {event['seconds_per_step']:.3g} s per step ({event['rate_source']}), "
-            f"warmup {event['warmup_steps']}, validation every {event['eval_interval']}, checkpoint every "
-            f"{event['save_interval']}: the cosine reaches its floor within {minutes:g} minutes")  # fmt: skip
+    return (
+        f"plan: {event['max_steps']} steps at {event['seconds_per_step']:.3g} s per step ({event['rate_source']}), "
+        f"warmup {event['warmup_steps']}, validation every {event['eval_interval']}, checkpoint every "
+        f"{event['save_interval']}: the cosine reaches its floor within {minutes:g} minutes"
+    )
 
 
 class BudgetView:
@@ -55,8 +57,10 @@ class BudgetView:
         elif kind == "budget_replan":
             if self.dashboard is not None:
                 self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
-            self.print(f"[dim]step {event['step']}: {event['seconds_per_step']:.3g} s per step, the schedule now "
-                       f"ends at step {event['max_steps']} (was {event['previous_max_steps']})[/]")  # fmt: skip
+            self.print(
+                f"[dim]step {event['step']}: {event['seconds_per_step']:.3g} s per step, the schedule now "
+                f"ends at step {event['max_steps']} (was {event['previous_max_steps']})[/]"
+            )
 
     def _stage(self, event: dict[str, Any]) -> None:
         stage, status = event["stage"], event["status"]
@@ -76,9 +80,13 @@ class BudgetView:
 
         minutes = f"{plan.budget_seconds / 60:g} minutes"
         if result is None:
-            self.print(f"[bold]already trained[/] to step {step} of {plan.max_steps} within {minutes}; a larger "
-                       "--minutes continues it")  # fmt: skip
+            self.print(
+                f"[bold]already trained[/] to step {step} of {plan.max_steps} within {minutes}; a larger "
+                "--minutes continues it"
+            )
             return
         how = {"complete": f"complete within {minutes}", "paused": f"the {minutes} ran out"}
-        self.print(f"[bold]{how.get(result.status, result.status)}[/] at step {result.step} of {plan.max_steps}; "
-                   f"checkpoint {escape(str(result.checkpoint))}")  # fmt: skip
+        self.print(
+            f"[bold]{how.get(result.status, result.status)}[/] at step {result.step} of {plan.max_steps}; "
+            f"checkpoint {escape(str(result.checkpoint))}"
+        )

@@ -81,4 +81,3 @@ def refuse_other_mode(given: dict[str, str], names: tuple[str, ...], mode: str, 
     if wrong:
         flags = ", ".join(wrong)
         raise UserError(f"{flags} {'does' if len(wrong) == 1 else 'do'} not apply {mode}", fix=f"drop {flags}{fix}")
-

@@ -38,9 +38,7 @@ def show(
 
 @config_app.command("docs")
 def docs(
-    output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")
-    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
 ) -> None:
     """Generate the configuration reference (docs/configuration.md) from the schema."""
 

@@ -190,8 +190,13 @@ class TrainingDashboard:
         table.add_column(ratio=1)
         for _ in range(3):
             table.add_column(no_wrap=True, justify="right")
-        table.add_row(f"[bold]step[/] {self.step}/{self.max_steps or '-'}", ProgressBar(total=1.0, completed=fraction),
-                      f"{fraction:>6.1%}", clock, f"eta {_duration(eta)}")  # fmt: skip
+        table.add_row(
+            f"[bold]step[/] {self.step}/{self.max_steps or '-'}",
+            ProgressBar(total=1.0, completed=fraction),
+            f"{fraction:>6.1%}",
+            clock,
+            f"eta {_duration(eta)}",
+        )
         return table
 
     def _pace_warning(self) -> Text | None:
@@ -262,8 +267,12 @@ class TrainingDashboard:
             rows.append(Text(self.start.precision_note, style="yellow"))
         if self.budget is not None and self.planned_seconds_per_step and self.max_steps:
             replanned = f", re-planned {self.replans}x" if self.replans else ""
-            rows.append(Text(f"plan: step {self.max_steps} at {self.planned_seconds_per_step:.3g} s per step"
-                             f"{replanned}", style="dim"))  # fmt: skip
+            rows.append(
+                Text(
+                    f"plan: step {self.max_steps} at {self.planned_seconds_per_step:.3g} s per step{replanned}",
+                    style="dim",
+                )
+            )
         warning = self._pace_warning()
         if warning is not None:
             rows.append(warning)

@@ -148,9 +148,12 @@ def pack(
     overwrite: OverwriteOption = False,
     chat: Annotated[
         bool,
-        typer.Option("--chat", help="Instruction data: JSONL (or Parquet, saved datasets) of prompt/response or "
-                     "messages, one example per block, with a loss mask that leaves the prompt out (see "
-                     "docs/finetune.md)."),
+        typer.Option(
+            "--chat",
+            help="Instruction data: JSONL (or Parquet, saved datasets) of prompt/response or "
+            "messages, one example per block, with a loss mask that leaves the prompt out (see "
+            "docs/finetune.md).",
+        ),
     ] = False,
     long: Annotated[
         str, typer.Option("--long", help="--chat: an example longer than a block is truncated or dropped (counted).")
@@ -166,8 +169,18 @@ def pack(
 
     _check_mode_options(ctx, chat)
     if chat:
-        _pack_chat(inputs or [], tokenizer, seq_len, output, val_input or [], val_fraction, seed,
-                   long, overwrite, wants_json(as_json))  # fmt: skip
+        _pack_chat(
+            inputs or [],
+            tokenizer,
+            seq_len,
+            output,
+            val_input or [],
+            val_fraction,
+            seed,
+            long,
+            overwrite,
+            wants_json(as_json),
+        )
         return
     from dlm.data.mixture import parse_source
     from dlm.data.pack import pack_corpus
@@ -204,31 +217,55 @@ PLAIN_ONLY = ("source", "text_field", "errors")  # --chat reads the fields of dl
 def _check_mode_options(ctx: typer.Context, chat: bool) -> None:
     names = given_options(ctx)
     if "mask_padding" in names:
-        raise UserError("--mask-padding was removed: it left the padding visible and unlearned, which shows the "
-                        "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",
-                        fix="drop it: the padding is learned as end-of-document tokens, which is how the model "
-                        "learns to stop")  # fmt: skip
+        raise UserError(
+            "--mask-padding was removed: it left the padding visible and unlearned, which shows the "
+            "model in training where each reply ends, as it never sees when sampling (docs/finetune.md)",
+            fix="drop it: the padding is learned as end-of-document tokens, which is how the model learns to stop",
+        )
     if chat:
         refuse_other_mode(names, PLAIN_ONLY, "to --chat")
     else:
         refuse_other_mode(names, CHAT_ONLY, "to a plain pack (without --chat)", ", or pass --chat")
 
 
-def _pack_chat(inputs: list[str], tokenizer: Path, seq_len: int, output: Path, val_inputs: list[str],
-               val_fraction: float, seed: int, long: str, overwrite: bool, json_mode: bool) -> None:
+def _pack_chat(
+    inputs: list[str],
+    tokenizer: Path,
+    seq_len: int,
+    output: Path,
+    val_inputs: list[str],
+    val_fraction: float,
+    seed: int,
+    long: str,
+    overwrite: bool,
+    json_mode: bool,
+) -> None:
     from dlm.data.chat_pack import pack_chat
 
-    splits = pack_chat([Path(p) for p in inputs], tokenizer, seq_len, output, val_inputs=[Path(p) for p in val_inputs],
-                       val_fraction=val_fraction, seed=seed, long=long, overwrite=overwrite)  # type: ignore[arg-type]  # fmt: skip
+    splits = pack_chat(
+        [Path(p) for p in inputs],
+        tokenizer,
+        seq_len,
+        output,
+        val_inputs=[Path(p) for p in val_inputs],
+        val_fraction=val_fraction,
+        seed=seed,
+        long=long,  # type: ignore[arg-type]
+        overwrite=overwrite,
+    )
     if json_mode:
         print_json({"event": "summary", "output": str(output), "chat": True, "splits": splits})
         return
     for name, counts in splits.items():
-        console.print(f"{name}: {counts['examples']:,} examples ({counts['truncated']:,} truncated, "
-                      f"{counts['dropped']:,} dropped), {counts['loss_tokens']:,} loss tokens", highlight=False)
+        console.print(
+            f"{name}: {counts['examples']:,} examples ({counts['truncated']:,} truncated, "
+            f"{counts['dropped']:,} dropped), {counts['loss_tokens']:,} loss tokens",
+            highlight=False,
+        )
         if counts["empty"]:
-            console.print(f"[yellow]{name}: skipped {_count(counts['empty'], 'example')} with an empty reply[/]",
-                          highlight=False)  # fmt: skip
+            console.print(
+                f"[yellow]{name}: skipped {_count(counts['empty'], 'example')} with an empty reply[/]", highlight=False
+            )
 
 
 def _render_pack(summary: PackSummary) -> None:

@@ -34,8 +34,11 @@ def demo_command(
     config: DemoConfigOption = None,
     distill_minutes: Annotated[
         float | None,
-        typer.Option("--distill-minutes", help="Then distil the model into a few-step student (dlm distill) within "
-                     "this budget, and show its sample beside the model's, with passes and time."),
+        typer.Option(
+            "--distill-minutes",
+            help="Then distil the model into a few-step student (dlm distill) within "
+            "this budget, and show its sample beside the model's, with passes and time.",
+        ),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -58,8 +61,9 @@ def demo_command(
     json_mode = wants_json(as_json)
     view = None if json_mode else DemoView()
     try:
-        result = run_demo(output, minutes, device, config, JsonLinesSink() if view is None else view,
-                          distill_minutes=distill_minutes)  # fmt: skip
+        result = run_demo(
+            output, minutes, device, config, JsonLinesSink() if view is None else view, distill_minutes=distill_minutes
+        )
     except KeyboardInterrupt:
         # Outside training (which saves and returns on Ctrl-C): finished stages are kept on disk.
         err_console.print("interrupted: run the same command again to continue", highlight=False)
@@ -73,14 +77,21 @@ def demo_command(
     if view is not None:
         bpb = f"{result.bits_per_byte:.3f} bits per byte" if result.bits_per_byte is not None else "done"
         # soft_wrap: the model path and the command are copied, so they never break at the terminal's width.
-        console.print(f"[bold]done[/] in {result.seconds / 60:.1f} minutes: {bpb} on the held-out plays; model in "
-                      f"{escape(str(result.model_dir))}", highlight=False, soft_wrap=True)  # fmt: skip
+        console.print(
+            f"[bold]done[/] in {result.seconds / 60:.1f} minutes: {bpb} on the held-out plays; model in "
+            f"{escape(str(result.model_dir))}",
+            highlight=False,
+            soft_wrap=True,
+        )
         if result.verdict is not None:
             console.print(f"[bold yellow]warning:[/] {escape(result.verdict)}", highlight=False)
         if result.sample_quality:
             console.print(sample_quality_line(result.sample_quality), highlight=False)
-        console.print(f'try: dlm sample {escape(str(result.model_dir))} --prompt "ROMEO:" --length '
-                      f"{result.sample_length}", highlight=False, soft_wrap=True)  # fmt: skip
+        console.print(
+            f'try: dlm sample {escape(str(result.model_dir))} --prompt "ROMEO:" --length {result.sample_length}',
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -65,8 +65,9 @@ def comparison_renderable(event: dict[str, Any]) -> RenderableType:
     table = Table(title=f"{escape(event['prompt'])} (the same seed)", expand=True)
     for name in ("teacher", "student"):
         side = event[name]
-        table.add_column(f"{name}: {side['steps']} steps, {side['forward_passes']} passes, {side['seconds']:.2f} s",
-                         ratio=1)  # fmt: skip
+        table.add_column(
+            f"{name}: {side['steps']} steps, {side['forward_passes']} passes, {side['seconds']:.2f} s", ratio=1
+        )
     table.add_row(escape(event["teacher"]["text"]), escape(event["student"]["text"]))
     return table
 
@@ -74,9 +75,11 @@ def comparison_renderable(event: dict[str, Any]) -> RenderableType:
 def sample_quality_line(quality: dict[str, Any]) -> str:
     """The samples' words in one line: how dense (beside real held-out text) and how real."""
 
-    return (f"samples: {quality['words_per_token']:.2f} words per generated token (the held-out plays: "
-            f"{quality['held_out_words_per_token']:.2f}); {quality['known_word_share']:.0%} of their "
-            f"{quality['words']} words occur in the training plays")  # fmt: skip
+    return (
+        f"samples: {quality['words_per_token']:.2f} words per generated token (the held-out plays: "
+        f"{quality['held_out_words_per_token']:.2f}); {quality['known_word_share']:.0%} of their "
+        f"{quality['words']} words occur in the training plays"
+    )
 
 
 class DemoView:
@@ -107,15 +110,22 @@ class DemoView:
         elif kind == "demo_progress" and self.progress is not None:
             self.progress.update(self.task, completed=event["done"], total=event["total"])
         elif kind == "demo_start":
-            console.print(f"[bold]dlm demo[/] in {escape(event['output'])} on {event['device']}, "
-                          f"{event['minutes']:g} minutes of training", highlight=False, soft_wrap=True)  # fmt: skip
+            console.print(
+                f"[bold]dlm demo[/] in {escape(event['output'])} on {event['device']}, "
+                f"{event['minutes']:g} minutes of training",
+                highlight=False,
+                soft_wrap=True,
+            )
         elif kind == "demo_note":
             console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
         elif kind == "demo_replan":
             if self.dashboard is not None:
                 self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
-            console.print(f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
-                          f"now ends at step {event['max_steps']}[/]", highlight=False)  # fmt: skip
+            console.print(
+                f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
+                f"now ends at step {event['max_steps']}[/]",
+                highlight=False,
+            )
         elif kind == "demo_sample":
             self.samples.append(event)
         elif kind == "demo_compare":
@@ -137,8 +147,14 @@ class DemoView:
         elif status == "running" and stage == "distill":  # `--distill-minutes`: its own training run
             self.dashboard = TrainingDashboard(console).__enter__()
         elif status == "running":
-            self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-                                     TaskProgressColumn(), TimeElapsedColumn(), console=console)  # fmt: skip
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            )
             self.progress.start()
             self.task = self.progress.add_task(f"{stage}: {escape(event.get('detail', ''))}", total=None)
         else:

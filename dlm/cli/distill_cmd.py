@@ -107,31 +107,47 @@ def distill_command(
 
     from dlm.distill.run import distillation_experiment
 
-    distill = {"teacher_steps": teacher_steps, "rounds": rounds, "steps_per_round": steps_per_round,
-               "divergence": divergence, "method": method, "certainty_weight": certainty_weight}  # fmt: skip
+    distill = {
+        "teacher_steps": teacher_steps,
+        "rounds": rounds,
+        "steps_per_round": steps_per_round,
+        "divergence": divergence,
+        "method": method,
+        "certainty_weight": certainty_weight,
+    }
     settings = _overrides(overrides, device, precision)
     if minutes is not None:
-        refuse_other_mode(given_options(ctx), ("steps_per_round", "max_run_minutes"),
-                          "with --minutes, which sets the steps of each round and stops the run in time")  # fmt: skip
+        refuse_other_mode(
+            given_options(ctx),
+            ("steps_per_round", "max_run_minutes"),
+            "with --minutes, which sets the steps of each round and stops the run in time",
+        )
     data = _data(teacher, data, teacher_samples, output, overwrite, as_json)
     if minutes is None:
         experiment = distillation_experiment(teacher, data, output, distill, settings)
     else:
         experiment, seconds_left = _plan(teacher, data, output, distill, settings, minutes, as_json)
         max_run_minutes = seconds_left / 60
-    _run(experiment, as_json, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes, overwrite=overwrite,
-         allow_data_change=allow_data_change)  # fmt: skip
+    _run(
+        experiment,
+        as_json,
+        max_run_steps=max_run_steps,
+        max_run_minutes=max_run_minutes,
+        overwrite=overwrite,
+        allow_data_change=allow_data_change,
+    )
 
 
-def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, overwrite: bool,
-          as_json: bool) -> Path:  # fmt: skip
+def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, overwrite: bool, as_json: bool) -> Path:
     """--data, or the packed directory of --teacher-samples (written now, with a progress bar)."""
 
     from dlm.errors import UserError
 
     if (data is None) == (samples is None):
-        raise UserError("give one of --data (packed text) and --teacher-samples N (the teacher's own samples)",
-                        fix="for example --data runs/demo/data, or --teacher-samples 2048")  # fmt: skip
+        raise UserError(
+            "give one of --data (packed text) and --teacher-samples N (the teacher's own samples)",
+            fix="for example --data runs/demo/data, or --teacher-samples 2048",
+        )
     if samples is None:
         assert data is not None
         return data
@@ -145,15 +161,19 @@ def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, o
         def progress(done: int, total: int) -> None:
             rate = done / view.elapsed
             eta = (total - done) / rate if rate > 0 else None
-            view.show(done, total, f"{rate:.1f} samples/s  ETA {eta:.0f}s" if eta is not None else "",
-                      {"stage": "teacher_samples", "samples": done, "total": total, "samples_per_s": rate,
-                       "eta_s": eta})  # fmt: skip
+            view.show(
+                done,
+                total,
+                f"{rate:.1f} samples/s  ETA {eta:.0f}s" if eta is not None else "",
+                {"stage": "teacher_samples", "samples": done, "total": total, "samples_per_s": rate, "eta_s": eta},
+            )
 
         return teacher_samples(teacher, samples, output, overwrite=overwrite, progress=progress)
 
 
-def _plan(teacher: Path, data: Path, output: Path, distill: dict[str, Any], settings: list[str], minutes: float,
-          as_json: bool) -> tuple[ExperimentConfig, float]:  # fmt: skip
+def _plan(
+    teacher: Path, data: Path, output: Path, distill: dict[str, Any], settings: list[str], minutes: float, as_json: bool
+) -> tuple[ExperimentConfig, float]:
     """The experiment with its rounds planned to fill `minutes`; say what was planned (a JSON line with --json)."""
 
     from functools import partial
@@ -162,8 +182,16 @@ def _plan(teacher: Path, data: Path, output: Path, distill: dict[str, Any], sett
     from dlm.distill.budget import budgeted_experiment
     from dlm.distill.step import DistillStep
 
-    plan = partial(budgeted_experiment, teacher, data, output, minutes, partial(run_benchmark, step_type=DistillStep),
-                   distill, settings)  # fmt: skip
+    plan = partial(
+        budgeted_experiment,
+        teacher,
+        data,
+        output,
+        minutes,
+        partial(run_benchmark, step_type=DistillStep),
+        distill,
+        settings,
+    )
     if wants_json(as_json):
         experiment, seconds_left = plan()
     else:
@@ -172,8 +200,15 @@ def _plan(teacher: Path, data: Path, output: Path, distill: dict[str, Any], sett
     assert experiment.distill is not None
     rounds, steps = experiment.distill.rounds, experiment.distill.steps_per_round
     if wants_json(as_json):
-        print_json({"event": "distill_plan", "minutes": minutes, "steps_per_round": steps, "rounds": rounds,
-                    "seconds_left": round(seconds_left, 1)})  # fmt: skip
+        print_json(
+            {
+                "event": "distill_plan",
+                "minutes": minutes,
+                "steps_per_round": steps,
+                "rounds": rounds,
+                "seconds_left": round(seconds_left, 1),
+            }
+        )
     else:
         console.print(f"plan: {rounds} rounds of {steps} steps in {seconds_left / 60:.1f} minutes", highlight=False)
     return experiment, seconds_left

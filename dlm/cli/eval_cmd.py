@@ -17,7 +17,6 @@ from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_con
 from dlm.cli.progress import ProgressView
 
 if TYPE_CHECKING:
-
     from dlm.evaluation.evaluate import EvalReport
 
 
@@ -82,8 +81,11 @@ def render_report(report: EvalReport) -> None:
     bits_note = "" if report.bytes is None else "exact UTF-8 bytes of the scored tokens"
     table.add_row("bits per byte", _with_error(report.bits_per_byte, report.bits_per_byte_stderr), bits_note)
     if report.unigram_bits_per_byte is not None:
-        table.add_row("unigram level (bits / byte)", _figure(report.unigram_bits_per_byte),
-                      "training token frequencies, no context")  # fmt: skip
+        table.add_row(
+            "unigram level (bits / byte)",
+            _figure(report.unigram_bits_per_byte),
+            "training token frequencies, no context",
+        )
     console.print(table)
     if report.bits_per_byte is not None:  # the counts behind the figure, so that anyone can recompute it
         console.print(

@@ -44,8 +44,11 @@ def report_command(
     if wants_json(as_json):
         print_json({"output": str(path), "bytes": size})
         return
-    console.print(f"wrote [bold]{escape(str(path))}[/] ({size / 1e6:.1f} MB): open it in a browser", highlight=False,
-                  soft_wrap=True)  # fmt: skip
+    console.print(
+        f"wrote [bold]{escape(str(path))}[/] ({size / 1e6:.1f} MB): open it in a browser",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def register(app: typer.Typer) -> None:

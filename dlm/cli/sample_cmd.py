@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 MASK_GLYPH = "░"
 
 
-def render_samples(tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int,
-                   steps: int | None) -> RenderableType:  # fmt: skip
+def render_samples(
+    tokenizer: Any, tokens: torch.Tensor, mask_token_id: int, step: int, steps: int | None
+) -> RenderableType:
     """One panel per sample: known text as is, each masked token as a dim block character. `steps`
     None counts tokens instead (an autoregressive model's step is one token)."""
 
@@ -212,13 +213,19 @@ class SampleRequest:
         """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_sample`),
         prompt aside."""
 
-        settings = {"length": self.length, "num_samples": self.num_samples, "seed": self.seed,
-                    "stop_at_end": self.stop_at_end, "device": self.device}  # fmt: skip
+        settings = {
+            "length": self.length,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "stop_at_end": self.stop_at_end,
+            "device": self.device,
+        }
         return asdict(self.options) | settings | ({"steps": None} if self.model_steps else {})
 
 
-def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, prompt_file: Path | None,
-                   temperature: float) -> None:  # fmt: skip
+def _refuse_unused(
+    ctx: typer.Context, *, text: str | None, chat: str | None, prompt_file: Path | None, temperature: float
+) -> None:
     """One `error:` line for an option given on the command line that the request would ignore."""
 
     from dlm.errors import UserError
@@ -230,20 +237,34 @@ def _refuse_unused(ctx: typer.Context, *, text: str | None, chat: str | None, pr
         raise UserError("--batch-size applies to --prompt-file only", fix="drop it, or sample a --prompt-file")
     if chat is not None and given & {"prompt", "text"}:
         flag = "--prompt" if "prompt" in given else "--text"
-        raise UserError(f"--chat cannot be combined with {flag}: the question is the prompt",
-                        fix="pass the question to --chat alone")  # fmt: skip
+        raise UserError(
+            f"--chat cannot be combined with {flag}: the question is the prompt",
+            fix="pass the question to --chat alone",
+        )
     if text is not None and "length" in given:
-        raise UserError("--length does nothing with --text: its [MASK*N] spans say how many tokens to generate",
-                        fix="drop --length, or change the spans")  # fmt: skip
+        raise UserError(
+            "--length does nothing with --text: its [MASK*N] spans say how many tokens to generate",
+            fix="drop --length, or change the spans",
+        )
     if temperature == 0:
         for name, flag in (("top_k", "--top-k"), ("top_p", "--top-p")):
             if name in given:
-                raise UserError(f"{flag} does nothing at --temperature 0, which takes the most likely token",
-                                fix=f"drop {flag}, or sample with a temperature above 0")  # fmt: skip
+                raise UserError(
+                    f"{flag} does nothing at --temperature 0, which takes the most likely token",
+                    fix=f"drop {flag}, or sample with a temperature above 0",
+                )
 
 
-def sample_request(ctx: typer.Context, *, prompt: str, text: str | None, chat: str | None,
-                   prompt_file: Path | None, device: str, **values: Any) -> SampleRequest:  # fmt: skip
+def sample_request(
+    ctx: typer.Context,
+    *,
+    prompt: str,
+    text: str | None,
+    chat: str | None,
+    prompt_file: Path | None,
+    device: str,
+    **values: Any,
+) -> SampleRequest:
     """The checked request of `dlm sample`'s options: `values` are the `SamplingOptions` fields and
     length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads."""
 
@@ -325,18 +346,35 @@ def sample(
     """
 
     request = sample_request(
-        ctx, prompt=prompt, text=text, chat=chat, prompt_file=prompt_file, device=device, length=length, steps=steps,
-        num_samples=num_samples, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-        block_length=block_length, stop_at_end=stop_at_end, threshold=threshold, cache=cache,
-        reveal_split=reveal_split, batch_size=batch_size,
-    )  # fmt: skip
+        ctx,
+        prompt=prompt,
+        text=text,
+        chat=chat,
+        prompt_file=prompt_file,
+        device=device,
+        length=length,
+        steps=steps,
+        num_samples=num_samples,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        remasking=remasking,
+        block_length=block_length,
+        stop_at_end=stop_at_end,
+        threshold=threshold,
+        cache=cache,
+        reveal_split=reveal_split,
+        batch_size=batch_size,
+    )
     if chat is not None:
         from dlm.artifacts.loading import load_model_with_info
         from dlm.sampling.chat import chat_sample
 
         loaded = load_model_with_info(model_path, device=request.device)
-        replies, result = chat_sample(loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat,
-                                      **request.generate_kwargs())  # fmt: skip
+        replies, result = chat_sample(
+            loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat, **request.generate_kwargs()
+        )
         # The fields of plain sampling's --json, and the replies alone (texts hold the templated prompt too).
         print_json({"replies": replies, **result.to_dict()}) if as_json else typer.echo("\n".join(replies))
         return
@@ -367,8 +405,9 @@ def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: Sam
 
     from dlm.sampling.generation import generate_records
 
-    for record in generate_records(model, tokenizer, prompts, batch_size=request.batch_size,
-                                   **request.generate_kwargs()):  # fmt: skip
+    for record in generate_records(
+        model, tokenizer, prompts, batch_size=request.batch_size, **request.generate_kwargs()
+    ):
         typer.echo(json.dumps(record, ensure_ascii=False))  # click's echo flushes: out as its batch ends
 
 

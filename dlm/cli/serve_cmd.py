@@ -27,18 +27,26 @@ HostOption = Annotated[str, typer.Option("--host", help="Address to listen on; 0
 PortOption = Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")]
 ApiKeyOption = Annotated[
     str | None,
-    typer.Option("--api-key", envvar="DLM_API_KEY", show_envvar=True, show_default=False,
-                 help="Require 'Authorization: Bearer KEY' on every request but /health."),
-]  # fmt: skip
+    typer.Option(
+        "--api-key",
+        envvar="DLM_API_KEY",
+        show_envvar=True,
+        show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every request but /health.",
+    ),
+]
 DtypeOption = Annotated[ServeDtype, typer.Option("--dtype", help="The dtype the model computes in (auto: as stored).")]
 NameOption = Annotated[
     str | None, typer.Option("--name", help="The model's id in requests (default: MODEL's name).", show_default=False)
 ]
 MaxTokensOption = Annotated[
     int | None,
-    typer.Option("--max-tokens", show_default=False,
-                 help="Most tokens a request may generate (default: the model's context; a block model's window)."),
-]  # fmt: skip
+    typer.Option(
+        "--max-tokens",
+        show_default=False,
+        help="Most tokens a request may generate (default: the model's context; a block model's window).",
+    ),
+]
 MaxNOption = Annotated[int, typer.Option("--max-n", help="Most samples (n) or prompts per request.")]
 MaxPromptOption = Annotated[
     int | None,
@@ -49,15 +57,20 @@ MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiti
 MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) of the requests run together.")]
 BatchWaitOption = Annotated[
     float,
-    typer.Option("--batch-wait", help="Milliseconds the oldest request waits for others to start with it, when "
-                 "nothing runs."),
+    typer.Option(
+        "--batch-wait", help="Milliseconds the oldest request waits for others to start with it, when nothing runs."
+    ),
 ]
 GraceOption = Annotated[float, typer.Option("--grace", help="Seconds a shutdown waits for the requests it holds.")]
 RequestTimeoutOption = Annotated[
     float | None,
-    typer.Option("--request-timeout", show_default=False, help="Seconds a request may take from its arrival to "
-                 "its answer; past them it leaves its batch and gets 504 (default: no deadline)."),
-]  # fmt: skip
+    typer.Option(
+        "--request-timeout",
+        show_default=False,
+        help="Seconds a request may take from its arrival to "
+        "its answer; past them it leaves its batch and gets 504 (default: no deadline).",
+    ),
+]
 
 
 def serve_command(
@@ -84,11 +97,24 @@ def serve_command(
     from dlm.serving.protocol import Limits
     from dlm.serving.server import Server, ServeSettings, check_requirements, load_served
 
-    limits = Limits(max_tokens=max_tokens, max_n=max_n, max_prompt_tokens=max_prompt_tokens,
-                    max_body_bytes=max_body_bytes, request_timeout=request_timeout)  # fmt: skip
-    settings = ServeSettings(host=host, port=port, api_key=api_key, limits=limits, max_queue=max_queue,
-                             max_batch_rows=max_batch, batch_wait=batch_wait / 1000, grace_seconds=grace,
-                             name=name)  # fmt: skip
+    limits = Limits(
+        max_tokens=max_tokens,
+        max_n=max_n,
+        max_prompt_tokens=max_prompt_tokens,
+        max_body_bytes=max_body_bytes,
+        request_timeout=request_timeout,
+    )
+    settings = ServeSettings(
+        host=host,
+        port=port,
+        api_key=api_key,
+        limits=limits,
+        max_queue=max_queue,
+        max_batch_rows=max_batch,
+        batch_wait=batch_wait / 1000,
+        grace_seconds=grace,
+        name=name,
+    )
     check_requirements()
     served = load_served(model, device=device, dtype=dtype, name=name)
     from dlm.cli.serve_view import ServeConsole
@@ -101,14 +127,16 @@ def serve_command(
 
     server = Server(served, settings, on_request=request)
     live = not wants_json(json_output) and sys.stderr.isatty()
-    view = ServeConsole(server.scheduler.stats, live=live, url=f"http://{host}:{port}", model=served.name,
-                        console=console)  # fmt: skip
+    view = ServeConsole(
+        server.scheduler.stats, live=live, url=f"http://{host}:{port}", model=served.name, console=console
+    )
 
     def started() -> None:
         assert view is not None
         if api_key is None and not _is_loopback(host):
-            err_console.print(f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it "
-                              "can use it")
+            err_console.print(
+                f"[yellow]warning:[/] serving on {host} without --api-key: anyone who reaches it can use it"
+            )
         view.url = f"http://{host}:{server.port}"
         view.start()
 

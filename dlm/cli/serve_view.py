@@ -49,8 +49,11 @@ class ServeConsole:
         if not self.live_view:
             self._emit(record)
         elif record["status"] >= 400:
-            self.console.print(f"[yellow]{record['status']}[/] {record['method']} {record['path']} "
-                               f"request {record['id']} ({record['seconds']:.3f} s)", highlight=False)  # fmt: skip
+            self.console.print(
+                f"[yellow]{record['status']}[/] {record['method']} {record['path']} "
+                f"request {record['id']} ({record['seconds']:.3f} s)",
+                highlight=False,
+            )
 
     def start(self) -> None:
         if self.live_view:
@@ -69,13 +72,19 @@ class ServeConsole:
             ("tokens/s", f"{snapshot.tokens_per_second:,.1f}  {sparkline(self._rates, 40)}"),
             ("batch occupancy", f"{snapshot.occupancy:.0%} of the rows a pass holds ({snapshot.passes} passes)"),
             ("latency p50 / p99", f"{_seconds(snapshot.p50_seconds)} / {_seconds(snapshot.p99_seconds)}"),
-            ("answered / 429 / dropped (left a batch) / errors",
-             f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} ({snapshot.left}) / {snapshot.errors}"),
-        ]  # fmt: skip
+            (
+                "answered / 429 / dropped (left a batch) / errors",
+                f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} ({snapshot.left}) / {snapshot.errors}",
+            ),
+        ]
         for name, value in rows:
             table.add_row(name, value)
-        return Panel(Group(table), title=f"dlm serve {self.model} at {self.url}", title_align="left",
-                     subtitle="Ctrl-C or SIGTERM: finish what is running, then stop")  # fmt: skip
+        return Panel(
+            Group(table),
+            title=f"dlm serve {self.model} at {self.url}",
+            title_align="left",
+            subtitle="Ctrl-C or SIGTERM: finish what is running, then stop",
+        )
 
     def _loop(self) -> None:
         last: dict[str, Any] | None = None

@@ -105,8 +105,11 @@ def _under_signals(experiment: ExperimentConfig, work: Callable[[StopSignals], N
             work(signals)
     except SignalStop as stop:
         again = again or f"dlm resume {escape(str(experiment.training.output_dir))}"
-        err_console.print(f"{stop}: stopped without saving; continue from the last checkpoint with: {again}",
-                          highlight=False, soft_wrap=True)  # fmt: skip
+        err_console.print(
+            f"{stop}: stopped without saving; continue from the last checkpoint with: {again}",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C in the instant before the handlers are installed
         sys.exit(130)
@@ -165,8 +168,14 @@ def _train_within(
 
     view = None if wants_json(as_json) else BudgetView(console)
     try:
-        training = BudgetedTraining(experiment, minutes, calibrate=run_benchmark, stop=stop,
-                                    emit=JsonLinesSink() if view is None else view, **options)  # fmt: skip
+        training = BudgetedTraining(
+            experiment,
+            minutes,
+            calibrate=run_benchmark,
+            stop=stop,
+            emit=JsonLinesSink() if view is None else view,
+            **options,
+        )
         plan, step, result = training.run()
     finally:
         if view is not None:
@@ -189,9 +198,13 @@ def _check_budget_options(ctx: typer.Context, overrides: list[str], source: str)
 
     from_config = source != "--minutes"
     drop = "--set training.budget_minutes=0" if from_config else "--minutes"
-    refuse_other_mode(given_options(ctx), BUDGET_CONFLICTS, f"with {source}, which plans, stops and continues "
-                      "the run itself (the same command finishes an interrupted run)",
-                      fix=f", or add {drop} to train a fixed number of steps" if from_config else "")  # fmt: skip
+    refuse_other_mode(
+        given_options(ctx),
+        BUDGET_CONFLICTS,
+        f"with {source}, which plans, stops and continues "
+        "the run itself (the same command finishes an interrupted run)",
+        fix=f", or add {drop} to train a fixed number of steps" if from_config else "",
+    )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by torchrun: the plan is one process's
         raise UserError(
             f"{source} trains in one process, and this is one of several started by torchrun",
@@ -265,12 +278,21 @@ def train_command(
 
         experiment = adopt_source_model(experiment, extra)
     if minutes is not None:
-        work = partial(_train_within, experiment, minutes, as_json, overwrite=overwrite,
-                       allow_data_change=allow_data_change)  # fmt: skip
+        work = partial(
+            _train_within, experiment, minutes, as_json, overwrite=overwrite, allow_data_change=allow_data_change
+        )
         _under_signals(experiment, work, again="the same command again")
         return
-    _run(experiment, as_json, resume=resume, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
-         overwrite=overwrite, allow_data_change=allow_data_change, allow_batch_change=allow_batch_change)  # fmt: skip
+    _run(
+        experiment,
+        as_json,
+        resume=resume,
+        max_run_steps=max_run_steps,
+        max_run_minutes=max_run_minutes,
+        overwrite=overwrite,
+        allow_data_change=allow_data_change,
+        allow_batch_change=allow_batch_change,
+    )
 
 
 def resume_command(
@@ -301,8 +323,15 @@ def resume_command(
     from dlm.artifacts.run_dir import load_run
 
     experiment, source = load_run(run_dir, checkpoint, _overrides(overrides, device, precision))
-    _run(experiment, as_json, resume=source, max_run_steps=max_run_steps, max_run_minutes=max_run_minutes,
-         allow_data_change=allow_data_change, allow_batch_change=allow_batch_change)  # fmt: skip
+    _run(
+        experiment,
+        as_json,
+        resume=source,
+        max_run_steps=max_run_steps,
+        max_run_minutes=max_run_minutes,
+        allow_data_change=allow_data_change,
+        allow_batch_change=allow_batch_change,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -72,10 +72,14 @@ class DistillConfig(BaseModel):
     def record(self, optimizer_steps: int) -> dict[str, object]:
         """What an export says of a student after `optimizer_steps`: `steps` is what sampling defaults to."""
 
-        record: dict[str, object] = {"method": self.method, "steps": self.steps_after(optimizer_steps),
-                  "teacher_steps": self.teacher_steps, "rounds_done": min(optimizer_steps // self.steps_per_round,
-                                                                          self.rounds),
-                  "divergence": self.divergence, "teacher_sha256": self.teacher_sha256}  # fmt: skip
+        record: dict[str, object] = {
+            "method": self.method,
+            "steps": self.steps_after(optimizer_steps),
+            "teacher_steps": self.teacher_steps,
+            "rounds_done": min(optimizer_steps // self.steps_per_round, self.rounds),
+            "divergence": self.divergence,
+            "teacher_sha256": self.teacher_sha256,
+        }
         if not self.halving:
             record["certainty_weight"] = self.certainty_weight
         return record

@@ -39,10 +39,20 @@ def split_groups(groups: list[dict[str, Any]], vocabulary: set[int]) -> tuple[li
 class MuonAdamW(torch.optim.Optimizer):
     """Muon over `muon_groups`, AdamW over `adamw_groups`: one optimizer, its groups Muon's then AdamW's."""
 
-    def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], lr: float,
-                 betas: tuple[float, float], eps: float, fused: bool = False) -> None:  # fmt: skip
-        self._muon = torch.optim.Muon(muon_groups, lr=lr, momentum=MUON_MOMENTUM, nesterov=True,
-                                      adjust_lr_fn="match_rms_adamw") if muon_groups else None  # fmt: skip
+    def __init__(
+        self,
+        muon_groups: list[dict[str, Any]],
+        adamw_groups: list[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        fused: bool = False,
+    ) -> None:
+        self._muon = (
+            torch.optim.Muon(muon_groups, lr=lr, momentum=MUON_MOMENTUM, nesterov=True, adjust_lr_fn="match_rms_adamw")
+            if muon_groups
+            else None
+        )
         adamw_settings: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, **({"fused": True} if fused else {})}
         self._adamw = torch.optim.AdamW(adamw_groups, **adamw_settings)
         # The base class keeps the very group dicts the two optimizers hold (each adds its defaults first).

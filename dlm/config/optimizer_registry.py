@@ -70,8 +70,10 @@ class OptimizerSpec:
 
         reason = self.unavailable() if self.unavailable is not None else None
         if reason is not None:
-            raise UserError(f"training.optimizer: {self.name} {reason}",
-                            fix='install what it names, or set training.optimizer = "adamw"')  # fmt: skip
+            raise UserError(
+                f"training.optimizer: {self.name} {reason}",
+                fix='install what it names, or set training.optimizer = "adamw"',
+            )
         if self.requires is None:
             return
         if optional_module(self.requires) is None:
@@ -192,8 +194,11 @@ def _muon_state_bytes(parameters: Sequence[tuple[str, int]], training: TrainingC
     """One float32 momentum per entry of Muon's matrices, told by name (every `.weight` but the
     vocabulary's and the norms'); Adam's two moments for the rest."""
 
-    muon = sum(size for name, size in parameters if name not in _VOCABULARY_WEIGHTS and name.endswith(".weight")
-               and "norm" not in name)  # fmt: skip
+    muon = sum(
+        size
+        for name, size in parameters
+        if name not in _VOCABULARY_WEIGHTS and name.endswith(".weight") and "norm" not in name
+    )
     total = sum(size for _, size in parameters)
     return 4 * muon + _FLOAT32_MOMENTS * (total - muon)
 

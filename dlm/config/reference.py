@@ -47,8 +47,12 @@ def config_reference_markdown() -> str:
         "",
     ]
     sections = ("model", ModelConfig), ("diffusion", DiffusionConfig), ("training", TrainingConfig)
-    for name, section in (*sections, ("training.lora", LoraConfig), ("logging", LoggingConfig),
-                          ("distill", DistillConfig)):  # fmt: skip
+    for name, section in (
+        *sections,
+        ("training.lora", LoraConfig),
+        ("logging", LoggingConfig),
+        ("distill", DistillConfig),
+    ):
         lines += [f"## `[{name}]`", "", inspect.cleandoc(section.__doc__ or ""), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
         for field, info in section.model_fields.items():

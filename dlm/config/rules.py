@@ -262,8 +262,10 @@ def _distill_problem(experiment: Any) -> str | None:
     if training.init_from is None:
         return "training.init_from is not set: the student would start from random weights"
     if training.max_steps != distill.rounds * distill.steps_per_round:
-        return (f"training.max_steps {training.max_steps} is not rounds x steps_per_round "
-                f"({distill.rounds} x {distill.steps_per_round})")
+        return (
+            f"training.max_steps {training.max_steps} is not rounds x steps_per_round "
+            f"({distill.rounds} x {distill.steps_per_round})"
+        )
     if experiment.model.is_autoregressive:
         return "the model is autoregressive (block_size 1, causal attention)"
     if training.lora.enabled:

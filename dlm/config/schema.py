@@ -67,7 +67,7 @@ class ModelConfig(_Strict):
         0,
         ge=0,
         description="Block diffusion: tokens per block, attended bidirectionally inside a block and causally "
-        "across blocks; 1 is autoregressive (with attention = \"causal\", trained in one causal pass), 0 (default) "
+        'across blocks; 1 is autoregressive (with attention = "causal", trained in one causal pass), 0 (default) '
         "is the whole sequence (plain masked diffusion).",
     )
     n_kv_heads: int | None = Field(
@@ -98,7 +98,7 @@ class ModelConfig(_Strict):
         ge=0,
         description="Document-aware attention: the end-of-document token id (`dlm pack` writes one after every "
         "document; 0 for dlm's tokenizers). Set, a position of a packed row attends only to its own document in "
-        "training and evaluation; unset, to the whole row. See docs/benchmarks.md, \"Document-aware attention\".",
+        'training and evaluation; unset, to the whole row. See docs/benchmarks.md, "Document-aware attention".',
     )
     mask_logit: MaskLogit = Field(
         "plain",
@@ -162,9 +162,7 @@ class TrainingConfig(_Strict):
         description="Adapting a causal model: over this many first steps the attention opens from causal to "
         "bidirectional, each later key seen with probability step / N (DiffuLLaMA's anneal); 0 starts bidirectional.",
     )
-    device: str = Field(
-        "auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N."
-    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", description="auto, cpu, mps, cuda or cuda:N.")
     precision: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Autocast dtype of training; auto = bfloat16 on CUDA when supported (else float16) and on a "

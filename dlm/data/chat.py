@@ -97,15 +97,22 @@ def chat_template_of(settings: dict[str, Any], config: Path) -> str | None:
     template = settings.get("chat_template")
     if isinstance(template, list):
         for index, entry in enumerate(template):  # transformers fails on such an entry too: never skip it
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):  # fmt: skip
-                raise UserError(f"chat_template entry {index} is not an object with name and template strings",
-                                path=config, fix=TEMPLATE_FIX)  # fmt: skip
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise UserError(
+                    f"chat_template entry {index} is not an object with name and template strings",
+                    path=config,
+                    fix=TEMPLATE_FIX,
+                )
         named = {entry["name"]: entry["template"] for entry in template}
         if "default" not in named:
             names = ", ".join(str(name) for name in named) or "none"
-            raise UserError(f"chat_template lists templates ({names}) but none named default", path=config,
-                            fix=TEMPLATE_FIX)  # fmt: skip
+            raise UserError(
+                f"chat_template lists templates ({names}) but none named default", path=config, fix=TEMPLATE_FIX
+            )
         template = named["default"]
     if template is not None and not isinstance(template, str):
         raise UserError(f"chat_template is a {type(template).__name__}, not a string", path=config, fix=TEMPLATE_FIX)
@@ -134,8 +141,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """transformers' `tojson`: Jinja's own escapes HTML characters, which would change the prompt."""
 
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -153,12 +161,18 @@ def _sandbox() -> Any:
 
     version = tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit())
     if version < MIN_JINJA:
-        raise UserError(f"rendering a tokenizer's chat_template safely needs jinja2 >= 3.1.6, not {jinja2.__version__}",
-                        fix="pip install -U jinja2")  # fmt: skip
+        raise UserError(
+            f"rendering a tokenizer's chat_template safely needs jinja2 >= 3.1.6, not {jinja2.__version__}",
+            fix="pip install -U jinja2",
+        )
     # StrictUndefined: a name dlm does not pass stops the command instead of rendering as nothing
     # (`is defined` still tests a name).
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
-                                                extensions=[_generation_extension(), loopcontrols])  # fmt: skip
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+        extensions=[_generation_extension(), loopcontrols],
+    )
     environment.filters["tojson"] = _tojson
     environment.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(), namespace=_namespace_class())
     return environment
@@ -223,8 +237,11 @@ def compile_template(source: str, origin: Path | None) -> Any:
     try:
         return _sandbox().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise UserError(f"chat_template has a syntax error on its line {exc.lineno}: {_one_line(exc)}",
-                        path=origin, fix=TEMPLATE_FIX) from None  # fmt: skip
+        raise UserError(
+            f"chat_template has a syntax error on its line {exc.lineno}: {_one_line(exc)}",
+            path=origin,
+            fix=TEMPLATE_FIX,
+        ) from None
 
 
 def render_template(template: Any, origin: Path | None, **context: Any) -> str:
@@ -259,8 +276,12 @@ class ChatTemplate:
     in Jinja's sandbox. A template that fails to compile or to render is one
     `UserError` naming `origin`, the file it came from."""
 
-    def __init__(self, jinja_source: str | None = None, origin: str | Path | None = None,
-                 special_tokens: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        jinja_source: str | None = None,
+        origin: str | Path | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ):
         self.jinja_source = jinja_source
         self.origin = None if origin is None else Path(origin)
         # bos_token and eos_token are always passed (empty when the config names none), as before.
@@ -286,8 +307,15 @@ class ChatTemplate:
 
     def _render(self, turns: list[Turn], add_generation_prompt: bool) -> str:
         # What transformers passes: the conversation, no tools or documents, and the config's special tokens.
-        return render_template(self._jinja, self.origin, messages=[vars(t) for t in turns], tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self.special_tokens)  # fmt: skip
+        return render_template(
+            self._jinja,
+            self.origin,
+            messages=[vars(t) for t in turns],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
 
     def prompt(self, turns: list[Turn]) -> str:
         """The text before the reply: every turn, then the opening of the assistant's."""
@@ -305,9 +333,12 @@ class ChatTemplate:
             return prompt, turns[-1].content
         whole = self._render(turns, add_generation_prompt=False)
         if not whole.startswith(prompt):
-            raise UserError("chat_template does not render the prompt as a prefix of the conversation",
-                            path=self.origin, fix="use a template whose generation prompt opens the assistant's "
-                            "turn, or remove chat_template to use dlm's default")  # fmt: skip
+            raise UserError(
+                "chat_template does not render the prompt as a prefix of the conversation",
+                path=self.origin,
+                fix="use a template whose generation prompt opens the assistant's "
+                "turn, or remove chat_template to use dlm's default",
+            )
         return prompt, whole[len(prompt) :]
 
     def check(self) -> None:
@@ -324,7 +355,6 @@ def encode_example(tokenizer: Any, template: ChatTemplate, turns: list[Turn], eo
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     response_ids = tokenizer.encode(response, add_special_tokens=False).ids
     return [*prompt_ids, *response_ids, eos], len(prompt_ids)
-
 
 
 def chat_prompt(tokenizer_path: str | Path, question: str) -> str:

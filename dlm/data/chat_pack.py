@@ -51,7 +51,6 @@ LongPolicy = Literal["truncate", "drop"]
 INPUT_FIX = "name the files of prompt/response or messages examples, e.g. 'data/*.jsonl'"
 
 
-
 class _ChatWriter:
     """Streams one split's blocks and masks to temporary files as they come, and counts them."""
 
@@ -127,8 +126,13 @@ def _is_val(line: Any, seed: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _stream(sources: list[tuple[Path, bool]], tokenizer: Any, template: ChatTemplate,
-            writers: dict[str, _ChatWriter], options: dict[str, Any]) -> None:  # fmt: skip
+def _stream(
+    sources: list[tuple[Path, bool]],
+    tokenizer: Any,
+    template: ChatTemplate,
+    writers: dict[str, _ChatWriter],
+    options: dict[str, Any],
+) -> None:
     """Encode each example of each (path, is a validation input) and write it to its split at once."""
 
     fraction = options["val_fraction"]
@@ -164,16 +168,23 @@ def _split_metadata(writer: _ChatWriter, metadata: dict[str, Any]) -> dict[str, 
     if writer.examples == 0:
         raise _empty_split_error(writer, metadata["chat"]["long"])
     blocks = writer.examples
-    return {**metadata, "split": writer.name, "num_blocks": blocks, "num_tokens": blocks * metadata["seq_len"],
-            "loss_mask": mask_path(writer.bin_path).name, "chat": {**metadata["chat"], **writer.counts()}}  # fmt: skip
+    return {
+        **metadata,
+        "split": writer.name,
+        "num_blocks": blocks,
+        "num_tokens": blocks * metadata["seq_len"],
+        "loss_mask": mask_path(writer.bin_path).name,
+        "chat": {**metadata["chat"], **writer.counts()},
+    }
 
 
 def _commit(output: Path, writers: list[_ChatWriter], metadata: dict[str, Any], tokenizer_path: Path) -> None:
     """Rename everything into place, the metadata that makes a split loadable last; a split this pack
     does not write loses its old files, so a stale one never loads beside the new."""
 
-    staged = {w.bin_path.with_suffix(".json"): json.dumps(_split_metadata(w, metadata), indent=2) + "\n"
-              for w in writers}  # fmt: skip
+    staged = {
+        w.bin_path.with_suffix(".json"): json.dumps(_split_metadata(w, metadata), indent=2) + "\n" for w in writers
+    }
     for final, text in staged.items():
         temporary_path(final).write_text(text, encoding="utf-8")
     copy_tokenizer(tokenizer_path, output)  # with its config: the chat template travels with the pack
@@ -219,20 +230,36 @@ def pack_chat(
     eos = special_token_id(tokenizer, "eos")
     options = {"seq_len": seq_len, "long": long, "eos": eos, "val_fraction": val_fraction, "seed": seed}
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    metadata = {"format": PACKED_FORMAT, "vocab_size": vocab_size, "seq_len": seq_len, "eos_token_id": eos,
-                "tokenizer_sha256": tokenizer_sha256(tokenizer_path), "dtype": token_dtype(vocab_size).name,
-                "dlm_version": __version__, "chat": {"template": template.name, "long": long},
-                "sources": [str(p) for p in [*train_paths, *val_paths]]}  # fmt: skip
+    metadata = {
+        "format": PACKED_FORMAT,
+        "vocab_size": vocab_size,
+        "seq_len": seq_len,
+        "eos_token_id": eos,
+        "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
+        "dtype": token_dtype(vocab_size).name,
+        "dlm_version": __version__,
+        "chat": {"template": template.name, "long": long},
+        "sources": [str(p) for p in [*train_paths, *val_paths]],
+    }
     names = ("train", "val") if val_paths or val_fraction > 0 else ("train",)
     sources = [*((p, False) for p in train_paths), *((p, True) for p in val_paths)]
-    writers = _write(output, names, token_dtype(vocab_size),
-                     lambda writers: _stream(sources, tokenizer, template, writers, options),
-                     lambda writers: _commit(output, writers, metadata, tokenizer_path))  # fmt: skip
+    writers = _write(
+        output,
+        names,
+        token_dtype(vocab_size),
+        lambda writers: _stream(sources, tokenizer, template, writers, options),
+        lambda writers: _commit(output, writers, metadata, tokenizer_path),
+    )
     return {name: writer.counts() for name, writer in writers.items()}
 
 
-def _write(output: Path, names: tuple[str, ...], dtype: np.dtype, stream: Callable[[dict[str, _ChatWriter]], None],
-           commit: Callable[[list[_ChatWriter]], None]) -> dict[str, _ChatWriter]:  # fmt: skip
+def _write(
+    output: Path,
+    names: tuple[str, ...],
+    dtype: np.dtype,
+    stream: Callable[[dict[str, _ChatWriter]], None],
+    commit: Callable[[list[_ChatWriter]], None],
+) -> dict[str, _ChatWriter]:
     """Stream the splits to temporaries and commit them; on any failure remove every temporary and each
     directory this created. A failed write (a full disk) is a `UserError`."""
 

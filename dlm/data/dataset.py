@@ -138,12 +138,20 @@ def load_packed_dataset(path: str | Path, seq_len: int | None = None, split: str
     mask = bin_path.with_name(metadata["loss_mask"]) if metadata.get("loss_mask") else None
     tokens = expected // np.dtype(metadata["dtype"]).itemsize
     if mask is not None and (not mask.is_file() or mask.stat().st_size != tokens):
-        raise UserError(f"the loss mask {mask.name} is missing or not one byte per token", path=bin_path,
-                        fix="re-run `dlm pack --chat`")  # fmt: skip
+        raise UserError(
+            f"the loss mask {mask.name} is missing or not one byte per token",
+            path=bin_path,
+            fix="re-run `dlm pack --chat`",
+        )
     if isinstance(metadata.get("chat"), dict) and metadata["chat"].get("mask_padding"):
-        warnings.warn(UserNote(f"{bin_path}: packed with --mask-padding, which dlm no longer offers: its padding "
-                               "is visible and unlearned, which shows the model in training where each reply ends, "
-                               "as it never sees when sampling (docs/finetune.md); re-pack without it"), stacklevel=2)
+        warnings.warn(
+            UserNote(
+                f"{bin_path}: packed with --mask-padding, which dlm no longer offers: its padding "
+                "is visible and unlearned, which shows the model in training where each reply ends, "
+                "as it never sees when sampling (docs/finetune.md); re-pack without it"
+            ),
+            stacklevel=2,
+        )
     return PackedDataset(bin_path, metadata)
 
 

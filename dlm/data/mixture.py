@@ -55,8 +55,10 @@ def parse_source(text: str) -> WeightedSource:
     if not (math.isfinite(value) and value > 0):
         raise UserError(f"--source {text!r}: the weight must be a positive number", fix=SOURCE_FIX)
     if value > MAX_WEIGHT:
-        raise UserError(f"--source {text!r}: the weight is over {MAX_WEIGHT:,} (each unit is one more pass over the "
-                        "source)", fix="weights are relative: give the other sources smaller ones")  # fmt: skip
+        raise UserError(
+            f"--source {text!r}: the weight is over {MAX_WEIGHT:,} (each unit is one more pass over the source)",
+            fix="weights are relative: give the other sources smaller ones",
+        )
     return WeightedSource(path, value)
 
 

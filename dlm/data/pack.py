@@ -271,9 +271,18 @@ def pack_corpus(
     metadata = _write_output(job, reader, plan, wanted, progress)
     splits = {name: SplitSummary(output / f"{name}.bin", **_split_counts(meta)) for name, meta in metadata.items()}
     whole_pack = {key: metadata["train"][key] for key in WHOLE_PACK_KEYS}
-    return PackSummary(output, job.vocab_size, token_dtype(job.vocab_size).name, seq_len, reader.input_bytes,
-                       reader.replaced_characters, time.perf_counter() - started, splits, **whole_pack,
-                       removed_temporaries=[str(path) for path in removed])  # fmt: skip
+    return PackSummary(
+        output,
+        job.vocab_size,
+        token_dtype(job.vocab_size).name,
+        seq_len,
+        reader.input_bytes,
+        reader.replaced_characters,
+        time.perf_counter() - started,
+        splits,
+        **whole_pack,
+        removed_temporaries=[str(path) for path in removed],
+    )
 
 
 def _write_output(

@@ -43,7 +43,7 @@ class PackPlan:
     copies: np.ndarray | None = None  # training copies of each document (`dlm.data.mixture`); None: one each
 
     def split_of(self, document: int, copy: int = 0) -> str | None:
-        """"train" or "val" for reading `copy` of a document; None for a duplicate or a copy not taken."""
+        """ "train" or "val" for reading `copy` of a document; None for a duplicate or a copy not taken."""
 
         fate = self.fates[document]
         if fate == TRAIN and self.copies is not None:

@@ -53,9 +53,25 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.registry import Registry
 
-__all__ = ["COMPRESSIONS", "DECODE_ERRORS", "UTF8_FIX", "Chunk", "DecodeErrors", "Format", "ReadContext", "Record",
-           "Utf8Decoder", "check_requirements", "compression_of", "format_of", "formats", "record_inputs",
-           "register_format", "supported_inputs", "unregister_format"]  # fmt: skip
+__all__ = [
+    "COMPRESSIONS",
+    "DECODE_ERRORS",
+    "UTF8_FIX",
+    "Chunk",
+    "DecodeErrors",
+    "Format",
+    "ReadContext",
+    "Record",
+    "Utf8Decoder",
+    "check_requirements",
+    "compression_of",
+    "format_of",
+    "formats",
+    "record_inputs",
+    "register_format",
+    "supported_inputs",
+    "unregister_format",
+]
 
 _T = TypeVar("_T")
 
@@ -136,10 +152,8 @@ def read_jsonl_records(context: ReadContext, fields: Sequence[str]) -> Iterator[
         yield record, f"{context.path}:{line_number}"
 
 
-
 def _file_size(path: Path) -> int:
     return path.stat().st_size
-
 
 
 @dataclass(frozen=True)
@@ -178,10 +192,12 @@ def formats() -> tuple[Format, ...]:
 
 
 register_format(Format("text", "`.txt`, `.md`", read_text, suffixes=(".txt", ".md"), compressible=True))
-register_format(Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True,
-                       records=read_jsonl_records))  # fmt: skip
-register_format(Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET,
-                       records=read_parquet_records))  # fmt: skip
+register_format(
+    Format("jsonl", "`.jsonl`", read_jsonl, suffixes=(".jsonl",), compressible=True, records=read_jsonl_records)
+)
+register_format(
+    Format("parquet", "`.parquet`", read_parquet, suffixes=(".parquet",), needs=PARQUET, records=read_parquet_records)
+)
 register_format(
     Format(
         "saved-dataset",
@@ -200,8 +216,12 @@ def describe(chosen: Iterable[Format]) -> str:
 
     chosen = list(chosen)
     compressions = " or ".join(f"`{c.suffix}`" for c in COMPRESSIONS)
-    return ", ".join([", ".join(f.label for f in chosen if f.compressible) + f" (each optionally {compressions})",
-                      *(f.label for f in chosen if not f.compressible)])  # fmt: skip
+    return ", ".join(
+        [
+            ", ".join(f.label for f in chosen if f.compressible) + f" (each optionally {compressions})",
+            *(f.label for f in chosen if not f.compressible),
+        ]
+    )
 
 
 def supported_inputs() -> str:

@@ -144,8 +144,9 @@ def packed_vocabulary_advice(fit: VocabularyFit, tokens: int) -> Advice:
     if not fit.too_large:
         return Advice(detail)
     size = fit.suggested_size()
-    return Advice(detail, f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; "
-                          "or pack more text")  # fmt: skip
+    return Advice(
+        detail, f"train a tokenizer with --vocab-size {size}, re-pack, set model.vocab_size = {size}; or pack more text"
+    )
 
 
 def model_advice(model: ModelConfig, tokens: int, vocab: int | None = None) -> Advice:

@@ -67,7 +67,6 @@ class TokenizerSummary:
     warning: str | None = None
 
 
-
 def _corpus_fit(tokenizer: Tokenizer, pieces: list[str], vocab_size: int) -> VocabularyFit:
     counts = np.zeros(vocab_size, dtype=np.int64)
     for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
@@ -163,7 +162,6 @@ def train_tokenizer(
     )
 
 
-
 def _save(tokenizer: Tokenizer, output: Path) -> None:
     """Write under a temporary name, then rename: a reader never sees a half-written file.
 
@@ -250,8 +248,9 @@ def never_sampled_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     imported tokenizer's vocabulary (a checkpoint's padded embedding), which decode to nothing."""
 
     pad = optional_token_id(tokenizer, "pad")
-    unused = [] if has_dlm_special_tokens(tokenizer) else range(tokenizer.get_vocab_size(with_added_tokens=True),
-                                                                  vocab_size)  # fmt: skip
+    unused = (
+        [] if has_dlm_special_tokens(tokenizer) else range(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size)
+    )
     return ([pad] if pad is not None and pad < vocab_size else []) + list(unused)
 
 

@@ -19,8 +19,9 @@ from dlm.artifacts.export_layout import CONFIG_NAME, read_export_config
 COMPARE_PROMPT = "ROMEO:"
 
 
-def distill_stage(model_dir: Path, data_dir: Path, output: Path, minutes: float, length: int,
-                  emit: StreamSink) -> dict[str, Any] | None:  # fmt: skip
+def distill_stage(
+    model_dir: Path, data_dir: Path, output: Path, minutes: float, length: int, emit: StreamSink
+) -> dict[str, Any] | None:
     """Distil `model_dir` within `minutes`, export the student and compare it with its teacher; None when
     the distillation stopped before the end (the comparison then waits for the run to finish)."""
 
@@ -33,12 +34,24 @@ def distill_stage(model_dir: Path, data_dir: Path, output: Path, minutes: float,
         started = time.perf_counter()
         result = _distill(model_dir, data_dir, run_dir, minutes, emit)
         if result.status != "complete":
-            emit({"event": "demo_note", "message": f"the distillation stopped at step {result.step}; continue it "
-                  f"with: dlm resume {run_dir}"})  # fmt: skip
+            emit(
+                {
+                    "event": "demo_note",
+                    "message": f"the distillation stopped at step {result.step}; continue it "
+                    f"with: dlm resume {run_dir}",
+                }
+            )
             return None
         export_model(run_dir, student_dir, overwrite=True)
-        emit({"event": "demo_stage", "stage": "distill", "status": "done", "path": str(student_dir),
-              "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+        emit(
+            {
+                "event": "demo_stage",
+                "stage": "distill",
+                "status": "done",
+                "path": str(student_dir),
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
     comparison = compare(model_dir, student_dir, length)
     emit({"event": "demo_compare", **comparison})
     return comparison
@@ -66,14 +79,25 @@ def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emi
         emit({"event": "demo_stage", "stage": "distill", "status": "running", "detail": f"continuing from step {step}"})
         return distill(experiment, resume=source, max_run_seconds=minutes * 60, sink=emit)
 
-    emit({"event": "demo_stage", "stage": "distill", "status": "running",
-          "detail": f"timing distillation steps to fill {minutes:g} minutes"})  # fmt: skip
+    emit(
+        {
+            "event": "demo_stage",
+            "stage": "distill",
+            "status": "running",
+            "detail": f"timing distillation steps to fill {minutes:g} minutes",
+        }
+    )
     timer = partial(run_benchmark, step_type=DistillStep)
     experiment, seconds_left = budgeted_experiment(model_dir, data_dir, run_dir, minutes, timer)
     assert experiment.distill is not None
     steps = experiment.distill.steps_per_round
-    emit({"event": "demo_note", "message": f"distilling {experiment.distill.teacher_steps} -> "
-          f"{experiment.distill.student_steps} sampling steps: {experiment.distill.rounds} rounds of {steps} steps"})
+    emit(
+        {
+            "event": "demo_note",
+            "message": f"distilling {experiment.distill.teacher_steps} -> "
+            f"{experiment.distill.student_steps} sampling steps: {experiment.distill.rounds} rounds of {steps} steps",
+        }
+    )
     return distill(experiment, overwrite=True, max_run_seconds=seconds_left, sink=emit)
 
 
@@ -87,6 +111,10 @@ def compare(teacher_dir: Path, student_dir: Path, length: int, seed: int = 0) ->
     for name, path, steps in (("teacher", teacher_dir, length), ("student", student_dir, None)):
         model, tokenizer = load_model(path)
         result = generate(model, tokenizer, prompt=COMPARE_PROMPT, length=length, steps=steps, seed=seed)
-        sides[name] = {"text": result.texts[0], "steps": result.steps, "forward_passes": result.forward_passes,
-                       "seconds": round(result.seconds, 3)}  # fmt: skip
+        sides[name] = {
+            "text": result.texts[0],
+            "steps": result.steps,
+            "forward_passes": result.forward_passes,
+            "seconds": round(result.seconds, 3),
+        }
     return {"prompt": COMPARE_PROMPT, **sides}

@@ -345,8 +345,12 @@ def _validate_stage(demo: _Demo) -> None:
 def _eval_figures(report: dict[str, Any], path: Path) -> dict[str, Any]:
     context = report.get("context", {})
     figures = {key: report.get(key) for key in ("bits_per_byte", "bits_per_byte_stderr", "nll", "sequences")}
-    return {**figures, "unigram_bits_per_byte": context.get("unigram_bits_per_byte"), "step": context.get("step"),
-            "path": str(path)}  # fmt: skip
+    return {
+        **figures,
+        "unigram_bits_per_byte": context.get("unigram_bits_per_byte"),
+        "step": context.get("step"),
+        "path": str(path),
+    }
 
 
 def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
@@ -367,14 +371,28 @@ def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     blocks = SpreadBlocks(val, sequences)
     batch_size = min(demo.experiment.training.batch_size, len(blocks))
     token_bytes, _ = packed_token_bytes(val.metadata, [demo.data_dir / "tokenizer.json"])
-    report = evaluate_model(model, blocks, batches=math.ceil(len(blocks) / batch_size), mc_samples=EVAL_MC_SAMPLES,
-                            batch_size=batch_size, device=device, precision=resolve_precision("auto", device),
-                            mask_eps=info.diffusion.mask_eps, schedule=info.diffusion.schedule,
-                            metadata=val.metadata, token_bytes=token_bytes)  # fmt: skip
+    report = evaluate_model(
+        model,
+        blocks,
+        batches=math.ceil(len(blocks) / batch_size),
+        mc_samples=EVAL_MC_SAMPLES,
+        batch_size=batch_size,
+        device=device,
+        precision=resolve_precision("auto", device),
+        mask_eps=info.diffusion.mask_eps,
+        schedule=info.diffusion.schedule,
+        metadata=val.metadata,
+        token_bytes=token_bytes,
+    )
     unigram = unigram_bits_per_byte(demo.data_dir, blocks.indices, token_bytes)
     report.unigram_bits_per_byte = unigram  # where `dlm eval` writes it, and `dlm report` reads it
-    report.context = {**info.to_dict(), "data": str(val.path), "val_blocks": len(val), "blocks": blocks.indices,
-                      "unigram_bits_per_byte": unigram}  # fmt: skip
+    report.context = {
+        **info.to_dict(),
+        "data": str(val.path),
+        "val_blocks": len(val),
+        "blocks": blocks.indices,
+        "unigram_bits_per_byte": unigram,
+    }
     write_report(report, demo.run.eval_report)
     return _eval_figures(report.to_dict(), demo.run.eval_report)
 
@@ -444,13 +462,21 @@ def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
         fixed = prompt if template is None else template_fixed_text(template)
         quality = sample_quality(result.texts[0], fixed, result.lengths[0], training.vocabulary)
         qualities.append(quality)
-        sample = {"label": label, "prompt": prompt, "template": template, "text": result.texts[0],
-                  "forward_passes": result.forward_passes, "seconds": round(result.seconds, 2),
-                  "quality": quality.to_dict()}  # fmt: skip
+        sample = {
+            "label": label,
+            "prompt": prompt,
+            "template": template,
+            "text": result.texts[0],
+            "forward_passes": result.forward_passes,
+            "seconds": round(result.seconds, 2),
+            "quality": quality.to_dict(),
+        }
         samples.append(sample)
         demo.emit({"event": "demo_sample", **sample})
-    demo.result.sample_quality = {**pooled(qualities).to_dict(),
-                                  "held_out_words_per_token": round(held_out.words_per_token, 4)}  # fmt: skip
+    demo.result.sample_quality = {
+        **pooled(qualities).to_dict(),
+        "held_out_words_per_token": round(held_out.words_per_token, 4),
+    }
     atomic_write_json(demo.output / SAMPLES_NAME, samples, ensure_ascii=False)
     demo.stage("samples", "done", seconds=round(time.perf_counter() - started, 2), path=str(demo.output / SAMPLES_NAME))
     return samples
@@ -477,8 +503,16 @@ def run_demo(
     output = Path(output).expanduser().resolve()
     experiment, notes = demo_experiment(output, None if config_path is None else Path(config_path), device)
     demo = _Demo(output, minutes, experiment, sink or (lambda event: None), DemoResult(output, "complete"))
-    demo.emit({"event": "demo_start", "output": str(output), "minutes": minutes, "device": experiment.training.device,
-               "config": str(config_path or bundled_config()), "model": experiment.model.model_dump()})  # fmt: skip
+    demo.emit(
+        {
+            "event": "demo_start",
+            "output": str(output),
+            "minutes": minutes,
+            "device": experiment.training.device,
+            "config": str(config_path or bundled_config()),
+            "model": experiment.model.model_dump(),
+        }
+    )
     for message in notes:
         demo.emit({"event": "demo_note", "message": message})
     _check_existing_run(demo)
@@ -487,9 +521,16 @@ def run_demo(
     _validate_stage(demo)
     from dlm.bench.throughput import run_benchmark
 
-    training = BudgetedTraining(experiment, minutes, calibrate=run_benchmark, emit=demo.emit, val_blocks=val_blocks,
-                                event_prefix="demo", output_option="--output",
-                                start_over="delete that directory to start over")  # fmt: skip
+    training = BudgetedTraining(
+        experiment,
+        minutes,
+        calibrate=run_benchmark,
+        emit=demo.emit,
+        val_blocks=val_blocks,
+        event_prefix="demo",
+        output_option="--output",
+        start_over="delete that directory to start over",
+    )
     plan, step, trained = training.run()
     result = demo.result
     result.step = step
@@ -509,8 +550,9 @@ def run_demo(
     if distill_minutes is not None:
         from dlm.demo.distill import distill_stage
 
-        result.comparison = distill_stage(demo.model_dir, demo.data_dir, output, distill_minutes,
-                                          result.sample_length or 64, demo.emit)  # fmt: skip
+        result.comparison = distill_stage(
+            demo.model_dir, demo.data_dir, output, distill_minutes, result.sample_length or 64, demo.emit
+        )
     result.seconds = time.perf_counter() - started
     demo.emit({"event": "demo_done", **result.to_dict()})
     return result

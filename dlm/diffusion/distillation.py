@@ -96,8 +96,9 @@ def first_reveals(reveal_probability: Tensor, generator: torch.Generator | None)
     """Which of N masked positions the teacher's first step reveals [N] bool, each with its probability.
     Drawn before the teacher runs (they do not depend on its prediction), from the micro-batch's `generator`."""
 
-    draws = torch.rand(reveal_probability.shape, generator=generator, device=reveal_probability.device,
-                       dtype=torch.float64)  # fmt: skip
+    draws = torch.rand(
+        reveal_probability.shape, generator=generator, device=reveal_probability.device, dtype=torch.float64
+    )
     return draws < reveal_probability
 
 

@@ -100,8 +100,9 @@ def corrupt_tokens(
     """
 
     if loss_mask is not None:
-        corruption = corrupt_tokens(clean, mask_token_id, times, eps, generator, schedule=schedule,
-                                    block_size=block_size)  # fmt: skip
+        corruption = corrupt_tokens(
+            clean, mask_token_id, times, eps, generator, schedule=schedule, block_size=block_size
+        )
         allowed = loss_mask.to(device=clean.device, dtype=torch.bool)
         mask = corruption.mask & allowed
         return replace(corruption, noisy_tokens=clean.masked_fill(mask, mask_token_id), mask=mask, loss_mask=allowed)
@@ -314,8 +315,9 @@ def _check_blocks(blocks: int, block_size: int, length: int) -> None:
     """Refuse per-block weights whose block size is unknown or does not tile the row into `blocks`."""
 
     if block_size < 1 or -(-length // block_size) != blocks:
-        raise ValueError(f"{blocks} per-block weights for {length} tokens need the corruption's block_size "
-                         f"(got {block_size})")  # fmt: skip
+        raise ValueError(
+            f"{blocks} per-block weights for {length} tokens need the corruption's block_size (got {block_size})"
+        )
 
 
 def _per_masked_token(per_block: Tensor, block_size: int, length: int, slot: Tensor, count: int) -> Tensor:
@@ -373,9 +375,14 @@ def corrupt_exact_count(
 
 
 def draw_exact_count(
-    clean: Tensor, mask_token_id: int, units: Tensor, generators: Generators, *, block_size: int = 0,
+    clean: Tensor,
+    mask_token_id: int,
+    units: Tensor,
+    generators: Generators,
+    *,
+    block_size: int = 0,
     loss_mask: Tensor | None = None,
-) -> Corruption:  # fmt: skip
+) -> Corruption:
     """`corrupt_exact_count` with its keys drawn from `generators` (one, or one per row): the one
     exact-count draw of training (`training.masking`) and of the ELBO estimate (`elbo_nll`)."""
 
@@ -394,26 +401,42 @@ def _uniform(generators: Generators, batch: int, shape: tuple[int, ...], device:
 
 
 def _corrupt_rows(
-    clean: Tensor, mask_token_id: int, times: Tensor, eps: float, generators: Sequence[torch.Generator],
-    schedule: Schedule, block_size: int, loss_mask: Tensor | None,
-) -> Corruption:  # fmt: skip
+    clean: Tensor,
+    mask_token_id: int,
+    times: Tensor,
+    eps: float,
+    generators: Sequence[torch.Generator],
+    schedule: Schedule,
+    block_size: int,
+    loss_mask: Tensor | None,
+) -> Corruption:
     """`corrupt_tokens` with row r's draws from generators[r]."""
 
     if len(generators) != clean.shape[0]:
         raise ValueError(f"{len(generators)} generators for {clean.shape[0]} sequences")
     rows = [
-        corrupt_tokens(clean[r : r + 1], mask_token_id, times[r : r + 1], eps, generator, schedule=schedule,
-                       block_size=block_size, loss_mask=None if loss_mask is None else loss_mask[r : r + 1])
+        corrupt_tokens(
+            clean[r : r + 1],
+            mask_token_id,
+            times[r : r + 1],
+            eps,
+            generator,
+            schedule=schedule,
+            block_size=block_size,
+            loss_mask=None if loss_mask is None else loss_mask[r : r + 1],
+        )
         for r, generator in enumerate(generators)
-    ]  # fmt: skip
+    ]
 
     def joined(name: str) -> Tensor:
         return torch.cat([getattr(row, name) for row in rows])
 
-    noisy, mask, time, probability, rate = map(joined, ("noisy_tokens", "mask", "time", "mask_probability",
-                                                          "mask_rate"))  # fmt: skip
-    return Corruption(noisy, mask, time, probability, rate, None if loss_mask is None else joined("loss_mask"),
-                      rows[0].block_size)  # fmt: skip
+    noisy, mask, time, probability, rate = map(
+        joined, ("noisy_tokens", "mask", "time", "mask_probability", "mask_rate")
+    )
+    return Corruption(
+        noisy, mask, time, probability, rate, None if loss_mask is None else joined("loss_mask"), rows[0].block_size
+    )
 
 
 @torch.no_grad()
@@ -463,15 +486,24 @@ def elbo_nll(
     for k in range(1 if exact else num_samples):
         if estimator == "exact-count":
             units = stratified_times(offsets, torch.full_like(offsets, k), num_samples, 0.0)
-            corruption = draw_exact_count(clean, mask_token_id, units, generator, block_size=block_size,
-                                          loss_mask=loss_mask)  # fmt: skip
+            corruption = draw_exact_count(
+                clean, mask_token_id, units, generator, block_size=block_size, loss_mask=loss_mask
+            )
         else:
             times = stratified_times(offsets, torch.full_like(offsets, k), num_samples, eps)
             if per_row is not None:
                 corruption = _corrupt_rows(clean, mask_token_id, times, eps, per_row, schedule, block_size, loss_mask)
             else:
-                corruption = corrupt_tokens(clean, mask_token_id, times, eps, shared,
-                                            schedule=schedule, block_size=block_size, loss_mask=loss_mask)  # fmt: skip
+                corruption = corrupt_tokens(
+                    clean,
+                    mask_token_id,
+                    times,
+                    eps,
+                    shared,
+                    schedule=schedule,
+                    block_size=block_size,
+                    loss_mask=loss_mask,
+                )
         logits = logits_fn(corruption.noisy_tokens, corruption.mask)
         samples.append(diffusion_cross_entropy(logits, clean, corruption).per_sequence_nll)
     if num_samples == 1:

@@ -49,9 +49,14 @@ def planned_steps_per_round(experiment: ExperimentConfig, minutes: float, timer:
 
 
 def budgeted_experiment(
-    teacher: str | Path, data: str | Path, output: str | Path, minutes: float, timer: StepTimer,
-    distill: dict[str, Any] | None = None, overrides: list[str] | None = None,
-) -> tuple[ExperimentConfig, float]:  # fmt: skip
+    teacher: str | Path,
+    data: str | Path,
+    output: str | Path,
+    minutes: float,
+    timer: StepTimer,
+    distill: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> tuple[ExperimentConfig, float]:
     """`distillation_experiment(teacher, data, output, distill, overrides)` with its rounds planned to fill
     `minutes`, and the seconds left for the run once the steps were timed."""
 

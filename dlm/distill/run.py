@@ -26,16 +26,30 @@ from dlm.errors import UserError
 from dlm.train.loop import TrainResult, train
 
 # What a student takes over from its teacher's training settings: how it was optimised, not how long.
-INHERITED_TRAINING = ("optimizer", "batch_size", "gradient_accumulation_steps", "precision", "seed", "weight_decay",
-                      "grad_clip", "adam_beta1", "adam_beta2", "compile", "attention_kernel")  # fmt: skip
+INHERITED_TRAINING = (
+    "optimizer",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "precision",
+    "seed",
+    "weight_decay",
+    "grad_clip",
+    "adam_beta1",
+    "adam_beta2",
+    "compile",
+    "attention_kernel",
+)
 # A distillation run's learning rate is the teacher's divided by this: the student starts trained.
 LEARNING_RATE_DIVISOR = 4.0
 
 
 def distillation_experiment(
-    teacher: str | Path, data: str | Path, output: str | Path, distill: dict[str, Any] | None = None,
+    teacher: str | Path,
+    data: str | Path,
+    output: str | Path,
+    distill: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
-) -> ExperimentConfig:  # fmt: skip
+) -> ExperimentConfig:
     """The experiment that distils `teacher` (an export, checkpoint or run directory) on the packed data in
     `data` (`dlm pack`'s train.bin and, if present, val.bin) into the run directory `output`.
 
@@ -49,9 +63,12 @@ def distillation_experiment(
     teacher, data = Path(teacher), Path(data)
     info, _ = read_model_source(teacher, use_ema=True)
     if not (data / "train.bin").is_file():
-        raise UserError("no train.bin here: --data takes the directory `dlm pack --output` wrote", path=data,
-                        fix="pack the distillation text with the teacher's tokenizer (dlm pack ... --tokenizer "
-                        f"{info.tokenizer_path})")  # fmt: skip
+        raise UserError(
+            "no train.bin here: --data takes the directory `dlm pack --output` wrote",
+            path=data,
+            fix="pack the distillation text with the teacher's tokenizer (dlm pack ... --tokenizer "
+            f"{info.tokenizer_path})",
+        )
     # `--set distill.*` first: the round count and length decide the training steps below.
     own = [item for item in overrides or [] if item.partition("=")[0].strip().startswith("distill.")]
     others = [item for item in overrides or [] if item not in own]
@@ -81,10 +98,14 @@ def distillation_experiment(
         "save_interval": interval,
         "budget_minutes": 0,
     }
-    experiment = ExperimentConfig.model_validate({
-        "model": info.model.model_dump(), "diffusion": info.diffusion.model_dump(), "training": training,
-        "distill": section.model_dump(),
-    })  # fmt: skip
+    experiment = ExperimentConfig.model_validate(
+        {
+            "model": info.model.model_dump(),
+            "diffusion": info.diffusion.model_dump(),
+            "training": training,
+            "distill": section.model_dump(),
+        }
+    )
     return with_overrides(experiment, others, "--set")
 
 

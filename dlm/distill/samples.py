@@ -27,7 +27,12 @@ Progress = Callable[[int, int], None]  # (samples written, samples asked for)
 
 
 def teacher_samples(
-    teacher: str | Path, count: int, run_dir: str | Path, *, seed: int = 0, overwrite: bool = False,
+    teacher: str | Path,
+    count: int,
+    run_dir: str | Path,
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
     """The packed data directory of `count` samples of `teacher` under `run_dir`, written or reused. A run
@@ -44,8 +49,13 @@ def teacher_samples(
     check_run_target(Path(run_dir), None, overwrite)
     output = Path(run_dir) / SAMPLES_DIR
     loaded = load_model_with_info(teacher)
-    wanted = {"teacher": str(Path(teacher).resolve()), "count": count, "seed": seed,
-              "teacher_step": loaded.info.step, "teacher_tokenizer_sha256": loaded.info.tokenizer_sha256}  # fmt: skip
+    wanted = {
+        "teacher": str(Path(teacher).resolve()),
+        "count": count,
+        "seed": seed,
+        "teacher_step": loaded.info.step,
+        "teacher_tokenizer_sha256": loaded.info.tokenizer_sha256,
+    }
     if _complete(output) == wanted:
         return output
     output.mkdir(parents=True, exist_ok=True)
@@ -57,11 +67,20 @@ def teacher_samples(
                 handle.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             if progress is not None:
                 progress(start + rows, count)
-    summary = pack_corpus([output / SAMPLES_NAME], loaded.info.tokenizer_path, length, output,
-                          val_fraction=VAL_FRACTION, seed=seed, overwrite=True)  # fmt: skip
+    summary = pack_corpus(
+        [output / SAMPLES_NAME],
+        loaded.info.tokenizer_path,
+        length,
+        output,
+        val_fraction=VAL_FRACTION,
+        seed=seed,
+        overwrite=True,
+    )
     packed = json.loads((output / "train.json").read_text(encoding="utf-8"))
-    atomic_write_json(output / RECORD_NAME, {**wanted, "train_sha256": metadata_sha256(packed),
-                                            "train_blocks": summary.splits["train"].num_blocks})  # fmt: skip
+    atomic_write_json(
+        output / RECORD_NAME,
+        {**wanted, "train_sha256": metadata_sha256(packed), "train_blocks": summary.splits["train"].num_blocks},
+    )
     return output
 
 

@@ -59,8 +59,14 @@ class StudentDivergence:
 class DistillStep(TrainingStep):
     """The student (`model`, trained) and the round's teacher (frozen), one optimizer step at a time."""
 
-    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext,
-                 initial: Mapping[str, Tensor] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        experiment: ExperimentConfig,
+        device: torch.device,
+        precision: str,
+        world: DistributedContext,
+        initial: Mapping[str, Tensor] | None = None,
+    ):
         super().__init__(experiment, device, precision, world, initial)
         assert experiment.distill is not None  # `dlm.distill.run` passes only distillation configs
         self.distill = experiment.distill
@@ -68,13 +74,15 @@ class DistillStep(TrainingStep):
         # The teacher's random initial weights are overwritten at once: drawn apart from the global
         # generator, they leave it where the student's construction left it.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            teacher = build_model(lambda: DiffusionTransformer(experiment.model), device, world,
-                                  self.config.parallelism)  # fmt: skip
+            teacher = build_model(
+                lambda: DiffusionTransformer(experiment.model), device, world, self.config.parallelism
+            )
         teacher.requires_grad_(False)
         self.teacher = teacher.eval()
         tokenizer = self.config.tokenizer
-        self.teachers = RoundTeachers(teacher, self.distill, experiment.model, tokenizer_sha256(tokenizer),
-                                      self.config.output_dir, world)  # fmt: skip
+        self.teachers = RoundTeachers(
+            teacher, self.distill, experiment.model, tokenizer_sha256(tokenizer), self.config.output_dir, world
+        )
         model = experiment.model
         ids = [model.mask_token_id, *never_sampled_ids(load_tokenizer(tokenizer), model.vocab_size)]
         self.forbidden = torch.tensor(sorted(set(ids)), device=device)
@@ -84,10 +92,14 @@ class DistillStep(TrainingStep):
         round_index = self.teachers.round_of(max(self.counters.step - 1, 0))
         teacher, student = self.distill.round_steps(round_index)
         if not self.distill.halving:
-            return (f"certainty forcing for threshold decoding; loss is the cross-entropy to the data plus "
-                    f"{self.distill.certainty_weight:g} x the entropy where the student is right")  # fmt: skip
-        return (f"round {round_index + 1}/{self.distill.rounds}: {teacher} -> {student} sampling steps; loss is the "
-                f"{self.distill.divergence} divergence to the teacher's two steps")  # fmt: skip
+            return (
+                f"certainty forcing for threshold decoding; loss is the cross-entropy to the data plus "
+                f"{self.distill.certainty_weight:g} x the entropy where the student is right"
+            )
+        return (
+            f"round {round_index + 1}/{self.distill.rounds}: {teacher} -> {student} sampling steps; loss is the "
+            f"{self.distill.divergence} divergence to the teacher's two steps"
+        )
 
     def optimizer_step(self, batches: Iterator[Tensor], window: LogWindow) -> None:
         self.teachers.ensure(self.counters.step, self.model)
@@ -99,9 +111,17 @@ class DistillStep(TrainingStep):
         config, world = self.config, self.world
         steps = config.gradient_accumulation_steps
         generator = noise_generator(config.seed, self.counters.micro_batches_seen + world.rank, self.device)
-        units = accumulation_mask_probabilities(clean.shape[0], micro_index, steps, offset, 0.0, self.device,
-                                                rank=world.rank, world_size=world.world_size,
-                                                blocks=self.blocks_per_sequence)  # fmt: skip
+        units = accumulation_mask_probabilities(
+            clean.shape[0],
+            micro_index,
+            steps,
+            offset,
+            0.0,
+            self.device,
+            rank=world.rank,
+            world_size=world.world_size,
+            blocks=self.blocks_per_sequence,
+        )
         if self.distill.halving:
             _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
             result = self.divergence_at(clean, grid_times(units, student_steps), generator, loss_mask)
@@ -129,16 +149,25 @@ class DistillStep(TrainingStep):
         the teacher's first step drawn from `generator` (the micro-batch's; a test's fixed one)."""
 
         model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
-        corruption = corrupt_tokens(clean, model.mask_token_id, times.t, eps, generator, schedule=self.schedule,
-                                    block_size=block_size(model), loss_mask=loss_mask)  # fmt: skip
+        corruption = corrupt_tokens(
+            clean,
+            model.mask_token_id,
+            times.t,
+            eps,
+            generator,
+            schedule=self.schedule,
+            block_size=block_size(model),
+            loss_mask=loss_mask,
+        )
         mask = corruption.mask
         log_target = self.teacher_target(clean, corruption.noisy_tokens, mask, times, generator)
         kernel = attention_kernel_context(self.device, self.config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
             logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
         log_student = allowed_log_probs(logits, self.forbidden)
-        return StudentDivergence(self.divergence(log_target, log_student), mask, log_student,
-                                 log_target.argmax(dim=-1), times.t, log_target)  # fmt: skip
+        return StudentDivergence(
+            self.divergence(log_target, log_student), mask, log_student, log_target.argmax(dim=-1), times.t, log_target
+        )
 
     def certainty_at(
         self, clean: Tensor, times: Tensor, generator: torch.Generator, loss_mask: Tensor | None = None
@@ -146,8 +175,16 @@ class DistillStep(TrainingStep):
         """Certainty forcing on `clean` masked at `times` [B] (or [B, blocks]), the mask drawn from `generator`."""
 
         model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
-        corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator, schedule=self.schedule,
-                                    block_size=block_size(model), loss_mask=loss_mask)  # fmt: skip
+        corruption = corrupt_tokens(
+            clean,
+            model.mask_token_id,
+            times,
+            eps,
+            generator,
+            schedule=self.schedule,
+            block_size=block_size(model),
+            loss_mask=loss_mask,
+        )
         mask = corruption.mask
         kernel = attention_kernel_context(self.device, self.config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
@@ -165,13 +202,15 @@ class DistillStep(TrainingStep):
         `clean` masked there at `times.t`), its first step's reveals and tokens drawn from `generator`."""
 
         size, length = block_size(self.experiment.model), clean.shape[1]
-        revealed = first_reveals(per_position(times.first_reveal_probability(self.schedule), length, size)[mask],
-                                 generator)  # fmt: skip
+        revealed = first_reveals(
+            per_position(times.first_reveal_probability(self.schedule), length, size)[mask], generator
+        )
         with autocast_context(self.device, self.precision):
             first_logits = masked_logits(self.teacher, noisy, mask, clean)
         middle = noisy.clone()
-        middle[mask] = noisy[mask].masked_scatter(revealed, draw_tokens(first_logits[revealed], self.forbidden,
-                                                                        generator))  # fmt: skip
+        middle[mask] = noisy[mask].masked_scatter(
+            revealed, draw_tokens(first_logits[revealed], self.forbidden, generator)
+        )
         still_masked = mask.clone()
         still_masked[mask] = ~revealed
         with autocast_context(self.device, self.precision):

@@ -28,8 +28,15 @@ from dlm.train.init_from import initial_weights, load_initial_weights
 class RoundTeachers:
     """Keeps `teacher` (a frozen model of the student's shape) the teacher of the current round."""
 
-    def __init__(self, teacher: nn.Module, distill: DistillConfig, model: ModelConfig, tokenizer_sha256: str,
-                 run_dir: Path, world: DistributedContext):  # fmt: skip
+    def __init__(
+        self,
+        teacher: nn.Module,
+        distill: DistillConfig,
+        model: ModelConfig,
+        tokenizer_sha256: str,
+        run_dir: Path,
+        world: DistributedContext,
+    ):
         self.teacher, self.distill, self.model = teacher, distill, model
         self.tokenizer_sha256, self.run, self.world = tokenizer_sha256, RunDir(run_dir), world
         self.round: int | None = None  # the round whose teacher `teacher` holds

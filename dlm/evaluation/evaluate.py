@@ -105,8 +105,16 @@ def fixed_noise_validation(
             clean, loss_mask = _on_device(batch, device)
             level = fixed_noise_level(batch_index, max_batches, mask_eps)
             times = torch.full((clean.shape[0],), level, device=device, dtype=torch.float32)
-            corruption = corrupt_tokens(clean, mask_token_id, times, mask_eps, generator, schedule=schedule,
-                                        block_size=block_size(model.config), loss_mask=loss_mask)  # fmt: skip
+            corruption = corrupt_tokens(
+                clean,
+                mask_token_id,
+                times,
+                mask_eps,
+                generator,
+                schedule=schedule,
+                block_size=block_size(model.config),
+                loss_mask=loss_mask,
+            )
             logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
             output = diffusion_cross_entropy(logits, clean, corruption)
             loss_sum += output.loss.to(accumulate)
@@ -251,8 +259,18 @@ def _elbo_pass(
         generator = [_pass_generator(seed, pass_id, row, device) for row in range(first, first + clean.shape[0])]
         first += clean.shape[0]
         logits = _logits_fn(model, device, precision, clean)
-        mean, error = elbo_nll(logits, clean, mask_id, mc_samples, mask_eps, generator, schedule=schedule,
-                               block_size=blocks, loss_mask=loss_mask, estimator=estimator)  # fmt: skip
+        mean, error = elbo_nll(
+            logits,
+            clean,
+            mask_id,
+            mc_samples,
+            mask_eps,
+            generator,
+            schedule=schedule,
+            block_size=blocks,
+            loss_mask=loss_mask,
+            estimator=estimator,
+        )
         means.append(mean.cpu().double())  # float64 on the host (MPS has none)
         errors.append(error.cpu().double())
     return torch.cat(means), torch.cat(errors)
@@ -282,8 +300,16 @@ def _bucket_pass(
         bucket = (torch.arange(clean.shape[0]) + index * batch_size) % NOISE_BUCKETS
         unit = torch.rand(clean.shape[0], generator=generator, device=device).cpu().double()
         times = (low[bucket] + (high[bucket] - low[bucket]) * unit).float()
-        corruption = corrupt_tokens(clean, model.config.mask_token_id, times.to(device), mask_eps, generator,
-                                    schedule=schedule, block_size=blocks, loss_mask=loss_mask)  # fmt: skip
+        corruption = corrupt_tokens(
+            clean,
+            model.config.mask_token_id,
+            times.to(device),
+            mask_eps,
+            generator,
+            schedule=schedule,
+            block_size=blocks,
+            loss_mask=loss_mask,
+        )
         logits = _logits_fn(model, device, precision, clean)(corruption.noisy_tokens, corruption.mask)
         output = diffusion_cross_entropy(logits, clean, corruption)
         nll = output.per_sequence_nll.cpu().double()
@@ -315,8 +341,10 @@ def _check_counts(batches: int, mc_samples: int, batch_size: int, estimator: str
         if value < 1:
             raise UserError(f"{option} must be at least 1 (got {value})", fix=f"pass {option} 1 or more")
     if estimator not in ESTIMATORS:
-        raise UserError(f"--estimator must be one of {', '.join(ESTIMATORS)} (got {estimator!r})",
-                        fix="pass --estimator exact-count for the lower-variance one")  # fmt: skip
+        raise UserError(
+            f"--estimator must be one of {', '.join(ESTIMATORS)} (got {estimator!r})",
+            fix="pass --estimator exact-count for the lower-variance one",
+        )
 
 
 def evaluate_model(
@@ -373,8 +401,7 @@ def evaluate_model(
     try:
         data = [_reported(_batches(dataset, batch_size, count), progress, i * count, 3 * count) for i in range(3)]
         fixed = fixed_noise_validation(model, data[0], device, precision, mask_eps, count, schedule=schedule)
-        means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule,
-                                   estimator)  # fmt: skip
+        means, errors = _elbo_pass(model, data[1], device, precision, mask_eps, mc_samples, seed, schedule, estimator)
         buckets = _bucket_pass(model, data[2], device, precision, mask_eps, batch_size, seed, schedule)
     finally:
         model.train(was_training)

@@ -93,8 +93,10 @@ def likelihood_figures(
     if tokens == 0:
         raise ValueError("no sequence holds a scored token")
     if sequences < counts.numel():
-        notes.append(f"{counts.numel() - sequences} of {counts.numel()} sequences hold no scored token (a loss mask "
-                     "of zeros): left out")  # fmt: skip
+        notes.append(
+            f"{counts.numel() - sequences} of {counts.numel()} sequences hold no scored token (a loss mask "
+            "of zeros): left out"
+        )
     nll = float((weights * means).sum() / tokens)
     # Ratio estimator of total NLL / total tokens over sequences drawn at random: its residuals
     # are each sequence's NLL minus what the pooled rate predicts for its tokens. Sequences and

@@ -72,9 +72,13 @@ class SampleQuality:
         return self.words / self.generated_tokens if self.generated_tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"words": self.words, "known_words": self.known_words, "generated_tokens": self.generated_tokens,
-                "known_word_share": round(self.known_share, 4),
-                "words_per_token": round(self.words_per_token, 4)}  # fmt: skip
+        return {
+            "words": self.words,
+            "known_words": self.known_words,
+            "generated_tokens": self.generated_tokens,
+            "known_word_share": round(self.known_share, 4),
+            "words_per_token": round(self.words_per_token, 4),
+        }
 
 
 def sample_quality(text: str, fixed_text: str, generated_tokens: int, vocabulary: frozenset[str]) -> SampleQuality:
@@ -89,5 +93,8 @@ def sample_quality(text: str, fixed_text: str, generated_tokens: int, vocabulary
 def pooled(qualities: Sequence[SampleQuality]) -> SampleQuality:
     """Several samples' figures as one: words and tokens summed."""
 
-    return SampleQuality(sum(q.words for q in qualities), sum(q.known_words for q in qualities),
-                         sum(q.generated_tokens for q in qualities))  # fmt: skip
+    return SampleQuality(
+        sum(q.words for q in qualities),
+        sum(q.known_words for q in qualities),
+        sum(q.generated_tokens for q in qualities),
+    )

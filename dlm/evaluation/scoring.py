@@ -109,8 +109,9 @@ class Scorer:
         self.config = model.config
         self.mc_samples, self.estimator, self.seed = mc_samples, estimator, seed
         self.batch_size, self.precision, self.mask_eps = batch_size, precision, mask_eps
-        SamplingOptions(steps=steps or 1, remasking=remasking, block_length=block_length,
-                        reveal_split=reveal_split)  # refuses bad values now
+        SamplingOptions(
+            steps=steps or 1, remasking=remasking, block_length=block_length, reveal_split=reveal_split
+        )  # refuses bad values now
         # A distilled student generates in the steps it was distilled for unless told otherwise.
         steps = distilled_steps(model) if steps is None else sampling_steps(model, steps)
         self.steps, self.remasking, self.block_length = steps, remasking, block_length
@@ -169,9 +170,18 @@ class Scorer:
             return [Score(0.0, None, True if greedy else None, 0) for _ in rows]
         generators = [torch.Generator(device=self.device).manual_seed(key) for key in keys]
         block = block_size(self.config)
-        means, errors = elbo_nll(self._logits(clean), clean, self.config.mask_token_id, self.mc_samples,
-                                 self.mask_eps, generators, schedule=model_schedule(self.model), block_size=block,
-                                 loss_mask=scored, estimator=self.estimator)  # fmt: skip
+        means, errors = elbo_nll(
+            self._logits(clean),
+            clean,
+            self.config.mask_token_id,
+            self.mc_samples,
+            self.mask_eps,
+            generators,
+            schedule=model_schedule(self.model),
+            block_size=block,
+            loss_mask=scored,
+            estimator=self.estimator,
+        )
         verdicts: list[bool | None] = list(self._greedy(rows)) if greedy else [None] * len(rows)
         return [
             Score(-float(mean) * count, None if self.mc_samples == 1 else float(error) * count, is_greedy, count)
@@ -192,9 +202,14 @@ class Scorer:
             group = [index for index, (ids, first) in enumerate(rows) if first == start]
             contexts = [rows[index][0][:start] for index in group]
             count = len(rows[group[0]][0]) - start
-            sampling = SamplingOptions(steps=self.steps or count, temperature=0.0, top_p=None,
-                                       remasking=self.remasking, block_length=self.block_length,
-                                       reveal_split=self.reveal_split)  # fmt: skip
+            sampling = SamplingOptions(
+                steps=self.steps or count,
+                temperature=0.0,
+                top_p=None,
+                remasking=self.remasking,
+                block_length=self.block_length,
+                reveal_split=self.reveal_split,
+            )
             written = self._reverse(contexts, count, sampling, stop=False).tolist()
             for index, new in zip(group, written, strict=True):
                 kept = new[: new.index(self.eos_id) + 1] if self.eos_id in new else new
@@ -210,16 +225,26 @@ class Scorer:
         from dlm.sampling.row_noise import RowNoise
 
         mask_id, width = self.config.mask_token_id, len(contexts[0])
-        tokens = torch.tensor([context + [mask_id] * count for context in contexts], dtype=torch.long,
-                              device=self.device)  # fmt: skip
+        tokens = torch.tensor(
+            [context + [mask_id] * count for context in contexts], dtype=torch.long, device=self.device
+        )
         fill = torch.tensor([False] * width + [True] * count, device=self.device)
-        streams = [torch.Generator(device=self.device).manual_seed(request_seed(self.seed, context, [_GENERATE_PASS]))
-                   for context in contexts]  # fmt: skip
+        streams = [
+            torch.Generator(device=self.device).manual_seed(request_seed(self.seed, context, [_GENERATE_PASS]))
+            for context in contexts
+        ]
         noise = RowNoise(tuple(streams), (1,) * len(streams))
         with autocast_context(self.device, self.precision):
-            tokens, _ = denoise(self.model, tokens, fill, sampling, generator=noise,
-                                stop_token_id=self.eos_id if stop else None, forbidden_token_ids=self.forbidden,
-                                schedule=model_schedule(self.model))  # fmt: skip
+            tokens, _ = denoise(
+                self.model,
+                tokens,
+                fill,
+                sampling,
+                generator=noise,
+                stop_token_id=self.eos_id if stop else None,
+                forbidden_token_ids=self.forbidden,
+                schedule=model_schedule(self.model),
+            )
         return tokens[:, width:]
 
     def rolling(self, documents: Sequence[Sequence[int]]) -> list[float]:
@@ -232,8 +257,15 @@ class Scorer:
 
     # ---------------------------------------------------------------------------- generation
 
-    def generate(self, context: Sequence[int], *, max_tokens: int, until: Sequence[str] = (),
-                 steps: int | None = None, **options: Any) -> str:  # fmt: skip
+    def generate(
+        self,
+        context: Sequence[int],
+        *,
+        max_tokens: int,
+        until: Sequence[str] = (),
+        steps: int | None = None,
+        **options: Any,
+    ) -> str:
         """The text of up to `max_tokens` new tokens after `context` (its oldest tokens dropped when
         they do not fit), cut at the first `until` string; `options` are `SamplingOptions` fields,
         `steps`, `remasking`, `block_length` and `reveal_split` by default the scorer's."""
@@ -243,8 +275,12 @@ class Scorer:
         limit = self.config.max_seq_len
         count = max(1, min(max_tokens, limit - 1 if context else limit))
         kept = list(context)[-(limit - count) :] if limit > count else []
-        options = {"remasking": self.remasking, "block_length": self.block_length,
-                   "reveal_split": self.reveal_split, **options}
+        options = {
+            "remasking": self.remasking,
+            "block_length": self.block_length,
+            "reveal_split": self.reveal_split,
+            **options,
+        }
         sampling = SamplingOptions(steps=steps or self.steps or count, **options)
         [new] = self._reverse([kept], count, sampling, stop=True).tolist()
         new = new[: new.index(self.eos_id)] if self.eos_id in new else new

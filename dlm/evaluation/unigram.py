@@ -29,8 +29,9 @@ def unigram_table(train: Any, max_tokens: int = MAX_COUNTED) -> np.ndarray:
     return np.log(counts / counts.sum())
 
 
-def unigram_bits_per_byte(data_dir: Path, blocks: Sequence[int], token_bytes: Any = None, *,
-                          evaluated: Any = None) -> float | None:  # fmt: skip
+def unigram_bits_per_byte(
+    data_dir: Path, blocks: Sequence[int], token_bytes: Any = None, *, evaluated: Any = None
+) -> float | None:
     """Bits per byte of add-one unigram frequencies of `data_dir`'s training tokens on these
     `blocks` of `evaluated` (default: the directory's validation split): the level of a model that
     ignores all context. The bytes are those of exactly these blocks, from `token_bytes` (UTF-8
@@ -56,8 +57,7 @@ DEMO_ADVICE = (
     "or check the data"
 )
 TRAINING_ADVICE = (
-    "Train longer (`dlm resume` with a larger training.max_steps) or on a GPU, train a smaller model, "
-    "or check the data"
+    "Train longer (`dlm resume` with a larger training.max_steps) or on a GPU, train a smaller model, or check the data"
 )
 
 

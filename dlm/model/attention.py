@@ -159,8 +159,9 @@ def same_document(base: AttentionMask | None, documents: Tensor, queries: int) -
     return AttentionMask("sdpa-mask", allowed[:, None])
 
 
-def same_document_flex(documents: Tensor, queries: int, length: int, block_size: int,
-                       causal: bool = False) -> AttentionMask:  # fmt: skip
+def same_document_flex(
+    documents: Tensor, queries: int, length: int, block_size: int, causal: bool = False
+) -> AttentionMask:
     """`same_document` as a flex block mask (built per batch: the documents differ row by row); with
     `block_size` > 0 on top of the 2L BD3 pattern over `length` tokens, with `causal` on top of the
     causal pattern, else over all keys."""
@@ -175,8 +176,9 @@ def same_document_flex(documents: Tensor, queries: int, length: int, block_size:
     return AttentionMask("flex", create_block_mask(mask_mod, rows, None, queries, keys, device=documents.device))
 
 
-def padded_mask(base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int,
-                pad_keys: Tensor) -> AttentionMask:  # fmt: skip
+def padded_mask(
+    base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int, pad_keys: Tensor
+) -> AttentionMask:
     """`base` for a left-padded batch: row b's first `pad_keys[b]` keys (its padding) are seen by no
     query but its own padding (columns < `pad[b]`), whose outputs are never used; a query seeing no
     key at all would be NaN, and NaN values leak even through zero attention weights."""
@@ -259,6 +261,7 @@ class KVCache:
 
         if rows.dtype == torch.bool:  # one nonzero for all layers, not one per tensor
             rows = rows.nonzero().squeeze(1)
-        layers = [None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
-                  for kv in self.layers]  # fmt: skip
+        layers = [
+            None if kv is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows)) for kv in self.layers
+        ]
         return KVCache(layers, self.length, self.committing, self.dropped, self.keep)

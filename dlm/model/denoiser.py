@@ -101,9 +101,13 @@ def autoregressive_inputs(tokens: Tensor, mask_token_id: int, pad: Tensor | None
 
 
 def masked_logits(
-    model: Denoiser | Callable[..., Tensor], noisy: Tensor, mask: Tensor, clean: Tensor, *,
+    model: Denoiser | Callable[..., Tensor],
+    noisy: Tensor,
+    mask: Tensor,
+    clean: Tensor,
+    *,
     config: ModelConfig | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Logits [N, V] at the N true entries of `mask` in `noisy`, a corruption of `clean`: the one forward
     pass of training, validation, `dlm eval`, scoring and the generation benchmark's judge. `config`
     names the model when `model` is a wrapper without one (the DDP or compiled training model)."""

@@ -39,8 +39,11 @@ def linear_layer_names(model: nn.Module) -> list[str]:
     once each. An untied output head is a Linear layer too, but the model multiplies by its weight
     directly, never through the module, so an adapter there would never train or take effect."""
 
-    names = {path.rsplit(".", 1)[-1] for path, module in model.named_modules()
-             if isinstance(module, nn.Linear) and path.startswith("blocks.")}  # fmt: skip
+    names = {
+        path.rsplit(".", 1)[-1]
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and path.startswith("blocks.")
+    }
     return sorted(name for name in names if name not in _ADAPTER_PARTS)
 
 
@@ -61,9 +64,12 @@ def peft_config(lora: LoraConfig) -> Any:
 
     peft = require(LORA_EXTRA)
     return peft.LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
         bias="none",
-    )  # fmt: skip
+    )
 
 
 def add_adapters(model: nn.Module, lora: LoraConfig) -> nn.Module:

@@ -276,8 +276,9 @@ class DiffusionTransformer(nn.Module):
         self.token_embedding.weight[self.config.vocab_size :].zero_()
         if self.head is not None:
             self.head.weight[self.config.vocab_size :].zero_()
-        cos, sin = rotary_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_theta,
-                                 self.config.rope_scaling)  # fmt: skip
+        cos, sin = rotary_tables(
+            self.config.max_seq_len, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -377,8 +378,16 @@ class DiffusionTransformer(nn.Module):
             return subs_logits(logits, inputs, self.config.mask_token_id)
         return logits
 
-    def _blocks(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask | None, cache: KVCache | None,
-                queries: slice | None, last_mask: AttentionMask | None) -> Tensor:  # fmt: skip
+    def _blocks(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttentionMask | None,
+        cache: KVCache | None,
+        queries: slice | None,
+        last_mask: AttentionMask | None,
+    ) -> Tensor:
         """Every block over `x`; the last one computes outputs at `queries` only, under `last_mask` if given."""
 
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
@@ -391,8 +400,9 @@ class DiffusionTransformer(nn.Module):
             x = checkpoint(block, *args, use_reentrant=False) if recompute else block(*args)
         return x
 
-    def _document_masks(self, documents: Tensor, mask: AttentionMask | None, last_mask: AttentionMask | None,
-                        length: int, keys: int) -> tuple[AttentionMask, AttentionMask | None]:  # fmt: skip
+    def _document_masks(
+        self, documents: Tensor, mask: AttentionMask | None, last_mask: AttentionMask | None, length: int, keys: int
+    ) -> tuple[AttentionMask, AttentionMask | None]:
         """`mask` and `last_mask` limited to each position's document. Positions are not restarted per
         document: with rotary embeddings a score depends only on the distance between query and key,
         and a query now sees only keys of its own document, so the scores are those of the document
@@ -465,4 +475,3 @@ def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
     # A masked row gets -inf at its input, the mask token; an unmasked row gets 0 at its own token.
     kept = torch.zeros_like(unmasked, dtype=logits.dtype).masked_fill_(~unmasked, float("-inf"))
     return logits.scatter_(-1, inputs[..., None], kept)
-

@@ -80,8 +80,14 @@ def _eval_trace(go: Any, history: RunHistory, key: str, error_key: str, label: s
     steps, values, errors = history.eval_series(key, error_key)
     if not steps:
         return None
-    return go.Scatter(x=steps, y=values, name=label, mode="markers", marker={"color": EVAL_COLOUR, "size": 9},
-                      error_y={"type": "data", "array": errors, "visible": True})  # fmt: skip
+    return go.Scatter(
+        x=steps,
+        y=values,
+        name=label,
+        mode="markers",
+        marker={"color": EVAL_COLOUR, "size": 9},
+        error_y={"type": "data", "array": errors, "visible": True},
+    )
 
 
 def _train_and_validation(go: Any, history: RunHistory, name: str, figure: Any) -> Any:
@@ -110,9 +116,16 @@ def _noise_chart(go: Any, history: RunHistory, last: int) -> Any | None:
         return None
     # The colours span the 5th to 95th percentile: one noisy bucket (tiny t, few masks) must not wash out the rest.
     low, high = values[int(0.05 * (len(values) - 1))], values[int(0.95 * (len(values) - 1))]
-    heatmap = go.Heatmap(x=steps, y=names, z=rows, colorscale="Viridis", zmin=low, zmax=max(high, low + 1e-6),
-                         colorbar={"title": {"text": "nats/token"}},
-                         hovertemplate="step %{x}<br>t in %{y}<br>loss %{z:.4f}<extra></extra>")  # fmt: skip
+    heatmap = go.Heatmap(
+        x=steps,
+        y=names,
+        z=rows,
+        colorscale="Viridis",
+        zmin=low,
+        zmax=max(high, low + 1e-6),
+        colorbar={"title": {"text": "nats/token"}},
+        hovertemplate="step %{x}<br>t in %{y}<br>loss %{z:.4f}<extra></extra>",
+    )
     layout = _layout("Training loss by noise level t", "noise level t (bucket)", last, hovermode="closest")
     return go.Figure(heatmap, layout=layout)
 
@@ -128,8 +141,16 @@ def _bits_chart(go: Any, history: RunHistory, last: int) -> Any | None:
     if len(set(unigram)) == 1:  # one data set: one level across the chart
         steps, unigram = [0, last], unigram[:1] * 2
     if steps:
-        figure.add_trace(go.Scatter(x=steps, y=unigram, name="unigram level (no context)", mode="lines+markers",
-                                    line={"color": "#7f7f7f", "dash": "dash"}, marker={"size": 4}))  # fmt: skip
+        figure.add_trace(
+            go.Scatter(
+                x=steps,
+                y=unigram,
+                name="unigram level (no context)",
+                mode="lines+markers",
+                line={"color": "#7f7f7f", "dash": "dash"},
+                marker={"size": 4},
+            )
+        )
     return figure
 
 
@@ -174,22 +195,43 @@ def _with_error(value: float | None, error: float | None, digits: int = 4) -> st
 
 def _eval_section(evals: list[EvalResult]) -> str:
     if not evals:
-        return ('<p class="none">No eval reports in the run directory. Write one with '
-                "<code>dlm eval RUN_DIR --output RUN_DIR/eval.json</code>.</p>")  # fmt: skip
-    columns = ("report", "step", "bits per byte", "unigram level", "ELBO NLL (nats/token)", "perplexity bound",
-               "fixed-noise loss", "masked accuracy", "sequences", "tokens")  # fmt: skip
+        return (
+            '<p class="none">No eval reports in the run directory. Write one with '
+            "<code>dlm eval RUN_DIR --output RUN_DIR/eval.json</code>.</p>"
+        )
+    columns = (
+        "report",
+        "step",
+        "bits per byte",
+        "unigram level",
+        "ELBO NLL (nats/token)",
+        "perplexity bound",
+        "fixed-noise loss",
+        "masked accuracy",
+        "sequences",
+        "tokens",
+    )
     rows = []
     for result in evals:
         figure = result.figure
-        cells = (result.name, "n/a" if result.step is None else str(result.step),
-                 _with_error(figure("bits_per_byte"), figure("bits_per_byte_stderr")),
-                 _with_error(figure("unigram_bits_per_byte"), None),
-                 _with_error(figure("nll"), figure("nll_stderr")), _with_error(figure("perplexity_bound"), None, 2),
-                 _with_error(figure("fixed_noise_loss"), None), _with_error(figure("fixed_noise_accuracy"), None),
-                 str(result.report.get("sequences", "n/a")), str(result.report.get("tokens", "n/a")))  # fmt: skip
+        cells = (
+            result.name,
+            "n/a" if result.step is None else str(result.step),
+            _with_error(figure("bits_per_byte"), figure("bits_per_byte_stderr")),
+            _with_error(figure("unigram_bits_per_byte"), None),
+            _with_error(figure("nll"), figure("nll_stderr")),
+            _with_error(figure("perplexity_bound"), None, 2),
+            _with_error(figure("fixed_noise_loss"), None),
+            _with_error(figure("fixed_noise_accuracy"), None),
+            str(result.report.get("sequences", "n/a")),
+            str(result.report.get("tokens", "n/a")),
+        )
         rows.append("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in cells) + "</tr>")
-    notes = [f"<li>{escape(result.name)}: {escape(str(note))}</li>" for result in evals
-             for note in result.report.get("notes", [])]  # fmt: skip
+    notes = [
+        f"<li>{escape(result.name)}: {escape(str(note))}</li>"
+        for result in evals
+        for note in result.report.get("notes", [])
+    ]
     header = "<tr>" + "".join(f"<th>{escape(column)}</th>" for column in columns) + "</tr>"
     text = f"<table>{header}{''.join(rows)}</table>"
     return text + (f'<ul class="note">{"".join(notes)}</ul>' if notes else "") + "<p>± is one standard error.</p>"
@@ -197,8 +239,10 @@ def _eval_section(evals: list[EvalResult]) -> str:
 
 def _samples_section(samples: list[dict[str, Any]]) -> str:
     if not samples:
-        return ('<p class="none">No samples recorded with this run (<code>dlm demo</code> writes '
-                "<code>samples.json</code>). Draw some with <code>dlm sample MODEL</code>.</p>")  # fmt: skip
+        return (
+            '<p class="none">No samples recorded with this run (<code>dlm demo</code> writes '
+            "<code>samples.json</code>). Draw some with <code>dlm sample MODEL</code>.</p>"
+        )
     parts = []
     for index, sample in enumerate(samples, 1):
         label = str(sample.get("label") or f"sample {index}")
@@ -226,8 +270,11 @@ def render_page(history: RunHistory) -> str:
     plotly_js = importlib.import_module("plotly.offline").get_plotlyjs()
     name = history.name
     notes = "".join(f'<li class="note">{escape(note)}</li>' for note in history.notes)
-    config = (_table(config_rows(history.config), ("field", "value")) if history.config is not None
-              else '<p class="none">No config.json in the run directory.</p>')  # fmt: skip
+    config = (
+        _table(config_rows(history.config), ("field", "value"))
+        if history.config is not None
+        else '<p class="none">No config.json in the run directory.</p>'
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">{GENERATOR_TAG}
 <meta name="viewport" content="width=device-width, initial-scale=1">

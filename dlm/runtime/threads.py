@@ -57,8 +57,11 @@ def quota_cores(root: Path = CGROUP_ROOT, membership: Path = Path("/proc/self/cg
         lines = membership.read_text(encoding="utf-8").splitlines()
     except OSError:
         lines = []
-    own = [parts[2] for parts in (line.split(":", 2) for line in lines)
-           if len(parts) == 3 and (parts[1] == "" or "cpu" in parts[1].split(","))]  # fmt: skip
+    own = [
+        parts[2]
+        for parts in (line.split(":", 2) for line in lines)
+        if len(parts) == 3 and (parts[1] == "" or "cpu" in parts[1].split(","))
+    ]
     quotas = []
     for path in own or ["/"]:
         for directory in _up_to_root(root, path):  # v2: "max 100000" or "400000 100000"
@@ -192,13 +195,21 @@ def resume_cpu_threads(plan: ThreadPlan | None, recorded: int | None) -> ThreadP
         return plan
     if plan.source != "measured":
         if plan.threads != recorded:
-            warnings.warn(f"OMP_NUM_THREADS={plan.threads}, where the run used {recorded} threads: it continues, "
-                          "but no longer bit-identical to an uninterrupted run (unset OMP_NUM_THREADS to reuse "
-                          f"{recorded})", UserNote, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"OMP_NUM_THREADS={plan.threads}, where the run used {recorded} threads: it continues, "
+                "but no longer bit-identical to an uninterrupted run (unset OMP_NUM_THREADS to reuse "
+                f"{recorded})",
+                UserNote,
+                stacklevel=2,
+            )
         return plan
     if recorded > plan.cores:
-        warnings.warn(f"the run recorded {recorded} CPU threads and this machine gives it {plan.cores} cores: it "
-                      "continues bit for bit but oversubscribed, which can be many times slower (set "
-                      "OMP_NUM_THREADS to trade exactness for speed)", UserNote, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"the run recorded {recorded} CPU threads and this machine gives it {plan.cores} cores: it "
+            "continues bit for bit but oversubscribed, which can be many times slower (set "
+            "OMP_NUM_THREADS to trade exactness for speed)",
+            UserNote,
+            stacklevel=2,
+        )
     torch.set_num_threads(recorded)
     return ThreadPlan(plan.cores, plan.busy, recorded, "as the checkpoint recorded")

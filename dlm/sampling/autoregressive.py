@@ -44,14 +44,28 @@ def autoregressive_options(options: SamplingOptions, tokens_to_generate: int) ->
     return replace(options, steps=max(1, tokens_to_generate), threshold=None)
 
 
-def generate_tokens(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions,
-                    context: ReverseContext, kv_cache: bool = True) -> tuple[Tensor, int]:  # fmt: skip
+def generate_tokens(
+    model: Denoiser,
+    tokens: Tensor,
+    fill_mask: Tensor,
+    options: SamplingOptions,
+    context: ReverseContext,
+    kv_cache: bool = True,
+) -> tuple[Tensor, int]:
     """Fill the positions `fill_mask` [L] of `tokens` [B, L] left to right, one pass per token."""
 
     check_block_model_options(options)
     options = autoregressive_options(options, int(fill_mask.sum()))
-    return denoise_blocks(model, tokens, fill_mask, options, generator=context.noise, kv_cache=kv_cache,
-                          reverse_type=ShiftedReverse, **context.keywords())  # fmt: skip
+    return denoise_blocks(
+        model,
+        tokens,
+        fill_mask,
+        options,
+        generator=context.noise,
+        kv_cache=kv_cache,
+        reverse_type=ShiftedReverse,
+        **context.keywords(),
+    )
 
 
 def _applies(model: Denoiser, options: SamplingOptions, stop_token_id: int | None) -> bool:

@@ -56,8 +56,10 @@ def check_block_model_options(options: SamplingOptions) -> None:
     """A block model has its own exact cache: refuse the approximate one, which would be ignored."""
 
     if options.cache != "none":
-        raise UserError(f"--cache {options.cache} is for whole-sequence models",
-                        fix="omit --cache: a block model always reuses the exact cache of earlier blocks")  # fmt: skip
+        raise UserError(
+            f"--cache {options.cache} is for whole-sequence models",
+            fix="omit --cache: a block model always reuses the exact cache of earlier blocks",
+        )
 
 
 @dataclass
@@ -171,15 +173,19 @@ def denoise_blocks(
 
     block_size, mask_id = model.config.block_size, model.config.mask_token_id
     if options.block_length not in (None, block_size):
-        raise UserError(f"--block-length {options.block_length} differs from the model's block_size {block_size}",
-                        fix="omit --block-length: a block model generates its own blocks")  # fmt: skip
+        raise UserError(
+            f"--block-length {options.block_length} differs from the model's block_size {block_size}",
+            fix="omit --block-length: a block model generates its own blocks",
+        )
     tokens = tokens.clone()
     tokens[:, fill_mask] = mask_id
     positions = fill_mask.nonzero().squeeze(-1)
     blocks = [positions[positions // block_size == b] for b in sorted(set((positions // block_size).tolist()))]
     if len(blocks) > options.steps:
-        raise UserError(f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
-                        fix=f"use at least {len(blocks)} steps")  # fmt: skip
+        raise UserError(
+            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
+            fix=f"use at least {len(blocks)} steps",
+        )
     noise = RowNoise.of(generator, tokens.shape[0])
     never = never_predicted(mask_id, forbidden_token_ids, noise.device)
     reverse = reverse_type(model, options, noise, mask_id, never, pad=pad)
@@ -204,8 +210,9 @@ def denoise_blocks(
     return tokens, passes + reverse.window.commit_passes
 
 
-def _run(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
-         ) -> tuple[Tensor, int]:  # fmt: skip
+def _run(
+    model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
+) -> tuple[Tensor, int]:
     check_block_model_options(options)
     return denoise_blocks(model, tokens, fill_mask, options, generator=context.noise, **context.keywords())
 

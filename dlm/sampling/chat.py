@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from dlm.sampling.options import SampleResult
 
 
-def chat_sample(model: Denoiser, tokenizer: Any, tokenizer_path: Path, question: str,
-                **options: Any) -> tuple[list[str], SampleResult]:  # fmt: skip
+def chat_sample(
+    model: Denoiser, tokenizer: Any, tokenizer_path: Path, question: str, **options: Any
+) -> tuple[list[str], SampleResult]:
     """Each sample's reply to `question`, generated after the templated prompt (which stays fixed;
     the template is read beside `tokenizer_path`) and ended at the first end-of-document token, and
     the sampler's whole result (texts with the prompt, counts of passes and tokens). `options` go to
@@ -43,7 +44,9 @@ def _check_prompt(model: Denoiser, prompt_ids: list[int], length: int) -> None:
     prompt_length = len(prompt_ids)
     limit = None if block_size(model.config) else model.config.max_seq_len  # a block model slides on
     if limit is not None and prompt_length + length > limit:
-        raise UserError(f"--chat ({prompt_length} tokens, the question in the chat template) plus --length "
-                        f"({length}) is {prompt_length + length} tokens, more than the model's max_seq_len ({limit})",
-                        fix="shorten the question or lower --length (a block model, [model] block_size, can "
-                        "generate past its context)")  # fmt: skip
+        raise UserError(
+            f"--chat ({prompt_length} tokens, the question in the chat template) plus --length "
+            f"({length}) is {prompt_length + length} tokens, more than the model's max_seq_len ({limit})",
+            fix="shorten the question or lower --length (a block model, [model] block_size, can "
+            "generate past its context)",
+        )

@@ -106,8 +106,9 @@ def check_samplable(config: ModelConfig, options: SamplingOptions) -> None:
             fix="adapt it first: dlm train --init-from MODEL with model.attention = bidirectional",
         )
     if config.shift_logits and options.cache != "none":
-        raise UserError(f"--cache {options.cache} cannot serve a shifted-logits model (model.shift_logits)",
-                        fix="omit --cache")  # fmt: skip
+        raise UserError(
+            f"--cache {options.cache} cannot serve a shifted-logits model (model.shift_logits)", fix="omit --cache"
+        )
 
 
 @contextmanager

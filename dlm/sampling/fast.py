@@ -136,8 +136,9 @@ def denoise_fast(
 
     mask_id = model.config.mask_token_id
     noise = RowNoise.of(generator, tokens.shape[0])
-    reverse = _FastReverse(model, options, noise, mask_id, never_predicted(mask_id, forbidden_token_ids, noise.device),
-                           pad=pad)  # fmt: skip
+    reverse = _FastReverse(
+        model, options, noise, mask_id, never_predicted(mask_id, forbidden_token_ids, noise.device), pad=pad
+    )
     positions = fill_mask.nonzero().squeeze(-1)
     passes, step = 0, 0
     for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
@@ -159,8 +160,9 @@ def _applies(model: Denoiser, options: SamplingOptions, stop_token_id: int | Non
     return options.threshold is not None or options.cache != "none" or stop_token_id is not None
 
 
-def _run(model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
-         ) -> tuple[Tensor, int]:  # fmt: skip
+def _run(
+    model: Denoiser, tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, context: ReverseContext
+) -> tuple[Tensor, int]:
     tokens, blocks = sequence_blocks(tokens, fill_mask, options, model.config.mask_token_id)
     if context.on_step is not None:
         context.on_step(0, tokens.clone())

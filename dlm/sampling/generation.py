@@ -79,9 +79,17 @@ def generate(
     """
 
     steps = sampling_steps(model, steps)
-    options = SamplingOptions(steps=steps, temperature=temperature, top_k=top_k, top_p=top_p, remasking=remasking,
-                              block_length=block_length, threshold=threshold, cache=cache,
-                              reveal_split=reveal_split)  # fmt: skip
+    options = SamplingOptions(
+        steps=steps,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        remasking=remasking,
+        block_length=block_length,
+        threshold=threshold,
+        cache=cache,
+        reveal_split=reveal_split,
+    )
     config = model.config
     device = _model_device(model) if device is None else torch.device(device)
     model.to(device)
@@ -98,15 +106,27 @@ def generate(
         per_prompt = consecutive_seeds(seed, len(prompts)) if seeds is None else list(seeds)
         if config.is_autoregressive:  # one step per token, whatever `steps` says: the result says so
             options = autoregressive_options(options, length)
-        return generate_prompts(model, tokenizer, prompts, length=length, num_samples=num_samples, seeds=per_prompt,
-                                options=options, device=device, schedule=chosen, forbidden=forbidden,
-                                end_id=end_id, on_step=on_step)  # fmt: skip
+        return generate_prompts(
+            model,
+            tokenizer,
+            prompts,
+            length=length,
+            num_samples=num_samples,
+            seeds=per_prompt,
+            options=options,
+            device=device,
+            schedule=chosen,
+            forbidden=forbidden,
+            end_id=end_id,
+            on_step=on_step,
+        )
     if seeds is not None:
         raise UserError("seeds are for a list of prompts", fix="pass prompts=[...] with them, or seed= alone")
     parts = check_request(prompt=prompt, text=text, length=length, num_samples=num_samples, seed=seed)
     limit = None if block_size(config) else config.max_seq_len  # a block model slides on
-    ids, fill = build_sequence(tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id,
-                               max_seq_len=limit)  # fmt: skip
+    ids, fill = build_sequence(
+        tokenizer, parts, templated=text is not None, mask_token_id=config.mask_token_id, max_seq_len=limit
+    )
     if config.is_autoregressive:  # one step per token, whatever `steps` says: the result says so
         options = autoregressive_options(options, sum(fill))
         steps = options.steps
@@ -115,9 +135,17 @@ def generate(
     fill_mask = torch.tensor(fill, dtype=torch.bool, device=device)
     start = time.perf_counter()
     with inference(model), counting_tokens(model) as fed:
-        tokens, forward_passes = denoise(model, tokens, fill_mask, options, generator=generator,
-                                         forbidden_token_ids=forbidden, on_step=on_step, schedule=chosen,
-                                         stop_token_id=end_id)  # fmt: skip
+        tokens, forward_passes = denoise(
+            model,
+            tokens,
+            fill_mask,
+            options,
+            generator=generator,
+            forbidden_token_ids=forbidden,
+            on_step=on_step,
+            schedule=chosen,
+            stop_token_id=end_id,
+        )
         token_ids = tokens.tolist()  # waits for the device, so the timing covers all queued work
     if end_id is not None:
         from dlm.sampling.reverse import cut_after_stop
@@ -127,13 +155,30 @@ def generate(
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
     lengths = [sum(fill[: len(row)]) for row in token_ids]
     prompt_tokens = fill.index(True) if True in fill else len(fill)
-    return SampleResult(texts, token_ids, steps, forward_passes, seconds, fed[0], lengths,
-                        [prompt_tokens] * num_samples, [seed] * num_samples)  # fmt: skip
+    return SampleResult(
+        texts,
+        token_ids,
+        steps,
+        forward_passes,
+        seconds,
+        fed[0],
+        lengths,
+        [prompt_tokens] * num_samples,
+        [seed] * num_samples,
+    )
 
 
 def generate_records(
-    model: Denoiser, tokenizer: Any, prompts: Sequence[str], *, batch_size: int, length: int, num_samples: int,
-    seed: int, stop_at_end: bool = False, **options: Any,
+    model: Denoiser,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    *,
+    batch_size: int,
+    length: int,
+    num_samples: int,
+    seed: int,
+    stop_at_end: bool = False,
+    **options: Any,
 ) -> Iterator[dict[str, Any]]:
     """`generate` on many prompts in batches of `batch_size`, yielding one record per sample
     (`dlm.sampling.prompt_batch.prompt_records`) as each batch ends. Every prompt is checked before the
@@ -141,11 +186,24 @@ def generate_records(
 
     from dlm.sampling.prompt_batch import consecutive_seeds, encode_prompts, prompt_chunks, prompt_records
 
-    encode_prompts(tokenizer, model.config, prompts, length=length, num_samples=num_samples,
-                   seeds=consecutive_seeds(seed, len(prompts)))  # fmt: skip
+    encode_prompts(
+        tokenizer,
+        model.config,
+        prompts,
+        length=length,
+        num_samples=num_samples,
+        seeds=consecutive_seeds(seed, len(prompts)),
+    )
     end_id = optional_token_id(tokenizer, "eos") if stop_at_end else None
     for chunk, chunk_seed in prompt_chunks(prompts, batch_size, seed):
-        result = generate(model, tokenizer, prompts=chunk, length=length, num_samples=num_samples, seed=chunk_seed,
-                          stop_at_end=stop_at_end, **options)  # fmt: skip
+        result = generate(
+            model,
+            tokenizer,
+            prompts=chunk,
+            length=length,
+            num_samples=num_samples,
+            seed=chunk_seed,
+            stop_at_end=stop_at_end,
+            **options,
+        )
         yield from prompt_records(result, chunk, tokenizer, end_id)
-

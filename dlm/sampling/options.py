@@ -32,8 +32,12 @@ def sampling_steps(model: object, steps: int | None) -> int:
     if steps is None:
         return DEFAULT_STEPS if distilled is None else distilled
     if distilled is not None and steps < distilled:
-        warnings.warn(f"--steps {steps} is below the {distilled} steps this model was distilled for: expect lower "
-                      "quality than at its own steps", UserNote, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"--steps {steps} is below the {distilled} steps this model was distilled for: expect lower "
+            "quality than at its own steps",
+            UserNote,
+            stacklevel=2,
+        )
     return steps
 
 
@@ -80,9 +84,11 @@ class SamplingOptions:
         if self.reveal_split not in REVEAL_SPLITS:
             raise UserError(f"--reveal-split must be one of {', '.join(REVEAL_SPLITS)} (got {self.reveal_split!r})")
         if self.reveal_split != "schedule" and self.remasking == "random" and self.threshold is None:
-            raise UserError(f"--reveal-split {self.reveal_split} sets how many positions a step reveals, which "
-                            "ancestral steps (--remasking random) draw at random",
-                            fix="add --remasking confidence or margin, or a --threshold")  # fmt: skip
+            raise UserError(
+                f"--reveal-split {self.reveal_split} sets how many positions a step reveals, which "
+                "ancestral steps (--remasking random) draw at random",
+                fix="add --remasking confidence or margin, or a --threshold",
+            )
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,9 @@ def _offsets(config: Any, sizes: list[int]) -> list[int]:
     return [(first - size // block) * block for size in sizes]
 
 
-def _padded_batch(prompts: list[list[int]], offsets: list[int], num_samples: int, length: int, filler: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _padded_batch(
+    prompts: list[list[int]], offsets: list[int], num_samples: int, length: int, filler: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens [prompts x num_samples, W] (prompt i after `offsets[i]` fillers, then `length` to
     generate), the padding per row and the generated columns."""
 
@@ -110,14 +111,24 @@ def generate_prompts(
     groups = _groups(config, [len(ids) for ids in encoded])
     for group in groups:
         offsets = _offsets(config, [len(encoded[i]) for i in group])
-        tokens, pad, fill_mask = _padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler,
-                                               device)  # fmt: skip
+        tokens, pad, fill_mask = _padded_batch(
+            [encoded[i] for i in group], offsets, num_samples, length, filler, device
+        )
         generators = tuple(torch.Generator(device=noise_device(device)).manual_seed(seeds[i]) for i in group)
         noise = RowNoise(generators, (num_samples,) * len(group))
         with inference(model), counting_tokens(model) as fed:
-            tokens, group_passes = denoise(model, tokens, fill_mask, options, generator=noise, schedule=schedule,
-                                           forbidden_token_ids=forbidden, stop_token_id=end_id, pad=pad,
-                                           on_step=on_step if len(groups) == 1 else None)  # fmt: skip
+            tokens, group_passes = denoise(
+                model,
+                tokens,
+                fill_mask,
+                options,
+                generator=noise,
+                schedule=schedule,
+                forbidden_token_ids=forbidden,
+                stop_token_id=end_id,
+                pad=pad,
+                on_step=on_step if len(groups) == 1 else None,
+            )
             result = tokens.tolist()
         passes, fed_total = passes + group_passes, fed_total + fed[0]
         for slot, index in enumerate(group):
@@ -131,8 +142,17 @@ def generate_prompts(
         lengths += [len(row) - len(ids) for row in kept]
         prompt_tokens += [len(ids)] * num_samples
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
-    return SampleResult(texts, token_ids, options.steps, passes, seconds, fed_total, lengths, prompt_tokens,
-                        [seeds[index] for index in range(len(prompts)) for _ in range(num_samples)])  # fmt: skip
+    return SampleResult(
+        texts,
+        token_ids,
+        options.steps,
+        passes,
+        seconds,
+        fed_total,
+        lengths,
+        prompt_tokens,
+        [seeds[index] for index in range(len(prompts)) for _ in range(num_samples)],
+    )
 
 
 def encode_prompts(
@@ -146,8 +166,9 @@ def encode_prompts(
     encoded = []
     for index, prompt in enumerate(prompts):
         parts = check_request(prompt=prompt, length=length, num_samples=num_samples, seed=seeds[index])
-        ids, _ = build_sequence(tokenizer, parts, templated=False, mask_token_id=config.mask_token_id,
-                                max_seq_len=limit)  # fmt: skip
+        ids, _ = build_sequence(
+            tokenizer, parts, templated=False, mask_token_id=config.mask_token_id, max_seq_len=limit
+        )
         encoded.append(ids[: len(ids) - length])
     return encoded
 
@@ -195,9 +216,14 @@ def prompt_records(
     for row, ids in enumerate(result.token_ids):
         generated = ids[result.prompt_tokens[row] :]
         stopped = end_id is not None and bool(generated) and generated[-1] == end_id
-        records.append({
-            "prompt": prompts[row // samples], "sample": row % samples, "seed": result.seeds[row],
-            "text": tokenizer.decode(generated, skip_special_tokens=False), "tokens": result.lengths[row],
-            "stop": "end" if stopped else "length",
-        })  # fmt: skip
+        records.append(
+            {
+                "prompt": prompts[row // samples],
+                "sample": row % samples,
+                "seed": result.seeds[row],
+                "text": tokenizer.decode(generated, skip_special_tokens=False),
+                "tokens": result.lengths[row],
+                "stop": "end" if stopped else "length",
+            }
+        )
     return records

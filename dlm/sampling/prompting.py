@@ -59,8 +59,9 @@ def _check_utf8(option: str, value: str | None) -> None:
     try:
         (value or "").encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise UserError(f"{option} is not valid UTF-8 text (at character {exc.start + 1})",
-                        fix="pass the text in UTF-8") from None  # fmt: skip
+        raise UserError(
+            f"{option} is not valid UTF-8 text (at character {exc.start + 1})", fix="pass the text in UTF-8"
+        ) from None
 
 
 def check_request(
@@ -116,8 +117,10 @@ def build_sequence(
             length = sum(fill)
             problem = f"--prompt ({len(ids) - length} tokens) plus --length ({length}) is {len(ids)} tokens"
             fix = "shorten the prompt or lower --length"
-        raise UserError(f"{problem}, more than the model's max_seq_len ({max_seq_len})",
-                        fix=f"{fix} (a block model, [model] block_size, can generate past its context)")  # fmt: skip
+        raise UserError(
+            f"{problem}, more than the model's max_seq_len ({max_seq_len})",
+            fix=f"{fix} (a block model, [model] block_size, can generate past its context)",
+        )
     return ids, fill
 
 

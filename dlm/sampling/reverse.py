@@ -115,8 +115,9 @@ class Reverse:
             new = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
             return new.to(tokens.device), None
         # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
-        new, probabilities = sample_with_probabilities(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                       uniform=uniform)  # fmt: skip
+        new, probabilities = sample_with_probabilities(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform
+        )
         return new.to(tokens.device), token_confidence(probabilities, new, options.remasking)
 
     def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
@@ -206,8 +207,9 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
     logits = reverse.scores(tokens, candidates, None)
     options = reverse.options
     uniform = reverse.uniform(candidates, None)
-    new, probabilities = sample_with_probabilities(logits, temperature=options.temperature, top_k=options.top_k,
-                                                   top_p=options.top_p, uniform=uniform)  # fmt: skip
+    new, probabilities = sample_with_probabilities(
+        logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, uniform=uniform
+    )
     # The probability of the token each position would commit (Fast-dLLM's rule, and what
     # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
     # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
@@ -274,8 +276,13 @@ class ReverseContext:
     def keywords(self) -> dict[str, Any]:
         """The keyword arguments `denoise_fast` and `denoise_blocks` take besides their generator."""
 
-        return {"schedule": self.schedule, "forbidden_token_ids": self.forbidden_token_ids, "on_step": self.on_step,
-                "stop_token_id": self.stop_token_id, "pad": self.pad}  # fmt: skip
+        return {
+            "schedule": self.schedule,
+            "forbidden_token_ids": self.forbidden_token_ids,
+            "on_step": self.on_step,
+            "stop_token_id": self.stop_token_id,
+            "pad": self.pad,
+        }
 
 
 # Run the reverse process on `tokens` [B, L] where `fill_mask` [L] is true: the completed tokens and

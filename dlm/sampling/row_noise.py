@@ -42,10 +42,13 @@ class RowNoise:
 
     def _draw(self, counts: list[int], shape: tuple[int, ...]) -> Tensor:
         if len(self.generators) == 1:  # the draw a single-prompt batch has always made
-            return torch.rand((counts[0], *shape), dtype=torch.float64, device=self.device,
-                              generator=self.generators[0])  # fmt: skip
-        parts = [torch.rand((count, *shape), dtype=torch.float64, device=self.device, generator=generator)
-                 for generator, count in zip(self.generators, counts, strict=True)]  # fmt: skip
+            return torch.rand(
+                (counts[0], *shape), dtype=torch.float64, device=self.device, generator=self.generators[0]
+            )
+        parts = [
+            torch.rand((count, *shape), dtype=torch.float64, device=self.device, generator=generator)
+            for generator, count in zip(self.generators, counts, strict=True)
+        ]
         return torch.cat(parts)
 
     def per_row(self, shape: tuple[int, ...]) -> Tensor:

@@ -168,8 +168,9 @@ def _draw(
     return picks, weights, total
 
 
-def _mass_ahead(scores: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor | None
-                ) -> torch.Tensor:  # fmt: skip
+def _mass_ahead(
+    scores: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
     """The weight of the tokens strictly more likely than each row's pick (of `rows`; None: all).
 
     sign(x - x_pick) clamped at 0 is the indicator x > x_pick, in place in one buffer: a third of

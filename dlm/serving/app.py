@@ -62,16 +62,27 @@ def _completion_body(kind: str, request_id: str, served: ServedModel, outcome: O
             for i, c in enumerate(outcome.choices)
         ]
     else:
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-                   for i, c in enumerate(outcome.choices)]  # fmt: skip
+        choices = [
+            {"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+            for i, c in enumerate(outcome.choices)
+        ]
     kind_name = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": _response_id(kind, request_id), "object": kind_name, "created": int(time.time()),
-            "model": served.name, "choices": choices, "usage": _usage(outcome)}  # fmt: skip
+    return {
+        "id": _response_id(kind, request_id),
+        "object": kind_name,
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": _usage(outcome),
+    }
 
 
 def _usage(outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }
 
 
 def _response_id(kind: str, request_id: str) -> str:
@@ -88,8 +99,13 @@ def _event(payload: dict[str, Any] | str) -> str:
 
 
 def _queue_full(max_queue: int, retry_after: int) -> ApiError:
-    return ApiError(429, f"the server is busy: its queue holds {max_queue} requests; retry after {retry_after} s",
-                    kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after)})  # fmt: skip
+    return ApiError(
+        429,
+        f"the server is busy: its queue holds {max_queue} requests; retry after {retry_after} s",
+        kind="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after)},
+    )
 
 
 class Endpoints:
@@ -99,8 +115,10 @@ class Endpoints:
         self.served, self.scheduler, self.limits = served, scheduler, limits
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.served.name, "object": "model", "created": self.served.created,
-                                            "owned_by": "dlm"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": self.served.name, "object": "model", "created": self.served.created, "owned_by": "dlm"}],
+        }
 
     async def read(self, request: Any, kind: str) -> Generation:
         from pydantic import ValidationError
@@ -122,12 +140,23 @@ class Endpoints:
         else:
             assert isinstance(parsed, CompletionRequest)
             prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else list(parsed.prompt)
-        generation = check_generation(parsed, prompts, chat=kind == "chat", served=self.served.name,
-                                      config=self.served.model.config, tokenizer=self.served.tokenizer,
-                                      limits=self.limits, model_steps=distilled_steps(self.served.model))  # fmt: skip
+        generation = check_generation(
+            parsed,
+            prompts,
+            chat=kind == "chat",
+            served=self.served.name,
+            config=self.served.model.config,
+            tokenizer=self.served.tokenizer,
+            limits=self.limits,
+            model_steps=distilled_steps(self.served.model),
+        )
         if generation.rows > self.scheduler.max_batch_rows:
-            raise ApiError(400, f"n times the prompts is {generation.rows} rows, more than a batch holds "
-                           f"({self.scheduler.max_batch_rows})", param="n")  # fmt: skip
+            raise ApiError(
+                400,
+                f"n times the prompts is {generation.rows} rows, more than a batch holds "
+                f"({self.scheduler.max_batch_rows})",
+                param="n",
+            )
         return generation
 
     def refuse_if_full(self) -> None:
@@ -147,8 +176,9 @@ class Endpoints:
             raise ApiError(503, str(exc), kind="server_error") from None
         return job
 
-    async def wait(self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
-                   ) -> AsyncGenerator[tuple[int, str] | Outcome, None]:  # fmt: skip
+    async def wait(
+        self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
+    ) -> AsyncGenerator[tuple[int, str] | Outcome, None]:
         """The texts a streaming job sends as they come, then its outcome; `ClientGone` (the job dropped)
         when the client leaves first."""
 
@@ -194,8 +224,12 @@ class Endpoints:
 
         self.scheduler.cancel(job)
         self.scheduler.stats.count("timed_out")
-        return ApiError(504, f"the request took more than the server's --request-timeout "
-                        f"({self.limits.request_timeout:g} s)", kind="server_error", code="timeout")  # fmt: skip
+        return ApiError(
+            504,
+            f"the request took more than the server's --request-timeout ({self.limits.request_timeout:g} s)",
+            kind="server_error",
+            code="timeout",
+        )
 
     async def outcome(self, request: Any, job: Job) -> Outcome:
         async with aclosing(self.wait(request, job)) as items:
@@ -208,8 +242,9 @@ class Endpoints:
         self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
         return _completion_body(kind, request_id, self.served, outcome)
 
-    async def stream(self, request: Any, kind: str, request_id: str, job: Job,
-                     texts: asyncio.Queue[tuple[int, str]]) -> AsyncIterator[str]:  # fmt: skip
+    async def stream(
+        self, request: Any, kind: str, request_id: str, job: Job, texts: asyncio.Queue[tuple[int, str]]
+    ) -> AsyncIterator[str]:
         """Server-sent events: each choice's text as it becomes final (`dlm.serving.rows`), then the finish
         reasons, the usage when asked, and `[DONE]`."""
 
@@ -217,13 +252,25 @@ class Endpoints:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return _event({"id": response_id, "object": obj, "created": created, "model": self.served.name,
-                           "choices": choices, **extra})  # fmt: skip
+            return _event(
+                {
+                    "id": response_id,
+                    "object": obj,
+                    "created": created,
+                    "model": self.served.name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
 
         try:
             if kind == "chat":  # OpenAI opens each choice with its role
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                             for i in range(rows)])  # fmt: skip
+                yield chunk(
+                    [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        for i in range(rows)
+                    ]
+                )
             async with aclosing(self.wait(request, job, texts)) as items:
                 async for item in items:
                     if isinstance(item, Outcome):
@@ -231,13 +278,22 @@ class Endpoints:
                         break
                     index, text = item
                     if text:
-                        yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}
-                                     if kind == "chat" else
-                                     {"index": index, "text": text, "finish_reason": None, "logprobs": None}])
+                        yield chunk(
+                            [
+                                {"index": index, "delta": {"content": text}, "finish_reason": None}
+                                if kind == "chat"
+                                else {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+                            ]
+                        )
             self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
             for i, choice in enumerate(outcome.choices):
-                yield chunk([{"index": i, "delta": {}, "finish_reason": choice.finish_reason} if kind == "chat"
-                             else {"index": i, "text": "", "finish_reason": choice.finish_reason, "logprobs": None}])
+                yield chunk(
+                    [
+                        {"index": i, "delta": {}, "finish_reason": choice.finish_reason}
+                        if kind == "chat"
+                        else {"index": i, "text": "", "finish_reason": choice.finish_reason, "logprobs": None}
+                    ]
+                )
             if job.generation.include_usage:
                 yield chunk([], usage=_usage(outcome))
             yield _event("[DONE]")
@@ -251,8 +307,9 @@ class Endpoints:
             yield _event(ApiError(500, f"internal error (request {request_id})", kind="server_error").body())
 
 
-def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api_key: str | None,
-               on_request: RequestSink) -> Any:  # fmt: skip
+def create_app(
+    served: ServedModel, scheduler: Scheduler, *, limits: Limits, api_key: str | None, on_request: RequestSink
+) -> Any:
     """The ASGI application (FastAPI inside `Guard`); it starts the scheduler and stops it at shutdown."""
 
     fastapi = require(FASTAPI)
@@ -279,8 +336,9 @@ def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api
     async def internal_error(request: Any, exc: Exception) -> Any:  # the traceback goes to the log (Guard)
         scheduler.stats.count("errors")
         request_id = request.scope.get("state", {}).get("request_id", "?")
-        return JSONResponse(ApiError(500, f"internal error (request {request_id})", kind="server_error").body(),
-                            status_code=500)  # fmt: skip
+        return JSONResponse(
+            ApiError(500, f"internal error (request {request_id})", kind="server_error").body(), status_code=500
+        )
 
     @app.get("/health")
     async def health() -> Any:
@@ -306,8 +364,11 @@ def create_app(served: ServedModel, scheduler: Scheduler, *, limits: Limits, api
                 loop.call_soon_threadsafe(texts.put_nowait, (index, text))
 
             job = endpoints.submit(request_id, generation, on_text)
-            return StreamingResponse(endpoints.stream(request, kind, request_id, job, texts),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                endpoints.stream(request, kind, request_id, job, texts),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         job = endpoints.submit(request_id, generation)
         try:
             outcome = await endpoints.outcome(request, job)

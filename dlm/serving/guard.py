@@ -27,8 +27,11 @@ OPEN_PATHS = ("/health",)  # what a load balancer probes answers without the key
 
 async def send_error(send: Send, error: ApiError, request_id: str) -> None:
     body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"x-request-id", request_id.encode())]  # fmt: skip
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode()),
+    ]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -48,16 +51,18 @@ class Guard:
             scheme, _, key = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
                 what = "no API key" if not given else "a wrong API key"
-                return ApiError(401, f"{what}: send the server's key as 'Authorization: Bearer KEY'",
-                                code="invalid_api_key")  # fmt: skip
+                return ApiError(
+                    401, f"{what}: send the server's key as 'Authorization: Bearer KEY'", code="invalid_api_key"
+                )
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return self._too_large()
         return None
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the body is larger than this server allows ({self.max_body_bytes} bytes)",
-                        code="request_too_large")  # fmt: skip
+        return ApiError(
+            413, f"the body is larger than this server allows ({self.max_body_bytes} bytes)", code="request_too_large"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,9 +98,18 @@ class Guard:
             log.exception("request %s %s %s failed", request_id, scope["method"], scope["path"])
             if not status[0]:
                 status[0] = 500
-                await send_error(send, ApiError(500, f"internal error (request {request_id})", kind="server_error"),
-                                 request_id)  # fmt: skip
+                await send_error(
+                    send, ApiError(500, f"internal error (request {request_id})", kind="server_error"), request_id
+                )
         finally:
             seconds = round(time.perf_counter() - start, 4)
-            self.on_request({"event": "request", "id": request_id, "method": scope["method"], "path": scope["path"],
-                             "status": status[0] or CLIENT_GONE, "seconds": seconds})  # fmt: skip
+            self.on_request(
+                {
+                    "event": "request",
+                    "id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status[0] or CLIENT_GONE,
+                    "seconds": seconds,
+                }
+            )

@@ -119,15 +119,17 @@ def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
         positions.append(nn.functional.pad(call.output_positions, (extra, 0), value=False))
         pads.append(_leading_pad(call, extra))
     unpadded = all(call.pad is None and call.tokens.shape[1] == width for call in calls)
-    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=fresh,
-                   pad=None if unpadded else torch.cat(pads))  # fmt: skip
+    logits = model(
+        torch.cat(tokens), output_positions=torch.cat(positions), cache=fresh, pad=None if unpadded else torch.cat(pads)
+    )
     start = 0
     for call in calls:
         if fresh is not None and call.cache is not None:
             rows, extra = slice(start, start + call.rows), width - int(call.tokens.shape[1])
-            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:].contiguous(),
-                                                          kv[1][rows, :, extra:].contiguous())
-                                 for kv in fresh.layers]  # fmt: skip
+            call.cache.layers = [
+                None if kv is None else (kv[0][rows, :, extra:].contiguous(), kv[1][rows, :, extra:].contiguous())
+                for kv in fresh.layers
+            ]
             call.cache.length = int(call.tokens.shape[1])
         start += call.rows
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
@@ -182,9 +184,10 @@ def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
         assert call.cache is not None
         rows, end = slice(start, start + call.rows), extra + call.cache.length + call.stores
         if call.stores:
-            call.cache.layers = [None if kv is None else (kv[0][rows, :, extra:end].contiguous(),
-                                                          kv[1][rows, :, extra:end].contiguous())
-                                 for kv in merged.layers]  # fmt: skip
+            call.cache.layers = [
+                None if kv is None else (kv[0][rows, :, extra:end].contiguous(), kv[1][rows, :, extra:end].contiguous())
+                for kv in merged.layers
+            ]
             call.cache.length += call.stores
         start += call.rows
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
@@ -261,8 +264,15 @@ class RequestModel:
     def config(self) -> Any:
         return self._model.config
 
-    def __call__(self, tokens: Tensor, output_positions: Tensor | None = None, *, cache: KVCache | None = None,
-                 pad: Tensor | None = None, **others: Any) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        tokens: Tensor,
+        output_positions: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        pad: Tensor | None = None,
+        **others: Any,
+    ) -> Tensor:
         if self._departed.is_set():
             raise Departed
         call = Call(tokens, output_positions, cache, pad, others)

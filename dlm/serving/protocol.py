@@ -27,8 +27,16 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 class ApiError(Exception):
     """A refused request: its HTTP status and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers
@@ -128,11 +136,13 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "echo": (lambda v: not v, "dlm does not echo the prompt; leave it out"),
     "best_of": (lambda v: v in (None, 1), "dlm does not rank samples; use n for several"),
     "suffix": (lambda v: v is None, "use the infilling of `dlm sample --template` instead"),
-    "response_format": (lambda v: v is None or v.get("type") == "text",
-                        "dlm does not constrain the output to JSON; send {\"type\": \"text\"} or leave it out"),
+    "response_format": (
+        lambda v: v is None or v.get("type") == "text",
+        'dlm does not constrain the output to JSON; send {"type": "text"} or leave it out',
+    ),
     "tools": (lambda v: not v, "dlm's models do not call tools; leave it out"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "dlm's models do not call tools; leave it out"),
-}  # fmt: skip
+}
 
 
 def _check_neutral(request: SamplerFields) -> None:
@@ -197,8 +207,20 @@ def _options(request: SamplerFields, length: int, model_steps: int | None = None
     """The request's sampler options through `SamplingOptions`: its refusal becomes a 400 naming the field.
     Without `steps`: a distilled student's `model_steps`, else one token a step."""
 
-    given = {name: getattr(request, name) for name in ("temperature", "top_p", "steps", "block_length", "threshold",
-                                                       "cache", "remasking", "top_k", "reveal_split")}  # fmt: skip
+    given = {
+        name: getattr(request, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "steps",
+            "block_length",
+            "threshold",
+            "cache",
+            "remasking",
+            "top_k",
+            "reveal_split",
+        )
+    }
     given = {name: value for name, value in given.items() if value is not None}
     given.setdefault("steps", length if model_steps is None else model_steps)
     # OpenAI's default: the whole distribution (`dlm sample`'s own default cuts it at 0.9). A request
@@ -240,8 +262,11 @@ def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limi
     room = limit if block_size(config) else min(limit, config.max_seq_len - prompt_tokens)
     if asked is None:
         if room < 1:
-            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) fills the model's context "
-                           f"({config.max_seq_len} tokens)", param="prompt")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_tokens} tokens) fills the model's context ({config.max_seq_len} tokens)",
+                param="prompt",
+            )
         return room
     if asked < 1:
         raise ApiError(400, f"{param} must be at least 1 (got {asked})", param=param)
@@ -260,8 +285,9 @@ def _prompt_tokens(prompts: list[str], param: str, tokenizer: Any, config: Any, 
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate, which JSON can spell and no tokenizer encodes
-            raise ApiError(400, f"{param} is not valid UTF-8 text (at character {exc.start + 1})",
-                           param=param) from None  # fmt: skip
+            raise ApiError(
+                400, f"{param} is not valid UTF-8 text (at character {exc.start + 1})", param=param
+            ) from None
     counts = [len(tokenizer.encode(prompt, add_special_tokens=False).ids) for prompt in prompts]
     limit = limits.max_prompt_tokens if limits.max_prompt_tokens is not None else config.max_seq_len
     if max(counts) > limit:
@@ -277,15 +303,28 @@ def _asked_length(request: SamplerFields) -> tuple[int | None, str]:
     return request.max_tokens, "max_tokens"
 
 
-def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, served: str, config: Any,
-                     tokenizer: Any, limits: Limits, model_steps: int | None = None) -> Generation:  # fmt: skip
+def check_generation(
+    request: SamplerFields,
+    prompts: list[str],
+    *,
+    chat: bool,
+    served: str,
+    config: Any,
+    tokenizer: Any,
+    limits: Limits,
+    model_steps: int | None = None,
+) -> Generation:
     """The request as a `Generation`, or the `ApiError` naming the first field at fault. `model_steps`:
     the steps a distilled student samples in when the request names none."""
 
     _check_neutral(request)
     if request.model is not None and request.model != served:
-        raise ApiError(404, f"the model {request.model!r} does not exist; this server serves {served!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"the model {request.model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
     if not 1 <= request.n <= limits.max_n:
         raise ApiError(400, f"n must be in [1, {limits.max_n}] (got {request.n})", param="n")
     if request.seed is not None and not 0 <= request.seed < 2**62:
@@ -297,13 +336,29 @@ def check_generation(request: SamplerFields, prompts: list[str], *, chat: bool, 
     options = _options(request, length, model_steps)
     seed = secrets.randbelow(2**62) if request.seed is None else request.seed
     try:  # the prompt checks of `dlm sample` (the mask token spelt out, invalid text)
-        encode_prompts(tokenizer, config, prompts, length=length, num_samples=request.n,
-                       seeds=[seed + index for index in range(len(prompts))])  # fmt: skip
+        encode_prompts(
+            tokenizer,
+            config,
+            prompts,
+            length=length,
+            num_samples=request.n,
+            seeds=[seed + index for index in range(len(prompts))],
+        )
     except UserError as exc:
         raise ApiError(400, str(exc).replace("--prompt", prompt_param), param=prompt_param) from None
     include_usage = bool((request.stream_options or {}).get("include_usage", False))
-    return Generation(tuple(prompts), tuple(counts), length, request.n, seed, options, _stops(request.stop),
-                      request.stream, include_usage, chat)  # fmt: skip
+    return Generation(
+        tuple(prompts),
+        tuple(counts),
+        length,
+        request.n,
+        seed,
+        options,
+        _stops(request.stop),
+        request.stream,
+        include_usage,
+        chat,
+    )
 
 
 def chat_prompt_text(template: ChatTemplate, messages: list[Message]) -> str:

@@ -86,8 +86,9 @@ class SchedulerFailed(ShuttingDown):
 class Scheduler:
     """The queue, the thread that shares the running requests' passes, and a thread per running request."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int,
-                 batch_wait: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int, batch_wait: float = 0.0
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.max_batch_rows, self.batch_wait = max_queue, max_batch_rows, batch_wait
         self.eos = special_token_id(tokenizer, "eos")
@@ -189,8 +190,9 @@ class Scheduler:
         started = False
         while self._queue and rows + self._queue[0].generation.rows <= self.max_batch_rows:
             job = self._queue.popleft()
-            thread = threading.Thread(target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}",
-                                      daemon=True)  # fmt: skip
+            thread = threading.Thread(
+                target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}", daemon=True
+            )
             try:
                 thread.start()
             except RuntimeError as exc:  # the system's thread limit: this request fails, the others go on
@@ -286,22 +288,32 @@ class Scheduler:
         streams: dict[int, tuple[int, RowStream]] = {}
         if job.on_text is not None:
             for row in range(generation.rows):
-                streams[row] = (row, RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos,
-                                               generation.stop))  # fmt: skip
+                streams[row] = (
+                    row,
+                    RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos, generation.stop),
+                )
         model = RequestModel(self.model, self._wait_for_pass, job.cancelled)
         start = time.perf_counter()
-        result = generate(model, self.tokenizer, prompts=list(generation.prompts), length=generation.length,
-                          seeds=[generation.seed + index for index in range(len(generation.prompts))],
-                          num_samples=generation.n, stop_at_end=True, schedule=self.schedule,
-                          on_step=_step_watcher(job, streams, generation.length),
-                          **asdict(generation.options))  # fmt: skip
+        result = generate(
+            model,
+            self.tokenizer,
+            prompts=list(generation.prompts),
+            length=generation.length,
+            seeds=[generation.seed + index for index in range(len(generation.prompts))],
+            num_samples=generation.n,
+            stop_at_end=True,
+            schedule=self.schedule,
+            on_step=_step_watcher(job, streams, generation.length),
+            **asdict(generation.options),
+        )
         seconds = time.perf_counter() - start
         self._request_seconds = seconds
         self.stats.generated(sum(result.lengths), seconds)
         choices = []
         for row in range(generation.rows):
-            choice = finish_row(self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos,
-                                generation.stop)  # fmt: skip
+            choice = finish_row(
+                self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos, generation.stop
+            )
             if row in streams and job.on_text is not None:
                 job.on_text(row, streams[row][1].finish(choice.text))
             choices.append(choice)

@@ -26,8 +26,12 @@ from dlm.serving.protocol import Limits
 from dlm.serving.scheduler import Scheduler
 
 UVICORN = Requirement("uvicorn", "serve", "dlm serve")
-SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {"auto": None, "float32": torch.float32,
-                                                      "float64": torch.float64, "bfloat16": torch.bfloat16}  # fmt: skip
+SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,14 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         limits = self.limits
-        at_least_one = {"--max-queue": self.max_queue, "--max-batch": self.max_batch_rows, "--max-n": limits.max_n,
-                        "--max-tokens": limits.max_tokens, "--max-prompt-tokens": limits.max_prompt_tokens,
-                        "--max-body-bytes": limits.max_body_bytes}  # fmt: skip
+        at_least_one = {
+            "--max-queue": self.max_queue,
+            "--max-batch": self.max_batch_rows,
+            "--max-n": limits.max_n,
+            "--max-tokens": limits.max_tokens,
+            "--max-prompt-tokens": limits.max_prompt_tokens,
+            "--max-body-bytes": limits.max_body_bytes,
+        }
         for option, value in at_least_one.items():
             if value is not None and value < 1:
                 raise UserError(f"{option} must be at least 1 (got {value})")
@@ -62,8 +71,10 @@ class ServeSettings:
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("the API key is empty", fix="pass a non-empty --api-key or DLM_API_KEY, or neither")
         if self.limits.max_n > self.max_batch_rows:
-            raise UserError(f"--max-n ({self.limits.max_n}) is more than --max-batch ({self.max_batch_rows})",
-                            fix="raise --max-batch or lower --max-n")  # fmt: skip
+            raise UserError(
+                f"--max-n ({self.limits.max_n}) is more than --max-batch ({self.max_batch_rows})",
+                fix="raise --max-batch or lower --max-n",
+            )
 
 
 def check_requirements() -> None:
@@ -129,8 +140,10 @@ def _check_can_listen(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(address)
     except OSError as exc:  # socket.gaierror included
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                        fix="choose another --port, or a --host of this machine") from None  # fmt: skip
+        raise UserError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+            fix="choose another --port, or a --host of this machine",
+        ) from None
 
 
 class Server:
@@ -141,12 +154,29 @@ class Server:
 
         uvicorn = require(UVICORN)
         self.settings = settings
-        self.scheduler = Scheduler(served.model, served.tokenizer, max_queue=settings.max_queue,
-                                   max_batch_rows=settings.max_batch_rows, batch_wait=settings.batch_wait)  # fmt: skip
-        app = create_app(served, self.scheduler, limits=settings.limits, api_key=settings.api_key,
-                         on_request=on_request or (lambda record: None))  # fmt: skip
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=settings.grace_seconds, lifespan="on")  # fmt: skip
+        self.scheduler = Scheduler(
+            served.model,
+            served.tokenizer,
+            max_queue=settings.max_queue,
+            max_batch_rows=settings.max_batch_rows,
+            batch_wait=settings.batch_wait,
+        )
+        app = create_app(
+            served,
+            self.scheduler,
+            limits=settings.limits,
+            api_key=settings.api_key,
+            on_request=on_request or (lambda record: None),
+        )
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=settings.grace_seconds,
+            lifespan="on",
+        )
         self._server = uvicorn.Server(config)
 
     @property
@@ -187,8 +217,9 @@ class Server:
         with _signals_end_the_server():
             served = asyncio.run(main())
         if not served:
-            raise UserError(f"cannot listen on {self.settings.host}:{self.settings.port}",
-                            fix="choose another --port or --host")  # fmt: skip
+            raise UserError(
+                f"cannot listen on {self.settings.host}:{self.settings.port}", fix="choose another --port or --host"
+            )
 
     def stop(self) -> None:
         """Begin the graceful shutdown (from another thread)."""

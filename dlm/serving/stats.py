@@ -99,5 +99,12 @@ class ServeStats:
         span = min(WINDOW_SECONDS, now - min(start for start, _, _ in generated)) if generated else 0.0
         tokens = sum(count for _, _, count in generated)
         occupancy = sum(rows for _, rows in passes) / (len(passes) * self.max_batch_rows) if passes else 0.0
-        return StatsSnapshot(in_flight, queued, tokens / span if span > 0 else 0.0, occupancy,
-                             percentile(latencies, 0.5), percentile(latencies, 0.99), *counters)  # fmt: skip
+        return StatsSnapshot(
+            in_flight,
+            queued,
+            tokens / span if span > 0 else 0.0,
+            occupancy,
+            percentile(latencies, 0.5),
+            percentile(latencies, 0.99),
+            *counters,
+        )

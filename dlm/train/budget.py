@@ -226,8 +226,13 @@ class BudgetedTraining:
             self.stage("calibrate", "reused", **asdict(plan))
             continued = self.continued(plan, step)
             if continued is None:
-                self.stage("train", "reused", step=step, max_steps=plan.max_steps,
-                           trained_seconds=round(plan.trained_seconds, 1))  # fmt: skip
+                self.stage(
+                    "train",
+                    "reused",
+                    step=step,
+                    max_steps=plan.max_steps,
+                    trained_seconds=round(plan.trained_seconds, 1),
+                )
                 return plan, step, None
             plan = continued
             plan.save(self.run_dir)
@@ -237,9 +242,16 @@ class BudgetedTraining:
         started = time.perf_counter()
         result = self.train_segments(plan, step)
         # The learning rate the run ended with shows whether the schedule was (nearly) complete.
-        self.stage("train", "done", outcome=result.status, step=result.step, max_steps=plan.max_steps,
-                   learning_rate=self.last_learning_rate, min_learning_rate=self.experiment.training.min_learning_rate,
-                   seconds=round(time.perf_counter() - started, 2))  # fmt: skip
+        self.stage(
+            "train",
+            "done",
+            outcome=result.status,
+            step=result.step,
+            max_steps=plan.max_steps,
+            learning_rate=self.last_learning_rate,
+            min_learning_rate=self.experiment.training.min_learning_rate,
+            seconds=round(time.perf_counter() - started, 2),
+        )
         return plan, result.step, result
 
     def calibrate(self) -> TrainingPlan:
@@ -268,8 +280,9 @@ class BudgetedTraining:
                 fix=f"pass --minutes {math.ceil(needed * 10) / 10:g} or more",
             )
         plan = TrainingPlan(self.budget, bench.step_time_s, "calibration", wall, **fields, trained_seconds=wall)
-        self.stage("calibrate", "done", seconds=round(wall, 2), tokens_per_second=bench.tokens_per_second,
-                   **asdict(plan))  # fmt: skip
+        self.stage(
+            "calibrate", "done", seconds=round(wall, 2), tokens_per_second=bench.tokens_per_second, **asdict(plan)
+        )
         return plan
 
     def check_epochs(self, plan: TrainingPlan) -> None:
@@ -300,24 +313,35 @@ class BudgetedTraining:
         trained = plan.trained_seconds - plan.calibration_seconds
         measured = step >= MIN_MEASURED_STEPS and trained > 0
         pace = trained / step if measured else plan.seconds_per_step
-        fields = plan_schedule(budget_seconds=self.budget, spent_seconds=plan.trained_seconds, seconds_per_step=pace,
-                               base=self.experiment, start_step=step, warmup_steps=plan.warmup_steps)  # fmt: skip
+        fields = plan_schedule(
+            budget_seconds=self.budget,
+            spent_seconds=plan.trained_seconds,
+            seconds_per_step=pace,
+            base=self.experiment,
+            start_step=step,
+            warmup_steps=plan.warmup_steps,
+        )
         if isinstance(fields, int):
-            self.note(f"the budget of {self.minutes:g} minutes is used up ({plan.trained_seconds / 60:.1f} minutes "
-                      f"so far): training stays at step {step}")  # fmt: skip
+            self.note(
+                f"the budget of {self.minutes:g} minutes is used up ({plan.trained_seconds / 60:.1f} minutes "
+                f"so far): training stays at step {step}"
+            )
             return None
         source = "measured" if measured else "calibration"
-        new = TrainingPlan(self.budget, pace, source, plan.calibration_seconds, **fields,
-                           trained_seconds=plan.trained_seconds)  # fmt: skip
+        new = TrainingPlan(
+            self.budget, pace, source, plan.calibration_seconds, **fields, trained_seconds=plan.trained_seconds
+        )
         if not finished:  # an interrupted run given another budget: its learning rate goes on from here
             self.bend_schedule(plan, step)  # the share of the decay done, on the curve it trained on
             new.decay_anchor_step, new.decay_anchor_progress = plan.decay_anchor_step, plan.decay_anchor_progress
         if finished:
             stretched = with_overrides(self.experiment, new.overrides(), "the time budget's plan").training
             rate = learning_rate(step, stretched)
-            self.note(f"continuing from step {step} to {new.max_steps} within {self.minutes:g} minutes: the cosine "
-                      f"is stretched, so the learning rate rises from its floor to {rate:.2e} (a warm restart) and "
-                      "decays again by the new end")  # fmt: skip
+            self.note(
+                f"continuing from step {step} to {new.max_steps} within {self.minutes:g} minutes: the cosine "
+                f"is stretched, so the learning rate rises from its floor to {rate:.2e} (a warm restart) and "
+                "decays again by the new end"
+            )
         return new
 
     def train_segments(self, plan: TrainingPlan, step: int | None) -> TrainResult:
@@ -346,8 +370,15 @@ class BudgetedTraining:
             plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
             if isinstance(fields, int):
                 return result  # not one more step fits
-            self.emit({"event": f"{self.prefix}_replan", "step": step, "seconds_per_step": round(pace, 4),
-                       "previous_max_steps": previous, "max_steps": plan.max_steps})  # fmt: skip
+            self.emit(
+                {
+                    "event": f"{self.prefix}_replan",
+                    "step": step,
+                    "seconds_per_step": round(pace, 4),
+                    "previous_max_steps": previous,
+                    "max_steps": plan.max_steps,
+                }
+            )
 
     def bend_schedule(self, plan: TrainingPlan, step: int) -> None:
         """Anchor the cosine at `step` before the plan's max_steps moves: the decay goes on from the share
@@ -362,9 +393,14 @@ class BudgetedTraining:
     def schedule_left(self, plan: TrainingPlan, pace: float, step: int) -> dict[str, Any] | int:
         """The steps from `step` that still fit in the plan's budget at `pace` (`plan_schedule`)."""
 
-        return plan_schedule(budget_seconds=plan.budget_seconds, spent_seconds=plan.trained_seconds,
-                             seconds_per_step=pace, base=self.experiment, start_step=step,
-                             warmup_steps=plan.warmup_steps)  # fmt: skip
+        return plan_schedule(
+            budget_seconds=plan.budget_seconds,
+            spent_seconds=plan.trained_seconds,
+            seconds_per_step=pace,
+            base=self.experiment,
+            start_step=step,
+            warmup_steps=plan.warmup_steps,
+        )
 
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> TrainResult:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""

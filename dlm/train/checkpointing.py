@@ -377,7 +377,6 @@ def load_training_tensors(
     return unflatten_rank_state(tensors, prefix)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The trainer's sharded save and resume
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +452,8 @@ def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, all
     trainer.data_generator.set_state(rank_state["data_generator"])
     restore_rng_state(rank_state["rng"])
     step.counters = RunCounters(
-        step=int(record["step"]), tokens_seen=int(record["tokens_seen"]),
+        step=int(record["step"]),
+        tokens_seen=int(record["tokens_seen"]),
         micro_batches_seen=int(record["micro_batches_seen"]),
     )
     trainer.recorded_threads = record.get("cpu_threads")

@@ -199,9 +199,13 @@ def check_world_size(checkpoint: Mapping[str, Any], world_size: int, path: str |
 
 
 def kept_accumulation(
-    checkpoint: Mapping[str, Any], batch_size: int, accumulation: int, world_size: int, path: str | Path,
+    checkpoint: Mapping[str, Any],
+    batch_size: int,
+    accumulation: int,
+    world_size: int,
+    path: str | Path,
     allow_change: bool = False,
-) -> tuple[int, str | None]:  # fmt: skip
+) -> tuple[int, str | None]:
     """The accumulation that keeps a checkpoint's global batch (batch_size x accumulation x processes)
     on `world_size` processes, and a sentence for the start of the run when it is not the config's.
 
@@ -221,8 +225,10 @@ def kept_accumulation(
     now = f"{world_size} process{'es' * (world_size != 1)}"
     if saved_global % (batch_size * world_size) == 0:
         kept = saved_global // (batch_size * world_size)
-        return kept, (f"global batch {saved_global} kept on {now}: gradient accumulation {kept} "
-                      f"(the run used {saved_accumulation} on {saved_world})")  # fmt: skip
+        return kept, (
+            f"global batch {saved_global} kept on {now}: gradient accumulation {kept} "
+            f"(the run used {saved_accumulation} on {saved_world})"
+        )
     changed = batch_size * accumulation * world_size
     if allow_change:
         return accumulation, f"global batch changed from {saved_global} to {changed} on {now} (--allow-batch-change)"
@@ -442,10 +448,7 @@ def load_full_state(
 def full_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Whole CPU copies of possibly sharded tensors (an all-gather for each DTensor: collective)."""
 
-    return {
-        name: tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor
-        for name, tensor in tensors.items()
-    }
+    return {name: tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor for name, tensor in tensors.items()}
 
 
 def shard_like(full: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> dict[str, Tensor]:

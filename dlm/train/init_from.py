@@ -29,13 +29,39 @@ from dlm.errors import UserError, UserNote
 from dlm.model.denoiser import block_size
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.
-SHAPE_FIELDS = ("vocab_size", "padded_vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "ffn_size",
-                "kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_embeddings")  # fmt: skip
+SHAPE_FIELDS = (
+    "vocab_size",
+    "padded_vocab_size",
+    "mask_token_id",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "ffn_size",
+    "kv_heads",
+    "head_dim",
+    "qkv_bias",
+    "qk_norm",
+    "tie_embeddings",
+)
 # The [model] fields a Hugging Face source brings (`adopt_source_model`): its shape and what its weights
 # were trained with. The rest (attention, block_size, shift_logits, max_seq_len, ...) is the run's choice.
-ADOPTED_FIELDS = ("vocab_size", "mask_token_id", "d_model", "n_layers", "n_heads", "n_kv_heads", "attention_head_dim",
-                  "ffn_hidden_size", "qkv_bias", "qk_norm", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
-                  "pad_vocab_multiple")  # fmt: skip
+ADOPTED_FIELDS = (
+    "vocab_size",
+    "mask_token_id",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "attention_head_dim",
+    "ffn_hidden_size",
+    "qkv_bias",
+    "qk_norm",
+    "tie_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "pad_vocab_multiple",
+)
 
 
 def model_shape(config: ModelConfig) -> dict[str, int]:
@@ -65,8 +91,7 @@ def initial_weights(
     source, target = model_shape(info.model), model_shape(config)
     if source != target:
         raise UserError(
-            f"{option}: the model has {_describe(source, target)} but this run's model has "
-            f"{_describe(target, source)}",
+            f"{option}: the model has {_describe(source, target)} but this run's model has {_describe(target, source)}",
             path=path,
             fix="copy the source model's [model] shape into the config",
         )
@@ -95,37 +120,54 @@ def adopt_source_model(experiment: ExperimentConfig, overrides: Iterable[str] = 
         return experiment
     model, tokenizer = found
     explicit = {item.partition("=")[0].strip() for item in overrides}
-    replaced = {name: getattr(model, name) for name in ADOPTED_FIELDS
-                if getattr(model, name) != getattr(experiment.model, name)}  # fmt: skip
+    replaced = {
+        name: getattr(model, name) for name in ADOPTED_FIELDS if getattr(model, name) != getattr(experiment.model, name)
+    }
     contradicted = [name for name in replaced if f"model.{name}" in explicit]
     if "training.tokenizer" in explicit and Path(experiment.training.tokenizer).resolve() != tokenizer.resolve():
         contradicted.append("tokenizer")
     if contradicted:
         name = contradicted[0]
         value = tokenizer if name == "tokenizer" else replaced[name]
-        raise UserError(f"--set {'training' if name == 'tokenizer' else 'model'}.{name} contradicts --init-from, "
-                        f"whose model has {name} = {value}", path=source,
-                        fix="drop that --set: --init-from takes the shape and tokenizer from the source")  # fmt: skip
+        raise UserError(
+            f"--set {'training' if name == 'tokenizer' else 'model'}.{name} contradicts --init-from, "
+            f"whose model has {name} = {value}",
+            path=source,
+            fix="drop that --set: --init-from takes the shape and tokenizer from the source",
+        )
     changes = [f"{name} = {_shown(value)}" for name, value in replaced.items()]
     if Path(experiment.training.tokenizer).resolve() != tokenizer.resolve():
         changes.append(f"tokenizer = {tokenizer}")
     if changes:
-        warnings.warn(f"--init-from {source}: [model] and tokenizer taken from it: {', '.join(changes)}", UserNote,
-                      stacklevel=2)  # fmt: skip
-    if (model.attention, model.shift_logits, 0) != (experiment.model.attention, experiment.model.shift_logits,
-                                                    experiment.model.block_size):  # fmt: skip
-        warnings.warn(f"--init-from {source}: the model was trained with {_describe_variant(model)}; this run trains "
-                      f"it with {_describe_variant(experiment.model)}", UserNote, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"--init-from {source}: [model] and tokenizer taken from it: {', '.join(changes)}", UserNote, stacklevel=2
+        )
+    if (model.attention, model.shift_logits, 0) != (
+        experiment.model.attention,
+        experiment.model.shift_logits,
+        experiment.model.block_size,
+    ):
+        warnings.warn(
+            f"--init-from {source}: the model was trained with {_describe_variant(model)}; this run trains "
+            f"it with {_describe_variant(experiment.model)}",
+            UserNote,
+            stacklevel=2,
+        )
     model_fields = {**experiment.model.model_dump(), **{name: getattr(model, name) for name in ADOPTED_FIELDS}}
-    return experiment.model_copy(update={
-        "model": ModelConfig.model_validate(model_fields),
-        "training": experiment.training.model_copy(update={"tokenizer": tokenizer}),
-    })  # fmt: skip
+    return experiment.model_copy(
+        update={
+            "model": ModelConfig.model_validate(model_fields),
+            "training": experiment.training.model_copy(update={"tokenizer": tokenizer}),
+        }
+    )
 
 
 def _describe_variant(config: ModelConfig) -> str:
-    attention = f"block-causal attention (block_size {config.block_size})" if config.block_size else (
-        f"{config.attention} attention")  # fmt: skip
+    attention = (
+        f"block-causal attention (block_size {config.block_size})"
+        if config.block_size
+        else (f"{config.attention} attention")
+    )
     return attention + (", shifted logits" if config.shift_logits else "")
 
 

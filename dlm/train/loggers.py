@@ -56,8 +56,13 @@ def event_scalars(event: Event) -> dict[str, float]:
         names = bucket_names(len(event.loss_by_t))
         values.update({f"train/loss_by_t/{name}": loss for name, loss in zip(names, event.loss_by_t, strict=True)})
         if event.reserved_gib:  # zeros off CUDA say nothing about memory
-            values.update({"memory/allocated_gib": event.allocated_gib, "memory/reserved_gib": event.reserved_gib,
-                           "memory/peak_allocated_gib": event.peak_allocated_gib})  # fmt: skip
+            values.update(
+                {
+                    "memory/allocated_gib": event.allocated_gib,
+                    "memory/reserved_gib": event.reserved_gib,
+                    "memory/peak_allocated_gib": event.peak_allocated_gib,
+                }
+            )
     elif isinstance(event, ValidationEvent):
         values = {"val/loss": event.loss, "val/masked_accuracy": event.masked_accuracy}
     else:
@@ -188,9 +193,14 @@ class WandbLogger(Logger):
         # console="off": W&B would otherwise wrap stdout and stderr, which the dashboard draws on.
         options: dict[str, Any] = {"console": "off", "silent": True}
         self.run = wandb.init(
-            project=settings.wandb_project, name=name, group=name, dir=str(run_dir), mode=settings.wandb_mode,
-            config=experiment.to_dict(), settings=wandb.Settings(**options),
-        )  # fmt: skip
+            project=settings.wandb_project,
+            name=name,
+            group=name,
+            dir=str(run_dir),
+            mode=settings.wandb_mode,
+            config=experiment.to_dict(),
+            settings=wandb.Settings(**options),
+        )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)

@@ -115,9 +115,15 @@ class Trainer:
     """Owns the model, optimizer, data and counters of one run on one process."""
 
     def __init__(
-        self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext, sink: Sink,
-        step_type: type[TrainingStep] = TrainingStep, initial: dict[str, Tensor] | None = None,
-    ):  # fmt: skip
+        self,
+        experiment: ExperimentConfig,
+        device: torch.device,
+        precision: str,
+        world: DistributedContext,
+        sink: Sink,
+        step_type: type[TrainingStep] = TrainingStep,
+        initial: dict[str, Tensor] | None = None,
+    ):
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world, self.sink = device, precision, world, sink
         self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
@@ -151,8 +157,13 @@ class Trainer:
         return self.step.counters
 
     # ----------------------------------------------------------------------------- state
-    def load(self, path: Path, allow_data_change: bool = False, base: dict[str, Tensor] | None = None,
-             allow_batch_change: bool = False) -> None:  # fmt: skip
+    def load(
+        self,
+        path: Path,
+        allow_data_change: bool = False,
+        base: dict[str, Tensor] | None = None,
+        allow_batch_change: bool = False,
+    ) -> None:
         """Restore everything a checkpoint holds; refuse one that does not belong to this config.
         A LoRA run's checkpoint holds the adapters alone: `base` is its base model's weights, read again.
         On another number of processes the run keeps its global batch (`keep_global_batch`)."""
@@ -197,9 +208,14 @@ class Trainer:
         """Take the gradient accumulation that keeps the checkpoint's global batch on this world size
         (`kept_accumulation`); the checkpoints and config.json written from here on record it."""
 
-        accumulation, self.batch_note = kept_accumulation(record, self.config.batch_size,
-                                                          self.config.gradient_accumulation_steps,
-                                                          self.world.world_size, path, allow_change)  # fmt: skip
+        accumulation, self.batch_note = kept_accumulation(
+            record,
+            self.config.batch_size,
+            self.config.gradient_accumulation_steps,
+            self.world.world_size,
+            path,
+            allow_change,
+        )
         if accumulation != self.config.gradient_accumulation_steps:
             training = self.config.model_copy(update={"gradient_accumulation_steps": accumulation})
             self.experiment = self.experiment.model_copy(update={"training": training})
@@ -318,8 +334,12 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         assert self.val_dataset is not None
         # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
-        loader = DataLoader(cast(Dataset[Tensor], self.val_dataset), batch_size=self.config.batch_size, shuffle=False,
-                            generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(
+            cast(Dataset[Tensor], self.val_dataset),
+            batch_size=self.config.batch_size,
+            shuffle=False,
+            generator=torch.Generator().manual_seed(0),
+        )
         eps, batches = self.experiment.diffusion.mask_eps, self.config.eval_batches
         metrics = fixed_noise_validation(
             self.model, loader, self.device, self.precision, eps, batches, schedule=self.step.schedule
@@ -401,8 +421,11 @@ class Trainer:
                 self.save()
             # Decided together: a rank that stopped alone would leave the others in a collective.
             signalled, out_of_time, save_failed = self.world.any_rank(
-                [stop.signal_number is not None, deadline is not None and time.monotonic() >= deadline,
-                 self.checkpointer is not None and self.checkpointer.failed_here()]
+                [
+                    stop.signal_number is not None,
+                    deadline is not None and time.monotonic() >= deadline,
+                    self.checkpointer is not None and self.checkpointer.failed_here(),
+                ]
             )
             if save_failed:
                 assert self.checkpointer is not None
@@ -509,21 +532,39 @@ def train(
     """
 
     with process_settings_restored():
-        return _train(experiment, resume, max_run_steps, max_run_seconds, sink, overwrite, allow_data_change, stop,
-                      step_type, allow_batch_change)  # fmt: skip
+        return _train(
+            experiment,
+            resume,
+            max_run_steps,
+            max_run_seconds,
+            sink,
+            overwrite,
+            allow_data_change,
+            stop,
+            step_type,
+            allow_batch_change,
+        )
 
 
 def _train(
-    experiment: ExperimentConfig, resume: str | Path | None, max_run_steps: int | None, max_run_seconds: float | None,
-    sink: Sink | None, overwrite: bool, allow_data_change: bool, stop: StopSignals | None,
-    step_type: type[TrainingStep], allow_batch_change: bool,
-) -> TrainResult:  # fmt: skip
+    experiment: ExperimentConfig,
+    resume: str | Path | None,
+    max_run_steps: int | None,
+    max_run_seconds: float | None,
+    sink: Sink | None,
+    overwrite: bool,
+    allow_data_change: bool,
+    stop: StopSignals | None,
+    step_type: type[TrainingStep],
+    allow_batch_change: bool,
+) -> TrainResult:
     if max_run_steps is not None and max_run_steps <= 0:
         raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
     if experiment.distill is not None and step_type is TrainingStep:
-        raise UserError("this config distils a teacher ([distill]), which dlm.train.loop.train does not do",
-                        fix="run it with `dlm distill --config ...` (or dlm.distill.distill), resume it with "
-                        "`dlm resume`")  # fmt: skip
+        raise UserError(
+            "this config distils a teacher ([distill]), which dlm.train.loop.train does not do",
+            fix="run it with `dlm distill --config ...` (or dlm.distill.distill), resume it with `dlm resume`",
+        )
     experiment = experiment.with_absolute_paths()
     config = experiment.training
     world = current_context(experiment)

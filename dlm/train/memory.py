@@ -47,8 +47,6 @@ _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
 
 
-
-
 @dataclass(frozen=True)
 class ParameterEntry:
     """One parameter of the model a run trains: its elements, bytes per element, and whether it trains."""
@@ -316,8 +314,9 @@ def check_training_memory(
         activations += f" and {format_bytes(estimate.weight_copies)} of {precision} weight copies"
     if available is None:
         return MemoryVerdict(
-            True, f"needs ~{format_bytes(estimate.total)} ({estimate.breakdown()}; {activations}); "
-            f"the free memory of {device} is unknown, not compared"
+            True,
+            f"needs ~{format_bytes(estimate.total)} ({estimate.breakdown()}; {activations}); "
+            f"the free memory of {device} is unknown, not compared",
         )
     if estimate.model_state > available.bytes:
         return MemoryVerdict(
@@ -409,6 +408,8 @@ def estimate_checkpoints(experiment: ExperimentConfig, world_size: int) -> list[
         CheckpointEstimate("dcp", world_size, total, share, 0),
         CheckpointEstimate("dcp async", world_size, total, share, share),
     ]
+
+
 def device_capacity(gib: float) -> AvailableMemory:
     """A device of `gib` GiB, all of it free: what a run planned for another machine is compared with."""
 
@@ -434,8 +435,13 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         verdict = None if self.verdict is None else asdict(self.verdict)
-        return {"precision": self.precision, "device_memory_gib": self.device_memory_gib, "fits": self.fits,
-                "estimate": self.estimate.to_dict(), "verdict": verdict}  # fmt: skip
+        return {
+            "precision": self.precision,
+            "device_memory_gib": self.device_memory_gib,
+            "fits": self.fits,
+            "estimate": self.estimate.to_dict(),
+            "verdict": verdict,
+        }
 
 
 def plan_memory(experiment: ExperimentConfig, device_memory_gib: float | None = None) -> MemoryPlan:

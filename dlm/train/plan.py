@@ -14,8 +14,15 @@ from dlm.fileio import atomic_write_json
 
 PLAN_FORMAT = "dlm-budget-plan-v1"
 EARLIER_PLAN_FORMATS = ("dlm-demo-plan-v1",)  # the same fields, written by `dlm demo` before
-PLANNED_FIELDS = ("max_steps", "warmup_steps", "eval_interval", "save_interval", "log_interval", "decay_anchor_step",
-                  "decay_anchor_progress")
+PLANNED_FIELDS = (
+    "max_steps",
+    "warmup_steps",
+    "eval_interval",
+    "save_interval",
+    "log_interval",
+    "decay_anchor_step",
+    "decay_anchor_progress",
+)
 
 
 @dataclass

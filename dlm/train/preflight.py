@@ -99,8 +99,11 @@ def _tokenizer_checks(experiment: ExperimentConfig) -> tuple[list[CheckResult], 
     if not has_dlm_special_tokens(tokenizer) and vocab < model.vocab_size:
         # An imported model's embedding often has rows past its tokenizer (padding the checkpoint
         # was trained with): they are never fed and the data cannot hold them.
-        size = CheckResult("tokenizer vocab_size", True, f"tokenizer has vocab size {vocab}, within the imported "
-                           f"model's {model.vocab_size} embedding rows")  # fmt: skip
+        size = CheckResult(
+            "tokenizer vocab_size",
+            True,
+            f"tokenizer has vocab size {vocab}, within the imported model's {model.vocab_size} embedding rows",
+        )
     else:
         size = _equal(
             "tokenizer vocab_size",
@@ -130,9 +133,17 @@ def _separator_checks(separator: int | None, tokenizer: Any) -> list[CheckResult
     if separator is None:
         return []
     eos = optional_token_id(tokenizer, "eos")
-    return [_equal("tokenizer document_separator_id", eos, separator, "tokenizer end-of-document id is",
-                   f"set model.document_separator_id = {eos}" if eos is not None else
-                   "unset model.document_separator_id: the tokenizer has no end-of-document token")]  # fmt: skip
+    return [
+        _equal(
+            "tokenizer document_separator_id",
+            eos,
+            separator,
+            "tokenizer end-of-document id is",
+            f"set model.document_separator_id = {eos}"
+            if eos is not None
+            else "unset model.document_separator_id: the tokenizer has no end-of-document token",
+        )
+    ]
 
 
 def _data_checks(
@@ -209,10 +220,11 @@ def _document_length_check(model: ModelConfig, dataset: PackedDataset) -> CheckR
     if mean >= SHORT_DOCUMENT_ROWS * dataset.seq_len:
         return CheckResult(name, True, f"{detail}; few rows cross a document's end")
     eos = dataset.metadata.get("eos_token_id")
-    fix = (f"set model.document_separator_id = {eos}: each position then attends within its own document "
-           '(docs/index.md, "Document-aware attention")')  # fmt: skip
-    return CheckResult(name, True, f"{detail}: most rows hold several documents that see each other", fix,
-                       warning=True)  # fmt: skip
+    fix = (
+        f"set model.document_separator_id = {eos}: each position then attends within its own document "
+        '(docs/index.md, "Document-aware attention")'
+    )
+    return CheckResult(name, True, f"{detail}: most rows hold several documents that see each other", fix, warning=True)
 
 
 def _model_size_check(experiment: ExperimentConfig, dataset: PackedDataset, vocab: int | None) -> CheckResult:
@@ -266,8 +278,13 @@ def _planned_budget_check(experiment: ExperimentConfig, blocks_per_step: int, bl
             f"{budget}: the steps are planned from this machine's pace when training starts; up to {limit:,} "
             f"steps of {blocks_per_step} blocks stay within {MAX_EPOCHS} epochs of {blocks:,} blocks",
         )
-    advice = budget_advice(plan.max_steps, blocks_per_step, experiment.model.max_seq_len, blocks,
-                           fewer_by="start over with a lower training.budget_minutes, planning at most")  # fmt: skip
+    advice = budget_advice(
+        plan.max_steps,
+        blocks_per_step,
+        experiment.model.max_seq_len,
+        blocks,
+        fewer_by="start over with a lower training.budget_minutes, planning at most",
+    )
     planned = f"planned for {plan.budget_seconds / 60:g} minutes in {training.output_dir}: "
     return _advice_check("training budget", Advice(planned + advice.detail, advice.fix))
 

@@ -55,8 +55,9 @@ def model_from_weights(
         linear = tensor.dim() == 2 and name != "token_embedding.weight"
         return torch.bfloat16 if lora_base and linear else torch.float32
 
-    return DiffusionTransformer.from_weights(config, {name: tensor.to("cpu", dtype_of(name, tensor))
-                                                      for name, tensor in weights.items()})  # fmt: skip
+    return DiffusionTransformer.from_weights(
+        config, {name: tensor.to("cpu", dtype_of(name, tensor)) for name, tensor in weights.items()}
+    )
 
 
 @dataclass
@@ -108,8 +109,14 @@ def attention_anneal(step: int, config: TrainingConfig) -> AttentionAnneal | Non
 class TrainingStep:
     """Model, optimizer and the arithmetic of one optimizer step on one process."""
 
-    def __init__(self, experiment: ExperimentConfig, device: torch.device, precision: str, world: DistributedContext,
-                 initial: Mapping[str, Tensor] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        experiment: ExperimentConfig,
+        device: torch.device,
+        precision: str,
+        world: DistributedContext,
+        initial: Mapping[str, Tensor] | None = None,
+    ):
         self.experiment, self.config = experiment, experiment.training
         self.device, self.precision, self.world = device, precision, world
         self.schedule = get_schedule(experiment.diffusion.schedule)
@@ -192,11 +199,20 @@ class TrainingStep:
         model = self.experiment.model
         size = block_size(model)
         if exact_count:
-            corruption = draw_exact_count(clean, model.mask_token_id, times, generator, block_size=size,
-                                          loss_mask=loss_mask)  # fmt: skip
+            corruption = draw_exact_count(
+                clean, model.mask_token_id, times, generator, block_size=size, loss_mask=loss_mask
+            )
         else:
-            corruption = corrupt_tokens(clean, model.mask_token_id, times, eps, generator,
-                                        schedule=self.schedule, block_size=size, loss_mask=loss_mask)  # fmt: skip
+            corruption = corrupt_tokens(
+                clean,
+                model.mask_token_id,
+                times,
+                eps,
+                generator,
+                schedule=self.schedule,
+                block_size=size,
+                loss_mask=loss_mask,
+            )
         kernel = attention_kernel_context(self.device, config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
             logits = masked_logits(self.step_model, corruption.noisy_tokens, corruption.mask, clean, config=model)

@@ -34,9 +34,18 @@ from dlm.config.shapes import parameter_shapes
 from dlm.errors import UserError
 
 # The dtypes of safetensors' header and torch's; a weight of any other is refused by name.
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}  # fmt: skip
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 CONFIG_FIX = "restore the config.json and weights the model was saved with (download both again)"
 MISSING_FIX = "download every file of the model again"
 Transform = Callable[[Tensor], Tensor]  # a tensor changed as it is read (the mask token's new row)
@@ -84,10 +93,12 @@ class SourceTensors:
                 start, end = (8 + length + int(offset) for offset in spec["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 described = spec.get("dtype") if isinstance(spec, dict) else spec
-                raise self._damaged(file, f"tensor {name} has dtype {described!r} or a field dlm cannot "
-                                    "read") from None  # fmt: skip
-            if any(n < 0 for n in shape) or not 8 + length <= start <= end <= size or \
-                    end - start != math.prod(shape) * dtype.itemsize:  # fmt: skip
+                raise self._damaged(file, f"tensor {name} has dtype {described!r} or a field dlm cannot read") from None
+            if (
+                any(n < 0 for n in shape)
+                or not 8 + length <= start <= end <= size
+                or end - start != math.prod(shape) * dtype.itemsize
+            ):
                 raise self._damaged(file, f"tensor {name} lies outside the file or has the wrong size")
             entries[name] = _Entry(file, dtype, shape, start, end)
         return entries
@@ -104,13 +115,15 @@ class SourceTensors:
             return tensor
         start = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
         try:
-            with open(entry.file, "rb") as handle, mmap.mmap(
-                handle.fileno(), entry.end - start, access=mmap.ACCESS_READ, offset=start
-            ) as mapped:
+            with (
+                open(entry.file, "rb") as handle,
+                mmap.mmap(handle.fileno(), entry.end - start, access=mmap.ACCESS_READ, offset=start) as mapped,
+            ):
                 with warnings.catch_warnings():  # read-only memory, which the copy only reads
                     warnings.simplefilter("ignore", UserWarning)
-                    stored = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.end - entry.start,
-                                              offset=entry.start - start)  # fmt: skip
+                    stored = torch.frombuffer(
+                        mapped, dtype=torch.uint8, count=entry.end - entry.start, offset=entry.start - start
+                    )
                 tensor.view(-1).view(torch.uint8).copy_(stored)
                 del stored  # the mapping closes only once nothing points into it
         except (OSError, ValueError) as exc:  # ValueError: the file shrank under the mapping's range
@@ -154,8 +167,15 @@ class ConvertedWeights:
     It has what `dlm.artifacts.export` streams a file from: `names`, `shape`, `dtypes`, `read`,
     `directory` and `record`."""
 
-    def __init__(self, directory: Path, files: list[Path], family: Family, model: ModelConfig,
-                 transforms: dict[str, Transform] | None = None, grown_rows: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        files: list[Path],
+        family: Family,
+        model: ModelConfig,
+        transforms: dict[str, Transform] | None = None,
+        grown_rows: int = 0,
+    ):
         self.directory, self.family, self.record = directory, family, {"step": None}
         self.tensors = SourceTensors(files)
         self.plan = conversion_plan(family, model)
@@ -179,29 +199,43 @@ class ConvertedWeights:
         if missing := sorted(wanted - entries.keys()):
             raise UserError(f"the weights lack {missing[0]}", path=self.directory, fix=MISSING_FIX)
         tied_copy = self.family.top["head.weight"] if model.tie_embeddings else None
-        extra = sorted(name for name in entries.keys() - wanted
-                       if name != tied_copy and not name.endswith("rotary_emb.inv_freq"))  # fmt: skip
+        extra = sorted(
+            name for name in entries.keys() - wanted if name != tied_copy and not name.endswith("rotary_emb.inv_freq")
+        )
         if extra:
-            raise UserError(f"the weights hold tensors the {self.family.name} layout has no place for ({extra[:3]})",
-                            path=self.directory, fix="import a checkpoint of the published layout")  # fmt: skip
+            raise UserError(
+                f"the weights hold tensors the {self.family.name} layout has no place for ({extra[:3]})",
+                path=self.directory,
+                fix="import a checkpoint of the published layout",
+            )
         for name, shape in parameter_shapes(model):
             parts = [entries[part] for part in self.plan[name]]
             if len({part.shape[1:] for part in parts}) > 1 or any(not part.shape for part in parts):
                 listed = ", ".join(f"{part} {entries[part].shape}" for part in self.plan[name])
-                raise UserError(f"tensors of one layer do not fit together: {listed}", path=self.directory,
-                                fix=CONFIG_FIX)  # fmt: skip
+                raise UserError(
+                    f"tensors of one layer do not fit together: {listed}", path=self.directory, fix=CONFIG_FIX
+                )
             found = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
             source = self._source(name)
             if found != shape:
                 if name in self.family.top and len(found) == 2 and found[1] == shape[1]:
-                    raise UserError(f"config.json's vocabulary ({shape[0]} rows) disagrees with {source}, which "
-                                    f"has {found[0]} rows", path=self.directory / CONFIG_NAME,
-                                    fix=CONFIG_FIX)  # fmt: skip
-                raise UserError(f"{source} has shape {found}, but config.json implies {shape}",
-                                path=self.directory / CONFIG_NAME, fix=CONFIG_FIX)  # fmt: skip
+                    raise UserError(
+                        f"config.json's vocabulary ({shape[0]} rows) disagrees with {source}, which "
+                        f"has {found[0]} rows",
+                        path=self.directory / CONFIG_NAME,
+                        fix=CONFIG_FIX,
+                    )
+                raise UserError(
+                    f"{source} has shape {found}, but config.json implies {shape}",
+                    path=self.directory / CONFIG_NAME,
+                    fix=CONFIG_FIX,
+                )
             if not all(part.dtype.is_floating_point for part in parts):
-                raise UserError(f"{source} holds {parts[0].dtype} values, not floating point weights",
-                                path=self.directory, fix="download the weights again")  # fmt: skip
+                raise UserError(
+                    f"{source} holds {parts[0].dtype} values, not floating point weights",
+                    path=self.directory,
+                    fix="download the weights again",
+                )
 
     def shape(self, name: str) -> tuple[int, ...]:
         parts = [self.tensors.entries[part].shape for part in self.plan[name]]

@@ -45,8 +45,9 @@ def _field(config: dict[str, Any], name: str, path: Path) -> int:
 
     value = config.get(name)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _refuse(path, f"the field {name} is missing or not an integer",
-                      "restore the config.json the model was saved with")  # fmt: skip
+        raise _refuse(
+            path, f"the field {name} is missing or not an integer", "restore the config.json the model was saved with"
+        )
     return value
 
 
@@ -60,13 +61,18 @@ def rope_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     if kind == "default":
         return {"rope_theta": float(theta), "rope_scaling": None}
     if kind not in ("linear", "llama3"):
-        raise _refuse(path, f"rope scaling {kind!r} is not supported (dlm has linear and llama3)",
-                      "use a checkpoint without it, or one with linear or llama3 scaling")  # fmt: skip
+        raise _refuse(
+            path,
+            f"rope scaling {kind!r} is not supported (dlm has linear and llama3)",
+            "use a checkpoint without it, or one with linear or llama3 scaling",
+        )
     scaling: dict[str, Any] = {"type": kind, "factor": float(parameters["factor"])}
     if kind == "llama3":
-        scaling.update(low_freq_factor=float(parameters["low_freq_factor"]),
-                       high_freq_factor=float(parameters["high_freq_factor"]),
-                       original_max_seq_len=int(parameters["original_max_position_embeddings"]))  # fmt: skip
+        scaling.update(
+            low_freq_factor=float(parameters["low_freq_factor"]),
+            high_freq_factor=float(parameters["high_freq_factor"]),
+            original_max_seq_len=int(parameters["original_max_position_embeddings"]),
+        )
     return {"rope_theta": float(theta), "rope_scaling": scaling}
 
 
@@ -74,8 +80,11 @@ def _causal_fields(config: dict[str, Any], path: Path, family: str) -> dict[str,
     """The fields of the transformers-style families (llama, mistral, qwen2, qwen3, dream)."""
 
     if config.get("hidden_act", "silu") != "silu":
-        raise _refuse(path, f"hidden_act {config.get('hidden_act')!r}: dlm's MLP is SwiGLU (silu)",
-                      "import a model with hidden_act silu")  # fmt: skip
+        raise _refuse(
+            path,
+            f"hidden_act {config.get('hidden_act')!r}: dlm's MLP is SwiGLU (silu)",
+            "import a model with hidden_act silu",
+        )
     if config.get("mlp_bias"):
         raise _refuse(path, "mlp_bias is true: dlm's MLP has no biases", "import a model without MLP biases")
     width, heads = _field(config, "hidden_size", path), _field(config, "num_attention_heads", path)
@@ -105,15 +114,26 @@ def _causal_fields(config: dict[str, Any], path: Path, family: str) -> dict[str,
     }
 
 
-_LLADA_REQUIRED = {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
-                   "alibi": False, "include_bias": False, "input_emb_norm": False, "scale_logits": False}  # fmt: skip
+_LLADA_REQUIRED = {
+    "block_type": "llama",
+    "layer_norm_type": "rms",
+    "activation_type": "silu",
+    "rope": True,
+    "alibi": False,
+    "include_bias": False,
+    "input_emb_norm": False,
+    "scale_logits": False,
+}
 
 
 def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     for name, expected in _LLADA_REQUIRED.items():
         if name in config and config[name] != expected:
-            raise _refuse(path, f"LLaDA with {name} = {config[name]!r} is not supported (dlm reads {expected!r})",
-                          "import a LLaDA checkpoint of the published layout")  # fmt: skip
+            raise _refuse(
+                path,
+                f"LLaDA with {name} = {config[name]!r} is not supported (dlm reads {expected!r})",
+                "import a LLaDA checkpoint of the published layout",
+            )
     width, heads = _field(config, "d_model", path), _field(config, "n_heads", path)
     kv_heads = config.get("n_kv_heads") or heads
     hidden = config.get("mlp_hidden_size") or int(config.get("mlp_ratio", 4) * width)
@@ -135,26 +155,46 @@ def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     }
 
 
-_HF_TOP = {"token_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "head.weight": "lm_head.weight"}  # fmt: skip
+_HF_TOP = {
+    "token_embedding.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
 _HF_BLOCK = {
-    "attention_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "out": "self_attn.o_proj.weight",
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
-}  # fmt: skip
-_LLADA_TOP = {"token_embedding.weight": "model.transformer.wte.weight", "norm.weight": "model.transformer.ln_f.weight",
-              "head.weight": "model.transformer.ff_out.weight"}  # fmt: skip
+    "attention_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "out": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+_LLADA_TOP = {
+    "token_embedding.weight": "model.transformer.wte.weight",
+    "norm.weight": "model.transformer.ln_f.weight",
+    "head.weight": "model.transformer.ff_out.weight",
+}
 _LLADA_BLOCK = {
-    "attention_norm": "attn_norm.weight", "mlp_norm": "ff_norm.weight",
-    "q": "q_proj", "k": "k_proj", "v": "v_proj", "out": "attn_out.weight",
-    "gate": "ff_proj.weight", "up": "up_proj.weight", "down": "ff_out.weight",
-}  # fmt: skip
+    "attention_norm": "attn_norm.weight",
+    "mlp_norm": "ff_norm.weight",
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "out": "attn_out.weight",
+    "gate": "ff_proj.weight",
+    "up": "up_proj.weight",
+    "down": "ff_out.weight",
+}
 
 
 def _transformers_family(name: str) -> Family:
-    return Family(name, lambda config, path: _causal_fields(config, path, name), _HF_TOP, "model.layers.{n}.",
-                  _HF_BLOCK)  # fmt: skip
+    return Family(
+        name, lambda config, path: _causal_fields(config, path, name), _HF_TOP, "model.layers.{n}.", _HF_BLOCK
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -168,6 +208,9 @@ def family_of(config: dict[str, Any], path: Path) -> Family:
 
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in FAMILIES:
-        raise _refuse(path, f"model_type {config.get('model_type')!r} is not a family dlm imports",
-                      f"import one of: {', '.join(FAMILIES)}")  # fmt: skip
+        raise _refuse(
+            path,
+            f"model_type {config.get('model_type')!r} is not a family dlm imports",
+            f"import one of: {', '.join(FAMILIES)}",
+        )
     return FAMILIES[model_type]

@@ -55,13 +55,18 @@ def _weight_files(directory: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserError(f"unreadable shard index: {exc}", path=index) from None
         if unsafe := [str(name) for name in names if not _bare_shard_name(name)]:
-            raise UserError(f"the shard index names {unsafe[0]!r}, which is not a .safetensors file in this "
-                            "directory", path=index,
-                            fix="list bare .safetensors file names of this directory in weight_map")  # fmt: skip
+            raise UserError(
+                f"the shard index names {unsafe[0]!r}, which is not a .safetensors file in this directory",
+                path=index,
+                fix="list bare .safetensors file names of this directory in weight_map",
+            )
         shards = [directory / str(name) for name in names]
         if missing := [shard.name for shard in shards if not shard.is_file()]:
-            raise UserError(f"the shard index lists {', '.join(missing[:3])}, which is missing", path=index,
-                            fix="download every shard of the model again")  # fmt: skip
+            raise UserError(
+                f"the shard index lists {', '.join(missing[:3])}, which is missing",
+                path=index,
+                fix="download every shard of the model again",
+            )
         return shards
     if (directory / SINGLE_NAME).is_file():
         return [directory / SINGLE_NAME]
@@ -75,8 +80,9 @@ def _bare_shard_name(name: object) -> bool:
     """A file name of the directory itself: no folder part, no `..`, a `.safetensors` suffix. Links are
     not resolved: a Hugging Face cache snapshot is a directory of links into its blob store."""
 
-    return isinstance(name, str) and name.endswith(".safetensors") and name == Path(name).name and \
-        not name.startswith(".")  # fmt: skip
+    return (
+        isinstance(name, str) and name.endswith(".safetensors") and name == Path(name).name and not name.startswith(".")
+    )
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -87,8 +93,11 @@ def _load_tokenizer(directory: Path) -> Any:
 
     path = directory / TOKENIZER_NAME
     if not path.is_file():
-        raise UserError(f"no {TOKENIZER_NAME}: dlm reads the fast tokenizer's file", path=directory,
-                        fix="save the tokenizer with save_pretrained, which writes tokenizer.json")  # fmt: skip
+        raise UserError(
+            f"no {TOKENIZER_NAME}: dlm reads the fast tokenizer's file",
+            path=directory,
+            fix="save the tokenizer with save_pretrained, which writes tokenizer.json",
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
@@ -147,19 +156,24 @@ class HfSource:
 
         fields = self.fields if mask_token_id is None else {**self.fields, "mask_token_id": mask_token_id}
         if "mask_token_id" not in fields:
-            raise UserError(f"the tokenizer of this {self.family.name} model has no mask token", path=self.directory,
-                            fix=ADD_MASK_FIX)  # fmt: skip
+            raise UserError(
+                f"the tokenizer of this {self.family.name} model has no mask token",
+                path=self.directory,
+                fix=ADD_MASK_FIX,
+            )
         try:
             return ModelConfig.model_validate(fields)
         except ValidationError as exc:
             raise UserError(format_validation_error(exc), path=self.directory / CONFIG_NAME) from None
 
-    def weights(self, model: ModelConfig, transforms: dict[str, Transform] | None = None,
-                grown_rows: int = 0) -> ConvertedWeights:  # fmt: skip
+    def weights(
+        self, model: ModelConfig, transforms: dict[str, Transform] | None = None, grown_rows: int = 0
+    ) -> ConvertedWeights:
         """The directory's weights for `model`, checked from the headers and read only when asked for."""
 
-        return ConvertedWeights(self.directory, _weight_files(self.directory), self.family, model, transforms,
-                                grown_rows)  # fmt: skip
+        return ConvertedWeights(
+            self.directory, _weight_files(self.directory), self.family, model, transforms, grown_rows
+        )
 
     def read(
         self, model: ModelConfig, place: Placement = lambda tensor: tensor
@@ -170,9 +184,18 @@ class HfSource:
         tokenizer = self.directory / TOKENIZER_NAME
         check_tokenizer_fits(tokenizer, model)
         weights = convert_weights(self.weights(model), place)
-        info = SourceInfo(path=self.directory, kind=SOURCE_KIND, model=model, weights="live", step=None,
-                          tokens_seen=None, tokenizer_sha256=tokenizer_sha256(tokenizer), tokenizer_path=tokenizer,
-                          diffusion=DiffusionConfig(), training={})  # fmt: skip
+        info = SourceInfo(
+            path=self.directory,
+            kind=SOURCE_KIND,
+            model=model,
+            weights="live",
+            step=None,
+            tokens_seen=None,
+            tokenizer_sha256=tokenizer_sha256(tokenizer),
+            tokenizer_path=tokenizer,
+            diffusion=DiffusionConfig(),
+            training={},
+        )
         return info, weights
 
 
@@ -181,9 +204,12 @@ def check_tokenizer_fits(path: Path, model: ModelConfig) -> None:
 
     size = _load_tokenizer(path.parent).get_vocab_size(with_added_tokens=True)
     if size > model.vocab_size:
-        raise UserError(f"{TOKENIZER_NAME} has {size} tokens but the model's embedding only {model.vocab_size} rows, "
-                        "so some token ids have no embedding", path=path,
-                        fix="use the tokenizer the model was saved with")  # fmt: skip
+        raise UserError(
+            f"{TOKENIZER_NAME} has {size} tokens but the model's embedding only {model.vocab_size} rows, "
+            "so some token ids have no embedding",
+            path=path,
+            fix="use the tokenizer the model was saved with",
+        )
 
 
 def read_source(directory: Path) -> HfSource:
@@ -208,8 +234,11 @@ def read_hf_source(directory: Path, place: Placement = lambda tensor: tensor) ->
     source = read_source(directory)
     model = source.model()
     if source.settings.get("eos_token") is None:
-        raise UserError("neither tokenizer_config.json nor config.json names an end-of-document token",
-                        path=directory, fix="set eos_token in tokenizer_config.json")  # fmt: skip
+        raise UserError(
+            "neither tokenizer_config.json nor config.json names an end-of-document token",
+            path=directory,
+            fix="set eos_token in tokenizer_config.json",
+        )
     return source.read(model, place)
 
 

@@ -208,8 +208,9 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         cos, sin = self._rotary[device]
         return cos[:length], sin[:length]
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
-                ) -> Tensor:  # fmt: skip
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds {self.config.max_position_embeddings} positions")
@@ -243,8 +244,13 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.model.embed_tokens = value
 
-    def logits_at(self, input_ids: Tensor, positions: Tensor | None = None, attention_mask: Tensor | None = None,
-                  document_ids: Tensor | None = None) -> Tensor:  # fmt: skip
+    def logits_at(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         """Logits [B, L, vocab_size], or [N, vocab_size] at the true entries of bool `positions`.
 
         A model trained with SUBS (`config.mask_logit`) gives the mask token logit -inf and an
@@ -340,8 +346,16 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
 
 
 class _Options:
-    def __init__(self, steps: int, temperature: float, top_k: int | None, top_p: float | None, remasking: str,
-                 block_length: int | None, reveal_split: str = "schedule") -> None:  # fmt: skip
+    def __init__(
+        self,
+        steps: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        remasking: str,
+        block_length: int | None,
+        reveal_split: str = "schedule",
+    ) -> None:
         if steps < 1:
             raise ValueError(f"steps must be at least 1 (got {steps})")
         if not math.isfinite(temperature) or temperature < 0:
@@ -355,15 +369,18 @@ class _Options:
         if block_length is not None and block_length < 1:
             raise ValueError(f"block_length must be at least 1 (got {block_length})")
         if reveal_split not in REVEAL_SPLITS or (reveal_split != "schedule" and remasking == "random"):
-            raise ValueError(f"reveal_split must be one of {', '.join(REVEAL_SPLITS)}, and schedule for random "
-                             f"remasking (got {reveal_split!r})")  # fmt: skip
+            raise ValueError(
+                f"reveal_split must be one of {', '.join(REVEAL_SPLITS)}, and schedule for random "
+                f"remasking (got {reveal_split!r})"
+            )
         self.reveal_split = reveal_split
         self.steps, self.temperature, self.top_k, self.top_p = steps, temperature, top_k, top_p
         self.remasking, self.block_length = remasking, block_length
 
 
-def _starting_tokens(input_ids: Tensor | None, new: int, num_samples: int, mask_id: int, device: torch.device
-                     ) -> Tensor:  # fmt: skip
+def _starting_tokens(
+    input_ids: Tensor | None, new: int, num_samples: int, mask_id: int, device: torch.device
+) -> Tensor:
     if input_ids is None:
         input_ids = torch.empty((1, 0), dtype=torch.long)
     if input_ids.dim() == 1:
@@ -420,8 +437,9 @@ def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     return (block * 64 + torch.minimum(entry, _last_positive(entries))).squeeze(-1)
 
 
-def sample_tokens(logits: Tensor, options: _Options, generator: torch.Generator, probabilities: bool = False
-                  ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def sample_tokens(
+    logits: Tensor, options: _Options, generator: torch.Generator, probabilities: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """One token per row, as `dlm.sampling.tokens.sample_with_probabilities`: float64 uniforms, an
     inverse of the distribution function, the top-p nucleus by rejection (a sorted fallback after
     the trials); and the model's own distribution (untempered, unfiltered), which remasking ranks by."""
@@ -488,8 +506,9 @@ def reveal_odds(schedule: str, s: Fraction, t: Fraction) -> float:
 class _Reverse:
     """One run of the reverse process over a batch whose rows share their masked columns."""
 
-    def __init__(self, model: DlmDiffusionForMaskedLM, options: _Options, generator: torch.Generator,
-                 forbidden: Sequence[int]) -> None:  # fmt: skip
+    def __init__(
+        self, model: DlmDiffusionForMaskedLM, options: _Options, generator: torch.Generator, forbidden: Sequence[int]
+    ) -> None:
         self.model, self.options, self.generator = model, options, generator
         self.mask_id = model.config.mask_token_id
         self.schedule = model.config.schedule
@@ -553,8 +572,9 @@ class _Reverse:
         options, block_size = self.options, model_block_size(self.model.config)
         if block_size:  # the model's own blocks, aligned to position 0 as in training
             if options.block_length not in (None, block_size):
-                raise ValueError(f"block_length {options.block_length} differs from the model's block_size "
-                                 f"{block_size}: omit it")  # fmt: skip
+                raise ValueError(
+                    f"block_length {options.block_length} differs from the model's block_size {block_size}: omit it"
+                )
             index_of = positions // block_size
             blocks = [positions[index_of == b] for b in index_of.unique().tolist()]
         else:

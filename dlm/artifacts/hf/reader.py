@@ -65,12 +65,27 @@ def _model_config(config: dict[str, Any]) -> ModelConfig:
 
 
 # The transformers fields `_model_config` needs, and the JSON types of those read outside pydantic.
-_HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "max_position_embeddings", "rope_theta", "rms_norm_eps", "mask_token_id")  # fmt: skip
+_HF_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "mask_token_id",
+)
 _HF_FIELDS = {"dlm": (dict, type(None)), "schedule": (str,), "padded_vocab_size": (int,)}
-_HF_DLM_FIELDS = {"model": (dict, type(None)), "diffusion": (dict,), "training": (dict, type(None)),
-                  "step": (int, type(None)), "tokens_seen": (int, type(None)), "weights": (str,),
-                  "distillation": (dict, type(None))}  # fmt: skip
+_HF_DLM_FIELDS = {
+    "model": (dict, type(None)),
+    "diffusion": (dict,),
+    "training": (dict, type(None)),
+    "step": (int, type(None)),
+    "tokens_seen": (int, type(None)),
+    "weights": (str,),
+    "distillation": (dict, type(None)),
+}
 
 
 def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
