@@ -185,7 +185,7 @@ def test_an_imported_llama_gives_the_transformers_logits_on_the_device(
     transformers = pytest.importorskip("transformers")
     from test_hf_import import VOCAB, build_hf_model
 
-    from dlm.artifacts.hf_import import import_model
+    from dlm.artifacts.import_model import import_model
 
     source = tmp_path / "llama"
     build_hf_model("llama", source, tiny_tokenizer_path)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 import dlm
 from dlm.artifacts.hf.families import LLADA_MASK_ID
-from dlm.artifacts.hf_import import import_model
+from dlm.artifacts.import_model import import_model
 from dlm.config.schema import ModelConfig
 from dlm.config.shapes import parameter_shapes
 from dlm.errors import UserError

@@ -22,7 +22,7 @@ from helpers import ROOT
 import dlm
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.export_layout import read_export_config
-from dlm.artifacts.hf_import import import_model
+from dlm.artifacts.import_model import import_model
 from dlm.data.chat import ChatTemplate, Turn
 from dlm.data.pack import pack_corpus
 from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, special_token_id

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from test_hf_import import build_hf_model
 
 import dlm
-from dlm.artifacts.hf_import import import_model
+from dlm.artifacts.import_model import import_model
 from dlm.errors import UserError
 
 pytest.importorskip("transformers")
@@ -143,7 +143,7 @@ def test_shards_that_are_links_into_a_blob_store_import(tiny_tokenizer_path: Pat
 
 def test_each_tensor_is_placed_as_soon_as_it_is_read(tiny_tokenizer_path: Path, tmp_path: Path) -> None:
     # dlm.load hands every converted tensor to its device at once: the source is never held whole.
-    from dlm.artifacts.hf.importer import read_source
+    from dlm.artifacts.hf.foreign import read_source
 
     source = tmp_path / "llama"
     build_hf_model("llama", source, tiny_tokenizer_path)

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai", reason="openai is not installed (pip inst
 from test_hf_import import _packed, build_hf_model  # noqa: E402 (skips without transformers)
 from test_serve import start_in_thread  # noqa: E402
 
-from dlm.artifacts.hf_import import import_model  # noqa: E402
+from dlm.artifacts.import_model import import_model  # noqa: E402
 from dlm.data.tokenizer import load_tokenizer, special_token_id  # noqa: E402
 from dlm.serving.server import Server, ServeSettings, load_served  # noqa: E402
 

@@ -45,8 +45,8 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     read_export_config,
 )
-from dlm.artifacts.hf.importer import SOURCE_KIND
-from dlm.artifacts.hf.reader import is_hf_export
+from dlm.artifacts.hf.dlm_format import is_hf_export
+from dlm.artifacts.hf.foreign import SOURCE_KIND
 from dlm.artifacts.loading import read_model_source, sharded_model_source
 from dlm.artifacts.run_dir import RunDir, run_files
 from dlm.choices import ExportDtype

@@ -2,7 +2,7 @@
 source, and the checks every reader of an export shares.
 
 `dlm.artifacts.export` writes a dlm export, `dlm.artifacts.hf_export` the Hugging Face format;
-`dlm.artifacts.loading` and `dlm.artifacts.hf.reader` read them back. The names live here so that
+`dlm.artifacts.loading` and `dlm.artifacts.hf.dlm_format` read them back. The names live here so that
 readers and writers import one module and never each other.
 """
 
@@ -48,7 +48,7 @@ class SourceInfo:
 
     path: Path  # the checkpoint file or the exported directory actually read
     # "training" | "inference" | "export" | "hf" (the Hugging Face format, `dlm.artifacts.hf_export`) |
-    # "hf-source" (a Hugging Face model of another family, `dlm.artifacts.hf.importer`) | "adapters"
+    # "hf-source" (a Hugging Face model of another family, `dlm.artifacts.hf.foreign`) | "adapters"
     kind: str
     model: ModelConfig
     weights: str  # "ema" | "live"

@@ -13,7 +13,7 @@ and `AutoTokenizer.from_pretrained(dir)` load without dlm:
     special_tokens_map.json
     README.md                how to load and sample it
 
-Writing needs no transformers. `dlm.artifacts.hf.reader` turns the directory back into dlm weights
+Writing needs no transformers. `dlm.artifacts.hf.dlm_format` turns the directory back into dlm weights
 and a `SourceInfo`, so `dlm.load`, `dlm sample` and `dlm export` accept it too. A block diffusion
 model (`[model] block_size`) exports with its block size: the bundled file attends block-causally and
 samples block by block, as dlm's inference does. Refused: noise schedules other than linear and
@@ -43,8 +43,8 @@ from dlm.artifacts.export_layout import (
     checked_tokenizer,
     is_dlm_export,
 )
+from dlm.artifacts.hf.dlm_format import MODEL_TYPE, is_hf_export
 from dlm.artifacts.hf.names import to_hf_names
-from dlm.artifacts.hf.reader import MODEL_TYPE, is_hf_export
 from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.tokenizer import SPECIAL_TOKENS

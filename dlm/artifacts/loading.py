@@ -39,8 +39,8 @@ from dlm.artifacts.export_layout import (
     read_distillation,
     read_export_config,
 )
-from dlm.artifacts.hf.importer import Placement, is_hf_source, read_hf_source
-from dlm.artifacts.hf.reader import is_hf_export, read_hf_export
+from dlm.artifacts.hf.dlm_format import is_hf_export, read_hf_export
+from dlm.artifacts.hf.foreign import Placement, is_hf_source, read_hf_source
 from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
 from dlm.config.lora import LoraConfig
@@ -310,7 +310,7 @@ def read_model_source(
     path: str | Path, use_ema: bool = True, merge_adapters: bool = True, place: Placement | None = None
 ) -> tuple[SourceInfo, dict[str, Tensor]]:
     """Metadata and CPU weights of an exported dir, an adapter export, a checkpoint file, a run dir (its
-    latest checkpoint) or a Hugging Face model directory of a family dlm imports (`dlm.artifacts.hf.importer`).
+    latest checkpoint) or a Hugging Face model directory of a family dlm imports (`dlm.artifacts.hf.foreign`).
     A LoRA source's adapters come merged onto their base model unless `merge_adapters` is false (then the
     weights are the adapters alone, and `info.lora` says so). `place`, for a Hugging Face directory, takes
     each tensor as it is read (to its device and dtype), so the source is never held whole."""

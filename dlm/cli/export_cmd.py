@@ -1,5 +1,5 @@
 """`dlm export` and `dlm import`: parse, call the library (`dlm.artifacts.export`,
-`dlm.artifacts.hf_import`), render what the model directory holds.
+`dlm.artifacts.import_model`), render what the model directory holds.
 
 The library loads inside the command so that `dlm --help` never pays for torch.
 """
@@ -28,7 +28,7 @@ def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
     from dlm.artifacts.export_layout import ADAPTER_CONFIG_NAME, read_export_config
-    from dlm.artifacts.hf.reader import hf_summary, is_hf_export
+    from dlm.artifacts.hf.dlm_format import hf_summary, is_hf_export
     from dlm.artifacts.loading import read_adapter_config
 
     if (output / ADAPTER_CONFIG_NAME).is_file():
@@ -120,7 +120,7 @@ def import_command(
 ) -> None:
     """Import a Hugging Face model directory as a dlm model (safetensors only; no code is run)."""
 
-    from dlm.artifacts.hf_import import import_model
+    from dlm.artifacts.import_model import import_model
 
     path = import_model(source, output, add_mask_token=add_mask_token, dtype=dtype, overwrite=overwrite)
     summary = export_summary(path)

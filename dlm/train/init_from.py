@@ -112,7 +112,7 @@ def adopt_source_model(experiment: ExperimentConfig, overrides: Iterable[str] = 
     nobody transcribes an 8B model's shape into TOML; a note lists what was replaced. A `--set` among
     `overrides` that contradicts the source is refused. Other sources are left to `initial_weights`."""
 
-    from dlm.artifacts.hf.importer import source_shape
+    from dlm.artifacts.hf.foreign import source_shape
 
     source = experiment.training.init_from
     found = None if source is None else source_shape(Path(source))

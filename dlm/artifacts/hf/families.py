@@ -155,12 +155,13 @@ def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     }
 
 
-_HF_TOP = {
+# dlm name -> the transformers families' (Llama's layout), which dlm's own format shares outside its fused matmuls
+TRANSFORMERS_TOP = {
     "token_embedding.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "head.weight": "lm_head.weight",
 }
-_HF_BLOCK = {
+TRANSFORMERS_BLOCK = {
     "attention_norm": "input_layernorm.weight",
     "mlp_norm": "post_attention_layernorm.weight",
     "q": "self_attn.q_proj",
@@ -193,7 +194,11 @@ _LLADA_BLOCK = {
 
 def _transformers_family(name: str) -> Family:
     return Family(
-        name, lambda config, path: _causal_fields(config, path, name), _HF_TOP, "model.layers.{n}.", _HF_BLOCK
+        name,
+        lambda config, path: _causal_fields(config, path, name),
+        TRANSFORMERS_TOP,
+        "model.layers.{n}.",
+        TRANSFORMERS_BLOCK,
     )
 
 

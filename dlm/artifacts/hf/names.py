@@ -6,16 +6,19 @@ import re
 
 from torch import Tensor
 
+from dlm.artifacts.hf.families import TRANSFORMERS_BLOCK, TRANSFORMERS_TOP
 from dlm.errors import UserError
 
-TOP_NAMES = {"token_embedding.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+# The transformers families' names (`dlm.artifacts.hf.families`), with dlm's fused q/k/v and gate/up
+# matmuls under their own names: the head is the tied embedding.
+TOP_NAMES = {name: TRANSFORMERS_TOP[name] for name in ("token_embedding.weight", "norm.weight")}
 BLOCK_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
+    "attention_norm.weight": TRANSFORMERS_BLOCK["attention_norm"],
     "attention.qkv.weight": "self_attn.qkv_proj.weight",
-    "attention.out.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attention.out.weight": TRANSFORMERS_BLOCK["out"],
+    "mlp_norm.weight": TRANSFORMERS_BLOCK["mlp_norm"],
     "mlp.gate_up.weight": "mlp.gate_up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
+    "mlp.down.weight": TRANSFORMERS_BLOCK["down"],
 }
 
 

@@ -1,5 +1,5 @@
 """Read a Hugging Face model directory of a supported family (`dlm.artifacts.hf.families`) as dlm
-weights and a `SourceInfo` (`dlm.artifacts.hf_import` writes `dlm import`'s export from it).
+weights and a `SourceInfo` (`dlm.artifacts.import_model` writes `dlm import`'s export from it).
 
 Only data is read: `config.json`, the safetensors weights (one file, or the shards that
 `model.safetensors.index.json` lists; pickled `.bin` weights are refused), `tokenizer.json` and the

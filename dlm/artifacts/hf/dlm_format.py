@@ -1,4 +1,5 @@
-"""Read a Hugging Face export back as dlm weights and a `SourceInfo` (needs no transformers).
+"""dlm's own models in the Hugging Face format (`dlm export --format hf`), read back as dlm weights and a
+`SourceInfo` (needs no transformers). Models of other families are `dlm.artifacts.hf.foreign`'s.
 
 `dlm.load`, `dlm sample` and `dlm export` accept such a directory too, also after `save_pretrained` of
 a model fine-tuned with transformers: the config fields are read, not trusted from the metadata.

@@ -1,6 +1,6 @@
 """`dlm import HF_DIR --output MODEL_DIR`: a dlm export written from a Hugging Face model directory.
 
-`dlm.artifacts.hf.importer` reads the directory (as data only); this writes the export, with a
+`dlm.artifacts.hf.foreign` reads the directory (as data only); this writes the export, with a
 `tokenizer_config.json` naming the end-of-document, mask and pad tokens and carrying the source's chat
 template, so `dlm pack --chat` and `dlm sample --chat` render the model's own. A causal model's tokenizer
 has no mask token: `add_mask_token` adds `<|mask|>` and gives it the mean embedding (and head) row,
@@ -21,7 +21,7 @@ from torch import Tensor
 from dlm.artifacts.export import check_import_output, write_streamed_export
 from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
 from dlm.artifacts.hf.conversion import Transform
-from dlm.artifacts.hf.importer import IMPORT_KIND, MASK_TOKEN, SOURCE_KIND, check_tokenizer_fits, read_source
+from dlm.artifacts.hf.foreign import IMPORT_KIND, MASK_TOKEN, SOURCE_KIND, check_tokenizer_fits, read_source
 from dlm.choices import ExportDtype
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
