@@ -614,21 +614,34 @@ def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
         handle.assert_healthy()
 
 
-def test_a_request_whose_thread_cannot_start_fails_alone(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with running(model_dir) as handle:
-        start = threading.Thread.start
-        refusals = iter([True])
+def test_running_requests_hold_no_thread_of_their_own(model_dir: Path) -> None:
+    """24 requests running at once (their passes held at the gate) are greenlets of the one engine thread:
+    the server's own threads do not grow with them, and every request still gets its text alone."""
 
-        def start_or_refuse(thread: threading.Thread) -> None:
-            if thread.name.startswith("dlm-request-") and next(refusals, False):
-                raise RuntimeError("can't start new thread")
-            start(thread)
-
-        monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
-        with pytest.raises(openai.APIStatusError) as refused:
-            handle.complete(seed=1)
-        assert refused.value.status_code == 503 and "can't start new thread" in refused.value.response.text
-        handle.assert_healthy()  # the next request runs
+    requests = [{"prompt": "ROMEO:", "max_tokens": 4 + i % 3, "seed": 40 + i} for i in range(24)]
+    with running(model_dir, max_batch_rows=32) as handle:
+        alone = [handle.complete(**request).choices[0].text for request in requests[:3]]
+        before = {thread.name for thread in threading.enumerate() if thread.name.startswith("dlm-")}
+        answers: list[Any] = [None] * len(requests)
+        with handle.gate.closed():
+            threads = [
+                threading.Thread(target=lambda i=i: answers.__setitem__(i, handle.complete(**requests[i])))
+                for i in range(len(requests))
+            ]
+            for thread in threads:
+                thread.start()
+            handle.until(lambda: handle.stats.in_flight + handle.stats.queued == len(requests), "all arrive")
+            handle.gate.open()
+            handle.gate.close()  # the first pass (of the requests started then) is released, the next held
+            handle.until(handle.gate.holding.is_set, "a shared pass is held")
+            running_now = handle.stats.in_flight
+            during = {thread.name for thread in threading.enumerate() if thread.name.startswith("dlm-")}
+        for thread in threads:
+            thread.join(WAIT)
+        assert running_now == len(requests)  # all of them run together, in one shared pass
+        assert during == before == {"dlm-scheduler"}
+        assert [answer.choices[0].text for answer in answers[:3]] == alone
+        handle.assert_healthy()
 
 
 def test_a_scheduler_that_stops_fails_every_request_and_health_says_so(model_dir: Path) -> None:

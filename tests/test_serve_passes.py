@@ -1,7 +1,8 @@
 """The server's scheduler without HTTP: requests that share forward passes each get their result alone.
 
-Each request runs its own sampler (`dlm.serving.scheduler`), and `dlm.serving.passes` merges the
-model calls of the running requests into shared passes. The model runs in float64, where a shared
+Each request runs its own sampler, a greenlet of the engine thread (`dlm.serving.scheduler`; the
+`serve` extra's greenlet package), and `dlm.serving.passes` merges the model calls of the running
+requests into shared passes. The model runs in float64, where a shared
 pass gives each row its own logits to about 1e-16 and so the same tokens (as in
 tests/test_batch_sampling.py); the random streams are each request's own exactly. No prompt is
 empty where positions are ranked (an empty prompt's first step is an exact tie).
@@ -25,6 +26,8 @@ from dlm.serving.protocol import Generation
 from dlm.serving.rows import finish_row
 from dlm.serving.scheduler import Job, Scheduler
 
+pytest.importorskip("greenlet", reason="greenlet is not installed (pip install -e '.[serve]')")
+pytestmark = pytest.mark.serve_extra
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
 WAIT = 60.0
 EOS = 0

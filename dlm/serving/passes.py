@@ -1,8 +1,8 @@
 """Forward passes shared by requests that each run the sampler as they would alone.
 
-Every running request samples in a thread of its own with `dlm.sampling.generation.generate`, the very
-call that answers it alone, on a `RequestModel`: a stand-in for the served model whose call is
-handed to the scheduler and waits for its logits. So a request draws its own random numbers in its
+Every running request samples with `dlm.sampling.generation.generate`, the very call that answers
+it alone (in a greenlet of the engine thread), on a `RequestModel`: a stand-in for the served model
+whose call is handed to the engine and waits for its logits. So a request draws its own random numbers in its
 own order, keeps its own length, steps, blocks and options, and stops when it alone is done; only
 the model's arithmetic is shared. Once every running request waits for a pass (or has finished),
 the scheduler runs the waiting calls that fit one batch together (`run_calls`) and gives each call

@@ -1,20 +1,24 @@
-"""Batching across requests: each running request samples on its own, and their forward passes are shared.
+"""Batching across requests: one engine loop advances every running request to its next model call,
+then runs those calls in shared forward passes.
 
-Requests wait in a bounded queue. The scheduler thread starts queued requests, oldest first, as long
-as their rows (prompts x `n`) fit `max_batch_rows`, each in a thread of its own that runs `generate`
-for it exactly as the request would run alone, on a `dlm.serving.passes.RequestModel`. Whenever every
-running request waits for a forward pass (or has finished), the scheduler runs their calls in as few
-passes as `dlm.serving.passes.run_calls` can make of them, and every request goes on to its next
-step. So:
+Requests wait in a bounded queue. The engine (one thread) starts queued requests, oldest first, as
+long as their rows (prompts x `n`) fit `max_batch_rows`. Each running request is a greenlet (a
+coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for it exactly as the
+request would run alone, on a `dlm.serving.passes.RequestModel`, whose model call hands the call to
+the engine and suspends the request until its logits are there. A round of the engine resumes every
+running request until each has made its next call (or finished), then runs the calls in as few
+passes as `dlm.serving.passes.run_calls` can make of them, and answers them. So:
 
 - requests share passes whatever their lengths (`max_tokens`), steps, seeds and sampler options, where
   their calls fit one batch (`dlm.serving.passes`; docs/serving.md says which);
-- a request that arrives while others run starts at their next pass, with its own seed, prompt and
+- a request that arrives while others run starts at the next round, with its own seed, prompt and
   length: each request is a reverse process of its own, so it never waits for a batch to end;
 - a request whose client has gone leaves the queue at once or, once running, leaves before its next
   pass, so the others' passes shrink; a request done (its length, or its end of document) leaves too;
 - each request draws exactly its own random numbers and gets its own logits up to float rounding, so
-  its text is what it gets alone (docs/reproducibility.md; the tests check it token for token in float64).
+  its text is what it gets alone (docs/reproducibility.md; the tests check it token for token in float64);
+- the server holds one thread for all requests, however many run: no thread per request, no
+  contention for the interpreter between them, and a request's state is its suspended sampler.
 
 When nothing runs, the oldest request may wait up to `batch_wait` seconds after it arrived for others
 to start with it: clients that each send their next request when the last answer comes tend to
@@ -32,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,6 +44,7 @@ import torch
 from dlm.data.tokenizer import special_token_id
 from dlm.diffusion.schedules import model_schedule
 from dlm.errors import UserError
+from dlm.extras import Requirement, require
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
 from dlm.serving.passes import Call, Departed, RequestModel, run_calls
@@ -47,6 +53,7 @@ from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
 
 log = logging.getLogger("dlm.serving")
+GREENLET = Requirement("greenlet", "serve", "dlm serve")
 TextSink = Callable[[int, str], None]  # (choice index, text)
 
 
@@ -83,8 +90,17 @@ class SchedulerFailed(ShuttingDown):
     """The scheduler stopped on an error of its own: every request is refused (503), none waits forever."""
 
 
+@dataclass(eq=False)
+class _Running:
+    """A running request: its job, its suspended sampler, and the model call it waits on (None: not started)."""
+
+    job: Job
+    sampler: Any  # a greenlet running `Scheduler._sample(job)`
+    call: Call | None = None
+
+
 class Scheduler:
-    """The queue, the thread that shares the running requests' passes, and a thread per running request."""
+    """The queue and the engine thread that advances the running requests and shares their passes."""
 
     def __init__(
         self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int, batch_wait: float = 0.0
@@ -96,9 +112,9 @@ class Scheduler:
         self.stats = ServeStats(max_batch_rows)
         self._queue: deque[Job] = deque()
         self._ready = threading.Condition()
+        self._greenlet = require(GREENLET)
         self._running: list[Job] = []
-        self._calls: list[Call] = []  # the running requests' calls waiting for a pass
-        self._busy = 0  # running requests that are sampling, neither waiting for a pass nor finished
+        self._samplers: list[_Running] = []  # the engine thread's alone: the running requests' samplers
         self._request_seconds = 1.0  # the last request's time: what a refused client is told to wait
         self._stopping = False
         self.failure: BaseException | None = None  # what stopped the scheduler, if anything did
@@ -161,15 +177,12 @@ class Scheduler:
         self.stats.queue_changed(len(self._queue), len(self._running))
 
     def _wait_for_pass(self, call: Call) -> None:
-        """A running request's model call (from its thread): it waits for the next pass."""
+        """A running request's model call (in its greenlet): it suspends until the engine has answered it."""
 
-        with self._ready:
-            if self.failure is not None:  # no pass will come
-                call.answer(error=SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}"))
-                return
-            self._calls.append(call)
-            self._busy -= 1
-            self._ready.notify_all()
+        if self.failure is not None:  # no pass will come
+            call.answer(error=SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}"))
+            return
+        self._greenlet.getcurrent().parent.switch(call)
 
     def _company_wait(self) -> float | None:
         """Seconds the oldest request still waits for company before it starts alone (None: no such wait)."""
@@ -181,75 +194,87 @@ class Scheduler:
         left = self.batch_wait - (time.perf_counter() - self._queue[0].enqueued)
         return left if left > 0 else None
 
-    def _start_queued(self) -> bool:
-        """Start the queued requests that fit, oldest first (under the lock); whether any started."""
+    def _start_queued(self) -> None:
+        """Under the lock: start the queued requests that fit, oldest first, each as a greenlet of the engine."""
 
         if self._company_wait() is not None:
-            return False
+            return
         rows = sum(job.generation.rows for job in self._running)
-        started = False
         while self._queue and rows + self._queue[0].generation.rows <= self.max_batch_rows:
             job = self._queue.popleft()
-            thread = threading.Thread(
-                target=self._sample, args=(job,), name=f"dlm-request-{job.request_id}", daemon=True
-            )
-            try:
-                thread.start()
-            except RuntimeError as exc:  # the system's thread limit: this request fails, the others go on
-                log.error("request %s could not start: %s", job.request_id, exc)
-                job.future.set_exception(ShuttingDown(f"the server cannot start the request now ({exc})"))
-                continue
             rows += job.generation.rows
             self._running.append(job)
-            self._busy += 1
-            started = True
-        self._publish()  # the queue changed whether or not a request started (one may have failed to)
-        return started
+            self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
+        self._publish()
 
-    def _next_calls(self) -> list[Call] | None:
-        """Under the lock: wait until every running request waits for a pass (starting the queued ones that
-        fit, which then reach their first call), and take the calls; None once stopped with nothing left."""
+    def _wait_for_work(self) -> bool:
+        """Under the lock: wait until a request runs (starting the queued ones that fit); False once stopped
+        with nothing left."""
 
         while True:
-            if self._busy == 0:
-                if self._start_queued():
-                    continue
-                if self._calls:
-                    calls, self._calls = self._calls, []
-                    self._busy += len(calls)  # each goes on sampling once answered
-                    return calls
-                if self._stopping and not self._queue:
-                    return None
-            self._ready.wait(self._company_wait() if self._busy == 0 else None)
+            self._start_queued()
+            if self._samplers:
+                return True
+            if self._stopping and not self._queue:
+                return False
+            self._ready.wait(self._company_wait())
+
+    def _next_calls(self) -> list[Call] | None:
+        """One round: every running request resumed until it makes its next model call or finishes; their
+        calls (None once stopped with nothing left)."""
+
+        with self._ready:
+            if not self._wait_for_work():
+                return None
+        calls = []
+        for running in list(self._samplers):
+            made = running.sampler.switch()  # the request's sampler, up to its next call
+            if running.sampler.dead:
+                self._samplers.remove(running)
+                continue
+            running.call = made
+            calls.append(made)
+        return calls
 
     def _run(self) -> None:
-        """The scheduler's thread: on an error of its own, it fails every request, queued or running, and
-        every later one (`SchedulerFailed`), and /health says so, rather than leave them waiting."""
+        """The engine's thread: on an error of its own, it fails every request, queued or running, and every
+        later one (`SchedulerFailed`), and /health says so, rather than leave them waiting. Everything runs
+        in inference mode, which the requests' samplers (greenlets of this thread) share."""
 
-        try:
-            self._loop()
-        except BaseException as exc:
-            log.exception("the scheduler stopped")
-            with self._ready:
-                self.failure = exc
-                waiting, self._queue = list(self._queue), deque()
-                calls, self._calls = self._calls, []
-                self._publish()
-            failed = SchedulerFailed(f"the server's scheduler has stopped: {exc!r}")
-            for job in waiting:
-                job.future.set_exception(failed)
-            for call in calls:
-                call.answer(error=failed)  # their request threads end and answer their clients
+        with torch.inference_mode():
+            try:
+                self._loop()
+            except BaseException as exc:
+                log.exception("the scheduler stopped")
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._ready:
+            self.failure = exc
+            waiting, self._queue = list(self._queue), deque()
+            self._publish()
+        failed = SchedulerFailed(f"the server's scheduler has stopped: {exc!r}")
+        for job in waiting:
+            job.future.set_exception(failed)
+        for running in self._samplers:  # each sampler ends on the error and answers its client
+            if not running.sampler:  # never started: nothing to unwind
+                self._finished(running.job, failed)
+                continue
+            while not running.sampler.dead:
+                if running.call is not None:
+                    running.call.answer(error=failed)
+                running.call = running.sampler.switch()
+        self._samplers = []
 
     def _loop(self) -> None:
         while True:
-            with self._ready:
-                calls = self._next_calls()
+            calls = self._next_calls()
             if calls is None:
                 return
+            if not calls:
+                continue
             try:
-                with torch.inference_mode():
-                    run_calls(self.model, calls, self.stats.pass_done)
+                run_calls(self.model, calls, self.stats.pass_done)
             except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
                 log.exception("forward passes failed")
                 for call in calls:
@@ -257,7 +282,7 @@ class Scheduler:
                         call.answer(error=exc)
 
     def _sample(self, job: Job) -> None:
-        """A running request's thread: sample it, then answer it."""
+        """A running request's greenlet: sample it, then answer it."""
 
         outcome: Outcome | BaseException = RuntimeError(f"request {job.request_id} ended without an outcome")
         try:
@@ -271,15 +296,17 @@ class Scheduler:
             log.exception("request %s failed", job.request_id)
             outcome = exc
         finally:  # whatever ended it: the passes must not wait for it
-            with self._ready:  # before the client hears: the figures must not count it as running
-                self._running.remove(job)
-                self._busy -= 1
-                self._publish()
-                self._ready.notify_all()
-            if isinstance(outcome, BaseException):
-                job.future.set_exception(outcome)
-            else:
-                job.future.set_result(outcome)
+            self._finished(job, outcome)
+
+    def _finished(self, job: Job, outcome: Outcome | BaseException) -> None:
+        with self._ready:  # before the client hears: the figures must not count it as running
+            self._running.remove(job)
+            self._publish()
+            self._ready.notify_all()
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
 
     def _generate(self, job: Job) -> Outcome:
         """Sample `job` as it would be sampled alone; its outcome (its streamed text sent to the end)."""

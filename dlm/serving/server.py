@@ -78,11 +78,12 @@ class ServeSettings:
 
 
 def check_requirements() -> None:
-    """Before the model loads: one error naming the `serve` extra when fastapi or uvicorn is missing."""
+    """Before the model loads: one error naming the `serve` extra when fastapi, uvicorn or greenlet is missing."""
 
     from dlm.serving.app import FASTAPI
+    from dlm.serving.scheduler import GREENLET
 
-    for requirement in (FASTAPI, UVICORN):
+    for requirement in (FASTAPI, UVICORN, GREENLET):
         require(requirement)
 
 

@@ -1,7 +1,7 @@
 """What the console shows of a running server: requests in flight and queued, tokens/s, batch
 occupancy (rows per shared forward pass), latency percentiles, and the counts of requests answered,
 refused, dropped (their client left) and of those among them whose rows left a running batch.
-Updated by the scheduler, the requests' sampling threads and the request handlers, read by the
+Updated by the scheduler's engine (and the requests' samplers in it) and the request handlers, read by the
 console; every method takes the one lock."""
 
 from __future__ import annotations
