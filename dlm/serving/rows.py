@@ -63,13 +63,24 @@ REPLACEMENT = "\ufffd"
 
 
 class RowStream:
-    """What of one row's text has been sent, and what may be sent next."""
+    """What of one row's text has been sent, and what may be sent next.
+
+    The text is decoded incrementally, as the tokens become final: each update decodes the tokens
+    made final since the last from the previous decode's start (`prefix` .. `read`), and keeps what
+    the longer decode adds, as Hugging Face's streamers do, so that a decoder's treatment of its
+    first token (a leading space) cancels out. A decode that ends inside a character (U+FFFD) waits
+    for the next token. The work per update is the new tokens and one earlier chunk, not the whole
+    prefix: a long stream costs linear time, not quadratic.
+    """
 
     def __init__(self, tokenizer: Any, mask_id: int, eos: int, stops: tuple[str, ...]) -> None:
         self.tokenizer, self.mask_id, self.eos, self.stops = tokenizer, mask_id, eos, stops
-        self.held_back = max((len(stop) for stop in stops), default=1) - 1
+        self.longest_stop = max((len(stop) for stop in stops), default=0)
+        self.held_back = max(self.longest_stop, 1) - 1
         self.sent = 0  # characters
-        self.final_tokens = 0
+        self.text = ""  # the text of the tokens before `read`, whole characters only
+        self.prefix = 0  # where the last decode started (tokens)
+        self.read = 0  # the tokens whose text is in `text`
         self.stopped = False  # a stop string was found: nothing more is sent before `finish`
 
     def update(self, generated: list[int]) -> str:
@@ -81,18 +92,29 @@ class RowStream:
         ended = self.eos in generated[:final]
         if ended:
             final = generated.index(self.eos)
-        if final == self.final_tokens and not ended:
+        if final <= self.read:
             return ""
-        self.final_tokens = final
-        text = str(self.tokenizer.decode(generated[:final], skip_special_tokens=False))
-        complete = ended or final == len(generated)
-        bound = len(text) if complete else len(text.rstrip(REPLACEMENT)) - self.held_back
-        cut = stop_string_cut(text, self.stops)
-        if cut is not None and cut <= bound:
-            bound, self.stopped = cut, True
-        delta = text[self.sent : max(bound, self.sent)]
+        self._decode(generated, final)
+        complete = (ended or final == len(generated)) and self.read == final
+        bound = len(self.text) if complete else len(self.text) - self.held_back
+        if self.stops:  # a new stop string can only end in the new text
+            start = max(0, self.sent - self.longest_stop)
+            cut = stop_string_cut(self.text[start:], self.stops)
+            if cut is not None and start + cut <= bound:
+                bound, self.stopped = start + cut, True
+        delta = self.text[self.sent : max(bound, self.sent)]
         self.sent = max(bound, self.sent)
         return delta
+
+    def _decode(self, ids: list[int], final: int) -> None:
+        """Extend `text` with the tokens up to `final`, unless their text ends inside a character."""
+
+        before = str(self.tokenizer.decode(ids[self.prefix : self.read], skip_special_tokens=False))
+        after = str(self.tokenizer.decode(ids[self.prefix : final], skip_special_tokens=False))
+        if after.endswith(REPLACEMENT) or len(after) < len(before):
+            return
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, final
 
     def finish(self, text: str) -> str:
         """The rest of the final `text`."""
