@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDo
 log = logging.getLogger("dlm.serving")
 FASTAPI = Requirement("fastapi", "serve", "dlm serve")
 DISCONNECT_POLL_SECONDS = 0.2  # how often a waiting request checks that its client is still there
+PARSING_THREADS = 2  # requests parsed, rendered and tokenized at once, off the event loop
 
 
 class ClientGone(Exception):
@@ -113,6 +115,8 @@ class Endpoints:
 
     def __init__(self, served: ServedModel, scheduler: Scheduler, limits: Limits) -> None:
         self.served, self.scheduler, self.limits = served, scheduler, limits
+        # A fixed pool: the server's threads do not grow with its connections.
+        self.parsing = ThreadPoolExecutor(max_workers=PARSING_THREADS, thread_name_prefix="dlm-parse")
 
     def models(self) -> dict[str, Any]:
         return {
@@ -121,9 +125,15 @@ class Endpoints:
         }
 
     async def read(self, request: Any, kind: str) -> Generation:
-        from pydantic import ValidationError
+        """The request's generation, parsed, rendered and tokenized off the event loop (in the small
+        `parsing` pool), so that a long prompt never holds up the other connections."""
 
         raw = await request.body()
+        return await asyncio.get_running_loop().run_in_executor(self.parsing, self.parse, raw, kind)
+
+    def parse(self, raw: bytes, kind: str) -> Generation:
+        from pydantic import ValidationError
+
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -325,6 +335,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(scheduler.stop)
+            endpoints.parsing.shutdown(wait=False)
 
     app = fastapi.FastAPI(title="dlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
