@@ -33,7 +33,7 @@ from helpers import train_tiny_run  # noqa: E402
 from dlm.artifacts.export import export_model  # noqa: E402
 from dlm.data.chat import Turn  # noqa: E402
 from dlm.serving.app import PARSING_THREADS  # noqa: E402
-from dlm.serving.protocol import Limits  # noqa: E402
+from dlm.serving.protocol import DEFAULT_MAX_TOKENS, Limits  # noqa: E402
 from dlm.serving.rows import RowStream, finish_row  # noqa: E402
 from dlm.serving.server import Server, ServeSettings, load_served  # noqa: E402
 
@@ -613,6 +613,25 @@ def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
         assert refused.value.status_code == 503 and "does not fit the device's memory" in refused.value.response.text
         monkeypatch.setattr(passes, "_run_batch", run_batch)
         handle.assert_healthy()
+
+
+def test_a_request_without_max_tokens_gets_the_default_and_one_past_the_budget_is_refused(
+    model_dir: Path, run_cli
+) -> None:  # type: ignore[no-untyped-def]
+    with running(model_dir, limits=Limits(default_max_tokens=3), max_batch_tokens=40) as handle:
+        answer = handle.client.completions.create(model="model", prompt="ROMEO:", seed=2, max_tokens=None)
+        assert answer.usage.completion_tokens <= 3 and answer.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.APIStatusError) as refused:
+            handle.complete(max_tokens=20, n=2)  # 2 rows of prompt + 20 positions: more than 40
+        body = refused.value.response.json()["error"]
+        assert (
+            refused.value.status_code == 400
+            and body["param"] == "max_tokens"
+            and "more than a batch" in body["message"]
+        )
+        handle.assert_healthy()
+    # The CLI's help names the server's default, which lives in dlm.serving.protocol.
+    assert f"default: {DEFAULT_MAX_TOKENS}" in " ".join(run_cli("serve", "--help").stdout.split())
 
 
 def test_running_requests_hold_no_thread_of_their_own(model_dir: Path) -> None:

@@ -62,11 +62,13 @@ def alone(model: Any, tokenizer: Tokenizer, generation: Generation) -> tuple[lis
     return texts, result.forward_passes
 
 
-def served(model: Any, tokenizer: Tokenizer, generations: list[Generation]) -> tuple[list[Any], Scheduler]:
-    """Every request submitted before the scheduler starts, so that all start together; their texts (or the
-    exception that ended them)."""
+def served(
+    model: Any, tokenizer: Tokenizer, generations: list[Generation], **limits: int
+) -> tuple[list[Any], Scheduler]:
+    """Every request submitted before the scheduler starts, so that all start together (as far as `limits`
+    let them); their texts (or the exception that ended them)."""
 
-    scheduler = Scheduler(model, tokenizer, max_queue=64, max_batch_rows=64)
+    scheduler = Scheduler(model, tokenizer, max_queue=64, **{"max_batch_rows": 64} | limits)
     jobs = [Job(str(index), generation) for index, generation in enumerate(generations)]
     for job in jobs:
         scheduler.submit(job)
@@ -235,3 +237,22 @@ def test_shared_passes_run_in_eval_mode_without_autograd(tokenizer: Tokenizer) -
     finally:
         hook.remove()
     assert seen and set(seen) == {(False, True)}
+
+
+def test_requests_are_admitted_by_their_positions(tokenizer: Tokenizer) -> None:
+    """A budget of positions (rows x (prompt + length)) that holds two of the three requests: the third
+    starts when one ends, oldest first, and each still equals its solo result."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (prompt,), 16, 60 + i) for i, prompt in enumerate(("ROMEO:", "To be", "HAMLET:"))]
+    costs = [generation.tokens for generation in generations]
+    assert costs == [len(tokenizer.encode(p).ids) + 16 for p in ("ROMEO:", "To be", "HAMLET:")]
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    budget = costs[0] + costs[1]
+    outcomes, scheduler = served(model, tokenizer, generations, max_batch_tokens=budget)
+    assert outcomes == [texts for texts, _ in expected]
+    counts = [count for _, count in expected]
+    # Two ran together, the third after them: more passes than all three in step would take.
+    assert max(counts) < scheduler.stats.snapshot().passes <= sum(counts)
+    with pytest.raises(ValueError, match="do not fit a batch"):
+        scheduler.submit(Job("huge", request(tokenizer, ("ROMEO:",), 16, 1, n=budget)))

@@ -55,6 +55,24 @@ MaxPromptOption = Annotated[
 MaxBodyOption = Annotated[int, typer.Option("--max-body-bytes", help="Largest request body; larger ones get 413.")]
 MaxQueueOption = Annotated[int, typer.Option("--max-queue", help="Requests waiting to start; more get 429.")]
 MaxBatchOption = Annotated[int, typer.Option("--max-batch", help="Rows (prompts x n) of the requests run together.")]
+MaxBatchTokensOption = Annotated[
+    int | None,
+    typer.Option(
+        "--max-batch-tokens",
+        show_default=False,
+        help="Positions (rows x (prompt + max_tokens)) of the requests run together: queued requests start "
+        "oldest first while they fit (default: --max-batch x the model's context).",
+    ),
+]
+DefaultMaxTokensOption = Annotated[
+    int | None,
+    typer.Option(
+        "--default-max-tokens",
+        show_default=False,
+        help="Tokens a request without max_tokens generates, at most its room (default: 256, "
+        "dlm.serving.protocol.DEFAULT_MAX_TOKENS).",
+    ),
+]
 BatchWaitOption = Annotated[
     float,
     typer.Option(
@@ -82,11 +100,13 @@ def serve_command(
     dtype: DtypeOption = "auto",
     name: NameOption = None,
     max_tokens: MaxTokensOption = None,
+    default_max_tokens: DefaultMaxTokensOption = None,
     max_n: MaxNOption = 8,
     max_prompt_tokens: MaxPromptOption = None,
     max_body_bytes: MaxBodyOption = DEFAULT_BODY_BYTES,
     max_queue: MaxQueueOption = 64,
     max_batch: MaxBatchOption = 32,
+    max_batch_tokens: MaxBatchTokensOption = None,
     batch_wait: BatchWaitOption = 0.0,
     grace: GraceOption = 30.0,
     request_timeout: RequestTimeoutOption = None,
@@ -103,6 +123,7 @@ def serve_command(
         max_prompt_tokens=max_prompt_tokens,
         max_body_bytes=max_body_bytes,
         request_timeout=request_timeout,
+        **({} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}),
     )
     settings = ServeSettings(
         host=host,
@@ -111,6 +132,7 @@ def serve_command(
         limits=limits,
         max_queue=max_queue,
         max_batch_rows=max_batch,
+        max_batch_tokens=max_batch_tokens,
         batch_wait=batch_wait / 1000,
         grace_seconds=grace,
         name=name,

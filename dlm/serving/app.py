@@ -167,6 +167,13 @@ class Endpoints:
                 f"({self.scheduler.max_batch_rows})",
                 param="n",
             )
+        if generation.tokens > self.scheduler.max_batch_tokens:
+            raise ApiError(
+                400,
+                f"the request's rows hold {generation.tokens} positions (prompt and max_tokens, times n), more "
+                f"than a batch holds ({self.scheduler.max_batch_tokens}); ask for fewer tokens or samples",
+                param="max_tokens",
+            )
         return generation
 
     def refuse_if_full(self) -> None:

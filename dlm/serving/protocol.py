@@ -152,13 +152,20 @@ def _check_neutral(request: SamplerFields) -> None:
             raise ApiError(400, f"{name} = {value!r} is not supported: {fix}", param=name)
 
 
+# Tokens a request without max_tokens gets (at most the room it has): a client that forgets the field
+# should not cost a whole context of steps, one per token.
+DEFAULT_MAX_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask: `max_tokens` (None: the model's context, or a block model's window),
-    `n`, the prompt's tokens (None: the model's context), the body's bytes, and the seconds it may take
-    from its arrival to its answer (`request_timeout`; None: no deadline)."""
+    what it gets without asking (`default_max_tokens`, within that), `n`, the prompt's tokens (None: the
+    model's context), the body's bytes, and the seconds it may take from its arrival to its answer
+    (`request_timeout`; None: no deadline)."""
 
     max_tokens: int | None = None
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_n: int = 8
     max_prompt_tokens: int | None = None
     max_body_bytes: int = 1 << 20
@@ -184,6 +191,12 @@ class Generation:
     @property
     def rows(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def tokens(self) -> int:
+        """What the request costs a batch: every row's prompt and generated positions."""
+
+        return self.n * sum(prompt + self.length for prompt in self.prompt_tokens)
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -267,7 +280,7 @@ def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limi
                 f"the prompt ({prompt_tokens} tokens) fills the model's context ({config.max_seq_len} tokens)",
                 param="prompt",
             )
-        return room
+        return min(room, limits.default_max_tokens)
     if asked < 1:
         raise ApiError(400, f"{param} must be at least 1 (got {asked})", param=param)
     if asked > room:

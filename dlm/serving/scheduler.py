@@ -103,10 +103,19 @@ class Scheduler:
     """The queue and the engine thread that advances the running requests and shares their passes."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, max_queue: int, max_batch_rows: int, batch_wait: float = 0.0
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_queue: int,
+        max_batch_rows: int,
+        max_batch_tokens: int | None = None,
+        batch_wait: float = 0.0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.max_batch_rows, self.batch_wait = max_queue, max_batch_rows, batch_wait
+        # The running requests' positions (rows x (prompt + generated)): what their caches and passes hold.
+        self.max_batch_tokens = max_batch_tokens or max_batch_rows * model.config.max_seq_len
         self.eos = special_token_id(tokenizer, "eos")
         self.schedule = model_schedule(model)
         self.stats = ServeStats(max_batch_rows)
@@ -139,8 +148,11 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise `QueueFull` (with the seconds to wait) or `ShuttingDown`."""
 
-        if job.generation.rows > self.max_batch_rows:
-            raise ValueError(f"{job.generation.rows} rows do not fit a batch of {self.max_batch_rows}")
+        if job.generation.rows > self.max_batch_rows or job.generation.tokens > self.max_batch_tokens:
+            raise ValueError(
+                f"{job.generation.rows} rows of {job.generation.tokens} positions do not fit a batch of "
+                f"{self.max_batch_rows} rows and {self.max_batch_tokens} positions"
+            )
         with self._ready:
             if self.failure is not None:
                 raise SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}")
@@ -191,6 +203,8 @@ class Scheduler:
             return None
         if sum(job.generation.rows for job in self._queue) >= self.max_batch_rows:
             return None
+        if sum(job.generation.tokens for job in self._queue) >= self.max_batch_tokens:
+            return None
         left = self.batch_wait - (time.perf_counter() - self._queue[0].enqueued)
         return left if left > 0 else None
 
@@ -200,12 +214,19 @@ class Scheduler:
         if self._company_wait() is not None:
             return
         rows = sum(job.generation.rows for job in self._running)
-        while self._queue and rows + self._queue[0].generation.rows <= self.max_batch_rows:
+        tokens = sum(job.generation.tokens for job in self._running)
+        while self._queue and self._fits(self._queue[0].generation, rows, tokens):
             job = self._queue.popleft()
-            rows += job.generation.rows
+            rows, tokens = rows + job.generation.rows, tokens + job.generation.tokens
             self._running.append(job)
             self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
         self._publish()
+
+    def _fits(self, generation: Generation, rows: int, tokens: int) -> bool:
+        """Whether `generation` joins running requests of `rows` rows and `tokens` positions: admission by
+        cost, oldest first (a request that does not fit waits, and so do those behind it)."""
+
+        return rows + generation.rows <= self.max_batch_rows and tokens + generation.tokens <= self.max_batch_tokens
 
     def _wait_for_work(self) -> bool:
         """Under the lock: wait until a request runs (starting the queued ones that fit); False once stopped

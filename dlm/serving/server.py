@@ -42,6 +42,7 @@ class ServeSettings:
     limits: Limits = field(default_factory=Limits)
     max_queue: int = 64  # requests waiting to start; more are answered 429
     max_batch_rows: int = 32  # rows (prompts x n) of the requests run together
+    max_batch_tokens: int | None = None  # their positions, rows x (prompt + generated); None: rows x context
     batch_wait: float = 0.0  # seconds the oldest request waits for company when nothing runs
     grace_seconds: float = 30.0  # how long a shutdown waits for the requests it holds
     name: str | None = None  # the model's id in requests (default: the model directory's name)
@@ -51,6 +52,8 @@ class ServeSettings:
         at_least_one = {
             "--max-queue": self.max_queue,
             "--max-batch": self.max_batch_rows,
+            "--max-batch-tokens": self.max_batch_tokens,
+            "--default-max-tokens": limits.default_max_tokens,
             "--max-n": limits.max_n,
             "--max-tokens": limits.max_tokens,
             "--max-prompt-tokens": limits.max_prompt_tokens,
@@ -160,6 +163,7 @@ class Server:
             served.tokenizer,
             max_queue=settings.max_queue,
             max_batch_rows=settings.max_batch_rows,
+            max_batch_tokens=settings.max_batch_tokens,
             batch_wait=settings.batch_wait,
         )
         app = create_app(
