@@ -890,3 +890,35 @@ def test_a_row_ends_at_its_end_of_document_or_stop_string(model_dir: Path) -> No
     assert (cut.text, cut.finish_reason) == (" thou ", "stop")
     assert tokenizer.decode(body[: cut.completion_tokens]).startswith(" thou ")  # the tokens up to the cut
     assert not tokenizer.decode(body[: cut.completion_tokens - 1]).startswith(" thou ")
+
+
+def test_the_load_script_bursts_and_counts_statuses(model_dir: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serve_load.py"
+    environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [
+        sys.executable,
+        str(script),
+        str(model_dir),
+        "--clients",
+        "12",
+        "--sequential",
+        "0",
+        "--max-queue",
+        "2",
+        "--max-batch",
+        "4",
+        "--tokens",
+        "3",
+    ]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=WAIT * 4, env=environment)
+    assert finished.returncode == 0, finished.stderr
+    burst = json.loads(finished.stdout.splitlines()[0])
+    statuses = {int(status): count for status, count in burst["statuses"].items()}
+    # Up to 4 run and 2 wait (how many depends on when each arrives); the others are told to come back.
+    assert (
+        set(statuses) <= {200, 429}
+        and sum(statuses.values()) == 12
+        and statuses.get(200, 0) >= 3
+        and statuses.get(429, 0) >= 1
+    )
+    assert 0 < burst["most_threads"] <= 16
