@@ -245,6 +245,8 @@ def test_streaming_sends_each_block_as_it_becomes_final(live: Running) -> None:
 
     pieces = streamed()
     assert "".join(pieces) == whole.text and len(pieces) > 1  # sent while later blocks were still masked
+    figures = live.stats  # a streamed request's time to its first text counts; nothing runs now
+    assert figures.p50_first_text_seconds is not None and figures.admitted_tokens == 0 and figures.pass_ms
     stop = whole.text[len(whole.text) // 2 :][:2]
     cut = live.complete(stop=stop, **request).choices[0].text
     assert "".join(streamed(stop=stop)) == cut == whole.text[: whole.text.index(stop)]
@@ -829,9 +831,11 @@ def test_the_console_shows_the_figures() -> None:
     from dlm.serving.stats import ServeStats
 
     stats = ServeStats(max_batch_rows=8)
-    stats.pass_done(rows=4)
+    stats.pass_done(rows=4, seconds=0.012)
     stats.generated(tokens=64, seconds=0.5)
     stats.answered(0.25)
+    stats.first_text(0.125)
+    stats.queue_changed(queued=1, in_flight=2, admitted_tokens=1234)
     output = StringIO()
     view = ServeConsole(
         stats,
@@ -845,7 +849,8 @@ def test_the_console_shows_the_figures() -> None:
     view.close()
     text = output.getvalue()
     assert "in flight / queued" in text and "50% of the rows a pass holds (1 passes)" in text
-    assert "0.250 s / 0.250 s" in text
+    assert "0.250 s / 0.250 s" in text and "0.125 s / 0.125 s" in text and "12.0 ms (mean over 30 s)" in text
+    assert "2 / 1  (1,234 positions admitted)" in text
     assert "429 POST /v1/completions request abc" in text
 
 

@@ -68,10 +68,18 @@ class ServeConsole:
         table.add_column(style="dim")
         table.add_column()
         rows = [
-            ("in flight / queued", f"{snapshot.in_flight} / {snapshot.queued}"),
+            (
+                "in flight / queued",
+                f"{snapshot.in_flight} / {snapshot.queued}  ({snapshot.admitted_tokens:,} positions admitted)",
+            ),
             ("tokens/s", f"{snapshot.tokens_per_second:,.1f}  {sparkline(self._rates, 40)}"),
             ("batch occupancy", f"{snapshot.occupancy:.0%} of the rows a pass holds ({snapshot.passes} passes)"),
+            ("pass time", "-" if snapshot.pass_ms is None else f"{snapshot.pass_ms:.1f} ms (mean over 30 s)"),
             ("latency p50 / p99", f"{_seconds(snapshot.p50_seconds)} / {_seconds(snapshot.p99_seconds)}"),
+            (
+                "first text p50 / p99",
+                f"{_seconds(snapshot.p50_first_text_seconds)} / {_seconds(snapshot.p99_first_text_seconds)}",
+            ),
             (
                 "answered / 429 / dropped (left a batch) / errors",
                 f"{snapshot.requests} / {snapshot.rejected} / {snapshot.dropped} ({snapshot.left}) / {snapshot.errors}",

@@ -31,6 +31,7 @@ sum in another order), which is the promise of docs/reproducibility.md for batch
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -193,8 +194,11 @@ def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
-def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = lambda rows: None) -> None:
-    """Answer every call: those of one group in one pass, the others alone; `on_pass(rows)` after each pass.
+def run_calls(
+    model: Any, calls: list[Call], on_pass: Callable[[int, float], None] = lambda rows, seconds: None
+) -> None:
+    """Answer every call: those of one group in one pass, the others alone; `on_pass(rows, seconds)` after
+    each pass.
     Call it under `torch.inference_mode()` with the model in eval mode."""
 
     config = model.config
@@ -207,6 +211,7 @@ def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = la
     batches = [[call] for call in alone] + list(groups.values())
     while batches:
         batch = batches.pop(0)
+        started = time.perf_counter()
         try:
             results = _run_batch(model, batch, config)
         except Exception as exc:  # each call's request fails with it; the others go on
@@ -219,7 +224,7 @@ def run_calls(model: Any, calls: list[Call], on_pass: Callable[[int], None] = la
             for call in batch:
                 call.answer(error=exc)
             continue
-        on_pass(sum(call.rows for call in batch))
+        on_pass(sum(call.rows for call in batch), time.perf_counter() - started)
         for call, result in zip(batch, results, strict=True):
             call.answer(result)
 

@@ -186,7 +186,8 @@ class Scheduler:
                 self._publish()
 
     def _publish(self) -> None:
-        self.stats.queue_changed(len(self._queue), len(self._running))
+        admitted = sum(job.generation.tokens for job in self._running)
+        self.stats.queue_changed(len(self._queue), len(self._running), admitted)
 
     def _wait_for_pass(self, call: Call) -> None:
         """A running request's model call (in its greenlet): it suspends until the engine has answered it."""
@@ -334,7 +335,8 @@ class Scheduler:
 
         generation = job.generation
         streams: dict[int, tuple[int, RowStream]] = {}
-        if job.on_text is not None:
+        sink = None if job.on_text is None else self._timed_sink(job, job.on_text)
+        if sink is not None:
             for row in range(generation.rows):
                 streams[row] = (
                     row,
@@ -351,7 +353,7 @@ class Scheduler:
             num_samples=generation.n,
             stop_at_end=True,
             schedule=self.schedule,
-            on_step=_step_watcher(job, streams, generation.length),
+            on_step=_step_watcher(job, streams, generation.length, sink),
             **asdict(generation.options),
         )
         seconds = time.perf_counter() - start
@@ -362,14 +364,29 @@ class Scheduler:
             choice = finish_row(
                 self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos, generation.stop
             )
-            if row in streams and job.on_text is not None:
-                job.on_text(row, streams[row][1].finish(choice.text))
+            if row in streams and sink is not None:
+                sink(row, streams[row][1].finish(choice.text))
             choices.append(choice)
         completion_tokens = sum(choice.completion_tokens for choice in choices)
         return Outcome(choices, sum(generation.prompt_tokens), completion_tokens)
 
+    def _timed_sink(self, job: Job, on_text: TextSink) -> TextSink:
+        """`on_text`, recording the time from the job's arrival to its first text (time to first text)."""
 
-def _step_watcher(job: Job, streams: dict[int, tuple[int, RowStream]], length: int) -> StepCallback:
+        first = [True]
+
+        def sink(index: int, text: str) -> None:
+            if first[0] and text:
+                first[0] = False
+                self.stats.first_text(time.perf_counter() - job.enqueued)
+            on_text(index, text)
+
+        return sink
+
+
+def _step_watcher(
+    job: Job, streams: dict[int, tuple[int, RowStream]], length: int, sink: TextSink | None
+) -> StepCallback:
     """The sampler's step callback: it streams the rows in `streams` (row -> choice, stream), and ends the
     request (`Departed`) once its client has gone."""
 
@@ -381,7 +398,7 @@ def _step_watcher(job: Job, streams: dict[int, tuple[int, RowStream]], length: i
         generated = tokens[:, tokens.shape[1] - length :].tolist()  # one copy to the host a step, not one a row
         for row, (index, stream) in streams.items():
             text = stream.update(generated[row])
-            if text and job.on_text is not None:
-                job.on_text(index, text)
+            if text and sink is not None:
+                sink(index, text)
 
     return on_step

@@ -1,5 +1,6 @@
-"""What the console shows of a running server: requests in flight and queued, tokens/s, batch
-occupancy (rows per shared forward pass), latency percentiles, and the counts of requests answered,
+"""What the console shows of a running server: requests in flight and queued with the positions
+admitted, tokens/s, batch occupancy (rows per shared forward pass) and the mean pass time, latency
+and time-to-first-text (streaming) percentiles, and the counts of requests answered,
 refused, dropped (their client left) and of those among them whose rows left a running batch.
 Updated by the scheduler's engine (and the requests' samplers in it) and the request handlers, read by the
 console; every method takes the one lock."""
@@ -32,6 +33,10 @@ class StatsSnapshot:
     errors: int  # failed inside the server (500)
     passes: int  # forward passes since start (each shared by the requests it served)
     timed_out: int = 0  # answered 504: past the server's --request-timeout
+    admitted_tokens: int = 0  # positions (rows x (prompt + max_tokens)) of the requests running now
+    pass_ms: float | None = None  # mean time of a forward pass over the window
+    p50_first_text_seconds: float | None = None  # streaming requests: arrival to their first text
+    p99_first_text_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,22 +55,30 @@ class ServeStats:
     def __init__(self, max_batch_rows: int) -> None:
         self.max_batch_rows = max_batch_rows
         self._lock = threading.Lock()
-        self._passes: deque[tuple[float, int]] = deque()  # (end, rows)
+        self._passes: deque[tuple[float, int, float]] = deque()  # (end, rows, seconds)
         self._generated: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of each finished request
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self._first_texts: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self.admitted_tokens = 0
         self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.left = self.errors = 0
         self.passes = self.timed_out = 0
 
-    def queue_changed(self, queued: int, in_flight: int) -> None:
+    def queue_changed(self, queued: int, in_flight: int, admitted_tokens: int = 0) -> None:
         with self._lock:
-            self.queued, self.in_flight = queued, in_flight
+            self.queued, self.in_flight, self.admitted_tokens = queued, in_flight, admitted_tokens
 
-    def pass_done(self, rows: int) -> None:
-        """One forward pass over `rows` rows."""
+    def pass_done(self, rows: int, seconds: float = 0.0) -> None:
+        """One forward pass over `rows` rows, which took `seconds`."""
 
         with self._lock:
-            self._passes.append((time.monotonic(), rows))
+            self._passes.append((time.monotonic(), rows, seconds))
             self.passes += 1
+
+    def first_text(self, seconds: float) -> None:
+        """A streaming request sent its first text `seconds` after it arrived."""
+
+        with self._lock:
+            self._first_texts.append(seconds)
 
     def generated(self, tokens: int, seconds: float) -> None:
         """A request sampled `tokens` tokens over its last `seconds`."""
@@ -93,12 +106,13 @@ class ServeStats:
             while self._generated and self._generated[0][1] < now - WINDOW_SECONDS:
                 self._generated.popleft()
             passes, generated = list(self._passes), list(self._generated)
-            latencies = list(self._latencies)
+            latencies, first_texts = list(self._latencies), list(self._first_texts)
             counters = (self.requests, self.rejected, self.dropped, self.left, self.errors, self.passes, self.timed_out)
-            in_flight, queued = self.in_flight, self.queued
+            in_flight, queued, admitted = self.in_flight, self.queued, self.admitted_tokens
         span = min(WINDOW_SECONDS, now - min(start for start, _, _ in generated)) if generated else 0.0
         tokens = sum(count for _, _, count in generated)
-        occupancy = sum(rows for _, rows in passes) / (len(passes) * self.max_batch_rows) if passes else 0.0
+        occupancy = sum(rows for _, rows, _ in passes) / (len(passes) * self.max_batch_rows) if passes else 0.0
+        pass_ms = 1000 * sum(seconds for _, _, seconds in passes) / len(passes) if passes else None
         return StatsSnapshot(
             in_flight,
             queued,
@@ -107,4 +121,8 @@ class ServeStats:
             percentile(latencies, 0.5),
             percentile(latencies, 0.99),
             *counters,
+            admitted_tokens=admitted,
+            pass_ms=pass_ms,
+            p50_first_text_seconds=percentile(first_texts, 0.5),
+            p99_first_text_seconds=percentile(first_texts, 0.99),
         )
