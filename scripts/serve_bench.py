@@ -140,8 +140,11 @@ def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, fl
 
 
 def start_server(
-    model: Path, max_batch: int, device: str, threads: int, batch_wait: float
+    model: Path, max_batch: int, device: str, threads: int, batch_wait: float, max_queue: int | None = None
 ) -> tuple[subprocess.Popen[str], str]:
+    """`dlm serve MODEL` on a free port of 127.0.0.1 (one sample a request, a queue of `max_queue`, by
+    default four batches), its console drained; the process and its URL."""
+
     command = [
         sys.executable,
         "-m",
@@ -160,14 +163,17 @@ def start_server(
         "--max-n",
         "1",
         "--max-queue",
-        str(4 * max_batch),
+        str(4 * max_batch if max_queue is None else max_queue),
         "--batch-wait",
         str(batch_wait),
     ]
     environment = os.environ | {"OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
     assert process.stdout is not None
-    start = json.loads(process.stdout.readline())
+    line = process.stdout.readline()
+    if not line:
+        sys.exit(f"error: dlm serve did not start (exit status {process.wait()})")
+    start = json.loads(line)
     threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
     return process, start["url"]
 

@@ -22,45 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    command = [
-        sys.executable,
-        "-m",
-        "dlm",
-        "serve",
-        str(args.model),
-        "--port",
-        "0",
-        "--json",
-        "--name",
-        "model",
-        "--device",
-        "cpu",
-        "--max-n",
-        "1",
-        "--max-batch",
-        str(args.max_batch),
-        "--max-queue",
-        str(args.max_queue),
-    ]
-    environment = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        sys.exit(f"error: dlm serve did not start (exit status {process.wait()})")
-    start = json.loads(line)
-    threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
-    return process, start["url"]
+from serve_bench import start_server
 
 
 def status_field(pid: int, name: str) -> int:
@@ -146,7 +115,7 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    process, url = start_server(args)
+    process, url = start_server(args.model, args.max_batch, "cpu", args.threads, 0.0, max_queue=args.max_queue)
     try:
         burst_result = asyncio.run(burst(url, process.pid, args.clients, args.tokens))
         print(json.dumps(burst_result), flush=True)

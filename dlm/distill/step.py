@@ -33,7 +33,7 @@ from dlm.diffusion.distillation import (
     two_step_log_target,
 )
 from dlm.diffusion.divergences import get_divergence
-from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, noise_generator
+from dlm.diffusion.objective import Corruption, accumulation_mask_probabilities, corrupt_tokens, noise_generator
 from dlm.diffusion.schedules import NOISE_BUCKETS
 from dlm.distill.teacher import RoundTeachers
 from dlm.model.denoiser import block_size, masked_logits
@@ -148,23 +148,10 @@ class DistillStep(TrainingStep):
         """The student's divergence from the teacher's two steps on `clean` masked at `times.t`, the mask and
         the teacher's first step drawn from `generator` (the micro-batch's; a test's fixed one)."""
 
-        model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
-        corruption = corrupt_tokens(
-            clean,
-            model.mask_token_id,
-            times.t,
-            eps,
-            generator,
-            schedule=self.schedule,
-            block_size=block_size(model),
-            loss_mask=loss_mask,
-        )
+        corruption = self._corrupt(clean, times.t, generator, loss_mask)
         mask = corruption.mask
         log_target = self.teacher_target(clean, corruption.noisy_tokens, mask, times, generator)
-        kernel = attention_kernel_context(self.device, self.config.attention_kernel)
-        with autocast_context(self.device, self.precision), kernel:
-            logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
-        log_student = allowed_log_probs(logits, self.forbidden)
+        log_student = self._student(corruption, clean)
         return StudentDivergence(
             self.divergence(log_target, log_student), mask, log_student, log_target.argmax(dim=-1), times.t, log_target
         )
@@ -174,25 +161,36 @@ class DistillStep(TrainingStep):
     ) -> StudentDivergence:
         """Certainty forcing on `clean` masked at `times` [B] (or [B, blocks]), the mask drawn from `generator`."""
 
-        model, eps = self.experiment.model, self.experiment.diffusion.mask_eps
-        corruption = corrupt_tokens(
+        corruption = self._corrupt(clean, times, generator, loss_mask)
+        log_student = self._student(corruption, clean)
+        targets = clean[corruption.mask]
+        per_token = certainty_forcing_loss(log_student, targets, self.distill.certainty_weight)
+        return StudentDivergence(per_token, corruption.mask, log_student, targets, times)
+
+    def _corrupt(self, clean: Tensor, t: Tensor, generator: torch.Generator, loss_mask: Tensor | None) -> Corruption:
+        """`clean` masked at the times `t` of its rows (blocks), as training masks it."""
+
+        model = self.experiment.model
+        return corrupt_tokens(
             clean,
             model.mask_token_id,
-            times,
-            eps,
+            t,
+            self.experiment.diffusion.mask_eps,
             generator,
             schedule=self.schedule,
             block_size=block_size(model),
             loss_mask=loss_mask,
         )
-        mask = corruption.mask
+
+    def _student(self, corruption: Corruption, clean: Tensor) -> Tensor:
+        """The student's log-probabilities [N, V] at the masked positions (forbidden tokens at probability 0)."""
+
         kernel = attention_kernel_context(self.device, self.config.attention_kernel)
         with autocast_context(self.device, self.precision), kernel:
-            logits = masked_logits(self.step_model, corruption.noisy_tokens, mask, clean, config=model)
-        log_student = allowed_log_probs(logits, self.forbidden)
-        targets = clean[mask]
-        per_token = certainty_forcing_loss(log_student, targets, self.distill.certainty_weight)
-        return StudentDivergence(per_token, mask, log_student, targets, times)
+            logits = masked_logits(
+                self.step_model, corruption.noisy_tokens, corruption.mask, clean, config=self.experiment.model
+            )
+        return allowed_log_probs(logits, self.forbidden)
 
     @torch.no_grad()
     def teacher_target(
