@@ -15,26 +15,27 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from tokenizers import Tokenizer
+
+from dlm.data.chat import ChatTemplate
 from dlm.diffusion.distillation import distilled_steps
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
+from dlm.model.transformer import DiffusionTransformer
 from dlm.serving.guard import Guard, RequestSink
 from dlm.serving.passes import OutOfMemory
 from dlm.serving.protocol import (
     ApiError,
-    ChatRequest,
-    CompletionRequest,
     Generation,
     Limits,
-    SamplerFields,
-    chat_prompt_text,
     check_generation,
     sampler_error,
     validation_error,
 )
 from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown, TextSink
+from dlm.serving.shapes import CHAT, COMPLETION, Json, ResponseShape
 
 log = logging.getLogger("dlm.serving")
 FASTAPI = Requirement("fastapi", "serve", "dlm serve")
@@ -51,30 +52,29 @@ class ServedModel:
     """The model a server answers with: its id in requests, the loaded model and tokenizer, its chat template."""
 
     name: str
-    model: Any
-    tokenizer: Any
-    template: Any  # dlm.data.chat.ChatTemplate
+    model: DiffusionTransformer
+    tokenizer: Tokenizer
+    template: ChatTemplate
     created: int
 
 
-def _completion_body(kind: str, request_id: str, served: ServedModel, outcome: Outcome) -> dict[str, Any]:
-    if kind == "chat":
-        choices: list[dict[str, Any]] = [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-            for i, c in enumerate(outcome.choices)
-        ]
-    else:
-        choices = [
-            {"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-            for i, c in enumerate(outcome.choices)
-        ]
-    kind_name = "chat.completion" if kind == "chat" else "text_completion"
+class HttpRequest(Protocol):
+    """What the handlers use of a request (Starlette's, in the `serve` extra)."""
+
+    scope: dict[str, Any]
+
+    async def body(self) -> bytes: ...
+
+    async def is_disconnected(self) -> bool: ...
+
+
+def _completion_body(shape: ResponseShape, request_id: str, served: ServedModel, outcome: Outcome) -> Json:
     return {
-        "id": _response_id(kind, request_id),
-        "object": kind_name,
+        "id": shape.response_id(request_id),
+        "object": shape.answer_object,
         "created": int(time.time()),
         "model": served.name,
-        "choices": choices,
+        "choices": [shape.choice(index, choice) for index, choice in enumerate(outcome.choices)],
         "usage": _usage(outcome),
     }
 
@@ -85,10 +85,6 @@ def _usage(outcome: Outcome) -> dict[str, int]:
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
     }
-
-
-def _response_id(kind: str, request_id: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
 
 
 def _read_exception(future: asyncio.Future[Any]) -> None:
@@ -118,20 +114,20 @@ class Endpoints:
         # A fixed pool: the server's threads do not grow with its connections.
         self.parsing = ThreadPoolExecutor(max_workers=PARSING_THREADS, thread_name_prefix="dlm-parse")
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> Json:
         return {
             "object": "list",
             "data": [{"id": self.served.name, "object": "model", "created": self.served.created, "owned_by": "dlm"}],
         }
 
-    async def read(self, request: Any, kind: str) -> Generation:
+    async def read(self, request: HttpRequest, shape: ResponseShape) -> Generation:
         """The request's generation, parsed, rendered and tokenized off the event loop (in the small
         `parsing` pool), so that a long prompt never holds up the other connections."""
 
         raw = await request.body()
-        return await asyncio.get_running_loop().run_in_executor(self.parsing, self.parse, raw, kind)
+        return await asyncio.get_running_loop().run_in_executor(self.parsing, self.parse, raw, shape)
 
-    def parse(self, raw: bytes, kind: str) -> Generation:
+    def parse(self, raw: bytes, shape: ResponseShape) -> Generation:
         from pydantic import ValidationError
 
         try:
@@ -140,20 +136,15 @@ class Endpoints:
             raise ApiError(400, f"the body is not valid JSON ({str(exc)[:200]})") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
-        model: type[SamplerFields] = ChatRequest if kind == "chat" else CompletionRequest
         try:
-            parsed = model.model_validate(body)
+            parsed = shape.request_model.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if isinstance(parsed, ChatRequest):
-            prompts = [chat_prompt_text(self.served.template, parsed.messages)]
-        else:
-            assert isinstance(parsed, CompletionRequest)
-            prompts = [parsed.prompt] if isinstance(parsed.prompt, str) else list(parsed.prompt)
+        prompts = shape.prompts(parsed, self.served.template)
         generation = check_generation(
             parsed,
             prompts,
-            chat=kind == "chat",
+            chat=shape is CHAT,
             served=self.served.name,
             config=self.served.model.config,
             tokenizer=self.served.tokenizer,
@@ -194,7 +185,7 @@ class Endpoints:
         return job
 
     async def wait(
-        self, request: Any, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
+        self, request: HttpRequest, job: Job, texts: asyncio.Queue[tuple[int, str]] | None = None
     ) -> AsyncGenerator[tuple[int, str] | Outcome, None]:
         """The texts a streaming job sends as they come, then its outcome; `ClientGone` (the job dropped)
         when the client leaves first."""
@@ -248,31 +239,35 @@ class Endpoints:
             code="timeout",
         )
 
-    async def outcome(self, request: Any, job: Job) -> Outcome:
+    async def outcome(self, request: HttpRequest, job: Job) -> Outcome:
         async with aclosing(self.wait(request, job)) as items:
             async for item in items:
                 assert isinstance(item, Outcome)
                 return item
         raise AssertionError("a job ends with its outcome")
 
-    def answer(self, kind: str, request_id: str, job: Job, outcome: Outcome) -> dict[str, Any]:
+    def answer(self, shape: ResponseShape, request_id: str, job: Job, outcome: Outcome) -> Json:
         self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
-        return _completion_body(kind, request_id, self.served, outcome)
+        return _completion_body(shape, request_id, self.served, outcome)
 
     async def stream(
-        self, request: Any, kind: str, request_id: str, job: Job, texts: asyncio.Queue[tuple[int, str]]
+        self,
+        request: HttpRequest,
+        shape: ResponseShape,
+        request_id: str,
+        job: Job,
+        texts: asyncio.Queue[tuple[int, str]],
     ) -> AsyncIterator[str]:
         """Server-sent events: each choice's text as it becomes final (`dlm.serving.rows`), then the finish
         reasons, the usage when asked, and `[DONE]`."""
 
-        response_id, created, rows = _response_id(kind, request_id), int(time.time()), job.generation.rows
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        response_id, created, rows = shape.response_id(request_id), int(time.time()), job.generation.rows
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        def chunk(choices: list[Json], **extra: Any) -> str:
             return _event(
                 {
                     "id": response_id,
-                    "object": obj,
+                    "object": shape.chunk_object,
                     "created": created,
                     "model": self.served.name,
                     "choices": choices,
@@ -281,13 +276,9 @@ class Endpoints:
             )
 
         try:
-            if kind == "chat":  # OpenAI opens each choice with its role
-                yield chunk(
-                    [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        for i in range(rows)
-                    ]
-                )
+            openings = [opening for index in range(rows) if (opening := shape.opening(index)) is not None]
+            if openings:
+                yield chunk(openings)
             async with aclosing(self.wait(request, job, texts)) as items:
                 async for item in items:
                     if isinstance(item, Outcome):
@@ -295,22 +286,10 @@ class Endpoints:
                         break
                     index, text = item
                     if text:
-                        yield chunk(
-                            [
-                                {"index": index, "delta": {"content": text}, "finish_reason": None}
-                                if kind == "chat"
-                                else {"index": index, "text": text, "finish_reason": None, "logprobs": None}
-                            ]
-                        )
+                        yield chunk([shape.piece(index, text)])
             self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
-            for i, choice in enumerate(outcome.choices):
-                yield chunk(
-                    [
-                        {"index": i, "delta": {}, "finish_reason": choice.finish_reason}
-                        if kind == "chat"
-                        else {"index": i, "text": "", "finish_reason": choice.finish_reason, "logprobs": None}
-                    ]
-                )
+            for index, choice in enumerate(outcome.choices):
+                yield chunk([shape.ending(index, choice.finish_reason)])
             if job.generation.include_usage:
                 yield chunk([], usage=_usage(outcome))
             yield _event("[DONE]")
@@ -370,10 +349,10 @@ def create_app(
     async def models() -> Any:
         return endpoints.models()
 
-    async def complete(request: Any, kind: str) -> Any:
+    async def complete(request: HttpRequest, shape: ResponseShape) -> Any:
         request_id = request.scope["state"]["request_id"]
         endpoints.refuse_if_full()  # before the body is parsed and tokenized
-        generation = await endpoints.read(request, kind)
+        generation = await endpoints.read(request, shape)
         if generation.stream:
             texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
             loop = asyncio.get_running_loop()
@@ -383,7 +362,7 @@ def create_app(
 
             job = endpoints.submit(request_id, generation, on_text)
             return StreamingResponse(
-                endpoints.stream(request, kind, request_id, job, texts),
+                endpoints.stream(request, shape, request_id, job, texts),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -392,14 +371,14 @@ def create_app(
             outcome = await endpoints.outcome(request, job)
         except ClientGone:
             return Response(status_code=499)
-        return endpoints.answer(kind, request_id, job, outcome)
+        return endpoints.answer(shape, request_id, job, outcome)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await complete(request, "completion")
+        return await complete(request, COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return await complete(request, "chat")
+        return await complete(request, CHAT)
 
     return Guard(app, api_key=api_key, max_body_bytes=limits.max_body_bytes, on_request=on_request)

@@ -45,6 +45,7 @@ from dlm.runtime.memory import is_out_of_memory
 
 if TYPE_CHECKING:
     from dlm.config.schema import ModelConfig
+    from dlm.model.transformer import DiffusionTransformer
 
 
 class Departed(Exception):
@@ -106,7 +107,7 @@ def _leading_pad(call: Call, extra: int) -> Tensor:
     return pad + extra
 
 
-def _whole_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
+def _whole_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
     """Calls without a cache, or each with an empty cache that keeps every key, as one batch, left-padded to
     the widest; each cache gets its own rows' keys, without the padding."""
 
@@ -165,7 +166,7 @@ def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
     return KVCache(layers, length=length, committing=keep > 0, keep=keep or None), extras
 
 
-def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
+def _cached_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
     """Calls with caches that hold every position before them, as one batch: the caches left-padded to the
     longest, the fed tokens right-padded to the widest (a block model's later blocks, which no fed
     position sees); what each storing call stores is cut back into its own cache."""
@@ -195,7 +196,7 @@ def _cached_pass(model: Any, calls: list[Call], filler: int) -> list[Tensor]:
 
 
 def run_calls(
-    model: Any, calls: list[Call], on_pass: Callable[[int, float], None] = lambda rows, seconds: None
+    model: DiffusionTransformer, calls: list[Call], on_pass: Callable[[int, float], None] = lambda rows, seconds: None
 ) -> None:
     """Answer every call: those of one group in one pass, the others alone; `on_pass(rows, seconds)` after
     each pass.
@@ -233,12 +234,12 @@ class OutOfMemory(Exception):
     """A request's pass did not fit the device's memory, even alone: answered 503, worth a retry."""
 
 
-def release_memory(model: Any) -> None:
+def release_memory(model: DiffusionTransformer) -> None:
     if next(iter(model.parameters())).device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def _run_batch(model: Any, batch: list[Call], config: ModelConfig) -> list[Tensor]:
+def _run_batch(model: DiffusionTransformer, batch: list[Call], config: ModelConfig) -> list[Tensor]:
     if len(batch) == 1:  # the request's own call, as it would run alone
         call = batch[0]
         keywords = dict(call.others)
@@ -262,11 +263,11 @@ class RequestModel:
 
     training = False
 
-    def __init__(self, model: Any, submit: Callable[[Call], None], departed: threading.Event) -> None:
+    def __init__(self, model: DiffusionTransformer, submit: Callable[[Call], None], departed: threading.Event) -> None:
         self._model, self._submit, self._departed = model, submit, departed
 
     @property
-    def config(self) -> Any:
+    def config(self) -> ModelConfig:
         return self._model.config
 
     def __call__(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,6 +20,11 @@ from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.options import SamplingOptions
 from dlm.sampling.prompt_batch import encode_prompts
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from dlm.config.schema import ModelConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
@@ -263,14 +268,14 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def length_limit(config: Any, limits: Limits) -> int:
+def length_limit(config: ModelConfig, limits: Limits) -> int:
     """The most tokens one request may generate: the configured limit, else the model's context (a block
     model's sliding window, as it generates past it block by block)."""
 
     return limits.max_tokens if limits.max_tokens is not None else config.max_seq_len
 
 
-def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limits: Limits) -> int:
+def _length(asked: int | None, param: str, prompt_tokens: int, config: ModelConfig, limits: Limits) -> int:
     limit = length_limit(config, limits)
     room = limit if block_size(config) else min(limit, config.max_seq_len - prompt_tokens)
     if asked is None:
@@ -289,7 +294,9 @@ def _length(asked: int | None, param: str, prompt_tokens: int, config: Any, limi
     return asked
 
 
-def _prompt_tokens(prompts: list[str], param: str, tokenizer: Any, config: Any, limits: Limits) -> list[int]:
+def _prompt_tokens(
+    prompts: list[str], param: str, tokenizer: Tokenizer, config: ModelConfig, limits: Limits
+) -> list[int]:
     """The token count of each prompt, within the limits."""
 
     if not prompts or len(prompts) > limits.max_n:
@@ -322,8 +329,8 @@ def check_generation(
     *,
     chat: bool,
     served: str,
-    config: Any,
-    tokenizer: Any,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
     limits: Limits,
     model_steps: int | None = None,
 ) -> Generation:

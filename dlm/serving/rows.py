@@ -15,7 +15,13 @@ Whatever was sent is a prefix of the final text (`RowStream.finish` sends the re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+
+class TextDecoder(Protocol):
+    """What the rows use of a tokenizer (a `tokenizers.Tokenizer`)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ def stop_string_cut(text: str, stops: tuple[str, ...]) -> int | None:
     return min(found) if found else None
 
 
-def tokens_covering(tokenizer: Any, ids: list[int], characters: int) -> int:
+def tokens_covering(tokenizer: TextDecoder, ids: list[int], characters: int) -> int:
     """The fewest leading tokens of `ids` whose text holds its first `characters` characters."""
 
     low, high = 0, len(ids)
@@ -45,7 +51,7 @@ def tokens_covering(tokenizer: Any, ids: list[int], characters: int) -> int:
     return low
 
 
-def finish_row(tokenizer: Any, ids: list[int], prompt_tokens: int, eos: int, stops: tuple[str, ...]) -> Choice:
+def finish_row(tokenizer: TextDecoder, ids: list[int], prompt_tokens: int, eos: int, stops: tuple[str, ...]) -> Choice:
     """The generated text of one row: up to its end-of-document token (kept by the sampler's cut) or
     the first stop string, whichever comes first."""
 
@@ -73,7 +79,7 @@ class RowStream:
     prefix: a long stream costs linear time, not quadratic.
     """
 
-    def __init__(self, tokenizer: Any, mask_id: int, eos: int, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: TextDecoder, mask_id: int, eos: int, stops: tuple[str, ...]) -> None:
         self.tokenizer, self.mask_id, self.eos, self.stops = tokenizer, mask_id, eos, stops
         self.longest_stop = max((len(stop) for stop in stops), default=0)
         self.held_back = max(self.longest_stop, 1) - 1

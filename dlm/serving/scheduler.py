@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,11 @@ from dlm.serving.passes import Call, Departed, RequestModel, run_calls
 from dlm.serving.protocol import Generation
 from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from dlm.model.transformer import DiffusionTransformer
 
 log = logging.getLogger("dlm.serving")
 GREENLET = Requirement("greenlet", "serve", "dlm serve")
@@ -104,8 +109,8 @@ class Scheduler:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: DiffusionTransformer,
+        tokenizer: Tokenizer,
         *,
         max_queue: int,
         max_batch_rows: int,

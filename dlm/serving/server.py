@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from dlm.extras import Requirement, require
 from dlm.serving.guard import RequestSink
 from dlm.serving.protocol import Limits
 from dlm.serving.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from dlm.serving.app import ServedModel
 
 UVICORN = Requirement("uvicorn", "serve", "dlm serve")
 SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {
@@ -90,7 +93,9 @@ def check_requirements() -> None:
         require(requirement)
 
 
-def load_served(path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "auto", name: str | None = None) -> Any:
+def load_served(
+    path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "auto", name: str | None = None
+) -> ServedModel:
     """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
 
     from dlm.artifacts.loading import load_model_with_info
@@ -153,7 +158,7 @@ def _check_can_listen(host: str, port: int) -> None:
 class Server:
     """One model behind OpenAI's API; `run` blocks until a signal (or `stop`) ends it."""
 
-    def __init__(self, served: Any, settings: ServeSettings, on_request: RequestSink | None = None) -> None:
+    def __init__(self, served: ServedModel, settings: ServeSettings, on_request: RequestSink | None = None) -> None:
         from dlm.serving.app import create_app
 
         uvicorn = require(UVICORN)
