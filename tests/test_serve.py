@@ -613,6 +613,7 @@ def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
         with pytest.raises(openai.APIStatusError) as refused:
             handle.complete(seed=5)
         assert refused.value.status_code == 503 and "does not fit the device's memory" in refused.value.response.text
+        assert int(refused.value.response.headers["Retry-After"]) >= 1  # worth a retry, and when
         monkeypatch.setattr(passes, "_run_batch", run_batch)
         handle.assert_healthy()
 
@@ -702,6 +703,7 @@ def test_a_scheduler_that_stops_fails_every_request_and_health_says_so(model_dir
         with pytest.raises(openai.APIStatusError) as refused:
             handle.complete(seed=3)
         assert refused.value.status_code == 503 and "scheduler has stopped" in refused.value.response.text
+        assert int(refused.value.response.headers["Retry-After"]) >= 1
 
 
 def test_api_key(model_dir: Path) -> None:

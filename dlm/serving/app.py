@@ -181,7 +181,7 @@ class Endpoints:
             self.scheduler.stats.count("rejected")
             raise _queue_full(self.scheduler.max_queue, exc.retry_after) from None
         except ShuttingDown as exc:
-            raise ApiError(503, str(exc), kind="server_error") from None
+            raise self._unavailable(str(exc)) from None
         return job
 
     async def wait(
@@ -211,7 +211,7 @@ class Endpoints:
                 elif self._past_deadline(job):
                     raise self._timed_out(job)
         except (ShuttingDown, OutOfMemory) as exc:
-            raise ApiError(503, f"the request did not run: {exc}", kind="server_error") from None
+            raise self._unavailable(f"the request did not run: {exc}") from None
         except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
             raise sampler_error(exc) from None
         finally:
@@ -222,6 +222,12 @@ class Endpoints:
                     self.scheduler.cancel(job)
                     self.scheduler.stats.count("dropped")
                 waiter.add_done_callback(_read_exception)  # nobody will: asyncio would log it as lost
+
+    def _unavailable(self, message: str) -> ApiError:
+        """503, with the seconds to wait before a retry (shutting down, a stopped scheduler, out of memory)."""
+
+        retry_after = str(self.scheduler.retry_after())
+        return ApiError(503, message, kind="server_error", headers={"Retry-After": retry_after})
 
     def _past_deadline(self, job: Job) -> bool:
         timeout = self.limits.request_timeout

@@ -169,6 +169,13 @@ class Scheduler:
             self._publish()
             self._ready.notify_all()
 
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait before it tries again: the queue in front of it, from the
+        last request's time (the Retry-After of a 429 and of a 503)."""
+
+        with self._ready:
+            return self._retry_after()
+
     def retry_after_if_full(self) -> int | None:
         """Seconds a client should wait when the queue is full now (None: there is room): checked before
         a request is even parsed, so a flood of requests costs the event loop no tokenizing."""
