@@ -581,6 +581,21 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_its_batch(model_dir: Pa
         handle.assert_healthy()
 
 
+def test_a_request_may_set_a_tighter_deadline_of_its_own(model_dir: Path) -> None:
+    with running(model_dir, limits=Limits(request_timeout=30)) as handle:
+        with handle.gate.closed():
+            with pytest.raises(openai.APIStatusError) as late:
+                handle.complete(seed=1, max_tokens=8, extra_body={"timeout": 0.3})
+            handle.gate.open()
+        assert late.value.status_code == 504 and "its 0.3 s" in late.value.response.json()["error"]["message"]
+        handle.until(lambda: handle.stats.in_flight == 0, "the late request has left its batch")
+        for bad in (0, -1):
+            with pytest.raises(openai.BadRequestError) as refused:
+                handle.complete(extra_body={"timeout": bad})
+            assert refused.value.response.json()["error"]["param"] == "timeout"
+        assert handle.complete(seed=2, extra_body={"timeout": 60}).choices[0].text is not None
+
+
 def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -230,7 +230,7 @@ class Endpoints:
         return ApiError(503, message, kind="server_error", headers={"Retry-After": retry_after})
 
     def _past_deadline(self, job: Job) -> bool:
-        timeout = self.limits.request_timeout
+        timeout = job.generation.timeout
         return timeout is not None and time.perf_counter() - job.enqueued > timeout
 
     def _timed_out(self, job: Job) -> ApiError:
@@ -240,7 +240,8 @@ class Endpoints:
         self.scheduler.stats.count("timed_out")
         return ApiError(
             504,
-            f"the request took more than the server's --request-timeout ({self.limits.request_timeout:g} s)",
+            f"the request took more than its {job.generation.timeout:g} s (its own timeout, or the server's "
+            "--request-timeout)",
             kind="server_error",
             code="timeout",
         )

@@ -82,6 +82,8 @@ class SamplerFields(BaseModel):
     remasking: str | None = None
     top_k: int | None = None
     reveal_split: str | None = None
+    # The seconds this request may take from its arrival to its answer (within the server's --request-timeout).
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class CompletionRequest(SamplerFields):
@@ -192,6 +194,7 @@ class Generation:
     stream: bool
     include_usage: bool
     chat: bool
+    timeout: float | None = None  # seconds from arrival to answer: the request's own or the server's, the less
 
     @property
     def rows(self) -> int:
@@ -378,7 +381,15 @@ def check_generation(
         request.stream,
         include_usage,
         chat,
+        _deadline(request.timeout, limits.request_timeout),
     )
+
+
+def _deadline(asked: float | None, server: float | None) -> float | None:
+    """The tighter of the request's own timeout and the server's (None: no deadline)."""
+
+    given = [seconds for seconds in (asked, server) if seconds is not None]
+    return min(given) if given else None
 
 
 def chat_prompt_text(template: ChatTemplate, messages: list[Message]) -> str:
