@@ -20,7 +20,8 @@ from dlm.artifacts.checkpoint import RunLock, load_checkpoint, numbered_checkpoi
 from dlm.artifacts.checksum import with_checksum
 from dlm.artifacts.events import Event, ValidationEvent
 from dlm.errors import UserError
-from dlm.train.loop import NonFiniteLossError, train
+from dlm.train.loop import train
+from dlm.train.trainer import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 

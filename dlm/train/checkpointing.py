@@ -55,7 +55,7 @@ from dlm.errors import UserError
 from dlm.train.distributed import DistributedContext
 
 if TYPE_CHECKING:
-    from dlm.train.loop import Trainer
+    from dlm.train.trainer import Trainer
 
 OPTIMIZER_PREFIX = "optim."
 _JSON_KEY = "json"
