@@ -3,7 +3,7 @@
 usage: python scripts/serve_bench.py MODEL [--clients 1,4,16,64] [--tokens N] [--requests-per-client N]
                                      [--rounds N] [--threads N] [--device cpu] [--batch-wait MS]
                                      [--steps N] [--block-length N] [--cache prefix|dual] [--threshold P]
-                                     [--remasking NAME]
+                                     [--remasking NAME] [--stream]
        python scripts/serve_bench.py MODEL --pass-cost [--clients 1,4,16,64] [--tokens N] [--threads N]
                                      [--block-length N] [--cache prefix|dual]
 
@@ -33,6 +33,9 @@ seed, the sampler options above (by default the sampler's defaults, one token a 
 the end of document, in both phases.
 Tokens/s counts the generated tokens kept (up to an end of document) over the phase's wall time;
 latency is per request (one at a time: the call alone, no waiting for the calls before it).
+
+With `--stream` the served requests stream (with their usage), and the table adds each one's time
+from sending to its first text (p50, p99).
 
 The phases are interleaved round by round, so other work on shared cores slows them alike: read
 the ratios, not the absolute figures. The table shows the best round of each phase (the least
@@ -102,24 +105,50 @@ def one_at_a_time(
 
 
 def served(
-    url: str, requests: list[tuple[str, int]], clients: int, tokens: int, options: dict[str, Any]
+    url: str, requests: list[tuple[str, int]], clients: int, tokens: int, options: dict[str, Any], stream: bool = False
 ) -> dict[str, float]:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     latencies: list[float] = []
+    first_texts: list[float] = []
     generated = [0]
     lock = threading.Lock()
 
     def run(share: list[tuple[str, int]]) -> None:
         for prompt, seed in share:
             began = time.perf_counter()
-            answer = client.completions.create(
-                model="model", prompt=prompt, max_tokens=tokens, seed=seed, extra_body=options
-            )
+            if stream:
+                first, count = streamed(prompt, seed)
+            else:
+                answer = client.completions.create(
+                    model="model", prompt=prompt, max_tokens=tokens, seed=seed, extra_body=options
+                )
+                first, count = None, answer.usage.completion_tokens if answer.usage else 0
             with lock:
                 latencies.append(time.perf_counter() - began)
-                generated[0] += answer.usage.completion_tokens if answer.usage else 0
+                generated[0] += count
+                if first is not None:
+                    first_texts.append(first - began)
+
+    def streamed(prompt: str, seed: int) -> tuple[float | None, int]:
+        """The time of the stream's first text, and the tokens its usage counts."""
+
+        first, count = None, 0
+        for chunk in client.completions.create(
+            model="model",
+            prompt=prompt,
+            max_tokens=tokens,
+            seed=seed,
+            extra_body=options,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter()
+            if chunk.usage:
+                count = chunk.usage.completion_tokens
+        return first, count
 
     threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
     start = time.perf_counter()
@@ -127,7 +156,10 @@ def served(
         thread.start()
     for thread in threads:
         thread.join()
-    return summary(generated[0], time.perf_counter() - start, latencies)
+    result = summary(generated[0], time.perf_counter() - start, latencies)
+    if first_texts:
+        result |= {"first_text_p50": statistics.median(first_texts), "first_text_p99": percentile(first_texts, 0.99)}
+    return result
 
 
 def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, float]:
@@ -254,6 +286,7 @@ def main() -> None:
     parser.add_argument("--cache", choices=["prefix", "dual"])
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--remasking")
+    parser.add_argument("--stream", action="store_true", help="served requests stream: time to first text too")
     args = parser.parse_args()
     counts = [int(count) for count in args.clients.split(",")]
     threads = args.threads or os.cpu_count() or 1
@@ -276,7 +309,7 @@ def main() -> None:
             for clients in counts:
                 requests = requests_for(clients, args.requests_per_client)
                 alone = one_at_a_time(model, tokenizer, requests, args.tokens, options)
-                serving = served(url, requests, clients, args.tokens, options)
+                serving = served(url, requests, clients, args.tokens, options, args.stream)
                 for phase, result in (("alone", alone), ("served", serving)):
                     key = (phase, clients)
                     if key not in best or result["tokens_per_second"] > best[key]["tokens_per_second"]:
@@ -285,17 +318,19 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(60)
+    first = " | p50 first text served | p99 first text served" if args.stream else ""
     print(
         "| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
-        "| p50 served | p99 served |"
+        f"| p50 served | p99 served{first} |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if args.stream else "") + "|")
     for clients in counts:
         alone, server = best[("alone", clients)], best[("served", clients)]
+        firsts = f" | {server['first_text_p50']:.3f} s | {server['first_text_p99']:.3f} s" if args.stream else ""
         print(
             f"| {clients} | {alone['tokens_per_second']:.0f} | {server['tokens_per_second']:.0f} | "
             f"{server['tokens_per_second'] / alone['tokens_per_second']:.1f}x | {alone['p50']:.3f} s | "
-            f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s |"
+            f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s{firsts} |"
         )
 
 
