@@ -581,6 +581,21 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_its_batch(model_dir: Pa
         handle.assert_healthy()
 
 
+def test_health_says_stalled_while_one_round_runs_too_long(model_dir: Path) -> None:
+    with running(model_dir, limits=Limits(stall_seconds=0.3)) as handle:
+        answers: list[Any] = []
+        with handle.gate.closed():
+            sender = threading.Thread(target=lambda: answers.append(handle.complete(seed=1)))
+            sender.start()
+            handle.until(handle.gate.holding.is_set, "a pass is held")
+            time.sleep(0.4)
+            stalled = httpx.get(f"{handle.url}/health", timeout=WAIT)
+        sender.join(WAIT)
+        assert stalled.status_code == 503 and stalled.json()["status"] == "stalled"
+        assert stalled.json()["round_seconds"] > 0.3 and answers  # the request itself is answered once freed
+        handle.assert_healthy()
+
+
 def test_a_request_may_set_a_tighter_deadline_of_its_own(model_dir: Path) -> None:
     with running(model_dir, limits=Limits(request_timeout=30)) as handle:
         with handle.gate.closed():

@@ -91,6 +91,15 @@ RequestTimeoutOption = Annotated[
 ]
 
 
+StallOption = Annotated[
+    float,
+    typer.Option(
+        "--stall-seconds",
+        help="/health answers 503 (stalled) while one round of the engine (its passes) has run this long.",
+    ),
+]
+
+
 def serve_command(
     model: ModelArgument,
     host: HostOption = "127.0.0.1",
@@ -110,6 +119,7 @@ def serve_command(
     batch_wait: BatchWaitOption = 0.0,
     grace: GraceOption = 30.0,
     request_timeout: RequestTimeoutOption = None,
+    stall_seconds: StallOption = 60.0,
     json_output: JsonOption = False,
 ) -> None:
     """Serve MODEL with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
@@ -123,6 +133,7 @@ def serve_command(
         max_prompt_tokens=max_prompt_tokens,
         max_body_bytes=max_body_bytes,
         request_timeout=request_timeout,
+        stall_seconds=stall_seconds,
         **({} if default_max_tokens is None else {"default_max_tokens": default_max_tokens}),
     )
     settings = ServeSettings(

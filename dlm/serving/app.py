@@ -350,6 +350,9 @@ def create_app(
         figures = {"model": served.name, "in_flight": snapshot.in_flight, "queued": snapshot.queued}
         if scheduler.failure is not None:  # requests are refused: a load balancer must take it out
             return JSONResponse({"status": "error", "error": repr(scheduler.failure), **figures}, status_code=503)
+        busy = scheduler.busy_seconds()
+        if busy > limits.stall_seconds:  # one round (its passes) far past what it should take: stalled
+            return JSONResponse({"status": "stalled", "round_seconds": busy, **figures}, status_code=503)
         return {"status": "ok", **figures}
 
     @app.get("/v1/models")

@@ -169,7 +169,8 @@ class Limits:
     """What one request may ask: `max_tokens` (None: the model's context, or a block model's window),
     what it gets without asking (`default_max_tokens`, within that), `n`, the prompt's tokens (None: the
     model's context), the body's bytes, and the seconds it may take from its arrival to its answer
-    (`request_timeout`; None: no deadline)."""
+    (`request_timeout`; None: no deadline), and how long one engine round may run before /health calls
+    the server stalled (`stall_seconds`)."""
 
     max_tokens: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
@@ -177,6 +178,7 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_body_bytes: int = 1 << 20
     request_timeout: float | None = None
+    stall_seconds: float = 60.0  # /health answers 503 while one engine round has run longer
 
 
 @dataclass(frozen=True)

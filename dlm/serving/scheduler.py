@@ -132,6 +132,7 @@ class Scheduler:
         self._request_seconds = 1.0  # the last request's time: what a refused client is told to wait
         self._stopping = False
         self.failure: BaseException | None = None  # what stopped the scheduler, if anything did
+        self._round_started: float | None = None  # when the engine's current round began (None: it waits)
         self._thread = threading.Thread(target=self._run, name="dlm-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -168,6 +169,13 @@ class Scheduler:
             self._queue.append(job)
             self._publish()
             self._ready.notify_all()
+
+    def busy_seconds(self) -> float:
+        """How long the engine's current round has run (0 while it waits for work): the heartbeat that
+        /health reads, a round far longer than its passes take being a stalled engine."""
+
+        started = self._round_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait before it tries again: the queue in front of it, from the
@@ -251,6 +259,7 @@ class Scheduler:
                 return True
             if self._stopping and not self._queue:
                 return False
+            self._round_started = None
             self._ready.wait(self._company_wait())
 
     def _next_calls(self) -> list[Call] | None:
@@ -260,6 +269,7 @@ class Scheduler:
         with self._ready:
             if not self._wait_for_work():
                 return None
+        self._round_started = time.monotonic()
         calls = []
         for running in list(self._samplers):
             made = running.sampler.switch()  # the request's sampler, up to its next call

@@ -67,6 +67,8 @@ class ServeSettings:
                 raise UserError(f"{option} must be at least 1 (got {value})")
         if not 0 <= self.port < 65536:
             raise UserError(f"--port must be in [0, 65535] (got {self.port})", fix="0 picks a free port")
+        if not 0 < self.limits.stall_seconds < float("inf"):
+            raise UserError(f"--stall-seconds must be a number of seconds > 0 (got {self.limits.stall_seconds})")
         timeout = self.limits.request_timeout
         if timeout is not None and not 0 < timeout < float("inf"):
             raise UserError(f"--request-timeout must be a number of seconds > 0 (got {timeout})")
