@@ -256,3 +256,49 @@ def test_requests_are_admitted_by_their_positions(tokenizer: Tokenizer) -> None:
     assert max(counts) < scheduler.stats.snapshot().passes <= sum(counts)
     with pytest.raises(ValueError, match="do not fit a batch"):
         scheduler.submit(Job("huge", request(tokenizer, ("ROMEO:",), 16, 1, n=budget)))
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_requests_arriving_and_leaving_throughout_each_equal_their_solo_result(
+    tokenizer: Tokenizer, block: int
+) -> None:
+    """Churn under the engine: requests of several lengths and options arrive at several passes while
+    others run, finish or leave; every request that stays gets its text alone."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=block)
+    options: list[dict[str, Any]] = [{}, {"steps": 6}, {"temperature": 0.0, "remasking": "confidence"}, {"top_k": 5}]
+    generations = [
+        request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 300 + i, **options[i % len(options)])
+        for i in range(9)
+    ]
+    arrivals = {3: [3, 4], 6: [5], 10: [6, 7], 14: [8]}  # pass -> the requests submitted while it runs
+    leaving = {5: 1, 12: 5}  # pass -> the request whose client goes then
+    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
+    jobs = [Job(str(i), generation) for i, generation in enumerate(generations)]
+    passes = [0]
+
+    def churn(module: Any, args: Any) -> None:
+        passes[0] += 1
+        for index in arrivals.get(passes[0], []):
+            scheduler.submit(jobs[index])
+        if passes[0] in leaving:
+            scheduler.cancel(jobs[leaving[passes[0]]])
+
+    hook = model.register_forward_pre_hook(churn)
+    try:
+        for job in jobs[:3]:
+            scheduler.submit(job)
+        scheduler.start()
+        outcomes: dict[int, Any] = {}
+        for index, job in enumerate(jobs):
+            error = job.future.exception(WAIT)
+            outcomes[index] = error if error is not None else [c.text for c in job.future.result().choices]
+    finally:
+        hook.remove()
+        scheduler.stop(WAIT)
+    left = set(leaving.values())
+    for index, generation in enumerate(generations):
+        if index in left and isinstance(outcomes[index], Departed):
+            continue  # it left before it finished (a short request may finish first)
+        assert outcomes[index] == alone(model, tokenizer, generation)[0], index
+    assert sum(isinstance(outcome, Departed) for outcome in outcomes.values()) >= 1
