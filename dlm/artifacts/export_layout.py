@@ -67,6 +67,31 @@ class SourceInfo:
     # sampling defaults to), its teacher's steps and weights' sha256; None for any other model.
     distillation: dict[str, Any] | None = None
 
+    @classmethod
+    def from_record(
+        cls,
+        path: Path,
+        kind: str,
+        model: ModelConfig,
+        diffusion: DiffusionConfig,
+        record: dict[str, Any],
+        tokenizer_path: Path,
+        **more: Any,
+    ) -> SourceInfo:
+        """What an export's metadata `record` (its config.json, or the `dlm` part of a Hugging Face one)
+        says of its weights, step, tokens seen, tokenizer hash and training; `more` adds or overrides fields."""
+
+        recorded: dict[str, Any] = {
+            "weights": str(record.get("weights", "live")),
+            "step": record.get("step"),
+            "tokens_seen": record.get("tokens_seen"),
+            "tokenizer_sha256": str(record.get("tokenizer_sha256", "")),
+            "training": dict(record.get("training") or {}),
+        }
+        return cls(
+            path=path, kind=kind, model=model, diffusion=diffusion, tokenizer_path=tokenizer_path, **(recorded | more)
+        )
+
     @property
     def run_dir(self) -> Path | None:
         """The run directory a checkpoint lives in (its metrics feed the model card)."""

@@ -209,17 +209,13 @@ def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
         raise UserError(f"the field tied names tensors {WEIGHTS_NAME} lacks ({missing[:3]})", path=config_path)
     for alias, canonical in tied.items():
         weights[alias] = weights[canonical]  # re-tie what was stored once
-    info = SourceInfo(
-        path=directory,
-        kind="export",
-        model=model_config,
-        weights=str(config.get("weights", "live")),
-        step=config.get("step"),
-        tokens_seen=config.get("tokens_seen"),
-        tokenizer_sha256=str(config.get("tokenizer_sha256", "")),
-        tokenizer_path=directory / TOKENIZER_NAME,
-        diffusion=diffusion,
-        training=dict(config.get("training", {})),
+    info = SourceInfo.from_record(
+        directory,
+        "export",
+        model_config,
+        diffusion,
+        config,
+        directory / TOKENIZER_NAME,
         distillation=read_distillation(config, config_path),
     )
     return info, weights
@@ -262,19 +258,8 @@ def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]
         raise UserError(format_validation_error(exc), path=path) from None
     except (OSError, SafetensorError) as exc:
         raise UserError(f"damaged adapter export: {exc}", path=directory, fix="export the adapters again") from None
-    info = SourceInfo(
-        path=directory,
-        kind="adapters",
-        model=model,
-        weights=str(dlm.get("weights", "live")),
-        step=dlm.get("step"),
-        tokens_seen=dlm.get("tokens_seen"),
-        tokenizer_sha256=str(dlm.get("tokenizer_sha256", "")),
-        tokenizer_path=directory / TOKENIZER_NAME,
-        diffusion=diffusion,
-        training=dict(dlm.get("training", {})),
-        lora=lora,
-        lora_base=dlm["base"],
+    info = SourceInfo.from_record(
+        directory, "adapters", model, diffusion, dlm, directory / TOKENIZER_NAME, lora=lora, lora_base=dlm["base"]
     )
     return info, adapters
 

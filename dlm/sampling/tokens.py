@@ -153,18 +153,16 @@ def _draw(
         return picks, weights, total
     assert top_p is not None
     enough = top_p * total
-    pending = torch.arange(rows, device=scores.device)
-    for trial in range(width - 1):
-        subset = pending if trial else None
-        if trial:
-            picks[pending] = mass.select(pending).draw(uniform[pending, trial])
-        inside = _mass_ahead(scores, weights, picks, subset) < (enough if subset is None else enough[subset])
-        pending = pending[~inside]
+    pending = (~(_mass_ahead(scores, weights, picks, None) < enough)).nonzero().squeeze(-1)  # not in the nucleus
+    for trial in range(1, width - 1):
         if pending.numel() == 0:
-            return picks, weights, total
-    nucleus = filter_logits(scores[pending], top_p=top_p)
-    fallback = torch.sub(nucleus, nucleus.amax(dim=-1, keepdim=True)).exp_()
-    picks[pending] = _BlockMass.of(fallback).draw(uniform[pending, -1])
+            break
+        picks[pending] = mass.select(pending).draw(uniform[pending, trial])
+        pending = pending[~(_mass_ahead(scores, weights, picks, pending) < enough[pending])]
+    if pending.numel():  # every trial refused (at most 1 in 1,000): the sorted nucleus, its last uniform
+        nucleus = filter_logits(scores[pending], top_p=top_p)
+        fallback = torch.sub(nucleus, nucleus.amax(dim=-1, keepdim=True)).exp_()
+        picks[pending] = _BlockMass.of(fallback).draw(uniform[pending, -1])
     return picks, weights, total
 
 

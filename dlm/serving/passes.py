@@ -61,7 +61,7 @@ class Call:
     cache: KVCache | None
     pad: Tensor | None
     others: dict[str, Any] = field(default_factory=dict)  # keywords sampling never passes: the call runs alone
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # answered: the engine answers every call before it resumes the request
     result: Tensor | None = None
     error: BaseException | None = None
 
@@ -98,8 +98,7 @@ class Call:
         return int(self.tokens.shape[1]) if self.cache.keep is None else self.cache.keep
 
     def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
+        self.result, self.error, self.done = result, error, True
 
 
 def _leading_pad(call: Call, extra: int) -> Tensor:
@@ -282,8 +281,9 @@ class RequestModel:
         if self._departed.is_set():
             raise Departed
         call = Call(tokens, output_positions, cache, pad, others)
-        self._submit(call)
-        call.done.wait()
+        self._submit(call)  # returns once the call is answered
+        if not call.done:
+            raise RuntimeError("a model call came back unanswered")
         if call.error is not None:
             raise call.error
         assert call.result is not None

@@ -322,7 +322,7 @@ class Scheduler:
             except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
                 log.exception("forward passes failed")
                 for call in calls:
-                    if not call.done.is_set():
+                    if not call.done:
                         call.answer(error=exc)
 
     def _sample(self, job: Job) -> None:

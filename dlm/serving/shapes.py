@@ -9,6 +9,7 @@ which one they have.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from dlm.data.chat import ChatTemplate
@@ -18,46 +19,49 @@ from dlm.serving.rows import Choice
 Json = dict[str, Any]
 
 
-class ResponseShape:
+class ResponseShape(ABC):
     """One endpoint's request model and answer layout; `CHAT` and `COMPLETION` are the two."""
 
-    name: str  # "chat" or "completion", as `Generation.chat` and the logs say
     request_model: type[SamplerFields]
     id_prefix: str  # of the answer's id
     answer_object: str  # the "object" of a whole answer
     chunk_object: str  # the "object" of a streamed chunk
 
+    @abstractmethod
     def prompts(self, request: SamplerFields, template: ChatTemplate) -> list[str]:
         """The request's prompts, rendered."""
 
-        raise NotImplementedError
+        ...
 
     def response_id(self, request_id: str) -> str:
         return f"{self.id_prefix}-{request_id}"
 
+    @abstractmethod
     def choice(self, index: int, choice: Choice) -> Json:
         """A whole answer's choice."""
 
-        raise NotImplementedError
+        ...
 
     def opening(self, index: int) -> Json | None:
         """The chunk that opens a streamed choice, if the shape has one."""
 
         return None
 
+    @abstractmethod
     def piece(self, index: int, text: str) -> Json:
         """A streamed piece of a choice's text."""
 
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def ending(self, index: int, finish_reason: str) -> Json:
         """The streamed chunk that ends a choice."""
 
-        raise NotImplementedError
+        ...
 
 
 class _Chat(ResponseShape):
-    name, request_model, id_prefix = "chat", ChatRequest, "chatcmpl"
+    request_model, id_prefix = ChatRequest, "chatcmpl"
     answer_object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def prompts(self, request: SamplerFields, template: ChatTemplate) -> list[str]:
@@ -79,7 +83,7 @@ class _Chat(ResponseShape):
 
 
 class _Completion(ResponseShape):
-    name, request_model, id_prefix = "completion", CompletionRequest, "cmpl"
+    request_model, id_prefix = CompletionRequest, "cmpl"
     answer_object = chunk_object = "text_completion"
 
     def prompts(self, request: SamplerFields, template: ChatTemplate) -> list[str]:

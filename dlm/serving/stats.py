@@ -34,7 +34,7 @@ class StatsSnapshot:
     passes: int  # forward passes since start (each shared by the requests it served)
     timed_out: int = 0  # answered 504: past the server's --request-timeout
     admitted_tokens: int = 0  # positions (rows x (prompt + max_tokens)) of the requests running now
-    pass_ms: float | None = None  # mean time of a forward pass over the window
+    pass_ms: float | None = None  # mean host time of a forward pass over the window (on CUDA: its launch)
     p50_first_text_seconds: float | None = None  # streaming requests: arrival to their first text
     p99_first_text_seconds: float | None = None
 
@@ -63,11 +63,11 @@ class ServeStats:
         self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.left = self.errors = 0
         self.passes = self.timed_out = 0
 
-    def queue_changed(self, queued: int, in_flight: int, admitted_tokens: int = 0) -> None:
+    def queue_changed(self, queued: int, in_flight: int, admitted_tokens: int) -> None:
         with self._lock:
             self.queued, self.in_flight, self.admitted_tokens = queued, in_flight, admitted_tokens
 
-    def pass_done(self, rows: int, seconds: float = 0.0) -> None:
+    def pass_done(self, rows: int, seconds: float) -> None:
         """One forward pass over `rows` rows, which took `seconds`."""
 
         with self._lock:

@@ -113,18 +113,15 @@ def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     except (KeyError, TypeError, OSError, SafetensorError) as exc:
         raise UserError(f"damaged Hugging Face export: {exc}", path=directory) from None
     tokenizer = directory / TOKENIZER_NAME
-    info = SourceInfo(
-        path=directory,
-        kind="hf",
-        model=model,
-        weights=str(meta.get("weights", "live")),
-        step=meta.get("step"),
-        tokens_seen=meta.get("tokens_seen"),
+    info = SourceInfo.from_record(
+        directory,
+        "hf",
+        model,
+        diffusion,
+        meta,
+        tokenizer,
         # The directory's own tokenizer is the model's: a transformers re-save may reformat its bytes.
         tokenizer_sha256=tokenizer_sha256(tokenizer) if tokenizer.is_file() else "",
-        tokenizer_path=tokenizer,
-        diffusion=diffusion,
-        training=dict(meta.get("training") or {}),
         distillation=read_distillation(meta, path),
     )
     return info, weights
