@@ -172,7 +172,38 @@ class EndEvent(RunEvent):
         return cls(status=kind, **fields)  # type: ignore[arg-type]  # kind is one of `kinds`
 
 
-Event = StartEvent | TrainEvent | ValidationEvent | CheckpointEvent | EndEvent
+@register_event
+@dataclass(frozen=True)
+class RolloutEvent(RunEvent):
+    """An RL run's rollouts since the last log step (`dlm rl`), averaged over the steps and the ranks."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("rollout",)
+    step: int
+    mean_reward: float
+    accuracy: float  # the share of rollouts whose first reward is positive
+    reward_std: float  # within groups, averaged: the signal GRPO learns from
+    flat_groups: float  # the share of groups whose rewards were all equal (no gradient)
+    kl: float  # the mean KL estimate to the reference (0 without one)
+    clip_fraction: float  # the share of scored tokens whose ratio the clip held
+    rollout_seconds: float  # per step: sampling and rewards
+    update_seconds: float  # per step: scoring, backward and optimizer steps
+    sample: str  # one rollout of the last step, prompt and reply, for people
+
+
+@register_event
+@dataclass(frozen=True)
+class HeldoutEvent(RunEvent):
+    """Accuracy on the held-out prompts (`[rl] heldout`), one greedy-free sample per prompt at `step`."""
+
+    kinds: ClassVar[tuple[str, ...]] = ("heldout",)
+    step: int
+    accuracy: float
+    stderr: float
+    mean_reward: float
+    prompts: int
+
+
+Event = StartEvent | TrainEvent | ValidationEvent | CheckpointEvent | EndEvent | RolloutEvent | HeldoutEvent
 Sink = Callable[[Event], None]
 # `dlm demo` reports its own stages as plain dicts, on one stream with the training events it passes on.
 StreamEvent = Event | dict[str, Any]

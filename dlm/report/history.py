@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from dlm.artifacts.eval_report import EVAL_FORMAT_PREFIX, eval_report_problem
-from dlm.artifacts.events import CheckpointEvent, EndEvent, Event, StartEvent, TrainEvent, ValidationEvent, read_events
+from dlm.artifacts.events import (
+    CheckpointEvent,
+    EndEvent,
+    Event,
+    HeldoutEvent,
+    RolloutEvent,
+    StartEvent,
+    TrainEvent,
+    ValidationEvent,
+    read_events,
+)
 from dlm.artifacts.run_dir import CONFIG_NAME, METRICS_NAME, RunDir
 from dlm.errors import UserError, check_can_create
 from dlm.train.loggers import bucket_names
@@ -69,6 +79,8 @@ class RunHistory:
     name: str  # what the page is titled: the directory the user named (a demo's, not its `run`)
     starts: list[StartEvent] = field(default_factory=list)
     train: list[TrainEvent] = field(default_factory=list)
+    rollouts: list[RolloutEvent] = field(default_factory=list)  # an RL run's (`dlm rl`)
+    heldout: list[HeldoutEvent] = field(default_factory=list)
     validation: list[ValidationEvent] = field(default_factory=list)
     checkpoints: list[CheckpointEvent] = field(default_factory=list)
     end: EndEvent | None = None
@@ -230,6 +242,10 @@ def gather_run(path: str | Path) -> RunHistory:
             history.validation.append(event)
         elif isinstance(event, CheckpointEvent):
             history.checkpoints.append(event)
+        elif isinstance(event, RolloutEvent):
+            history.rollouts.append(event)
+        elif isinstance(event, HeldoutEvent):
+            history.heldout.append(event)
         else:
             history.end = event
     if RunDir(run_dir).config.is_file():

@@ -127,6 +127,11 @@ def _train(
             "this config distils a teacher ([distill]), which dlm.train.loop.train does not do",
             fix="run it with `dlm distill --config ...` (or dlm.distill.distill), resume it with `dlm resume`",
         )
+    if experiment.rl is not None and step_type is TrainingStep:
+        raise UserError(
+            "this config trains with rewards ([rl]), which dlm.train.loop.train does not do",
+            fix="run it with `dlm rl --config ...` (or dlm.rl.run.rl), resume it with `dlm resume`",
+        )
     experiment = experiment.with_absolute_paths()
     config = experiment.training
     world = current_context(experiment)

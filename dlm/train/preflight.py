@@ -336,6 +336,14 @@ def _lora_check(experiment: ExperimentConfig) -> CheckResult:
     return CheckResult("LoRA adapters", True, detail)
 
 
+def _prompts_check(path: Path) -> CheckResult:
+    """An RL run's prompts file exists (its records and rewards are checked when the run builds its step)."""
+
+    if not path.is_file():
+        return CheckResult("rl prompts", False, f"{path} does not exist", "set rl.prompts to a JSONL file of prompts")
+    return CheckResult("rl prompts", True, f"{path}: {path.stat().st_size:,} bytes of JSONL prompts")
+
+
 def validate_experiment(
     experiment: ExperimentConfig,
     device: torch.device | None = None,
@@ -352,14 +360,17 @@ def validate_experiment(
     training = experiment.training
     results, vocab = _tokenizer_checks(experiment)
     tokenizer_hash = tokenizer_sha256(training.tokenizer) if results[0].passed else None
-    results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash, vocab)
+    if experiment.rl is not None:  # the run samples its own batches from its prompts (`dlm rl`)
+        results_train, train_dataset = [_prompts_check(experiment.rl.prompts)], None
+    else:
+        results_train, train_dataset = _data_checks(experiment, "train", training.train_data, tokenizer_hash, vocab)
     results += results_train
     if train_dataset is not None:
         vocabulary, suggested = _vocabulary_check(train_dataset)
         results += [vocabulary, _model_size_check(experiment, train_dataset, suggested)]
         documents = _document_length_check(experiment.model, train_dataset)
         results += [] if documents is None else [documents]
-    if training.val_data is None:
+    if training.val_data is None or experiment.rl is not None:
         results.append(CheckResult("val data", True, "none configured: validation is off"))
     else:
         results += _data_checks(experiment, "val", training.val_data, tokenizer_hash, vocab)[0]

@@ -60,6 +60,14 @@ def model_from_weights(
     )
 
 
+@dataclass(frozen=True)
+class OwnData:
+    """The data of a step that brings its own instead of packed blocks (an RL run's prompts)."""
+
+    sha256: dict[str, str | None]  # per split: what a resume checks, as packed data's metadata hash
+    size: int  # the units of the training split (prompts), for the start event
+
+
 @dataclass
 class RunCounters:
     """Where the run stands; saved in every checkpoint."""
@@ -151,6 +159,27 @@ class TrainingStep:
 
             add_adapters(model, self.config.lora)
         return model
+
+    def own_data(self) -> OwnData | None:
+        """None: the run trains on `training.train_data` (packed blocks). A workflow whose step makes its
+        own batches (`dlm rl`'s rollouts) says what identifies them; the trainer then loads no blocks."""
+
+        return None
+
+    def log_events(self) -> list[Any]:
+        """Events of the log window beside the `TrainEvent` (`dlm.artifacts.events`), e.g. an RL run's rollouts."""
+
+        return []
+
+    def validates_itself(self) -> bool:
+        """Whether the step has a check of its own (an RL run's held-out prompts) in place of packed validation."""
+
+        return False
+
+    def validation_event(self) -> Any:
+        """Run the step's own check (`validates_itself`) and return its event, at each eval_interval."""
+
+        raise NotImplementedError("this step has no check of its own")
 
     def phase(self) -> str | None:
         """What the step trains, for the dashboard (`TrainEvent.phase`); None for diffusion training."""

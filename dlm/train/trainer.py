@@ -66,7 +66,7 @@ from dlm.train.distributed import (
 )
 from dlm.train.init_from import checked_lora_base, load_initial_weights, lora_base_record
 from dlm.train.optimizer import ModelEMA, check_state_layout, configured_hyperparameters_kept, learning_rate
-from dlm.train.step import LogWindow, RunCounters, TrainingStep
+from dlm.train.step import LogWindow, OwnData, RunCounters, TrainingStep
 from dlm.train.stop import StopSignals
 
 
@@ -103,19 +103,24 @@ class Trainer:
         self.stop = StopSignals()  # replaced by the run's own, whose handlers are installed
         self.step = step_type(experiment, device, precision, world, initial)
         self.model, self.optimizer = self.step.model, self.step.optimizer
-        self.train_dataset = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
-        self.val_dataset = (
-            load_packed_dataset(self.config.val_data, experiment.model.max_seq_len)
-            if self.config.val_data is not None
-            else None
-        )
+        own = self.step.own_data()
+        self.train_dataset, self.val_dataset = None, None
+        if own is None:
+            train = load_packed_dataset(self.config.train_data, experiment.model.max_seq_len)
+            if self.config.val_data is not None:
+                self.val_dataset = load_packed_dataset(self.config.val_data, experiment.model.max_seq_len)
+            self.train_dataset = train
+            # What identifies the data; a resume onto other data is refused unless asked for.
+            own = OwnData(
+                {
+                    "train": metadata_sha256(train.metadata),
+                    "val": None if self.val_dataset is None else metadata_sha256(self.val_dataset.metadata),
+                },
+                len(train),
+            )
+        self.data_sha256, self.data_size = own.sha256, own.size
         self.data_generator = torch.Generator().manual_seed(self.config.seed)
         self.tokenizer_sha256 = tokenizer_sha256(self.config.tokenizer)
-        # What identifies the data; a resume onto other data is refused unless asked for.
-        self.data_sha256 = {
-            "train": metadata_sha256(self.train_dataset.metadata),
-            "val": None if self.val_dataset is None else metadata_sha256(self.val_dataset.metadata),
-        }
         self.data_changed = False
         self.flops_per_token = self.model.flops_per_token(experiment.model.max_seq_len)
         self.peak_flops = peak_flops(device, precision)
@@ -287,6 +292,8 @@ class Trainer:
     # ----------------------------------------------------------------------------- data
     def train_batches(self) -> Iterator[Tensor]:
         world = self.world
+        if self.train_dataset is None:  # the step makes its own batches
+            return iter(())
         # check_world_size made sure the consumed micro-batches split evenly over the ranks.
         sampler = DeterministicBatchSampler(
             len(self.train_dataset),
@@ -305,8 +312,15 @@ class Trainer:
         )
         return iter(loader)
 
+    @property
+    def validates(self) -> bool:
+        return self.val_dataset is not None or self.step.validates_itself()
+
     def validate(self) -> dict[str, float]:
-        assert self.val_dataset is not None
+        if self.val_dataset is None:  # the step's own check (an RL run's held-out prompts)
+            event = self.step.validation_event()
+            self.sink(event)
+            return {}
         # Its own generator: a DataLoader otherwise draws a seed from the global RNG.
         loader = DataLoader(
             cast(Dataset[Tensor], self.val_dataset),
@@ -365,6 +379,8 @@ class Trainer:
             phase=self.step.phase(),
         )
         self.sink(event)
+        for extra in self.step.log_events():
+            self.sink(extra)
         window.reset()
 
     # ----------------------------------------------------------------------------- run
@@ -388,7 +404,7 @@ class Trainer:
             step = self.counters.step
             if step % config.log_interval == 0 or step == end_step:
                 self.log(window)
-            if self.val_dataset is not None and step % config.eval_interval == 0:
+            if self.validates and step % config.eval_interval == 0:
                 self.validate()
             if step % config.save_interval == 0:
                 self.raise_if_diverged(window)
@@ -447,7 +463,7 @@ class Trainer:
             parallelism=config.parallelism if world.active else None,
             global_batch=config.batch_size * config.gradient_accumulation_steps * world.world_size,
             tokens_per_step=tokens_per_step,
-            training_blocks=len(self.train_dataset),
+            training_blocks=self.data_size,
             start_step=self.counters.step,
             max_steps=config.max_steps,
             resumed_from=None if resumed_from is None else str(resumed_from),
