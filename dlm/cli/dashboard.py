@@ -26,6 +26,8 @@ from dlm.artifacts.events import (
     CheckpointEvent,
     EndEvent,
     Event,
+    HeldoutEvent,
+    RolloutEvent,
     StartEvent,
     TrainEvent,
     ValidationEvent,
@@ -113,6 +115,9 @@ class TrainingDashboard:
         self.latest: TrainEvent | None = None
         self.validation: ValidationEvent | None = None
         self.checkpoint: CheckpointEvent | None = None
+        self.rollout: RolloutEvent | None = None  # an RL run's (`dlm rl`)
+        self.heldout: HeldoutEvent | None = None
+        self.rewards: deque[float] = deque(maxlen=256)
         self.status = "starting"
         self.step, self.max_steps, self.fraction = 0, 0, 0.0
         self.replans = 0
@@ -158,6 +163,11 @@ class TrainingDashboard:
             self.validation = event
         elif isinstance(event, CheckpointEvent):
             self.checkpoint = event
+        elif isinstance(event, RolloutEvent):
+            self.rollout = event
+            self.rewards.append(event.mean_reward)
+        elif isinstance(event, HeldoutEvent):
+            self.heldout = event
         elif isinstance(event, EndEvent):
             self.step = event.step
             # Under a budget a pause ends one `train` call of several: the owner calls finish().
@@ -254,11 +264,37 @@ class TrainingDashboard:
         cells = [f"{edges[j]:.3g}-{edges[j + 1]:.3g}: {_format(value, '.2f')}" for j, value in enumerate(buckets)]
         return Text("loss by t  " + "  ".join(cells), style="dim")
 
+    def _rl_lines(self) -> list[Text]:
+        """An RL run's rewards: the latest window, its curve, and the held-out accuracy."""
+
+        lines = []
+        rollout, heldout = self.rollout, self.heldout
+        if rollout is not None:
+            lines.append(
+                Text(
+                    f"reward {rollout.mean_reward:.3f}  accuracy {rollout.accuracy:.3f}  flat groups "
+                    f"{rollout.flat_groups:.0%}  KL {rollout.kl:.4f}  clipped {rollout.clip_fraction:.1%}  "
+                    f"rollout {rollout.rollout_seconds:.2f} s  update {rollout.update_seconds:.2f} s"
+                )
+            )
+            lines.append(Text(f"reward  {sparkline(self.rewards)}", style="green"))
+            lines.append(Text(f"sample  {rollout.sample}", style="dim", overflow="ellipsis", no_wrap=True))
+        if heldout is not None:
+            lines.append(
+                Text(
+                    f"held-out accuracy {heldout.accuracy:.3f} +- {heldout.stderr:.3f} on {heldout.prompts} prompts "
+                    f"at step {heldout.step}",
+                    style="bold",
+                )
+            )
+        return lines
+
     def render(self) -> Panel:
         validation, checkpoint = self.validation, self.checkpoint
         rows: list[Any] = [self._header(), self._progress(), self._metrics()]
         if self.latest is not None and self.latest.phase:
             rows.append(Text(self.latest.phase, style="magenta"))
+        rows += self._rl_lines()
         if self.start is not None and self.start.cpu_threads:
             rows.append(Text(f"cpu threads: {self.start.cpu_threads}", style="dim"))
         if self.start is not None and self.start.batch_note:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
+from rich.table import Table
 
 from dlm.choices import ElboEstimator
 from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
@@ -162,9 +163,38 @@ def eval_command(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace a file at --output that is not an earlier eval report.")
     ] = False,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help="Instead of held-out text: sample each prompt of this JSONL file (`prompt` or `messages`, plus "
+            "the fields the rewards read) and report accuracy (pass@k) under --reward.",
+            show_default=False,
+        ),
+    ] = None,
+    reward: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward",
+            help="With --prompts: a reward name (exact_match, regex...) or module:function; "
+            "the first decides correctness. Default exact_match.",
+        ),
+    ] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="With --prompts: samples per prompt.")] = 1,
+    pass_at: Annotated[
+        list[int] | None, typer.Option("--pass-at", min=1, help="With --prompts: k of pass@k (repeatable; default 1).")
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="With --prompts: the first N prompts.", show_default=False)
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="With --prompts: sampler steps.", show_default=False)
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="With --prompts: the seed of the samples.")] = 0,
     as_json: JsonOption = False,
 ) -> None:
-    """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte.
+    """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte;
+    with --prompts, accuracy (pass@k with its standard error) on prompts with a verifiable reward.
 
     Progress goes to stderr. Ctrl-C stops the evaluation with exit code 130 and writes nothing. An
     earlier eval report at --output is replaced; any other file only with --overwrite.
@@ -175,6 +205,11 @@ def eval_command(
     from dlm.evaluation.evaluate import evaluate_source, write_report
     from dlm.runtime.device import resolve_device
 
+    if prompts is not None:
+        _evaluate_prompts(
+            model_path, prompts, reward, samples, pass_at, limit, steps, seed, batch_size or 64, device, as_json
+        )
+        return
     if output is not None:  # before the evaluation, which can take minutes
         check_eval_output(output, overwrite)
     if every_batch and batches is not None:
@@ -205,6 +240,62 @@ def eval_command(
         print_json(report.to_dict())
     else:
         render_report(report)
+
+
+def _evaluate_prompts(
+    model_path: Path,
+    prompts: Path,
+    reward: list[str] | None,
+    samples: int,
+    pass_at: list[int] | None,
+    limit: int | None,
+    steps: int | None,
+    seed: int,
+    batch_size: int,
+    device: str,
+    as_json: bool,
+) -> None:
+    from dlm.rl.evaluation import evaluate_model
+    from dlm.runtime.device import resolve_device
+
+    json_mode = wants_json(as_json)
+    with PromptProgress(json_mode) as progress:
+        result = evaluate_model(
+            model_path,
+            prompts,
+            rewards=reward or ["exact_match"],
+            samples=samples,
+            ks=pass_at or [1],
+            limit=limit,
+            steps=steps,
+            seed=seed,
+            batch_size=batch_size,
+            device=str(resolve_device(device, "--device")),
+            progress=progress.update,
+        )
+    if json_mode:
+        print_json(result.to_dict())
+        return
+    table = Table(title=f"{escape(str(model_path))} on {result.prompts} prompts x {result.samples} samples")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, value in result.pass_at.items():
+        table.add_row(f"pass@{k}", f"{value:.4f} ± {result.stderr[k]:.4f}")
+    table.add_row("mean reward", f"{result.mean_reward:.4f}")
+    console.print(table)
+    for example in result.examples:
+        mark = "correct" if example["correct"] else "wrong"
+        console.print(f"{escape(example['prompt'])}[bold]{escape(example['completion'])}[/]  ({mark})", soft_wrap=True)
+
+
+class PromptProgress(EvalProgress):
+    """Prompts sampled, with rate and ETA."""
+
+    def update(self, done: int, total: int) -> None:
+        rate = done / self.elapsed
+        eta = (total - done) / rate if rate > 0 else None
+        text = f"{done}/{total} prompts  {rate:.1f} prompts/s" + (f"  ETA {eta:.0f}s" if eta is not None else "")
+        self.show(done, total, text, {"prompts": done, "total_prompts": total, "prompts_per_s": rate, "eta_s": eta})
 
 
 def register(app: typer.Typer) -> None:

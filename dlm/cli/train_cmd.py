@@ -122,6 +122,10 @@ def run_function(experiment: ExperimentConfig) -> Callable[..., TrainResult]:
         from dlm.distill.run import distill
 
         return distill
+    if experiment.rl is not None:
+        from dlm.rl.run import rl
+
+        return rl
     from dlm.train.loop import train
 
     return train

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from dlm.config.distill import DistillConfig
 from dlm.config.lora import LoraConfig
+from dlm.config.rl import RewardSpec, RLConfig
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES
 from dlm.config.schema import MOVED_FIELDS, DiffusionConfig, LoggingConfig, ModelConfig, TrainingConfig
 
@@ -52,6 +53,8 @@ def config_reference_markdown() -> str:
         ("training.lora", LoraConfig),
         ("logging", LoggingConfig),
         ("distill", DistillConfig),
+        ("rl", RLConfig),
+        ("rl.rewards", RewardSpec),
     ):
         lines += [f"## `[{name}]`", "", inspect.cleandoc(section.__doc__ or ""), ""]
         lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]

@@ -252,7 +252,24 @@ EXPERIMENT_RULES = (
         "let `dlm distill` write the config, or set training.init_from to the teacher and max_steps to rounds x "
         "steps_per_round",
     ),
+    Rule(
+        "rl",
+        "an `[rl]` run starts from trained weights (`training.init_from`: a dlm export, checkpoint, run or "
+        "imported model) and is not also a `[distill]` run",
+        lambda e: _rl_problem(e),
+        "set training.init_from to the model to improve (dlm rl --init-from MODEL), and remove [distill]",
+    ),
 )
+
+
+def _rl_problem(experiment: Any) -> str | None:
+    if experiment.rl is None:
+        return None
+    if experiment.distill is not None:
+        return "a run either distils ([distill]) or trains with rewards ([rl]), not both"
+    if experiment.training.init_from is None:
+        return "an [rl] run improves a trained model: training.init_from is not set"
+    return None
 
 
 def _distill_problem(experiment: Any) -> str | None:

@@ -21,6 +21,7 @@ from dlm.choices import ElboEstimator
 from dlm.config.distill import DistillConfig
 from dlm.config.lora import LoraConfig
 from dlm.config.optimizer_registry import describe_optimizers, registered_optimizers
+from dlm.config.rl import RLConfig
 from dlm.config.rope import RopeScaling
 from dlm.config.rules import EXPERIMENT_RULES, MODEL_RULES, TRAINING_RULES, FieldProblem
 from dlm.config.rules import check_rules as _check_rules
@@ -363,6 +364,7 @@ class ExperimentConfig(_Strict):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distill: DistillConfig | None = None  # a few-step distillation run (`dlm distill`)
+    rl: RLConfig | None = None  # reinforcement learning with verifiable rewards (`dlm rl`)
 
     @model_validator(mode="before")
     @classmethod
@@ -395,6 +397,11 @@ class ExperimentConfig(_Strict):
         copy: dict[str, BaseModel] = {"training": training.model_copy(update=updates)}
         if self.distill is not None:
             copy["distill"] = self.distill.model_copy(update={"teacher": self.distill.teacher.expanduser().resolve()})
+        if self.rl is not None:
+            paths = {"prompts": self.rl.prompts.expanduser().resolve()}
+            if self.rl.heldout is not None:
+                paths["heldout"] = self.rl.heldout.expanduser().resolve()
+            copy["rl"] = self.rl.model_copy(update=paths)
         return self.model_copy(update=copy)
 
     @classmethod
@@ -449,6 +456,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: str | Pa
         "logging": LoggingConfig,
         "training.lora": LoraConfig,
         "distill": DistillConfig,
+        "rl": RLConfig,
     }
     for item in overrides:
         key, sep, value = item.partition("=")

@@ -12,8 +12,9 @@ peft imports transformers (seconds), so it is imported only when adapters are as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -190,3 +191,18 @@ def from_peft_names(saved: Mapping[str, Tensor]) -> dict[str, Tensor]:
             name = name.replace(f".{part}.", f".{part}.{ADAPTER}.")
         renamed[name] = tensor
     return renamed
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone while the block runs (every adapter layer bypassed), the adapters back after:
+    a LoRA run's reference policy without a second copy of the weights."""
+
+    layers = [module for module in model.modules() if hasattr(module, "enable_adapters")]
+    for layer in layers:
+        cast(Any, layer).enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            cast(Any, layer).enable_adapters(True)

@@ -1,0 +1,227 @@
+"""`dlm rl` end to end on a tiny model of the bundled addition task: rollouts, resume, failures, CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlm.artifacts.events import Event, HeldoutEvent, RolloutEvent
+from dlm.config.rl import RewardSpec
+from dlm.config.schema import load_config
+from dlm.data.chat_pack import pack_chat
+from dlm.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
+from dlm.errors import UserError
+from dlm.rl.run import rl, rl_experiment
+from dlm.rl.tasks import write_task
+from dlm.train.loop import train
+from tests.helpers import ROOT, assert_same_weights
+
+SFT_SETTINGS = (
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "training.max_steps=12",
+    "training.warmup_steps=2",
+    "training.batch_size=16",
+    "training.log_interval=4",
+    "training.eval_interval=12",
+    "training.save_interval=12",
+)
+
+
+@pytest.fixture(scope="module")
+def addition(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny addition task, its tokenizer and packed SFT data, and a 12-step SFT run at `ROOT/sft`."""
+
+    root = tmp_path_factory.mktemp("addition")
+    write_task("addition", root / "task", sft=400, prompts=40, heldout=12, digits=2)
+    train_tokenizer(
+        [root / "task" / "sft.jsonl"], MIN_VOCAB_SIZE, root / "task" / "tokenizer.json", text_field="prompt"
+    )
+    pack_chat([root / "task" / "sft.jsonl"], root / "task" / "tokenizer.json", 16, root / "packed", val_fraction=0.1)
+    settings = [
+        f"training.tokenizer={root / 'packed' / 'tokenizer.json'}",
+        f"training.train_data={root / 'packed' / 'train.bin'}",
+        f"training.val_data={root / 'packed' / 'val.bin'}",
+        f"training.output_dir={root / 'sft'}",
+        *SFT_SETTINGS,
+    ]
+    train(load_config(ROOT / "configs" / "addition-sft.toml", settings))
+    return root
+
+
+def rl_config(root: Path, run: str, *extra: str):  # type: ignore[no-untyped-def]
+    settings = [
+        f"training.init_from={root / 'sft'}",
+        f"training.output_dir={root / run}",
+        f"rl.prompts={root / 'task' / 'prompts.jsonl'}",
+        f"rl.heldout={root / 'task' / 'heldout.jsonl'}",
+        "rl.heldout_prompts=6",
+        "rl.group_size=4",
+        "rl.prompts_per_step=2",
+        "rl.sampling_steps=4",
+        "training.batch_size=4",
+        "training.max_steps=4",
+        "training.log_interval=2",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+        "training.learning_rate=1e-3",
+        "training.warmup_steps=1",
+        *extra,
+    ]
+    return rl_experiment(load_config(ROOT / "configs" / "addition-rl.toml", settings))
+
+
+@pytest.mark.parametrize(
+    "estimator, extra",
+    [("coupled", ()), ("one-step", ("rl.inner_updates=2", "rl.kl_weight=0.1")), ("elbo", ("rl.estimator_samples=2",))],
+)
+def test_a_paused_and_resumed_rl_run_equals_an_uninterrupted_one(
+    addition: Path, estimator: str, extra: tuple[str, ...]
+) -> None:
+    settings = (f"rl.estimator={estimator}", *extra)
+    events: list[Event] = []
+    straight = rl(rl_config(addition, f"straight-{estimator}", *settings), sink=events.append)
+    assert straight.status == "complete" and straight.step == 4
+    split = rl_config(addition, f"split-{estimator}", *settings)
+    paused = rl(split, max_run_steps=2)
+    assert paused.status == "paused" and paused.step == 2
+    resumed = rl(split, resume=paused.checkpoint)
+    assert resumed.step == 4
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)
+    rollouts = [event for event in events if isinstance(event, RolloutEvent)]
+    assert [event.step for event in rollouts] == [2, 4]
+    assert all(0.0 <= event.accuracy <= 1.0 and event.sample for event in rollouts)
+    heldout = [event for event in events if isinstance(event, HeldoutEvent)]
+    assert [(event.step, event.prompts) for event in heldout] == [(2, 6), (4, 6)]
+    # Every event reached metrics.jsonl, the RL kinds included.
+    kinds = [json.loads(line)["event"] for line in (addition / f"straight-{estimator}" / "metrics.jsonl").open()]
+    assert kinds.count("rollout") == 2 and kinds.count("heldout") == 2
+    if "rl.kl_weight=0.1" in extra:
+        assert rollouts[-1].kl > 0
+
+
+def test_the_rollouts_of_a_step_do_not_depend_on_the_batch_they_share(addition: Path) -> None:
+    from dlm.rl.step import RLStep
+
+    experiment = rl_config(addition, "rollout-check").with_absolute_paths()
+    step = RLStep(experiment, torch.device("cpu"), "float32", _single())
+    weights = load_sft_weights(addition)
+    step.model.load_state_dict(weights, strict=False)
+    first = step.rollouts(3)
+    again = step.rollouts(3)
+    assert torch.equal(first.tokens, again.tokens)
+    assert first.prompt_indices == step.step_prompts(3) and len(first.prompt_indices) == 2
+    assert first.tokens.shape[0] == 2 * 4
+
+
+def load_sft_weights(root: Path) -> dict[str, torch.Tensor]:
+    from dlm.artifacts.loading import read_model_source
+
+    return read_model_source(root / "sft", use_ema=True)[1]
+
+
+def _single():  # type: ignore[no-untyped-def]
+    from dlm.train.distributed import current_context
+
+    return current_context(None)
+
+
+def test_a_reward_that_raises_stops_the_run_with_its_checkpoints_kept(
+    addition: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "flaky_reward.py").write_text(
+        "calls = 0\n"
+        "def after_a_while(completion, record):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls > 2 * 8 + 6:  # two steps of 8 rollouts and the held-out check at step 2, then it breaks\n"
+        "        raise RuntimeError('the verifier crashed')\n"
+        "    return 1.0\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    experiment = rl_config(addition, "flaky")
+    assert experiment.rl is not None
+    flaky = experiment.rl.model_copy(update={"rewards": [RewardSpec(name="flaky_reward:after_a_while")]})
+    with pytest.raises(UserError, match=r"raised RuntimeError: the verifier crashed on prompt \d+ of .*prompts.jsonl"):
+        rl(experiment.model_copy(update={"rl": flaky}))
+    run = addition / "flaky"
+    assert (run / "step-00000002.pt").is_file() and (run / "latest.pt").is_file()
+    assert (run / "config.json").is_file()
+    sys.modules.pop("flaky_reward", None)
+
+
+def test_prompts_and_configs_that_cannot_run_are_refused_before_anything_is_written(
+    addition: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-answers.jsonl"
+    missing.write_text('{"prompt": "1+1"}\n', encoding="utf-8")
+    with pytest.raises(UserError, match="prompt 1 has no 'answer' field"):
+        rl(rl_config(addition, "refused", f"rl.prompts={missing}"))
+    assert not (addition / "refused" / "config.json").exists()
+    with pytest.raises(UserError, match="exact only for a model whose blocks are one token"):
+        rl(rl_config(addition, "refused", "rl.estimator=exact"))
+    with pytest.raises(UserError, match="init_from is not set"):
+        load_config(ROOT / "configs" / "addition-rl.toml", ["training.init_from=none", "rl.prompts=x.jsonl"])
+
+
+def test_the_task_eval_and_rl_commands(addition: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
+    result = run_cli(
+        "task",
+        "addition",
+        "--output",
+        tmp_path / "task",
+        "--digits",
+        "2",
+        "--sft",
+        "50",
+        "--prompts",
+        "20",
+        "--heldout",
+        "10",
+        "--json",
+    )
+    assert result.exit_code == 0, result.stderr
+    files = {name: (tmp_path / "task" / name).read_text().splitlines() for name in ("sft.jsonl", "prompts.jsonl")}
+    sft = {json.loads(line)["prompt"] for line in files["sft.jsonl"]}
+    rl_prompts = {json.loads(line)["prompt"] for line in files["prompts.jsonl"]}
+    assert len(sft) == 50 and not sft & rl_prompts
+    run_cli("task", "addition", "--output", tmp_path / "task").assert_refused("already exists", "--overwrite")
+
+    heldout = addition / "task" / "heldout.jsonl"
+    args = ("eval", addition / "sft", "--prompts", heldout, "--samples", "2", "--pass-at", "1", "--pass-at", "2")
+    result = run_cli(*args, "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["prompts"] == 12 and report["samples"] == 2
+    assert 0.0 <= report["pass_at"]["1"] <= report["pass_at"]["2"] <= 1.0
+    again = json.loads(run_cli(*args, "--json", "--device", "cpu").stdout)
+    assert again == report  # the same prompts are asked the same way
+    run_cli(*args, "--reward", "nope", "--device", "cpu").assert_refused("no reward named 'nope'")
+
+    config = tmp_path / "rl.toml"
+    config.write_text("[rl]\nprompts = 'x.jsonl'\n", encoding="utf-8")
+    run_cli("rl", "--config", config).assert_refused("init_from")
+
+
+def test_the_dashboard_shows_rewards_and_held_out_accuracy() -> None:
+    from rich.console import Console
+
+    from dlm.cli.dashboard import TrainingDashboard
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    dashboard = TrainingDashboard(console)
+    for step, reward in ((5, 0.25), (10, 0.5)):
+        dashboard(RolloutEvent(step, reward, reward, 0.3, 0.25, 0.01, 0.05, 0.2, 0.3, "47+38=85"))
+    dashboard(HeldoutEvent(10, 0.42, 0.03, 0.42, 200))
+    console.print(dashboard.render())
+    text = console.export_text()
+    assert "reward 0.500  accuracy 0.500  flat groups 25%" in text
+    assert "held-out accuracy 0.420 +- 0.030 on 200 prompts at step 10" in text
+    assert "47+38=85" in text
