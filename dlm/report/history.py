@@ -100,6 +100,12 @@ class RunHistory:
         events = self.validation
         return Series(name, [event.step for event in events], [_finite(getattr(event, name)) for event in events])
 
+    def rollout_series(self, name: str) -> Series:
+        """A field of an RL run's rollout events (`mean_reward`, `accuracy`, `kl`, ...)."""
+
+        events = self.rollouts
+        return Series(name, [event.step for event in events], [_finite(getattr(event, name)) for event in events])
+
     def loss_by_t(self) -> tuple[list[str], list[int], list[list[float | None]]]:
         """(bucket names, steps, rows): rows[b][i] is the loss in noise bucket b at steps[i]."""
 
@@ -142,6 +148,22 @@ class RunHistory:
             final = self.validation[-1]
             rows.append(("last validation loss", _number(final.loss) + f" (step {final.step})"))
             rows.append(("best validation loss", _number(best.loss) + f" (step {best.step})"))
+        if self.rollouts:
+            rollout = self.rollouts[-1]
+            rows.append(
+                (
+                    "rollout accuracy",
+                    f"{rollout.accuracy:.3f}, mean reward {rollout.mean_reward:.3f} (step {rollout.step})",
+                )
+            )
+        if self.heldout:
+            held = self.heldout[-1]
+            rows.append(
+                (
+                    "held-out accuracy",
+                    f"{held.accuracy:.3f} ± {held.stderr:.3f} on {held.prompts} prompts (step {held.step})",
+                )
+            )
         if self.checkpoints:
             rows.append(("last checkpoint", Path(self.checkpoints[-1].path).name))
         return rows

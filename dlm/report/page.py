@@ -154,6 +154,29 @@ def _bits_chart(go: Any, history: RunHistory, last: int) -> Any | None:
     return figure
 
 
+def _reward_chart(go: Any, history: RunHistory, last: int) -> Any | None:
+    """An RL run's rewards: the rollouts' mean reward and accuracy, and the held-out accuracy ± 1 s.e."""
+
+    if not history.rollouts:
+        return None
+    layout = _layout("Rewards (dlm rl)", "per rollout", last, showlegend=True)
+    figure = go.Figure(layout=layout)
+    figure.add_trace(_trace(go, history.rollout_series("mean_reward"), "mean reward", TRAIN_COLOUR))
+    figure.add_trace(_trace(go, history.rollout_series("accuracy"), "rollout accuracy", "#9467bd"))
+    if history.heldout:
+        figure.add_trace(
+            go.Scatter(
+                x=[event.step for event in history.heldout],
+                y=[event.accuracy for event in history.heldout],
+                name="held-out accuracy ± 1 s.e.",
+                mode="lines+markers",
+                line={"color": EVAL_COLOUR},
+                error_y={"type": "data", "array": [event.stderr for event in history.heldout], "visible": True},
+            )
+        )
+    return figure
+
+
 def build_charts(history: RunHistory) -> list[Any]:
     """The plotly figures of the page, in order; empty when the run logged no training step."""
 
@@ -163,7 +186,7 @@ def build_charts(history: RunHistory) -> list[Any]:
     steps = [event.step for event in history.train] + [event.step for event in history.validation]
     last = max(steps + [result.step for result in history.evals if result.step is not None])
     figures = _loss_charts(go, history, last)
-    optional = (_noise_chart(go, history, last), _bits_chart(go, history, last))
+    optional = (_reward_chart(go, history, last), _noise_chart(go, history, last), _bits_chart(go, history, last))
     figures += [chart for chart in optional if chart is not None]
     for field, title, y_title, colour in (
         ("learning_rate", "Learning rate", "learning rate", TRAIN_COLOUR),
@@ -252,6 +275,16 @@ def _samples_section(samples: list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
+def _rollouts_section(history: RunHistory, shown: int = 8) -> str:
+    """An RL run's last rollouts (one per log step), prompt and reply, newest first."""
+
+    if not history.rollouts:
+        return ""
+    rows = [(f"step {event.step}", escape(event.sample)) for event in reversed(history.rollouts[-shown:])]
+    body = "".join(f"<tr><td>{step}</td><td><code>{text}</code></td></tr>" for step, text in rows)
+    return f"<h3>Rollouts (dlm rl)</h3><table>{body}</table>"
+
+
 def _charts_section(figures: list[Any]) -> str:
     if not figures:
         return '<p class="none">The run logged no training step yet: nothing to chart.</p>'
@@ -285,7 +318,7 @@ def render_page(history: RunHistory) -> str:
 <section>{_table(history.summary())}{f"<ul>{notes}</ul>" if notes else ""}</section>
 <h2>Training</h2>{_charts_section(figures)}
 <h2>Evaluation</h2><section>{_eval_section(history.evals)}</section>
-<h2>Samples</h2><section>{_samples_section(history.samples)}</section>
+<h2>Samples</h2><section>{_samples_section(history.samples)}{_rollouts_section(history)}</section>
 <h2>Config</h2><section>{config}</section>
 <footer>Written by dlm {escape(__version__)} from the files of the run directory.</footer>
 </main></body></html>
