@@ -59,7 +59,7 @@ def main() -> None:
         if spec.needs_token_blocks and block_size(config) != 1:
             continue
         samples = max(1, args.passes // spec.passes_per_sample)
-        generator = torch.Generator().manual_seed(0)
+        generators = [torch.Generator().manual_seed(row) for row in range(rows)]
         estimates = []
         with torch.no_grad():
             for _ in range(args.repeats):
@@ -68,7 +68,7 @@ def main() -> None:
                     rollouts.prompt,
                     rollouts.completion,
                     config.mask_token_id,
-                    generator,
+                    generators,
                     samples=samples,
                     prompt_mask_probability=0.15,
                 )

@@ -9,6 +9,10 @@ import torch
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.events import Event, TrainEvent
 from dlm.config.schema import ExperimentConfig, load_config
+from dlm.data.chat_pack import pack_chat
+from dlm.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
+from dlm.rl.run import rl_experiment
+from dlm.rl.tasks import write_task
 from dlm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +87,59 @@ def check_resume_is_exact(
     losses = train_losses(straight_events)
     assert train_losses(first) + train_losses(second) == losses
     return losses
+
+
+SFT_SETTINGS = (
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "training.max_steps=12",
+    "training.warmup_steps=2",
+    "training.batch_size=16",
+    "training.log_interval=4",
+    "training.eval_interval=12",
+    "training.save_interval=12",
+)
+
+
+def build_addition_task(root: Path) -> Path:
+    """A tiny addition task, its tokenizer and packed SFT data, and a 12-step SFT run at `root/sft`."""
+
+    write_task("addition", root / "task", sft=400, prompts=40, heldout=12, digits=2)
+    train_tokenizer(
+        [root / "task" / "sft.jsonl"], MIN_VOCAB_SIZE, root / "task" / "tokenizer.json", text_field="prompt"
+    )
+    pack_chat([root / "task" / "sft.jsonl"], root / "task" / "tokenizer.json", 16, root / "packed", val_fraction=0.1)
+    settings = [
+        f"training.tokenizer={root / 'packed' / 'tokenizer.json'}",
+        f"training.train_data={root / 'packed' / 'train.bin'}",
+        f"training.val_data={root / 'packed' / 'val.bin'}",
+        f"training.output_dir={root / 'sft'}",
+        *SFT_SETTINGS,
+    ]
+    train(load_config(ROOT / "configs" / "addition-sft.toml", settings))
+    return root
+
+
+def rl_config(root: Path, run: str, *extra: str) -> ExperimentConfig:
+    """configs/addition-rl.toml on `build_addition_task`'s files: 2 prompts x 4 rollouts, 4 steps."""
+
+    settings = [
+        f"training.init_from={root / 'sft'}",
+        f"training.output_dir={root / run}",
+        f"rl.prompts={root / 'task' / 'prompts.jsonl'}",
+        f"rl.heldout={root / 'task' / 'heldout.jsonl'}",
+        "rl.heldout_prompts=6",
+        "rl.group_size=4",
+        "rl.prompts_per_step=2",
+        "rl.sampling_steps=4",
+        "training.batch_size=4",
+        "training.max_steps=4",
+        "training.log_interval=2",
+        "training.eval_interval=2",
+        "training.save_interval=2",
+        "training.learning_rate=1e-3",
+        "training.warmup_steps=1",
+        *extra,
+    ]
+    return rl_experiment(load_config(ROOT / "configs" / "addition-rl.toml", settings))

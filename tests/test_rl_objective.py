@@ -73,6 +73,10 @@ def test_one_inner_update_without_clipping_is_the_plain_policy_gradient() -> Non
     torch.testing.assert_close(grpo, reference, rtol=0, atol=1e-7)
 
 
+def _generators(seed: int, rows: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed * 1000 + row) for row in range(rows)]
+
+
 def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9]])  # row 1 has one padding position
     prompt = torch.tensor([[1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0]], dtype=torch.bool)
@@ -83,7 +87,7 @@ def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_the_coupled_pair_scores_each_completion_token_exactly_once() -> None:
     tokens, prompt, completion = _rows()
     draws = get_estimator("coupled").draw(
-        tokens, prompt, completion, MASK, torch.Generator().manual_seed(3), samples=3, prompt_mask_probability=0.0
+        tokens, prompt, completion, MASK, _generators(3, 2), samples=3, prompt_mask_probability=0.0
     )
     assert len(draws) == 6
     for first, second in zip(draws[::2], draws[1::2], strict=True):
@@ -97,7 +101,7 @@ def test_the_coupled_pair_scores_each_completion_token_exactly_once() -> None:
 def test_one_step_hides_the_whole_completion_and_some_prompt_tokens() -> None:
     tokens, prompt, completion = _rows()
     draws = get_estimator("one-step").draw(
-        tokens, prompt, completion, MASK, torch.Generator().manual_seed(0), samples=64, prompt_mask_probability=0.5
+        tokens, prompt, completion, MASK, _generators(0, 2), samples=64, prompt_mask_probability=0.5
     )
     hidden_prompt = 0
     for draw in draws:
@@ -110,7 +114,7 @@ def test_one_step_hides_the_whole_completion_and_some_prompt_tokens() -> None:
 def test_the_elbo_draws_mask_l_of_n_completion_tokens_with_weight_n_over_l() -> None:
     tokens, prompt, completion = _rows()
     draws = get_estimator("elbo").draw(
-        tokens, prompt, completion, MASK, torch.Generator().manual_seed(1), samples=2, prompt_mask_probability=0.0
+        tokens, prompt, completion, MASK, _generators(1, 2), samples=2, prompt_mask_probability=0.0
     )
     for draw in draws:
         assert not (draw.scored & ~completion).any()
@@ -160,7 +164,7 @@ def test_the_exact_count_elbo_mean_matches_its_enumeration() -> None:
                 logits[:, MASK] = -torch.inf  # the mask token is never a choice
                 log_probs = torch.log_softmax(logits, -1).gather(1, tokens[scored][:, None]).sum()
                 expected += float(log_probs) * n / count / len(subsets) / n
-        generator = torch.Generator().manual_seed(0)
+        generator = _generators(0, 1)
         estimates = []
         for _ in range(2000):
             draws = get_estimator("elbo").draw(

@@ -13,68 +13,14 @@ import torch
 from dlm.artifacts.events import Event, HeldoutEvent, RolloutEvent
 from dlm.config.rl import RewardSpec
 from dlm.config.schema import load_config
-from dlm.data.chat_pack import pack_chat
-from dlm.data.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 from dlm.errors import UserError
-from dlm.rl.run import rl, rl_experiment
-from dlm.rl.tasks import write_task
-from dlm.train.loop import train
-from tests.helpers import ROOT, assert_same_weights
-
-SFT_SETTINGS = (
-    "model.d_model=32",
-    "model.n_layers=1",
-    "model.n_heads=2",
-    "training.max_steps=12",
-    "training.warmup_steps=2",
-    "training.batch_size=16",
-    "training.log_interval=4",
-    "training.eval_interval=12",
-    "training.save_interval=12",
-)
+from dlm.rl.run import rl
+from tests.helpers import ROOT, assert_same_weights, build_addition_task, rl_config
 
 
 @pytest.fixture(scope="module")
 def addition(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny addition task, its tokenizer and packed SFT data, and a 12-step SFT run at `ROOT/sft`."""
-
-    root = tmp_path_factory.mktemp("addition")
-    write_task("addition", root / "task", sft=400, prompts=40, heldout=12, digits=2)
-    train_tokenizer(
-        [root / "task" / "sft.jsonl"], MIN_VOCAB_SIZE, root / "task" / "tokenizer.json", text_field="prompt"
-    )
-    pack_chat([root / "task" / "sft.jsonl"], root / "task" / "tokenizer.json", 16, root / "packed", val_fraction=0.1)
-    settings = [
-        f"training.tokenizer={root / 'packed' / 'tokenizer.json'}",
-        f"training.train_data={root / 'packed' / 'train.bin'}",
-        f"training.val_data={root / 'packed' / 'val.bin'}",
-        f"training.output_dir={root / 'sft'}",
-        *SFT_SETTINGS,
-    ]
-    train(load_config(ROOT / "configs" / "addition-sft.toml", settings))
-    return root
-
-
-def rl_config(root: Path, run: str, *extra: str):  # type: ignore[no-untyped-def]
-    settings = [
-        f"training.init_from={root / 'sft'}",
-        f"training.output_dir={root / run}",
-        f"rl.prompts={root / 'task' / 'prompts.jsonl'}",
-        f"rl.heldout={root / 'task' / 'heldout.jsonl'}",
-        "rl.heldout_prompts=6",
-        "rl.group_size=4",
-        "rl.prompts_per_step=2",
-        "rl.sampling_steps=4",
-        "training.batch_size=4",
-        "training.max_steps=4",
-        "training.log_interval=2",
-        "training.eval_interval=2",
-        "training.save_interval=2",
-        "training.learning_rate=1e-3",
-        "training.warmup_steps=1",
-        *extra,
-    ]
-    return rl_experiment(load_config(ROOT / "configs" / "addition-rl.toml", settings))
+    return build_addition_task(tmp_path_factory.mktemp("addition"))
 
 
 @pytest.mark.parametrize(
@@ -104,6 +50,10 @@ def test_a_paused_and_resumed_rl_run_equals_an_uninterrupted_one(
     assert kinds.count("rollout") == 2 and kinds.count("heldout") == 2
     if "rl.kl_weight=0.1" in extra:
         assert rollouts[-1].kl > 0
+    else:
+        assert all(event.kl == 0 for event in rollouts)
+    if "rl.inner_updates=2" not in extra:  # one update: the ratio is 1, never clipped
+        assert all(event.clip_fraction == 0 for event in rollouts)
 
 
 def test_the_rollouts_of_a_step_do_not_depend_on_the_batch_they_share(addition: Path) -> None:
@@ -116,7 +66,7 @@ def test_the_rollouts_of_a_step_do_not_depend_on_the_batch_they_share(addition: 
     first = step.rollouts(3)
     again = step.rollouts(3)
     assert torch.equal(first.tokens, again.tokens)
-    assert first.prompt_indices == step.step_prompts(3) and len(first.prompt_indices) == 2
+    assert first.prompt_indices == step.step_prompts(3)[1] and first.positions == [0, 1]
     assert first.tokens.shape[0] == 2 * 4
 
 

@@ -6,6 +6,8 @@ in one form: a list of `ScoringDraw`s (what to feed, which completion tokens to 
 score's weight), so that the same draws give the rollout policy's scores and the current policy's,
 whose per-token ratio GRPO clips. A completion's estimate is the weighted sum of its scores
 (`EntryScores.per_sequence`). `samples` independent draws are averaged (weights divided by it).
+Each row draws from its own generator, so a row's masks do not depend on the batch it is scored in
+(its micro-batch, its process), only on the generator's seed.
 
 - `one-step` (diffu-GRPO): the whole completion masked, each prompt token masked with
   `prompt_mask_probability`; one pass per sample. A mean-field estimate: every token is scored
@@ -21,7 +23,7 @@ whose per-token ratio GRPO clips. A completion's estimate is the weighted sum of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +61,8 @@ class EntryScores:
 
 class PolicyLikelihood(Protocol):
     """An estimator: the draws of `samples` estimates for `tokens` [B, L] whose `completion` [B, L] bool
-    positions are scored and whose `prompt` [B, L] bool positions are the context (padding is neither)."""
+    positions are scored and whose `prompt` [B, L] bool positions are the context (padding is neither),
+    row b's random numbers drawn from `generators[b]`."""
 
     def __call__(
         self,
@@ -67,7 +70,7 @@ class PolicyLikelihood(Protocol):
         prompt: Tensor,
         completion: Tensor,
         mask_token_id: int,
-        generator: torch.Generator,
+        generators: Sequence[torch.Generator],
         *,
         samples: int,
         prompt_mask_probability: float,
@@ -99,8 +102,12 @@ def get_estimator(name: str) -> EstimatorSpec:
     return spec
 
 
-def _uniform(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> Tensor:
-    return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+def _uniform(generators: Sequence[torch.Generator], width: int, device: torch.device) -> Tensor:
+    """[B, width] float64 uniforms, row b from `generators[b]`."""
+
+    return torch.stack(
+        [torch.rand(width, generator=generator, device=device, dtype=torch.float64) for generator in generators]
+    )
 
 
 def _draw(tokens: Tensor, hidden: Tensor, scored: Tensor, weight: Tensor | float, mask_token_id: int) -> ScoringDraw:
@@ -113,14 +120,14 @@ def one_step(
     prompt: Tensor,
     completion: Tensor,
     mask_token_id: int,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     *,
     samples: int,
     prompt_mask_probability: float,
 ) -> list[ScoringDraw]:
     draws = []
     for _ in range(samples):
-        masked_prompt = prompt & (_uniform(tuple(tokens.shape), generator, tokens.device) < prompt_mask_probability)
+        masked_prompt = prompt & (_uniform(generators, tokens.shape[1], tokens.device) < prompt_mask_probability)
         draws.append(_draw(tokens, completion | masked_prompt, completion, 1.0 / samples, mask_token_id))
     return draws
 
@@ -130,15 +137,15 @@ def coupled(
     prompt: Tensor,
     completion: Tensor,
     mask_token_id: int,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     *,
     samples: int,
     prompt_mask_probability: float,
 ) -> list[ScoringDraw]:
     draws = []
     for _ in range(samples):
-        t = _uniform((tokens.shape[0], 1), generator, tokens.device)
-        first = completion & (_uniform(tuple(tokens.shape), generator, tokens.device) < t)
+        t = _uniform(generators, 1, tokens.device)
+        first = completion & (_uniform(generators, tokens.shape[1], tokens.device) < t)
         second = completion & ~first
         draws += [_draw(tokens, part, part, 1.0 / samples, mask_token_id) for part in (first, second)]
     return draws
@@ -149,7 +156,7 @@ def elbo(
     prompt: Tensor,
     completion: Tensor,
     mask_token_id: int,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     *,
     samples: int,
     prompt_mask_probability: float,
@@ -157,8 +164,8 @@ def elbo(
     draws = []
     length = completion.sum(dim=1, keepdim=True).float()
     for _ in range(samples):
-        units = torch.rand(tokens.shape[0], generator=generator, device=tokens.device)
-        keys = torch.rand(tuple(tokens.shape), generator=generator, device=tokens.device)
+        units = _uniform(generators, 1, tokens.device)[:, 0].float()
+        keys = _uniform(generators, tokens.shape[1], tokens.device).float()
         corruption = corrupt_exact_count(tokens, mask_token_id, units, keys, loss_mask=completion)
         masked = corruption.mask
         count = masked.sum(dim=1, keepdim=True).float().clamp(min=1)
@@ -171,7 +178,7 @@ def exact(
     prompt: Tensor,
     completion: Tensor,
     mask_token_id: int,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     *,
     samples: int,
     prompt_mask_probability: float,

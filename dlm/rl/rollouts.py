@@ -1,8 +1,10 @@
 """Rollouts: `group_size` completions of each prompt of an RL step, sampled by dlm's own sampler.
 
-Prompt i of step s samples its group from a stream seeded by (seed, s, i) alone, so a step's
-rollouts do not depend on which other prompts share its batch, on the number of processes, or on
-whether the run was resumed: given the same weights, they are the same tokens. Rows are laid out as
+The p-th prompt of step s (which prompt that is depends on the seed and s alone) samples its group
+from a stream seeded by (seed, s, p), so a step's rollouts do not depend on which other prompts
+share its batch, on the number of processes, or on whether the run was resumed: given the same
+weights, they are the same tokens (up to the float rounding of another batch shape,
+`dlm.sampling.prompt_batch`). Rows are laid out as
 the sampler lays out a batch of prompts: left-padded so that every completion takes the last
 `length` columns (`dlm.sampling.prompt_batch`).
 """
@@ -30,6 +32,7 @@ class Rollouts:
     """One batch of rollouts: `prompts` x `group_size` rows, the group of each prompt consecutive."""
 
     prompt_indices: list[int]  # into the prompt set, one per group
+    positions: list[int]  # each group's place in its step over all processes (what seeds its scoring draws)
     tokens: Tensor  # [R, W] long: padding, prompt, completion
     pad: Tensor  # [R] long: leading padding positions of each row
     prompt: Tensor  # [R, W] bool: the prompt's positions
@@ -38,8 +41,8 @@ class Rollouts:
     group_size: int
 
 
-def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
-    return noise_seed(seed, step, prompt_index, ROLLOUT_TAG)
+def rollout_seed(seed: int, step: int, position: int) -> int:
+    return noise_seed(seed, step, position, ROLLOUT_TAG)
 
 
 def sample_rollouts(
@@ -52,9 +55,11 @@ def sample_rollouts(
     length: int,
     seeds: Sequence[int],
     options: dict[str, Any],
+    positions: Sequence[int] | None = None,
 ) -> Rollouts:
     """`group_size` completions of `length` tokens for each prompt `indices[i]`, seeded `seeds[i]`;
-    `options` go to `dlm.sampling.generation.generate` (steps, temperature, top_p, remasking, ...)."""
+    `options` go to `dlm.sampling.generation.generate` (steps, temperature, top_p, remasking, ...);
+    `positions` are the groups' places in the whole step (default 0, 1, ...)."""
 
     from dlm.sampling.generation import generate
 
@@ -75,6 +80,14 @@ def sample_rollouts(
     prompt = (columns >= pad[:, None]) & (columns < prompt_end[:, None])
     completion = columns >= prompt_end[:, None]
     replies = [reply(tokenizer, row, size, eos) for row, size in zip(rows, result.prompt_tokens, strict=True)]
+    places = list(range(len(indices))) if positions is None else list(positions)
     return Rollouts(
-        list(indices), tokens.to(device), pad.to(device), prompt.to(device), completion.to(device), replies, group_size
+        list(indices),
+        places,
+        tokens.to(device),
+        pad.to(device),
+        prompt.to(device),
+        completion.to(device),
+        replies,
+        group_size,
     )

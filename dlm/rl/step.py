@@ -4,9 +4,10 @@ The step is a `TrainingStep` (`dlm.train.step`) whose batches it makes itself: t
 keeps the run directory, checkpoints, exact resume, DDP, signals, budgets and dashboards. Step s
 samples the prompts `step_prompts(s)` (a pure function of the seed and s), each with its own
 rollout stream (`dlm.rl.rollouts`), so a resumed run repeats an uninterrupted one bit for bit.
-Each inner update u draws its likelihood estimate's masks from a generator seeded by (seed, s, u,
-micro-batch), the same draws that scored the rollout policy before the first update: the ratio
-compares the two policies on the same masked inputs.
+Each inner update u draws each row's likelihood-estimate masks from a generator seeded by (seed, s,
+u, the row's place in the step), the same draws that scored the rollout policy before the first
+update: the ratio compares the two policies on the same masked inputs, and neither the micro-batch
+size nor the number of processes changes what a row draws.
 """
 
 from __future__ import annotations
@@ -111,16 +112,18 @@ class RLStep(TrainingStep):
             len(self.prompts),
         )
 
-    def step_prompts(self, step: int) -> list[int]:
-        """This process's prompts of RL step `step`: a seeded draw without replacement over the whole step,
-        split evenly across the processes."""
+    def step_prompts(self, step: int) -> tuple[list[int], list[int]]:
+        """(positions, prompt indices) of this process's prompts of RL step `step`: a seeded draw without
+        replacement over the whole step (position p is the p-th prompt of the step), split evenly across
+        the processes."""
 
         generator = torch.Generator().manual_seed(noise_seed(self.config.seed, step, PROMPT_ORDER_TAG))
         count = self.rl.prompts_per_step
         chosen = torch.randperm(len(self.prompts), generator=generator)[:count]
         if len(chosen) < count:  # fewer prompts than a step asks for: cycle through them
             chosen = chosen.repeat(-(-count // len(chosen)))[:count]
-        return chosen.tolist()[self.world.rank :: self.world.world_size]
+        positions = list(range(count))[self.world.rank :: self.world.world_size]
+        return positions, [int(chosen[position]) for position in positions]
 
     def sampling_options(self) -> dict[str, Any]:
         rl = self.rl
@@ -133,8 +136,9 @@ class RLStep(TrainingStep):
         }
 
     def rollouts(self, step: int) -> Rollouts:
-        indices = self.step_prompts(step)
-        seeds = [rollout_seed(self.config.seed, step, index) for index in indices]
+        positions, indices = self.step_prompts(step)
+        # Seeded by the step and the prompt: the same rollouts on any number of processes.
+        seeds = [rollout_seed(self.config.seed, step, position) for position in positions]
         return sample_rollouts(
             self.model,
             self.tokenizer,
@@ -144,6 +148,7 @@ class RLStep(TrainingStep):
             length=self.length,
             seeds=seeds,
             options=self.sampling_options(),
+            positions=positions,
         )
 
     def rewards_of(self, rollouts: Rollouts) -> tuple[Tensor, Tensor]:
@@ -163,15 +168,25 @@ class RLStep(TrainingStep):
         size = self.config.batch_size
         return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
-    def _draws(self, rollouts: Rollouts, chunk: slice, step: int, update: int, chunk_index: int) -> list[Any]:
-        global_chunk = chunk_index * self.world.world_size + self.world.rank
-        generator = noise_generator(self.config.seed, noise_seed(step, update, global_chunk, DRAW_TAG), self.device)
+    def _draws(self, rollouts: Rollouts, chunk: slice, step: int, update: int) -> list[Any]:
+        """The estimator's draws for the rows of `chunk`, each row's from a generator seeded by (seed, step,
+        update, its place in the step): the same masks whatever the micro-batch or the process."""
+
+        group = rollouts.group_size
+        generators = [
+            noise_generator(
+                self.config.seed,
+                noise_seed(step, update, rollouts.positions[row // group] * group + row % group, DRAW_TAG),
+                self.device,
+            )
+            for row in range(chunk.start, chunk.stop)
+        ]
         return self.estimator.draw(
             rollouts.tokens[chunk],
             rollouts.prompt[chunk],
             rollouts.completion[chunk],
             self.experiment.model.mask_token_id,
-            generator,
+            generators,
             samples=self.rl.estimator_samples,
             prompt_mask_probability=self.rl.prompt_mask_probability,
         )
@@ -197,8 +212,8 @@ class RLStep(TrainingStep):
 
         return [
             [
-                self._scores(model, rollouts, chunk, self._draws(rollouts, chunk, step, update, index))
-                for index, chunk in enumerate(self._chunks(rollouts.tokens.shape[0]))
+                self._scores(model, rollouts, chunk, self._draws(rollouts, chunk, step, update))
+                for chunk in self._chunks(rollouts.tokens.shape[0])
             ]
             for update in range(self.rl.inner_updates)
         ]
@@ -235,7 +250,8 @@ class RLStep(TrainingStep):
         reference = self._reference_scores(rollouts, step)
         rows = rollouts.tokens.shape[0]
         chunks = self._chunks(rows)
-        clipped = kl = torch.zeros((), device=self.device)
+        clipped = torch.zeros((), device=self.device)
+        kl = torch.zeros((), device=self.device)
         loss_total = torch.zeros((), device=self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
@@ -243,9 +259,7 @@ class RLStep(TrainingStep):
             self.optimizer.zero_grad(set_to_none=True)
             for index, chunk in enumerate(chunks):
                 with self.world.gradient_sync(self.step_model, enabled=index == len(chunks) - 1):
-                    new = self._scores(
-                        self.step_model, rollouts, chunk, self._draws(rollouts, chunk, step, update, index)
-                    )
+                    new = self._scores(self.step_model, rollouts, chunk, self._draws(rollouts, chunk, step, update))
                     before = new.log_probs.detach() if old is None else old[update][index].log_probs
                     result = clipped_policy_loss(
                         new.log_probs,

@@ -1,0 +1,76 @@
+"""`dlm rl` in two processes on the CPU (gloo, DDP): the step's prompts split over the ranks, each
+prompt's rollouts and scoring masks seeded by its place in the step, so two processes run the
+one-process run's RL up to float summation order."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import build_addition_task, rl_config
+
+from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.rl.run import rl
+from dlm.train.distributed import end_process
+
+TOLERANCE = 1e-5
+DEADLINE_S = 600
+SETTINGS = ("rl.prompts_per_step=4", "rl.heldout=none")
+
+
+def _worker(rank: int, world_size: int, root: Path) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=(root / "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        result = rl(rl_config(root, "ddp", *SETTINGS))
+        assert result.status == "complete" and result.step == 4
+    finally:
+        dist.destroy_process_group()
+    end_process(0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = build_addition_task(tmp_path_factory.mktemp("rl-distributed"))
+    torch.set_num_threads(1)
+    rl(rl_config(root, "reference", *SETTINGS))
+    context = mp.start_processes(_worker, args=(2, root), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not context.join(timeout=5):
+            assert time.monotonic() < deadline, "the spawned RL processes did not finish in time"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return root
+
+
+def _rollouts(run: Path) -> list[tuple[int, float, float]]:
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(e["step"], e["mean_reward"], e["reward_std"]) for e in events if e["event"] == "rollout"]
+
+
+@pytest.mark.slow
+def test_two_processes_run_rl_as_one(runs: Path) -> None:
+    # The rewards of the rollouts (sampled on each rank from the same seeds) are the one process's.
+    assert _rollouts(runs / "ddp") == _rollouts(runs / "reference")
+    left, right = load_checkpoint(runs / "ddp" / "latest.pt"), load_checkpoint(runs / "reference" / "latest.pt")
+    assert left["step"] == right["step"] == 4
+    for name, tensor in right["model"].items():
+        assert torch.allclose(left["model"][name], tensor, rtol=0, atol=TOLERANCE), name
