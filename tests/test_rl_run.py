@@ -52,6 +52,10 @@ def test_a_paused_and_resumed_rl_run_equals_an_uninterrupted_one(
         assert rollouts[-1].kl > 0
     else:
         assert all(event.kl == 0 for event in rollouts)
+    if "rl.estimator_samples=2" in extra:  # two samples per estimate: their spread is reported
+        assert all(event.estimator_variance is not None and event.estimator_variance > 0 for event in rollouts)
+    else:
+        assert all(event.estimator_variance is None for event in rollouts)
     if "rl.inner_updates=2" not in extra:  # one update: the ratio is 1, never clipped
         assert all(event.clip_fraction == 0 for event in rollouts)
 

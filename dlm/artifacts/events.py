@@ -188,6 +188,9 @@ class RolloutEvent(RunEvent):
     rollout_seconds: float  # per step: sampling and rewards
     update_seconds: float  # per step: scoring, backward and optimizer steps
     sample: str  # one rollout of the last step, prompt and reply, for people
+    # The variance of a row's likelihood estimate across its independent samples (rl.estimator_samples
+    # of 2 or more; None with one): the noise the estimator adds to each ratio.
+    estimator_variance: float | None = None
 
 
 @register_event

@@ -275,6 +275,7 @@ class TrainingDashboard:
                     f"reward {rollout.mean_reward:.3f}  accuracy {rollout.accuracy:.3f}  flat groups "
                     f"{rollout.flat_groups:.0%}  KL {rollout.kl:.4f}  clipped {rollout.clip_fraction:.1%}  "
                     f"rollout {rollout.rollout_seconds:.2f} s  update {rollout.update_seconds:.2f} s"
+                    + ("" if rollout.estimator_variance is None else f"  estimate var {rollout.estimator_variance:.3g}")
                 )
             )
             lines.append(Text(f"reward  {sparkline(self.rewards)}", style="green"))

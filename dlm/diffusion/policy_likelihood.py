@@ -42,6 +42,7 @@ class ScoringDraw:
     noisy: Tensor  # [B, L] long: the rows with their hidden positions set to the mask token
     scored: Tensor  # [B, L] bool: the completion tokens whose log-probability counts in this pass
     weight: Tensor  # [B, L] float32: the weight of each scored token's log-probability (0 elsewhere)
+    sample: int = 0  # which of the estimate's independent samples the pass belongs to
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,26 @@ class EntryScores:
     log_probs: Tensor  # [E] float32
     weights: Tensor  # [E] float32
     rows: Tensor  # [E] long: the row each entry belongs to
+    samples: Tensor | None = None  # [E] long: the independent sample each entry belongs to
 
     def per_sequence(self, batch: int) -> Tensor:
         """The estimate of each row's completion log-likelihood [batch]: the weighted sum of its scores."""
 
         total = torch.zeros(batch, dtype=torch.float32, device=self.log_probs.device)
         return total.index_add(0, self.rows, self.log_probs * self.weights)
+
+    def sample_variance(self, batch: int) -> Tensor | None:
+        """The variance across the independent samples of each row's estimate, averaged over the rows:
+        the estimator's own noise (None with one sample)."""
+
+        if self.samples is None or self.samples.numel() == 0 or int(self.samples.max()) == 0:
+            return None
+        count = int(self.samples.max()) + 1
+        index = self.rows * count + self.samples
+        # Each sample's estimate of the row: its entries' weighted sum, times the count (weights carry 1 / count).
+        each = torch.zeros(batch * count, dtype=torch.float32, device=self.log_probs.device)
+        each = each.index_add(0, index, self.log_probs * self.weights * count).view(batch, count)
+        return each.var(dim=1).mean()
 
 
 class PolicyLikelihood(Protocol):
@@ -110,9 +125,11 @@ def _uniform(generators: Sequence[torch.Generator], width: int, device: torch.de
     )
 
 
-def _draw(tokens: Tensor, hidden: Tensor, scored: Tensor, weight: Tensor | float, mask_token_id: int) -> ScoringDraw:
+def _draw(
+    tokens: Tensor, hidden: Tensor, scored: Tensor, weight: Tensor | float, mask_token_id: int, sample: int = 0
+) -> ScoringDraw:
     weights = scored.float() * weight
-    return ScoringDraw(tokens.masked_fill(hidden, mask_token_id), scored, weights)
+    return ScoringDraw(tokens.masked_fill(hidden, mask_token_id), scored, weights, sample)
 
 
 def one_step(
@@ -126,9 +143,9 @@ def one_step(
     prompt_mask_probability: float,
 ) -> list[ScoringDraw]:
     draws = []
-    for _ in range(samples):
+    for sample in range(samples):
         masked_prompt = prompt & (_uniform(generators, tokens.shape[1], tokens.device) < prompt_mask_probability)
-        draws.append(_draw(tokens, completion | masked_prompt, completion, 1.0 / samples, mask_token_id))
+        draws.append(_draw(tokens, completion | masked_prompt, completion, 1.0 / samples, mask_token_id, sample))
     return draws
 
 
@@ -143,11 +160,11 @@ def coupled(
     prompt_mask_probability: float,
 ) -> list[ScoringDraw]:
     draws = []
-    for _ in range(samples):
+    for sample in range(samples):
         t = _uniform(generators, 1, tokens.device)
         first = completion & (_uniform(generators, tokens.shape[1], tokens.device) < t)
         second = completion & ~first
-        draws += [_draw(tokens, part, part, 1.0 / samples, mask_token_id) for part in (first, second)]
+        draws += [_draw(tokens, part, part, 1.0 / samples, mask_token_id, sample) for part in (first, second)]
     return draws
 
 
@@ -163,13 +180,14 @@ def elbo(
 ) -> list[ScoringDraw]:
     draws = []
     length = completion.sum(dim=1, keepdim=True).float()
-    for _ in range(samples):
+    for sample in range(samples):
         units = _uniform(generators, 1, tokens.device)[:, 0].float()
         keys = _uniform(generators, tokens.shape[1], tokens.device).float()
         corruption = corrupt_exact_count(tokens, mask_token_id, units, keys, loss_mask=completion)
         masked = corruption.mask
         count = masked.sum(dim=1, keepdim=True).float().clamp(min=1)
-        draws.append(ScoringDraw(corruption.noisy_tokens, masked, masked.float() * length / count / samples))
+        weight = masked.float() * length / count / samples
+        draws.append(ScoringDraw(corruption.noisy_tokens, masked, weight, sample))
     return draws
 
 
@@ -200,7 +218,7 @@ def score_draws(
     """The log-probability of every scored token of `draws` under the model `logits_of` runs, over the
     tokens a sampler may write (`forbidden` ids at probability 0) at the sampling `temperature`."""
 
-    log_probs, weights, rows = [], [], []
+    log_probs, weights, rows, samples = [], [], [], []
     for draw in draws:
         if not draw.scored.any():
             continue
@@ -211,7 +229,8 @@ def score_draws(
         log_probs.append(chosen)
         weights.append(draw.weight[draw.scored])
         rows.append(draw.scored.nonzero()[:, 0])
+        samples.append(torch.full_like(rows[-1], draw.sample))
     if not log_probs:
         empty = torch.zeros(0, device=tokens.device)
-        return EntryScores(empty, empty, empty.long())
-    return EntryScores(torch.cat(log_probs), torch.cat(weights), torch.cat(rows))
+        return EntryScores(empty, empty, empty.long(), empty.long())
+    return EntryScores(torch.cat(log_probs), torch.cat(weights), torch.cat(rows), torch.cat(samples))

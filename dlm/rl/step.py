@@ -252,6 +252,7 @@ class RLStep(TrainingStep):
         chunks = self._chunks(rows)
         clipped = torch.zeros((), device=self.device)
         kl = torch.zeros((), device=self.device)
+        variance = torch.zeros((), device=self.device)
         loss_total = torch.zeros((), device=self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
@@ -275,6 +276,10 @@ class RLStep(TrainingStep):
                     # A micro-batch without a scored token still reaches every parameter (DDP's reduction).
                     loss = result.loss if new.log_probs.numel() else self._zero_loss()
                     self.scaler.scale(loss).backward()
+                if update == 0:
+                    spread = new.sample_variance(chunk.stop - chunk.start)
+                    if spread is not None:
+                        variance += spread.detach() * (chunk.stop - chunk.start) / rows
                 loss_total += loss.detach() / rl.inner_updates
                 share = (chunk.stop - chunk.start) / rows / rl.inner_updates
                 clipped += result.clipped * share
@@ -288,7 +293,9 @@ class RLStep(TrainingStep):
         window.accuracy += correct.mean().to(self.device)
         window.steps += 1
         self.counters.step += 1
-        self._record(rewards, correct, kl, clipped, rollout_seconds, time.perf_counter() - started - rollout_seconds)
+        update_seconds = time.perf_counter() - started - rollout_seconds
+        sample_spread = float(variance) if rl.estimator_samples > 1 else math.nan
+        self._record(rewards, correct, kl, clipped, sample_spread, rollout_seconds, update_seconds)
         first = rollouts.prompt_indices[0]
         self._sample = f"{self.prompts.texts[first]}{rollouts.replies[0]}"
 
@@ -321,6 +328,7 @@ class RLStep(TrainingStep):
         correct: Tensor,
         kl: Tensor,
         clipped: Tensor,
+        variance: float,
         rollout_seconds: float,
         update_seconds: float,
     ) -> None:
@@ -336,6 +344,7 @@ class RLStep(TrainingStep):
                 "groups": float(groups.shape[0]),
                 "kl": float(kl),
                 "clipped": float(clipped),
+                "variance": variance,
                 "rollout_seconds": rollout_seconds,
                 "update_seconds": update_seconds,
             }
@@ -362,6 +371,7 @@ class RLStep(TrainingStep):
                 rollout_seconds=sum(entry["rollout_seconds"] for entry in stats) / len(stats),
                 update_seconds=sum(entry["update_seconds"] for entry in stats) / len(stats),
                 sample=self._sample,
+                estimator_variance=_finite_mean([entry["variance"] for entry in stats]),
             )
         ]
 
@@ -399,3 +409,10 @@ class RLStep(TrainingStep):
             f"GRPO: {rl.prompts_per_step} prompts x {rl.group_size} rollouts per step, {rl.inner_updates} update(s), "
             f"{rl.estimator} likelihood; loss is the clipped policy objective, accuracy the rollouts'"
         )
+
+
+def _finite_mean(values: list[float]) -> float | None:
+    """This process's mean of the finite values (None when there is none: one estimator sample)."""
+
+    finite = [value for value in values if math.isfinite(value)]
+    return sum(finite) / len(finite) if finite else None
