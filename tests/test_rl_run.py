@@ -179,3 +179,14 @@ def test_the_dashboard_shows_rewards_and_held_out_accuracy() -> None:
     assert "reward 0.500  accuracy 0.500  flat groups 25%" in text
     assert "held-out accuracy 0.420 +- 0.030 on 200 prompts at step 10" in text
     assert "47+38=85" in text
+
+
+@pytest.mark.report_extra
+def test_the_report_of_an_rl_run_charts_its_rewards(addition: Path) -> None:
+    pytest.importorskip("plotly")
+    from dlm.report.page import write_report
+
+    run = rl(rl_config(addition, "reported", "training.max_steps=2"))
+    page = write_report(run.run_dir).read_text(encoding="utf-8")
+    assert "Rewards (dlm rl)" in page and "held-out accuracy ± 1 s.e." in page
+    assert "Rollouts (dlm rl)" in page and "held-out accuracy" in page
