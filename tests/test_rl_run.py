@@ -190,3 +190,28 @@ def test_the_report_of_an_rl_run_charts_its_rewards(addition: Path) -> None:
     page = write_report(run.run_dir).read_text(encoding="utf-8")
     assert "Rewards (dlm rl)" in page and "held-out accuracy ± 1 s.e." in page
     assert "Rollouts (dlm rl)" in page and "held-out accuracy" in page
+
+
+@pytest.mark.lora
+def test_a_lora_rl_run_keeps_its_base_as_the_reference_and_resumes_exactly(addition: Path) -> None:
+    pytest.importorskip("peft")
+    settings = ("training.lora.rank=4", "rl.kl_weight=0.1", "rl.heldout=none")
+
+    def config(run: str):  # type: ignore[no-untyped-def]
+        # A reward that the tiny model's replies sometimes earn: groups that are not flat move the adapters.
+        experiment = rl_config(addition, run, *settings)
+        assert experiment.rl is not None
+        some_digit = experiment.rl.model_copy(
+            update={"rewards": [RewardSpec(name="regex", options={"pattern": "[0-4]"})]}
+        )
+        return experiment.model_copy(update={"rl": some_digit})
+
+    events: list[Event] = []
+    straight = rl(config("lora-straight"), sink=events.append)
+    split = config("lora-split")
+    paused = rl(split, max_run_steps=2)
+    resumed = rl(split, resume=paused.checkpoint)
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)
+    rollouts = [event for event in events if isinstance(event, RolloutEvent)]
+    # The adapters start at zero: the first steps' policy is the base, then it moves away from it.
+    assert rollouts[-1].kl > 0
