@@ -35,9 +35,9 @@ def _wait(process: subprocess.Popen[str]) -> str:
     return out
 
 
-def _accuracy(model: Path, heldout: Path, samples: int, limit: int) -> dict[str, float]:
+def _accuracy(model: Path, heldout: Path, samples: int, limit: int, temperature: float) -> dict[str, float]:
     args = ("eval", model, "--prompts", heldout, "--samples", samples, "--limit", limit, "--device", "cpu", "--json")
-    report = json.loads(_wait(_dlm(*args, "--steps", 8)))
+    report = json.loads(_wait(_dlm(*args, "--steps", 8, "--temperature", temperature)))
     return {"pass@1": report["pass_at"]["1"], "stderr": report["stderr"]["1"]}
 
 
@@ -57,16 +57,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--limit", type=int, default=400)
+    parser.add_argument("--temperature", type=float, default=1.0, help="of the rollouts and of every evaluation")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="--set items for dlm rl")
     args = parser.parse_args()
     heldout = args.task / "heldout.jsonl"
-    start = _accuracy(args.sft, heldout, args.samples, args.limit)
+    start = _accuracy(args.sft, heldout, args.samples, args.limit, args.temperature)
     rows = []
     for seed in args.seeds:
         rl_run, sft_run = args.output / f"rl-{seed}", args.output / f"sft-{seed}"
         rl_args = ["rl", "--config", ROOT / "configs" / "addition-rl.toml", "--init-from", args.sft]
         rl_args += ["--set", f"rl.prompts={args.task / 'prompts.jsonl'}", "--set", "rl.heldout=none"]
         rl_args += ["--set", f"training.output_dir={rl_run}", "--set", f"training.seed={seed}"]
+        rl_args += ["--set", f"rl.temperature={args.temperature}"]
         for item in args.overrides:
             rl_args += ["--set", item]
         sft_args = ["train", "--config", ROOT / "configs" / "addition-sft.toml", "--init-from", args.sft]
@@ -83,8 +85,8 @@ def main() -> None:
         rows.append(
             {
                 "seed": seed,
-                "rl": _accuracy(rl_run, heldout, args.samples, args.limit),
-                "more_sft": _accuracy(sft_run, heldout, args.samples, args.limit),
+                "rl": _accuracy(rl_run, heldout, args.samples, args.limit, args.temperature),
+                "more_sft": _accuracy(sft_run, heldout, args.samples, args.limit, args.temperature),
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr)
@@ -92,6 +94,7 @@ def main() -> None:
         "start": start,
         "minutes_per_arm": args.minutes,
         "rl_overrides": args.overrides,
+        "temperature": args.temperature,
         "seeds": rows,
         "rl": _mean([row["rl"]["pass@1"] for row in rows]),
         "more_sft": _mean([row["more_sft"]["pass@1"] for row in rows]),

@@ -191,6 +191,9 @@ def eval_command(
         int | None, typer.Option("--steps", min=1, help="With --prompts: sampler steps.", show_default=False)
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="With --prompts: the seed of the samples.")] = 0,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.01, help="With --prompts: the sampling temperature.")
+    ] = 1.0,
     as_json: JsonOption = False,
 ) -> None:
     """Evaluate a model: masked CE and accuracy, ELBO NLL with its error, perplexity bound, bits per byte;
@@ -207,7 +210,18 @@ def eval_command(
 
     if prompts is not None:
         _evaluate_prompts(
-            model_path, prompts, reward, samples, pass_at, limit, steps, seed, batch_size or 64, device, as_json
+            model_path,
+            prompts,
+            reward,
+            samples,
+            pass_at,
+            limit,
+            steps,
+            seed,
+            temperature,
+            batch_size or 64,
+            device,
+            as_json,
         )
         return
     if output is not None:  # before the evaluation, which can take minutes
@@ -251,6 +265,7 @@ def _evaluate_prompts(
     limit: int | None,
     steps: int | None,
     seed: int,
+    temperature: float,
     batch_size: int,
     device: str,
     as_json: bool,
@@ -269,6 +284,7 @@ def _evaluate_prompts(
             limit=limit,
             steps=steps,
             seed=seed,
+            temperature=temperature,
             batch_size=batch_size,
             device=str(resolve_device(device, "--device")),
             progress=progress.update,
