@@ -66,9 +66,9 @@ def rl_command(
 def task_command(
     name: Annotated[str, typer.Argument(help="The task: addition (a+b with operands of up to --digits digits).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the task's files.")],
-    digits: Annotated[int, typer.Option("--digits", min=1, max=6, help="Most digits of an operand.")] = 3,
-    sft: Annotated[int, typer.Option("--sft", min=1, help="Supervised examples (sft.jsonl).")] = 20_000,
-    prompts: Annotated[int, typer.Option("--prompts", min=1, help="RL prompts (prompts.jsonl).")] = 5_000,
+    digits: Annotated[int, typer.Option("--digits", min=1, max=6, help="Most digits of an operand.")] = 2,
+    sft: Annotated[int, typer.Option("--sft", min=1, help="Supervised examples (sft.jsonl).")] = 3_000,
+    prompts: Annotated[int, typer.Option("--prompts", min=1, help="RL prompts (prompts.jsonl).")] = 5_500,
     heldout: Annotated[int, typer.Option("--heldout", min=1, help="Evaluation prompts (heldout.jsonl).")] = 500,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the problems drawn.")] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the task's files in --output.")] = False,

@@ -70,10 +70,10 @@ def write_task(
     name: str,
     output: str | Path,
     *,
-    sft: int = 20_000,
-    prompts: int = 5_000,
+    sft: int = 3_000,
+    prompts: int = 5_500,
     heldout: int = 500,
-    digits: int = 3,
+    digits: int = 2,
     seed: int = 0,
     overwrite: bool = False,
 ) -> TaskSummary:
