@@ -77,6 +77,7 @@ def task_command(
     """Write a bundled verifiable task: supervised examples, RL prompts, held-out prompts and a compact chat
     template, each problem in one split only. docs/rl.md walks from here to a model improved by dlm rl."""
 
+    from dlm.data.tokenizer import MIN_VOCAB_SIZE
     from dlm.rl.tasks import write_task
 
     summary = write_task(
@@ -88,7 +89,7 @@ def task_command(
     for file, count in summary.counts.items():
         console.print(f"{count:>8,} problems  {summary.output / file}", highlight=False, soft_wrap=True)
     console.print(
-        f"next: dlm tokenizer train {summary.output}/sft.jsonl --text-field prompt -n 259 -o "
+        f"next: dlm tokenizer train {summary.output}/sft.jsonl --text-field prompt -n {MIN_VOCAB_SIZE} -o "
         f"{summary.output}/tokenizer.json",
         highlight=False,
         soft_wrap=True,

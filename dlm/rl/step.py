@@ -12,17 +12,15 @@ size nor the number of processes changes what a row draws.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dlm.artifacts.events import HeldoutEvent, RolloutEvent
+from dlm.artifacts.sharded_checkpoint import file_sha256
 from dlm.config.schema import ExperimentConfig
 from dlm.data.tokenizer import load_tokenizer, never_sampled_ids, tokenizer_sha256
 from dlm.diffusion.objective import noise_generator, noise_seed
@@ -34,16 +32,12 @@ from dlm.rl.prompts import completion_length, read_prompts
 from dlm.rl.rewards import bind_rewards, check_records, score
 from dlm.rl.rollouts import Rollouts, rollout_seed, sample_rollouts
 from dlm.runtime.device import autocast_context
-from dlm.train.distributed import DistributedContext, replicated
+from dlm.train.distributed import DistributedContext
 from dlm.train.init_from import initial_weights
 from dlm.train.optimizer import learning_rate
 from dlm.train.step import LogWindow, OwnData, TrainingStep, model_from_weights
 
 PROMPT_ORDER_TAG, DRAW_TAG, HELDOUT_TAG = 0x5052, 0x4452, 0x484F
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class RLStep(TrainingStep):
@@ -79,7 +73,8 @@ class RLStep(TrainingStep):
         ids = [model.mask_token_id, *never_sampled_ids(self.tokenizer, model.vocab_size)]
         self.forbidden = torch.tensor(sorted(set(ids)), device=device)
         self.reference: torch.nn.Module | None = None  # built on first use (kl_weight > 0, no LoRA)
-        self._stats: list[dict[str, float]] = []
+        self._stats: list[dict[str, float]] = []  # per step since the last log: the rollouts' figures
+        self._update_stats: list[Tensor] = []  # per step since the last log: [kl, clipped, variance] on the device
         self._sample = ""
 
     def _check_layout(self) -> None:
@@ -284,7 +279,9 @@ class RLStep(TrainingStep):
                 share = (chunk.stop - chunk.start) / rows / rl.inner_updates
                 clipped += result.clipped * share
                 kl += result.kl / rl.inner_updates
-            self._finish_update(window)
+            finite = torch.isfinite(loss_total).to(self.device)
+            grad_norm = self.apply_gradients(window, ~finite)
+            window.grad_norm += grad_norm.detach().float() / rl.inner_updates
         self.counters.micro_batches_seen += len(chunks) * self.world.world_size
         fed = int(rollouts.tokens.numel()) * self.world.world_size
         self.counters.tokens_seen += fed
@@ -294,8 +291,7 @@ class RLStep(TrainingStep):
         window.steps += 1
         self.counters.step += 1
         update_seconds = time.perf_counter() - started - rollout_seconds
-        sample_spread = float(variance) if rl.estimator_samples > 1 else math.nan
-        self._record(rewards, correct, kl, clipped, sample_spread, rollout_seconds, update_seconds)
+        self._record(rewards, correct, torch.stack([kl, clipped, variance]), rollout_seconds, update_seconds)
         first = rollouts.prompt_indices[0]
         self._sample = f"{self.prompts.texts[first]}{rollouts.replies[0]}"
 
@@ -304,34 +300,17 @@ class RLStep(TrainingStep):
 
         return torch.stack([p.sum() for p in self.model.parameters() if p.requires_grad]).sum() * 0.0
 
-    def _finish_update(self, window: LogWindow) -> None:
-        """Clip, step the optimizer and the EMA: one inner update."""
-
-        config = self.config
-        self.scaler.unscale_(self.optimizer)
-        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
-        grad_norm = replicated(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.ema is not None:
-            self.ema.update(self.model)
-        bad = ~torch.isfinite(grad_norm) if not self.scaler.is_enabled() else torch.zeros((), dtype=torch.bool)
-        step = self.counters.step
-        window.first_bad_step.copy_(
-            torch.where(bad.to(self.device) & (window.first_bad_step < 0), step + 1, window.first_bad_step)
-        )
-        window.grad_norm += grad_norm.detach().float() / self.rl.inner_updates
-
     def _record(
         self,
         rewards: Tensor,
         correct: Tensor,
-        kl: Tensor,
-        clipped: Tensor,
-        variance: float,
+        on_device: Tensor,
         rollout_seconds: float,
         update_seconds: float,
     ) -> None:
+        """Keep one step's figures: the rewards' (host tensors) as numbers, the update's ([kl, clipped,
+        variance] on the device) as they are, read only when the window is logged (no sync per step)."""
+
         groups = rewards.view(-1, self.rl.group_size)
         spread = groups.std(dim=1)
         self._stats.append(
@@ -342,22 +321,23 @@ class RLStep(TrainingStep):
                 "std_sum": float(spread.sum()),
                 "flat_sum": float((spread == 0).float().sum()),
                 "groups": float(groups.shape[0]),
-                "kl": float(kl),
-                "clipped": float(clipped),
-                "variance": variance,
                 "rollout_seconds": rollout_seconds,
                 "update_seconds": update_seconds,
             }
         )
+        self._update_stats.append(on_device.detach())
 
     # ----------------------------------------------------------------------------- reporting
     def log_events(self) -> list[Any]:
         stats, self._stats = self._stats, []
+        updates, self._update_stats = self._update_stats, []
         if not stats:
             return []
-        names = ("reward_sum", "correct_sum", "count", "std_sum", "flat_sum", "groups", "kl", "clipped")
-        local = torch.tensor([sum(entry[name] for entry in stats) for name in names], dtype=torch.float64)
-        total = dict(zip(names, self.world.sum_over_ranks([local.to(self.device)])[0].tolist(), strict=True))
+        names = ("reward_sum", "correct_sum", "count", "std_sum", "flat_sum", "groups")
+        host = torch.tensor([sum(entry[name] for entry in stats) for name in names], dtype=torch.float32)
+        local = torch.cat([host.to(self.device), torch.stack(updates).sum(dim=0).float()])
+        figures = self.world.sum_over_ranks([local])[0].tolist()  # the window's one host sync
+        total = dict(zip((*names, "kl", "clipped", "variance"), figures, strict=True))
         steps = len(stats) * self.world.world_size
         return [
             RolloutEvent(
@@ -371,7 +351,7 @@ class RLStep(TrainingStep):
                 rollout_seconds=sum(entry["rollout_seconds"] for entry in stats) / len(stats),
                 update_seconds=sum(entry["update_seconds"] for entry in stats) / len(stats),
                 sample=self._sample,
-                estimator_variance=_finite_mean([entry["variance"] for entry in stats]),
+                estimator_variance=total["variance"] / steps if self.rl.estimator_samples > 1 else None,
             )
         ]
 
@@ -409,10 +389,3 @@ class RLStep(TrainingStep):
             f"GRPO: {rl.prompts_per_step} prompts x {rl.group_size} rollouts per step, {rl.inner_updates} update(s), "
             f"{rl.estimator} likelihood; loss is the clipped policy objective, accuracy the rollouts'"
         )
-
-
-def _finite_mean(values: list[float]) -> float | None:
-    """This process's mean of the finite values (None when there is none: one estimator sample)."""
-
-    finite = [value for value in values if math.isfinite(value)]
-    return sum(finite) / len(finite) if finite else None

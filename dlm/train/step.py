@@ -276,8 +276,17 @@ class TrainingStep:
             self.counters.micro_batches_seen += self.world.world_size
             self.counters.tokens_seen += clean.numel() * self.world.world_size
             window.tokens += clean.numel() * self.world.world_size
+        grad_norm = self.apply_gradients(window, ~torch.isfinite(window.loss - loss_before))
+        window.grad_norm += grad_norm.detach().float()
+        window.steps += 1
+        self.counters.step += 1
+
+    def apply_gradients(self, window: LogWindow, bad: Tensor) -> Tensor:
+        """Unscale, clip, step the optimizer, the scaler and the EMA; mark the window's first bad step when
+        `bad` (a device bool: the step's loss was not finite) or the gradient norm says so. Returns the norm."""
+
         self.scaler.unscale_(self.optimizer)
-        max_norm = config.grad_clip if config.grad_clip > 0 else math.inf
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -285,10 +294,8 @@ class TrainingStep:
             self.ema.update(self.model)
         # float16 overflow is expected now and then (the scaler skips that step); elsewhere a
         # non-finite gradient norm means the run has diverged.
-        bad = ~torch.isfinite(window.loss - loss_before)
         if not self.scaler.is_enabled():
-            bad |= ~torch.isfinite(grad_norm)
+            bad = bad | ~torch.isfinite(grad_norm)
+        step = self.counters.step
         window.first_bad_step.copy_(torch.where(bad & (window.first_bad_step < 0), step + 1, window.first_bad_step))
-        window.grad_norm += grad_norm.detach().float()
-        window.steps += 1
-        self.counters.step += 1
+        return grad_norm
