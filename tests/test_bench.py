@@ -5,16 +5,28 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
+import typing
 import zipfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+import typer
+from typer.testing import CliRunner
 
+from benchmarks import load_memory
+from benchmarks.__main__ import BENCHMARKS
+from benchmarks.__main__ import app as benchmarks_app
+from benchmarks.gpu import quality as gpu_quality
+from benchmarks.gpu import report as gpu_report
+from benchmarks.gpu import throughput as gpu_throughput
+from benchmarks.gpu.common import DLM_COMMON, QUALITY_DEFAULT, QUALITY_VARIANTS, SIZES
 from dlm.bench import results, throughput
+from dlm.bench.measure import machine_stamp
 from dlm.bench.results import report_table
 from dlm.bench.setup import compare_settings, config_key, parse_compare
 from dlm.bench.throughput import BenchOutOfMemoryError, benchmark, run_benchmark, search_max_batch
@@ -234,7 +246,7 @@ def test_cli_fused_attention_on_cpu_exits_2_with_a_clear_message(capsys) -> None
     assert "Traceback" not in err
 
 
-# ---- the GPU check's scripts: everything that runs without a GPU --------------------------------
+# ---- the GPU check (scripts/gpu_check.sh, benchmarks/gpu/, benchmarks/load_memory.py) without a GPU ----
 
 SCRIPTS = ROOT / "scripts"
 
@@ -250,6 +262,9 @@ def load_script(name: str) -> ModuleType:
 @pytest.mark.parametrize("script", ["gpu_check.sh", "prepare_gpu_check.sh"])
 def test_shell_scripts_parse(script: str) -> None:
     subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
+    # Every benchmark the GPU check runs is one of the kit's subcommands.
+    called = set(re.findall(r"-m benchmarks ([a-z-]+)", (SCRIPTS / script).read_text()))
+    assert called and called <= set(BENCHMARKS)
 
 
 def test_measured_peak_gives_a_second_mfu_column(tmp_path: Path) -> None:
@@ -283,35 +298,79 @@ def test_compiled_step_equals_eager_on_cpu(tmp_path: Path, scope: str) -> None:
     assert compiled.loss == pytest.approx(eager.loss, rel=1e-5)
 
 
+def gpu_app() -> typer.Typer:
+    """`python -m benchmarks`, every subcommand registered (the GPU check's among them)."""
+
+    return benchmarks_app
+
+
 def test_gpu_bench_arguments() -> None:
-    gpu_bench = load_script("gpu_bench")
-    args = gpu_bench.parse_args(["throughput", "--out", "t.jsonl", "--stage", "extra"])
-    assert (args.part, args.stage, args.steps, args.warmup) == ("throughput", "extra", 10, 4)
-    args = gpu_bench.parse_args(["quality", "--out", "q.jsonl", "--dlm-seconds", "30"])
-    assert (args.dlm_seconds, args.baseline_seconds, args.device, args.baseline) == (30.0, 80.0, "cuda", False)
-    assert args.variants.split(",") == gpu_bench.QUALITY_DEFAULT
+    app = gpu_app()
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+
+    def parsed(command: str, *args: str) -> dict[str, object]:
+        return commands[command].make_context(command, list(args)).params
+
+    params = parsed("gpu-throughput", "--out", "t.jsonl", "--stage", "extra")
+    assert (params["stage"], params["steps"], params["warmup"], params["baseline"]) == ("extra", 10, 4, True)
+    params = parsed("gpu-quality", "--out", "q.jsonl", "--dlm-seconds", "30")
+    assert (params["dlm_seconds"], params["baseline_seconds"], params["device"], params["baseline"]) == (
+        30.0,
+        80.0,
+        "cuda",
+        False,
+    )
+    assert str(params["variants"]).split(",") == QUALITY_DEFAULT
     for bad in (
-        ["throughput", "--out", "t", "--stage", "everything"],
-        ["quality", "--out", "q", "--dlm-seconds", "0"],
-        ["quality", "--out", "q", "--variants", "config,huge"],
-        ["throughput"],
+        ["gpu-throughput", "--out", "t", "--stage", "everything"],
+        ["gpu-throughput", "--out", "t", "--steps", "0"],
+        ["gpu-quality", "--out", "q", "--dlm-seconds", "0"],
+        ["gpu-quality", "--out", "q", "--variants", "config,huge"],
+        ["gpu-throughput"],
+        ["load-memory", "write", "d", "--shape", "huge"],
         ["nonsense"],
     ):
-        with pytest.raises(SystemExit):
-            gpu_bench.parse_args(bad)
+        result = CliRunner().invoke(app, bad)
+        assert result.exit_code == 2, (bad, result.output)
     # Every dlm case and quality variant names a config that exists and overrides that validate.
-    for cases in gpu_bench.DLM_CASES.values():
+    for cases in gpu_throughput.DLM_CASES.values():
         for size, _, overrides in cases:
-            config = ROOT / gpu_bench.SIZES[size]["config"]
-            assert load_config(config, gpu_bench.DLM_COMMON[:-1] + overrides)
-    for config, overrides in gpu_bench.QUALITY_VARIANTS.values():
+            config = ROOT / SIZES[size]["config"]
+            assert load_config(config, DLM_COMMON[:-1] + overrides)
+    for config, overrides in QUALITY_VARIANTS.values():
         assert load_config(ROOT / config, overrides)
+    assert set(typing.get_args(load_memory.Shape)) == set(load_memory.SHAPES)
+
+
+def test_gpu_load_memory_writes_loads_and_steps_a_tiny_model(tmp_path: Path) -> None:
+    # The 8B parts of the GPU check at a CPU's size: write, load (its own result file) and a LoRA step
+    # (its record appended to JSON lines after the machine it ran on, as the check collects them).
+    app, model = gpu_app(), tmp_path / "tiny"
+    for args in (["write", str(model), "--shape", "llada-tiny"], ["load", str(model)]):
+        result = CliRunner().invoke(app, ["load-memory", *args, "--results", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+    loaded = json.loads((tmp_path / "load-memory-load.json").read_text())
+    assert loaded["figures"]["logits_finite"] and loaded["figures"]["weight_bytes"] == 332416
+    assert loaded["machine"]["gpu"] is None and loaded["parameters"]["device"] == "cpu"
+    tiny = ["model.vocab_size=512", "model.mask_token_id=510", "model.d_model=64", "model.n_layers=2"]
+    tiny += ["model.n_heads=4", "model.ffn_hidden_size=176"]
+    lines = tmp_path / "results.jsonl"
+    sets = [item for override in tiny for item in ("--set", override)]
+    result = CliRunner().invoke(
+        app, ["load-memory", "lora", "--device", "cpu", "--seq-len", "32", *sets, "--out", str(lines)]
+    )
+    assert result.exit_code == 0, result.output
+    machine, lora = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert machine["case"] == "machine" and machine["machine"]["cores"] >= 1
+    assert (
+        lora["part"] == "lora" and lora["rank"] == 16 and math.isfinite(lora["loss"]) and lora["peak_gpu_bytes"] is None
+    )
+    assert CliRunner().invoke(app, ["load-memory", "load"]).exit_code == 2  # load needs the directory
 
 
 def test_quality_schedule_is_fitted_to_the_budget(tmp_path: Path) -> None:
-    gpu_bench = load_script("gpu_bench")
     throughput = tmp_path / "t.jsonl"
-    fit = gpu_bench.fitted_max_steps
+    fit = gpu_quality.fitted_max_steps
     assert fit(throughput, "config", 60, 20000, 200) is None  # nothing measured
     record = {"case": "dlm-shakespeare-14M-config", "step_ms": 20.0, "warmup_s": 10.0}
     throughput.write_text(json.dumps(record) + "\n")
@@ -322,17 +381,18 @@ def test_quality_schedule_is_fitted_to_the_budget(tmp_path: Path) -> None:
 
 
 def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
-    gpu_bench = load_script("gpu_bench")
     dlm = {"part": "throughput", "source": "dlm", "compile": True, "optimizer": "adamw"}
     figures = {"passes_per_token": 1.0, "entropy_bits": 8.0, "distinct_2": 0.9}
+    h200 = machine_stamp().to_dict() | {"gpu": "NVIDIA H200", "torch": "2.11", "commit": "abc"}
     records = [
-        {"part": "throughput", "case": "environment", "device": "NVIDIA H200", "torch": "2.11", "commit": "abc"},
+        {"part": "throughput", "case": "machine", "machine": h200},
+        {"part": "throughput", "case": "matmul-ceiling", "matmul_bf16_tflops": 700.0},
         {"part": "throughput", "case": "baseline-110M", "compile": True, "tokens_per_s": 500_000},
         {**dlm, "size": "110M", "case": "dlm-110M", "tokens_per_s": 560_000, "peak_gib": 20},
         {**dlm, "size": "110M", "case": "dlm-110M-cudnn", "tokens_per_s": 600_000, "peak_gib": 20},
         {**dlm, "size": "1.3B", "case": "dlm-1.3B-adamw", "error": "OutOfMemoryError()"},
         {"part": "throughput", "case": "dlm-1.3B-adamw8bit-ckpt-eager", "peak_gib": 19.5, "reserved_gib": 21.0},
-        {"part": "throughput", "case": gpu_bench.MEMORY_CASE[1], "max_batch": 30, "probes": [[8, True]]},
+        {"part": "throughput", "case": gpu_throughput.MEMORY_CASE[1], "max_batch": 30, "probes": [[8, True]]},
         {"part": "throughput", "case": "dlm-shakespeare-14M-config", "step_ms": 9.0},
         {
             "part": "quality",
@@ -401,27 +461,28 @@ def test_gpu_report_checks_the_targets(tmp_path: Path) -> None:
     ]
     (tmp_path / "all.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "pytest.log").write_text("....s\n9 passed, 1 skipped, 290 deselected in 41.20s\n")
-    gpu_bench.main(
-        [
-            "report",
-            str(tmp_path / "all.jsonl"),
-            str(tmp_path / "pytest.log"),
-            str(tmp_path / "missing.jsonl"),
-            "--json",
-            str(tmp_path / "results.json"),
-            "--markdown",
-            str(tmp_path / "results.md"),
-        ]
+    gpu_report.gpu_report(
+        [tmp_path / "all.jsonl", tmp_path / "pytest.log", tmp_path / "missing.jsonl"],
+        results=tmp_path,
+        markdown=tmp_path / "results.md",
     )
-    results = json.loads((tmp_path / "results.json").read_text())
-    met = [target["met"] for target in results["targets"]]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    goals = result["figures"]["targets"]
+    met = [target["met"] for target in goals.values()]
     # 1.20x with the faster kernel order; no 1.3B figure (it failed); the block step 1.87x; 19.5 GiB; batch 30;
     # the config's own run 2.09 (over 2.00); the load 1.0x; LoRA 10% over its estimate; 6x within 10%.
     assert met == [True, None, False, True, True, False, True, False, True]
-    assert "batch 32: 6.00x with {'steps': 32} (+8.0% judge perplexity)" in results["targets"][-1]["measured"]
-    assert results["targets"][0]["measured"].startswith("dlm-110M-cudnn 600000 tok/s = 1.20x the baseline")
-    assert "2.32x ModernBERT" in results["targets"][0]["measured"]
-    assert results["pytest"] == "9 passed, 1 skipped, 290 deselected in 41.20s"
+    assert "batch 32: 6.00x with {'steps': 32} (+8.0% judge perplexity)" in goals["generate"]["measured"]
+    assert goals["speed_110m"]["measured"].startswith("dlm-110M-cudnn 600000 tok/s = 1.20x the baseline")
+    assert "2.32x ModernBERT" in goals["speed_110m"]["measured"]
+    assert goals["speed_110m"]["ratio"] == pytest.approx(1.2)
+    assert result["figures"]["pytest"] == "9 passed, 1 skipped, 290 deselected in 41.20s"
+    # The figures a document quotes, and where they were measured: the parts' machine, not the report's.
+    assert result["figures"]["throughput"]["dlm_110m_cudnn"]["tokens_per_s"] == 600_000
+    assert result["figures"]["generate"]["batch_32"]["speedup"] == pytest.approx(6.0)
+    assert result["figures"]["parts"]["core"] == {"rc": 124, "seconds": 200, "limit": 200}
+    assert result["figures"]["matmul_bf16_tflops"] == 700.0
+    assert result["machine"]["gpu"] == "NVIDIA H200" and result["rounds"]["records"] == records
     table = (tmp_path / "results.md").read_text()
     assert "NVIDIA H200" in table and "OutOfMemoryError()" in table and "| core | 124 | 200 | 200 |" in table
     assert "dlm-shakespeare-14M" not in table  # the step-time probes are not throughput rows
@@ -446,26 +507,14 @@ def test_slim_wheel_drops_members_and_their_record_lines(tmp_path: Path) -> None
         assert "lib_cuda118" not in archive.read("pkg-1.0.dist-info/RECORD").decode()
 
 
-def test_cpu_compare_reads_the_baseline_line() -> None:
-    cpu_compare = load_script("cpu_compare")
-    match = cpu_compare.BASELINE_LINE.search("params=5313024 tokens/s=352 model_GFLOP/s=12.3 step_s=5.813")
-    assert match is not None and float(match["gflops"]) == 12.3
-    assert cpu_compare.parse_args(["--rounds", "2", "--threads", "1"]).threads == 1
-    with pytest.raises(SystemExit):
-        cpu_compare.parse_args(["--rounds", "0"])
-
-
-def test_cpu_compare_runs_the_baseline_in_the_repository() -> None:
-    # The default baseline is the repository's own script; a tiny size prints the line cpu_compare parses.
-    cpu_compare = load_script("cpu_compare")
-    baseline = cpu_compare.parse_args([]).baseline
-    assert baseline == SCRIPTS / "baselines" / "plain_cpu.py" and baseline.is_file()
+def test_the_cpu_baseline_runs_alone_from_the_repository() -> None:
+    # The plain-PyTorch baseline stays a script a person runs as it is (train-step imports its model).
+    baseline = ROOT / "benchmarks" / "baselines" / "plain_cpu.py"
     output = subprocess.run(
         [sys.executable, str(baseline), "32", "1", "2", "16", "2", "64"], capture_output=True, text=True, check=True
     )
-    match = cpu_compare.BASELINE_LINE.search(output.stdout)
+    match = re.search(r"params=\d+ tokens/s=(?P<tokens>[\d.]+) model_GFLOP/s=[\d.]+ step_s=[\d.]+", output.stdout)
     assert match is not None and float(match["tokens"]) > 0
-    assert output.stdout.startswith("params=")
 
 
 def test_cli_table_at_80_columns_keeps_every_header_word_whole(capsys, tmp_path: Path, monkeypatch) -> None:

@@ -507,36 +507,28 @@ def test_a_checkpoint_of_an_earlier_round_keeps_its_teacher(teacher: Path, tiny_
     assert_same_weights(straight.checkpoint, resumed.checkpoint)
 
 
-def test_the_frontier_script_measures_models_at_their_own_steps(
-    student: Path, teacher: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_frontier_benchmark_measures_models_at_their_own_steps(
+    student: Path, teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import importlib.util
     import math
-    import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "distill_frontier.py"
-    spec = importlib.util.spec_from_file_location("distill_frontier", script)
-    assert spec is not None and spec.loader is not None
-    frontier = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "distill_frontier", frontier)  # its dataclasses look their module up
-    spec.loader.exec_module(frontier)
-    entries = [
-        frontier.parse_entry(str(teacher)),
-        frontier.parse_entry(f"{teacher}@4"),
-        frontier.parse_entry(str(student)),
-        frontier.parse_entry(f"{teacher}@threshold=0.01"),
-    ]
-    assert entries[3].threshold == 0.01 and entries[3].steps is None
-    for entry in entries:
-        entry.model, entry.tokenizer = load_model(entry.path)
-    judge, _ = load_model(teacher)
-    figures = frontier.measure(entries, judge, length=16, num_samples=2, seeds=[0, 1], repeats=1)
-    assert [row.steps for row in figures] == [16, 4, 4, 16]  # one a token, as asked, the student's own
-    assert figures[0].speedup == 1.0 and [row.passes_per_token for row in figures][1:3] == [0.25, 0.25]
-    assert figures[3].passes_per_token < 1  # a threshold low enough commits several positions a pass
-    assert all(math.isfinite(row.judge_perplexity) and 0 < row.distinct_2 <= 1 for row in figures)
-    table = frontier.table(figures)
-    assert table.count("\n") == len(figures) + 1 and "(+0.0%)" in table.splitlines()[2]
+    from benchmarks import distill as frontier
+    from benchmarks import harness
+
+    entry = frontier.parse_entry(f"{teacher}@threshold=0.01")
+    assert entry.threshold == 0.01 and entry.steps is None and entry.path == teacher
+    models = [str(teacher), f"{teacher}@4", str(student), f"{teacher}@threshold=0.01"]
+    frontier.distill(models, judge=teacher, length=16, num_samples=2, seeds="0,1", repeats=1, results=tmp_path)
+    result = harness.load("distill", tmp_path)
+    rows = result["figures"]["models"]
+    assert [row["steps"] for row in rows] == [16, 4, 4, 16]  # one a token, as asked, the student's own
+    assert rows[0]["speedup"] == 1.0 and [row["passes_per_token"] for row in rows][1:3] == [0.25, 0.25]
+    assert rows[3]["passes_per_token"] < 1  # a threshold low enough commits several positions a pass
+    assert all(math.isfinite(row["judge_perplexity"]) and 0 < row["distinct_2"] <= 1 for row in rows)
+    assert set(result["rounds"]) == {"seed_0", "seed_1"} and set(result["rounds"]["seed_0"]) == set(models)
+    table = frontier.table([frontier.Figures(**row) for row in rows])
+    assert table.count("\n") == len(rows) + 1 and "(+0.0%)" in table.splitlines()[2]
+    assert table in capsys.readouterr().out
 
 
 def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]

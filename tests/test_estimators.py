@@ -3,7 +3,6 @@ exact-count one with less variance, loss masks, block models, seeding and `dlm e
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -14,6 +13,7 @@ import torch
 from helpers import train_tiny_run
 from torch import Tensor
 
+from benchmarks.elbo_variance import elbo_variance
 from dlm.config.schema import ModelConfig
 from dlm.diffusion.objective import corrupt_exact_count, diffusion_cross_entropy, elbo_nll
 from dlm.errors import UserError
@@ -21,7 +21,6 @@ from dlm.evaluation.evaluate import evaluate_model
 from dlm.model.transformer import DiffusionTransformer
 
 VOCAB, MASK_ID, LENGTH = 6, 1, 5
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class ContextLogits:
@@ -205,32 +204,14 @@ def test_cli_eval_estimator_option(
         evaluate_model(tiny_model(), torch.zeros(1, 32, dtype=torch.long), estimator="poisson")
 
 
-def test_the_variance_script_compares_the_estimators_on_one_model(
-    tiny_run: Path, tiny_data_dir: Path, capsys: pytest.CaptureFixture[str]
+def test_the_variance_benchmark_compares_the_estimators_on_one_model(
+    tiny_run: Path, tiny_data_dir: Path, tmp_path: Path
 ) -> None:
-    spec = importlib.util.spec_from_file_location("estimator_variance", ROOT / "scripts" / "estimator_variance.py")
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(
-        [
-            str(tiny_run),
-            "--data",
-            str(tiny_data_dir),
-            "--sequences",
-            "4",
-            "--repeats",
-            "3",
-            "--mc-samples",
-            "1",
-            "2",
-            "--json",
-        ]
-    )
-    result = json.loads(capsys.readouterr().out)
+    elbo_variance(tiny_run, tiny_data_dir, sequences=4, repeats=3, mc_samples="1,2", results=tmp_path)
+    result = json.loads((tmp_path / "elbo-variance.json").read_text())["figures"]
     assert (result["sequences"], result["repeats"], result["step"]) == (4, 3, 4)
-    assert [row["mc_samples"] for row in result["rows"]] == [1, 2]
-    for row in result["rows"]:
+    assert [key for key in result if key.startswith("mc_samples_")] == ["mc_samples_1", "mc_samples_2"]
+    for row in (result["mc_samples_1"], result["mc_samples_2"]):
         variance = row["mc_variance"]
-        assert row["variance_ratio"] == pytest.approx(variance["bernoulli"] / variance["exact-count"])
+        assert row["variance_ratio"] == pytest.approx(variance["bernoulli"] / variance["exact_count"])
         assert row["variance_ratio"] > 1  # a 4-step model's loss hardly depends on the context

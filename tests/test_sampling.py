@@ -459,7 +459,7 @@ def test_the_measured_defaults_are_those_of_dlm_sample_the_cli_and_the_exported_
 
     from dlm.cli.sample_cmd import sample as sample_command
 
-    # Chosen by scripts/sampler_defaults.py: random (ancestral) reveals with nucleus sampling.
+    # Chosen by scripts/sampler_defaults.py (git history): random (ancestral) reveals with nucleus sampling.
     expected = {"temperature": 1.0, "top_p": 0.9, "remasking": "random"}
     options = SamplingOptions()
     assert {name: getattr(options, name) for name in expected} == expected

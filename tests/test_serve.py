@@ -929,27 +929,12 @@ def test_a_row_ends_at_its_end_of_document_or_stop_string(model_dir: Path) -> No
     assert not tokenizer.decode(body[: cut.completion_tokens - 1]).startswith(" thou ")
 
 
-def test_the_load_script_bursts_and_counts_statuses(model_dir: Path) -> None:
-    script = Path(__file__).resolve().parents[1] / "scripts" / "serve_load.py"
-    environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    command = [
-        sys.executable,
-        str(script),
-        str(model_dir),
-        "--clients",
-        "12",
-        "--sequential",
-        "0",
-        "--max-queue",
-        "2",
-        "--max-batch",
-        "4",
-        "--tokens",
-        "3",
-    ]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=WAIT * 4, env=environment)
-    assert finished.returncode == 0, finished.stderr
-    burst = json.loads(finished.stdout.splitlines()[0])
+def test_the_load_benchmark_bursts_and_counts_statuses(model_dir: Path, tmp_path: Path) -> None:
+    from benchmarks.serve_load import serve_load
+
+    serve_load(model_dir, clients=12, sequential_requests=0, max_queue=2, max_batch=4, tokens=3, results=tmp_path)
+    figures = json.loads((tmp_path / "serve-load.json").read_text())["figures"]
+    burst = figures["burst"]
     statuses = {int(status): count for status, count in burst["statuses"].items()}
     # Up to 4 run and 2 wait (how many depends on when each arrives); the others are told to come back.
     assert (
@@ -958,4 +943,19 @@ def test_the_load_script_bursts_and_counts_statuses(model_dir: Path) -> None:
         and statuses.get(200, 0) >= 3
         and statuses.get(429, 0) >= 1
     )
+    assert burst["failures"] == 0 and "sequential" not in figures
     assert 0 < burst["most_threads"] <= 16
+
+
+def test_the_serving_benchmark_compares_served_with_one_at_a_time(model_dir: Path, tmp_path: Path) -> None:
+    from benchmarks.serve import serve
+
+    serve(model_dir, clients="1,2", tokens=4, requests_per_client=1, rounds=1, stream=True, results=tmp_path)
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert set(result["figures"]) == {"clients_1", "clients_2"}
+    for count in (1, 2):
+        row = result["figures"][f"clients_{count}"]
+        assert row["alone"]["tokens_per_second"] > 0 and row["served"]["tokens_per_second"] > 0
+        assert row["speedup"] == row["served"]["tokens_per_second"] / row["alone"]["tokens_per_second"]
+        assert 0 < row["served"]["first_text_p50"] <= row["served"]["p99"]
+        assert len(result["rounds"][f"served_{count}"]) == 1

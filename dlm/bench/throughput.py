@@ -8,15 +8,17 @@ needed. After `warmup` untimed steps (compilation, allocator and kernel-selectio
 median step time, which one slow step (a recompile, another process) cannot move.
 
 Model FLOP/s use `model.flops_per_token` (6N + attention scores), the count of the plain-PyTorch
-baselines in docs/benchmarks.md, so activation checkpointing's recomputation is not counted as useful
-work. A block model's step is a forward and backward over 2L tokens (noisy and clean copies), and its
-count says so: twice the matmuls, four times the attention; `attention_backend` names the kernel of
-that masked pass. MFU is reported only for devices in `dlm.runtime.flops`' peak table, else None ("n/a").
+baselines (docs/benchmarks.md, "Training step: dlm against plain PyTorch"), so activation
+checkpointing's recomputation is not counted as useful work. A block model's step is a forward and
+backward over 2L tokens (noisy and clean copies), and its count says so: twice the matmuls, four
+times the attention; `attention_backend` names the kernel of that masked pass. MFU is reported only
+for devices in `dlm.runtime.flops`' peak table, else None ("n/a").
 The results and what the CLI shows of them live in `dlm.bench.results`.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ from dataclasses import asdict
 
 import torch
 
+from dlm.bench.measure import interleaved
 from dlm.bench.results import BatchSearch, BenchReport, BenchResult
 from dlm.bench.setup import (
     attention_backend,
@@ -119,16 +122,15 @@ def interleaved_cpu_step_seconds(
         for _ in range(warmup):
             step.optimizer_step(batches, window)
         runs[name] = (step, batches, window)
-    names = list(runs)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            step, batches, window = runs[name]
-            started = time.perf_counter()
-            step.optimizer_step(batches, window)
-            seconds[name].append(time.perf_counter() - started)
-    return seconds
+    steps = {
+        name: functools.partial(step.optimizer_step, batches, window) for name, (step, batches, window) in runs.items()
+    }
+    timings = interleaved(
+        steps,
+        rounds,
+        warmup=0,  # done above, per step
+    )
+    return {name: [timing.wall_s for timing in runs_timings] for name, runs_timings in timings.items()}
 
 
 def _spread_pct(times: list[float], median: float) -> float:

@@ -173,6 +173,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
     from dlm.artifacts.loading import load_model_with_info
     from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
+    from dlm.bench.measure import machine_stamp
 
     device = options.pop("device")
     loaded = load_model_with_info(model_path, device=device)
@@ -184,7 +185,8 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
         judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
     if wants_json(as_json):
-        print_json(benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options).to_dict())
+        report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options)
+        print_json(report.to_dict() | {"machine": machine_stamp().to_dict()})
         return
     with console.status("benchmarking generation") as status:
         report = benchmark_generation(
@@ -279,6 +281,7 @@ def bench_command(
     if config is None:
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
 
+    from dlm.bench.measure import machine_stamp
     from dlm.bench.results import BenchReport, report_summary, report_table
     from dlm.bench.throughput import Progress, benchmark
     from dlm.config.schema import load_config
@@ -303,7 +306,7 @@ def bench_command(
         return benchmark(experiment, progress=progress, **options)
 
     if wants_json(as_json):
-        print_json(run(None).to_dict())
+        print_json(run(None).to_dict() | {"machine": machine_stamp().to_dict()})
         return
     with console.status("benchmarking") as status:
         report = run(lambda text: status.update(escape(text)))

@@ -1,0 +1,437 @@
+"""`dlm serve` under 1, 4, 16 and 64 concurrent clients against `dlm.sample` one request at a time.
+
+`serve` starts `dlm serve MODEL` in a subprocess on a free port of 127.0.0.1 (batches of up to the
+largest client count) and times, for each client count C, two phases of the same C x
+`--requests-per-client` requests:
+- one at a time: `dlm.sample` in this process, each call alone, as a program without a server would;
+- served: C clients (the `openai` client, each in its own thread) send them, each client its share
+  one after another, so up to C requests wait together and share batches.
+Every request is `--tokens` new tokens after one of a few prompts of different lengths, with its own
+seed, the same sampler options (by default the sampler's, one token a step) and a stop at the end of
+document. Tokens/s counts the generated tokens kept over the phase's wall time; latency is per
+request (one at a time: the call alone, no waiting for the calls before it). With `--stream` the
+served requests stream, and each one's time from sending to its first text is kept too. A phase's
+CPU seconds are this process's, plus for a served phase the server's (read from /proc: Linux only).
+
+The phases are interleaved round by round (`dlm.bench.measure.interleaved`), so other work on shared
+cores slows them alike: read the ratios, not the absolute figures. Each phase's figures are its best
+round's (the least disturbed), as the documents quote them, beside the per-round ratios.
+
+`serve-pass-cost` times only the model's forward pass of one denoising step over batches of 1, 4, ...
+rows, interleaved: the most any batching of requests can save on this machine is the first row's
+cost over the others'. The step is the one the options make halfway through the tokens (after a
+16-token prompt): the whole sequence (a whole-sequence model without a cache), the positions from the
+current block on over the cached prefix (`--cache prefix`), the block alone over the cached rest
+(`--cache dual`), or one model block over the cached prefix (a block model's exact cache).
+
+Both the server and this process run `--threads` intra-op threads (default 1: on shared cores,
+threads beyond the free ones spin against other work and can make a pass several times slower;
+0: one a core, torch's own default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+import typer
+
+import dlm
+from benchmarks import harness
+from dlm.bench.measure import Timing, interleaved, progress_to_stderr, round_ratios, self_timed, spread, timed
+
+PROMPTS = [
+    "ROMEO:",
+    "JULIET: O Romeo, Romeo, wherefore art thou",
+    "To be, or not to be",
+    "HAMLET:",
+    "Now is the winter of our discontent",
+    "KING LEAR: Blow, winds",
+    "",
+    "MACBETH: Is this a dagger",
+]
+
+Model = Annotated[Path, typer.Argument(help="The exported model directory (`dlm export`).")]
+Tokens = Annotated[int, typer.Option(help="New tokens a request.")]
+Threads = Annotated[int, typer.Option(help="Intra-op threads of this process and the server (0: one a core).")]
+Device = Annotated[str, typer.Option(help="Where the model runs, on both sides.")]
+BlockLength = Annotated[int | None, typer.Option(help="The sampler's block_length.")]
+Cache = Annotated[Literal["prefix", "dual"] | None, typer.Option(help="The sampler's cache.")]
+Results = Annotated[Path, typer.Option(help="Directory of the result file.")]
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, round(fraction * len(ordered) + 0.5) - 1)]
+
+
+def requests_for(clients: int, per_client: int) -> list[tuple[str, int]]:
+    return [(PROMPTS[i % len(PROMPTS)], 1000 + i) for i in range(clients * per_client)]
+
+
+def summary(tokens: int, seconds: float, latencies: list[float]) -> dict[str, float]:
+    return {
+        "tokens_per_second": tokens / seconds,
+        "p50": statistics.median(latencies),
+        "p99": percentile(latencies, 0.99),
+        "tokens": tokens,
+    }
+
+
+def start_server(
+    model: Path, max_batch: int, device: str, threads: int, batch_wait: float, max_queue: int | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`dlm serve MODEL` on a free port of 127.0.0.1 (one sample a request, a queue of `max_queue`, by
+    default four batches), its console drained; the process and its URL."""
+
+    queue = 4 * max_batch if max_queue is None else max_queue
+    command = [sys.executable, "-m", "dlm", "serve", str(model), "--port", "0", "--json", "--name", "model"]
+    command += ["--device", device, "--max-batch", str(max_batch), "--max-n", "1"]
+    command += ["--max-queue", str(queue), "--batch-wait", str(batch_wait)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": str(threads)}
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"dlm serve did not start (exit status {process.wait()})")
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # keep its pipe drained
+    return process, json.loads(line)["url"]
+
+
+def stop_server(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    process.wait(60)
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU seconds from /proc/PID/stat; 0 where there is no /proc."""
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def one_at_a_time(
+    model: Any, tokenizer: Any, requests: list[tuple[str, int]], tokens: int, options: dict[str, Any]
+) -> Callable[[], dict[str, Any]]:
+    """The phase without a server: its summary and its timing."""
+
+    def phase() -> dict[str, Any]:
+        latencies: list[float] = []
+        generated = 0
+
+        def calls() -> None:
+            nonlocal generated
+            for prompt, seed in requests:
+                began = time.perf_counter()
+                result = dlm.sample(
+                    model, tokenizer, prompt=prompt, length=tokens, seed=seed, stop_at_end=True, **options
+                )
+                latencies.append(time.perf_counter() - began)
+                generated += sum(result.lengths)
+
+        timing = timed(calls)
+        return summary(generated, timing.wall_s, latencies) | {"timing": timing}
+
+    return phase
+
+
+def request(
+    client: Any, prompt: str, seed: int, tokens: int, options: dict[str, Any], stream: bool
+) -> tuple[float | None, int]:
+    """One completion: the moment of its first text (streamed only), and the tokens its usage counts."""
+
+    body: dict[str, Any] = {
+        "model": "model",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "seed": seed,
+        "extra_body": options,
+    }
+    if not stream:
+        answer = client.completions.create(**body)
+        return None, answer.usage.completion_tokens if answer.usage else 0
+    first, count = None, 0
+    for chunk in client.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+        if chunk.usage:
+            count = chunk.usage.completion_tokens
+    return first, count
+
+
+def served(
+    url: str,
+    pid: int,
+    requests: list[tuple[str, int]],
+    clients: int,
+    tokens: int,
+    options: dict[str, Any],
+    stream: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The served phase: `clients` threads share the requests; its summary and its timing (with the server's CPU)."""
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def phase() -> dict[str, Any]:
+        latencies: list[float] = []
+        first_texts: list[float] = []
+        generated = [0]
+        lock = threading.Lock()
+
+        def run(share: list[tuple[str, int]]) -> None:
+            for prompt, seed in share:
+                began = time.perf_counter()
+                first, count = request(client, prompt, seed, tokens, options, stream)
+                with lock:
+                    latencies.append(time.perf_counter() - began)
+                    generated[0] += count
+                    if first is not None:
+                        first_texts.append(first - began)
+
+        def all_clients() -> None:
+            threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        server_before = server_cpu_seconds(pid)
+        timing = timed(all_clients)
+        timing = Timing(cpu_s=timing.cpu_s + server_cpu_seconds(pid) - server_before, wall_s=timing.wall_s)
+        result = summary(generated[0], timing.wall_s, latencies) | {"timing": timing}
+        if first_texts:
+            result |= {
+                "first_text_p50": statistics.median(first_texts),
+                "first_text_p99": percentile(first_texts, 0.99),
+            }
+        return result
+
+    return phase
+
+
+def serve(
+    model: Model,
+    clients: Annotated[str, typer.Option(help="Concurrent clients, comma-separated.")] = "1,4,16,64",
+    tokens: Tokens = 32,
+    requests_per_client: Annotated[int, typer.Option(help="Requests each client sends, one after another.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of every phase.")] = 2,
+    threads: Threads = 1,
+    device: Device = "cpu",
+    batch_wait: Annotated[float, typer.Option(help="The server's --batch-wait (ms).")] = 0.0,
+    steps: Annotated[int | None, typer.Option(help="Denoising steps (default: one a token).")] = None,
+    block_length: BlockLength = None,
+    cache: Cache = None,
+    threshold: Annotated[float | None, typer.Option(help="The sampler's threshold.")] = None,
+    remasking: Annotated[str | None, typer.Option(help="The sampler's remasking.")] = None,
+    stream: Annotated[bool, typer.Option(help="Served requests stream: time to first text too.")] = False,
+    results: Results = harness.RESULTS,
+) -> None:
+    """Tokens/s and latency of dlm serve at each client count against dlm.sample one request at a time."""
+
+    counts = [int(count) for count in clients.split(",")]
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)  # before the stamp, which records it
+    given: dict[str, Any] = {"steps": steps or tokens, "block_length": block_length, "cache": cache}
+    given |= {"threshold": threshold, "remasking": remasking}
+    options = {name: value for name, value in given.items() if value is not None}  # the rest: the sampler's defaults
+    run = harness.start(
+        "serve",
+        model=str(model),
+        clients=counts,
+        tokens=tokens,
+        requests_per_client=requests_per_client,
+        rounds=rounds,
+        threads=threads,
+        device=device,
+        batch_wait=batch_wait,
+        options=options,
+        stream=stream,
+    )
+    loaded, tokenizer = dlm.load(model, device=device)
+    process, url = start_server(model, max(counts), device, threads, batch_wait)
+    phases: dict[str, list[dict[str, Any]]] = {}
+    candidates: dict[str, Callable[[], Timing]] = {}
+    for count in counts:
+        requests = requests_for(count, requests_per_client)
+        for phase, measure in (
+            ("alone", one_at_a_time(loaded, tokenizer, requests, tokens, options)),
+            ("served", served(url, process.pid, requests, count, tokens, options, stream)),
+        ):
+            name = f"{phase}_{count}"
+            phases[name] = []
+            candidates[name] = recording(measure, phases[name])
+    try:
+        interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=progress_to_stderr)
+    finally:
+        stop_server(process)
+    figures = {
+        f"clients_{count}": client_figures(phases[f"alone_{count}"], phases[f"served_{count}"]) for count in counts
+    }
+    raw = {
+        name: [without_timing(result) | {"cpu_s": result["timing"].cpu_s} for result in kept]
+        for name, kept in phases.items()
+    }
+    path = run.save(figures, raw, results=results)
+    typer.echo(table(figures, stream))
+    typer.echo(f"wrote {path}")
+
+
+def recording(measure: Callable[[], dict[str, Any]], into: list[dict[str, Any]]) -> Callable[[], Timing]:
+    """A self-timed candidate that keeps each round's summary."""
+
+    def candidate() -> Timing:
+        into.append(measure())
+        timing: Timing = into[-1]["timing"]
+        return timing
+
+    return candidate
+
+
+def without_timing(result: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in result.items() if key != "timing"}
+
+
+def client_figures(alone: list[dict[str, Any]], serving: list[dict[str, Any]]) -> dict[str, Any]:
+    """One client count's figures: each phase's best round, the ratio of the best, the per-round ratios."""
+
+    def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+        top = max(rounds, key=lambda result: result["tokens_per_second"])
+        return without_timing(top) | {
+            "cpu_ms_per_token": statistics.median(1000 * r["timing"].cpu_s / max(r["tokens"], 1) for r in rounds)
+        }
+
+    speeds = {
+        name: [result["tokens_per_second"] for result in rounds]
+        for name, rounds in (("alone", alone), ("served", serving))
+    }
+    alone_best, served_best = best(alone), best(serving)
+    return {
+        "alone": alone_best,
+        "served": served_best,
+        "speedup": served_best["tokens_per_second"] / alone_best["tokens_per_second"],
+        "round_speedup": spread(round_ratios(speeds["served"], speeds["alone"])),
+    }
+
+
+def table(figures: dict[str, Any], stream: bool) -> str:
+    first = " | p50 first text served | p99 first text served" if stream else ""
+    lines = [
+        "| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
+        f"| p50 served | p99 served{first} |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if stream else "") + "|",
+    ]
+    for key, row in figures.items():
+        alone, server = row["alone"], row["served"]
+        firsts = f" | {server['first_text_p50']:.3f} s | {server['first_text_p99']:.3f} s" if stream else ""
+        lines.append(
+            f"| {key.removeprefix('clients_')} | {alone['tokens_per_second']:.0f} | "
+            f"{server['tokens_per_second']:.0f} | {row['speedup']:.1f}x | {alone['p50']:.3f} s | "
+            f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s{firsts} |"
+        )
+    return "\n".join(lines)
+
+
+def step_pass(
+    model: Any, rows: int, tokens: int, cache_mode: str | None, block_length: int | None, device: str
+) -> Callable[[], object]:
+    """The forward pass of one denoising step halfway through `tokens` after a 16-token prompt, for `rows`
+    rows, as a function to time: its cache, if any, is filled beforehand."""
+
+    from dlm.model.attention import KVCache
+    from dlm.model.denoiser import block_size
+
+    block = block_size(model.config) or (block_length if cache_mode else None)
+    width = min(model.config.max_seq_len, tokens + 16)  # the benchmark's shape: a short prompt, then the tokens
+    sequence = torch.randint(3, model.config.vocab_size, (rows, width), device=device)
+    if block is None:  # the whole sequence, the tokens to generate scored
+        scored = torch.zeros_like(sequence, dtype=torch.bool)
+        scored[:, width - tokens :] = True
+        return lambda: model(sequence, scored)
+    start = (width - tokens // 2) // block * block  # the current block, halfway through
+    end = min(start + block, width)
+    fed_end = width if cache_mode == "prefix" else end
+    cache = KVCache(committing=True)
+    kept = sequence[:, :start] if cache_mode != "dual" else torch.cat((sequence[:, :start], sequence[:, end:]), 1)
+    with torch.inference_mode():
+        model(kept, torch.zeros_like(kept, dtype=torch.bool), cache=cache)
+    cache.committing, cache.length = False, start  # the fed block's rotary positions start at the block
+    fed = sequence[:, start:fed_end]
+    scored = torch.zeros_like(fed, dtype=torch.bool)
+    scored[:, : end - start] = True
+    return lambda: model(fed, scored, cache=cache)
+
+
+def serve_pass_cost(
+    model: Model,
+    clients: Annotated[str, typer.Option(help="Rows a pass (the batch sizes), comma-separated.")] = "1,4,16,64",
+    tokens: Tokens = 32,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of every batch size.")] = 8,
+    threads: Threads = 1,
+    device: Device = "cpu",
+    block_length: BlockLength = None,
+    cache: Cache = None,
+    results: Results = harness.RESULTS,
+) -> None:
+    """Milliseconds per row of one denoising step's forward pass at each batch size: what batching can save."""
+
+    counts = [int(count) for count in clients.split(",")]
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    run = harness.start(
+        "serve-pass-cost",
+        model=str(model),
+        rows=counts,
+        tokens=tokens,
+        rounds=rounds,
+        threads=threads,
+        device=device,
+        block_length=block_length,
+        cache=cache,
+    )
+    loaded, _ = dlm.load(model, device=device)
+    on_cuda = torch.device(device).type == "cuda"
+
+    def synchronized(step: Callable[[], object]) -> Callable[[], None]:
+        def go() -> None:
+            step()
+            if on_cuda:
+                torch.cuda.synchronize()  # time the pass, not its launch
+
+        return go
+
+    passes = {
+        f"rows_{count}": synchronized(step_pass(loaded, count, tokens, cache, block_length, device)) for count in counts
+    }
+    with torch.inference_mode():
+        timings = interleaved(passes, rounds, warmup=1, progress=progress_to_stderr)
+    per_row = {
+        name: [1000 * t.wall_s / count for t in timings[name]] for name, count in zip(passes, counts, strict=True)
+    }
+    first = statistics.median(per_row[f"rows_{counts[0]}"])
+    figures = {
+        name: {"ms_per_row": statistics.median(values), "saved": first / statistics.median(values)}
+        for name, values in per_row.items()
+    }
+    path = run.save(figures, {"ms_per_row": per_row}, results=results)
+    lines = ["| rows a pass | ms per row | saved against the first |", "|---:|---:|---:|"]
+    lines += [
+        f"| {name.removeprefix('rows_')} | {row['ms_per_row']:.2f} | {row['saved']:.2f}x |"
+        for name, row in figures.items()
+    ]
+    typer.echo("\n".join(lines))
+    typer.echo(f"wrote {path}")
