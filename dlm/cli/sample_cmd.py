@@ -337,10 +337,12 @@ def sample(
 
     Faster: --steps half of --length (two tokens a step) kept the judge
     perplexity of the d_model 256 CPU demo model within 10% at 1.5x; on
-    today's demo model (d_model 96, Muon) it gains 1.1-1.3x and costs 7-50%
-    judge perplexity, so keep the defaults there; --block-length 8 --cache
-    dual adds speed at some quality; --threshold pays only on a confident
-    model (docs/benchmarks.md, Fast generation).
+    today's demo model (d_model 96, Muon) it gained 1.1-1.3x at 0.7 and cost
+    7-50% judge perplexity, so keep the defaults there; --block-length 8
+    --cache dual adds speed at some quality; --threshold pays only on a
+    confident model (0.11 lab notes, "Fast generation": git show
+    cece22c:docs/benchmarks.md; today's figures: docs/benchmarks.md,
+    "Generation: tokens per pass against quality").
 
     An option that the others would make do nothing is refused with one error line.
     """

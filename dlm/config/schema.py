@@ -99,14 +99,16 @@ class ModelConfig(_Strict):
         ge=0,
         description="Document-aware attention: the end-of-document token id (`dlm pack` writes one after every "
         "document; 0 for dlm's tokenizers). Set, a position of a packed row attends only to its own document in "
-        'training and evaluation; unset, to the whole row. See docs/benchmarks.md, "Document-aware attention".',
+        'training and evaluation; unset, to the whole row. See the 0.11 lab notes, "Document-aware attention" '
+        "(git show cece22c:docs/benchmarks.md).",
     )
     mask_logit: MaskLogit = Field(
         "plain",
         description="plain: the head scores the mask token like any other token (probability the reverse process "
         "never uses); subs: MDLM's SUBS parameterisation, the mask token's logit is -inf and an unmasked position "
         "predicts its own token (probability 1). Plain stays the default: subs scored 0.012 bits/byte worse at "
-        "equal steps of configs/cpu.toml (docs/benchmarks.md).",
+        'equal steps of configs/cpu.toml (0.11 lab notes, "SUBS parameterisation (`[model] mask_logit`)": '
+        "git show cece22c:docs/benchmarks.md).",
     )
 
     @property

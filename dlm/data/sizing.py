@@ -6,7 +6,8 @@ and what to pick instead. Each verdict is an `Advice` (a detail, and a fix when 
 large); the callers only place it. Warnings never fail a command.
 
 The thresholds come from float32 runs of ten minutes at an AVX2-only CPU's pace on 1.3 MB of English
-(docs/benchmarks.md, "Sizing to a small corpus"; held-out bits per byte, lower is better):
+(0.11 lab notes, "Sizing to a small corpus": git show cece22c:docs/benchmarks.md; held-out bits per byte,
+lower is better):
 
 - training tokens per vocabulary entry: 74 (4096 tokens) scored best on the corpus tuned on, 164
   (2048) 0.047 worse with the same model, 36 (8192, the cpu.toml model) 0.083 worse; on the

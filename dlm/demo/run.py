@@ -30,8 +30,9 @@ neighbours is diluted. With 64-token blocks, d_model 256 and 4 layers leave the 
 ~0.5M tokens; d_model 96 (1.2M parameters) takes 1.9x (bfloat16) to 3.3x (float32) the steps of
 d_model 256 in the same time and learns more in a CPU's ten minutes. That CPU model is
 configs/cpu.toml's (a test keeps the two equal): training on mask probabilities in [0.3, 0.8]
-only, and bfloat16 autocast where the CPU multiplies it natively (float32 elsewhere;
-docs/benchmarks.md has the measurements).
+only, and bfloat16 autocast where the CPU multiplies it natively (float32 elsewhere). The
+measurements: 0.11 lab notes, "The demo on 2 CPU cores", "The CPU model's width at a CPU's pace" and
+"CPU recipe ablation" (git show cece22c:docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -63,27 +64,30 @@ EVAL_MC_SAMPLES = 4
 PROGRESS_SECONDS = 0.5  # at most one progress event per stage this often
 CPU_MODEL_OVERRIDES = (
     # d_model 96: at a CPU's ten minutes, the steps of a smaller model are worth more than the width
-    # of a larger one (docs/benchmarks.md, "The CPU model's width at a CPU's pace").
+    # of a larger one (0.11 lab notes, "The CPU model's width at a CPU's pace": git show cece22c:docs/benchmarks.md).
     "model.d_model=96",
     "model.n_layers=4",
     "model.n_heads=2",
     "model.max_seq_len=64",  # the data is packed to match
     # batch 64 with Muon: level with batch 32 at an AVX2-only CPU's pace and 0.03 bits/byte better at an
-    # AVX512-BF16 CPU's, in the same time (docs/benchmarks.md, "Muon's batch").
+    # AVX512-BF16 CPU's, in the same time (0.11 lab notes, "Muon's batch, the demo with Muon, and the gap by
+    # budget": git show cece22c:docs/benchmarks.md).
     "training.batch_size=64",
     # Muon (where this torch has it, below) at 4e-3: 0.05-0.07 bits/byte below AdamW at 2e-3 in the same
-    # CPU time (docs/benchmarks.md, "Muon at a CPU's pace").
+    # CPU time (0.11 lab notes, "Muon at a CPU's pace": git show cece22c:docs/benchmarks.md).
     "training.learning_rate=4e-3",
     "training.eval_batches=4",
-    # configs/cpu.toml's measured winner (docs/benchmarks.md, CPU recipe ablation): training draws
-    # mask probabilities in [0.3, 0.8] only (the evaluation still covers all of them).
+    # configs/cpu.toml's measured winner (0.11 lab notes, "CPU recipe ablation": git show
+    # cece22c:docs/benchmarks.md): training draws mask probabilities in [0.3, 0.8] only (the evaluation
+    # still covers all of them).
     "diffusion.schedule=linear",
     "training.clip_mask_min=0.3",
     "training.clip_mask_max=0.8",
 )
 # The demo's CPU optimizer, as its note names it: configs/cpu.toml's Muon, or on a torch before 2.9
 # AdamW at the learning rate and batch it was measured at (batch 32: 0.017 bits/byte better than 64
-# at an AVX2-only CPU's pace, docs/benchmarks.md, "The AVX512-BF16 class's 2.2: the levers left").
+# at an AVX2-only CPU's pace: 0.11 lab notes, "The AVX512-BF16 class's 2.2: the levers left", git show
+# cece22c:docs/benchmarks.md).
 _OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW (this torch has no Muon)"}
 _OPTIMIZER_OVERRIDES = {
     "muon": ("training.optimizer=muon",),
@@ -218,7 +222,7 @@ def demo_experiment(output: Path, config_path: Path | None, device: str | None) 
     resolved = str(resolve_device(experiment.training.device))
     experiment = with_overrides(experiment, [f"training.device={resolved}"], "--device")
     if config_path is None and resolved == "cpu":
-        # auto: bfloat16 autocast where the CPU multiplies it natively (1.8x the steps on 2 threads), float32 elsewhere.
+        # auto: bfloat16 autocast where the CPU multiplies it natively (more steps a minute), float32 elsewhere.
         precision = resolve_training_precision("auto", torch.device("cpu"))
         # Muon where this torch has it (2.9 and later), else AdamW: the demo runs on any supported torch.
         optimizer = "muon" if hasattr(torch.optim, "Muon") else "adamw"

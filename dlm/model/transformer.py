@@ -11,7 +11,7 @@ belong to the caller.
 With `mask_logit = "subs"` the logits are MDLM's SUBS parameterisation (`subs_logits`): the mask
 token is never predicted and an unmasked position predicts itself. It is not the default: at equal
 steps on the CPU recipe it scored 0.012 bits/byte worse, and it learned a copy task in fewer seeds
-(docs/benchmarks.md, "SUBS parameterisation").
+(0.11 lab notes, "SUBS parameterisation (`[model] mask_logit`)": git show cece22c:docs/benchmarks.md).
 
 Each Block is `x + attention(norm(x))` then `x + swiglu(norm(x))`. Rotary embeddings are not
 optional: on Shakespeare a bidirectional model with learned absolute positions stalled at the

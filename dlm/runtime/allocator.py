@@ -6,8 +6,9 @@ heap whenever more than 128 KB is free there. A training step on the CPU allocat
 same large tensors every step (the logits at the masked positions alone are tens of MB), so every
 step faulted all their pages in again, zeroed by the kernel. On `configs/cpu.toml`'s model on 2
 cores a training step took 1.5x (float32) to 1.65x (bfloat16) the time it takes with the memory
-kept, which costs peak resident memory: 6% more in float32, half again in bfloat16 (docs/benchmarks.md,
-"The CPU allocator"; `scripts/cpu_allocator.py` measures it).
+kept, which costs peak resident memory: 6% more in float32, half again in bfloat16, at 0.7 (0.11 lab
+notes, "The CPU allocator": git show cece22c:docs/benchmarks.md; `git show cece22c:scripts/cpu_allocator.py`
+measures it).
 
 `keep_freed_memory` raises both thresholds for the process. Only glibc has them: on macOS, Windows
 and other C libraries it does nothing. The CPU runs call it (training, `dlm bench` and the time

@@ -99,9 +99,12 @@ def resolve_training_precision(requested: str, device: torch.device) -> Precisio
     """The precision a training step runs in: `resolve_precision`'s, except that `auto` on a CPU with
     native bfloat16 (`cpu_has_native_bfloat16`) is bfloat16 autocast.
 
-    There bfloat16 trained configs/cpu.toml's model 1.8x faster per step and scored the same as
-    float32 at equal steps (docs/benchmarks.md). Evaluation keeps `resolve_precision`'s float32 on
-    the CPU: it is a small share of a run's time, and its figures are the ones compared across runs.
+    There bfloat16 trains configs/cpu.toml's model faster per step (docs/benchmarks.md, "bfloat16 on the
+    CPU", has today's ratio; 1.78x at d_model 256 in the 0.11 lab notes) and scored the same as float32
+    at equal steps (0.11 lab notes, "Ten minutes' worth of steps: the clipped masking range and
+    bfloat16": git show cece22c:docs/benchmarks.md). Evaluation keeps
+    `resolve_precision`'s float32 on the CPU: it is a small share of a run's time, and its figures are
+    the ones compared across runs.
     """
 
     if requested == "auto" and device.type == "cpu" and cpu_has_native_bfloat16():
@@ -130,8 +133,8 @@ def cpu_kernels_capped_below_bfloat16() -> bool:
 def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles) and the kernels may.
 
-    There bfloat16 autocast trained configs/cpu.toml's model 1.8x faster than float32 on 2 threads
-    (`scripts/cpu_precision.py`, docs/benchmarks.md); without them bfloat16 is emulated, float32 the safer bet.
+    There bfloat16 autocast trains configs/cpu.toml's model faster than float32 (`python -m benchmarks
+    cpu-precision` measures by how much); without them bfloat16 is emulated, float32 the safer bet.
     Under an instruction-set cap below them (`cpu_kernels_capped_below_bfloat16`) the CPU runs as one
     without them, so the answer is False there too. The probes are private torch functions: a torch
     without them answers False.

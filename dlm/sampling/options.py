@@ -48,7 +48,7 @@ class SamplingOptions:
     steps: int = DEFAULT_STEPS
     temperature: float = 1.0
     top_k: int | None = None
-    # Measured (scripts/sampler_defaults.py, docs/benchmarks.md): on a weakly trained model, greedy or
+    # Measured at 0.3 (`git show cece22c:scripts/sampler_defaults.py`): on a weakly trained model, greedy or
     # confidence-ordered reveals commit the most frequent token (a newline) nearly everywhere; random
     # (ancestral) reveals with nucleus sampling give text.
     top_p: float | None = 0.9

@@ -201,8 +201,9 @@ def _advice_check(name: str, advice: Advice) -> CheckResult:
 
 
 # Document-aware attention paid 0.07 bits/byte on documents of ~40 tokens in 64-token rows and nothing
-# on whole plays, for 1.06x the step time (docs/benchmarks.md, "Document-aware attention"): it is worth
-# suggesting when a packed row holds more than one document in two, on average.
+# on whole plays, for 1.06x the step time (0.11 lab notes, "Document-aware attention": git show
+# cece22c:docs/benchmarks.md): it is worth suggesting when a packed row holds more than one document in
+# two, on average.
 SHORT_DOCUMENT_ROWS = 2
 
 
