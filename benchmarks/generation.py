@@ -10,7 +10,7 @@ bounds when its perplexity rises by at most --ppl-bound.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -67,7 +67,7 @@ def generation(
     relative = report.relative()
     if relative is None:
         raise typer.BadParameter(f"--steps must include {length}, the default sampler's one pass per token")
-    settings = []
+    settings: list[dict[str, Any]] = []
     for row, change in zip(report.rows, relative, strict=True):
         settings.append(
             {

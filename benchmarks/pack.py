@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -93,7 +93,7 @@ def pack(
     walls = {name: [t.wall_s for t in runs] for name, runs in timings.items()}
     cpus = {name: [t.cpu_s for t in runs] for name, runs in timings.items()}
     ratios = round_ratios(walls["baseline"], walls["dlm_pack"])
-    figures = {
+    figures: dict[str, Any] = {
         "corpus_bytes": corpus_bytes,
         "ratio": spread(ratios),
         "mb_per_s": {name: statistics.median(corpus_bytes / w / 1e6 for w in wall) for name, wall in walls.items()},
