@@ -187,35 +187,62 @@ def _over_seeds(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "stderr_over_seeds": deviation / math.sqrt(len(values)), **spread(values)}
 
 
-def _arms(
-    sft: Path,
-    task: Path,
-    packed: Path,
-    run: Path,
+def _arm_command(
+    arm: str,
+    paths: tuple[Path, Path, Path, Path],
     seed: int,
     temperature: float,
     overrides: tuple[list[str], list[str]],
-) -> tuple[list[object], list[object]]:
-    """The `dlm rl` and `dlm train` arguments of one seed's two arms (before --minutes)."""
+) -> list[object]:
+    """The `dlm rl` (arm `rl:ESTIMATOR`) or `dlm train` (arm `sft`) arguments of one run, before --minutes."""
 
+    sft, task, packed, output = paths
+    directory = output / f"{arm.replace(':', '-')}-{seed}"
+    if arm == "sft":
+        more: list[object] = ["train", "--config", harness.ROOT / "configs" / "addition-sft.toml", "--init-from", sft]
+        more += ["--set", f"training.train_data={packed / 'train.bin'}"]
+        more += ["--set", f"training.val_data={packed / 'val.bin'}"]
+        more += ["--set", f"training.tokenizer={packed / 'tokenizer.json'}"]
+        more += ["--set", f"training.output_dir={directory}", "--set", f"training.seed={seed}"]
+        return more + [item for value in overrides[1] for item in ("--set", value)]
+    estimator = arm.removeprefix("rl:")
     rl: list[object] = ["rl", "--config", harness.ROOT / "configs" / "addition-rl.toml", "--init-from", sft]
     rl += ["--set", f"rl.prompts={task / 'prompts.jsonl'}", "--set", "rl.heldout=none"]
-    rl += ["--set", f"training.output_dir={run / f'rl-{seed}'}", "--set", f"training.seed={seed}"]
-    rl += ["--set", f"rl.temperature={temperature}"]
-    for item in overrides[0]:
-        rl += ["--set", item]
-    more: list[object] = ["train", "--config", harness.ROOT / "configs" / "addition-sft.toml", "--init-from", sft]
-    more += ["--set", f"training.train_data={packed / 'train.bin'}"]
-    more += ["--set", f"training.val_data={packed / 'val.bin'}"]
-    more += ["--set", f"training.tokenizer={packed / 'tokenizer.json'}"]
-    more += ["--set", f"training.output_dir={run / f'sft-{seed}'}", "--set", f"training.seed={seed}"]
-    for item in overrides[1]:
-        more += ["--set", item]
-    return rl, more
+    rl += ["--set", f"training.output_dir={directory}", "--set", f"training.seed={seed}"]
+    rl += ["--set", f"rl.temperature={temperature}", "--set", f"rl.estimator={estimator}"]
+    return rl + [item for value in overrides[0] for item in ("--set", value)]
+
+
+def _parse_arms(arms: str) -> list[str]:
+    chosen = [arm.strip() for arm in arms.split(",") if arm.strip()]
+    from dlm.diffusion.policy_likelihood import estimator_names
+
+    estimators = set(estimator_names())
+    for arm in chosen:
+        if arm != "sft" and not (arm.startswith("rl:") and arm.removeprefix("rl:") in estimators):
+            raise typer.BadParameter(
+                f"{arm!r}: an arm is sft or rl:ESTIMATOR ({', '.join(sorted(estimators))})", param_hint="--arms"
+            )
+    return chosen
+
+
+def _seconds_per_step(run: Path) -> dict[str, float] | None:
+    """An RL run's median rollout and update seconds per step (its `rollout` events); None for SFT."""
+
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    rollouts = [event for event in events if event.get("event") == "rollout"]
+    if not rollouts:
+        return None
+    steps = max(event["step"] for event in rollouts)
+    return {
+        "steps": steps,
+        "rollout_s": spread([event["rollout_seconds"] for event in rollouts])["median"],
+        "update_s": spread([event["update_seconds"] for event in rollouts])["median"],
+    }
 
 
 def rl_learning(
-    sft: Annotated[Path, typer.Option(help="The SFT run (or export) both arms start from.")] = Path(
+    sft: Annotated[Path, typer.Option(help="The SFT run (or export) every arm starts from.")] = Path(
         "runs/addition-sft"
     ),
     task: Annotated[Path, typer.Option(help="`dlm task addition --output` directory.")] = Path("data/addition"),
@@ -223,8 +250,11 @@ def rl_learning(
         "data/addition/packed"
     ),
     output: Annotated[Path, typer.Option(help="Where the arms' runs go.")] = Path("runs/rl-learning"),
+    arms: Annotated[str, typer.Option(help="Comma-separated: rl:ESTIMATOR (a `dlm rl` run) or sft (more SFT).")] = (
+        "rl:coupled,sft"
+    ),
     minutes: Annotated[float, typer.Option(help="Training minutes of each arm.")] = 10.0,
-    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: one pair of arms each.")] = "0,1,2",
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: every arm runs once per seed.")] = "0,1,2",
     samples: Annotated[int, typer.Option(help="Evaluation samples per held-out prompt.")] = 4,
     limit: Annotated[int, typer.Option(help="Held-out prompts evaluated.")] = 400,
     temperature: Annotated[float, typer.Option(help="Of the rollouts and of every evaluation.")] = 1.0,
@@ -232,17 +262,22 @@ def rl_learning(
     sft_set: Annotated[
         list[str] | None, typer.Option("--sft-set", help="A `dlm train --set` item of the more-SFT arm (repeatable).")
     ] = None,
+    name: Annotated[str, typer.Option(help="The result file's name.")] = "rl-learning",
     results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
 ) -> None:
-    """Held-out pass@1 after --minutes of `dlm rl` against --minutes more SFT, side by side, over seeds."""
+    """Held-out pass@1 after --minutes of each arm (`dlm rl` per estimator, or more SFT), two at a time, over seeds.
+
+    Runs go two at a time, each pinned to one core, so every arm trains on one core beside another.
+    """
 
     overrides, sft_overrides = list(set_ or []), list(sft_set or [])
-    seed_list = [int(seed) for seed in seeds.split(",")]
+    chosen, seed_list = _parse_arms(arms), [int(seed) for seed in seeds.split(",")]
     run = harness.start(
-        "rl-learning",
+        name,
         sft=str(sft),
         task=str(task),
         packed=str(packed),
+        arms=chosen,
         minutes=minutes,
         seeds=seed_list,
         samples=samples,
@@ -253,24 +288,25 @@ def rl_learning(
     )
     heldout = task / "heldout.jsonl"
     start = _accuracy(sft, heldout, samples, limit, temperature)
-    by_seed: dict[str, dict[str, dict[str, float]]] = {}
-    for seed in seed_list:
-        rl, more = _arms(sft, task, packed, output, seed, temperature, (overrides, sft_overrides))
-        _wait_all(
-            [
-                _dlm(*rl, "--minutes", minutes, "--overwrite", "--json", core=0),
-                _dlm(*more, "--minutes", minutes, "--overwrite", "--json", core=1),
-            ]
-        )
-        by_seed[f"seed_{seed}"] = {
-            "rl": _accuracy(output / f"rl-{seed}", heldout, samples, limit, temperature),
-            "more_sft": _accuracy(output / f"sft-{seed}", heldout, samples, limit, temperature),
-        }
-        progress_to_stderr(f"seed {seed}: {json.dumps(by_seed[f'seed_{seed}'])}")
-    arms = {arm: _over_seeds([row[arm]["pass_at_1"] for row in by_seed.values()]) for arm in ("rl", "more_sft")}
-    figures = {"start": start, "minutes_per_arm": minutes, "by_seed": by_seed, **arms}
+    jobs = [(arm, seed) for seed in seed_list for arm in chosen]
+    by_seed: dict[str, dict[str, dict[str, Any]]] = {}
+    for pair in range(0, len(jobs), 2):
+        started = []
+        for core, (arm, seed) in enumerate(jobs[pair : pair + 2]):
+            command = _arm_command(arm, (sft, task, packed, output), seed, temperature, (overrides, sft_overrides))
+            started.append(_dlm(*command, "--minutes", minutes, "--overwrite", "--json", core=core))
+        _wait_all(started)
+        for arm, seed in jobs[pair : pair + 2]:
+            directory = output / f"{arm.replace(':', '-')}-{seed}"
+            entry: dict[str, Any] = _accuracy(directory, heldout, samples, limit, temperature)
+            entry["per_step"] = _seconds_per_step(directory)
+            by_seed.setdefault(f"seed_{seed}", {})[arm.replace(":", "_").replace("-", "_")] = entry
+            progress_to_stderr(f"seed {seed}, {arm}: {json.dumps(entry)}")
+    keys = [arm.replace(":", "_").replace("-", "_") for arm in chosen]
+    summary = {key: _over_seeds([row[key]["pass_at_1"] for row in by_seed.values()]) for key in keys}
+    figures = {"start": start, "minutes_per_arm": minutes, "by_seed": by_seed, "arms": summary}
     path = run.save(figures, {"by_seed": by_seed}, results=results)
     typer.echo(f"start: pass@1 {start['pass_at_1']:.3f} ± {start['stderr']:.3f}")
-    for arm, over in arms.items():
-        typer.echo(f"{arm}: pass@1 {over['mean']:.3f} ± {over['stderr_over_seeds']:.3f} over seeds")
+    for key, over in summary.items():
+        typer.echo(f"{key}: pass@1 {over['mean']:.3f} ± {over['stderr_over_seeds']:.3f} over seeds")
     typer.echo(f"wrote {path}")

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import typer
 
 from benchmarks import harness
 from benchmarks.rl import rl_estimators, rl_learning
@@ -52,8 +53,17 @@ def test_rl_and_more_sft_are_judged_on_the_held_out_prompts(addition: Path, tmp_
         results=tmp_path,
     )
     figures = harness.load("rl-learning", tmp_path)["figures"]
-    assert set(figures["by_seed"]) == {"seed_0"}
-    for arm in ("rl", "more_sft"):
-        assert 0 <= figures[arm]["mean"] <= 1 and figures[arm]["stderr_over_seeds"] == 0
-        assert figures[arm]["mean"] == figures["by_seed"]["seed_0"][arm]["pass_at_1"]
+    assert set(figures["by_seed"]) == {"seed_0"} and set(figures["arms"]) == {"rl_coupled", "sft"}
+    for arm, summary in figures["arms"].items():
+        assert 0 <= summary["mean"] <= 1 and summary["stderr_over_seeds"] == 0
+        assert summary["mean"] == figures["by_seed"]["seed_0"][arm]["pass_at_1"]
     assert 0 <= figures["start"]["pass_at_1"] <= 1
+    per_step = figures["by_seed"]["seed_0"]["rl_coupled"]["per_step"]  # read from the run's rollout events
+    assert per_step["steps"] >= 1 and per_step["rollout_s"] > 0 and per_step["update_s"] > 0
+    assert figures["by_seed"]["seed_0"]["sft"]["per_step"] is None
+
+
+def test_an_arm_is_more_sft_or_a_known_estimator(tmp_path: Path) -> None:
+    with pytest.raises(typer.BadParameter, match="rl:ESTIMATOR"):
+        rl_learning(arms="rl:coupled,rl:telepathy", results=tmp_path)
+    assert not (tmp_path / "rl-learning.json").exists()
