@@ -1,5 +1,5 @@
-"""`dlm rl` in two processes on the CPU (gloo, DDP): the step's prompts split over the ranks, each
-prompt's rollouts and scoring masks seeded by its place in the step, so two processes run the
+"""`dlm rl` in two processes on the CPU (gloo, DDP and FSDP): the step's prompts split over the ranks,
+each prompt's rollouts and scoring masks seeded by its place in the step, so two processes run the
 one-process run's RL up to float summation order."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import build_addition_task, rl_config
 
-from dlm.artifacts.checkpoint import load_checkpoint
+from dlm.artifacts.loading import read_model_source
 from dlm.rl.run import rl
 from dlm.train.distributed import end_process
 
@@ -25,7 +25,7 @@ DEADLINE_S = 600
 SETTINGS = ("rl.prompts_per_step=4", "rl.heldout=none")
 
 
-def _worker(rank: int, world_size: int, root: Path) -> None:
+def _worker(rank: int, world_size: int, root: Path, parallelism: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -36,7 +36,7 @@ def _worker(rank: int, world_size: int, root: Path) -> None:
         timeout=timedelta(seconds=300),
     )
     try:
-        result = rl(rl_config(root, "ddp", *SETTINGS))
+        result = rl(rl_config(root, parallelism, *SETTINGS, f"training.parallelism={parallelism}"))
         assert result.status == "complete" and result.step == 4
     finally:
         dist.destroy_process_group()
@@ -48,16 +48,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = build_addition_task(tmp_path_factory.mktemp("rl-distributed"))
     torch.set_num_threads(1)
     rl(rl_config(root, "reference", *SETTINGS))
-    context = mp.start_processes(_worker, args=(2, root), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=5):
-            assert time.monotonic() < deadline, "the spawned RL processes did not finish in time"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    for parallelism in ("ddp", "fsdp"):
+        context = mp.start_processes(_worker, args=(2, root, parallelism), nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while not context.join(timeout=5):
+                assert time.monotonic() < deadline, f"the spawned {parallelism} RL processes did not finish in time"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
     return root
 
 
@@ -67,10 +68,16 @@ def _rollouts(run: Path) -> list[tuple[int, float, float]]:
 
 
 @pytest.mark.slow
-def test_two_processes_run_rl_as_one(runs: Path) -> None:
-    # The rewards of the rollouts (sampled on each rank from the same seeds) are the one process's.
-    assert _rollouts(runs / "ddp") == _rollouts(runs / "reference")
-    left, right = load_checkpoint(runs / "ddp" / "latest.pt"), load_checkpoint(runs / "reference" / "latest.pt")
-    assert left["step"] == right["step"] == 4
-    for name, tensor in right["model"].items():
-        assert torch.allclose(left["model"][name], tensor, rtol=0, atol=TOLERANCE), name
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_processes_run_rl_as_one(runs: Path, parallelism: str) -> None:
+    # The rewards of the rollouts (sampled on each rank from the same seeds) are the one process's;
+    # FSDP's sharded weights gather into the one process's too.
+    assert _rollouts(runs / parallelism) == _rollouts(runs / "reference")
+    # FSDP saves sharded (DCP) checkpoints: the run's latest, in whichever format, read as a model.
+    (left_info, left), (right_info, right) = (
+        read_model_source(runs / parallelism),
+        read_model_source(runs / "reference"),
+    )
+    assert left_info.step == right_info.step == 4
+    for name, tensor in right.items():
+        assert torch.allclose(left[name], tensor, rtol=0, atol=TOLERANCE), name

@@ -111,14 +111,27 @@ def check_samplable(config: ModelConfig, options: SamplingOptions) -> None:
         )
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch 2.6 and later
+    except ImportError:
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 @contextmanager
 def inference(model: Denoiser) -> Iterator[None]:
-    """Eval mode without autograd, leaving the model's train / eval mode as it was."""
+    """Eval mode without autograd, leaving the model's train / eval mode as it was.
+
+    Inference mode where it can be; plain no-grad for a model FSDP shards (`dlm rl` samples with the
+    model it trains): FSDP gathers its parameters into buffers it reuses, and buffers first written
+    under inference mode can no longer be written by the training step's forward.
+    """
 
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.no_grad() if _sharded(model) else torch.inference_mode():
             yield
     finally:
         model.train(was_training)
