@@ -26,7 +26,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import Timing, progress_to_stderr, timed
+from dlm.bench.measure import Timing, progress_to_stderr, saved_for_backward, timed
 
 # What a measured step's parts are called in the result file, and the estimate's fields behind each.
 _KINDS = ("weights", "gradients", "optimizer", "kept_for_backward")
@@ -95,22 +95,12 @@ def measured_step(experiment: Any, precision: str) -> dict[str, int]:
     step.model.train()
     model = experiment.model
     clean = torch.randint(3, model.vocab_size, (experiment.training.batch_size, model.max_seq_len))
-    parameters = {p.untyped_storage().data_ptr() for p in step.model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     weights = sum(p.numel() * p.element_size() for p in step.model.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        step.optimizer_step(iter([clean]), LogWindow(step.device))
+    kept = saved_for_backward(step.model, lambda: step.optimizer_step(iter([clean]), LogWindow(step.device)))
     grads = sum(p.grad.numel() * p.grad.element_size() for p in step.model.parameters() if p.grad is not None)
     state = step.optimizer.state.values()
     moments = sum(v.numel() * v.element_size() for s in state for k, v in s.items() if k != "step")
-    return dict(zip(_KINDS, (weights, grads, moments, sum(kept.values())), strict=True))
+    return dict(zip(_KINDS, (weights, grads, moments, kept), strict=True))
 
 
 def memory_check() -> dict[str, Any]:

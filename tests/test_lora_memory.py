@@ -12,6 +12,7 @@ import torch
 from conftest import CliResult
 from helpers import ROOT
 
+from dlm.bench.measure import saved_for_backward
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.fileio import GIB
 from dlm.train.distributed import DistributedContext
@@ -36,22 +37,10 @@ def small(*extra: str) -> ExperimentConfig:
     return load_config(ROOT / "configs" / "tiny.toml", [*SMALL, *extra])
 
 
-def saved_for_backward(step: TrainingStep, clean: torch.Tensor) -> int:
-    """Bytes of the tensors a micro-batch's forward keeps for its backward (the parameters left out),
-    each storage once: the activations and weight copies, as autograd itself holds them."""
+def step_saved_for_backward(step: TrainingStep, clean: torch.Tensor) -> int:
+    """Bytes a micro-batch's forward keeps for its backward (`dlm.bench.measure.saved_for_backward`)."""
 
-    parameters = {p.untyped_storage().data_ptr() for p in step.model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        step.micro_batch(clean, 0, 0.0, LogWindow(step.device))
-    return sum(kept.values())
+    return saved_for_backward(step.model, lambda: step.micro_batch(clean, 0, 0.0, LogWindow(step.device)))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +64,7 @@ def test_the_estimate_matches_a_measured_lora_step(precision: str, extra: tuple[
     assert estimate.trainable == sum(g.numel() for g in grads) < 0.1 * estimate.parameters
     # Approximate: what the backward keeps. The formula errs high (it counts the full training set of every
     # block, which the frozen matmuls partly spare); measured, it is within a third of what autograd keeps.
-    kept, estimated = saved_for_backward(step, clean), estimate.activations + estimate.weight_copies
+    kept, estimated = step_saved_for_backward(step, clean), estimate.activations + estimate.weight_copies
     assert 0.6 * estimated <= kept <= estimated
 
 
