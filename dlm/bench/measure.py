@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dlm import __version__
 from dlm.bench.setup import device_name
 
 # The instruction sets that change which CPU kernels run (ATen's AVX2 / AVX-512 paths, oneDNN's
@@ -98,8 +99,6 @@ def git_commit(root: Path) -> str | None:
 
 def machine_stamp(root: Path | None = None) -> MachineStamp:
     """This machine, now; `root` is the checkout whose commit to record (default: none)."""
-
-    from dlm import __version__
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gpu = device_name(torch.device("cuda")) if torch.cuda.is_available() else None
@@ -201,3 +200,21 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def progress_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def saved_for_backward(model: torch.nn.Module, run: Callable[[], object]) -> int:
+    """Bytes of the tensors `run` (a forward, or a whole step) keeps for the backward pass, each storage
+    once and the model's own parameters left out: the activations and weight copies, as autograd holds them."""
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(kept.values())
