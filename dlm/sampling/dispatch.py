@@ -111,7 +111,11 @@ def check_samplable(config: ModelConfig, options: SamplingOptions) -> None:
         )
 
 
-def _sharded(model: torch.nn.Module) -> bool:
+def _sharded(model: object) -> bool:
+    """Whether FSDP shards any part of `model` (a served request's stand-in is no module: never)."""
+
+    if not isinstance(model, torch.nn.Module):
+        return False
     try:
         from torch.distributed.fsdp import FSDPModule  # torch 2.6 and later
     except ImportError:
