@@ -44,8 +44,10 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
+from dlm.artifacts.loading import load_model_with_info  # noqa: E402
 from dlm.data.tokenizer import special_tokens  # noqa: E402
 from dlm.evaluation.scoring import Scorer  # noqa: E402
+from dlm.runtime.device import resolve_device, resolve_precision  # noqa: E402
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _log = logging.getLogger(__name__)
@@ -54,8 +56,6 @@ _log = logging.getLogger(__name__)
 def _device(requested: str | None) -> torch.device:
     """lm-eval's command line asks for cuda:0 unless told otherwise: without CUDA, as its own
     models do, take the best device there is (`auto`) instead of refusing."""
-
-    from dlm.runtime.device import resolve_device
 
     if requested and requested.startswith("cuda") and not torch.cuda.is_available():
         _log.warning("device %s: no CUDA device is available, using auto", requested)
@@ -111,9 +111,6 @@ class DlmLM(TemplateLM):
                 fix="pass pretrained=DIR and any of mc_samples, estimator, seed, precision, ema, "
                 "steps, remasking, block_length, reveal_split",
             )
-        from dlm.artifacts.loading import load_model_with_info
-        from dlm.runtime.device import resolve_precision
-
         resolved = _device(device)
         # float32 weights: `precision` alone decides the compute dtype (autocast), as in `dlm eval`.
         loaded = load_model_with_info(pretrained, resolved, dtype=torch.float32, use_ema=_flag("ema", ema))

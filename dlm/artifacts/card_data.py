@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from dlm.artifacts.export_layout import SourceInfo, tokenizer_config
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import load_tokenizer
 from dlm.errors import UserError, UserNote
 
 NEUTRAL_PROMPT = "The"  # when no text of the run's data can be read
@@ -127,9 +129,6 @@ def data_lines(info: SourceInfo) -> list[str]:
 
 def usage_prompt(info: SourceInfo) -> str:
     """The first words of the validation (else training) text, so the example suits the data."""
-
-    from dlm.data.dataset import load_packed_dataset
-    from dlm.data.tokenizer import load_tokenizer
 
     for split in ("val", "train"):
         path = _data_path(info, split)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from dlm import __version__
@@ -55,6 +56,7 @@ from dlm.config.shapes import format_parameter_count
 from dlm.data.chat import TOKENIZER_CONFIG_NAME
 from dlm.errors import UserError, UserNote, check_can_create, reported_os_errors
 from dlm.fileio import share_as_created, swap_directory_into_place, temporary_path
+from dlm.model.lora import peft_config, to_peft_names
 
 EXPORT_DTYPES: dict[ExportDtype, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -374,8 +376,6 @@ def _stored_writer(weights: dict[str, Tensor], dtype: torch.dtype) -> WeightsWri
     stored, tied = _store_once(weights, dtype)
 
     def write(path: Path) -> None:
-        from safetensors.torch import save_file
-
         save_file(stored, str(path), metadata=_WEIGHTS_METADATA)
 
     return write, sum(tensor.numel() for tensor in stored.values()), tied
@@ -518,8 +518,6 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
     its weights' sha256). `dlm.load` on the directory merges them onto that base, refusing a base whose
     weights changed."""
 
-    from dlm.model.lora import peft_config, to_peft_names
-
     output = Path(output)
     _check_output(output, overwrite)
     info, adapters = read_model_source(source, use_ema, merge_adapters=False)
@@ -571,8 +569,6 @@ def export_adapters(source: str | Path, output: str | Path, use_ema: bool = True
 def _write_adapters(
     directory: Path, stored: dict[str, Tensor], config: dict[str, Any], tokenizer: Path, tokenizer_settings: Path | None
 ) -> None:
-    from safetensors.torch import save_file
-
     directory.mkdir()
     save_file(stored, str(directory / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": ADAPTER_FORMAT})
     share_as_created(directory / ADAPTER_WEIGHTS_NAME)

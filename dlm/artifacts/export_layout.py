@@ -16,7 +16,7 @@ from typing import Any
 
 from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig
-from dlm.data.chat import TOKENIZER_CONFIG_NAME
+from dlm.data.chat import TOKENIZER_CONFIG_NAME, read_chat_template
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 
@@ -204,8 +204,6 @@ def tokenizer_config(info: SourceInfo) -> tuple[Path | None, str | None]:
     """The tokenizer_config.json beside the model's tokenizer file and its chat_template (each None
     when absent). An export carries both, so that `dlm sample --chat` on it renders the template the
     chat data was packed with; an unreadable file is refused here, not copied to fail there."""
-
-    from dlm.data.chat import read_chat_template
 
     path = info.tokenizer_path.parent / TOKENIZER_CONFIG_NAME
     if not path.is_file():

@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
 from torch import Tensor
 
 from dlm import __version__
@@ -47,7 +48,8 @@ from dlm.artifacts.hf.dlm_format import MODEL_TYPE, is_hf_export
 from dlm.artifacts.hf.names import to_hf_names
 from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
-from dlm.data.tokenizer import SPECIAL_TOKENS
+from dlm.data.chat import ChatTemplate, Turn, read_config, special_tokens_of
+from dlm.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_token_id
 from dlm.errors import UserError, UserNote, reported_os_errors
 from dlm.fileio import share_as_created, swap_directory_into_place, temporary_path
 
@@ -186,8 +188,6 @@ def _write(
     tokenizer: Path,
     chat_template: str | None,
 ) -> None:
-    from safetensors.torch import save_file
-
     directory.mkdir()
     save_file(stored, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "dlm_format": HF_FORMAT})
     share_as_created(directory / WEIGHTS_NAME)
@@ -204,8 +204,6 @@ def _check_template_renders_alike(source: Path, template: str, files: dict[str, 
     """Warn when the template renders otherwise under the export's special tokens than under the
     source config's (e.g. a `bos_token` dlm's vocabulary lacks: declaring it would make transformers
     add a token the model has no embedding for, so the export declares only dlm's own)."""
-
-    from dlm.data.chat import ChatTemplate, Turn, read_config, special_tokens_of
 
     probe = [Turn("user", "hi")]
     before = ChatTemplate(template, source, special_tokens_of(read_config(source))).prompt(probe)
@@ -239,7 +237,6 @@ def export_hf(
     settings_path, chat_template = export_tokenizer_config(info)
     if settings_path is not None and chat_template is not None:
         _check_template_renders_alike(settings_path, chat_template, tokenizer_files(1, chat_template))
-    from dlm.data.tokenizer import load_tokenizer, special_token_id
 
     loaded = load_tokenizer(tokenizer)
     special_ids = {name: special_token_id(loaded, name) for name in SPECIAL_TOKENS}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, Tokenizer
 from torch import Tensor
 
 from dlm.artifacts.export import check_import_output, write_streamed_export
@@ -35,8 +36,6 @@ def _mask_token_rows(
     """Add `<|mask|>` to the tokenizer (written into `work`); its id, the change that gives it the mean
     embedding (and head) row as those tables are read, and the rows they grow by: a spare row of a
     padded vocabulary is used when there is one, else a new row is added."""
-
-    from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(source_tokenizer))
     used = tokenizer.get_vocab_size(with_added_tokens=True)  # rows past it (padding) were never trained

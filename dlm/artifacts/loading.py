@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import Tensor
 
@@ -188,9 +190,6 @@ def _export_diffusion(config: dict[str, Any]) -> DiffusionConfig:
 
 
 def _read_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     config = read_export_config(directory)
     config_path = directory / CONFIG_NAME
     check_config_fields(config, _EXPORT_FIELDS, config_path, required=("model",))
@@ -244,9 +243,6 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
 
 def _read_adapter_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     """The adapters of `dlm export --adapters-only` (peft's names turned back into the model's)."""
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     path = directory / ADAPTER_CONFIG_NAME
     dlm = read_adapter_config(directory)

@@ -27,8 +27,11 @@ import torch
 
 from dlm.bench.setup import compare_settings
 from dlm.diffusion.distillation import distilled_steps
+from dlm.diffusion.objective import elbo_nll
+from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size, masked_logits
+from dlm.sampling.options import SamplingOptions
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
@@ -143,8 +146,6 @@ class GenerateReport:
     def default_row(self) -> GenerateRow | None:
         """The row of the default sampler (`dlm sample`'s options, one step per token), when a setting is it."""
 
-        from dlm.sampling.options import SamplingOptions
-
         defaults = asdict(SamplingOptions()) | {"steps": self.default_steps or self.length}
         return next(
             (
@@ -200,9 +201,6 @@ def distinct_ngrams(token_ids: list[list[int]], n: int = 2) -> float:
 
 def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: torch.Generator) -> float:
     """NLL per token of one sequence [1, L]: exact for an autoregressive judge, else the MC ELBO."""
-
-    from dlm.diffusion.objective import elbo_nll
-    from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 
     config = judge.config
     if block_size(config) == 1:  # every position sees only the clean prefix
@@ -311,7 +309,7 @@ def benchmark_generation(
     base: dict[str, Any] = {"length": length, "steps": steps, "num_samples": num_samples, "seed": seed}
     settings = parse_generate_compare(compare or []) or [{}]
     report = GenerateReport(length, num_samples, judge_name, repeats, seed=seed, default_steps=steps)
-    from dlm.sampling.generation import generate
+    from dlm.sampling.generation import generate  # looked up per call: tests count the calls
 
     # Untimed warm-up of the kernels, one token a step: what every model accepts, also one whose
     # blocks are shorter than the warm-up (an autoregressive block_size = 1 model needs a step a block).

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.table import Column, Table
 
 from dlm.cli.common import (
     DeviceMemoryOption,
@@ -22,6 +23,7 @@ from dlm.cli.common import (
     refuse_other_mode,
     wants_json,
 )
+from dlm.config.schema import load_config
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -169,8 +171,7 @@ def _check_mode_options(ctx: typer.Context, generating: bool) -> None:
 def _generate_command(model_path: Path, judge_path: Path | None, options: dict[str, Any], as_json: bool) -> None:
     """`dlm bench --generate`: one row per sampler setting."""
 
-    from rich.table import Table
-
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.artifacts.loading import load_model_with_info
     from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
     from dlm.bench.measure import machine_stamp
@@ -210,8 +211,6 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 
 def _estimate_command(experiment: ExperimentConfig, device_memory: float | None, as_json: bool) -> None:
     """`dlm bench --estimate`: the memory of one training process, part by part, from the config alone."""
-
-    from rich.table import Column, Table
 
     from dlm.train.memory import format_bytes, plan_memory
 
@@ -271,8 +270,6 @@ def bench_command(
     With --generate MODEL, time sampling instead, with the quality of the samples beside the speed.
     """
 
-    from rich.table import Table
-
     _check_mode_options(ctx, generating=generate is not None)
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
@@ -284,7 +281,6 @@ def bench_command(
     from dlm.bench.measure import machine_stamp
     from dlm.bench.results import BenchReport, report_summary, report_table
     from dlm.bench.throughput import Progress, benchmark
-    from dlm.config.schema import load_config
 
     experiment = load_config(config, overrides)
     if estimate:

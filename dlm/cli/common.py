@@ -10,6 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dlm.errors import UserError
+
 console = Console()
 err_console = Console(stderr=True)
 
@@ -74,8 +76,6 @@ def given_options(ctx: typer.Context) -> dict[str, str]:
 def refuse_other_mode(given: dict[str, str], names: tuple[str, ...], mode: str, fix: str = "") -> None:
     """One `error:` line naming every option in `given` (as `given_options` returns) that only the other
     mode reads: `names` are those options' parameter names, `mode` says which mode runs, `fix` adds to "drop"."""
-
-    from dlm.errors import UserError
 
     wrong = [given[name] for name in names if name in given]
     if wrong:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from dlm.cli.common import JsonOption, SetOption, console, print_json
 from dlm.config.reference import config_reference_markdown
@@ -27,7 +28,6 @@ def show(
     if as_json:
         print_json(experiment.to_dict())
         return
-    from rich.table import Table
 
     for section, values in experiment.to_dict().items():
         table = Table(title=f"[{section}]", title_justify="left", show_header=False, box=None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.table import Column, Table
 
 from dlm.cli.common import (
     ConfigOption,
@@ -87,6 +88,7 @@ def tokenizer_train(
 ) -> None:
     """Train a byte-level BPE tokenizer with dlm's special tokens, streaming the corpus."""
 
+    # lazy: dlm.data's modules import tokenizers and numpy, which `dlm --help` does without
     from dlm.data.tokenizer import train_tokenizer
 
     json_mode = wants_json(as_json)
@@ -269,8 +271,6 @@ def _pack_chat(
 
 
 def _render_pack(summary: PackSummary) -> None:
-    from rich.table import Table
-
     table = Table("split", "blocks", "tokens", "dropped", "documents", "text MB", title=escape(str(summary.output)))
     for name, split in summary.splits.items():
         table.add_row(
@@ -357,8 +357,6 @@ def validate(
     if as_json:
         print_json({"passed": not failed, "warnings": warned, "checks": [result.to_dict() for result in results]})
     else:
-        from rich.table import Column, Table
-
         marks = {"passed": "[green]passed[/]", "warning": "[yellow]warning[/]", "failed": "[bold red]failed[/]"}
         table = Table(Column("check", no_wrap=True), "result", "detail", "fix", title=escape(str(config)))
         for result in results:

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from dlm.artifacts.events import JsonLinesSink
 from dlm.cli.common import DemoDeviceOption, JsonOption, console
 from dlm.cli.demo_view import DemoView, sample_quality_line
 
@@ -54,7 +55,7 @@ def demo_command(
     shakespeare.toml's is trained (the output says so); a GPU trains it whole.
     """
 
-    from dlm.artifacts.events import JsonLinesSink
+    # lazy: wants_json looked up per call (a test replaces it); the demo imports torch
     from dlm.cli.common import err_console, wants_json
     from dlm.demo.run import run_demo
 

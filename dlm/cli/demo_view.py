@@ -47,8 +47,6 @@ def samples_renderable(samples: list[dict[str, Any]], terminal: bool) -> Rendera
     """The unconditional, prompted and infilled samples side by side: a table of one column each
     on a terminal, plain lines (label, then text) anywhere else."""
 
-    from rich.table import Table
-
     titles = [f"{sample['label']}: {sample['template'] or sample['prompt'] or 'no prompt'}" for sample in samples]
     if not terminal:
         return Text("\n".join(f"{title}\n{sample['text']}" for title, sample in zip(titles, samples, strict=True)))
@@ -132,7 +130,7 @@ class DemoView:
             console.print(comparison_renderable(event))
 
     def _stage(self, event: dict[str, Any]) -> None:
-        from rich.markup import escape
+        # lazy: only the demo's stages need these; `dlm --help` does without
         from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
         from dlm.cli.dashboard import Budget, TrainingDashboard

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,8 +19,10 @@ from dlm.cli.common import (
     refuse_other_mode,
     wants_json,
 )
+from dlm.cli.progress import ProgressView
 from dlm.cli.train_cmd import AllowDataChangeOption, MaxRunMinutes, MaxRunSteps, PrecisionOption, _overrides, _run
 from dlm.config.schema import ExperimentConfig
+from dlm.errors import UserError
 
 
 def distill_command(
@@ -105,6 +109,7 @@ def distill_command(
     than its teacher sampled in the same steps.
     """
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.distill.run import distillation_experiment
 
     distill = {
@@ -141,8 +146,6 @@ def distill_command(
 def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, overwrite: bool, as_json: bool) -> Path:
     """--data, or the packed directory of --teacher-samples (written now, with a progress bar)."""
 
-    from dlm.errors import UserError
-
     if (data is None) == (samples is None):
         raise UserError(
             "give one of --data (packed text) and --teacher-samples N (the teacher's own samples)",
@@ -151,9 +154,7 @@ def _data(teacher: Path, data: Path | None, samples: int | None, output: Path, o
     if samples is None:
         assert data is not None
         return data
-    import sys
 
-    from dlm.cli.progress import ProgressView
     from dlm.distill.samples import teacher_samples
 
     with ProgressView("teacher samples", wants_json(as_json), console, sys.stdout) as view:
@@ -175,8 +176,6 @@ def _plan(
     teacher: Path, data: Path, output: Path, distill: dict[str, Any], settings: list[str], minutes: float, as_json: bool
 ) -> tuple[ExperimentConfig, float]:
     """The experiment with its rounds planned to fill `minutes`; say what was planned (a JSON line with --json)."""
-
-    from functools import partial
 
     from dlm.bench.throughput import run_benchmark
     from dlm.distill.budget import budgeted_experiment

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from dlm.choices import ElboEstimator
 from dlm.cli.common import DeviceOption, EmaOption, JsonOption, console, err_console, print_json, wants_json
 from dlm.cli.progress import ProgressView
+from dlm.errors import reported_os_errors
 
 if TYPE_CHECKING:
     from dlm.evaluation.evaluate import EvalReport
@@ -61,8 +62,6 @@ def partial_note(report: EvalReport) -> str | None:
 
 def render_report(report: EvalReport) -> None:
     """Two rich tables: the headline figures, then the loss by noise level."""
-
-    from rich.table import Column, Table
 
     context = report.context
     step = context.get("step")
@@ -203,8 +202,8 @@ def eval_command(
     earlier eval report at --output is replaced; any other file only with --overwrite.
     """
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.artifacts.eval_report import check_eval_output
-    from dlm.errors import reported_os_errors
     from dlm.evaluation.evaluate import evaluate_source, write_report
     from dlm.runtime.device import resolve_device
 

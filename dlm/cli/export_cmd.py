@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.table import Column, Table
 
 from dlm.choices import ExportDtype, ExportFormat
 from dlm.cli.common import EmaOption, JsonOption, console, print_json, wants_json
@@ -27,6 +28,7 @@ def _human_size(size: int) -> str:
 def export_summary(output: Path) -> dict[str, Any]:
     """What an export holds, for the table or JSON: its metadata and file sizes."""
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.artifacts.export_layout import ADAPTER_CONFIG_NAME, read_export_config
     from dlm.artifacts.hf.dlm_format import hf_summary, is_hf_export
     from dlm.artifacts.loading import read_adapter_config
@@ -89,7 +91,6 @@ def _render(summary: dict[str, Any], load: str, as_json: bool) -> None:
     if wants_json(as_json):
         print_json(summary)
         return
-    from rich.table import Column, Table
 
     table = Table("file", Column("size", justify="right"), title=escape(summary["output"]))
     for name, size in summary["files"].items():

@@ -31,6 +31,7 @@ class ProgressView:
 
     def __enter__(self: _View) -> _View:
         if not self.as_json:
+            # lazy: only a running command needs it; `dlm --help` does without
             from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
             self.bar = Progress(

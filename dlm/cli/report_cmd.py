@@ -37,6 +37,7 @@ def report_command(
     An earlier report at --output is replaced; any other file only with --overwrite.
     """
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.report.page import write_report
 
     path = write_report(run_dir, output, overwrite)

@@ -47,6 +47,7 @@ def rl_command(
     checkpoint; dlm resume continues exactly.
     """
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.rl.run import rl_experiment
 
     extra = _overrides(overrides, device, precision)

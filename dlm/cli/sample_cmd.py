@@ -6,14 +6,18 @@ character each) are revealed step by step; otherwise the final texts, or JSON wi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Group
+from rich.text import Text
 
 from dlm.choices import CacheMode, Remasking, RevealSplit
 from dlm.cli.common import DeviceOption, JsonOption, console, given_options, print_json
+from dlm.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +34,8 @@ def render_samples(
     """One panel per sample: known text as is, each masked token as a dim block character. `steps`
     None counts tokens instead (an autoregressive model's step is one token)."""
 
-    from rich.console import Group
+    # lazy (here and below): rich's panels, and the library with torch, load only when `dlm sample` runs
     from rich.panel import Panel
-    from rich.text import Text
 
     from dlm.sampling.prompting import split_masked
 
@@ -59,7 +62,6 @@ def _print_result(result: SampleResult, live_view: bool) -> None:
             typer.echo(text)
         return
     from rich.panel import Panel
-    from rich.text import Text
 
     for index, text in enumerate(result.texts):
         title = f"sample {index + 1}/{len(result.texts)}" if len(result.texts) > 1 else "sample"
@@ -228,8 +230,6 @@ def _refuse_unused(
 ) -> None:
     """One `error:` line for an option given on the command line that the request would ignore."""
 
-    from dlm.errors import UserError
-
     given = set(given_options(ctx))
     if prompt_file is not None and given & {"prompt", "text", "chat"}:
         raise UserError("--prompt-file cannot be combined with --prompt, --text or --chat", fix="pass one of them")
@@ -267,8 +267,6 @@ def sample_request(
 ) -> SampleRequest:
     """The checked request of `dlm sample`'s options: `values` are the `SamplingOptions` fields and
     length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads."""
-
-    from dataclasses import fields
 
     from dlm.runtime.device import resolve_device
     from dlm.sampling.options import DEFAULT_STEPS, SamplingOptions
@@ -402,8 +400,6 @@ def sample(
 
 def _sample_prompts(model: Any, tokenizer: Any, prompts: list[str], request: SampleRequest) -> None:
     """Print a JSON line per sample of --prompt-file as each batch of --batch-size finishes."""
-
-    import json
 
     from dlm.sampling.generation import generate_records
 

@@ -124,6 +124,7 @@ def serve_command(
 ) -> None:
     """Serve MODEL with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /health."""
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.serving.protocol import Limits
     from dlm.serving.server import Server, ServeSettings, check_requirements, load_served
 

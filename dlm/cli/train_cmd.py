@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
+from dlm.artifacts.events import JsonLinesSink
 from dlm.cli.common import (
     ConfigOption,
     JsonOption,
@@ -31,6 +32,7 @@ from dlm.cli.common import (
     wants_json,
 )
 from dlm.config.schema import ExperimentConfig, load_config
+from dlm.errors import UserError
 
 if TYPE_CHECKING:
     from dlm.train.loop import TrainResult
@@ -98,6 +100,7 @@ def _under_signals(experiment: ExperimentConfig, work: Callable[[StopSignals], N
     its result is printed) then cannot kill the process with another exit code or a traceback.
     `again`: how to continue from the last checkpoint (by default `dlm resume RUN`)."""
 
+    # lazy: keeps torch out of `dlm --help` and of every other command's start
     from dlm.train.stop import SignalStop, StopSignals
 
     try:
@@ -132,7 +135,6 @@ def run_function(experiment: ExperimentConfig) -> Callable[..., TrainResult]:
 
 
 def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
-    from dlm.artifacts.events import JsonLinesSink
     from dlm.cli.dashboard import TrainingDashboard
     from dlm.train.distributed import launched_rank
 
@@ -165,7 +167,6 @@ def _train_within(
 ) -> None:
     """`--minutes`: calibrate, plan and train (or finish, or continue) the run within the budget."""
 
-    from dlm.artifacts.events import JsonLinesSink
     from dlm.bench.throughput import run_benchmark
     from dlm.cli.budget_view import BudgetView
     from dlm.train.budget import BudgetedTraining
@@ -197,8 +198,6 @@ def _check_budget_options(ctx: typer.Context, overrides: list[str], source: str)
 
     `source` names where the budget comes from: `--minutes`, or the config's training.budget_minutes.
     """
-
-    from dlm.errors import UserError
 
     from_config = source != "--minutes"
     drop = "--set training.budget_minutes=0" if from_config else "--minutes"

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dlm.config.rules import FieldProblem
+from dlm.diffusion.divergences import divergence_names
 
 
 class DistillConfig(BaseModel):
@@ -102,7 +103,6 @@ class DistillConfig(BaseModel):
                 f"{self.teacher_steps} steps do not halve {self.rounds} times",
                 f"use a multiple of {1 << self.rounds} or fewer rounds",
             )
-        from dlm.diffusion.divergences import divergence_names  # torch-free at import
 
         if self.divergence not in divergence_names():
             raise FieldProblem(

@@ -107,7 +107,7 @@ class RLConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_estimator(self) -> RLConfig:
-        from dlm.diffusion.policy_likelihood import estimator_names  # torch-free at import
+        from dlm.diffusion.policy_likelihood import estimator_names  # lazy: it imports torch, dlm.config does not
 
         if self.estimator not in estimator_names():
             raise FieldProblem(

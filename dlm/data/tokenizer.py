@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dlm.data.chat import TOKENIZER_CONFIG_NAME, read_config, special_tokens_of
 from dlm.data.corpus import CorpusReader, check_output_file, discover_inputs
 from dlm.data.sizing import VocabularyFit, corpus_vocabulary_warning, vocabulary_fit
 from dlm.errors import UserError, reported_os_errors
@@ -189,8 +190,6 @@ def has_dlm_special_tokens(tokenizer: Tokenizer) -> bool:
 def _declared_roles(tokenizer: Tokenizer, path: Path) -> dict[str, str] | None:
     """The special tokens a tokenizer_config.json beside `path` names (an imported model's), or None
     when it names no end-of-document token that the tokenizer holds."""
-
-    from dlm.data.chat import TOKENIZER_CONFIG_NAME, read_config, special_tokens_of
 
     config = path.parent / TOKENIZER_CONFIG_NAME
     if not config.is_file():

@@ -10,11 +10,22 @@ call reuses a finished student; an interrupted distillation continues with `dlm 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.events import StreamSink
+from dlm.artifacts.export import export_model
 from dlm.artifacts.export_layout import CONFIG_NAME, read_export_config
+from dlm.artifacts.loading import load_model
+from dlm.artifacts.run_dir import RunDir, load_run
+from dlm.bench.throughput import run_benchmark
+from dlm.distill.budget import budgeted_experiment
+from dlm.distill.run import distill
+from dlm.distill.step import DistillStep
+from dlm.sampling.generation import generate
+from dlm.train.loop import TrainResult
 
 COMPARE_PROMPT = "ROMEO:"
 
@@ -24,8 +35,6 @@ def distill_stage(
 ) -> dict[str, Any] | None:
     """Distil `model_dir` within `minutes`, export the student and compare it with its teacher; None when
     the distillation stopped before the end (the comparison then waits for the run to finish)."""
-
-    from dlm.artifacts.export import export_model
 
     student_dir, run_dir = output / "student", output / "student-run"
     if (student_dir / CONFIG_NAME).is_file() and read_export_config(student_dir).get("distillation"):
@@ -60,16 +69,6 @@ def distill_stage(
 def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emit: StreamSink) -> Any:
     """Plan and run the distillation, or continue the one an earlier call left in `run_dir`."""
 
-    from functools import partial
-
-    from dlm.artifacts.checkpoint import load_checkpoint
-    from dlm.artifacts.run_dir import RunDir, load_run
-    from dlm.bench.throughput import run_benchmark
-    from dlm.distill.budget import budgeted_experiment
-    from dlm.distill.run import distill
-    from dlm.distill.step import DistillStep
-    from dlm.train.loop import TrainResult
-
     run = RunDir(run_dir)
     if run.latest.is_file():  # an earlier call's run: finish it (or take it as it is, when complete)
         experiment, source = load_run(run_dir, None, [])
@@ -103,9 +102,6 @@ def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emi
 
 def compare(teacher_dir: Path, student_dir: Path, length: int, seed: int = 0) -> dict[str, Any]:
     """The teacher (one step a token) and the student (its own steps) on one prompt and seed."""
-
-    from dlm.artifacts.loading import load_model
-    from dlm.sampling.generation import generate
 
     sides = {}
     for name, path, steps in (("teacher", teacher_dir, length), ("student", student_dir, None)):

@@ -44,19 +44,35 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from dlm.artifacts.events import StreamEvent, StreamSink
+from dlm.artifacts.export import export_model
+from dlm.artifacts.export_layout import CONFIG_NAME, read_export_config
+from dlm.artifacts.loading import build_model, load_model, read_model_source
+from dlm.artifacts.run_dir import RunDir
+from dlm.assets import shakespeare_files
+from dlm.bench.throughput import run_benchmark
 from dlm.config.schema import ExperimentConfig, load_config, with_overrides
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.pack import pack_corpus
+from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
 from dlm.demo.baseline import SpreadBlocks
+from dlm.demo.distill import distill_stage
 from dlm.errors import UserError
+from dlm.evaluation.evaluate import EVAL_FORMAT, evaluate_model, write_report
+from dlm.evaluation.likelihood import packed_token_bytes
+from dlm.evaluation.sample_quality import corpus_words, pooled, sample_quality
 from dlm.evaluation.unigram import unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
+from dlm.runtime.device import resolve_device, resolve_precision, resolve_training_precision
+from dlm.sampling.generation import generate
+from dlm.sampling.prompting import template_fixed_text
 from dlm.train.budget import FORWARD_SHARE, BudgetedTraining, check_minutes
 from dlm.train.plan import TrainingPlan
-
-if TYPE_CHECKING:
-    from dlm.artifacts.run_dir import RunDir
+from dlm.train.preflight import validate_experiment
 
 SAMPLES_NAME = "samples.json"
 EVAL_SECONDS = 30.0  # evaluation is sized to take about this long (or a tenth of a shorter budget)
@@ -151,8 +167,6 @@ class _Demo:
 
     @property
     def run(self) -> RunDir:
-        from dlm.artifacts.run_dir import RunDir  # imports torch: not at import, so `dlm --help` stays fast
-
         return RunDir(self.run_dir)
 
     @property
@@ -206,10 +220,6 @@ def _run_stage(
 def demo_experiment(output: Path, config_path: Path | None, device: str | None) -> tuple[ExperimentConfig, list[str]]:
     """The config to train, its file paths moved into `output`, and notes on what was changed."""
 
-    import torch
-
-    from dlm.runtime.device import resolve_device, resolve_training_precision
-
     overrides = [
         f"training.tokenizer={output / 'data' / 'tokenizer.json'}",
         f"training.train_data={output / 'data' / 'train.bin'}",
@@ -257,9 +267,6 @@ def _check_existing_run(demo: _Demo) -> None:
 
 
 def _tokenizer_stage(demo: _Demo) -> None:
-    from dlm.assets import shakespeare_files
-    from dlm.data.tokenizer import load_tokenizer, train_tokenizer
-
     wanted = demo.experiment.model.vocab_size
 
     def reuse() -> dict[str, Any] | None:
@@ -293,10 +300,6 @@ def _read_split_metadata(demo: _Demo) -> dict[str, dict[str, Any]] | None:
 
 
 def _data_stage(demo: _Demo) -> dict[str, Any]:
-    from dlm.assets import shakespeare_files
-    from dlm.data.pack import pack_corpus
-    from dlm.data.tokenizer import tokenizer_sha256
-
     seq_len = demo.experiment.model.max_seq_len
 
     def figures(metadata: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -331,8 +334,6 @@ def _data_stage(demo: _Demo) -> dict[str, Any]:
 
 
 def _validate_stage(demo: _Demo) -> None:
-    from dlm.train.preflight import validate_experiment
-
     def work() -> dict[str, Any]:
         results = validate_experiment(demo.experiment)
         for result in results:
@@ -359,14 +360,6 @@ def _eval_figures(report: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def _evaluate(demo: _Demo, sequences: int) -> dict[str, Any]:
     """Evaluate the run's latest.pt on `sequences` spread validation blocks and write eval.json."""
-
-    import torch
-
-    from dlm.artifacts.loading import build_model, read_model_source
-    from dlm.data.dataset import load_packed_dataset
-    from dlm.evaluation.evaluate import evaluate_model, write_report
-    from dlm.evaluation.likelihood import packed_token_bytes
-    from dlm.runtime.device import resolve_precision
 
     device = torch.device(demo.experiment.training.device)
     info, weights = read_model_source(demo.run_dir)
@@ -411,8 +404,6 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
     sequences = max(16, min(val_blocks, int(seconds / per_sequence)))
 
     def reuse() -> dict[str, Any] | None:
-        from dlm.evaluation.evaluate import EVAL_FORMAT
-
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -429,9 +420,6 @@ def _evaluate_stage(demo: _Demo, plan: TrainingPlan, step: int, val_blocks: int)
 
 
 def _export_stage(demo: _Demo, step: int) -> None:
-    from dlm.artifacts.export import export_model
-    from dlm.artifacts.export_layout import CONFIG_NAME, read_export_config
-
     def reuse() -> dict[str, Any] | None:
         if not (demo.model_dir / CONFIG_NAME).exists() or read_export_config(demo.model_dir).get("step") != step:
             return None
@@ -445,14 +433,6 @@ def _export_stage(demo: _Demo, step: int) -> None:
 
 
 def _samples_stage(demo: _Demo) -> list[dict[str, Any]]:
-    import torch
-
-    from dlm.artifacts.loading import load_model
-    from dlm.assets import shakespeare_files
-    from dlm.evaluation.sample_quality import corpus_words, pooled, sample_quality
-    from dlm.sampling.generation import generate
-    from dlm.sampling.prompting import template_fixed_text
-
     device = demo.experiment.training.device
     length = demo.result.sample_length = min(64, demo.experiment.model.max_seq_len * 3 // 4)  # room for a prompt
     demo.stage("samples", "running", detail=f"{len(SAMPLE_REQUESTS)} samples of {length} tokens")
@@ -523,7 +503,6 @@ def run_demo(
     _tokenizer_stage(demo)
     val_blocks = _data_stage(demo)["val_num_blocks"]
     _validate_stage(demo)
-    from dlm.bench.throughput import run_benchmark
 
     training = BudgetedTraining(
         experiment,
@@ -552,8 +531,6 @@ def run_demo(
     result.model_dir = demo.model_dir
     result.samples = _samples_stage(demo)
     if distill_minutes is not None:
-        from dlm.demo.distill import distill_stage
-
         result.comparison = distill_stage(
             demo.model_dir, demo.data_dir, output, distill_minutes, result.sample_length or 64, demo.emit
         )

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dlm.artifacts.checksum import weights_sha256
+from dlm.artifacts.loading import read_model_source
 from dlm.config.distill import DistillConfig
 from dlm.config.schema import (
     ExperimentConfig,
@@ -22,6 +23,7 @@ from dlm.config.schema import (
     format_validation_error,
     with_overrides,
 )
+from dlm.distill.step import DistillStep
 from dlm.errors import UserError
 from dlm.train.loop import TrainResult, train
 
@@ -57,8 +59,6 @@ def distillation_experiment(
     and batch at a quarter of its learning rate; `distill` sets `[distill]` fields (rounds,
     teacher_steps, steps_per_round, divergence) and `overrides` are `--set` items applied last.
     """
-
-    from dlm.artifacts.loading import read_model_source
 
     teacher, data = Path(teacher), Path(data)
     info, _ = read_model_source(teacher, use_ema=True)
@@ -112,8 +112,6 @@ def distillation_experiment(
 def with_teacher_hash(experiment: ExperimentConfig) -> ExperimentConfig:
     """The experiment with its teacher's weights' sha256 recorded (a resume and the export check it)."""
 
-    from dlm.artifacts.loading import read_model_source
-
     distill = experiment.distill
     if distill is None or distill.teacher_sha256 is not None:
         return experiment
@@ -125,8 +123,6 @@ def with_teacher_hash(experiment: ExperimentConfig) -> ExperimentConfig:
 def distill(experiment: ExperimentConfig, **options: Any) -> TrainResult:
     """Run (or, with `resume=`, continue) the distillation `experiment` describes; `options` are those of
     `dlm.train.loop.train`. Returns how the run ended."""
-
-    from dlm.distill.step import DistillStep
 
     if experiment.distill is None:
         raise UserError("this config has no [distill] section", fix="train it with dlm train, or add [distill]")

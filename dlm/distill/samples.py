@@ -16,8 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.loading import load_model_with_info
+from dlm.artifacts.run_dir import check_run_target, metadata_sha256
+from dlm.data.pack import pack_corpus
 from dlm.errors import UserError
 from dlm.fileio import atomic_path, atomic_write_json
+from dlm.sampling.generation import generate
 
 SAMPLES_DIR = "teacher-samples"
 SAMPLES_NAME, RECORD_NAME = "samples.jsonl", "samples.json"
@@ -38,11 +42,6 @@ def teacher_samples(
     """The packed data directory of `count` samples of `teacher` under `run_dir`, written or reused. A run
     already in `run_dir` is refused first (unless `overwrite`: the run then starts over), not after
     minutes of sampling."""
-
-    from dlm.artifacts.loading import load_model_with_info
-    from dlm.artifacts.run_dir import check_run_target, metadata_sha256
-    from dlm.data.pack import pack_corpus
-    from dlm.sampling.generation import generate
 
     if count < 2:
         raise UserError(f"--teacher-samples must be at least 2 (got {count})", fix="for example --teacher-samples 2048")

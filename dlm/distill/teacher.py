@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dlm.artifacts.checksum import weights_sha256
@@ -76,8 +78,6 @@ class RoundTeachers:
             )
 
     def _save_snapshot(self, round_index: int) -> None:
-        from safetensors.torch import save_file
-
         state = full_model_state(self.teacher)  # a collective under FSDP: every rank calls it
         if self.world.is_main:
             path = self.run.teacher_snapshot(round_index)
@@ -93,9 +93,6 @@ class RoundTeachers:
         self.world.barrier()  # no rank trains on a teacher whose snapshot is not yet on disk
 
     def _load_snapshot(self, round_index: int) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = self.run.teacher_snapshot(round_index)
         try:
             weights = load_file(str(path), device="cpu")

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 
 from dlm.artifacts.eval_report import check_report_path
+from dlm.artifacts.loading import build_model, read_model_source
+from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import (
     ESTIMATORS,
     Batch,
@@ -52,10 +54,11 @@ from dlm.diffusion.objective import (
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, DEFAULT_SCHEDULE, NOISE_BUCKETS, Schedule, get_schedule
 from dlm.errors import UserError
 from dlm.evaluation.likelihood import byte_table, likelihood_figures, packed_token_bytes, scored_counts
+from dlm.evaluation.unigram import TRAINING_ADVICE, unigram_bits_per_byte, unigram_verdict
 from dlm.fileio import atomic_write_json
 from dlm.model.denoiser import block_size, masked_logits
 from dlm.runtime.allocator import keep_freed_memory
-from dlm.runtime.device import autocast_context
+from dlm.runtime.device import autocast_context, resolve_precision
 
 if TYPE_CHECKING:
     from dlm.model.denoiser import Denoiser
@@ -426,8 +429,6 @@ def _evaluation_dataset(data: str | Path | None, info: Any) -> Any:
     """The packed split to evaluate on: `data` (a `dlm pack` directory's val split, or a .bin), or
     the run's own validation data; refuse data tokenized for another model."""
 
-    from dlm.data.dataset import load_packed_dataset
-
     if data is None:
         if info.experiment is None:
             raise UserError(
@@ -470,9 +471,6 @@ def evaluate_source(
     fixed-noise figures of a training checkpoint repeat its last validation event; `batches="all"`
     scores the whole split; the context's `data_sequences` is the split's size."""
 
-    from dlm.artifacts.loading import build_model, read_model_source
-    from dlm.runtime.device import resolve_precision
-
     info, weights = read_model_source(source, use_ema)
     dataset = _evaluation_dataset(data, info)
     training = info.experiment.training if info.experiment is not None else None
@@ -512,8 +510,6 @@ def evaluate_source(
 def _add_unigram_level(report: EvalReport, dataset: Any, token_bytes: Any) -> None:
     """The unigram level of the scored sequences beside the model's bits per byte, from the
     training split packed with the data, with a verdict when the model is no better."""
-
-    from dlm.evaluation.unigram import TRAINING_ADVICE, unigram_bits_per_byte, unigram_verdict
 
     train = dataset.path.parent / "train.bin"
     if report.bits_per_byte is None or dataset.metadata.get("loss_mask"):

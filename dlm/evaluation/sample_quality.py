@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.data.corpus import CorpusReader
+
 WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")
 
 
@@ -41,8 +43,6 @@ class CorpusWords:
 def corpus_words(paths: Sequence[Path], tokenizer: Any | None = None) -> CorpusWords:
     """Read `paths` (any corpus format dlm packs) for their words; with a `tokenizer`, also count
     the tokens their text encodes to, for the words-per-token density of real text."""
-
-    from dlm.data.corpus import CorpusReader
 
     vocabulary: set[str] = set()
     total_words = total_tokens = 0

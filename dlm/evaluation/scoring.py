@@ -34,11 +34,14 @@ from torch import Tensor
 
 from dlm.choices import RevealSplit
 from dlm.data.tokenizer import never_sampled_ids, special_token_id
+from dlm.diffusion.distillation import distilled_steps
 from dlm.diffusion.objective import ESTIMATORS, elbo_nll, noise_seed
 from dlm.diffusion.schedules import DEFAULT_MASK_EPS, model_schedule
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size, masked_logits
 from dlm.runtime.device import autocast_context
+from dlm.sampling.options import SamplingOptions, sampling_steps
+from dlm.sampling.row_noise import RowNoise
 
 _GENERATE_PASS = 1  # keeps generation noise apart from scoring noise of the same ids
 
@@ -96,9 +99,6 @@ class Scorer:
         block_length: int | None = None,
         reveal_split: RevealSplit = "schedule",
     ) -> None:
-        from dlm.diffusion.distillation import distilled_steps
-        from dlm.sampling.options import SamplingOptions, sampling_steps
-
         if mc_samples < 1:
             raise UserError(f"mc_samples must be at least 1 (got {mc_samples})", fix="pass mc_samples=32")
         if estimator not in ESTIMATORS:
@@ -195,8 +195,6 @@ class Scorer:
         an end-of-document token: `generate` keeps the same tokens up to the first one and drops
         the rest, so the written text is the tokens up to and including it."""
 
-        from dlm.sampling.options import SamplingOptions
-
         verdicts = [True] * len(rows)
         for start in sorted({start for ids, start in rows if len(ids) > start}):
             group = [index for index, (ids, first) in enumerate(rows) if first == start]
@@ -221,8 +219,7 @@ class Scorer:
         """The `count` ids [R, count] that the reverse process writes after each context (all of one
         length), each row with the noise of its context alone; `stop` ends at end-of-document tokens."""
 
-        from dlm.sampling.dispatch import denoise
-        from dlm.sampling.row_noise import RowNoise
+        from dlm.sampling.dispatch import denoise  # looked up per call: a test replaces it to see the options
 
         mask_id, width = self.config.mask_token_id, len(contexts[0])
         tokens = torch.tensor(
@@ -269,8 +266,6 @@ class Scorer:
         """The text of up to `max_tokens` new tokens after `context` (its oldest tokens dropped when
         they do not fit), cut at the first `until` string; `options` are `SamplingOptions` fields,
         `steps`, `remasking`, `block_length` and `reveal_split` by default the scorer's."""
-
-        from dlm.sampling.options import SamplingOptions
 
         limit = self.config.max_seq_len
         count = max(1, min(max_tokens, limit - 1 if context else limit))

@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from dlm.data.dataset import load_packed_dataset, token_counts
+from dlm.evaluation.likelihood import packed_token_bytes
+
 UNIGRAM_MARGIN = 0.02  # bits per byte: a model this close to its unigram level learned next to nothing
 MAX_COUNTED = 1 << 28  # a 268M-token prefix pins frequencies down far beyond the figure's 3 decimals
 
@@ -22,8 +25,6 @@ MAX_COUNTED = 1 << 28  # a 268M-token prefix pins frequencies down far beyond th
 def unigram_table(train: Any, max_tokens: int = MAX_COUNTED) -> np.ndarray:
     """Natural-log add-one unigram probabilities of the first `max_tokens` tokens of a packed
     training split (a `PackedDataset`)."""
-
-    from dlm.data.dataset import token_counts
 
     counts = token_counts(train, int(train.metadata["vocab_size"]), max_tokens) + 1.0
     return np.log(counts / counts.sum())
@@ -36,9 +37,6 @@ def unigram_bits_per_byte(
     `blocks` of `evaluated` (default: the directory's validation split): the level of a model that
     ignores all context. The bytes are those of exactly these blocks, from `token_bytes` (UTF-8
     bytes per id) or the data's own tokenizer.json. None without a byte count."""
-
-    from dlm.data.dataset import load_packed_dataset
-    from dlm.evaluation.likelihood import packed_token_bytes
 
     train = load_packed_dataset(data_dir, split="train")
     evaluated = evaluated if evaluated is not None else load_packed_dataset(data_dir, split="val")

@@ -117,7 +117,7 @@ def masked_logits(
     if needs_clean_copy(config):
         keywords["clean_tokens"] = clean
     if config.document_separator_id is not None:  # document-aware attention, from the clean row's separators
-        from dlm.model.attention import document_ids
+        from dlm.model.attention import document_ids  # lazy: this module imports no torch at run time
 
         keywords["documents"] = document_ids(clean, config.document_separator_id)
     return model(noisy, output_positions=mask, **keywords)

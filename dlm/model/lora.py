@@ -23,6 +23,7 @@ from dlm.config.lora import LoraConfig
 from dlm.config.schema import ModelConfig
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
+from dlm.model.transformer import DiffusionTransformer
 
 LORA_EXTRA = Requirement("peft", "lora", "[training.lora] (LoRA adapters)")
 ADAPTER = "default"  # peft's adapter name: one adapter per model
@@ -154,8 +155,6 @@ def merged_weights(
 ) -> dict[str, Tensor]:
     """Plain float32 weights: `base` with the trained `adapters` merged in (W + alpha / r x B A, by
     each peft layer's own `merge`). They load into a `DiffusionTransformer` built without peft."""
-
-    from dlm.model.transformer import DiffusionTransformer
 
     peft = require(LORA_EXTRA)
     with torch.device("cpu"):

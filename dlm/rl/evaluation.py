@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlm.artifacts.loading import load_model_with_info
+from dlm.config.rl import RewardSpec
 from dlm.diffusion.objective import noise_seed
 from dlm.errors import UserError
-from dlm.model.denoiser import Denoiser
-from dlm.rl.prompts import PromptSet
-from dlm.rl.rewards import BoundReward, score
+from dlm.model.denoiser import Denoiser, block_size
+from dlm.rl.prompts import PromptSet, completion_length, read_prompts
+from dlm.rl.rewards import BoundReward, bind_rewards, check_records, score
 from dlm.rl.rollouts import sample_rollouts
 
 
@@ -130,12 +132,6 @@ def evaluate_model(
 ) -> PromptEvaluation:
     """`evaluate_prompts` on the model at `source` (an export, checkpoint or run) and the first `limit`
     prompts of the JSONL file `prompts`, each reward a registered name or `module:function`."""
-
-    from dlm.artifacts.loading import load_model_with_info
-    from dlm.config.rl import RewardSpec
-    from dlm.model.denoiser import block_size
-    from dlm.rl.prompts import completion_length, read_prompts
-    from dlm.rl.rewards import bind_rewards, check_records
 
     if samples < max(ks):
         raise UserError(f"pass@{max(ks)} needs at least {max(ks)} samples per prompt", fix=f"pass --samples {max(ks)}")

@@ -23,6 +23,7 @@ from dlm.data.tokenizer import special_token_id
 from dlm.diffusion.objective import noise_seed
 from dlm.model.denoiser import Denoiser
 from dlm.rl.prompts import PromptSet
+from dlm.sampling.generation import generate
 
 ROLLOUT_TAG = 0x524C  # keeps rollout seeds apart from every other stream of the run
 
@@ -60,8 +61,6 @@ def sample_rollouts(
     """`group_size` completions of `length` tokens for each prompt `indices[i]`, seeded `seeds[i]`;
     `options` go to `dlm.sampling.generation.generate` (steps, temperature, top_p, remasking, ...);
     `positions` are the groups' places in the whole step (default 0, 1, ...)."""
-
-    from dlm.sampling.generation import generate
 
     texts = [prompts.texts[index] for index in indices]
     result = generate(

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlm.artifacts.loading import read_model_source
 from dlm.config.schema import ExperimentConfig
 from dlm.errors import UserError
+from dlm.rl.step import RLStep
 from dlm.train.loop import TrainResult, train
 
 
 def rl_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
     """`experiment` with the starting model's `[model]`, `[diffusion]` and tokenizer where it names none."""
-
-    from dlm.artifacts.loading import read_model_source
 
     if experiment.rl is None:
         raise UserError("this config has no [rl] section", fix="add [rl] with prompts = 'FILE.jsonl' (docs/rl.md)")
@@ -40,8 +40,6 @@ def rl_experiment(experiment: ExperimentConfig) -> ExperimentConfig:
 def rl(experiment: ExperimentConfig, **options: Any) -> TrainResult:
     """Run (or, with `resume=`, continue) the RL run `experiment` describes; `options` are those of
     `dlm.train.loop.train`. Returns how the run ended."""
-
-    from dlm.rl.step import RLStep
 
     if experiment.rl is None:
         raise UserError("this config has no [rl] section", fix="train it with dlm train, or add [rl]")

@@ -27,6 +27,8 @@ from dlm.diffusion.objective import noise_generator, noise_seed
 from dlm.diffusion.policy_likelihood import EntryScores, get_estimator, score_draws
 from dlm.errors import UserError
 from dlm.model.denoiser import block_size
+from dlm.model.lora import adapters_disabled
+from dlm.rl.evaluation import evaluate_prompts
 from dlm.rl.objective import clipped_policy_loss, group_advantages
 from dlm.rl.prompts import completion_length, read_prompts
 from dlm.rl.rewards import bind_rewards, check_records, score
@@ -217,8 +219,6 @@ class RLStep(TrainingStep):
         if self.rl.kl_weight <= 0:
             return None
         if self.config.lora.enabled:
-            from dlm.model.lora import adapters_disabled
-
             with adapters_disabled(self.model):
                 return self._fixed_scores(self.step_model, rollouts, step)
         if self.reference is None:
@@ -360,8 +360,6 @@ class RLStep(TrainingStep):
 
     def validation_event(self) -> HeldoutEvent:
         """One sample per held-out prompt (seeded by the prompt alone: every evaluation asks the same), scored."""
-
-        from dlm.rl.evaluation import evaluate_prompts
 
         assert self.heldout is not None
         result = evaluate_prompts(

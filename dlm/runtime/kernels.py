@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dlm.errors import UserError
 from dlm.runtime.support import fused_attention_problem
@@ -88,7 +89,6 @@ def attention_kernel_context(device: torch.device, preference: str) -> contextli
 
     if device.type != "cuda" or preference == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     first = "mem_efficient" if preference == "efficient" else preference
     order = [first] + [name for name, on in enabled_sdpa_backends().items() if on and name != first]

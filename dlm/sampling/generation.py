@@ -16,7 +16,9 @@ from dlm.model.denoiser import block_size
 from dlm.sampling.autoregressive import autoregressive_options
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
 from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback, sampling_steps
+from dlm.sampling.prompt_batch import consecutive_seeds, encode_prompts, generate_prompts, prompt_chunks, prompt_records
 from dlm.sampling.prompting import build_sequence, check_request
+from dlm.sampling.reverse import cut_after_stop
 from dlm.sampling.row_noise import noise_device
 
 if TYPE_CHECKING:
@@ -99,7 +101,6 @@ def generate(
     if prompts is not None:
         if prompt or text is not None:
             raise UserError("a list of prompts cannot be combined with --prompt or --text")
-        from dlm.sampling.prompt_batch import consecutive_seeds, generate_prompts
 
         if seeds is not None and len(seeds) != len(prompts):
             raise UserError(f"{len(seeds)} seeds for {len(prompts)} prompts", fix="give one seed per prompt")
@@ -148,8 +149,6 @@ def generate(
         )
         token_ids = tokens.tolist()  # waits for the device, so the timing covers all queued work
     if end_id is not None:
-        from dlm.sampling.reverse import cut_after_stop
-
         token_ids = cut_after_stop(token_ids, fill, end_id)
     seconds = time.perf_counter() - start
     texts = [tokenizer.decode(row, skip_special_tokens=False) for row in token_ids]
@@ -183,8 +182,6 @@ def generate_records(
     """`generate` on many prompts in batches of `batch_size`, yielding one record per sample
     (`dlm.sampling.prompt_batch.prompt_records`) as each batch ends. Every prompt is checked before the
     first batch runs; prompt i keeps seed `seed + i`, as in one batch. `options` are `generate`'s."""
-
-    from dlm.sampling.prompt_batch import consecutive_seeds, encode_prompts, prompt_chunks, prompt_records
 
     encode_prompts(
         tokenizer,

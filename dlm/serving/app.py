@@ -17,6 +17,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from dlm.data.chat import ChatTemplate
@@ -128,8 +129,6 @@ class Endpoints:
         return await asyncio.get_running_loop().run_in_executor(self.parsing, self.parse, raw, shape)
 
     def parse(self, raw: bytes, shape: ResponseShape) -> Generation:
-        from pydantic import ValidationError
-
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:

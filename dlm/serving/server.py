@@ -6,6 +6,7 @@ generating) finish within `grace_seconds`, stops the scheduler and returns; the 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -14,19 +15,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from dlm.artifacts.loading import load_model_with_info
 from dlm.choices import ServeDtype
+from dlm.data.chat import ChatTemplate
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
+from dlm.runtime.allocator import keep_freed_memory
+from dlm.runtime.device import resolve_device
+from dlm.runtime.threads import configure_cpu_threads
+from dlm.sampling.dispatch import check_samplable
+from dlm.sampling.options import SamplingOptions
+from dlm.serving.app import FASTAPI, ServedModel, create_app
 from dlm.serving.guard import RequestSink
 from dlm.serving.protocol import Limits
-from dlm.serving.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from dlm.serving.app import ServedModel
+from dlm.serving.scheduler import GREENLET, Scheduler
 
 UVICORN = Requirement("uvicorn", "serve", "dlm serve")
 SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {
@@ -88,9 +94,6 @@ class ServeSettings:
 def check_requirements() -> None:
     """Before the model loads: one error naming the `serve` extra when fastapi, uvicorn or greenlet is missing."""
 
-    from dlm.serving.app import FASTAPI
-    from dlm.serving.scheduler import GREENLET
-
     for requirement in (FASTAPI, UVICORN, GREENLET):
         require(requirement)
 
@@ -99,15 +102,6 @@ def load_served(
     path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "auto", name: str | None = None
 ) -> ServedModel:
     """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
-
-    from dlm.artifacts.loading import load_model_with_info
-    from dlm.data.chat import ChatTemplate
-    from dlm.runtime.allocator import keep_freed_memory
-    from dlm.runtime.device import resolve_device
-    from dlm.runtime.threads import configure_cpu_threads
-    from dlm.sampling.dispatch import check_samplable
-    from dlm.sampling.options import SamplingOptions
-    from dlm.serving.app import ServedModel
 
     if dtype not in SERVE_DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
@@ -161,8 +155,6 @@ class Server:
     """One model behind OpenAI's API; `run` blocks until a signal (or `stop`) ends it."""
 
     def __init__(self, served: ServedModel, settings: ServeSettings, on_request: RequestSink | None = None) -> None:
-        from dlm.serving.app import create_app
-
         uvicorn = require(UVICORN)
         self.settings = settings
         self.scheduler = Scheduler(
@@ -206,8 +198,6 @@ class Server:
 
     def run(self, on_started: Callable[[], None] | None = None) -> None:
         """Serve until SIGTERM / SIGINT (in the main thread) or `stop`, then shut down gracefully."""
-
-        import asyncio
 
         _check_can_listen(self.settings.host, self.settings.port)
 

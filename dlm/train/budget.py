@@ -34,13 +34,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.events import CheckpointEvent, Event, StartEvent, StreamSink, TrainEvent
+from dlm.artifacts.run_dir import RunDir, check_run_target, run_files
+from dlm.artifacts.sharded_checkpoint import latest_sharded, sharded_step
 from dlm.config.schema import ExperimentConfig, with_overrides
+from dlm.data.dataset import load_packed_dataset
+from dlm.data.sizing import budget_advice
 from dlm.errors import UserError
+from dlm.train.loop import TrainResult, train
+from dlm.train.optimizer import decay_progress, learning_rate
 from dlm.train.plan import TrainingPlan
 
 if TYPE_CHECKING:
-    from dlm.train.loop import TrainResult
     from dlm.train.stop import StopSignals
 
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
@@ -115,10 +121,6 @@ def latest_step(run_dir: Path) -> int | None:
     """The step of the run's latest checkpoint: latest.pt, read from the numbered file it links to
     (no load), or the sharded `latest` (async_checkpoint, FSDP), read from its directory's name."""
 
-    from dlm.artifacts.checkpoint import load_checkpoint
-    from dlm.artifacts.run_dir import RunDir
-    from dlm.artifacts.sharded_checkpoint import latest_sharded, sharded_step
-
     run = RunDir(run_dir)
     latest = run.latest_checkpoint()
     sharded = latest_sharded(run_dir)
@@ -150,8 +152,6 @@ def check_minutes(minutes: float) -> None:
 
 def packed_blocks(experiment: ExperimentConfig, path: str | Path | None) -> int:
     """The number of blocks in the packed data at `path` (0 for None)."""
-
-    from dlm.data.dataset import load_packed_dataset
 
     if path is None:
         return 0
@@ -217,8 +217,6 @@ class BudgetedTraining:
                 fix=f"choose another {self.output_option}, or {self.start_over}",
             )
         if step is None or plan is None:
-            from dlm.artifacts.run_dir import check_run_target
-
             # A run this budget planned but never saved a checkpoint of is redone; any other is kept.
             check_run_target(self.run_dir, None, self.overwrite or plan is not None)
             plan = self.calibrate()
@@ -289,8 +287,6 @@ class BudgetedTraining:
         """A note when the plan repeats the training data more often than `dlm.data.sizing` advises:
         a fast device and a small corpus can plan far more epochs than the config's max_steps."""
 
-        from dlm.data.sizing import budget_advice
-
         training, seq_len = self.experiment.training, self.experiment.model.max_seq_len
         blocks = packed_blocks(self.experiment, training.train_data)
         per_step = training.batch_size * training.gradient_accumulation_steps
@@ -301,8 +297,6 @@ class BudgetedTraining:
 
     def continued(self, plan: TrainingPlan, step: int) -> TrainingPlan | None:
         """The plan to go on from `step` within this call's budget, or None: nothing to train."""
-
-        from dlm.train.optimizer import learning_rate
 
         # Finished: trained to its plan, or stopped where not one more step fit in its budget.
         finished = step >= plan.max_steps or isinstance(self.schedule_left(plan, plan.seconds_per_step, step), int)
@@ -384,8 +378,6 @@ class BudgetedTraining:
         """Anchor the cosine at `step` before the plan's max_steps moves: the decay goes on from the share
         done so far, so the learning rate keeps its value here and only the rest of the curve changes."""
 
-        from dlm.train.optimizer import decay_progress
-
         if step > plan.warmup_steps:
             training = with_overrides(self.experiment, plan.overrides(), "the time budget's plan").training
             plan.decay_anchor_step, plan.decay_anchor_progress = step, min(decay_progress(step, training), 0.999)
@@ -404,9 +396,6 @@ class BudgetedTraining:
 
     def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> TrainResult:
         """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
-
-        from dlm.artifacts.run_dir import RunDir, run_files
-        from dlm.train.loop import train
 
         experiment = with_overrides(self.experiment, plan.overrides(), "the time budget's plan")
         started, before = time.perf_counter(), plan.trained_seconds

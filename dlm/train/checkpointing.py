@@ -34,9 +34,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dlm.artifacts.events import CheckpointEvent
+from dlm.artifacts.run_dir import check_resumable, check_same_data
 from dlm.artifacts.sharded_checkpoint import (
     EMA_PREFIX,
     MODEL_PREFIX,
@@ -50,9 +59,13 @@ from dlm.artifacts.sharded_checkpoint import (
     step_directory_name,
 )
 from dlm.artifacts.sharded_checkpoint import check_files as check_checkpoint_files
+from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import TrainingConfig
 from dlm.errors import UserError
-from dlm.train.distributed import DistributedContext
+from dlm.runtime.rng import capture_rng_state, restore_rng_state
+from dlm.train.distributed import DistributedContext, check_world_size
+from dlm.train.optimizer import configured_hyperparameters_kept
+from dlm.train.step import RunCounters
 
 if TYPE_CHECKING:
     from dlm.train.trainer import Trainer
@@ -116,8 +129,6 @@ def unflatten_rank_state(tensors: Mapping[str, Tensor], prefix: str) -> dict[str
 def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(the FQN-keyed optimizer state dict, its per-parameter tensors under flat keys)."""
 
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     state = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))  # initialises an empty state first
     flat: dict[str, Tensor] = {}
     per_parameter = cast(dict[str, dict[str, Any]], state["state"])
@@ -133,8 +144,6 @@ def training_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer, ema: Any
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """(optimizer state dict, the model's, optimizer's and EMA's tensors of this rank by DCP key)."""
-
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model_state = cast(dict[str, Tensor], get_model_state_dict(model))
     tensors = {MODEL_PREFIX + name: value for name, value in model_state.items()}
@@ -347,10 +356,6 @@ def load_training_tensors(
     """Load the model, optimizer and EMA in place (resharded to this world size); returns this
     rank's RNG and data-order state (rank 0's when the saving run had fewer ranks)."""
 
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
     entries = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     source = world.rank if f"{rank_prefix(world.rank)}{_JSON_KEY}" in entries else 0
     optimizer_state, tensors = training_tensors(model, optimizer, ema if record.get("ema") else None)
@@ -395,8 +400,6 @@ def save_trainer(trainer: Trainer, checkpointer: ShardedCheckpointer) -> Path:
     `checkpoint` event comes once it is complete: at once, or for an asynchronous save when the
     loop finds it finished (`report_saves`)."""
 
-    from dlm.runtime.rng import capture_rng_state
-
     step = trainer.step
     _, tensors = training_tensors(step.model, step.optimizer, step.ema)
     if trainer.world.active and trainer.config.parallelism != "fsdp":
@@ -430,13 +433,6 @@ def report_saves(trainer: Trainer, block: bool) -> None:
 
 def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, allow_batch_change: bool = False) -> None:
     """Resume the trainer from a sharded checkpoint, on this world size whatever the saved one."""
-
-    from dlm.artifacts.run_dir import check_resumable, check_same_data
-    from dlm.config.optimizer_registry import optimizer_spec
-    from dlm.runtime.rng import restore_rng_state
-    from dlm.train.distributed import check_world_size
-    from dlm.train.optimizer import configured_hyperparameters_kept
-    from dlm.train.step import RunCounters
 
     directory = directory.resolve()  # `latest` is a link
     record = verify_checkpoint(directory, trainer.world)

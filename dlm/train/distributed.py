@@ -17,6 +17,8 @@ import atexit
 import contextlib
 import functools
 import os
+import signal
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 from dlm.config.optimizer_registry import check_fsdp_support
 from dlm.config.schema import ExperimentConfig, TrainingConfig
@@ -262,6 +266,8 @@ def _fsdp_api() -> tuple[Callable[..., Any], type]:
             from torch.distributed._composable.fsdp import FSDPModule, fully_shard
         except ImportError:
             raise refusal from None
+    # lazy (here and below): torch.distributed.checkpoint takes ~0.4 s to import and only sharded
+    # models need it; `dlm bench` and single-process training never do.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     if "broadcast_from_rank0" not in StateDictOptions.__dataclass_fields__:  # the initial weights need it
@@ -312,7 +318,6 @@ def build_model(
         return factory().to(device)
     fully_shard, _ = _fsdp_api()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
     # Only rank 0 materialises the full model (on the CPU, seeded exactly like a single process);
     # the others build it on the meta device and never hold more than their shard.
@@ -359,7 +364,6 @@ def wrap_model(model: nn.Module, world: DistributedContext, parallelism: str, co
         model.compile()
     if is_sharded(model) or not world.active:
         return model
-    from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if next(model.parameters()).device.type == "cpu" else [world.local_rank]
     return DistributedDataParallel(model, device_ids=device_ids)
@@ -473,10 +477,6 @@ def shard_like(full: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> d
 
 def launch_local(nproc: int, argv: list[str]) -> int:
     """`dlm train --nproc N ...`: the same command under torchrun on this machine (standalone)."""
-
-    import signal
-    import subprocess
-    import sys
 
     forwarded: list[str] = []
     skip_next = False

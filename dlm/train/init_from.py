@@ -23,10 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from dlm.artifacts.checksum import weights_sha256
+from dlm.artifacts.hf.foreign import source_shape
+from dlm.artifacts.loading import read_model_source
 from dlm.config.rope import RopeScaling
 from dlm.config.schema import ExperimentConfig, ModelConfig
 from dlm.errors import UserError, UserNote
 from dlm.model.denoiser import block_size
+from dlm.train.distributed import is_sharded
 
 # What fixes the meaning of the weights: their tensors' shapes and the ids of the vocabulary.
 SHAPE_FIELDS = (
@@ -78,8 +81,6 @@ def initial_weights(
     """The CPU weights of `path` after checking its tokenizer and shape against the new run's;
     `option` names the setting that chose `path` in the errors."""
 
-    from dlm.artifacts.loading import read_model_source  # imports the export readers: only when asked for
-
     info, weights = read_model_source(path, use_ema=True)
     if info.tokenizer_sha256 != tokenizer_sha256:
         raise UserError(
@@ -111,8 +112,6 @@ def adopt_source_model(experiment: ExperimentConfig, overrides: Iterable[str] = 
     a Hugging Face model (a directory of a family dlm imports, or a `dlm import` of one), so that
     nobody transcribes an 8B model's shape into TOML; a note lists what was replaced. A `--set` among
     `overrides` that contradicts the source is refused. Other sources are left to `initial_weights`."""
-
-    from dlm.artifacts.hf.foreign import source_shape
 
     source = experiment.training.init_from
     found = None if source is None else source_shape(Path(source))
@@ -189,11 +188,10 @@ def _describe_attention(config: ModelConfig) -> str:
 def load_initial_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
     """Copy `weights` into `model`'s parameters, each in the parameter's own dtype and device."""
 
-    from dlm.train.distributed import is_sharded
-
     state = model.state_dict()
     converted = {name: weights[name].to(state[name].dtype) for name in state if name in weights}
     if is_sharded(model):
+        # lazy: torch.distributed.checkpoint takes ~0.4 s to import; only a sharded model needs it
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, cast(dict[str, Any], converted), options=StateDictOptions(full_state_dict=True))

@@ -42,6 +42,8 @@ from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.config.shapes import count_parameters, format_parameter_count, parameter_shapes
 from dlm.fileio import GIB
 from dlm.model.denoiser import pass_copies
+from dlm.model.lora import add_adapters
+from dlm.model.transformer import DiffusionTransformer
 
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
@@ -66,8 +68,6 @@ def parameter_entries(model: ModelConfig, training: TrainingConfig) -> list[Para
         return [
             ParameterEntry(name, math.prod(shape), 4, True, len(shape) >= 2) for name, shape in parameter_shapes(model)
         ]
-    from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
-    from dlm.model.transformer import DiffusionTransformer
 
     with torch.device("meta"):
         network = add_adapters(DiffusionTransformer(model), training.lora)

@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dlm.artifacts.run_dir import RunDir
 from dlm.errors import UserError
 from dlm.fileio import atomic_write_json
 
@@ -48,8 +49,6 @@ class TrainingPlan:
         return [f"training.{name}={getattr(self, name)}" for name in PLANNED_FIELDS]
 
     def save(self, run_dir: Path) -> None:
-        from dlm.artifacts.run_dir import RunDir
-
         run = RunDir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.budget_plan, asdict(self))
@@ -59,8 +58,6 @@ class TrainingPlan:
     @classmethod
     def load(cls, run_dir: Path) -> TrainingPlan | None:
         """The run's plan (a `dlm demo` run's older demo-plan.json too), or None if it has none."""
-
-        from dlm.artifacts.run_dir import RunDir
 
         found = RunDir(run_dir).budget_plan_files()
         if not found:

@@ -41,12 +41,14 @@ from dlm.data.tokenizer import (
 from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.runtime.device import resolve_device, resolve_training_precision
+from dlm.train.init_from import adopt_source_model
 from dlm.train.memory import (
     check_training_memory,
     estimate_checkpoints,
     parameter_entries,
     plan_memory,
 )
+from dlm.train.plan import TrainingPlan
 
 # The vocabulary check counts every token of a train.bin of up to this many (64M: 0.1 s from the page
 # cache, plus the read of 128 MB from disk).
@@ -263,8 +265,6 @@ def _planned_budget_check(experiment: ExperimentConfig, blocks_per_step: int, bl
     """With training.budget_minutes, max_steps is not what trains: the steps are planned from the pace
     measured when training starts. Judged here: the plan of a run already started, if any."""
 
-    from dlm.train.plan import TrainingPlan
-
     training = experiment.training
     budget = f"training.budget_minutes = {training.budget_minutes:g}"
     try:
@@ -399,8 +399,6 @@ def validate_config_file(
 ) -> tuple[ExperimentConfig | None, list[CheckResult]]:
     """Load and schema-check a config file (with the shape of a Hugging Face `training.init_from`, as
     `dlm train` takes it), then run `validate_experiment` when it is valid."""
-
-    from dlm.train.init_from import adopt_source_model
 
     try:
         experiment = adopt_source_model(load_config(path, overrides), overrides or [])

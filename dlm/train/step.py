@@ -33,6 +33,7 @@ from dlm.diffusion.objective import (
 from dlm.diffusion.schedules import NOISE_BUCKETS, get_schedule
 from dlm.model.attention import AttentionAnneal
 from dlm.model.denoiser import block_size, masked_logits
+from dlm.model.lora import add_adapters
 from dlm.model.transformer import DiffusionTransformer
 from dlm.runtime.device import autocast_context, resolve_compile
 from dlm.runtime.kernels import attention_kernel_context
@@ -155,8 +156,6 @@ class TrainingStep:
         else:
             model = DiffusionTransformer(self.experiment.model)
         if self.config.lora.enabled:
-            from dlm.model.lora import add_adapters  # imports peft: only for a LoRA run
-
             add_adapters(model, self.config.lora)
         return model
 

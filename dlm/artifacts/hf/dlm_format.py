@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from torch import Tensor
 
 from dlm.artifacts.export_layout import (
@@ -22,7 +25,7 @@ from dlm.artifacts.export_layout import (
     read_distillation,
 )
 from dlm.artifacts.hf.names import from_hf_names
-from dlm.config.schema import DiffusionConfig, ModelConfig
+from dlm.config.schema import DiffusionConfig, ModelConfig, format_validation_error
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 
@@ -92,12 +95,6 @@ _HF_DLM_FIELDS = {
 def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
     """Metadata and dlm-named CPU weights of a Hugging Face export."""
 
-    from pydantic import ValidationError
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from dlm.config.schema import format_validation_error
-
     config = read_config_json(directory) or {}
     path = directory / CONFIG_NAME
     check_config_fields(config, _HF_FIELDS, path, required=_HF_REQUIRED)
@@ -129,8 +126,6 @@ def read_hf_export(directory: Path) -> tuple[SourceInfo, dict[str, Tensor]]:
 
 def hf_summary(directory: Path) -> dict[str, Any]:
     """The figures `dlm export` reports, read from a Hugging Face export's config and weights."""
-
-    from safetensors import safe_open
 
     config = read_config_json(directory) or {}
     meta = config.get("dlm") or {}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from dlm.artifacts.export_layout import CONFIG_NAME, EXPORT_FORMAT, TOKENIZER_NAME, SourceInfo, read_config_json
@@ -89,8 +90,6 @@ def _bare_shard_name(name: object) -> bool:
 
 
 def _load_tokenizer(directory: Path) -> Any:
-    from tokenizers import Tokenizer
-
     path = directory / TOKENIZER_NAME
     if not path.is_file():
         raise UserError(
