@@ -72,7 +72,7 @@ def cpu_table(
 ) -> None:
     """The CPU figures of the docs in one go: pack, training step, the demo and its twin, the generation frontier.
 
-    About 2 x --minutes + 7 minutes on 2 cores; each part writes its own result file, then the docs
+    About 2 x --minutes + 4 minutes on 2 cores; each part writes its own result file, then the docs
     are rendered.
     """
 

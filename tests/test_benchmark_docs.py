@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import harness
+from benchmarks.__main__ import BENCHMARKS
 from dlm.bench.measure import MachineStamp
 
 # A figure: a decimal, or a number followed by x, × or %. Counts of things ("2 cores", "64 tokens")
@@ -43,7 +44,9 @@ def test_every_result_file_is_stamped_and_names_the_command_that_wrote_it() -> N
     for path in files:
         result = json.loads(path.read_text(encoding="utf-8"))
         assert result["benchmark"] == path.stem
-        assert result["command"].startswith(f"python -m benchmarks {path.stem}")
+        command = result["command"].split()
+        assert command[:3] == ["python", "-m", "benchmarks"] and command[3] in BENCHMARKS
+        assert command[3] == path.stem or f"--name {path.stem}" in result["command"]  # a run named apart
         stamp = MachineStamp(**result["machine"])  # every field present, none unknown
         assert stamp.date and stamp.cpu and stamp.torch and stamp.dlm and stamp.cores >= 1
         assert isinstance(result["figures"], dict) and result["figures"]
@@ -68,3 +71,25 @@ def test_a_placeholder_without_a_result_is_an_error(tmp_path: Path) -> None:
 def test_the_figure_pattern_finds_figures_and_leaves_counts() -> None:
     assert FIGURE.findall("ran 1.25x faster, +17.6% and 0.92 of it") == ["1.25x", "17.6%", "0.92"]
     assert FIGURE.findall("on 2 cores, 64 tokens, d_model 256, 8,192 entries") == []
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_the_page_name_sections_it_has() -> None:
+    anchors = {
+        _slug(line.lstrip("#"))
+        for line in harness.DOCUMENT.read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    }
+    pages = [harness.ROOT / "README.md", *sorted((harness.ROOT / "docs").glob("*.md"))]
+    linked = {
+        (page.name, anchor)
+        for page in pages
+        for anchor in re.findall(r"benchmarks\.md#([\w-]+)", page.read_text(encoding="utf-8"))
+    }
+    assert linked, "no page links into docs/benchmarks.md"
+    assert [(page, anchor) for page, anchor in sorted(linked) if anchor not in anchors] == []
