@@ -342,6 +342,7 @@ def test_gpu_bench_arguments() -> None:
     assert set(typing.get_args(load_memory.Shape)) == set(load_memory.SHAPES)
 
 
+@pytest.mark.lora  # the LoRA step needs peft
 def test_gpu_load_memory_writes_loads_and_steps_a_tiny_model(tmp_path: Path) -> None:
     # The 8B parts of the GPU check at a CPU's size: write, load (its own result file) and a LoRA step
     # (its record appended to JSON lines after the machine it ran on, as the check collects them).
