@@ -346,6 +346,7 @@ def test_gpu_bench_arguments() -> None:
 def test_gpu_load_memory_writes_loads_and_steps_a_tiny_model(tmp_path: Path) -> None:
     # The 8B parts of the GPU check at a CPU's size: write, load (its own result file) and a LoRA step
     # (its record appended to JSON lines after the machine it ran on, as the check collects them).
+    pytest.importorskip("peft", reason="the LoRA step needs peft (pip install -e '.[lora]')")
     app, model = gpu_app(), tmp_path / "tiny"
     for args in (["write", str(model), "--shape", "llada-tiny"], ["load", str(model)]):
         result = CliRunner().invoke(app, ["load-memory", *args, "--results", str(tmp_path)])
