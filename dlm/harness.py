@@ -44,7 +44,7 @@ from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.utils import normalize_gen_kwargs  # noqa: E402
 
-from dlm.artifacts.loading import load_model_with_info  # noqa: E402
+from dlm.artifacts import loading  # noqa: E402
 from dlm.data.tokenizer import special_tokens  # noqa: E402
 from dlm.evaluation.scoring import Scorer  # noqa: E402
 from dlm.runtime.device import resolve_device, resolve_precision  # noqa: E402
@@ -113,7 +113,8 @@ class DlmLM(TemplateLM):
             )
         resolved = _device(device)
         # float32 weights: `precision` alone decides the compute dtype (autocast), as in `dlm eval`.
-        loaded = load_model_with_info(pretrained, resolved, dtype=torch.float32, use_ema=_flag("ema", ema))
+        # Through the module, so that a test can stand in a model for the loader.
+        loaded = loading.load_model_with_info(pretrained, resolved, dtype=torch.float32, use_ema=_flag("ema", ema))
         self.info, self._device = loaded.info, resolved
         self.scorer = Scorer(
             loaded.model,
