@@ -37,7 +37,7 @@ from typing import Annotated, Any
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import Timing, interleaved, progress_to_stderr, round_ratios, self_timed, spread
+from dlm.bench.measure import Timing, interleaved, round_ratios, self_timed, spread
 
 KINDS = ("single", "dcp", "dcp_async")
 WORLD_SIZE = 2
@@ -160,7 +160,7 @@ def _worker(rank: int, size: dict[str, int], rounds: int, root: Path) -> None:
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
     records: list[dict[str, Any]] = []
     meta, saves = _saves(rank, size, root, records)
-    progress = progress_to_stderr if rank == 0 else None
+    progress = harness.progress if rank == 0 else None
     interleaved(saves, rounds, warmup=0, timer=self_timed, progress=progress)
     gathered: list[list[dict[str, Any]] | None] = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, records)

@@ -23,7 +23,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import interleaved, progress_to_stderr
+from dlm.bench.measure import interleaved
 
 
 @dataclass
@@ -120,7 +120,7 @@ def measure(
     for seed in seeds:
         produced: dict[str, Any] = {}
         samplers = {entry.label: _sampler(entry, length, num_samples, seed, produced) for entry in entries}
-        timings = interleaved(samplers, repeats, warmup=0, progress=progress_to_stderr)
+        timings = interleaved(samplers, repeats, warmup=0, progress=harness.progress)
         raw[f"seed_{seed}"] = {
             label: {"cpu_s": [t.cpu_s for t in runs], "wall_s": [t.wall_s for t in runs]}
             for label, runs in timings.items()

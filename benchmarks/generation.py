@@ -17,7 +17,6 @@ import typer
 
 from benchmarks import harness
 from benchmarks.demo import DEFAULT_OUTPUT
-from dlm.bench.measure import progress_to_stderr
 
 
 def generation(
@@ -62,7 +61,7 @@ def generation(
         num_samples=num_samples,
         seed=seed,
         repeats=repeats,
-        progress=progress_to_stderr,
+        progress=harness.progress,
     )
     relative = report.relative()
     if relative is None:

@@ -61,6 +61,12 @@ class Run:
         return atomic_write_json(results / f"{self.name}.json", payload)
 
 
+def progress(line: str) -> None:
+    """A benchmark's progress line, on stderr beside its result on stdout."""
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def portable(value: Any) -> Any:
     """`value` with paths inside the repository made relative to it: a result file names no machine's folders."""
 

@@ -26,7 +26,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import Timing, progress_to_stderr, saved_for_backward, timed
+from dlm.bench.measure import Timing, saved_for_backward, timed
 
 # What a measured step's parts are called in the result file, and the estimate's fields behind each.
 _KINDS = ("weights", "gradients", "optimizer", "kept_for_backward")
@@ -81,7 +81,7 @@ def copy_task(seeds: list[int], lora_steps: int) -> dict[str, Any]:
                     "cpu_s": timing.cpu_s,
                     "wall_s": timing.wall_s,
                 }
-                progress_to_stderr(f"seed {seed}, {name}: {by_seed[f'seed_{seed}'][name]}")
+                harness.progress(f"seed {seed}, {name}: {by_seed[f'seed_{seed}'][name]}")
     return {"held_out": len(held_out), "base_parameters": base_parameters, "by_seed": by_seed}
 
 

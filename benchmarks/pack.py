@@ -25,7 +25,6 @@ from dlm.assets import shakespeare_files
 from dlm.bench.measure import (
     Timing,
     interleaved,
-    progress_to_stderr,
     round_ratios,
     self_timed,
     spread,
@@ -88,7 +87,7 @@ def pack(
             return go
 
         timings = interleaved(
-            {name: runner(name) for name in commands}, rounds, timer=self_timed, progress=progress_to_stderr
+            {name: runner(name) for name in commands}, rounds, timer=self_timed, progress=harness.progress
         )
     walls = {name: [t.wall_s for t in runs] for name, runs in timings.items()}
     cpus = {name: [t.cpu_s for t in runs] for name, runs in timings.items()}

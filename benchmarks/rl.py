@@ -27,7 +27,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import Timing, progress_to_stderr, spread, timed, timed_process
+from dlm.bench.measure import Timing, spread, timed, timed_process
 
 
 def _draw_estimates(
@@ -138,7 +138,7 @@ def rl_estimators(
             "cpu_s_per_estimate": timing.cpu_s / repeats,
         }
         raw[key] = {"row_mean": stacked.mean(dim=0).tolist(), "row_variance": stacked.var(dim=0).tolist()}
-        progress_to_stderr(f"{name}: variance {estimators[key]['per_sequence_variance']:.4g}")
+        harness.progress(f"{name}: variance {estimators[key]['per_sequence_variance']:.4g}")
     baseline = estimators["one_step"]["per_sequence_variance"]
     for entry in estimators.values():
         entry["variance_vs_one_step"] = entry["per_sequence_variance"] / baseline if baseline else None
@@ -301,7 +301,7 @@ def rl_learning(
             entry: dict[str, Any] = _accuracy(directory, heldout, samples, limit, temperature)
             entry["per_step"] = _seconds_per_step(directory)
             by_seed.setdefault(f"seed_{seed}", {})[arm.replace(":", "_").replace("-", "_")] = entry
-            progress_to_stderr(f"seed {seed}, {arm}: {json.dumps(entry)}")
+            harness.progress(f"seed {seed}, {arm}: {json.dumps(entry)}")
     keys = [arm.replace(":", "_").replace("-", "_") for arm in chosen]
     summary = {key: _over_seeds([row[key]["pass_at_1"] for row in by_seed.values()]) for key in keys}
     figures = {"start": start, "minutes_per_arm": minutes, "by_seed": by_seed, "arms": summary}

@@ -31,7 +31,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import interleaved, progress_to_stderr, round_ratios, spread
+from dlm.bench.measure import interleaved, round_ratios, spread
 from dlm.config.schema import ModelConfig
 from dlm.model.transformer import DiffusionTransformer
 from dlm.runtime.allocator import keep_freed_memory
@@ -89,7 +89,7 @@ def token_draw(
     distances = total_variation(top_p, draws)
     logits, generator = bfloat16_logits(rows, vocab, seed=0), torch.Generator().manual_seed(3)
     candidates = {name: functools.partial(draw, logits, top_p, generator) for name, draw in SAMPLERS.items()}
-    timings = interleaved(candidates, rounds, progress=progress_to_stderr)
+    timings = interleaved(candidates, rounds, progress=harness.progress)
     cpu_ms = {name: [timing.cpu_s * 1e3 for timing in runs] for name, runs in timings.items()}
     figures = {
         "total_variation": distances,
@@ -143,7 +143,7 @@ def threshold_cost(
     passes: dict[str, int] = {}
     candidates = {name: _pass_runner(model, tokens, options, passes, name) for name, options in settings.items()}
     with torch.inference_mode():
-        timings = interleaved(candidates, rounds, progress=progress_to_stderr)
+        timings = interleaved(candidates, rounds, progress=harness.progress)
     per_pass = {name: [t.wall_s * 1e3 / passes[name] for t in runs] for name, runs in timings.items()}
     best = {name: min(values) for name, values in per_pass.items()}
     figures = {

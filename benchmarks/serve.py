@@ -47,7 +47,7 @@ import typer
 
 import dlm
 from benchmarks import harness
-from dlm.bench.measure import Timing, interleaved, progress_to_stderr, round_ratios, self_timed, spread, timed
+from dlm.bench.measure import Timing, interleaved, round_ratios, self_timed, spread, timed
 
 PROMPTS = [
     "ROMEO:",
@@ -276,7 +276,7 @@ def serve(
             phases[name] = []
             candidates[name] = recording(measure, phases[name])
     try:
-        interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=progress_to_stderr)
+        interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=harness.progress)
     finally:
         stop_server(process)
     figures = {
@@ -418,7 +418,7 @@ def serve_pass_cost(
         f"rows_{count}": synchronized(step_pass(loaded, count, tokens, cache, block_length, device)) for count in counts
     }
     with torch.inference_mode():
-        timings = interleaved(passes, rounds, warmup=1, progress=progress_to_stderr)
+        timings = interleaved(passes, rounds, warmup=1, progress=harness.progress)
     per_row = {
         name: [1000 * t.wall_s / count for t in timings[name]] for name, count in zip(passes, counts, strict=True)
     }

@@ -21,7 +21,7 @@ import torch
 import typer
 
 from benchmarks import harness
-from dlm.bench.measure import Timing, interleaved, progress_to_stderr, round_ratios, spread
+from dlm.bench.measure import Timing, interleaved, round_ratios, spread
 from dlm.bench.throughput import synthetic_batches
 from dlm.config.schema import load_config
 from dlm.train.distributed import DistributedContext
@@ -86,9 +86,7 @@ def train_step(
     for count in counts:
         torch.set_num_threads(count)
         baseline_step, dlm_step, baseline_flops, dlm_flops = step_pair(config, overrides)
-        timings = interleaved(
-            {"baseline": baseline_step, "dlm": dlm_step}, rounds, warmup=3, progress=progress_to_stderr
-        )
+        timings = interleaved({"baseline": baseline_step, "dlm": dlm_step}, rounds, warmup=3, progress=harness.progress)
         baseline, dlm = _gflops(timings["baseline"], baseline_flops), _gflops(timings["dlm"], dlm_flops)
         ratios = round_ratios(dlm, baseline)
         figures[f"threads_{count}"] = {

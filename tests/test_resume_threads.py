@@ -29,7 +29,7 @@ def with_load(monkeypatch: pytest.MonkeyPatch, busy: float) -> None:
     """Two usable cores with `busy` cores' worth of other work on them, as the thread plan will see it."""
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(threads, "busy_cores", lambda sample_seconds=0.0: busy)
 
 

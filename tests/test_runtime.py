@@ -254,13 +254,13 @@ def test_cpu_threads_follow_the_free_cores(
     cores: int, load: float, expected: int, text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_usable_cores", lambda: cores)
+    monkeypatch.setattr(threads, "usable_cores", lambda: cores)
     plan = threads.plan_cpu_threads(load=load)
     assert plan.threads == expected and plan.describe() == text
 
 
 def test_omp_num_threads_overrides_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     plan = threads.plan_cpu_threads(load=0.0)
     assert plan.threads == 3 and plan.describe() == "2 cores, OMP_NUM_THREADS: 3 threads"
@@ -299,7 +299,7 @@ def test_busy_cores_without_proc_stat_is_the_load_average(monkeypatch: pytest.Mo
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.25, 0.0, 0.0))
     assert threads.busy_cores() == 1.25
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(threads, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.2)  # what a run starting on an idle machine sees
     assert threads.plan_cpu_threads().describe() == "2 cores, 0.2 busy: 2 threads"
 
@@ -355,7 +355,7 @@ def test_the_cgroup_quota_caps_the_cores(
     assert threads.quota_cores(tmp_path, tmp_path / "self-cgroup") == expected
     monkeypatch.setattr(threads, "quota_cores", lambda: expected)
     monkeypatch.setattr(threads, "_affinity", lambda: set(range(64)))  # a 64-core host's full mask
-    assert threads._usable_cores() == (64 if expected is None else expected)
+    assert threads.usable_cores() == (64 if expected is None else expected)
 
 
 def test_a_quota_narrower_than_a_busy_host_still_gets_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,6 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -26,7 +25,8 @@ from typing import Any
 import torch
 
 from dlm import __version__
-from dlm.bench.setup import device_name
+from dlm.bench.setup import device_name, proc_field
+from dlm.runtime.threads import usable_cores
 
 # The instruction sets that change which CPU kernels run (ATen's AVX2 / AVX-512 paths, oneDNN's
 # bfloat16 and AMX paths): a figure from one class of CPU does not carry to another.
@@ -48,7 +48,7 @@ class MachineStamp:
     date: str  # UTC, ISO 8601
     cpu: str
     cpu_flags: list[str]
-    cores: int  # usable by this process (its affinity mask)
+    cores: int  # usable by this process (its affinity mask and cgroup quota)
     threads: int  # torch's intra-op threads
     load_average: list[float]  # 1, 5 and 15 minutes, when the measurement began
     gpu: str | None
@@ -72,15 +72,9 @@ class MachineStamp:
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith(("flags", "Features")):
-                    present = set(line.split(":", 1)[1].split())
-                    return [flag for flag in _CPU_FLAGS if flag in present]
-    except OSError:
-        pass
-    return []
+    flags = proc_field("/proc/cpuinfo", "flags") or proc_field("/proc/cpuinfo", "Features") or ""  # x86, Arm
+    present = set(flags.split())
+    return [flag for flag in _CPU_FLAGS if flag in present]
 
 
 def git_commit(root: Path) -> str | None:
@@ -100,13 +94,12 @@ def git_commit(root: Path) -> str | None:
 def machine_stamp(root: Path | None = None) -> MachineStamp:
     """This machine, now; `root` is the checkout whose commit to record (default: none)."""
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gpu = device_name(torch.device("cuda")) if torch.cuda.is_available() else None
     return MachineStamp(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         cpu=device_name(torch.device("cpu")),
         cpu_flags=_cpu_flags(),
-        cores=cores,
+        cores=usable_cores(),
         threads=torch.get_num_threads(),
         load_average=[round(value, 2) for value in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         gpu=gpu,
@@ -196,10 +189,6 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, least and most of a list of figures: what a result file keeps beside the raw rounds."""
 
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def progress_to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def saved_for_backward(model: torch.nn.Module, run: Callable[[], object]) -> int:

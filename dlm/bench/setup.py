@@ -90,7 +90,7 @@ def bench_config(experiment: ExperimentConfig, batch_size: int | None, device: s
 # ---- Device facts ----------------------------------------------------------------------------
 
 
-def _proc_field(path: str, name: str) -> str | None:
+def proc_field(path: str, name: str) -> str | None:
     """The value of `name:` in a /proc text file; None off Linux."""
 
     try:
@@ -108,7 +108,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine() or "cpu"
+        return proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine() or "cpu"
     return device.type
 
 
@@ -221,7 +221,7 @@ def reset_peak_rss() -> None:
 def peak_rss_gib() -> float | None:
     """This process's peak resident memory since the last `reset_peak_rss` (Linux), else since start."""
 
-    high_water = _proc_field("/proc/self/status", "VmHWM")  # "123456 kB"
+    high_water = proc_field("/proc/self/status", "VmHWM")  # "123456 kB"
     return int(high_water.split()[0]) * 1024 / GIB if high_water else rusage_peak_rss_gib()
 
 

@@ -99,7 +99,7 @@ def _cores(quota: str, period: str) -> int | None:
         return None
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """The CPUs this process may run on, capped by its cgroup quota."""
 
     cpus = _affinity()
@@ -159,7 +159,7 @@ def plan_cpu_threads(processes: int = 1, load: float | None = None) -> ThreadPla
     `load` (cores' worth of other work) defaults to `busy_cores()`. `OMP_NUM_THREADS` overrides
     the measurement; `processes` share the cores (CPU data parallel)."""
 
-    cores = _usable_cores()
+    cores = usable_cores()
     requested = os.environ.get("OMP_NUM_THREADS", "").strip()
     if requested.isdigit() and int(requested) > 0:
         return ThreadPlan(cores, None, int(requested), "OMP_NUM_THREADS")
