@@ -124,3 +124,39 @@ def test_the_cpu_table_summary_reads_the_four_result_files(tmp_path: Path) -> No
         "its autoregressive twin: 2.050 bits/byte",
         "generation: 2 tokens per pass within 10% of the default's judge perplexity, 1.50x its speed",
     ]
+
+
+def test_a_checkout_of_another_commit_is_a_worktree_that_leaves_no_trace() -> None:
+    import subprocess
+
+    from benchmarks.budget import checkout
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    with checkout("HEAD") as (tree, commit):
+        assert commit == head.stdout.strip() and (tree / "dlm" / "__init__.py").is_file()
+    listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert str(tree) not in listed.stdout and not tree.exists()
+
+
+@pytest.mark.slow
+def test_budget_records_how_each_schedule_ended_on_a_machine_that_gets_busy(tmp_path: Path) -> None:
+    invoke(
+        "budget",
+        "--minutes",
+        "0.15",
+        "--repeats",
+        "1",
+        "--busy-after",
+        "0.5",
+        "--output",
+        str(tmp_path / "runs"),
+        "--results",
+        str(tmp_path),
+    )
+    loaded = result(tmp_path, "budget")
+    (only,) = loaded["rounds"]["current"]
+    assert only["outcome"] in ("complete", "paused") and only["steps"] <= only["max_steps"]
+    assert 0 < only["bits_per_byte"] < 16 and 0 <= only["rate_left"] <= 1 and only["refits"] >= 1
+    summary = loaded["figures"]["current"]
+    assert summary["runs"] == 1 and summary["bits_per_byte"] == only["bits_per_byte"]
+    assert not (tmp_path / "runs" / "current-0").exists()  # each run's checkpoints go once measured

@@ -214,9 +214,9 @@ def test_the_tiny_demo_trains_evaluates_exports_and_samples(demo_run: DemoRun) -
     assert last_train.step == plan.max_steps
     assert last_train.learning_rate == pytest.approx(tiny.min_learning_rate)  # the cosine reached its floor
     assert stage_events(events, "done")["train"]["learning_rate"] == last_train.learning_rate
-    # On the CPU the run trains in segments, re-planned from the pace each one kept.
+    # One `train` call, its schedule re-fitted on the clock to the pace it kept.
     replans = demo_events(events, "demo_replan")
-    assert replans and len([event for event in events if isinstance(event, StartEvent)]) == len(replans) + 1
+    assert replans and len([event for event in events if isinstance(event, StartEvent)]) == 1
     assert all(replan["max_steps"] > replan["step"] for replan in replans)
     run_config = json.loads((output / "run" / "config.json").read_text())
     assert run_config["training"]["max_steps"] == plan.max_steps
@@ -398,7 +398,7 @@ def test_the_view_keeps_one_clock_a_rising_percentage_and_no_pause_across_replan
 
     from dlm.cli import demo_view
 
-    assert demo_events(demo_run.events, "demo_replan")  # the real sequence holds re-plans between segments
+    assert demo_events(demo_run.events, "demo_replan")  # the real sequence holds re-fits
     view, frames = demo_view.DemoView(), []
     try:
         for event in demo_run.events:

@@ -1,5 +1,5 @@
 """The terminal view of `dlm train --minutes`: the calibration and its plan as lines, the training
-dashboard over the budget (one clock and percentage across the CPU segments, the planned pace),
+dashboard over the budget (one clock and percentage, the planned pace),
 each re-plan as a line, and how the budget ended."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Each stage is reported as `{"event": "demo_stage", "stage": NAME, "status": "run
     export     DIR/model: model.safetensors, config.json, tokenizer.json, README.md
     samples    an unconditional sample, one after a prompt and one infilled template (DIR/samples.json)
 
-How the time budget becomes a complete learning-rate schedule (calibration, CPU segments, the
+How the time budget becomes a complete learning-rate schedule (calibration, re-fits on the clock, the
 warm restart of a larger --minutes) is `dlm.train.budget`'s concern, shared with `dlm train --minutes`;
 the demo reports its stages as `demo_stage`, `demo_replan` and `demo_note` events.
 

@@ -6,17 +6,19 @@ ends near its peak learning rate, the worst moment to stop. So the budget plans 
 1. Calibrate: time CALIBRATION_STEPS real optimizer steps (after one untimed step that pays the
    one-off costs) and set training.max_steps so that the schedule, its validations and start-up
    fill SCHEDULE_SHARE of the budget; warmup is scaled with the run length.
-2. On the CPU, which is often shared and changed pace by 3x within a minute in our runs, train in
-   segments of half the steps left (the last ones short) and re-plan max_steps after each from the
-   pace it really kept (start-up, validation and checkpoints included). Each re-plan anchors the
-   cosine where it is (`training.decay_anchor_step`): the learning rate keeps its value and only the
-   rest of the decay stretches or shrinks to the new end, so it never rises after warmup. A
-   GPU trains in one segment: it is rarely shared, and every segment would pay torch.compile again.
+2. Re-fit max_steps while the run trains (`BudgetPacer`, the training loop's pacer): every
+   REPLAN_EVERY of the budget, more often as it runs out, from the pace of the latest steps
+   (validations and checkpoints included). The CPU is often shared and changed pace by 3x within a
+   minute in our runs; a re-fit on the clock, not at fixed steps, catches a late slowdown before it
+   cuts the schedule. Each re-fit anchors the cosine where it is (`training.decay_anchor_step`): the
+   learning rate keeps its value and only the rest of the decay stretches or shrinks to the new
+   end, so it never rises after warmup. One `train` call: nothing is rebuilt or compiled again.
 3. The deadline still holds: a run slower than even the last plan stops at the budget, in the
    schedule's tail, where the learning rate is already near its floor.
 
 The plan lives in RUN/budget-plan.json (`dlm.train.plan`, with the measurements behind it) and
-in RUN/config.json (the run's own config, as `dlm.train.loop.train` writes it). A later call with
+in RUN/config.json (the run's own config: `dlm.train.loop.train` writes it, and again with the
+first checkpoint after a re-fit). Both describe a checkpoint on disk. A later call with
 the same budget finds the plan complete (or finishes an interrupted run); a larger budget stretches
 the schedule from the run's latest.pt at the pace measured so far: a warm restart, the learning
 rate rises from its floor to the stretched cosine's value and decays again by the new end.
@@ -30,7 +32,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from collections import deque
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,8 +54,13 @@ if TYPE_CHECKING:
 
 SCHEDULE_SHARE = 0.9  # of the time left, the planned steps may fill this much
 CALIBRATION_STEPS = 3
-MIN_SEGMENT_SHARE = 0.08  # CPU segments halve down to this share of the run (each restart costs ~2 s)
+# The schedule is re-fitted every REPLAN_EVERY of the budget (a quarter of the time left, if less),
+# and whenever the run has done a quarter of the steps its plan had left (a plan far too short).
+REPLAN_EVERY = 0.05
+PACE_WINDOW = 3  # re-fits: a speed-up counts over the latest ones' steps, so one fast stretch does not swing it
+MIN_PACED_STEPS = 5  # fewer steps than this since the last re-fit give too noisy a pace to re-fit from
 VALIDATIONS, CHECKPOINTS = 4, 4  # at least this many per planned run (fewer on long GPU runs)
+RESCHEDULED_FIELDS = ("max_steps", "warmup_steps", "decay_anchor_step", "decay_anchor_progress")
 MIN_MEASURED_STEPS = 10  # fewer steps than this give too noisy a pace to re-plan from
 # A forward pass costs a third of a training step in FLOPs; measured on 2 CPU cores it took 0.4 of
 # one on a quiet machine and more under load, so plans count half.
@@ -168,8 +176,8 @@ class BudgetedTraining:
     """Calibrate, plan and train one run within `minutes`, or finish or continue it (module docstring).
 
     Reports to `emit` the training loop's own events and dicts: `{prefix}_stage` (stage calibrate
-    or train; status running, done or reused, with the plan's fields), `{prefix}_replan` after each
-    CPU segment and `{prefix}_note`. `output_option` names where the run lives and `start_over`
+    or train; status running, done or reused, with the plan's fields), `{prefix}_replan` at each re-fit
+    of max_steps and `{prefix}_note`. `output_option` names where the run lives and `start_over`
     how to replace a run there, for refusals.
     `overwrite` starts over in a directory that holds a run; `stop`, `allow_data_change` go to `train`.
     """
@@ -238,7 +246,7 @@ class BudgetedTraining:
         detail = f"{plan.max_steps} steps in {self.minutes:g} minutes"
         self.stage("train", "running", detail=detail, **asdict(plan))
         started = time.perf_counter()
-        result = self.train_segments(plan, step)
+        result = self.train_to_plan(plan, step)
         # The learning rate the run ended with shows whether the schedule was (nearly) complete.
         self.stage(
             "train",
@@ -253,8 +261,8 @@ class BudgetedTraining:
         return plan, result.step, result
 
     def calibrate(self) -> TrainingPlan:
-        """Time a few steps and plan the schedule from them. The plan is saved when the first
-        segment starts: a refused or killed start then leaves the directory as it was."""
+        """Time a few steps and plan the schedule from them. The plan is saved when training
+        starts: a refused or killed start then leaves the directory as it was."""
 
         device = self.experiment.training.device
         self.stage("calibrate", "running", detail=f"timing {CALIBRATION_STEPS} training steps on {device}")
@@ -338,41 +346,39 @@ class BudgetedTraining:
             )
         return new
 
-    def train_segments(self, plan: TrainingPlan, step: int | None) -> TrainResult:
-        """Train to plan.max_steps. On the CPU in segments of half the steps left (down to
-        MIN_SEGMENT_SHARE of the run), re-planning max_steps after each from the pace it kept: the
-        re-plans come closer together towards the end, where a slowdown would cut the schedule."""
+    def train_to_plan(self, plan: TrainingPlan, step: int | None) -> TrainResult:
+        """One `train` call to plan.max_steps, which `BudgetPacer` re-fits as the run goes."""
 
-        shortest = math.ceil(MIN_SEGMENT_SHARE * (plan.max_steps - (step or 0)))
-        segmented = self.experiment.training.device == "cpu"
-        while True:
-            start = step or 0
-            left = plan.max_steps - start
-            end = start + left // 2 if segmented and left >= 2 * shortest else plan.max_steps
-            started = time.perf_counter()
-            result = self.segment(plan, step, end - start)
-            step = result.step
-            if result.status != "paused" or step < end or step >= plan.max_steps:
-                return result  # complete, interrupted, or stopped by the deadline
-            pace = (time.perf_counter() - started) / (step - start)
-            fields = self.schedule_left(plan, pace, step)
-            previous = plan.max_steps
-            plan.seconds_per_step, plan.rate_source = pace, "measured"
-            if not isinstance(fields, int):
-                self.bend_schedule(plan, step)
-                plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
-            plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
-            if isinstance(fields, int):
-                return result  # not one more step fits
-            self.emit(
-                {
-                    "event": f"{self.prefix}_replan",
-                    "step": step,
-                    "seconds_per_step": round(pace, 4),
-                    "previous_max_steps": previous,
-                    "max_steps": plan.max_steps,
-                }
-            )
+        experiment = with_overrides(self.experiment, plan.overrides(), "the time budget's plan")
+        started, before = time.perf_counter(), plan.trained_seconds
+        pacer = BudgetPacer(self, plan, before, started)
+
+        def sink(event: Event) -> None:
+            if isinstance(event, TrainEvent):
+                self.last_learning_rate = event.learning_rate
+            if isinstance(event, StartEvent):
+                plan.save(self.run_dir)  # after `train` has cleared what a run it replaces left behind
+            elif isinstance(event, CheckpointEvent):
+                # The budget used so far, as of work safely on disk (a killed run redoes the rest), with
+                # the schedule that checkpoint trained with.
+                spent = before + time.perf_counter() - started
+                replace(pacer.plan_at(event.step), trained_seconds=spent).save(self.run_dir)
+            self.emit(event)
+
+        result = train(
+            experiment,
+            resume=None if step is None else RunDir(self.run_dir).latest_checkpoint(),
+            # No checkpoint yet: whatever a replaced run (or a killed first call) left goes.
+            overwrite=step is None and bool(run_files(self.run_dir)),
+            max_run_seconds=max(self.budget - before, 1.0),
+            sink=sink,
+            allow_data_change=self.allow_data_change,
+            stop=self.stop,
+            pacer=pacer,
+        )
+        plan.trained_seconds = before + time.perf_counter() - started
+        plan.save(self.run_dir)  # the pace too: a later call judges by it whether this run is done
+        return result
 
     def bend_schedule(self, plan: TrainingPlan, step: int) -> None:
         """Anchor the cosine at `step` before the plan's max_steps moves: the decay goes on from the share
@@ -394,34 +400,60 @@ class BudgetedTraining:
             warmup_steps=plan.warmup_steps,
         )
 
-    def segment(self, plan: TrainingPlan, step: int | None, steps: int) -> TrainResult:
-        """One `train` call of at most `steps` steps, keeping plan.trained_seconds current."""
 
-        experiment = with_overrides(self.experiment, plan.overrides(), "the time budget's plan")
-        started, before = time.perf_counter(), plan.trained_seconds
+class BudgetPacer:
+    """Re-fits a budgeted run's max_steps while it trains (`dlm.train.trainer.Pacer`; the module
+    docstring's step 2). Keeps every schedule it set, so that each checkpoint's plan is saved with
+    the schedule that checkpoint trained with."""
 
-        def sink(event: Event) -> None:
-            if isinstance(event, TrainEvent):
-                self.last_learning_rate = event.learning_rate
-            if isinstance(event, StartEvent):
-                plan.save(self.run_dir)  # after `train` has cleared what a run it replaces left behind
-            elif isinstance(event, CheckpointEvent):
-                # The budget used so far, as of work safely on disk (a killed run redoes the rest).
-                plan.trained_seconds = before + time.perf_counter() - started
-                plan.save(self.run_dir)
-            self.emit(event)
+    def __init__(self, training: BudgetedTraining, plan: TrainingPlan, spent_before: float, started: float):
+        self.training, self.plan = training, plan
+        self.spent_before, self.started = spent_before, started
+        self.marks: deque[tuple[float, int]] = deque(maxlen=PACE_WINDOW)  # (clock, step) at the latest re-fits
+        self.due, self.due_step = 0.0, 0
+        self.plans: list[tuple[int, TrainingPlan]] = [(-1, replace(plan))]  # (set after step, schedule)
 
-        result = train(
-            experiment,
-            resume=None if step is None else RunDir(self.run_dir).latest_checkpoint(),
-            # No checkpoint yet: whatever a replaced run (or a killed first segment) left goes.
-            overwrite=step is None and bool(run_files(self.run_dir)),
-            max_run_steps=steps,
-            max_run_seconds=max(self.budget - before, 1.0),
-            sink=sink,
-            allow_data_change=self.allow_data_change,
-            stop=self.stop,
+    def __call__(self, step: int) -> dict[str, Any] | None:
+        now = time.perf_counter()
+        if not self.marks:  # the first step paid the one-off costs: the pace is measured from here
+            self.mark(now, step)
+            return None
+        on_time = now >= self.due and step - self.marks[-1][1] >= MIN_PACED_STEPS
+        if not on_time and step < self.due_step:
+            return None
+        # The slower of the latest steps' pace and the window's: a slowdown shortens the plan at once
+        # (running into the deadline would stop the decay midway), a speed-up lengthens it gradually.
+        pace = max((now - since) / (step - first) for since, first in (self.marks[0], self.marks[-1]))
+        self.mark(now, step)
+        plan = self.plan
+        plan.seconds_per_step, plan.rate_source = pace, "measured"
+        plan.trained_seconds = self.spent_before + now - self.started
+        fields = self.training.schedule_left(plan, pace, step)
+        if isinstance(fields, int) or fields["max_steps"] == plan.max_steps:
+            return None  # on plan; or not one more step fits, and the deadline ends the run in its tail
+        previous = plan.max_steps
+        self.training.bend_schedule(plan, step)
+        plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
+        self.plans.append((step, replace(plan)))
+        self.training.emit(
+            {
+                "event": f"{self.training.prefix}_replan",
+                "step": step,
+                "seconds_per_step": round(pace, 4),
+                "previous_max_steps": previous,
+                "max_steps": plan.max_steps,
+            }
         )
-        plan.trained_seconds = before + time.perf_counter() - started
-        plan.save(self.run_dir)
-        return result
+        return {name: getattr(plan, name) for name in RESCHEDULED_FIELDS}
+
+    def mark(self, now: float, step: int) -> None:
+        self.marks.append((now, step))
+        left = self.training.budget - (self.spent_before + now - self.started)
+        self.due = now + min(REPLAN_EVERY * self.training.budget, left / 4)
+        self.due_step = step + max(1, (self.plan.max_steps - step) // 4)
+
+    def plan_at(self, step: int) -> TrainingPlan:
+        """The schedule a checkpoint at `step` trained with: a re-fit after that very step comes
+        after its save."""
+
+        return next(plan for taken, plan in reversed(self.plans) if taken < step)

@@ -453,3 +453,16 @@ def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, all
         micro_batches_seen=int(record["micro_batches_seen"]),
     )
     trainer.recorded_threads = record.get("cpu_threads")
+
+
+def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
+    """The weights evaluation should use: the EMA's when there is one (it tracks every parameter).
+
+    Taken from the gathered state rather than by loading the EMA into the model, which would need
+    a second gather under FSDP.
+    """
+
+    model, ema = state["model"], state["ema"]
+    if ema is None:
+        return model
+    return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}

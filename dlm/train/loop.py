@@ -58,7 +58,7 @@ from dlm.train.memory import trainable_parameter_count
 from dlm.train.preflight import ensure_valid
 from dlm.train.step import TrainingStep
 from dlm.train.stop import StopSignals
-from dlm.train.trainer import Trainer, TrainResult
+from dlm.train.trainer import Pacer, Trainer, TrainResult
 
 
 def _checkpoint_bytes(parameters: int) -> int:
@@ -80,6 +80,7 @@ def train(
     stop: StopSignals | None = None,
     step_type: type[TrainingStep] = TrainingStep,
     allow_batch_change: bool = False,
+    pacer: Pacer | None = None,
 ) -> TrainResult:
     """Train (or continue) a run and return how it ended. Events go to `sink` and metrics.jsonl.
 
@@ -89,6 +90,7 @@ def train(
     Everything is checked before the first write, so a refused call changes nothing. `stop`: signal
     handlers the caller installed for longer than the run (else the run installs its own).
     `step_type`: the objective of each optimizer step (`dlm.distill` trains its students with its own).
+    `pacer`: re-fits the schedule as the run goes (`dlm.train.trainer.Pacer`; one process only).
     The process-wide settings a run changes (TF32, the CUDA attention kernels, the CPU's threads) are
     given back when it returns.
     """
@@ -105,6 +107,7 @@ def train(
             stop,
             step_type,
             allow_batch_change,
+            pacer,
         )
 
 
@@ -119,6 +122,7 @@ def _train(
     stop: StopSignals | None,
     step_type: type[TrainingStep],
     allow_batch_change: bool,
+    pacer: Pacer | None,
 ) -> TrainResult:
     if max_run_steps is not None and max_run_steps <= 0:
         raise UserError("--max-run-steps must be positive", fix="pass a number of steps >= 1")
@@ -135,6 +139,8 @@ def _train(
     experiment = experiment.with_absolute_paths()
     config = experiment.training
     world = current_context(experiment)
+    if pacer is not None and world.world_size > 1:  # each process would re-fit to its own clock
+        raise UserError("a schedule paced by the clock trains in one process", fix="start it without torchrun")
     device = resolve_device(config.device if world.world_size == 1 else world.device_name(config.device))
     precision = resolve_training_precision(config.precision, device)
     configure_cuda_backends(device, config.require_fused_attention)
@@ -186,7 +192,7 @@ def _train(
             write_config(run_dir, trainer.experiment)  # with the accumulation a resume kept
         trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
-        result = trainer.run(end_step, deadline, stop)
+        result = trainer.run(end_step, deadline, stop, pacer)
         stop.settle()  # the files are complete: a late signal must not cut the report short
         trainer.sink(
             EndEvent(

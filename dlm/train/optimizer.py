@@ -95,7 +95,8 @@ def decay_progress(step: int, training: TrainingConfig) -> float:
 
     anchor, done = training.decay_anchor_step, training.decay_anchor_progress
     if anchor > training.warmup_steps and step >= anchor:
-        progress = done + (1.0 - done) * (step - anchor) / max(1, training.max_steps - anchor - 1)
+        span = training.max_steps - anchor - 1  # 0: the anchor's is the last step, on the floor
+        progress = 1.0 if span <= 0 else done + (1.0 - done) * (step - anchor) / span
     else:
         progress = (step - training.warmup_steps) / max(1, training.max_steps - training.warmup_steps - 1)
     return min(max(progress, 0.0), 1.0)

@@ -31,7 +31,7 @@ class TrainingPlan:
     """How the time budget becomes a schedule; saved as RUN/budget-plan.json."""
 
     budget_seconds: float
-    seconds_per_step: float  # the pace last measured: calibration's, then each segment's
+    seconds_per_step: float  # the pace last measured: calibration's, then at each re-fit
     rate_source: str  # "calibration" or "measured"
     calibration_seconds: float  # wall time of the calibration, part of the budget
     max_steps: int

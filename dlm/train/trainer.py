@@ -10,7 +10,7 @@ checks, loggers) and the run's start and end events.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -39,10 +39,11 @@ from dlm.artifacts.run_dir import (
     check_resumable,
     check_same_data,
     metadata_sha256,
+    write_config,
 )
 from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint
 from dlm.config.optimizer_registry import optimizer_spec
-from dlm.config.schema import ExperimentConfig
+from dlm.config.schema import ExperimentConfig, TrainingConfig
 from dlm.config.shapes import format_parameter_count
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
 from dlm.data.tokenizer import tokenizer_sha256
@@ -53,7 +54,7 @@ from dlm.runtime.device import cpu_precision_note, resolve_compile
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
-from dlm.train.checkpointing import load_trainer, report_saves, save_trainer, sharded_checkpointer
+from dlm.train.checkpointing import inference_weights, load_trainer, report_saves, save_trainer, sharded_checkpointer
 from dlm.train.distributed import (
     DistributedContext,
     check_world_size,
@@ -79,6 +80,12 @@ class TrainResult:
     checkpoint: Path
     run_dir: Path
     exit_code: int = 0
+
+
+# Re-fits the schedule while the run trains (`dlm.train.budget`'s time budget): called after each
+# step with the steps done; returns the training fields to change (max_steps, warmup_steps and the
+# decay anchor), or None to go on as planned.
+Pacer = Callable[[int], Mapping[str, Any] | None]
 
 
 class NonFiniteLossError(UserError):
@@ -130,6 +137,7 @@ class Trainer:
         self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
         self.recorded_threads: int | None = None  # the CPU threads of the checkpoint resumed from
         self.batch_note: str | None = None  # how a resume on another world size kept (or changed) the batch
+        self.config_written = True  # config.json describes the current schedule (`train` writes it first)
 
     @property
     def counters(self) -> RunCounters:
@@ -196,10 +204,22 @@ class Trainer:
             allow_change,
         )
         if accumulation != self.config.gradient_accumulation_steps:
-            training = self.config.model_copy(update={"gradient_accumulation_steps": accumulation})
-            self.experiment = self.experiment.model_copy(update={"training": training})
-            self.config = self.step.config = training
-            self.step.experiment = self.experiment
+            self.adopt(self.config.model_copy(update={"gradient_accumulation_steps": accumulation}))
+
+    def adopt(self, training: TrainingConfig) -> None:
+        """Train on with `training` (a kept batch, a re-fitted schedule): the step reads it, and the
+        checkpoints and config.json written from here on record it."""
+
+        self.experiment = self.experiment.model_copy(update={"training": training})
+        self.config = self.step.config = training
+        self.step.experiment = self.experiment
+
+    def reschedule(self, fields: Mapping[str, Any]) -> None:
+        """A pacer's new schedule; config.json follows with the next checkpoint, so that it always
+        describes the schedule of a checkpoint on disk."""
+
+        self.adopt(self.config.model_copy(update=dict(fields)))
+        self.config_written = False
 
     def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
         """The base weights, refused unless they are the ones the run began with; then the checkpoint's
@@ -265,7 +285,11 @@ class Trainer:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
         with self.stop.writing():  # a second Ctrl-C waits until the files are complete (or staged)
-            return self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
+            path = self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
+            if not self.config_written and self.world.is_main:
+                write_config(self.config.output_dir, self.experiment)
+            self.config_written = True
+            return path
 
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
@@ -391,8 +415,11 @@ class Trainer:
                 fix="raise training.max_steps to continue training",
             )
 
-    def run(self, end_step: int, deadline: float | None, stop: StopSignals) -> TrainResult:
-        config = self.config
+    def run(self, end_step: int, deadline: float | None, stop: StopSignals, pacer: Pacer | None = None) -> TrainResult:
+        """Train to `end_step` (max_steps, or fewer for a run limited to some steps), stopping early on
+        a signal or at `deadline`. A `pacer` may move max_steps while the run trains."""
+
+        limited = end_step < self.config.max_steps  # a limit that outlasts a re-fitted schedule
         self.check_can_continue(end_step)
         self.stop = stop
         self.step.prepare()
@@ -401,7 +428,7 @@ class Trainer:
         status: EndStatus = "complete"
         while self.counters.step < end_step:
             self.step.optimizer_step(batches, window)
-            step = self.counters.step
+            step, config = self.counters.step, self.config
             if step % config.log_interval == 0 or step == end_step:
                 self.log(window)
             if self.validates and step % config.eval_interval == 0:
@@ -427,12 +454,16 @@ class Trainer:
             if out_of_time and step < end_step:
                 status = "paused"
                 break
-        if status == "complete" and self.counters.step < config.max_steps:
+            fields = None if pacer is None or step >= end_step else pacer(step)
+            if fields:
+                self.reschedule(fields)
+                end_step = min(end_step, self.config.max_steps) if limited else self.config.max_steps
+        if status == "complete" and self.counters.step < self.config.max_steps:
             status = "paused"
         self.raise_if_diverged(window)
         if window.steps:
             self.log(window)
-        if self.checkpoint_path is None or self.counters.step % config.save_interval:
+        if self.checkpoint_path is None or self.counters.step % self.config.save_interval:
             self.save()
         report_saves(self, block=True)  # the result names a complete checkpoint
         assert self.checkpoint_path is not None
@@ -440,7 +471,7 @@ class Trainer:
             status=status,
             step=self.counters.step,
             checkpoint=self.checkpoint_path,
-            run_dir=config.output_dir,
+            run_dir=self.config.output_dir,
             exit_code=stop.exit_code if status == "interrupted" else 0,
         )
 
@@ -474,16 +505,3 @@ class Trainer:
             precision_note=cpu_precision_note(self.device, self.precision),
             init_from=None if config.init_from is None else str(config.init_from),
         )
-
-
-def inference_weights(state: dict[str, Any]) -> dict[str, Tensor]:
-    """The weights evaluation should use: the EMA's when there is one (it tracks every parameter).
-
-    Taken from the gathered state rather than by loading the EMA into the model, which would need
-    a second gather under FSDP.
-    """
-
-    model, ema = state["model"], state["ema"]
-    if ema is None:
-        return model
-    return {name: ema["shadow"].get(name, tensor).to(tensor.dtype) for name, tensor in model.items()}
