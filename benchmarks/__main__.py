@@ -25,6 +25,7 @@ BENCHMARKS = {
     "pack": "pack:pack",
     "train-step": "train_step:train_step",
     "demo": "demo:demo",
+    "budget": "budget:budget",
     "generation": "generation:generation",
     "serve": "serve:serve",
     "serve-pass-cost": "serve:serve_pass_cost",

@@ -1,0 +1,178 @@
+"""A time budget's schedule on a machine that gets busy: `dlm demo --minutes M`, run after run.
+
+The budget plans the learning-rate schedule from the pace it measures (`dlm.train.budget`). What
+matters is how it ends: complete, its learning rate on the floor, with as many steps as the minutes
+allowed, and the bits per byte that buys. `--busy-after F` starts a process that keeps one core
+busy once F of each run's budget has gone by (the pace then drops), the case a plan made early
+gets wrong.
+
+`--against REF` runs the same demo, interleaved run by run, with dlm as it was at another commit
+(a detached `git worktree` put first on PYTHONPATH), so a schedule change is measured against what
+it replaces on the same machine at the same time. The demo's data stages run once and are copied
+into every run, so each run times only training, evaluation and export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from benchmarks import harness
+from dlm.bench.measure import timed_process
+
+DEFAULT_OUTPUT = harness.ROOT / "runs" / "bench-budget"
+BURNER = "while True:\n    pass\n"  # one core kept busy
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[tuple[Path, str]]:
+    """A detached worktree of this repository at `ref` (removed afterwards), and the commit it names."""
+
+    verify = ["git", "rev-parse", "--verify", f"{ref}^{{commit}}"]
+    commit = subprocess.run(verify, cwd=harness.ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    directory = Path(tempfile.mkdtemp(prefix="dlm-against-"))
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(directory / "tree"), commit],
+        cwd=harness.ROOT,
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield directory / "tree", commit
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(directory / "tree")], cwd=harness.ROOT, check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def busy_after(seconds: float | None) -> Iterator[None]:
+    """A process that keeps one core busy from `seconds` on, until the block ends (None: never)."""
+
+    if seconds is None:
+        yield
+        return
+    done = threading.Event()
+    burner: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        if not done.wait(seconds):
+            burner.append(subprocess.Popen([sys.executable, "-c", BURNER]))
+
+    timer = threading.Thread(target=start, daemon=True)
+    timer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        timer.join()
+        for process in burner:
+            process.kill()
+            process.wait()
+
+
+def demo_run(output: Path, minutes: float, source: Path | None, busy: float | None) -> dict[str, Any]:
+    """One `dlm demo` (dlm from `source` when given) and how its schedule ended."""
+
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "dlm", "demo", "--output", str(output), "--minutes", str(minutes), "--json"]
+    with busy_after(None if busy is None else busy * minutes * 60):
+        timing, stdout = timed_process(command, env=env)
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    trained = [e for e in events if e.get("event") == "demo_stage" and e.get("stage") == "train"][-1]
+    report = json.loads((output / "run" / "eval.json").read_text(encoding="utf-8"))
+    return {
+        "bits_per_byte": report["bits_per_byte"],
+        "steps": trained["step"],
+        "max_steps": trained["max_steps"],
+        "outcome": trained["outcome"],
+        # How far above its floor the learning rate ended, as a share of the peak-to-floor range.
+        "rate_left": _rate_left(trained, events),
+        "refits": sum(e.get("event") == "demo_replan" for e in events),
+        "wall_s": timing.wall_s,
+    }
+
+
+def _rate_left(trained: dict[str, Any], events: list[dict[str, Any]]) -> float:
+    rates = [e["learning_rate"] for e in events if e.get("event") == "train"]  # the highest is the peak's
+    peak, floor = max(rates), trained["min_learning_rate"]
+    return (trained["learning_rate"] - floor) / (peak - floor)
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    bits = [run["bits_per_byte"] for run in runs]
+    stderr = statistics.stdev(bits) / math.sqrt(len(bits)) if len(bits) > 1 else None
+    return {
+        "bits_per_byte": statistics.fmean(bits),
+        "bits_per_byte_stderr": stderr,
+        "steps": statistics.fmean(run["steps"] for run in runs),
+        "complete": sum(run["outcome"] == "complete" for run in runs),
+        "runs": len(runs),
+        "rate_left_max": max(run["rate_left"] for run in runs),
+        "refits": statistics.fmean(run["refits"] for run in runs),
+    }
+
+
+def budget(
+    minutes: Annotated[float, typer.Option(help="Each demo's budget.")] = 3.0,
+    repeats: Annotated[int, typer.Option(help="Runs per arm.")] = 3,
+    busy: Annotated[
+        float | None, typer.Option("--busy-after", help="Share of each budget after which one core is kept busy.")
+    ] = None,
+    against: Annotated[
+        str | None, typer.Option(help="Also run dlm as of this commit (or any git ref), interleaved.")
+    ] = None,
+    output: Annotated[Path, typer.Option(help="Where the runs go (replaced).")] = DEFAULT_OUTPUT,
+    name: Annotated[str, typer.Option(help="Name of the result file.")] = "budget",
+    results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
+) -> None:
+    """How a --minutes schedule ends, run after run, on a machine that may get busy midway."""
+
+    run = harness.start(name, minutes=minutes, repeats=repeats, busy_after=busy, against=against)
+    shutil.rmtree(output, ignore_errors=True)
+    output.mkdir(parents=True)
+    with contextlib.ExitStack() as stack:
+        arms: dict[str, Path | None] = {"current": None}
+        commit = None
+        if against is not None:
+            source, commit = stack.enter_context(checkout(against))
+            arms["against"] = source
+        # The tokenizer and packed data, once: every run reuses the stages it finds in place.
+        harness.progress("budget: preparing the demo's data")
+        subprocess.run(
+            [sys.executable, "-m", "dlm", "demo", "--output", str(output / "data-only"), "--minutes", "0.1", "--json"],
+            check=True,
+            capture_output=True,
+        )
+        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        for index in range(repeats):
+            order = list(arms) if index % 2 == 0 else list(reversed(arms))  # neither always goes first
+            for arm in order:
+                directory = output / f"{arm}-{index}"
+                shutil.copytree(output / "data-only" / "data", directory / "data")
+                harness.progress(f"budget: {arm} run {index + 1} of {repeats}")
+                runs[arm].append(demo_run(directory, minutes, arms[arm], busy))
+                shutil.rmtree(directory, ignore_errors=True)  # checkpoints and export: the figures are taken
+    figures: dict[str, Any] = {arm: _summary(items) for arm, items in runs.items()}
+    if commit is not None:
+        figures["against"]["commit"] = commit[:12]
+    for arm, summary in figures.items():
+        typer.echo(
+            f"{arm}: {summary['bits_per_byte']:.3f} bits/byte, {summary['complete']}/{summary['runs']} complete, "
+            f"{summary['steps']:.0f} steps"
+        )
+    typer.echo(f"wrote {run.save(figures, rounds=runs, results=results)}")
