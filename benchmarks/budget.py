@@ -7,9 +7,10 @@ busy once F of each run's budget has gone by (the pace then drops), the case a p
 gets wrong.
 
 `--against REF` runs the same demo, interleaved run by run, with dlm as it was at another commit
-(a detached `git worktree` put first on PYTHONPATH), so a schedule change is measured against what
-it replaces on the same machine at the same time. The demo's data stages run once and are copied
-into every run, so each run times only training, evaluation and export.
+(started in a detached `git worktree` of it, which `python -m dlm` then imports), so a schedule
+change is measured against what it replaces on the same machine at the same time. The demo's data
+stages run once and are copied into every run, so each run times only training, evaluation and
+export.
 """
 
 from __future__ import annotations
@@ -83,15 +84,28 @@ def busy_after(seconds: float | None) -> Iterator[None]:
             process.wait()
 
 
-def demo_run(output: Path, minutes: float, source: Path | None, busy: float | None) -> dict[str, Any]:
-    """One `dlm demo` (dlm from `source` when given) and how its schedule ended."""
+def dlm_source(source: Path) -> tuple[dict[str, str], Path]:
+    """The environment and working directory in which `python -m dlm` imports dlm from `source` (a
+    checkout): `-m` puts the working directory first on the path, ahead of PYTHONPATH and of the
+    installed package. Checked, as a measurement of the wrong code would look like any other."""
 
-    env = dict(os.environ)
-    if source is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))}
+    imported = subprocess.run(
+        [sys.executable, "-c", "import dlm; print(dlm.__file__)"], env=env, cwd=source, capture_output=True, text=True
+    )
+    found = imported.stdout.strip()
+    if imported.returncode != 0 or not Path(found).resolve().is_relative_to(source.resolve()):
+        raise RuntimeError(f"dlm imports from {found or imported.stderr.strip()!r}, not from {source}")
+    return env, source
+
+
+def demo_run(output: Path, minutes: float, source: Path, busy: float | None) -> dict[str, Any]:
+    """One `dlm demo` with dlm from `source` (a checkout) and how its schedule ended."""
+
+    env, cwd = dlm_source(source)
     command = [sys.executable, "-m", "dlm", "demo", "--output", str(output), "--minutes", str(minutes), "--json"]
     with busy_after(None if busy is None else busy * minutes * 60):
-        timing, stdout = timed_process(command, env=env)
+        timing, stdout = timed_process(command, env=env, cwd=cwd)
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     trained = [e for e in events if e.get("event") == "demo_stage" and e.get("stage") == "train"][-1]
     report = json.loads((output / "run" / "eval.json").read_text(encoding="utf-8"))
@@ -143,10 +157,11 @@ def budget(
     """How a --minutes schedule ends, run after run, on a machine that may get busy midway."""
 
     run = harness.start(name, minutes=minutes, repeats=repeats, busy_after=busy, against=against)
+    output = output.resolve()  # the runs start in each checkout's directory
     shutil.rmtree(output, ignore_errors=True)
     output.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
-        arms: dict[str, Path | None] = {"current": None}
+        arms: dict[str, Path] = {"current": harness.ROOT}
         commit = None
         if against is not None:
             source, commit = stack.enter_context(checkout(against))

@@ -126,14 +126,19 @@ def test_the_cpu_table_summary_reads_the_four_result_files(tmp_path: Path) -> No
     ]
 
 
-def test_a_checkout_of_another_commit_is_a_worktree_that_leaves_no_trace() -> None:
+def test_a_checkout_of_another_commit_is_a_worktree_that_leaves_no_trace(tmp_path: Path) -> None:
     import subprocess
 
-    from benchmarks.budget import checkout
+    from benchmarks.budget import checkout, dlm_source
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
     with checkout("HEAD") as (tree, commit):
         assert commit == head.stdout.strip() and (tree / "dlm" / "__init__.py").is_file()
+        # `python -m dlm` started there imports that checkout's dlm, not the installed one.
+        _, cwd = dlm_source(tree)
+        assert cwd == tree
+    with pytest.raises(RuntimeError, match="not from"):
+        dlm_source(tmp_path)  # no checkout there: dlm would come from elsewhere
     listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert str(tree) not in listed.stdout and not tree.exists()
 
