@@ -217,6 +217,40 @@ def test_async_saves_complete_and_equal_synchronous_ones(runs: dict[str, Path], 
         assert all(torch.equal(got[name], want[name]) for name in want)
 
 
+def test_async_saves_of_a_run_stage_into_the_same_cpu_buffers(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlm.train.checkpointing as checkpointing
+
+    reusing_stager = checkpointing.reusing_stager
+    if reusing_stager() is None:
+        pytest.skip("this torch has no reusable stager for asynchronous saves (torch < 2.9)")
+    stagers: list[Any] = []
+    addresses: list[dict[str, int]] = []  # each save: where every model tensor was staged
+
+    def recording_stager() -> Any:
+        stager = reusing_stager()
+        stage = stager.stage
+
+        def staged(state_dict: dict[str, Any], **options: Any) -> Any:
+            copy = stage(state_dict, **options)
+            addresses.append({key: value.data_ptr() for key, value in copy.items() if key.startswith("model.")})
+            return copy
+
+        stager.stage = staged
+        stagers.append(stager)
+        return stager
+
+    monkeypatch.setattr(checkpointing, "reusing_stager", recording_stager)
+    run = tmp_path / "async"
+    assert train(tiny(runs["data"], run, "training.async_checkpoint=true")).step == 4
+    assert len(stagers) == 1 and len(addresses) == 2 and addresses[0]  # one stager, two saves
+    assert addresses[0] == addresses[1]  # the second save allocated no new buffers
+    _, got, _ = read_sharded_weights(run / "step-00000004")  # and still wrote step 4's values
+    _, want, _ = read_sharded_weights(runs["dcp"] / "step-00000004")
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
 def test_a_full_disk_during_an_async_save_stops_cleanly(
     runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,6 +36,7 @@ from dlm.artifacts.sharded_checkpoint import (
     tensor_entries,
 )
 from dlm.config.schema import ExperimentConfig, load_config
+from dlm.train import checkpointing
 from dlm.train.distributed import end_process
 from dlm.train.loop import train
 
@@ -137,13 +138,14 @@ def _pair(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
 def _record_staged_bytes(root: Path, rank: int, run: Callable[[], object]) -> None:
     """Run `run` with each asynchronous save's tensors counted: the bytes this rank hands DCP to stage."""
 
-    import dlm.train.checkpointing as checkpointing
-
     saves: list[int] = []
+    stagers: set[int] = set()  # the stager each save was given (none on a torch without one)
     original = checkpointing.dcp.async_save
 
     def counted(state_dict: dict[str, torch.Tensor], **options: object) -> object:
         saves.append(sum(value.numel() * value.element_size() for value in state_dict.values()))
+        if options.get("async_stager") is not None:
+            stagers.add(id(options["async_stager"]))
         return original(state_dict, **options)  # type: ignore[arg-type]
 
     checkpointing.dcp.async_save = counted  # type: ignore[assignment]
@@ -151,7 +153,7 @@ def _record_staged_bytes(root: Path, rank: int, run: Callable[[], object]) -> No
         run()
     finally:
         checkpointing.dcp.async_save = original
-    (root / f"staged-{rank}.json").write_text(json.dumps(saves))
+    (root / f"staged-{rank}.json").write_text(json.dumps({"bytes": saves, "stagers": len(stagers)}))
 
 
 def _spawn(worker: object, root: Path, data_dir: Path) -> list[int | None]:
@@ -217,9 +219,13 @@ def test_ddp_with_sharded_checkpoints(root: Path) -> None:
 @pytest.mark.slow
 def test_an_asynchronous_ddp_save_stages_each_ranks_share_only(root: Path) -> None:
     # DDP's tensors are whole on every rank; each rank stages only the half it writes (and its RNG state).
-    staged = [json.loads((root / f"staged-{rank}.json").read_text()) for rank in range(2)]
+    records = [json.loads((root / f"staged-{rank}.json").read_text()) for rank in range(2)]
+    staged = [record["bytes"] for record in records]
     whole = sum(tensor.numel() * tensor.element_size() for tensor in state(root / "ddp-async" / "latest").values())
     assert len(staged[0]) == len(staged[1]) >= 1
+    # Every save of a rank stages through the same stager, into the buffers of its last save.
+    reusable = checkpointing.reusing_stager() is not None
+    assert all(record["stagers"] == (1 if reusable else 0) for record in records)
     for first, second in zip(staged[0], staged[1], strict=True):
         assert first + second <= whole + 64 * 1024  # each tensor once, RNG states aside
         assert max(first, second) <= 0.6 * whole

@@ -22,6 +22,7 @@ save, the end of the run, a stop signal or an exception waits for it first.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import shutil
 from collections.abc import Mapping
@@ -179,6 +180,22 @@ class _Pending:
     future: Future[Any]
 
 
+def reusing_stager() -> Any | None:
+    """torch's stager for asynchronous saves, kept for the whole run: it copies each tensor into the CPU
+    buffer it staged that tensor in last time, so a save allocates (and page-faults) nothing new. None
+    on a torch without it (before 2.9), where every save stages into fresh memory."""
+
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        return None
+    # Staged in the calling thread (training then changes the originals), into plain memory: pinned
+    # or shared pages would only pay off with a CUDA stream or a separate writer process.
+    return DefaultStager(StagingOptions(False, False, False, False))
+
+
 class ShardedCheckpointer:
     """Writes `step-N/` directories with DCP; one per run, built on every rank at the same point."""
 
@@ -186,6 +203,7 @@ class ShardedCheckpointer:
         self.world, self.run_dir, self.keep_last, self.asynchronous = world, run_dir, keep_last, asynchronous
         # Collective: every rank builds its checkpointer at the same point of the run.
         self.group = dist.new_group(backend="gloo") if asynchronous and world.active else None
+        self.stager = reusing_stager() if asynchronous else None
         self._pending: _Pending | None = None
         self._no_dist = not dist.is_initialized()  # one process: DCP then needs no process group
 
@@ -218,10 +236,13 @@ class ShardedCheckpointer:
         self.world.barrier()
         writer = dcp.FileSystemWriter(str(directory), sync_files=True, thread_count=1)
         if self.asynchronous:
+            reuse = {} if self.stager is None else {"async_stager": self.stager}
             with single_process_quiet():
                 future = cast(
                     Future[Any],  # a Future unless a zero-overhead stager is passed (none is)
-                    dcp.async_save(tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist),
+                    dcp.async_save(
+                        tensors, storage_writer=writer, process_group=self.group, no_dist=self._no_dist, **reuse
+                    ),
                 )
             done: Future[Any] = Future()
             future.add_done_callback(lambda finished: self._complete(finished, directory, record, done))
@@ -293,6 +314,9 @@ class ShardedCheckpointer:
             # The run is already ending with its own error; a failed save simply never gets its marker.
             with contextlib.suppress(Exception, CheckpointException):
                 pending.future.result()
+        if self.stager is not None:
+            self.stager.close()  # its CPU copies of the state go with the run
+            self.stager = None
 
     def _failure(self, directory: Path, exc: BaseException) -> UserError:
         reason = _os_reason(exc)
