@@ -18,6 +18,7 @@ from dlm.artifacts.loading import load_model, read_model_source
 from dlm.artifacts.run_dir import RunDir
 from dlm.config.schema import ExperimentConfig
 from dlm.data.dataset import load_packed_dataset
+from dlm.data.tokenizer import tokenizer_sha256
 from dlm.diffusion.distillation import (
     TwoStepTimes,
     allowed_log_probs,
@@ -207,6 +208,28 @@ def test_before_any_update_the_student_predicts_as_the_teacher(
         student = masked_logits(step.model, noisy, mask, clean)
         teacher_logits = masked_logits(step.teacher, noisy, mask, clean)
     assert torch.equal(student, teacher_logits)
+
+
+def test_the_teacher_is_built_without_drawing_weights(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlm.model.transformer import DiffusionTransformer
+
+    drawn: list[str] = []
+    init_weights = DiffusionTransformer.init_weights
+
+    def recorded(model: DiffusionTransformer) -> None:
+        drawn.append(next(model.parameters()).device.type)
+        init_weights(model)
+
+    monkeypatch.setattr(DiffusionTransformer, "init_weights", recorded)
+    experiment = _experiment(teacher, tiny_data_dir, tmp_path / "run").with_absolute_paths()
+    source = experiment.training.init_from
+    assert source is not None
+    initial = initial_weights(source, experiment.model, tokenizer_sha256(experiment.training.tokenizer))
+    DistillStep(experiment, torch.device("cpu"), "float32", current_context(experiment), initial)
+    # The student takes the initial weights, the teacher those of its round when it begins: no draw.
+    assert drawn and set(drawn) == {"meta"}
 
 
 def _fixed_divergence(step: DistillStep, clean: torch.Tensor) -> float:

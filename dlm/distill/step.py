@@ -14,6 +14,7 @@ Everything else of a training step is `dlm.train.step`'s: gradient accumulation,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -71,12 +72,10 @@ class DistillStep(TrainingStep):
         assert experiment.distill is not None  # `dlm.distill.run` passes only distillation configs
         self.distill = experiment.distill
         self.divergence = get_divergence(self.distill.divergence)
-        # The teacher's random initial weights are overwritten at once: drawn apart from the global
-        # generator, they leave it where the student's construction left it.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            teacher = build_model(
-                lambda: DiffusionTransformer(experiment.model), device, world, self.config.parallelism
-            )
+        # The teacher takes its weights when its round begins (`RoundTeachers.ensure`): it is built
+        # without drawing any, which costs no time, and leaves the global generator where it was.
+        empty = functools.partial(DiffusionTransformer.empty, experiment.model)
+        teacher = build_model(empty, device, world, self.config.parallelism)
         teacher.requires_grad_(False)
         self.teacher = teacher.eval()
         tokenizer = self.config.tokenizer

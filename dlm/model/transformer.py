@@ -255,6 +255,20 @@ class DiffusionTransformer(nn.Module):
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         return model
 
+    @classmethod
+    def empty(cls, config: ModelConfig) -> DiffusionTransformer:
+        """A model on the CPU whose weights are allocated but not drawn (they hold whatever the memory
+        held), for one whose weights are loaded next, as a distillation's teacher is: nothing random is
+        drawn or paid for. The rotary tables, which are no weights, are computed."""
+
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device="cpu")
+        model.rope_cos, model.rope_sin = rotary_tables(
+            config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling
+        )
+        return model
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise every weight and rebuild the rotary tables (also after `to_empty()`)."""
