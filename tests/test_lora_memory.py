@@ -80,7 +80,8 @@ def test_an_8b_lora_run_fits_one_24_gib_gpu_and_full_training_does_not() -> None
     assert estimate.trainable_share < 0.005  # rank 16 on every Linear layer: 35.7M adapters
     assert 15.5 * GIB < estimate.weights < 16.5 * GIB  # frozen Linear weights and head bfloat16, embedding float32
     assert estimate.weight_copies < 0.01 * GIB  # only the adapters are float32 matmul weights
-    assert 18 * GIB < estimate.total < 20 * GIB
+    # 20.2 GiB; the GPU measured 20.55 GiB at 2 micro-batches a step, where the estimate says 19.7.
+    assert 19.5 * GIB < estimate.total < 21 * GIB
     float32_base = plan_memory(
         llada_8b().model_copy(
             update={

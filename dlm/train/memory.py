@@ -103,10 +103,11 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     the rotated q and k, the attention output (8d) and the gate / up output, the gate activation
     and their product (4f): a(8d + 4f) + 16d. With activation checkpointing a block keeps only its
     float32 input (4d), and one block's full set exists while it is recomputed. The head adds, for
-    the masked half of the tokens on average, the logits and their float32 copy and log-softmax
-    (a + 8 per vocabulary entry). A fused attention kernel is assumed: the math fallback also keeps
-    batch x heads x L x L scores per block. A block diffusion model's transformer blocks run over
-    2L tokens (the noisy and the clean copy), so their share doubles; the head sees the noisy copy only.
+    masked tokens, the logits and their float32 copy and log-softmax (a + 8 per vocabulary entry):
+    memory peaks at the micro-batch with the most, `peak_masked_share` of its tokens. A fused
+    attention kernel is assumed: the math fallback also keeps batch x heads x L x L scores per block.
+    A block diffusion model's transformer blocks run over 2L tokens (the noisy and the clean copy),
+    so their share doubles; the head sees the noisy copy only.
     """
 
     a = 4 if precision == "float32" else 2
@@ -116,8 +117,20 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     # Checkpointed: every block's float32 input, plus the block being recomputed.
     blocks = model.n_layers * 4 * d + full_block if model.activation_checkpointing else model.n_layers * full_block
     copies = pass_copies(model)
-    head = (a + 8) * model.padded_vocab_size // 2
-    return tokens * (copies * blocks + head)
+    head = (a + 8) * model.padded_vocab_size * peak_masked_share(training)
+    return int(tokens * (copies * blocks + head))
+
+
+def peak_masked_share(training: TrainingConfig) -> float:
+    """The largest share of masked tokens a micro-batch of one process has on average.
+
+    An optimizer step stratifies its mask probabilities over all its micro-batches
+    (`dlm.diffusion.objective.accumulation_mask_probabilities`), each taking a consecutive 1 / A of
+    the noise range: the highest takes the top, 1 - 1 / (2A) masked on average (a half with A = 1).
+    Under DDP or FSDP the range splits over the processes too, so the highest lies closer still to 1;
+    the estimate is per process and counts one."""
+
+    return 1.0 - 1.0 / (2 * training.gradient_accumulation_steps)
 
 
 def weight_copy_bytes(entries: list[ParameterEntry], model: ModelConfig, precision: str) -> int:
