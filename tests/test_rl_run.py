@@ -147,6 +147,23 @@ def test_the_task_eval_and_rl_commands(addition: Path, tmp_path: Path, run_cli) 
     rl_prompts = {json.loads(line)["prompt"] for line in files["prompts.jsonl"]}
     assert len(sft) == 50 and not sft & rl_prompts
     run_cli("task", "addition", "--output", tmp_path / "task").assert_refused("already exists", "--overwrite")
+    # Demonstrations of mixed quality: the same problems, a share of the responses one digit off.
+    noisy = run_cli(
+        *("task", "addition", "--output", tmp_path / "noisy", "--sft", "50", "--prompts", "20", "--heldout", "10"),
+        *("--noise", "0.4", "--json"),
+    )
+    assert noisy.exit_code == 0, noisy.stderr
+    clean = [json.loads(line) for line in files["sft.jsonl"]]
+    mixed = [json.loads(line) for line in (tmp_path / "noisy" / "sft.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in mixed] == [row["prompt"] for row in clean]
+    wrong = [(row["response"], right["response"]) for row, right in zip(mixed, clean, strict=True) if row != right]
+    assert len(wrong) == json.loads(noisy.stdout)["wrong_responses"] and 10 <= len(wrong) <= 30
+    for response, answer in wrong:  # one digit moved by one: a dropped or added carry
+        difference = abs(int(response) - int(answer))
+        assert int(response) >= 0 and difference in (1, 10, 100) and difference <= int(answer) + 100
+    for name in ("prompts.jsonl", "heldout.jsonl"):
+        assert (tmp_path / "noisy" / name).read_text() == (tmp_path / "task" / name).read_text()
+    run_cli("task", "addition", "--output", tmp_path / "x", "--noise", "1").assert_refused("--noise")
 
     heldout = addition / "task" / "heldout.jsonl"
     args = ("eval", addition / "sft", "--prompts", heldout, "--samples", "2", "--pass-at", "1", "--pass-at", "2")

@@ -72,6 +72,9 @@ def task_command(
     prompts: Annotated[int, typer.Option("--prompts", min=1, help="RL prompts (prompts.jsonl).")] = 5_500,
     heldout: Annotated[int, typer.Option("--heldout", min=1, help="Evaluation prompts (heldout.jsonl).")] = 500,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the problems drawn.")] = 0,
+    noise: Annotated[
+        float, typer.Option("--noise", help="Share of the supervised responses made wrong (one digit off).")
+    ] = 0.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the task's files in --output.")] = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -82,13 +85,25 @@ def task_command(
     from dlm.rl.tasks import write_task
 
     summary = write_task(
-        name, output, sft=sft, prompts=prompts, heldout=heldout, digits=digits, seed=seed, overwrite=overwrite
+        name,
+        output,
+        sft=sft,
+        prompts=prompts,
+        heldout=heldout,
+        digits=digits,
+        seed=seed,
+        noise=noise,
+        overwrite=overwrite,
     )
     if wants_json(as_json):
-        print_json({"output": str(summary.output), "counts": summary.counts})
+        print_json(
+            {"output": str(summary.output), "counts": summary.counts, "wrong_responses": summary.wrong_responses}
+        )
         return
     for file, count in summary.counts.items():
         console.print(f"{count:>8,} problems  {summary.output / file}", highlight=False, soft_wrap=True)
+    if summary.wrong_responses:
+        console.print(f"{summary.wrong_responses:>8,} of the supervised responses are wrong (--noise)", highlight=False)
     console.print(
         f"next: dlm tokenizer train {summary.output}/sft.jsonl --text-field prompt -n {MIN_VOCAB_SIZE} -o "
         f"{summary.output}/tokenizer.json",

@@ -10,6 +10,11 @@ A task writes everything a supervised-then-RL walk-through needs into one direct
   tokenizer beside it.
 
 Problems are drawn from a generator seeded by `seed`, so the same call writes the same files.
+
+`noise` makes the demonstrations of mixed quality, as collected data often is: that share of the
+`sft.jsonl` responses is a plausible wrong answer (one digit off, as a dropped carry is). Imitation
+then learns the mistakes with the answers; a reward that checks the answer does not. The RL and
+held-out answers stay right, and the problems are the same as without noise.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Problem:
 class TaskSummary:
     output: Path
     counts: dict[str, int]  # problems per file
+    wrong_responses: int = 0  # sft.jsonl responses made wrong (`noise`)
 
 
 def addition_problems(digits: int, rng: random.Random) -> Iterator[Problem]:
@@ -63,6 +69,15 @@ def _operand(length: int, rng: random.Random) -> int:
     return rng.randrange(0 if length == 1 else 10 ** (length - 1), 10**length)
 
 
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """`answer` (a non-negative integer) with one digit moved up or down by one: never the answer itself,
+    never negative."""
+
+    value, place = int(answer), 10 ** rng.randrange(len(answer))
+    step = place if rng.random() < 0.5 or value < place else -place
+    return str(value + step)
+
+
 TASKS: dict[str, Callable[[int, random.Random], Iterator[Problem]]] = {"addition": addition_problems}
 
 
@@ -75,15 +90,19 @@ def write_task(
     heldout: int = 500,
     digits: int = 2,
     seed: int = 0,
+    noise: float = 0.0,
     overwrite: bool = False,
 ) -> TaskSummary:
     """Write task `name`'s files (`TASK_FILES`) into `output`: `sft` supervised examples, `prompts` RL
-    prompts and `heldout` evaluation prompts, all distinct problems."""
+    prompts and `heldout` evaluation prompts, all distinct problems; `noise` of the supervised responses
+    wrong (module docstring)."""
 
     if name not in TASKS:
         raise UserError(f"no task named {name!r}", fix=f"choose one of: {', '.join(sorted(TASKS))}")
     if digits < 1 or digits > 6:
         raise UserError(f"--digits must be between 1 and 6 (got {digits})", fix="for example --digits 3")
+    if not 0.0 <= noise < 1.0:
+        raise UserError(f"--noise must be at least 0 and below 1 (got {noise})", fix="for example --noise 0.3")
     counts = {"sft.jsonl": sft, "prompts.jsonl": prompts, "heldout.jsonl": heldout}
     if min(counts.values()) < 1:
         raise UserError("every split needs at least one problem", fix="pass positive --sft, --prompts, --heldout")
@@ -98,17 +117,20 @@ def write_task(
         raise UserError(f"{existing[0]} already exists here", path=output, fix="pass --overwrite or another --output")
     output.mkdir(parents=True, exist_ok=True)
     problems = TASKS[name](digits, random.Random(seed))
+    mistakes, wrong = random.Random(f"{seed}-noise"), 0  # apart from the problems' generator
     for file, count in counts.items():
         with atomic_path(output / file) as temporary, temporary.open("w", encoding="utf-8") as handle:
             for _ in range(count):
                 problem = next(problems)
-                record = (
-                    {"prompt": problem.prompt, "response": problem.answer}
-                    if file == "sft.jsonl"
-                    else {"prompt": problem.prompt, "answer": problem.answer}
-                )
+                if file == "sft.jsonl":
+                    response = problem.answer
+                    if noise and mistakes.random() < noise:
+                        response, wrong = wrong_answer(problem.answer, mistakes), wrong + 1
+                    record = {"prompt": problem.prompt, "response": response}
+                else:
+                    record = {"prompt": problem.prompt, "answer": problem.answer}
                 handle.write(json.dumps(record) + "\n")
     with atomic_path(output / TOKENIZER_CONFIG_NAME) as temporary:
         settings = {"chat_template": COMPACT_TEMPLATE, "eos_token": "<|endoftext|>"}
         temporary.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-    return TaskSummary(output, counts)
+    return TaskSummary(output, counts, wrong)
