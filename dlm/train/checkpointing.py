@@ -187,9 +187,10 @@ def reusing_stager() -> Any | None:
 
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import async_save
     except ImportError:
         return None
-    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+    if "async_stager" not in inspect.signature(async_save).parameters:
         return None
     # Staged in the calling thread (training then changes the originals), into plain memory: pinned
     # or shared pages would only pay off with a CUDA stream or a separate writer process.
