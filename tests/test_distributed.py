@@ -30,6 +30,7 @@ from helpers import tiny_settings
 from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
+from dlm.model.transformer import DiffusionTransformer
 from dlm.train.distributed import check_parallelism, check_world_size, end_process, kept_accumulation
 from dlm.train.loop import train
 from dlm.train.step import LogWindow, TrainingStep
@@ -52,7 +53,13 @@ COMMON = (
 PER_PROCESS = "training.gradient_accumulation_steps=2"  # x 2 processes
 SINGLE = "training.gradient_accumulation_steps=4"  # x 1 process: the same global batch of 16
 COLLECTIVE_TIMEOUT_S = 300
-SPAWNED_DEADLINE_S = 900  # all four spawned runs; each takes seconds on an idle machine
+SPAWNED_DEADLINE_S = 900  # all five spawned runs; each takes seconds on an idle machine
+
+
+def init_source(root: Path) -> Path:
+    """The trained weights the init-from runs start from: the reference run's."""
+
+    return root / "reference" / "latest.pt"
 
 
 def data_overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -143,6 +150,21 @@ def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
                 assert first.status == "paused" and first.step == 3
             second = train(experiment, resume=first.checkpoint)
             assert second.status == "complete" and second.step == STEPS
+        # From trained weights: rank 0 builds the whole model from them, and draws none at random.
+        drawn: list[str] = []
+        init_weights = DiffusionTransformer.init_weights
+
+        def recorded(model: DiffusionTransformer) -> None:
+            drawn.append(next(model.parameters()).device.type)
+            init_weights(model)
+
+        DiffusionTransformer.init_weights = recorded  # type: ignore[method-assign]
+        try:
+            initialised = tiny(data_dir, root / "fsdp-init", *runs["fsdp"], f"training.init_from={init_source(root)}")
+            assert train(initialised).step == STEPS
+        finally:
+            DiffusionTransformer.init_weights = init_weights  # type: ignore[method-assign]
+        (root / f"drawn-{rank}.json").write_text(json.dumps(drawn))
     finally:
         dist.destroy_process_group()
     end_process(0)  # as `dlm train` under torchrun ends: no interpreter teardown under gloo's threads
@@ -155,13 +177,17 @@ class Runs:
     cli_ddp: Path  # dlm train --nproc 2, accumulation 2, straight through
     ddp: Path  # 2 processes, interrupted after 3 steps + resume
     fsdp: Path  # 2 processes, FSDP with activation checkpointing, 3 steps + resume
+    fsdp_init: Path  # 2 processes, FSDP from the reference's trained weights
+    reference_init: Path  # 1 process from the reference's trained weights
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("distributed")
-    result = Runs(tiny_data_dir, root / "reference", root / "cli-ddp", root / "ddp", root / "fsdp")
+    names = ("reference", "cli-ddp", "ddp", "fsdp", "fsdp-init", "reference-init")
+    result = Runs(tiny_data_dir, *(root / name for name in names))
     train(tiny(tiny_data_dir, result.reference, SINGLE))
+    train(tiny(tiny_data_dir, result.reference_init, SINGLE, f"training.init_from={init_source(root)}"))
 
     settings = [*data_overrides(tiny_data_dir, result.cli_ddp), PER_PROCESS]
     overrides = [part for item in settings for part in ("--set", item)]
@@ -213,6 +239,13 @@ def test_fsdp_equals_one_process_with_twice_the_accumulation(runs: Runs) -> None
     assert inference["weights"] == "ema"
     for name, tensor in inference["model"].items():
         assert torch.equal(tensor, ema[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.slow
+def test_fsdp_from_trained_weights_equals_one_process_and_draws_no_random_weights(runs: Runs) -> None:
+    assert_close_runs(runs.fsdp_init, runs.reference_init)
+    drawn = [json.loads((runs.fsdp_init.parent / f"drawn-{rank}.json").read_text()) for rank in range(2)]
+    assert all(device == "meta" for devices in drawn for device in devices)  # only meta "draws", on any rank
 
 
 @pytest.mark.slow

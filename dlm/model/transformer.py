@@ -80,6 +80,14 @@ def rotary_tables(
     return rotary_at(torch.arange(seq_len), head_dim, theta, scaling)
 
 
+def cpu_rotary_tables(config: ModelConfig) -> tuple[Tensor, Tensor]:
+    """A model's rotary tables on the CPU, also where a default device (a meta build under FSDP) says
+    otherwise: a model given weights keeps tables with values."""
+
+    with torch.device("cpu"):
+        return rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> Tensor:
     """The rotation frequency of each pair of a head [head_dim / 2], float64, after `scaling`
     (`dlm.config.rope`: linear divides all of them, llama3 the low ones and blends a middle band)."""
@@ -251,7 +259,7 @@ class DiffusionTransformer(nn.Module):
             model = cls(config)
         model.load_state_dict(dict(weights), strict=True, assign=True)
         device = next(iter(weights.values())).device
-        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling)
+        cos, sin = cpu_rotary_tables(config)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         return model
 
@@ -264,9 +272,7 @@ class DiffusionTransformer(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.to_empty(device="cpu")
-        model.rope_cos, model.rope_sin = rotary_tables(
-            config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling
-        )
+        model.rope_cos, model.rope_sin = cpu_rotary_tables(config)
         return model
 
     @torch.no_grad()

@@ -133,8 +133,8 @@ class TrainingStep:
         seed_everything(self.config.seed, device)
         # A run that starts from trained weights (`initial`, read from training.init_from) takes them as its
         # parameters at once instead of drawing random ones to overwrite (an 8B model's float32 draw alone
-        # needs 32 GB of host memory). Under FSDP rank 0 builds the whole model: it draws, as before.
-        self._initial = None if world.active and self.config.parallelism == "fsdp" else initial
+        # needs 32 GB of host memory). Under FSDP only rank 0 builds the whole model, from them too.
+        self._initial = initial
         # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
         self.model = build_model(self._new_model, device, world, self.config.parallelism)
         self._initial = None
