@@ -22,7 +22,8 @@ from dlm.train.distributed import end_process
 
 TOLERANCE = 1e-5
 DEADLINE_S = 600
-SETTINGS = ("rl.prompts_per_step=4", "rl.heldout=none")
+# Two samples per estimate: the estimator's variance is reported, summed over the ranks' rows.
+SETTINGS = ("rl.prompts_per_step=4", "rl.heldout=none", "rl.estimator_samples=2")
 
 
 def _worker(rank: int, world_size: int, root: Path, parallelism: str) -> None:
@@ -62,9 +63,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _rollouts(run: Path) -> list[tuple[int, float, float]]:
+def _rollout_events(run: Path) -> list[dict[str, float]]:
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(e["step"], e["mean_reward"], e["reward_std"]) for e in events if e["event"] == "rollout"]
+    return [event for event in events if event["event"] == "rollout"]
+
+
+def _rollouts(run: Path) -> list[tuple[int, float, float]]:
+    return [(e["step"], e["mean_reward"], e["reward_std"]) for e in _rollout_events(run)]
 
 
 @pytest.mark.slow
@@ -73,6 +78,11 @@ def test_two_processes_run_rl_as_one(runs: Path, parallelism: str) -> None:
     # The rewards of the rollouts (sampled on each rank from the same seeds) are the one process's;
     # FSDP's sharded weights gather into the one process's too.
     assert _rollouts(runs / parallelism) == _rollouts(runs / "reference")
+    # The estimator's variance and the clipped share are those of all the step's rows, not rank 0's.
+    for split, whole in zip(_rollout_events(runs / parallelism), _rollout_events(runs / "reference"), strict=True):
+        assert whole["estimator_variance"] is not None and whole["estimator_variance"] > 0
+        assert split["estimator_variance"] == pytest.approx(whole["estimator_variance"], rel=1e-4)
+        assert split["clip_fraction"] == pytest.approx(whole["clip_fraction"], abs=1e-6)
     # FSDP saves sharded (DCP) checkpoints: the run's latest, in whichever format, read as a model.
     (left_info, left), (right_info, right) = (
         read_model_source(runs / parallelism),
