@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -375,9 +376,15 @@ def test_the_terminal_view_shows_the_plan_and_its_replans() -> None:
     )
     panel = io.StringIO()
     Console(file=panel, width=80, force_terminal=True, color_system=None).print(view.dashboard.render())
-    view({"event": "budget_stage", "stage": "train", "status": "done", "outcome": "complete", "step": 1800})
+    # Re-fits that move the end less than 5% from the last announced one update the panel quietly.
+    for step, end in ((1100, 1790), (1200, 1760), (1300, 1700)):
+        refit = {"step": step, "seconds_per_step": 0.3, "previous_max_steps": 1800, "max_steps": end}
+        view({"event": "budget_replan", **refit})
+    view({"event": "budget_stage", "stage": "train", "status": "done", "outcome": "complete", "step": 1700})
     view.close()
     text = output.getvalue()
+    announced = re.findall(r"step (\d+): [^\n]* the schedule now", text)
+    assert announced == ["1000", "1300"]
     assert "calibrating: timing 3 training steps" in text
     assert "plan: 2000 steps at 0.25 s per step (calibration), warmup 166" in text.replace("\n", " ")
     assert "step 1000: 0.3 s per step, the schedule now ends at step 1800 (was 2000)" in text.replace("\n", " ")

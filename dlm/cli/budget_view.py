@@ -54,9 +54,9 @@ class BudgetView:
             self._stage(event)
         elif kind == "budget_note":
             self.print(f"[yellow]note:[/] {escape(event['message'])}")
-        elif kind == "budget_replan":
-            if self.dashboard is not None:
-                self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
+        elif kind == "budget_replan" and (
+            self.dashboard is None or self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
+        ):
             self.print(
                 f"[dim]step {event['step']}: {event['seconds_per_step']:.3g} s per step, the schedule now "
                 f"ends at step {event['max_steps']} (was {event['previous_max_steps']})[/]"

@@ -80,6 +80,9 @@ def _format(value: Any, spec: str = ".4f", empty: str = "-") -> str:
     return format(value, spec)
 
 
+REFIT_LINE_SHARE = 0.05  # a re-fitted end this much away from the last one announced gets a line
+
+
 @dataclass(frozen=True)
 class Budget:
     """A run trained against a wall-clock budget, possibly in several `train` calls (`dlm.train.budget`):
@@ -121,6 +124,7 @@ class TrainingDashboard:
         self.status = "starting"
         self.step, self.max_steps, self.fraction = 0, 0, 0.0
         self.replans = 0
+        self.announced_end = 0  # the end the last announced re-fit named
         self.losses: deque[float] = deque(maxlen=256)
         self.live = Live(console=self.console, refresh_per_second=refresh_per_second, get_renderable=self.render)
 
@@ -137,13 +141,18 @@ class TrainingDashboard:
     def elapsed(self) -> float:
         return self.clock() - self.opened + (0.0 if self.budget is None else self.budget.spent_seconds)
 
-    def replan(self, seconds_per_step: float, max_steps: int | None = None) -> None:
-        """The schedule was planned again at this pace, to end at `max_steps` (a budgeted run
-        between two `train` calls)."""
+    def replan(self, seconds_per_step: float, max_steps: int | None = None) -> bool:
+        """The schedule was re-fitted at this pace, to end at `max_steps` (a budgeted run). Whether
+        the end moved by REFIT_LINE_SHARE or more since the last re-fit that said so: a run re-fits
+        every few seconds, and a line for each would bury the dashboard."""
 
         self.planned_seconds_per_step = seconds_per_step
         self.max_steps = self.max_steps if max_steps is None else max_steps
         self.replans += 1
+        if self.announced_end and abs(self.max_steps - self.announced_end) < REFIT_LINE_SHARE * self.announced_end:
+            return False
+        self.announced_end = self.max_steps
+        return True
 
     def finish(self, status: str) -> None:
         """How a budgeted run ended, once no further `train` call follows."""

@@ -117,13 +117,12 @@ class DemoView:
         elif kind == "demo_note":
             console.print(f"[yellow]note:[/] {escape(event['message'])}", highlight=False)
         elif kind == "demo_replan":
-            if self.dashboard is not None:
-                self.dashboard.replan(event["seconds_per_step"], event["max_steps"])
-            console.print(
-                f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
-                f"now ends at step {event['max_steps']}[/]",
-                highlight=False,
-            )
+            if self.dashboard is None or self.dashboard.replan(event["seconds_per_step"], event["max_steps"]):
+                console.print(
+                    f"[dim]step {event['step']}: {event['seconds_per_step']:.2f} s per step, the schedule "
+                    f"now ends at step {event['max_steps']}[/]",
+                    highlight=False,
+                )
         elif kind == "demo_sample":
             self.samples.append(event)
         elif kind == "demo_compare":
