@@ -424,17 +424,18 @@ class BudgetPacer:
         # The slower of the latest steps' pace and the window's: a slowdown shortens the plan at once
         # (running into the deadline would stop the decay midway), a speed-up lengthens it gradually.
         pace = max((now - since) / (step - first) for since, first in (self.marks[0], self.marks[-1]))
-        self.mark(now, step)
         plan = self.plan
         plan.seconds_per_step, plan.rate_source = pace, "measured"
         plan.trained_seconds = self.spent_before + now - self.started
         fields = self.training.schedule_left(plan, pace, step)
         if isinstance(fields, int) or fields["max_steps"] == plan.max_steps:
+            self.mark(now, step)
             return None  # on plan; or not one more step fits, and the deadline ends the run in its tail
         previous = plan.max_steps
         self.training.bend_schedule(plan, step)
         plan.max_steps, plan.warmup_steps = fields["max_steps"], fields["warmup_steps"]
         self.plans.append((step, replace(plan)))
+        self.mark(now, step)  # the next re-fit is due by the schedule as it now stands
         self.training.emit(
             {
                 "event": f"{self.training.prefix}_replan",
