@@ -45,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dlm.artifacts.events import CheckpointEvent
 from dlm.artifacts.run_dir import check_resumable, check_same_data
 from dlm.artifacts.sharded_checkpoint import (
     EMA_PREFIX,
@@ -453,7 +452,7 @@ def report_saves(trainer: Trainer, block: bool) -> None:
         return
     path = checkpointer.wait() if block else checkpointer.collect()
     if path is not None and trainer.world.is_main:
-        trainer.sink(CheckpointEvent(step=sharded_step(path) or 0, path=str(path)))
+        trainer.announce_checkpoint(sharded_step(path) or 0, path)
 
 
 def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, allow_batch_change: bool = False) -> None:

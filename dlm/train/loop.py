@@ -24,6 +24,7 @@ import contextlib
 import time
 from pathlib import Path
 
+from dlm import __version__
 from dlm.artifacts.checkpoint import (
     RunLock,
     check_output_dir,
@@ -31,6 +32,7 @@ from dlm.artifacts.checkpoint import (
 from dlm.artifacts.events import (
     EndEvent,
     Sink,
+    StartEvent,
     fan_out,
 )
 from dlm.artifacts.run_dir import (
@@ -38,14 +40,14 @@ from dlm.artifacts.run_dir import (
     check_run_file_kinds,
     check_run_target,
     remove_run_files,
-    write_config,
 )
 from dlm.artifacts.sharded_checkpoint import remove_incomplete_checkpoints
 from dlm.config.schema import ExperimentConfig
+from dlm.config.shapes import format_parameter_count
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.runtime.allocator import keep_freed_memory
-from dlm.runtime.device import resolve_device, resolve_training_precision
+from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.kernels import configure_cuda_backends, process_settings_restored
 from dlm.runtime.threads import configure_cpu_threads, resume_cpu_threads
 from dlm.train.distributed import (
@@ -189,8 +191,8 @@ def _train(
                 cleanup.callback(logger.close)
             sinks: list[Sink] = [metrics, *loggers]
             trainer.sink = fan_out(sinks + ([sink] if sink is not None else []))
-            write_config(run_dir, trainer.experiment)  # with the accumulation a resume kept
-        trainer.sink(trainer.start_event(resume, None if threads is None else threads.describe()))
+            trainer.write_run_config()  # with the accumulation a resume kept
+        trainer.sink(start_event(trainer, resume, None if threads is None else threads.describe()))
         deadline = None if max_run_seconds is None else time.monotonic() + max_run_seconds
         result = trainer.run(end_step, deadline, stop, pacer)
         stop.settle()  # the files are complete: a late signal must not cut the report short
@@ -203,3 +205,37 @@ def _train(
             )
         )
         return result
+
+
+def start_event(trainer: Trainer, resumed_from: Path | None, cpu_threads: str | None = None) -> StartEvent:
+    """The run's first event: what trains, on what, from where, and how much a step takes in."""
+
+    config, world = trainer.config, trainer.world
+    tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
+    tokens_per_step *= trainer.experiment.model.max_seq_len
+    return StartEvent(
+        run_dir=str(config.output_dir),
+        device=str(trainer.device),
+        precision=trainer.precision,
+        parameters=trainer.model.num_parameters,
+        parameters_human=format_parameter_count(trainer.model.num_parameters),
+        trainable_parameters=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        optimizer=config.optimizer,
+        compile=resolve_compile(config.compile, trainer.device),
+        activation_checkpointing=trainer.experiment.model.activation_checkpointing,
+        fused_attention_required=config.require_fused_attention,
+        world_size=world.world_size,
+        parallelism=config.parallelism if world.active else None,
+        global_batch=config.batch_size * config.gradient_accumulation_steps * world.world_size,
+        tokens_per_step=tokens_per_step,
+        training_blocks=trainer.data_size,
+        start_step=trainer.counters.step,
+        max_steps=config.max_steps,
+        resumed_from=None if resumed_from is None else str(resumed_from),
+        data_changed=trainer.data_changed,
+        dlm_version=__version__,
+        cpu_threads=cpu_threads,
+        batch_note=trainer.batch_note,
+        precision_note=cpu_precision_note(trainer.device, trainer.precision),
+        init_from=None if config.init_from is None else str(config.init_from),
+    )

@@ -30,7 +30,6 @@ from dlm.artifacts.events import (
     CheckpointEvent,
     EndStatus,
     Sink,
-    StartEvent,
     TrainEvent,
     ValidationEvent,
 )
@@ -44,13 +43,11 @@ from dlm.artifacts.run_dir import (
 from dlm.artifacts.sharded_checkpoint import is_sharded_checkpoint
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, TrainingConfig
-from dlm.config.shapes import format_parameter_count
 from dlm.data.dataset import DeterministicBatchSampler, load_packed_dataset
 from dlm.data.tokenizer import tokenizer_sha256
 from dlm.errors import UserError
 from dlm.evaluation.evaluate import fixed_noise_validation
 from dlm.model.lora import adapter_state, load_base_and_adapters
-from dlm.runtime.device import cpu_precision_note, resolve_compile
 from dlm.runtime.flops import peak_flops
 from dlm.runtime.memory import memory_stats
 from dlm.runtime.rng import capture_rng_state, restore_rng_state
@@ -137,7 +134,8 @@ class Trainer:
         self.lora_base: dict[str, str] | None = None  # a LoRA run's frozen base: its path and weights' sha256
         self.recorded_threads: int | None = None  # the CPU threads of the checkpoint resumed from
         self.batch_note: str | None = None  # how a resume on another world size kept (or changed) the batch
-        self.config_written = True  # config.json describes the current schedule (`train` writes it first)
+        self._config_on_disk: ExperimentConfig | None = None  # what config.json holds (`write_run_config`)
+        self._saved_configs: dict[int, ExperimentConfig] = {}  # the config of each save not yet announced
 
     @property
     def counters(self) -> RunCounters:
@@ -215,11 +213,25 @@ class Trainer:
         self.step.experiment = self.experiment
 
     def reschedule(self, fields: Mapping[str, Any]) -> None:
-        """A pacer's new schedule; config.json follows with the next checkpoint, so that it always
-        describes the schedule of a checkpoint on disk."""
+        """A pacer's new schedule; config.json follows when the next checkpoint is complete, so that it
+        always describes a checkpoint on disk (`announce_checkpoint`)."""
 
         self.adopt(self.config.model_copy(update=dict(fields)))
-        self.config_written = False
+
+    def write_run_config(self, experiment: ExperimentConfig | None = None) -> None:
+        """Rank 0: config.json, the settings a `dlm resume` continues with (by default the current ones)."""
+
+        experiment = self.experiment if experiment is None else experiment
+        if self.world.is_main and experiment is not self._config_on_disk:
+            write_config(self.config.output_dir, experiment)
+            self._config_on_disk = experiment
+
+    def announce_checkpoint(self, step: int, path: Path) -> None:
+        """Rank 0, once the checkpoint of `step` is complete: config.json as that checkpoint trained,
+        then its event (a time budget's plan follows it)."""
+
+        self.write_run_config(self._saved_configs.pop(step, self.experiment))
+        self.sink(CheckpointEvent(step=step, path=str(path)))
 
     def _load_adapters(self, checkpoint: dict[str, Any], base: dict[str, Tensor] | None, path: Path) -> None:
         """The base weights, refused unless they are the ones the run began with; then the checkpoint's
@@ -285,11 +297,9 @@ class Trainer:
         """Every rank calls this (gathering sharded state is a collective); only rank 0 writes."""
 
         with self.stop.writing():  # a second Ctrl-C waits until the files are complete (or staged)
-            path = self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
-            if not self.config_written and self.world.is_main:
-                write_config(self.config.output_dir, self.experiment)
-            self.config_written = True
-            return path
+            if self.world.is_main:
+                self._saved_configs[self.counters.step] = self.experiment
+            return self._save() if self.checkpointer is None else save_trainer(self, self.checkpointer)
 
     def _save(self) -> Path:
         config, step = self.config, self.counters.step
@@ -307,7 +317,7 @@ class Trainer:
                     "lora_base": state["lora_base"],
                 }
                 save_inference_checkpoint(config.output_dir, inference_weights(state), metadata)
-            self.sink(CheckpointEvent(step=step, path=str(path)))
+            self.announce_checkpoint(step, path)
         # No rank returns before the files exist: a result must never name a missing checkpoint.
         self.world.barrier()
         self.checkpoint_path = path
@@ -473,35 +483,4 @@ class Trainer:
             checkpoint=self.checkpoint_path,
             run_dir=self.config.output_dir,
             exit_code=stop.exit_code if status == "interrupted" else 0,
-        )
-
-    def start_event(self, resumed_from: Path | None, cpu_threads: str | None = None) -> StartEvent:
-        config, world = self.config, self.world
-        tokens_per_step = config.batch_size * config.gradient_accumulation_steps * world.world_size
-        tokens_per_step *= self.experiment.model.max_seq_len
-        return StartEvent(
-            run_dir=str(config.output_dir),
-            device=str(self.device),
-            precision=self.precision,
-            parameters=self.model.num_parameters,
-            parameters_human=format_parameter_count(self.model.num_parameters),
-            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            optimizer=config.optimizer,
-            compile=resolve_compile(config.compile, self.device),
-            activation_checkpointing=self.experiment.model.activation_checkpointing,
-            fused_attention_required=config.require_fused_attention,
-            world_size=world.world_size,
-            parallelism=config.parallelism if world.active else None,
-            global_batch=config.batch_size * config.gradient_accumulation_steps * world.world_size,
-            tokens_per_step=tokens_per_step,
-            training_blocks=self.data_size,
-            start_step=self.counters.step,
-            max_steps=config.max_steps,
-            resumed_from=None if resumed_from is None else str(resumed_from),
-            data_changed=self.data_changed,
-            dlm_version=__version__,
-            cpu_threads=cpu_threads,
-            batch_note=self.batch_note,
-            precision_note=cpu_precision_note(self.device, self.precision),
-            init_from=None if config.init_from is None else str(config.init_from),
         )
