@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from helpers import ROOT, tiny_experiment, train_tiny_run
 
+from dlm.artifacts.checkpoint import load_checkpoint
 from dlm.artifacts.events import CheckpointEvent, StreamEvent, TrainEvent
 from dlm.artifacts.run_dir import BUDGET_PLAN_NAME, RunDir, remove_run_files
 from dlm.config.schema import ExperimentConfig
@@ -231,8 +232,8 @@ def test_a_finished_plan_is_reused_and_a_smaller_budget_changes_nothing(
 def test_a_run_stopped_where_no_step_fit_its_budget_is_reused(
     tiny_data_dir: Path, run_cli: Callable[..., Any], planned_run: tuple[Path, list[int]]
 ) -> None:
-    """Short of its planned steps, but its last segment found no time for another one at the pace
-    it kept: done for its budget, not an interrupted run to carry on."""
+    """Short of its planned steps, but no time was left for another one at the pace it kept: done for
+    its budget, not an interrupted run to carry on."""
 
     run_dir, calls = planned_run
     TrainingPlan(60.0, 0.5, "measured", 1.0, 8, 1, 4, 4, 1, trained_seconds=59.5).save(run_dir)
@@ -317,6 +318,7 @@ def test_a_late_slowdown_is_caught_on_the_clock_and_the_schedule_still_reaches_i
     experiment = tiny_experiment(tiny_data_dir, tmp_path / "run")
     events: list[StreamEvent] = []
     saved: list[tuple[int, int]] = []  # (checkpoint step, the max_steps of the plan saved with it)
+    fields = ("max_steps", "warmup_steps", "decay_anchor_step", "decay_anchor_progress")
     started = time.perf_counter()
 
     def busy_machine(event: StreamEvent) -> None:
@@ -327,6 +329,11 @@ def test_a_late_slowdown_is_caught_on_the_clock_and_the_schedule_still_reaches_i
             plan = TrainingPlan.load(tmp_path / "run")
             assert plan is not None
             saved.append((event.step, plan.max_steps))
+            # The plan and config.json saved with a checkpoint hold the schedule it trained with.
+            trained_with = load_checkpoint(Path(event.path))["config"]["training"]
+            on_disk = json.loads((tmp_path / "run" / "config.json").read_text())["training"]
+            assert {name: getattr(plan, name) for name in fields} == {name: trained_with[name] for name in fields}
+            assert {name: on_disk[name] for name in fields} == {name: trained_with[name] for name in fields}
 
     training = BudgetedTraining(experiment, 0.15, calibrate=fake_calibrator(0.02), emit=busy_machine)
     plan, step, result = training.run()

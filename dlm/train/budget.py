@@ -59,6 +59,9 @@ CALIBRATION_STEPS = 3
 REPLAN_EVERY = 0.05
 PACE_WINDOW = 3  # re-fits: a speed-up counts over the latest ones' steps, so one fast stretch does not swing it
 MIN_PACED_STEPS = 5  # fewer steps than this since the last re-fit give too noisy a pace to re-fit from
+# A re-fit keeps SCHEDULE_SHARE of the time left free, and never less than this share of the budget:
+# the last re-fits, seconds before the end, still leave room for the final validation and save.
+END_RESERVE = 0.02
 VALIDATIONS, CHECKPOINTS = 4, 4  # at least this many per planned run (fewer on long GPU runs)
 RESCHEDULED_FIELDS = ("max_steps", "warmup_steps", "decay_anchor_step", "decay_anchor_progress")
 MIN_MEASURED_STEPS = 10  # fewer steps than this give too noisy a pace to re-plan from
@@ -95,16 +98,19 @@ def plan_schedule(
     start_step: int = 0,
     warmup_steps: int | None = None,
     validation_steps: float = 0.0,
+    reserve_seconds: float = 0.0,
 ) -> dict[str, Any] | int:
-    """Schedule fields for the steps that fit in SCHEDULE_SHARE of the time left, or, when too few
-    fit (fewer than 2 for a fresh run, 1 for a continued one), that number.
+    """Schedule fields for the steps that fit in SCHEDULE_SHARE of the time left, keeping at least
+    `reserve_seconds` of it free, or, when too few fit (fewer than 2 for a fresh run, 1 for a
+    continued one), that number.
 
     `validation_steps`: one validation's cost in optimizer steps. `warmup_steps` None scales the
     config's warmup with the run length (a fresh run); a number is kept (a continued run).
     """
 
     training = base.training
-    usable = max(0.0, budget_seconds - spent_seconds) * SCHEDULE_SHARE
+    left = max(0.0, budget_seconds - spent_seconds)
+    usable = max(0.0, min(left * SCHEDULE_SHARE, left - reserve_seconds))
     steps = int(usable / seconds_per_step)
     validations = max(VALIDATIONS, steps / training.eval_interval)
     steps = int((usable - validations * validation_steps * seconds_per_step) / seconds_per_step)
@@ -389,7 +395,8 @@ class BudgetedTraining:
             plan.decay_anchor_step, plan.decay_anchor_progress = step, min(decay_progress(step, training), 0.999)
 
     def schedule_left(self, plan: TrainingPlan, pace: float, step: int) -> dict[str, Any] | int:
-        """The steps from `step` that still fit in the plan's budget at `pace` (`plan_schedule`)."""
+        """The steps from `step` that still fit in the plan's budget at `pace` (`plan_schedule`), the
+        END_RESERVE kept free."""
 
         return plan_schedule(
             budget_seconds=plan.budget_seconds,
@@ -398,6 +405,7 @@ class BudgetedTraining:
             base=self.experiment,
             start_step=step,
             warmup_steps=plan.warmup_steps,
+            reserve_seconds=END_RESERVE * plan.budget_seconds,
         )
 
 
@@ -423,7 +431,9 @@ class BudgetPacer:
             return None
         # The slower of the latest steps' pace and the window's: a slowdown shortens the plan at once
         # (running into the deadline would stop the decay midway), a speed-up lengthens it gradually.
-        pace = max((now - since) / (step - first) for since, first in (self.marks[0], self.marks[-1]))
+        # Only enough latest steps count: one that ran a validation alone would swing the plan.
+        recent = [mark for mark in (self.marks[0], self.marks[-1]) if step - mark[1] >= MIN_PACED_STEPS]
+        pace = max((now - since) / (step - first) for since, first in recent or [self.marks[0]])
         plan = self.plan
         plan.seconds_per_step, plan.rate_source = pace, "measured"
         plan.trained_seconds = self.spent_before + now - self.started
