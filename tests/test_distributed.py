@@ -150,21 +150,29 @@ def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
                 assert first.status == "paused" and first.step == 3
             second = train(experiment, resume=first.checkpoint)
             assert second.status == "complete" and second.step == STEPS
-        # From trained weights: rank 0 builds the whole model from them, and draws none at random.
+        # From trained weights: rank 0 builds the whole model from them, the other rank from their shapes
+        # alone (rank 0 sends it the weights), and no rank draws any at random.
         drawn: list[str] = []
-        init_weights = DiffusionTransformer.init_weights
+        built: list[str] = []
+        init_weights, from_weights = DiffusionTransformer.init_weights, DiffusionTransformer.from_weights.__func__
 
         def recorded(model: DiffusionTransformer) -> None:
             drawn.append(next(model.parameters()).device.type)
             init_weights(model)
 
+        def recorded_build(cls: type, config: object, weights: dict[str, torch.Tensor]) -> DiffusionTransformer:
+            built.append(next(iter(weights.values())).device.type)
+            return from_weights(cls, config, weights)
+
         DiffusionTransformer.init_weights = recorded  # type: ignore[method-assign]
+        DiffusionTransformer.from_weights = classmethod(recorded_build)  # type: ignore[method-assign, assignment]
         try:
             initialised = tiny(data_dir, root / "fsdp-init", *runs["fsdp"], f"training.init_from={init_source(root)}")
             assert train(initialised).step == STEPS
         finally:
             DiffusionTransformer.init_weights = init_weights  # type: ignore[method-assign]
-        (root / f"drawn-{rank}.json").write_text(json.dumps(drawn))
+            DiffusionTransformer.from_weights = classmethod(from_weights)  # type: ignore[method-assign, assignment]
+        (root / f"drawn-{rank}.json").write_text(json.dumps({"drawn": drawn, "built": built}))
     finally:
         dist.destroy_process_group()
     end_process(0)  # as `dlm train` under torchrun ends: no interpreter teardown under gloo's threads
@@ -244,8 +252,9 @@ def test_fsdp_equals_one_process_with_twice_the_accumulation(runs: Runs) -> None
 @pytest.mark.slow
 def test_fsdp_from_trained_weights_equals_one_process_and_draws_no_random_weights(runs: Runs) -> None:
     assert_close_runs(runs.fsdp_init, runs.reference_init)
-    drawn = [json.loads((runs.fsdp_init.parent / f"drawn-{rank}.json").read_text()) for rank in range(2)]
-    assert all(device == "meta" for devices in drawn for device in devices)  # only meta "draws", on any rank
+    record = [json.loads((runs.fsdp_init.parent / f"drawn-{rank}.json").read_text()) for rank in range(2)]
+    assert all(device == "meta" for rank in record for device in rank["drawn"])  # only meta "draws", on any rank
+    assert record[0]["built"] == ["cpu"] and record[1]["built"] == ["meta"]  # one whole copy, on rank 0
 
 
 @pytest.mark.slow

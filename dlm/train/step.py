@@ -43,12 +43,13 @@ from dlm.train.optimizer import ModelEMA, build_optimizer, learning_rate
 
 
 def model_from_weights(
-    config: ModelConfig, weights: Mapping[str, Tensor], training: TrainingConfig
+    config: ModelConfig, weights: Mapping[str, Tensor], training: TrainingConfig, device: str = "cpu"
 ) -> DiffusionTransformer:
     """A model that takes `weights` as its parameters (on the CPU, as a freshly drawn model is), in
     float32, or for a LoRA run with a bfloat16 base its Linear weights (every matrix but the embedding,
     which is only indexed) in bfloat16, as the adapters will store them: no random draw, and no second
-    copy where the stored dtype is already the one (`DiffusionTransformer.from_weights`)."""
+    copy where the stored dtype is already the one (`DiffusionTransformer.from_weights`). On `device`
+    "meta", their shapes and dtypes alone (an FSDP rank that rank 0 sends the weights to)."""
 
     lora_base = training.lora.enabled and training.lora.base_dtype == "bfloat16"
 
@@ -57,7 +58,7 @@ def model_from_weights(
         return torch.bfloat16 if lora_base and linear else torch.float32
 
     return DiffusionTransformer.from_weights(
-        config, {name: tensor.to("cpu", dtype_of(name, tensor)) for name, tensor in weights.items()}
+        config, {name: tensor.to(device, dtype_of(name, tensor)) for name, tensor in weights.items()}
     )
 
 
@@ -133,7 +134,7 @@ class TrainingStep:
         seed_everything(self.config.seed, device)
         # A run that starts from trained weights (`initial`, read from training.init_from) takes them as its
         # parameters at once instead of drawing random ones to overwrite (an 8B model's float32 draw alone
-        # needs 32 GB of host memory). Under FSDP only rank 0 builds the whole model, from them too.
+        # needs 32 GB of host memory). Under FSDP only rank 0 holds them whole; the others take their shapes.
         self._initial = initial
         # Under FSDP the model comes back sharded: the optimizer and the EMA must see the shards.
         self.model = build_model(self._new_model, device, world, self.config.parallelism)
@@ -152,7 +153,9 @@ class TrainingStep:
         drawn right after the weights."""
 
         if self._initial is not None:
-            model = model_from_weights(self.experiment.model, self._initial, self.config)
+            sharded_here = self.world.active and self.config.parallelism == "fsdp" and not self.world.is_main
+            device = "meta" if sharded_here else "cpu"  # rank 0 sends these ranks the weights
+            model = model_from_weights(self.experiment.model, self._initial, self.config, device)
         else:
             model = DiffusionTransformer(self.experiment.model)
         if self.config.lora.enabled:
