@@ -233,7 +233,7 @@ def test_sparkline_keeps_the_trend_visible_beside_a_spike() -> None:
     assert levels[0] >= 6 and levels[-1] == 0
 
 
-def test_percentage_never_goes_back_when_a_segment_raises_max_steps(real_run: RealRun) -> None:
+def test_percentage_never_goes_back_when_a_second_call_raises_max_steps(real_run: RealRun) -> None:
     # Two `train` calls: the second planned further (73.1% of the first plan would read 70.3% of the new one).
     start = one(real_run.events, StartEvent)
     trained = [event for event in real_run.events if isinstance(event, TrainEvent)]
@@ -255,20 +255,20 @@ def test_percentage_never_goes_back_when_a_segment_raises_max_steps(real_run: Re
     assert clocks == [f"0:00:{7 * count:02d}" for count in range(1, len(real_run.events) + len(second) + 1)]
 
 
-def test_a_budgeted_run_in_segments_shows_one_clock_no_pause_and_the_thread_plan(real_run: RealRun) -> None:
-    segment = [event for event in real_run.events if not isinstance(event, EndEvent)]
+def test_a_budgeted_run_in_two_calls_shows_one_clock_no_pause_and_the_thread_plan(real_run: RealRun) -> None:
+    call = [event for event in real_run.events if not isinstance(event, EndEvent)]
     paused = dataclasses.replace(real_run.events[-1], status="paused")
     clock = FakeClock()
     budget = Budget(seconds=600.0, spent_seconds=30.0, seconds_per_step=0.5)
     dashboard = TrainingDashboard(Console(file=io.StringIO()), budget=budget, clock=clock)
     frames = []
-    for event in [*segment, paused, *segment, paused]:
+    for event in [*call, paused, *call, paused]:
         clock.now += 15.0
         dashboard(event)
         frames.append(frame(dashboard))
     shown = [percentages(text)[0] for text in frames]
     assert shown == sorted(shown) and shown[-1] == pytest.approx(100 * (30 + 15 * len(frames)) / 600, abs=0.05)
-    assert all("paused" not in text for text in frames)  # a pause between segments is not the run's end
+    assert all("paused" not in text for text in frames)  # a pause between calls is not the run's end
     assert "0:03:30 of 0:10:00" in frames[-1]  # the budget spent before plus 12 events x 15 s
     dashboard.finish("paused")
     assert "status paused" in frame(dashboard, width=200)

@@ -85,8 +85,8 @@ REFIT_LINE_SHARE = 0.05  # a re-fitted end this much away from the last one anno
 
 @dataclass(frozen=True)
 class Budget:
-    """A run trained against a wall-clock budget, possibly in several `train` calls (`dlm.train.budget`):
-    the dashboard then reports progress as the share of the budget used, which a re-planned
+    """A run trained against a wall-clock budget (`dlm.train.budget`), possibly continued by a second
+    call: the dashboard then reports progress as the share of the budget used, which a re-fitted
     max_steps cannot move backwards, and a pause between two calls is not the run's end."""
 
     seconds: float
@@ -146,10 +146,11 @@ class TrainingDashboard:
         the end moved by REFIT_LINE_SHARE or more since the last re-fit that said so: a run re-fits
         every few seconds, and a line for each would bury the dashboard."""
 
+        baseline = self.announced_end or self.max_steps  # the end the run started with, until one is announced
         self.planned_seconds_per_step = seconds_per_step
         self.max_steps = self.max_steps if max_steps is None else max_steps
         self.replans += 1
-        if self.announced_end and abs(self.max_steps - self.announced_end) < REFIT_LINE_SHARE * self.announced_end:
+        if baseline and abs(self.max_steps - baseline) < REFIT_LINE_SHARE * baseline:
             return False
         self.announced_end = self.max_steps
         return True
