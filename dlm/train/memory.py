@@ -41,7 +41,7 @@ from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.config.shapes import count_parameters, format_parameter_count, parameter_shapes
 from dlm.fileio import GIB
-from dlm.model.denoiser import pass_copies
+from dlm.model.denoiser import block_size, pass_copies
 from dlm.model.lora import add_adapters
 from dlm.model.transformer import DiffusionTransformer
 
@@ -117,19 +117,24 @@ def activation_bytes(model: ModelConfig, training: TrainingConfig, precision: st
     # Checkpointed: every block's float32 input, plus the block being recomputed.
     blocks = model.n_layers * 4 * d + full_block if model.activation_checkpointing else model.n_layers * full_block
     copies = pass_copies(model)
-    head = (a + 8) * model.padded_vocab_size * peak_masked_share(training)
+    head = (a + 8) * model.padded_vocab_size * peak_masked_share(model, training)
     return int(tokens * (copies * blocks + head))
 
 
-def peak_masked_share(training: TrainingConfig) -> float:
-    """The largest share of masked tokens a micro-batch of one process has on average.
+def peak_masked_share(model: ModelConfig, training: TrainingConfig) -> float:
+    """The largest share of a micro-batch's tokens the head scores, on average, in one process.
 
-    An optimizer step stratifies its mask probabilities over all its micro-batches
-    (`dlm.diffusion.objective.accumulation_mask_probabilities`), each taking a consecutive 1 / A of
-    the noise range: the highest takes the top, 1 - 1 / (2A) masked on average (a half with A = 1).
-    Under DDP or FSDP the range splits over the processes too, so the highest lies closer still to 1;
-    the estimate is per process and counts one."""
+    An autoregressive model scores every token. A whole-sequence model's step stratifies its mask
+    probabilities over all its micro-batches (`dlm.diffusion.objective.accumulation_mask_probabilities`),
+    each taking a consecutive 1 / A of the noise range: the highest takes the top, 1 - 1 / (2A) masked on
+    average (a half with A = 1). Under DDP or FSDP the range splits over the processes too, so the highest
+    lies closer still to 1; the estimate is per process and counts one. A block model gives each
+    sequence's blocks times spread over the whole range: a half in every micro-batch."""
 
+    if getattr(model, "is_autoregressive", False):
+        return 1.0
+    if block_size(model) and model.max_seq_len > block_size(model):
+        return 0.5
     return 1.0 - 1.0 / (2 * training.gradient_accumulation_steps)
 
 
