@@ -8,9 +8,9 @@ gets wrong.
 
 `--against REF` runs the same demo, interleaved run by run, with dlm as it was at another commit
 (started in a detached `git worktree` of it, which `python -m dlm` then imports), so a schedule
-change is measured against what it replaces on the same machine at the same time. The demo's data
-stages run once and are copied into every run, so each run times only training, evaluation and
-export.
+change is measured against what it replaces on the same machine at the same time. The first run's
+tokenizer and packed data are copied into every later run, which then only trains, evaluates and
+exports.
 """
 
 from __future__ import annotations
@@ -45,13 +45,9 @@ def checkout(ref: str) -> Iterator[tuple[Path, str]]:
     verify = ["git", "rev-parse", "--verify", f"{ref}^{{commit}}"]
     commit = subprocess.run(verify, cwd=harness.ROOT, check=True, capture_output=True, text=True).stdout.strip()
     directory = Path(tempfile.mkdtemp(prefix="dlm-against-"))
-    subprocess.run(
-        ["git", "worktree", "add", "--detach", str(directory / "tree"), commit],
-        cwd=harness.ROOT,
-        check=True,
-        capture_output=True,
-    )
     try:
+        add = ["git", "worktree", "add", "--detach", str(directory / "tree"), commit]
+        subprocess.run(add, cwd=harness.ROOT, check=True, capture_output=True)
         yield directory / "tree", commit
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(directory / "tree")], cwd=harness.ROOT, check=False)
@@ -114,7 +110,6 @@ def demo_run(output: Path, minutes: float, source: Path, busy: float | None) -> 
         "steps": trained["step"],
         "max_steps": trained["max_steps"],
         "outcome": trained["outcome"],
-        # How far above its floor the learning rate ended, as a share of the peak-to-floor range.
         "rate_left": _rate_left(trained, events),
         "refits": sum(e.get("event") == "demo_replan" for e in events),
         "wall_s": timing.wall_s,
@@ -122,9 +117,12 @@ def demo_run(output: Path, minutes: float, source: Path, busy: float | None) -> 
 
 
 def _rate_left(trained: dict[str, Any], events: list[dict[str, Any]]) -> float:
+    """How far above its floor the learning rate ended, as a share of the peak-to-floor range (0 for
+    a constant rate)."""
+
     rates = [e["learning_rate"] for e in events if e.get("event") == "train"]  # the highest is the peak's
-    peak, floor = max(rates), trained["min_learning_rate"]
-    return (trained["learning_rate"] - floor) / (peak - floor)
+    peak, floor = max(rates, default=0.0), trained["min_learning_rate"]
+    return 0.0 if peak <= floor else (trained["learning_rate"] - floor) / (peak - floor)
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,21 +164,18 @@ def budget(
         if against is not None:
             source, commit = stack.enter_context(checkout(against))
             arms["against"] = source
-        # The tokenizer and packed data, once: every run reuses the stages it finds in place.
-        harness.progress("budget: preparing the demo's data")
-        subprocess.run(
-            [sys.executable, "-m", "dlm", "demo", "--output", str(output / "data-only"), "--minutes", "0.1", "--json"],
-            check=True,
-            capture_output=True,
-        )
         runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+        data = output / "data"  # the tokenizer and packed data of the first run, which every later run reuses
         for index in range(repeats):
             order = list(arms) if index % 2 == 0 else list(reversed(arms))  # neither always goes first
             for arm in order:
                 directory = output / f"{arm}-{index}"
-                shutil.copytree(output / "data-only" / "data", directory / "data")
+                if data.exists():
+                    shutil.copytree(data, directory / "data")
                 harness.progress(f"budget: {arm} run {index + 1} of {repeats}")
                 runs[arm].append(demo_run(directory, minutes, arms[arm], busy))
+                if not data.exists():
+                    shutil.copytree(directory / "data", data)
                 shutil.rmtree(directory, ignore_errors=True)  # checkpoints and export: the figures are taken
     figures: dict[str, Any] = {arm: _summary(items) for arm, items in runs.items()}
     if commit is not None:
