@@ -110,15 +110,23 @@ def build_addition_task(root: Path) -> Path:
         [root / "task" / "sft.jsonl"], MIN_VOCAB_SIZE, root / "task" / "tokenizer.json", text_field="prompt"
     )
     pack_chat([root / "task" / "sft.jsonl"], root / "task" / "tokenizer.json", 16, root / "packed", val_fraction=0.1)
+    train_addition_sft(root, root / "sft")
+    return root
+
+
+def train_addition_sft(root: Path, output: Path, *extra: str) -> Path:
+    """The 12-step SFT run of `build_addition_task` at `output`, with `extra` settings (another model)."""
+
     settings = [
         f"training.tokenizer={root / 'packed' / 'tokenizer.json'}",
         f"training.train_data={root / 'packed' / 'train.bin'}",
         f"training.val_data={root / 'packed' / 'val.bin'}",
-        f"training.output_dir={root / 'sft'}",
+        f"training.output_dir={output}",
         *SFT_SETTINGS,
+        *extra,
     ]
     train(load_config(ROOT / "configs" / "addition-sft.toml", settings))
-    return root
+    return output
 
 
 def rl_config(root: Path, run: str, *extra: str) -> ExperimentConfig:

@@ -112,3 +112,49 @@ def test_eval_figures_of_a_block_model_are_those_of_the_full_pass(block_size: in
     reports = [evaluate_model(m, data, batches=2, mc_samples=2, batch_size=4) for m in (model, EveryPosition(model))]
     for name in ("nll", "fixed_noise_loss", "nll_mc_stderr"):
         assert getattr(reports[0], name) == pytest.approx(getattr(reports[1], name), abs=1e-6), name
+
+
+@pytest.mark.parametrize("block_size, attention", [(4, "bidirectional"), (2, "bidirectional"), (1, "causal")])
+def test_a_left_padded_batch_scores_each_row_as_it_scores_alone(block_size: int, attention: str) -> None:
+    """Rows of different lengths share the 2L pass (the autoregressive model's one causal pass) when
+    left-padded: the padding is by any number of positions, not whole blocks, and each row's blocks count
+    from its own first token, so each row's logits are its unpadded pass's up to float rounding."""
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=64,
+        mask_token_id=MASK_ID,
+        max_seq_len=16,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        pad_vocab_multiple=64,
+        block_size=block_size,
+        attention=attention,
+    )
+    model = DiffusionTransformer(config).double().eval()
+    lengths = [13, 16, 10]
+    generator = torch.Generator().manual_seed(4)
+    alone, clean_rows, noisy_rows, scored_rows = [], [], [], []
+    for length in lengths:
+        clean = torch.randint(2, 64, (1, length), generator=generator)
+        scored = torch.rand(1, length, generator=generator) < 0.5
+        scored[0, -1] = True
+        noisy = clean.masked_fill(scored, MASK_ID)
+        alone.append(model(noisy, output_positions=scored, clean_tokens=clean))
+        clean_rows.append(clean)
+        noisy_rows.append(noisy)
+        scored_rows.append(scored)
+    width = max(lengths)
+    pad = torch.tensor([width - length for length in lengths])
+
+    def left_padded(rows: list[Tensor], filler: int | bool) -> Tensor:
+        return torch.cat([F.pad(row, (width - row.shape[1], 0), value=filler) for row in rows])
+
+    together = model(
+        left_padded(noisy_rows, 0),
+        output_positions=left_padded(scored_rows, False),
+        clean_tokens=left_padded(clean_rows, 0),
+        pad=pad,
+    )
+    assert torch.allclose(together, torch.cat(alone), atol=1e-10, rtol=0)

@@ -15,7 +15,7 @@ from dlm.config.rl import RewardSpec
 from dlm.config.schema import load_config
 from dlm.errors import UserError
 from dlm.rl.run import rl
-from tests.helpers import ROOT, assert_same_weights, build_addition_task, rl_config
+from tests.helpers import ROOT, assert_same_weights, build_addition_task, rl_config, train_addition_sft
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,30 @@ def test_a_lora_rl_run_keeps_its_base_as_the_reference_and_resumes_exactly(addit
     rollouts = [event for event in events if isinstance(event, RolloutEvent)]
     # The adapters start at zero: the first steps' policy is the base, then it moves away from it.
     assert rollouts[-1].kl > 0
+
+
+@pytest.mark.parametrize(
+    "layout", [("model.block_size=4",), ("model.block_size=1", "model.attention=causal")], ids=["block", "causal"]
+)
+def test_a_block_model_learns_from_prompts_of_different_lengths(
+    addition: Path, tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    """A block model (and the autoregressive one) scores its rollouts left-padded, each row's blocks from its
+    own first token: prompts of any token length share a step, and a resumed run is still exact."""
+
+    from dlm.rl.step import RLStep
+
+    sft = train_addition_sft(addition, tmp_path / "sft", *layout)
+    settings = (f"training.init_from={sft}", "rl.prompts_per_step=4", "rl.group_size=2")
+    experiment = rl_config(addition, str(tmp_path / "straight"), *settings).with_absolute_paths()
+    step = RLStep(experiment, torch.device("cpu"), "float32", _single())
+    lengths = [len(step.prompts.token_ids[index]) for index in step.step_prompts(1)[1]]
+    assert len(set(lengths)) > 1  # the step's prompts differ in token length: the rollouts are padded
+    assert len(set(step.rollouts(1).pad.tolist())) > 1
+    straight = rl(rl_config(addition, str(tmp_path / "straight"), *settings))
+    assert straight.status == "complete" and straight.step == 4
+    split = rl_config(addition, str(tmp_path / "split"), *settings)
+    paused = rl(split, max_run_steps=2)
+    resumed = rl(split, resume=paused.checkpoint)
+    assert resumed.step == 4
+    assert_same_weights(straight.checkpoint, resumed.checkpoint)

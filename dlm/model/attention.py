@@ -62,11 +62,32 @@ def _block_of(index: Tensor, length: int, block_size: int) -> Tensor:
 def bd3_allowed(query: Tensor, key: Tensor, length: int, block_size: int) -> Tensor:
     """Whether query index `query` sees key index `key` in the 2L pass (indices broadcast)."""
 
-    query_block, key_block = _block_of(query, length, block_size), _block_of(key, length, block_size)
-    query_noisy, key_noisy = query < length, key < length
+    return _bd3_rule(
+        _block_of(query, length, block_size), _block_of(key, length, block_size), query < length, key < length
+    )
+
+
+def _bd3_rule(query_block: Tensor, key_block: Tensor, query_noisy: Tensor, key_noisy: Tensor) -> Tensor:
+    # A noisy query sees its own block's noisy keys and earlier blocks' clean ones; a clean query sees
+    # clean keys up to its own block.
     noisy_query = query_noisy & ((key_noisy & (key_block == query_block)) | (~key_noisy & (key_block < query_block)))
     clean_query = ~query_noisy & ~key_noisy & (key_block <= query_block)
     return noisy_query | clean_query
+
+
+def padded_bd3_mask(length: int, block_size: int, pad: Tensor) -> AttentionMask:
+    """The 2L pass's mask for a left-padded batch, [B, 1, 2L, 2L]: row b's blocks count from its first real
+    token (column `pad[b]` of each copy), so a row scores as it would unpadded whatever its padding; no
+    real query sees a padding key, and padding queries (whose outputs are never used) see every key, so
+    none is NaN."""
+
+    index = torch.arange(2 * length, device=pad.device)
+    column = (index % length)[None, :] - pad[:, None]  # [B, 2L]: the position from the row's first real token
+    block = torch.div(column, block_size, rounding_mode="floor")
+    noisy = (index < length)[None, :]
+    allowed = _bd3_rule(block[:, :, None], block[:, None, :], noisy[:, :, None], noisy[:, None, :])
+    real_key, padding_query = column[:, None, :] >= 0, column[:, :, None] < 0
+    return AttentionMask("sdpa-mask", ((allowed & real_key) | padding_query)[:, None])
 
 
 @lru_cache(maxsize=32)

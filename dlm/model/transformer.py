@@ -45,6 +45,7 @@ from dlm.model.attention import (
     bd3_mask,
     block_causal_mask,
     causal_mask,
+    padded_bd3_mask,
     padded_mask,
     same_document,
     same_document_flex,
@@ -333,24 +334,25 @@ class DiffusionTransformer(nn.Module):
             raise ValueError(f"sequence length {seen} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self._rotary(start, length, pad)
         mask = last_mask = None
+        pad_in_mask = False  # whether `mask` already hides the padding (the block model's padded 2L pass)
         queries = None  # the positions the last layer computes outputs for (all when None)
         if self.config.is_autoregressive and clean_tokens is not None:
             # One causal pass over the clean row shifted by one: position i reads token i - 1 and
             # predicts token i, so every position is scored (the noisy row is all masks: ignored).
-            if pad is not None:
-                raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
-            tokens = inputs = autoregressive_inputs(clean_tokens, self.config.mask_token_id)
-            mask = causal_mask(length, tokens.device)
+            tokens = inputs = autoregressive_inputs(clean_tokens, self.config.mask_token_id, pad)
+            mask = causal_mask(length, tokens.device)  # narrowed to the real keys below when padded
         elif self.config.is_block_model:
             if clean_tokens is not None:  # rotary positions of the clean copy repeat the noisy copy's
-                if pad is not None:
-                    raise ValueError("pad is for sampling, not for the training pass with clean_tokens")
-                tokens, cos, sin = torch.cat((tokens, clean_tokens), 1), cos.repeat(2, 1), sin.repeat(2, 1)
-                mask = bd3_mask(length, self.config.block_size, tokens.device)
+                tokens, cos, sin = (
+                    torch.cat((tokens, clean_tokens), 1),
+                    torch.cat((cos, cos), -2),
+                    torch.cat((sin, sin), -2),
+                )
                 # The clean copy's last-layer outputs are never read (its keys and values are): the
                 # last layer's queries, attention output and MLP run over the noisy copy only.
                 queries = slice(0, length)
-                last_mask = bd3_mask(length, self.config.block_size, tokens.device, noisy_queries_only=True)
+                mask, last_mask = self._two_copy_masks(length, pad, tokens.device)
+                pad_in_mask = pad is not None
             else:
                 key_start = cache.dropped if cache is not None else 0
                 mask = block_causal_mask(start, start + length, self.config.block_size, tokens.device, key_start)
@@ -364,7 +366,7 @@ class DiffusionTransformer(nn.Module):
             if cache is not None or pad is not None:
                 raise ValueError("documents are for scoring whole packed rows, not with a cache or padding")
             mask, last_mask = self._document_masks(documents, mask, last_mask, length, tokens.shape[1])
-        if pad is not None:
+        if pad is not None and not pad_in_mask:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
             mask = padded_mask(mask, pad, start, length, seen, pad_keys)
         if cache is not None and cache.committing and output_positions is not None and clean_tokens is None:
@@ -397,6 +399,19 @@ class DiffusionTransformer(nn.Module):
         if self.config.mask_logit == "subs":
             return subs_logits(logits, inputs, self.config.mask_token_id)
         return logits
+
+    def _two_copy_masks(
+        self, length: int, pad: Tensor | None, device: torch.device
+    ) -> tuple[AttentionMask, AttentionMask]:
+        """The 2L pass's masks: over all 2L queries, and over the noisy copy's only (the last layer's).
+        A padded batch gets a mask per row, its blocks counted from the row's first real token."""
+
+        block = self.config.block_size
+        if pad is None:
+            return bd3_mask(length, block, device), bd3_mask(length, block, device, noisy_queries_only=True)
+        mask = padded_bd3_mask(length, block, pad)
+        assert mask.mask is not None
+        return mask, AttentionMask("sdpa-mask", mask.mask[:, :, :length])
 
     def _blocks(
         self,

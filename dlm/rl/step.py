@@ -91,13 +91,6 @@ class RLStep(TrainingStep):
                 f"rl.estimator = {rl.estimator!r} is exact only for a model whose blocks are one token",
                 fix="use coupled, one-step or elbo for this model",
             )
-        # The scored pass of a block or autoregressive model takes no padding: its prompts must align.
-        if block_size(model) and len({len(ids) for ids in self.prompts.token_ids}) > 1:
-            raise UserError(
-                "a block model scores rollouts without padding, and these prompts differ in token length",
-                path=self.prompts.path,
-                fix="give prompts of one token length, or use a whole-sequence model",
-            )
 
     # ----------------------------------------------------------------------------- data
     def own_data(self) -> OwnData:
