@@ -95,11 +95,15 @@ def dlm_source(source: Path) -> tuple[dict[str, str], Path]:
     return env, source
 
 
-def demo_run(output: Path, minutes: float, source: Path, busy: float | None) -> dict[str, Any]:
-    """One `dlm demo` with dlm from `source` (a checkout) and how its schedule ended."""
+def demo_run(
+    output: Path, minutes: float, source: Path, busy: float | None, config: Path | None = None
+) -> dict[str, Any]:
+    """One `dlm demo` with dlm from `source` (a checkout), of `config` if given, and how its schedule ended."""
 
     env, cwd = dlm_source(source)
     command = [sys.executable, "-m", "dlm", "demo", "--output", str(output), "--minutes", str(minutes), "--json"]
+    if config is not None:
+        command += ["--config", str(config)]
     with busy_after(None if busy is None else busy * minutes * 60):
         timing, stdout = timed_process(command, env=env, cwd=cwd)
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
@@ -149,13 +153,24 @@ def budget(
         str | None, typer.Option(help="Also run dlm as of this commit (or any git ref), interleaved.")
     ] = None,
     output: Annotated[Path, typer.Option(help="Where the runs go (replaced).")] = DEFAULT_OUTPUT,
+    config: Annotated[
+        Path | None, typer.Option(help="Train this config in every demo (default: the demo's own recipe).")
+    ] = None,
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "budget",
     results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
 ) -> None:
     """How a --minutes schedule ends, run after run, on a machine that may get busy midway."""
 
-    run = harness.start(name, minutes=minutes, repeats=repeats, busy_after=busy, against=against)
+    run = harness.start(
+        name,
+        minutes=minutes,
+        repeats=repeats,
+        busy_after=busy,
+        against=against,
+        config=None if config is None else str(config),
+    )
     output = output.resolve()  # the runs start in each checkout's directory
+    config = None if config is None else config.resolve()
     shutil.rmtree(output, ignore_errors=True)
     output.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
@@ -173,7 +188,7 @@ def budget(
                 if data.exists():
                     shutil.copytree(data, directory / "data")
                 harness.progress(f"budget: {arm} run {index + 1} of {repeats}")
-                runs[arm].append(demo_run(directory, minutes, arms[arm], busy))
+                runs[arm].append(demo_run(directory, minutes, arms[arm], busy, config))
                 if not data.exists():
                     shutil.copytree(directory / "data", data)
                 shutil.rmtree(directory, ignore_errors=True)  # checkpoints and export: the figures are taken

@@ -153,6 +153,8 @@ def test_budget_records_how_each_schedule_ended_on_a_machine_that_gets_busy(tmp_
         "1",
         "--busy-after",
         "0.5",
+        "--config",  # the tiny recipe: its steps are cheap enough for this budget on a busy machine
+        str(ROOT / "configs" / "tiny.toml"),
         "--output",
         str(tmp_path / "runs"),
         "--results",
