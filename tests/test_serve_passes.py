@@ -134,6 +134,34 @@ def test_an_autoregressive_models_requests_share_passes_and_equal_each_alone(tok
     assert scheduler.stats.snapshot().passes < sum(count for _, count in expected) * 0.7
 
 
+def test_requests_draw_their_tokens_together_and_each_as_alone(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token draws of requests of one kind run as one draw over all their rows, within the round of
+    their pass (so a request that arrives stays in step), and each request draws what it draws alone."""
+
+    from dlm.serving import passes
+
+    model = transformer(tokenizer.get_vocab_size())
+    options: list[dict[str, Any]] = [{}, {}, {"temperature": 0.7}, {}]
+    generations = [request(tokenizer, (PROMPTS[i],), 12, 300 + i, **option) for i, option in enumerate(options)]
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    rows: list[int] = []
+    drawn = passes.sample_tokens
+
+    def counted(logits: torch.Tensor, **options: Any) -> torch.Tensor:
+        rows.append(int(logits.shape[0]))
+        return drawn(logits, **options)
+
+    monkeypatch.setattr(passes, "sample_tokens", counted)
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    assert sum(rows) == 4 * 12  # a draw's rows are the positions revealed: each token drawn once
+    # At most one draw a pass for each temperature, far fewer than the requests' own calls.
+    passes_run = scheduler.stats.snapshot().passes
+    assert len(rows) <= 2 * passes_run < sum(count for _, count in expected)
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
     """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after

@@ -112,7 +112,9 @@ class Reverse:
         uniform = self.uniform(positions, rows)
         temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
         if options.remasking == "random":
-            new = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
+            # A served request's model draws in one batch with the other requests' draws (the same tokens).
+            draw = getattr(self.model, "draw_tokens", sample_tokens)
+            new = draw(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
             return new.to(tokens.device), None
         # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
         new, probabilities = sample_with_probabilities(

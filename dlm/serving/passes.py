@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from dlm.model.attention import KVCache
 from dlm.model.denoiser import block_size
 from dlm.runtime.memory import is_out_of_memory
+from dlm.sampling.tokens import sample_tokens
 
 if TYPE_CHECKING:
     from dlm.config.schema import ModelConfig
@@ -99,6 +100,67 @@ class Call:
 
     def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
+
+
+@dataclass(eq=False)
+class Draw:
+    """One request's token draw (`dlm.sampling.tokens.sample_tokens` on the logits of its rows), waiting for
+    the draws of the other requests: the engine draws those of one kind in one call."""
+
+    logits: Tensor
+    uniform: Tensor | None  # each row's uniform draws, from the request's own streams
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    done: bool = False
+    result: Tensor | None = None
+    error: BaseException | None = None
+
+    def group(self) -> tuple[Any, ...]:
+        """Draws of equal groups run as one: the same options on logits of one width, type and device."""
+
+        return (
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.uniform is None,
+            self.logits.shape[1:],
+            self.logits.dtype,
+            self.logits.device,
+        )
+
+    def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.done = result, error, True
+
+
+def run_draws(draws: list[Draw]) -> None:
+    """Answer every draw: those of one group by one `sample_tokens` over their rows stacked. A row's
+    token depends only on its logits and its uniforms, so each request gets what it draws alone (up to
+    the float rounding of a wider batch); the draw's work per step is paid once, not once a request."""
+
+    groups: dict[tuple[Any, ...], list[Draw]] = {}
+    for draw in draws:
+        groups.setdefault(draw.group(), []).append(draw)
+    for batch in groups.values():
+        first = batch[0]
+        try:
+            logits = torch.cat([draw.logits for draw in batch]) if len(batch) > 1 else first.logits
+            uniform = None
+            if first.uniform is not None:
+                uniform = (
+                    torch.cat([draw.uniform for draw in batch if draw.uniform is not None])
+                    if len(batch) > 1
+                    else first.uniform
+                )
+            tokens = sample_tokens(
+                logits, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p, uniform=uniform
+            )
+        except Exception as exc:  # each draw's request fails with it; the others go on
+            for draw in batch:
+                draw.answer(error=exc)
+            continue
+        for draw, result in zip(batch, tokens.split([int(draw.logits.shape[0]) for draw in batch]), strict=True):
+            draw.answer(result)
 
 
 def _leading_pad(call: Call, extra: int) -> Tensor:
@@ -262,7 +324,9 @@ class RequestModel:
 
     training = False
 
-    def __init__(self, model: DiffusionTransformer, submit: Callable[[Call], None], departed: threading.Event) -> None:
+    def __init__(
+        self, model: DiffusionTransformer, submit: Callable[[Call | Draw], None], departed: threading.Event
+    ) -> None:
         self._model, self._submit, self._departed = model, submit, departed
 
     @property
@@ -288,6 +352,28 @@ class RequestModel:
             raise call.error
         assert call.result is not None
         return call.result
+
+    def draw_tokens(
+        self,
+        logits: Tensor,
+        *,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        uniform: Tensor | None,
+    ) -> Tensor:
+        """`sample_tokens` of the request's rows, drawn in one batch with the other requests' draws."""
+
+        if self._departed.is_set():
+            raise Departed
+        draw = Draw(logits, uniform, temperature, top_k, top_p)
+        self._submit(draw)  # returns once the draw is answered
+        if not draw.done:
+            raise RuntimeError("a token draw came back unanswered")
+        if draw.error is not None:
+            raise draw.error
+        assert draw.result is not None
+        return draw.result
 
     def train(self, mode: bool = True) -> RequestModel:
         return self  # the served model stays in eval mode

@@ -7,7 +7,9 @@ coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for
 request would run alone, on a `dlm.serving.passes.RequestModel`, whose model call hands the call to
 the engine and suspends the request until its logits are there. A round of the engine resumes every
 running request until each has made its next call (or finished), then runs the calls in as few
-passes as `dlm.serving.passes.run_calls` can make of them, and answers them. So:
+passes as `dlm.serving.passes.run_calls` can make of them, and answers them. The token draws the
+requests make on the way (`RequestModel.draw_tokens`) suspend them too: the round draws those of one
+kind in one call (`dlm.serving.passes.run_draws`) and resumes them to their next call. So:
 
 - requests share passes whatever their lengths (`max_tokens`), steps, seeds and sampler options, where
   their calls fit one batch (`dlm.serving.passes`; docs/serving.md says which);
@@ -47,7 +49,7 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
-from dlm.serving.passes import Call, Departed, RequestModel, run_calls
+from dlm.serving.passes import Call, Departed, Draw, RequestModel, run_calls, run_draws
 from dlm.serving.protocol import Generation
 from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
@@ -101,7 +103,7 @@ class _Running:
 
     job: Job
     sampler: Any  # a greenlet running `Scheduler._sample(job)`
-    call: Call | None = None
+    call: Call | Draw | None = None
 
 
 class Scheduler:
@@ -209,8 +211,9 @@ class Scheduler:
         admitted = sum(job.generation.tokens for job in self._running)
         self.stats.queue_changed(len(self._queue), len(self._running), admitted)
 
-    def _wait_for_pass(self, call: Call) -> None:
-        """A running request's model call (in its greenlet): it suspends until the engine has answered it."""
+    def _wait_for_pass(self, call: Call | Draw) -> None:
+        """A running request's model call or token draw (in its greenlet): it suspends until the engine has
+        answered it."""
 
         if self.failure is not None:  # no pass will come
             call.answer(error=SchedulerFailed(f"the server's scheduler has stopped: {self.failure!r}"))
@@ -270,14 +273,24 @@ class Scheduler:
             if not self._wait_for_work():
                 return None
         self._round_started = time.monotonic()
-        calls = []
-        for running in list(self._samplers):
-            made = running.sampler.switch()  # the request's sampler, up to its next call
-            if running.sampler.dead:
-                self._samplers.remove(running)
-                continue
-            running.call = made
-            calls.append(made)
+        calls: list[Call] = []
+        resumed = list(self._samplers)
+        while resumed:  # the token draws the requests make on the way are drawn together, within the round
+            draws: list[Draw] = []
+            drawing: list[_Running] = []
+            for running in resumed:
+                made = running.sampler.switch()  # the request's sampler, up to its next call or draw
+                if running.sampler.dead:
+                    self._samplers.remove(running)
+                    continue
+                running.call = made
+                if isinstance(made, Draw):
+                    draws.append(made)
+                    drawing.append(running)
+                else:
+                    calls.append(made)
+            run_draws(draws)
+            resumed = drawing
         return calls
 
     def _run(self) -> None:
