@@ -162,6 +162,30 @@ def test_requests_draw_their_tokens_together_and_each_as_alone(
     assert len(rows) <= 2 * passes_run < sum(count for _, count in expected)
 
 
+def test_draws_too_large_together_run_alone_and_a_draw_that_never_fits_fails_its_request(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlm.serving import passes
+
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (PROMPTS[i],), 8, 400 + i) for i in range(3)]
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+    together = passes._draw_together
+
+    def only_alone(batch: list[Any]) -> torch.Tensor:
+        if len(batch) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return together(batch)
+
+    monkeypatch.setattr(passes, "_draw_together", only_alone)
+    outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == expected  # each drew alone, as it would without the server
+    monkeypatch.setattr(passes, "_draw_together", lambda batch: only_alone([*batch, *batch]))
+    outcomes, scheduler = served(model, tokenizer, generations[:1])
+    assert isinstance(outcomes[0], passes.OutOfMemory)
+    assert scheduler.failure is None  # the server goes on
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
     """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after

@@ -25,7 +25,7 @@ class Denoiser(Protocol):
     true entries of the boolean `output_positions`. A model declares its variant through `config`,
     read only through `block_size()` and `needs_clean_copy()` below: a block model also takes the
     clean sequence (`clean_tokens`) or a `cache` of the positions before `tokens`. `pad`
-    (sampling a batch of prompts) counts each row's leading padding positions; `documents` (a scored
+    (a batch of prompts, sampled or scored) counts each row's leading padding positions; `documents` (a scored
     pass of a model with `document_separator_id`) gives each position's document in the packed row.
     The rest is the part of `torch.nn.Module` that sampling and evaluation use: the train / eval
     mode, and the parameters and buffers that tell which device the model is on.

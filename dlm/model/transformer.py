@@ -409,6 +409,8 @@ class DiffusionTransformer(nn.Module):
         block = self.config.block_size
         if pad is None:
             return bd3_mask(length, block, device), bd3_mask(length, block, device, noisy_queries_only=True)
+        # A boolean mask per row for SDPA, on CUDA too (where the unpadded pass uses flex attention):
+        # padded 2L passes score RL rollouts, whose rows are short.
         mask = padded_bd3_mask(length, block, pad)
         assert mask.mask is not None
         return mask, AttentionMask("sdpa-mask", mask.mask[:, :, :length])

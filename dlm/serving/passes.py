@@ -4,7 +4,8 @@ Every running request samples with `dlm.sampling.generation.generate`, the very 
 it alone (in a greenlet of the engine thread), on a `RequestModel`: a stand-in for the served model
 whose call is handed to the engine and waits for its logits. So a request draws its own random numbers in its
 own order, keeps its own length, steps, blocks and options, and stops when it alone is done; only
-the model's arithmetic is shared. Once every running request waits for a pass (or has finished),
+the model's arithmetic is shared, and the token draws of requests of one kind (`run_draws`: each row
+from its own request's uniforms). Once every running request waits for a pass (or has finished),
 the scheduler runs the waiting calls that fit one batch together (`run_calls`) and gives each call
 its own rows of the logits.
 
@@ -141,26 +142,33 @@ def run_draws(draws: list[Draw]) -> None:
     groups: dict[tuple[Any, ...], list[Draw]] = {}
     for draw in draws:
         groups.setdefault(draw.group(), []).append(draw)
-    for batch in groups.values():
-        first = batch[0]
+    batches = list(groups.values())
+    while batches:
+        batch = batches.pop(0)
         try:
-            logits = torch.cat([draw.logits for draw in batch]) if len(batch) > 1 else first.logits
-            uniform = None
-            if first.uniform is not None:
-                uniform = (
-                    torch.cat([draw.uniform for draw in batch if draw.uniform is not None])
-                    if len(batch) > 1
-                    else first.uniform
-                )
-            tokens = sample_tokens(
-                logits, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p, uniform=uniform
-            )
+            tokens = _draw_together(batch)
         except Exception as exc:  # each draw's request fails with it; the others go on
+            if is_out_of_memory(exc):
+                release_memory_of(batch[0].logits.device)
+                if len(batch) > 1:  # too large together: each draw alone, as its request draws alone
+                    batches[:0] = [[draw] for draw in batch]
+                    continue
+                exc = OutOfMemory("the request's token draw does not fit the device's memory now; retry later")
             for draw in batch:
                 draw.answer(error=exc)
             continue
         for draw, result in zip(batch, tokens.split([int(draw.logits.shape[0]) for draw in batch]), strict=True):
             draw.answer(result)
+
+
+def _draw_together(batch: list[Draw]) -> Tensor:
+    first = batch[0]
+    logits = torch.cat([draw.logits for draw in batch]) if len(batch) > 1 else first.logits
+    uniform = None
+    if first.uniform is not None:
+        uniforms = [draw.uniform for draw in batch if draw.uniform is not None]
+        uniform = torch.cat(uniforms) if len(uniforms) > 1 else uniforms[0]
+    return sample_tokens(logits, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p, uniform=uniform)
 
 
 def _leading_pad(call: Call, extra: int) -> Tensor:
@@ -296,7 +304,11 @@ class OutOfMemory(Exception):
 
 
 def release_memory(model: DiffusionTransformer) -> None:
-    if next(iter(model.parameters())).device.type == "cuda":
+    release_memory_of(next(iter(model.parameters())).device)
+
+
+def release_memory_of(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
