@@ -108,19 +108,37 @@ class Reverse:
         """Sampled tokens [N] (and their confidences, when remasking needs them) at `positions`."""
 
         logits = self.scores(tokens, positions, rows)
-        options = self.options
         uniform = self.uniform(positions, rows)
-        temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
-        if options.remasking == "random":
-            # A served request's model draws in one batch with the other requests' draws (the same tokens).
-            draw = getattr(self.model, "draw_tokens", sample_tokens)
-            new = draw(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform)
+        if self.options.remasking == "random":
+            new, _ = self.draw(logits, uniform, probabilities=False)
             return new.to(tokens.device), None
         # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
-        new, probabilities = sample_with_probabilities(
-            logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform
-        )
-        return new.to(tokens.device), token_confidence(probabilities, new, options.remasking)
+        new, probabilities = self.draw(logits, uniform, probabilities=True)
+        assert probabilities is not None
+        return new.to(tokens.device), token_confidence(probabilities, new, self.options.remasking)
+
+    def draw(
+        self, logits: torch.Tensor, uniform: torch.Tensor | None, *, probabilities: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row of `logits` with this process's options (`sample_tokens`), and with
+        `probabilities` the model's own distribution (`sample_with_probabilities`). A served request's
+        model stand-in draws them in one batch with the other requests' draws (`draw_tokens`): the same
+        tokens."""
+
+        options = self.options
+        keywords: dict[str, Any] = {
+            "temperature": options.temperature,
+            "top_k": options.top_k,
+            "top_p": options.top_p,
+            "uniform": uniform,
+        }
+        shared = getattr(self.model, "draw_tokens", None)
+        if shared is not None:
+            drawn: tuple[torch.Tensor, torch.Tensor | None] = shared(logits, probabilities=probabilities, **keywords)
+            return drawn
+        if probabilities:
+            return sample_with_probabilities(logits, **keywords)
+        return sample_tokens(logits, **keywords), None
 
     def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
         """Ancestral step: reveal each masked position of `block` with `probability`."""
@@ -208,10 +226,8 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
     candidates[:, block] = masked
     logits = reverse.scores(tokens, candidates, None)
     options = reverse.options
-    uniform = reverse.uniform(candidates, None)
-    new, probabilities = sample_with_probabilities(
-        logits, temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, uniform=uniform
-    )
+    new, probabilities = reverse.draw(logits, reverse.uniform(candidates, None), probabilities=True)
+    assert probabilities is not None
     # The probability of the token each position would commit (Fast-dLLM's rule, and what
     # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
     # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from dlm.model.attention import KVCache
 from dlm.model.denoiser import block_size
 from dlm.runtime.memory import is_out_of_memory
-from dlm.sampling.tokens import sample_tokens
+from dlm.sampling.tokens import sample_tokens, sample_with_probabilities
 
 if TYPE_CHECKING:
     from dlm.config.schema import ModelConfig
@@ -113,14 +113,16 @@ class Draw:
     temperature: float
     top_k: int | None
     top_p: float | None
+    probabilities: bool  # the model's own distribution too (`sample_with_probabilities`)
     done: bool = False
-    result: Tensor | None = None
+    result: tuple[Tensor, Tensor | None] | None = None
     error: BaseException | None = None
 
     def group(self) -> tuple[Any, ...]:
         """Draws of equal groups run as one: the same options on logits of one width, type and device."""
 
         return (
+            self.probabilities,
             self.temperature,
             self.top_k,
             self.top_p,
@@ -130,12 +132,13 @@ class Draw:
             self.logits.device,
         )
 
-    def answer(self, result: Tensor | None = None, error: BaseException | None = None) -> None:
+    def answer(self, result: tuple[Tensor, Tensor | None] | None = None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
 
 
 def run_draws(draws: list[Draw]) -> None:
-    """Answer every draw: those of one group by one `sample_tokens` over their rows stacked. A row's
+    """Answer every draw: those of one group by one `sample_tokens` (`sample_with_probabilities`) over
+    their rows stacked. A row's
     token depends only on its logits and its uniforms, so each request gets what it draws alone (up to
     the float rounding of a wider batch); the draw's work per step is paid once, not once a request."""
 
@@ -146,7 +149,7 @@ def run_draws(draws: list[Draw]) -> None:
     while batches:
         batch = batches.pop(0)
         try:
-            tokens = _draw_together(batch)
+            tokens, probabilities = _draw_together(batch)
         except Exception as exc:  # each draw's request fails with it; the others go on
             if is_out_of_memory(exc):
                 release_memory_of(batch[0].logits.device)
@@ -157,18 +160,28 @@ def run_draws(draws: list[Draw]) -> None:
             for draw in batch:
                 draw.answer(error=exc)
             continue
-        for draw, result in zip(batch, tokens.split([int(draw.logits.shape[0]) for draw in batch]), strict=True):
-            draw.answer(result)
+        sizes = [int(draw.logits.shape[0]) for draw in batch]
+        parts = tokens.split(sizes), (None,) * len(batch) if probabilities is None else probabilities.split(sizes)
+        for draw, row_tokens, row_probabilities in zip(batch, *parts, strict=True):
+            draw.answer((row_tokens, row_probabilities))
 
 
-def _draw_together(batch: list[Draw]) -> Tensor:
+def _draw_together(batch: list[Draw]) -> tuple[Tensor, Tensor | None]:
     first = batch[0]
     logits = torch.cat([draw.logits for draw in batch]) if len(batch) > 1 else first.logits
     uniform = None
     if first.uniform is not None:
         uniforms = [draw.uniform for draw in batch if draw.uniform is not None]
         uniform = torch.cat(uniforms) if len(uniforms) > 1 else uniforms[0]
-    return sample_tokens(logits, temperature=first.temperature, top_k=first.top_k, top_p=first.top_p, uniform=uniform)
+    options: dict[str, Any] = {
+        "temperature": first.temperature,
+        "top_k": first.top_k,
+        "top_p": first.top_p,
+        "uniform": uniform,
+    }
+    if first.probabilities:
+        return sample_with_probabilities(logits, **options)
+    return sample_tokens(logits, **options), None
 
 
 def _leading_pad(call: Call, extra: int) -> Tensor:
@@ -369,16 +382,18 @@ class RequestModel:
         self,
         logits: Tensor,
         *,
+        probabilities: bool,
         temperature: float,
         top_k: int | None,
         top_p: float | None,
         uniform: Tensor | None,
-    ) -> Tensor:
-        """`sample_tokens` of the request's rows, drawn in one batch with the other requests' draws."""
+    ) -> tuple[Tensor, Tensor | None]:
+        """`sample_tokens` of the request's rows (`sample_with_probabilities` with `probabilities`), drawn
+        in one batch with the other requests' draws."""
 
         if self._departed.is_set():
             raise Departed
-        draw = Draw(logits, uniform, temperature, top_k, top_p)
+        draw = Draw(logits, uniform, temperature, top_k, top_p, probabilities)
         self._submit(draw)  # returns once the draw is answered
         if not draw.done:
             raise RuntimeError("a token draw came back unanswered")
