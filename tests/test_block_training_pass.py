@@ -18,7 +18,7 @@ from dlm.model.transformer import DiffusionTransformer
 MASK_ID = 1
 
 
-def model_of(block_size: int, checkpointing: bool = False) -> DiffusionTransformer:
+def model_of(block_size: int, checkpointing: bool = False, attention: str = "bidirectional") -> DiffusionTransformer:
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=64,
@@ -30,6 +30,7 @@ def model_of(block_size: int, checkpointing: bool = False) -> DiffusionTransform
         pad_vocab_multiple=64,
         block_size=block_size,
         activation_checkpointing=checkpointing,
+        attention=attention,
     )
     return DiffusionTransformer(config).double().train()
 
@@ -120,19 +121,7 @@ def test_a_left_padded_batch_scores_each_row_as_it_scores_alone(block_size: int,
     left-padded: the padding is by any number of positions, not whole blocks, and each row's blocks count
     from its own first token, so each row's logits are its unpadded pass's up to float rounding."""
 
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=64,
-        mask_token_id=MASK_ID,
-        max_seq_len=16,
-        d_model=32,
-        n_layers=3,
-        n_heads=4,
-        pad_vocab_multiple=64,
-        block_size=block_size,
-        attention=attention,
-    )
-    model = DiffusionTransformer(config).double().eval()
+    model = model_of(block_size, attention=attention).eval()
     lengths = [13, 16, 10]
     generator = torch.Generator().manual_seed(4)
     alone, clean_rows, noisy_rows, scored_rows = [], [], [], []

@@ -367,14 +367,8 @@ class RequestModel:
         pad: Tensor | None = None,
         **others: Any,
     ) -> Tensor:
-        if self._departed.is_set():
-            raise Departed
         call = Call(tokens, output_positions, cache, pad, others)
-        self._submit(call)  # returns once the call is answered
-        if not call.done:
-            raise RuntimeError("a model call came back unanswered")
-        if call.error is not None:
-            raise call.error
+        self._wait_for(call)
         assert call.result is not None
         return call.result
 
@@ -391,16 +385,22 @@ class RequestModel:
         """`sample_tokens` of the request's rows (`sample_with_probabilities` with `probabilities`), drawn
         in one batch with the other requests' draws."""
 
-        if self._departed.is_set():
-            raise Departed
         draw = Draw(logits, uniform, temperature, top_k, top_p, probabilities)
-        self._submit(draw)  # returns once the draw is answered
-        if not draw.done:
-            raise RuntimeError("a token draw came back unanswered")
-        if draw.error is not None:
-            raise draw.error
+        self._wait_for(draw)
         assert draw.result is not None
         return draw.result
+
+    def _wait_for(self, work: Call | Draw) -> None:
+        """Hand `work` to the engine and return once it is answered (raising its error); `Departed` first
+        if the client has gone."""
+
+        if self._departed.is_set():
+            raise Departed
+        self._submit(work)  # returns once the work is answered
+        if not work.done:
+            raise RuntimeError(f"a {type(work).__name__.lower()} came back unanswered")
+        if work.error is not None:
+            raise work.error
 
     def train(self, mode: bool = True) -> RequestModel:
         return self  # the served model stays in eval mode
