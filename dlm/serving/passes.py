@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -138,32 +138,57 @@ class Draw:
 
 def run_draws(draws: list[Draw]) -> None:
     """Answer every draw: those of one group by one `sample_tokens` (`sample_with_probabilities`) over
-    their rows stacked. A row's
-    token depends only on its logits and its uniforms, so each request gets what it draws alone (up to
-    the float rounding of a wider batch); the draw's work per step is paid once, not once a request."""
+    their rows stacked. A row's token depends only on its logits and its uniforms, so each request gets
+    what it draws alone (up to the float rounding of a wider batch); the draw's work per step is paid
+    once, not once a request."""
 
     groups: dict[tuple[Any, ...], list[Draw]] = {}
     for draw in draws:
         groups.setdefault(draw.group(), []).append(draw)
-    batches = list(groups.values())
+    if draws:
+        _answer_in_batches(list(groups.values()), _split_draw, draws[0].logits.device, "token draw")
+
+
+def _split_draw(batch: list[Draw]) -> list[tuple[Tensor, Tensor | None]]:
+    tokens, probabilities = _draw_together(batch)
+    sizes = [int(draw.logits.shape[0]) for draw in batch]
+    if probabilities is None:
+        return [(part, None) for part in tokens.split(sizes)]
+    return list(zip(tokens.split(sizes), probabilities.split(sizes), strict=True))
+
+
+Work = TypeVar("Work", Call, Draw)  # what a request waits on: a model call or a token draw
+
+
+def _answer_in_batches(
+    batches: list[list[Work]],
+    run: Callable[[list[Work]], Sequence[Any]],
+    device: torch.device,
+    what: str,
+    on_done: Callable[[list[Work], float], None] = lambda batch, seconds: None,
+) -> None:
+    """Answer the work of each batch with `run(batch)` (one result each), then `on_done(batch, seconds)`.
+    An error fails its batch's requests only; out of memory runs the batch's work one by one, as each
+    request runs alone, and answers `OutOfMemory` where even that does not fit."""
+
     while batches:
         batch = batches.pop(0)
+        started = time.perf_counter()
         try:
-            tokens, probabilities = _draw_together(batch)
-        except Exception as exc:  # each draw's request fails with it; the others go on
+            results = run(batch)
+        except Exception as exc:  # each request of the batch fails with it; the others go on
             if is_out_of_memory(exc):
-                release_memory_of(batch[0].logits.device)
-                if len(batch) > 1:  # too large together: each draw alone, as its request draws alone
-                    batches[:0] = [[draw] for draw in batch]
+                _release_memory(device)
+                if len(batch) > 1:  # too large together: each alone
+                    batches[:0] = [[work] for work in batch]
                     continue
-                exc = OutOfMemory("the request's token draw does not fit the device's memory now; retry later")
-            for draw in batch:
-                draw.answer(error=exc)
+                exc = OutOfMemory(f"the request's {what} does not fit the device's memory now; retry later")
+            for work in batch:
+                work.answer(error=exc)
             continue
-        sizes = [int(draw.logits.shape[0]) for draw in batch]
-        parts = tokens.split(sizes), (None,) * len(batch) if probabilities is None else probabilities.split(sizes)
-        for draw, row_tokens, row_probabilities in zip(batch, *parts, strict=True):
-            draw.answer((row_tokens, row_probabilities))
+        on_done(batch, time.perf_counter() - started)
+        for work, result in zip(batch, results, strict=True):
+            work.answer(result)
 
 
 def _draw_together(batch: list[Draw]) -> tuple[Tensor, Tensor | None]:
@@ -292,35 +317,20 @@ def run_calls(
         key = call.group(block)
         (alone if key is None else groups.setdefault(key, [])).append(call)
     batches = [[call] for call in alone] + list(groups.values())
-    while batches:
-        batch = batches.pop(0)
-        started = time.perf_counter()
-        try:
-            results = _run_batch(model, batch, config)
-        except Exception as exc:  # each call's request fails with it; the others go on
-            if is_out_of_memory(exc):
-                release_memory(model)
-                if len(batch) > 1:  # too large together: each call in a pass of its own, as it runs alone
-                    batches[:0] = [[call] for call in batch]
-                    continue
-                exc = OutOfMemory("the request's forward pass does not fit the device's memory now; retry later")
-            for call in batch:
-                call.answer(error=exc)
-            continue
-        on_pass(sum(call.rows for call in batch), time.perf_counter() - started)
-        for call, result in zip(batch, results, strict=True):
-            call.answer(result)
+    _answer_in_batches(
+        batches,
+        lambda batch: _run_batch(model, batch, config),
+        next(iter(model.parameters())).device,
+        "forward pass",
+        lambda batch, seconds: on_pass(sum(call.rows for call in batch), seconds),
+    )
 
 
 class OutOfMemory(Exception):
     """A request's pass did not fit the device's memory, even alone: answered 503, worth a retry."""
 
 
-def release_memory(model: DiffusionTransformer) -> None:
-    release_memory_of(next(iter(model.parameters())).device)
-
-
-def release_memory_of(device: torch.device) -> None:
+def _release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
