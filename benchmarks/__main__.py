@@ -33,6 +33,7 @@ BENCHMARKS = {
     "checkpoint": "checkpoint:checkpoint",
     "token-draw": "sampling_cost:token_draw",
     "threshold-cost": "sampling_cost:threshold_cost",
+    "forward-share": "sampling_cost:forward_share",
     "cpu-precision": "cpu_precision:cpu_precision",
     "elbo-variance": "elbo_variance:elbo_variance",
     "rl-estimators": "rl:rl_estimators",

@@ -9,6 +9,10 @@ frequencies over many draws of one row of 64 tokens against the exact nucleus di
 total variation) and times both on [rows, vocab] in CPU seconds. 128 rows is what one step of 16
 samples x 64 tokens reveals at 8 steps.
 
+forward-share: the share of sampling's CPU time spent in the model's forward passes, on an exported
+model: the rest is the sampler's own work (the token draw, the reveal, Python per step), which a
+step that reveals more tokens does not make cheaper.
+
 threshold-cost: a threshold pass against a plain pass on an untrained whole-sequence model: plain
 sampling (ancestral, the defaults: a pass samples only the positions it reveals), plain sampling
 with `confidence` remasking (a pass samples every masked position, as a threshold pass must) and
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -30,6 +35,7 @@ from typing import Annotated
 import torch
 import typer
 
+import dlm
 from benchmarks import harness
 from dlm.bench.measure import interleaved, round_ratios, spread
 from dlm.config.schema import ModelConfig
@@ -158,4 +164,47 @@ def threshold_cost(
     typer.echo(
         f"threshold / plain {figures['threshold_over_plain']:.2f}, "
         f"threshold / plain confidence {figures['threshold_over_plain_confidence']:.2f}; wrote {path}"
+    )
+
+
+def forward_share(
+    model: Annotated[Path, typer.Argument(help="The exported model directory (`dlm export`).")],
+    length: Annotated[int, typer.Option(help="Tokens generated after an empty prompt.")] = 64,
+    samples: Annotated[int, typer.Option(help="Samples drawn at once.")] = 16,
+    steps: Annotated[int, typer.Option(help="Denoising steps (passes) for the whole length.")] = 8,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed generations (after one untimed).")] = 5,
+    results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
+) -> None:
+    """The share of one-thread sampling CPU time spent in the model's forward passes."""
+
+    run = harness.start("forward-share", model=str(model), length=length, samples=samples, steps=steps, repeats=repeats)
+    torch.set_num_threads(1)  # one thread: this thread's CPU clock counts all the arithmetic
+    loaded, tokenizer = dlm.load(model, device="cpu")
+    inside = [0.0]
+    entered = [0.0]
+    loaded.register_forward_pre_hook(lambda module, args: entered.__setitem__(0, time.thread_time()))
+    loaded.register_forward_hook(
+        lambda module, args, output: inside.__setitem__(0, inside[0] + time.thread_time() - entered[0])
+    )
+
+    def generation(seed: int) -> tuple[float, float, int]:
+        inside[0] = 0.0
+        started = time.thread_time()
+        result = dlm.sample(loaded, tokenizer, prompt="", length=length, num_samples=samples, seed=seed, steps=steps)
+        return inside[0], time.thread_time() - started, result.forward_passes
+
+    generation(0)  # untimed: the allocator and kernels warm up
+    rounds = [generation(1 + index) for index in range(repeats)]
+    shares = [forward / total for forward, total, _ in rounds]
+    figures = {
+        "forward_share": statistics.median(shares),
+        "forward_share_rounds": spread(shares),
+        "passes": rounds[0][2],
+        "cpu_ms_per_pass": statistics.median(1e3 * total / passes for _, total, passes in rounds),
+    }
+    path = run.save(
+        figures, {"forward_cpu_s": [r[0] for r in rounds], "total_cpu_s": [r[1] for r in rounds]}, results=results
+    )
+    typer.echo(
+        f"forward passes: {figures['forward_share']:.0%} of the sampling CPU time ({rounds[0][2]} passes); wrote {path}"
     )

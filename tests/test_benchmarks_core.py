@@ -167,3 +167,28 @@ def test_budget_records_how_each_schedule_ended_on_a_machine_that_gets_busy(tmp_
     summary = loaded["figures"]["current"]
     assert summary["runs"] == 1 and summary["bits_per_byte"] == only["bits_per_byte"]
     assert not (tmp_path / "runs" / "current-0").exists()  # each run's checkpoints go once measured
+
+
+def test_forward_share_splits_sampling_time_between_the_model_and_the_sampler(
+    tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    model = export_model(train_tiny_run(tiny_data_dir, tmp_path / "run"), tmp_path / "model", dtype="float32")
+    invoke(
+        "forward-share",
+        str(model),
+        "--length",
+        "16",
+        "--samples",
+        "2",
+        "--steps",
+        "4",
+        "--repeats",
+        "2",
+        "--results",
+        str(tmp_path),
+    )
+    loaded = result(tmp_path, "forward-share")
+    figures = loaded["figures"]
+    assert figures["passes"] == 4 and 0 < figures["forward_share"] < 1
+    forward, total = loaded["rounds"]["forward_cpu_s"], loaded["rounds"]["total_cpu_s"]
+    assert len(forward) == 2 and all(0 < inside < whole for inside, whole in zip(forward, total, strict=True))
