@@ -239,6 +239,7 @@ def serve(
     threshold: Annotated[float | None, typer.Option(help="The sampler's threshold.")] = None,
     remasking: Annotated[str | None, typer.Option(help="The sampler's remasking.")] = None,
     stream: Annotated[bool, typer.Option(help="Served requests stream: time to first text too.")] = False,
+    name: Annotated[str, typer.Option(help="Name of the result file.")] = "serve",
     results: Results = harness.RESULTS,
 ) -> None:
     """Tokens/s and latency of dlm serve at each client count against dlm.sample one request at a time."""
@@ -250,7 +251,7 @@ def serve(
     given |= {"threshold": threshold, "remasking": remasking}
     options = {name: value for name, value in given.items() if value is not None}  # the rest: the sampler's defaults
     run = harness.start(
-        "serve",
+        name,
         model=str(model),
         clients=counts,
         tokens=tokens,
