@@ -386,6 +386,7 @@ def serve_pass_cost(
     device: Device = "cpu",
     block_length: BlockLength = None,
     cache: Cache = None,
+    name: Annotated[str, typer.Option(help="Name of the result file.")] = "serve-pass-cost",
     results: Results = harness.RESULTS,
 ) -> None:
     """Milliseconds per row of one denoising step's forward pass at each batch size: what batching can save."""
@@ -394,7 +395,7 @@ def serve_pass_cost(
     threads = threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     run = harness.start(
-        "serve-pass-cost",
+        name,
         model=str(model),
         rows=counts,
         tokens=tokens,
