@@ -316,7 +316,9 @@ def run_calls(
     for call in calls:
         key = call.group(block)
         (alone if key is None else groups.setdefault(key, [])).append(call)
-    batches = [[call] for call in alone] + list(groups.values())
+    batches = [[call] for call in alone]
+    for group in groups.values():
+        batches += _within_context(group, config.max_seq_len)
     _answer_in_batches(
         batches,
         lambda batch: _run_batch(model, batch, config),
@@ -324,6 +326,27 @@ def run_calls(
         "forward pass",
         lambda batch, seconds: on_pass(sum(call.rows for call in batch), seconds),
     )
+
+
+def _within_context(calls: list[Call], context: int) -> list[list[Call]]:
+    """The calls of one group in as few batches as fit the model's context. Merged caches are left-padded
+    to the longest and the fed tokens right-padded to the widest, so a batch spans the most keys any of
+    its calls holds plus the widest feed, which can exceed the context when requests are far apart
+    (one near its end, another starting its second block): those run in separate passes."""
+
+    def span(batch: list[Call]) -> int:
+        return max(call.cache.stored if call.cache is not None else 0 for call in batch) + max(
+            int(call.tokens.shape[1]) for call in batch
+        )
+
+    batches: list[list[Call]] = []
+    for call in calls:
+        home = next((batch for batch in batches if span([*batch, call]) <= context), None)
+        if home is None:
+            batches.append([call])
+        else:
+            home.append(call)
+    return batches
 
 
 class OutOfMemory(Exception):
