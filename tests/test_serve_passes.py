@@ -186,6 +186,21 @@ def test_draws_too_large_together_run_alone_and_a_draw_that_never_fits_fails_its
     assert scheduler.failure is None  # the server goes on
 
 
+def test_a_block_models_requests_share_every_pass_where_their_sequences_end_mid_block(tokenizer: Tokenizer) -> None:
+    """Prompts of different lengths: each sequence's last block is cut short somewhere else. Right-padded
+    to the widest, with padding no real position sees, every step of the requests (in step) shares one
+    pass, and each request equals its solo result."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=8)  # every prompt and its first block: 2 blocks
+    generations = [request(tokenizer, (prompt,), 10, 60 + i) for i, prompt in enumerate(PROMPTS[:4])]
+    ends = {(len(tokenizer.encode(prompt).ids) + 10) % 8 for prompt in PROMPTS[:4]}
+    assert len(ends) > 1  # the last blocks are cut short at different places
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    assert scheduler.stats.snapshot().passes == max(count for _, count in expected)
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_requests_in_step_share_their_cached_passes(tokenizer: Tokenizer, cache: str) -> None:
     """Prompts of different lengths: caches of different lengths, merged left-padded (`dual`'s keys after

@@ -198,15 +198,28 @@ def same_document_flex(
 
 
 def padded_mask(
-    base: AttentionMask | None, pad: Tensor, query_start: int, queries: int, keys: int, pad_keys: Tensor
+    base: AttentionMask | None,
+    pad: Tensor,
+    query_start: int,
+    queries: int,
+    keys: int,
+    pad_keys: Tensor,
+    pad_after: Tensor | None = None,
 ) -> AttentionMask:
     """`base` for a left-padded batch: row b's first `pad_keys[b]` keys (its padding) are seen by no
     query but its own padding (columns < `pad[b]`), whose outputs are never used; a query seeing no
-    key at all would be NaN, and NaN values leak even through zero attention weights."""
+    key at all would be NaN, and NaN values leak even through zero attention weights. `pad_after[b]`
+    right-pads the queries (the last keys): its last queries and keys are padding too, seen by no real
+    query and seeing every key."""
 
     key = torch.arange(keys, device=pad.device)
     query = torch.arange(query_start, query_start + queries, device=pad.device)
     allowed = (key[None, None, :] >= pad_keys[:, None, None]) | (query[None, :, None] < pad[:, None, None])
+    if pad_after is not None:
+        padding_query = query[None, :, None] >= query_start + queries - pad_after[:, None, None]
+        allowed = allowed & ((key[None, None, :] < keys - pad_after[:, None, None]) | padding_query)
+        if base is not None and base.mask is not None:
+            return AttentionMask("sdpa-mask", ((allowed & base.mask) | padding_query)[:, None])
     if base is not None and base.mask is not None:
         allowed = allowed & base.mask
     return AttentionMask("sdpa-mask", allowed[:, None])  # [B, 1 (heads), queries, keys]

@@ -312,6 +312,7 @@ class DiffusionTransformer(nn.Module):
         cache: KVCache | None = None,
         pad: Tensor | None = None,
         documents: Tensor | None = None,
+        pad_after: Tensor | None = None,
     ) -> Tensor:
         """Logits [B, L, vocab_size], or [N, vocab_size] at the N true entries of `output_positions`.
 
@@ -321,9 +322,12 @@ class DiffusionTransformer(nn.Module):
         them shifted by one; without them `tokens` are what it reads, already shifted. With
         a `cache`, `tokens` continue the cached positions. A whole-sequence model ignores
         `clean_tokens`. `pad` [B] left-pads a batch: row b's first `pad[b]` positions are padding,
-        which no other position sees, and its positions count from the first one after them.
-        `documents` [B, L] (`dlm.model.attention.document_ids` of the clean row) limits every position
-        to the keys of its own document (`model.document_separator_id`); sampling feeds one document.
+        which no other position sees, and its positions count from the first one after them;
+        `pad_after` [B] right-pads `tokens` (with `pad`, over a cache holding no keys after them): row
+        b's last `pad_after[b]` fed positions are padding no other position sees (rows of different
+        widths in one pass, `dlm.serving.passes`). `documents` [B, L] (`dlm.model.attention.document_ids`
+        of the clean row) limits every position to the keys of its own document
+        (`model.document_separator_id`); sampling feeds one document.
         """
 
         start = cache.length if cache is not None else 0
@@ -366,9 +370,11 @@ class DiffusionTransformer(nn.Module):
             if cache is not None or pad is not None:
                 raise ValueError("documents are for scoring whole packed rows, not with a cache or padding")
             mask, last_mask = self._document_masks(documents, mask, last_mask, length, tokens.shape[1])
+        if pad_after is not None and (pad is None or (cache is not None and cache.stored != cache.length)):
+            raise ValueError("pad_after needs pad, over a cache holding no keys after the fed tokens")
         if pad is not None and not pad_in_mask:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
-            mask = padded_mask(mask, pad, start, length, seen, pad_keys)
+            mask = padded_mask(mask, pad, start, length, seen, pad_keys, pad_after)
         if cache is not None and cache.committing and output_positions is not None and clean_tokens is None:
             # A pass that stores keys and values needs every position's, but outputs only at
             # `output_positions`: the last layer's attention output and MLP run only over the

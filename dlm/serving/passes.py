@@ -16,13 +16,15 @@ Which calls share a pass (`Call.group`):
   row's first real token); a block model's only when padded by whole blocks.
 - calls with a cache that holds every position before them (nothing slid out of a block model's
   window): a block model's steps (one block fed, or the block just finished and the next, as a
-  block's first step feeds them), whatever they store; other calls (a request's first, a
+  block's first step feeds them, the last block cut short where the sequence ends), whatever they
+  store; other calls (a request's first, a
   whole-sequence model's `cache prefix` or `dual`) with those that feed as many positions, store
   alike (`committing`, `keep`) and hold as many keys after them (`dual`). Their caches are
   left-padded to the longest, so every row's fed tokens sit in the same columns (a block model's
   caches end on block boundaries, so its blocks stay aligned); a block model's fed tokens are
-  right-padded to the widest with later blocks, which the block-causal mask hides from them. What
-  each storing call stores is cut back into its own cache.
+  right-padded to the widest (`forward(pad_after=...)`: no real position sees that padding either).
+  What each storing call stores is cut back into its own cache. A group runs in as few passes as fit
+  the model's context (`_within_context`).
 Any other call runs alone, as the model's own call.
 
 A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may
@@ -85,9 +87,9 @@ class Call:
         after = cache.stored - cache.length  # keys of positions after the fed ones (`cache dual`)
         if cache.dropped or after < 0 or (after and (block or cache.committing)) or (block and cache.length % block):
             return None
-        if block and (cache.length + width) % block == 0 and width <= 2 * block:
-            # A block model's step: up to two blocks fed after the cache, ending on a block boundary, so
-            # positions appended after it (later blocks) are hidden from it by the block-causal mask.
+        if block and width <= 2 * block:
+            # A block model's step: up to two blocks fed after the cache (the last cut short where its
+            # sequence ends); the rows are right-padded to the widest, padding no real position sees.
             return ("blocks",)
         return ("cached", width, cache.committing, cache.keep, after)
 
@@ -275,19 +277,21 @@ def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
 
 def _cached_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
     """Calls with caches that hold every position before them, as one batch: the caches left-padded to the
-    longest, the fed tokens right-padded to the widest (a block model's later blocks, which no fed
+    longest, the fed tokens right-padded to the widest (a block model's calls, whose padding no real
     position sees); what each storing call stores is cut back into its own cache."""
 
     merged, extras = _merged_cache(calls, max(call.stores for call in calls))
     width = max(int(call.tokens.shape[1]) for call in calls)
-    tokens, positions = [], []
+    tokens, positions, after = [], [], []
     for call in calls:
         assert call.output_positions is not None
         extra = width - int(call.tokens.shape[1])
         tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
         positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
+        after += [extra] * call.rows
     pad = torch.cat([_leading_pad(call, extra) for call, extra in zip(calls, extras, strict=True)])
-    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad)
+    pad_after = torch.tensor(after, device=pad.device) if any(after) else None
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad, pad_after=pad_after)
     start = 0
     for call, extra in zip(calls, extras, strict=True):
         assert call.cache is not None
