@@ -32,6 +32,7 @@ class Entry:
     path: Path
     steps: int | None  # None: the model's own (a student's distilled steps, else one per token)
     threshold: float | None = None  # commit every position above this confidence (`--threshold`)
+    remasking: str = "random"  # which positions a step reveals (`--remasking`)
     model: Any = None
     tokenizer: Any = None
 
@@ -52,7 +53,7 @@ class Figures:
 
 
 def parse_entry(text: str) -> Entry:
-    """`PATH`, `PATH@STEPS` or `PATH@KEY=VALUE,...` with the keys `steps` and `threshold`."""
+    """`PATH`, `PATH@STEPS` or `PATH@KEY=VALUE,...` with the keys `steps`, `threshold` and `remasking`."""
 
     path, _, spec = text.rpartition("@") if "@" in text else (text, "", "")
     if "/" in spec:  # an "@" inside the path itself
@@ -60,15 +61,18 @@ def parse_entry(text: str) -> Entry:
     if not spec or spec.isdigit():
         return Entry(label=text, path=Path(path), steps=int(spec) if spec else None)
     settings = dict(item.split("=", 1) for item in spec.split(","))
-    unknown = set(settings) - {"steps", "threshold"}
+    unknown = set(settings) - {"steps", "threshold", "remasking"}
     if unknown:
-        raise typer.BadParameter(f"{text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold)")
+        raise typer.BadParameter(
+            f"{text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold, remasking)"
+        )
     steps, threshold = settings.get("steps"), settings.get("threshold")
     return Entry(
         label=text,
         path=Path(path),
         steps=int(steps) if steps else None,
         threshold=float(threshold) if threshold else None,
+        remasking=settings.get("remasking", "random"),
     )
 
 
@@ -89,6 +93,7 @@ def _sampler(entry: Entry, length: int, num_samples: int, seed: int, produced: d
             num_samples=num_samples,
             seed=seed,
             threshold=entry.threshold,
+            remasking=entry.remasking,
         )
 
     return sample
@@ -116,6 +121,7 @@ def measure(
             steps=entry.steps,
             num_samples=num_samples,
             threshold=entry.threshold,
+            remasking=entry.remasking,
         )
     for seed in seeds:
         produced: dict[str, Any] = {}
@@ -177,7 +183,9 @@ def table(figures: list[Figures]) -> str:
 def distill(
     models: Annotated[
         list[str],
-        typer.Argument(help="PATH, PATH@STEPS or PATH@threshold=P (or @steps=S,threshold=P), first the reference."),
+        typer.Argument(
+            help="PATH, PATH@STEPS or PATH@KEY=VALUE,... (steps=S, threshold=P, remasking=NAME), first the reference."
+        ),
     ],
     judge: Annotated[Path, typer.Option(help="The model that scores every sample (best autoregressive).")],
     length: Annotated[int, typer.Option(help="Tokens per sample.")] = 64,

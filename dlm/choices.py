@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 # `dlm.sampling.remasking`: which predictions a denoising step keeps (the built-in names; more can be registered there).
-Remasking = Literal["random", "confidence", "margin"]
+Remasking = Literal["random", "dilated", "confidence", "margin"]
 # `dlm.sampling.reverse.reveal_count`: how a block's fixed-count steps share its positions (the noise schedule's
 # floor(n m(t)) differences, or LLaDA's even split).
 RevealSplit = Literal["schedule", "even"]

@@ -77,6 +77,7 @@ def test_prompt_lengths_differ(tokenizer: Tokenizer) -> None:
     [
         ({}, PROMPTS),
         ({"remasking": "confidence", "block_length": 4}, RANKED),
+        ({"remasking": "dilated", "block_length": 4}, PROMPTS),
         ({"cache": "prefix", "block_length": 4}, PROMPTS),
         ({"cache": "dual", "block_length": 4}, PROMPTS),
         ({"cache": "dual", "block_length": 4, "threshold": 0.05, "remasking": "margin"}, RANKED),

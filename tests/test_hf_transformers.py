@@ -85,6 +85,8 @@ SETTINGS = [
     {"remasking": "random", "block_length": 6, "steps": 7},
     {"remasking": "confidence", "temperature": 0.0, "steps": 5},
     {"remasking": "confidence", "reveal_split": "even", "steps": 12},
+    {"remasking": "dilated", "steps": 9},
+    {"remasking": "dilated", "block_length": 8, "reveal_split": "even", "steps": 6},
 ]
 
 

@@ -25,6 +25,7 @@ from dlm.errors import UserError
 from dlm.sampling.generation import generate
 from dlm.sampling.options import SampleResult, SamplingOptions
 from dlm.sampling.prompting import build_sequence, check_request, parse_template, split_masked
+from dlm.sampling.remasking import dilated_order
 from dlm.sampling.reverse import reveal_count
 from dlm.sampling.tokens import filter_logits, sample_tokens
 
@@ -222,7 +223,7 @@ def test_steps_are_split_over_blocks_and_must_cover_them(tokenizer: Tokenizer) -
         generate(model, tokenizer, length=10, steps=2, block_length=4)
 
 
-@pytest.mark.parametrize("remasking", ["random", "confidence", "margin"])
+@pytest.mark.parametrize("remasking", ["random", "dilated", "confidence", "margin"])
 def test_forward_passes_counted_and_skipped_when_nothing_is_revealed(tokenizer: Tokenizer, remasking: str) -> None:
     model = random_model(tokenizer)
     result = generate(model, tokenizer, length=5, steps=40, remasking=remasking, seed=1)
@@ -234,6 +235,32 @@ def test_forward_passes_counted_and_skipped_when_nothing_is_revealed(tokenizer: 
         assert result.forward_passes == 5  # exactly one token revealed per pass
     few_steps = random_model(tokenizer)
     assert generate(few_steps, tokenizer, length=20, steps=4, remasking=remasking).forward_passes <= 4
+
+
+def test_the_dilated_order_visits_every_position_and_spreads_every_step() -> None:
+    for size in range(1, 70):
+        assert sorted(dilated_order(size).tolist()) == list(range(size))
+    order = dilated_order(64).tolist()
+    assert order[:8] == [0, 32, 16, 48, 8, 40, 24, 56]
+    for step in range(8):  # 8 a step: each step's positions lie 8 apart
+        revealed = sorted(order[8 * step : 8 * step + 8])
+        assert [b - a for a, b in zip(revealed, revealed[1:], strict=False)] == [8] * 7, step
+    assert sorted(order[32:]) == list(range(1, 64, 2))  # the odd positions last: both neighbours known
+
+
+def test_dilated_remasking_reveals_the_planned_positions_one_pass_a_step(tokenizer: Tokenizer) -> None:
+    model = random_model(tokenizer)
+    history, result = recorded_generate(model, tokenizer, length=16, steps=4, remasking="dilated", seed=3)
+    assert result.forward_passes == model.calls == 4
+    revealed = []
+    for before, after in zip(history, history[1:], strict=False):
+        revealed.append(sorted(((before[0] == MASK) & (after[0] != MASK)).nonzero().flatten().tolist()))
+    assert revealed == [[0, 4, 8, 12], [2, 6, 10, 14], [1, 5, 9, 13], [3, 7, 11, 15]]
+    assert MASK not in result.token_ids[0]
+    # The order is planned, so the tokens are the only draws: another seed, other tokens, same order.
+    other, theirs = recorded_generate(model, tokenizer, length=16, steps=4, remasking="dilated", seed=4)
+    assert [(h == MASK).tolist() for h in other] == [(h == MASK).tolist() for h in history]
+    assert theirs.token_ids != result.token_ids
 
 
 def test_reveal_counts_follow_the_linear_schedule() -> None:
@@ -521,7 +548,7 @@ def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(t
 
     register_remasking("least_confident", least_confident)
     try:
-        assert remasking_names() == ("random", "confidence", "margin", "least_confident")
+        assert remasking_names() == ("random", "dilated", "confidence", "margin", "least_confident")
         ours = generate(model, tokenizer, length=12, steps=4, seed=5, remasking="least_confident")
         theirs = generate(model, tokenizer, length=12, steps=4, seed=5, remasking="confidence")
         assert calls and ours.texts != theirs.texts  # the ranking decided what was revealed
@@ -529,5 +556,5 @@ def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(t
             register_remasking("least_confident", least_confident)
     finally:
         unregister_remasking("least_confident")
-    with pytest.raises(UserError, match="--remasking must be one of random, confidence, margin"):
+    with pytest.raises(UserError, match="--remasking must be one of random, dilated, confidence, margin"):
         generate(model, tokenizer, length=12, steps=4, seed=5, remasking="least_confident")

@@ -109,8 +109,9 @@ RemaskingOption = Annotated[
     Remasking,
     typer.Option(
         "--remasking",
-        help="Which predictions each step keeps: random (ancestral), confidence (most probable first, "
-        "LLaDA) or margin (largest top-1 minus top-2 probability first).",
+        help="Which predictions each step keeps: random (ancestral), dilated (a planned order that spreads "
+        "each step's positions far apart: the best few-step text), confidence (most probable first, LLaDA) "
+        "or margin (largest top-1 minus top-2 probability first).",
     ),
 ]
 BlockOption = Annotated[

@@ -210,7 +210,7 @@ def padded_mask(
     query but its own padding (columns < `pad[b]`), whose outputs are never used; a query seeing no
     key at all would be NaN, and NaN values leak even through zero attention weights. `pad_after[b]`
     right-pads the queries (the last keys): its last queries and keys are padding too, seen by no real
-    query and seeing every key."""
+    query; they see every key `base` lets them see (every key but the left padding without `base`)."""
 
     key = torch.arange(keys, device=pad.device)
     query = torch.arange(query_start, query_start + queries, device=pad.device)

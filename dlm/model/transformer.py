@@ -370,8 +370,10 @@ class DiffusionTransformer(nn.Module):
             if cache is not None or pad is not None:
                 raise ValueError("documents are for scoring whole packed rows, not with a cache or padding")
             mask, last_mask = self._document_masks(documents, mask, last_mask, length, tokens.shape[1])
-        if pad_after is not None and (pad is None or (cache is not None and cache.stored != cache.length)):
-            raise ValueError("pad_after needs pad, over a cache holding no keys after the fed tokens")
+        if pad_after is not None and (
+            pad is None or clean_tokens is not None or (cache is not None and cache.stored != cache.length)
+        ):
+            raise ValueError("pad_after needs pad, no clean copy, and a cache holding no keys after the fed tokens")
         if pad is not None and not pad_in_mask:
             pad_keys = pad - (cache.dropped if cache is not None else 0)
             mask = padded_mask(mask, pad, start, length, seen, pad_keys, pad_after)

@@ -1,7 +1,10 @@
 """Remasking strategies: how a denoising step ranks the masked positions it could reveal.
 
 `random` is ancestral sampling (each masked position revealed with the schedule's probability, no
-ranking); every other strategy is a confidence function registered here: given the model's
+ranking); `dilated` reveals the schedule's count of positions a step in a fixed order that spreads
+each step's positions as far apart as it can (`dilated_order`; Luxembourg et al., 2025, "Plan for
+Speed: Dilated Scheduling for Masked Diffusion Language Models"); every other strategy is a
+confidence function registered here: given the model's
 distribution at the N masked positions of the current block and the tokens sampled there, it
 scores each position, and the step keeps the highest-scoring samples (the rest stay masked).
 Registering a function is the one place to add a strategy: `dlm.sample(remasking=NAME)` accepts it
@@ -19,14 +22,15 @@ from dlm.registry import Registry
 # (probs [N, V], sampled tokens [N]) -> confidence [N]; higher is revealed first.
 Confidence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ANCESTRAL = "random"
+DILATED = "dilated"
 _CONFIDENCES: Registry[Confidence] = Registry("remasking strategy")
 
 
 def register_remasking(name: str, confidence: Confidence, replace: bool = False) -> None:
     """Make `name` a remasking strategy ranked by `confidence`."""
 
-    if name == ANCESTRAL:
-        raise ValueError(f"remasking strategy {name!r} is already registered (ancestral sampling)")
+    if name in (ANCESTRAL, DILATED):
+        raise ValueError(f"remasking strategy {name!r} is already built in (it ranks by no confidence)")
     _CONFIDENCES.add(name, confidence, replace=replace)
 
 
@@ -35,9 +39,25 @@ def unregister_remasking(name: str) -> None:
 
 
 def remasking_names() -> tuple[str, ...]:
-    """Every strategy the sampler accepts: ancestral sampling first, then the registered ones."""
+    """Every strategy the sampler accepts: ancestral sampling and the dilated order first, then the registered ones."""
 
-    return (ANCESTRAL, *_CONFIDENCES.names())
+    return (ANCESTRAL, DILATED, *_CONFIDENCES.names())
+
+
+def dilated_order(size: int) -> torch.Tensor:
+    """The ranks 0 .. size - 1 in the order `dilated` reveals them: by their bit-reversed binary
+    digits (the van der Corput sequence), so that 0, size / 2, size / 4, 3 size / 4, ... come first.
+    Any run of consecutive entries is spread out evenly: at 8 positions a step out of 64, a step's
+    positions lie 8 apart, and a position revealed late has its neighbours revealed before it. The
+    positions a step reveals together are drawn independently of each other; far apart, in text they
+    depend on each other least."""
+
+    bits = max(1, (size - 1).bit_length())
+    ranks = torch.arange(size)
+    reversed_bits = torch.zeros_like(ranks)
+    for bit in range(bits):
+        reversed_bits |= ((ranks >> bit) & 1) << (bits - 1 - bit)
+    return ranks[reversed_bits.argsort()]
 
 
 def token_confidence(probs: torch.Tensor, tokens: torch.Tensor, remasking: str) -> torch.Tensor:

@@ -45,7 +45,7 @@ from dlm.choices import RevealSplit
 from dlm.diffusion.schedules import LinearSchedule, Schedule, Time
 from dlm.errors import UserError
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.remasking import token_confidence
+from dlm.sampling.remasking import ANCESTRAL, DILATED, dilated_order, token_confidence
 from dlm.sampling.row_noise import RowNoise
 from dlm.sampling.tokens import draws_per_row, sample_tokens, sample_with_probabilities
 
@@ -109,7 +109,7 @@ class Reverse:
 
         logits = self.scores(tokens, positions, rows)
         uniform = self.uniform(positions, rows)
-        if self.options.remasking == "random":
+        if self.options.remasking in (ANCESTRAL, DILATED):  # no ranking: the model's distribution is not needed
             new, _ = self.draw(logits, uniform, probabilities=False)
             return new.to(tokens.device), None
         # The model's own (untempered, unfiltered) probabilities rank the samples, as in LLaDA.
@@ -149,6 +149,20 @@ class Reverse:
         # of steps left, so its draws compare exactly as they always have.
         odds = float(1 / probability) if probability > 0 else math.inf
         reveal = masked & (draws * odds < 1).to(tokens.device)
+        return self.reveal(tokens, block, reveal)
+
+    def reveal_planned(self, tokens: torch.Tensor, block: torch.Tensor, chosen: torch.Tensor) -> int:
+        """Planned step: reveal the masked positions among `block[chosen]` (`dilated` remasking)."""
+
+        if chosen.numel() == 0:
+            return 0
+        reveal = torch.zeros(tokens.shape[0], block.numel(), dtype=torch.bool, device=tokens.device)
+        reveal[:, chosen.to(tokens.device)] = True
+        return self.reveal(tokens, block, reveal & (tokens[:, block] == self.mask_id))
+
+    def reveal(self, tokens: torch.Tensor, block: torch.Tensor, reveal: torch.Tensor) -> int:
+        """Write a sampled token at each position of `block` that `reveal` [B, len(block)] marks."""
+
         rows = reveal.any(dim=1)
         if not bool(rows.any()):
             return 0
@@ -231,7 +245,7 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
     # The probability of the token each position would commit (Fast-dLLM's rule, and what
     # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
     # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
-    ranking = "confidence" if options.remasking == "random" else options.remasking
+    ranking = "confidence" if options.remasking in (ANCESTRAL, DILATED) else options.remasking
     confidence = token_confidence(probabilities, new, ranking)
     scores = torch.full(masked.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
     scores[masked.to(scores.device)] = confidence
@@ -254,9 +268,13 @@ def reverse_step(reverse: Reverse, tokens: Tensor, block: Tensor, steps: int, in
     options, size, split = reverse.options, block.numel(), reverse.options.reveal_split
     if options.threshold is not None:
         return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
-    if options.remasking == "random":
+    if options.remasking == ANCESTRAL:
         t, s = step_times(steps, index)
         return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
+    if options.remasking == DILATED:
+        before = size if index == 0 else masked_after(size, steps, index - 1, schedule, split)
+        after = masked_after(size, steps, index, schedule, split)
+        return reverse.reveal_planned(tokens, block, dilated_order(size)[size - before : size - after])
     return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
 
 

@@ -14,9 +14,10 @@ float32. The model attends in both directions and gets no time input; a block di
 (`config.block_size`) attends block-causally: a query sees every key of its own and earlier blocks.
 
 `generate` (also `diffusion_generate`) runs dlm's reverse process: masks are revealed over `steps`
-steps, by low-confidence remasking (`confidence`, `margin`) or ancestrally (`random`), optionally
-block by block (`block_length`; a block model always runs its own blocks left to right, each seeing
-the prefix up to its end); `reveal_split="even"` gives remasking steps LLaDA's split of the
+steps, by low-confidence remasking (`confidence`, `margin`), ancestrally (`random`) or in the
+dilated order (`dilated`: each step's positions spread far apart), optionally block by block
+(`block_length`; a block model always runs its own blocks left to right, each seeing the prefix up
+to its end); `reveal_split="even"` gives remasking steps LLaDA's split of the
 reveals instead of the noise schedule's. It draws its random numbers in the same order as `dlm.sample`, so the
 same seed and settings give the same tokens.
 """
@@ -36,7 +37,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_dlm import SCHEDULES, DlmDiffusionConfig
 
-REMASKING = ("confidence", "margin", "random")
+REMASKING = ("confidence", "margin", "random", "dilated")
 REVEAL_SPLITS = ("schedule", "even")
 
 
@@ -378,6 +379,17 @@ class _Options:
         self.remasking, self.block_length = remasking, block_length
 
 
+def dilated_order(size: int) -> Tensor:
+    """Ranks 0 .. size - 1 by their bit-reversed binary digits: each run of them spread out evenly."""
+
+    bits = max(1, (size - 1).bit_length())
+    ranks = torch.arange(size)
+    reversed_bits = torch.zeros_like(ranks)
+    for bit in range(bits):
+        reversed_bits |= ((ranks >> bit) & 1) << (bits - 1 - bit)
+    return ranks[reversed_bits.argsort()]
+
+
 def _starting_tokens(
     input_ids: Tensor | None, new: int, num_samples: int, mask_id: int, device: torch.device
 ) -> Tensor:
@@ -523,7 +535,7 @@ class _Reverse:
         logits = self.model.logits_at(tokens[:, :end], positions[:, :end])
         logits = logits.to(self.generator.device, torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.forbidden] = float("-inf")
-        ranked = self.options.remasking != "random"
+        ranked = self.options.remasking not in ("random", "dilated")
         new, probs = sample_tokens(logits, self.options, self.generator, ranked)  # probs untempered, unfiltered
         confidence = None
         if probs is not None:
@@ -537,7 +549,14 @@ class _Reverse:
     def reveal_random(self, tokens: Tensor, block: Tensor, odds: float) -> None:
         masked = tokens[:, block] == self.mask_id
         draws = torch.rand(masked.shape, dtype=torch.float64, device=self.generator.device, generator=self.generator)
-        reveal = masked & (draws * odds < 1).to(tokens.device)
+        self.reveal(tokens, block, masked & (draws * odds < 1).to(tokens.device))
+
+    def reveal_planned(self, tokens: Tensor, block: Tensor, chosen: Tensor) -> None:
+        reveal = torch.zeros(tokens.shape[0], block.numel(), dtype=torch.bool, device=tokens.device)
+        reveal[:, chosen.to(tokens.device)] = True
+        self.reveal(tokens, block, reveal & (tokens[:, block] == self.mask_id))
+
+    def reveal(self, tokens: Tensor, block: Tensor, reveal: Tensor) -> None:
         rows = reveal.any(dim=1)
         if not bool(rows.any()):
             return  # nothing revealed: the model is not called
@@ -585,14 +604,18 @@ class _Reverse:
         for block, block_steps in zip(blocks, per_block, strict=True):
             if block_size:
                 self.end = min((int(block[0]) // block_size + 1) * block_size, tokens.shape[1])
+            done, size = 0, block.numel()
             for index in range(block_steps):
                 t, s = Fraction(block_steps - index, block_steps), Fraction(block_steps - index - 1, block_steps)
                 if options.remasking == "random":
                     self.reveal_random(tokens, block, reveal_odds(self.schedule, s, t))
+                    continue
+                count = masked_count(self.schedule, size, t) - masked_count(self.schedule, size, s)
+                if options.reveal_split == "even":  # LLaDA's get_num_transfer_tokens
+                    count = size // block_steps + (index < size % block_steps)
+                if options.remasking == "dilated":
+                    self.reveal_planned(tokens, block, dilated_order(size)[done : done + count])
                 else:
-                    size = block.numel()
-                    count = masked_count(self.schedule, size, t) - masked_count(self.schedule, size, s)
-                    if options.reveal_split == "even":  # LLaDA's get_num_transfer_tokens
-                        count = size // block_steps + (index < size % block_steps)
                     self.reveal_confident(tokens, block, count)
+                done += count
         return tokens
