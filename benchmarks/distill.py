@@ -63,9 +63,7 @@ def parse_entry(text: str) -> Entry:
     settings = dict(item.split("=", 1) for item in spec.split(","))
     unknown = set(settings) - {"steps", "threshold", "remasking"}
     if unknown:
-        raise typer.BadParameter(
-            f"{text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold, remasking)"
-        )
+        raise typer.BadParameter(f"{text}: unknown setting {', '.join(sorted(unknown))} (steps, threshold, remasking)")
     steps, threshold = settings.get("steps"), settings.get("threshold")
     return Entry(
         label=text,

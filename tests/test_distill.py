@@ -25,6 +25,7 @@ from dlm.diffusion.distillation import (
     draw_tokens,
     first_reveals,
     grid_times,
+    planned_masks,
     two_step_log_target,
 )
 from dlm.diffusion.divergences import get_divergence
@@ -232,6 +233,37 @@ def test_the_teacher_is_built_without_drawing_weights(
     assert drawn and set(drawn) == {"meta"}
 
 
+def test_planned_masks_are_those_of_the_dilated_sampler(teacher: Path) -> None:
+    """At each of a student's n steps, the masks and the teacher's first reveals are those the dilated
+    sampler of 2n steps leaves and makes (recorded from `generate`), on a row and on a model's blocks."""
+
+    model, tokenizer = load_model(teacher)
+    length, student_steps = 12, 3
+    history: list[torch.Tensor] = []
+    generate(
+        model,
+        tokenizer,
+        length=length,
+        steps=2 * student_steps,
+        remasking="dilated",
+        on_step=lambda step, tokens: history.append(tokens[0] == model.config.mask_token_id),
+    )
+    assert len(history) == 2 * student_steps + 1
+    k = torch.arange(student_steps, 0, -1, dtype=torch.float64)  # t = 1, 2/3, 1/3: the student's steps
+    times = grid_times(k / student_steps, student_steps)
+    planned = planned_masks(times, length, 0, student_steps, get_schedule("linear"))
+    for row, done in enumerate(range(0, 2 * student_steps, 2)):
+        assert planned.masked[row].tolist() == history[done].tolist(), row
+        assert planned.first[row].tolist() == (history[done] & ~history[done + 1]).tolist(), row
+    # A block model's blocks (the last cut short) each follow the plan of a row of their own size.
+    blocks = grid_times(torch.tensor([[1.0, 0.5, 0.2]]), 2)
+    by_block = planned_masks(blocks, 10, 4, 2, get_schedule("linear"))
+    for index, (start, size) in enumerate([(0, 4), (4, 4), (8, 2)]):
+        alone = planned_masks(grid_times(blocks.t[:, index], 2), size, 0, 2, get_schedule("linear"))
+        assert by_block.masked[:, start : start + size].tolist() == alone.masked.tolist()
+        assert by_block.first[:, start : start + size].tolist() == alone.first.tolist()
+
+
 def _fixed_divergence(step: DistillStep, clean: torch.Tensor) -> float:
     """The divergence on a fixed batch, mask and first step: only the student's weights change it."""
 
@@ -247,8 +279,9 @@ def _batches(data: Path, batch_size: int) -> Iterator[torch.Tensor]:
         yield torch.stack([dataset[(start + offset) % len(dataset)] for offset in range(batch_size)])
 
 
+@pytest.mark.parametrize("remasking", ["random", "dilated"])
 def test_a_round_lowers_the_divergence_to_the_two_step_teacher(
-    teacher: Path, weak_model: Path, tiny_data_dir: Path, tmp_path: Path
+    teacher: Path, weak_model: Path, tiny_data_dir: Path, tmp_path: Path, remasking: str
 ) -> None:
     """A student that starts far from its teacher (from a 2-step model) comes closer over one round."""
 
@@ -262,6 +295,7 @@ def test_a_round_lowers_the_divergence_to_the_two_step_teacher(
         teacher_steps=16,
         rounds=1,
         steps_per_round=30,
+        remasking=remasking,
     )
     step = _step(experiment)
     step.prepare()
@@ -400,6 +434,39 @@ def test_the_cli_samples_and_serves_in_the_students_steps(student: Path, run_cli
         model_steps=distilled_steps(model),
     )
     assert generation.options.steps == 16
+
+
+def test_a_student_distilled_for_the_dilated_order_samples_in_it(
+    teacher: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    distill(_experiment(teacher, tiny_data_dir, tmp_path / "run", remasking="dilated"))
+    student = export_model(tmp_path / "run", tmp_path / "model")
+    record = json.loads((student / "config.json").read_text())["distillation"]
+    assert record["remasking"] == "dilated" and record["steps"] == 4
+    model, tokenizer = load_model(student)
+    own = generate(model, tokenizer, length=16, seed=3)
+    assert own.steps == 4 and own.forward_passes == 4
+    assert own.token_ids == generate(model, tokenizer, length=16, seed=3, remasking="dilated").token_ids
+    assert own.token_ids != generate(model, tokenizer, length=16, seed=3, remasking="random").token_ids
+    from dlm.diffusion.distillation import distilled_remasking, distilled_steps
+    from dlm.serving.protocol import CompletionRequest, Limits, check_generation
+
+    for body, expected in (({}, "dilated"), ({"remasking": "random"}, "random")):
+        request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16} | body)
+        generation = check_generation(
+            request,
+            ["ROMEO:"],
+            chat=False,
+            served="s",
+            config=model.config,
+            tokenizer=tokenizer,
+            limits=Limits(),
+            model_steps=distilled_steps(model),
+            model_remasking=distilled_remasking(model),
+        )
+        assert generation.options.remasking == expected
+    with pytest.raises(UserError, match="remasking"):
+        _experiment(teacher, tiny_data_dir, tmp_path / "cf", method="certainty", rounds=1, remasking="dilated")
 
 
 def test_the_hugging_face_export_keeps_the_students_steps(student: Path, tmp_path: Path) -> None:

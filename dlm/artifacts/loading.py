@@ -395,7 +395,8 @@ def load_model_with_info(
     model = build_model(info.model, weights, device, dtype, source=info.path)
     attach_schedule(model, info.diffusion.schedule)
     if info.distillation is not None:
-        attach_distilled_steps(model, int(info.distillation["steps"]))
+        record = info.distillation
+        attach_distilled_steps(model, int(record["steps"]), str(record.get("remasking", "random")))
     return LoadedModel(model, tokenizer, info)
 
 

@@ -66,6 +66,14 @@ def distill_command(
         str,
         typer.Option("--divergence", help="kl, reverse-kl or tvd: what each round minimises (docs/distill.md)."),
     ] = "kl",
+    remasking: Annotated[
+        str,
+        typer.Option(
+            "--remasking",
+            help="The reveal order the student is distilled for and samples in: random (ancestral) or dilated "
+            "(the planned order that keeps few-step text closest to one token a step: docs/distill.md).",
+        ),
+    ] = "random",
     method: Annotated[
         str,
         typer.Option(
@@ -117,6 +125,7 @@ def distill_command(
         "rounds": rounds,
         "steps_per_round": steps_per_round,
         "divergence": divergence,
+        "remasking": remasking,
         "method": method,
         "certainty_weight": certainty_weight,
     }

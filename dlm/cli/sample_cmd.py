@@ -106,12 +106,14 @@ TopPOption = Annotated[
     typer.Option("--top-p", help="Sample only from the smallest set of tokens with probability >= P (1 turns it off)."),
 ]
 RemaskingOption = Annotated[
-    Remasking,
+    Remasking | None,
     typer.Option(
         "--remasking",
         help="Which predictions each step keeps: random (ancestral), dilated (a planned order that spreads "
         "each step's positions far apart: the best few-step text), confidence (most probable first, LLaDA) "
-        "or margin (largest top-1 minus top-2 probability first).",
+        "or margin (largest top-1 minus top-2 probability first). Default: random, or the order a distilled "
+        "student was distilled for.",
+        show_default=False,
     ),
 ]
 BlockOption = Annotated[
@@ -211,6 +213,7 @@ class SampleRequest:
     device: str
     batch_size: int = 16  # --prompt-file only: prompts per padded batch
     model_steps: bool = False  # no --steps: the model's own (a distilled student's, else the default)
+    model_remasking: bool = False  # no --remasking: likewise
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `dlm.sampling.generation.generate` (and `dlm.sampling.chat.chat_sample`),
@@ -223,7 +226,8 @@ class SampleRequest:
             "stop_at_end": self.stop_at_end,
             "device": self.device,
         }
-        return asdict(self.options) | settings | ({"steps": None} if self.model_steps else {})
+        own = {"steps": None} if self.model_steps else {}
+        return asdict(self.options) | settings | own | ({"remasking": None} if self.model_remasking else {})
 
 
 def _refuse_unused(
@@ -277,11 +281,15 @@ def sample_request(
     model_steps = values.get("steps") is None
     if model_steps:
         values = {**values, "steps": DEFAULT_STEPS}  # checked as the default; the model may have its own
+    model_remasking = values.get("remasking") is None
+    if model_remasking:
+        values = {**values, "remasking": "random"}
     options = SamplingOptions(**{name: value for name, value in values.items() if name in names})
     rest = {name: value for name, value in values.items() if name not in names}
     check_request(prompt=prompt, text=text, length=rest["length"], num_samples=rest["num_samples"], seed=rest["seed"])
     _refuse_unused(ctx, text=text, chat=chat, prompt_file=prompt_file, temperature=options.temperature)
-    return SampleRequest(options, device=str(resolve_device(device, "--device")), model_steps=model_steps, **rest)
+    device = str(resolve_device(device, "--device"))
+    return SampleRequest(options, device=device, model_steps=model_steps, model_remasking=model_remasking, **rest)
 
 
 def _generate_live(model: Any, tokenizer: Any, kwargs: dict[str, Any]) -> SampleResult:
@@ -317,7 +325,7 @@ def sample(
     temperature: TemperatureOption = 1.0,
     top_k: TopKOption = None,
     top_p: TopPOption = 0.9,
-    remasking: RemaskingOption = "random",
+    remasking: RemaskingOption = None,
     block_length: BlockOption = None,
     stop_at_end: StopOption = False,
     threshold: ThresholdOption = None,

@@ -40,6 +40,13 @@ class DistillConfig(BaseModel):
         "prediction, a name registered in `dlm/diffusion/divergences.py`: kl (forward, the best measured on the "
         "demo's model), reverse-kl (SDTT's choice) or tvd.",
     )
+    remasking: Literal["random", "dilated"] = Field(
+        "random",
+        description="method = sdtt: the reveal order the student is distilled for and samples in by default "
+        "(`dlm sample --remasking`): random (ancestral: each round's times drawn on the student's grid, masks at "
+        "random) or dilated (the planned order: each step's masks, and the teacher's two steps, are the "
+        "dilated order's).",
+    )
     teacher_steps: int = Field(
         64, ge=2, description="Sampling steps of the first round's teacher (the steps it samples well in)."
     )
@@ -80,6 +87,7 @@ class DistillConfig(BaseModel):
             "rounds_done": min(optimizer_steps // self.steps_per_round, self.rounds),
             "divergence": self.divergence,
             "teacher_sha256": self.teacher_sha256,
+            "remasking": self.remasking,
         }
         if not self.halving:
             record["certainty_weight"] = self.certainty_weight
@@ -96,6 +104,12 @@ class DistillConfig(BaseModel):
         if not self.halving and self.rounds != 1:
             raise FieldProblem(
                 "rounds", f"certainty forcing trains one round, not {self.rounds}", "set rounds = 1 (--rounds 1)"
+            )
+        if not self.halving and self.remasking != "random":
+            raise FieldProblem(
+                "remasking",
+                "certainty forcing trains for --threshold sampling, which ranks its reveals by confidence",
+                'leave remasking = "random", or use method = "sdtt"',
             )
         if self.halving and self.teacher_steps % (1 << self.rounds):
             raise FieldProblem(

@@ -24,19 +24,30 @@ This module is the arithmetic; `dlm.distill` runs the teacher and the student.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import Tensor
 
+from dlm.diffusion.reveal_order import dilated_order
 from dlm.diffusion.schedules import Schedule
 
 _MODEL_ATTRIBUTE = "distilled_steps"  # where a loaded student keeps the sampling steps it was distilled for
+_ORDER_ATTRIBUTE = "distilled_remasking"  # and the reveal order
 
 
-def attach_distilled_steps(model: object, steps: int) -> None:
-    """Record on a loaded student the steps it was distilled for; sampling defaults to them."""
+def attach_distilled_steps(model: object, steps: int, remasking: str = "random") -> None:
+    """Record on a loaded student the steps and reveal order it was distilled for; sampling defaults to them."""
 
     setattr(model, _MODEL_ATTRIBUTE, steps)
+    setattr(model, _ORDER_ATTRIBUTE, remasking)
+
+
+def distilled_remasking(model: object) -> str | None:
+    """The reveal order `attach_distilled_steps` recorded on `model`; None for a model that is no student."""
+
+    found = getattr(model, _ORDER_ATTRIBUTE, None)
+    return found if isinstance(found, str) else None
 
 
 def distilled_steps(model: object) -> int | None:
@@ -69,6 +80,49 @@ def grid_times(units: Tensor, student_steps: int) -> TwoStepTimes:
     steps = torch.ceil(units.double() * student_steps).clamp(1, student_steps)
     t = steps / student_steps
     return TwoStepTimes(t=t, u=(2 * steps - 1) / (2 * student_steps), s=(steps - 1) / student_steps)
+
+
+@dataclass(frozen=True)
+class PlannedMasks:
+    """The masks of one student step in the dilated order (`--remasking dilated`): [B, L] bool each."""
+
+    masked: Tensor  # masked at t: what the student predicts from
+    first: Tensor  # of those, the positions the teacher's first step (t -> u) reveals
+
+
+def planned_masks(
+    times: TwoStepTimes, length: int, block_size: int, student_steps: int, schedule: Schedule
+) -> PlannedMasks:
+    """Where the dilated order (`dlm.diffusion.reveal_order.dilated_order`) has masks at `times.t`, and which of
+    them its first half-step reveals: the masks a sampler of 2 x `student_steps` steps leaves over a row
+    (a block model: over each block, the last one cut short where the row ends) of `length`. The student's
+    step t -> s reveals the ranks of the teacher's two steps t -> u -> s, as a dilated sampler does."""
+
+    size = block_size if 0 < block_size < length else length
+    column = torch.arange(length, device=times.t.device)
+    block_start = column // size * size
+    sizes = (length - block_start).clamp(max=size)  # each position's block's size
+    rank = torch.empty(length, dtype=torch.long, device=column.device)
+    thresholds: dict[str, Tensor] = {}
+    for width in sorted(set(sizes.tolist())):
+        order = dilated_order(width).to(column.device)
+        here = sizes == width
+        rank[here] = torch.argsort(order)[column[here] - block_start[here]]
+        # revealed[k] = positions revealed once k of the teacher's 2n half-steps are done (t = 1 - k / 2n).
+        done = [
+            width - schedule.masked_count(width, Fraction(2 * student_steps - k, 2 * student_steps))
+            for k in range(2 * student_steps + 1)
+        ]
+        thresholds[str(width)] = torch.tensor(done, device=column.device)
+    half_steps_done = (2 * student_steps * (1 - per_position(times.t, length, block_size))).round().long()
+    before = torch.zeros_like(half_steps_done)
+    after = torch.zeros_like(half_steps_done)
+    for width, table in thresholds.items():
+        here = (sizes == int(width))[None, :].expand_as(half_steps_done)
+        before = torch.where(here, table[half_steps_done], before)
+        after = torch.where(here, table[(half_steps_done + 1).clamp(max=2 * student_steps)], after)
+    masked = rank[None, :] >= before
+    return PlannedMasks(masked=masked, first=masked & (rank[None, :] < after))
 
 
 def per_position(values: Tensor, length: int, block_size: int) -> Tensor:

@@ -31,6 +31,7 @@ from dlm.diffusion.distillation import (
     first_reveals,
     grid_times,
     per_position,
+    planned_masks,
     two_step_log_target,
 )
 from dlm.diffusion.divergences import get_divergence
@@ -147,9 +148,13 @@ class DistillStep(TrainingStep):
         """The student's divergence from the teacher's two steps on `clean` masked at `times.t`, the mask and
         the teacher's first step drawn from `generator` (the micro-batch's; a test's fixed one)."""
 
-        corruption = self._corrupt(clean, times.t, generator, loss_mask)
+        revealed = None
+        if self.distill.remasking == "dilated":
+            corruption, revealed = self._planned(clean, times, loss_mask)
+        else:
+            corruption = self._corrupt(clean, times.t, generator, loss_mask)
         mask = corruption.mask
-        log_target = self.teacher_target(clean, corruption.noisy_tokens, mask, times, generator)
+        log_target = self.teacher_target(clean, corruption.noisy_tokens, mask, times, generator, revealed)
         log_student = self._student(corruption, clean)
         return StudentDivergence(
             self.divergence(log_target, log_student), mask, log_student, log_target.argmax(dim=-1), times.t, log_target
@@ -181,6 +186,29 @@ class DistillStep(TrainingStep):
             loss_mask=loss_mask,
         )
 
+    def _planned(self, clean: Tensor, times: TwoStepTimes, loss_mask: Tensor | None) -> tuple[Corruption, Tensor]:
+        """`clean` masked where the dilated order has masks at `times.t`, and which of the masked positions
+        the teacher's first step reveals [N]: no random draw, as the dilated sampler draws none. Positions
+        outside `loss_mask` (a prompt) stay clean; the order still ranks them."""
+
+        model = self.experiment.model
+        _, student_steps = self.distill.round_steps(self.teachers.round_of(self.counters.step))
+        planned = planned_masks(times, clean.shape[1], block_size(model), student_steps, self.schedule)
+        mask, first = planned.masked, planned.first
+        if loss_mask is not None:
+            mask, first = mask & loss_mask, first & loss_mask
+        t = times.t.float()
+        corruption = Corruption(
+            noisy_tokens=clean.masked_fill(mask, model.mask_token_id),
+            mask=mask,
+            time=t,
+            mask_probability=self.schedule.mask_probability(t),
+            mask_rate=self.schedule.mask_rate(t),
+            loss_mask=loss_mask,
+            block_size=block_size(model),
+        )
+        return corruption, first[mask]
+
     def _student(self, corruption: Corruption, clean: Tensor) -> Tensor:
         """The student's log-probabilities [N, V] at the masked positions (forbidden tokens at probability 0)."""
 
@@ -193,15 +221,23 @@ class DistillStep(TrainingStep):
 
     @torch.no_grad()
     def teacher_target(
-        self, clean: Tensor, noisy: Tensor, mask: Tensor, times: TwoStepTimes, generator: torch.Generator
+        self,
+        clean: Tensor,
+        noisy: Tensor,
+        mask: Tensor,
+        times: TwoStepTimes,
+        generator: torch.Generator,
+        revealed: Tensor | None = None,
     ) -> Tensor:
         """The log of the teacher's two-step prediction [N, V] at the N positions of `mask` (`noisy` is
-        `clean` masked there at `times.t`), its first step's reveals and tokens drawn from `generator`."""
+        `clean` masked there at `times.t`), its first step's tokens drawn from `generator`, and its reveals
+        too unless `revealed` [N] plans them (the dilated order)."""
 
         size, length = block_size(self.experiment.model), clean.shape[1]
-        revealed = first_reveals(
-            per_position(times.first_reveal_probability(self.schedule), length, size)[mask], generator
-        )
+        if revealed is None:
+            revealed = first_reveals(
+                per_position(times.first_reveal_probability(self.schedule), length, size)[mask], generator
+            )
         with autocast_context(self.device, self.precision):
             first_logits = masked_logits(self.teacher, noisy, mask, clean)
         middle = noisy.clone()

@@ -15,7 +15,7 @@ from dlm.errors import UserError
 from dlm.model.denoiser import block_size
 from dlm.sampling.autoregressive import autoregressive_options
 from dlm.sampling.dispatch import counting_tokens, denoise, inference
-from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback, sampling_steps
+from dlm.sampling.options import SampleResult, SamplingOptions, StepCallback, sampling_remasking, sampling_steps
 from dlm.sampling.prompt_batch import consecutive_seeds, encode_prompts, generate_prompts, prompt_chunks, prompt_records
 from dlm.sampling.prompting import build_sequence, check_request
 from dlm.sampling.reverse import cut_after_stop
@@ -44,7 +44,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = 0.9,
-    remasking: str = "random",
+    remasking: str | None = None,
     block_length: int | None = None,
     device: str | torch.device | None = None,
     on_step: StepCallback | None = None,
@@ -69,7 +69,8 @@ def generate(
     stops once every sample has one (a block model at the end of a block); `SampleResult.lengths`
     counts the generated tokens kept. `threshold` and `cache` are described in `dlm.sampling.fast`;
     `reveal_split` (`schedule` or LLaDA's `even`) in `dlm.sampling.reverse`. `steps` None takes the
-    steps a distilled student was distilled for (`dlm distill`), else 64 (`sampling_steps`).
+    steps a distilled student was distilled for (`dlm distill`), else 64 (`sampling_steps`); `remasking`
+    None its reveal order, else `random` (ancestral).
 
     `prompts`, a list, samples each of them (`num_samples` rows each, prompt by prompt) in one
     padded batch: the i-th draws exactly the random numbers of `prompt=prompts[i], seed=seed + i`
@@ -86,7 +87,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        remasking=remasking,
+        remasking=sampling_remasking(model, remasking),
         block_length=block_length,
         threshold=threshold,
         cache=cache,

@@ -11,7 +11,7 @@ from typing import Any, get_args
 import torch
 
 from dlm.choices import CacheMode, RevealSplit
-from dlm.diffusion.distillation import distilled_steps
+from dlm.diffusion.distillation import distilled_remasking, distilled_steps
 from dlm.errors import UserError, UserNote
 from dlm.sampling.remasking import remasking_names
 
@@ -39,6 +39,14 @@ def sampling_steps(model: object, steps: int | None) -> int:
             stacklevel=2,
         )
     return steps
+
+
+def sampling_remasking(model: object, remasking: str | None) -> str:
+    """`remasking`, or when None the reveal order a distilled student was distilled for, else `random`."""
+
+    if remasking is not None:
+        return remasking
+    return distilled_remasking(model) or "random"
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,7 @@
 
 `random` is ancestral sampling (each masked position revealed with the schedule's probability, no
 ranking); `dilated` reveals the schedule's count of positions a step in a fixed order that spreads
-each step's positions as far apart as it can (`dilated_order`; Luxembourg et al., 2025, "Plan for
-Speed: Dilated Scheduling for Masked Diffusion Language Models"); every other strategy is a
+each step's positions as far apart as it can (`dlm.diffusion.reveal_order`); every other strategy is a
 confidence function registered here: given the model's
 distribution at the N masked positions of the current block and the tokens sampled there, it
 scores each position, and the step keeps the highest-scoring samples (the rest stay masked).
@@ -22,7 +21,7 @@ from dlm.registry import Registry
 # (probs [N, V], sampled tokens [N]) -> confidence [N]; higher is revealed first.
 Confidence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ANCESTRAL = "random"
-DILATED = "dilated"
+DILATED = "dilated"  # the planned order of `dlm.diffusion.reveal_order`
 _CONFIDENCES: Registry[Confidence] = Registry("remasking strategy")
 
 
@@ -42,22 +41,6 @@ def remasking_names() -> tuple[str, ...]:
     """Every strategy the sampler accepts: ancestral sampling and the dilated order first, then the registered ones."""
 
     return (ANCESTRAL, DILATED, *_CONFIDENCES.names())
-
-
-def dilated_order(size: int) -> torch.Tensor:
-    """The ranks 0 .. size - 1 in the order `dilated` reveals them: by their bit-reversed binary
-    digits (the van der Corput sequence), so that 0, size / 2, size / 4, 3 size / 4, ... come first.
-    Any run of consecutive entries is spread out evenly: at 8 positions a step out of 64, a step's
-    positions lie 8 apart, and a position revealed late has its neighbours revealed before it. The
-    positions a step reveals together are drawn independently of each other; far apart, in text they
-    depend on each other least."""
-
-    bits = max(1, (size - 1).bit_length())
-    ranks = torch.arange(size)
-    reversed_bits = torch.zeros_like(ranks)
-    for bit in range(bits):
-        reversed_bits |= ((ranks >> bit) & 1) << (bits - 1 - bit)
-    return ranks[reversed_bits.argsort()]
 
 
 def token_confidence(probs: torch.Tensor, tokens: torch.Tensor, remasking: str) -> torch.Tensor:

@@ -42,10 +42,11 @@ import torch
 from torch import Tensor
 
 from dlm.choices import RevealSplit
+from dlm.diffusion.reveal_order import dilated_order
 from dlm.diffusion.schedules import LinearSchedule, Schedule, Time
 from dlm.errors import UserError
 from dlm.sampling.options import SamplingOptions, StepCallback
-from dlm.sampling.remasking import ANCESTRAL, DILATED, dilated_order, token_confidence
+from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
 from dlm.sampling.row_noise import RowNoise
 from dlm.sampling.tokens import draws_per_row, sample_tokens, sample_with_probabilities
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from dlm.data.chat import ChatTemplate
-from dlm.diffusion.distillation import distilled_steps
+from dlm.diffusion.distillation import distilled_remasking, distilled_steps
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.model.transformer import DiffusionTransformer
@@ -149,6 +149,7 @@ class Endpoints:
             tokenizer=self.served.tokenizer,
             limits=self.limits,
             model_steps=distilled_steps(self.served.model),
+            model_remasking=distilled_remasking(self.served.model),
         )
         if generation.rows > self.scheduler.max_batch_rows:
             raise ApiError(

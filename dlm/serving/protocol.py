@@ -226,9 +226,12 @@ _FLAG = re.compile(r"--([a-z][a-z-]*)")
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
 
 
-def _options(request: SamplerFields, length: int, model_steps: int | None = None) -> SamplingOptions:
+def _options(
+    request: SamplerFields, length: int, model_steps: int | None = None, model_remasking: str | None = None
+) -> SamplingOptions:
     """The request's sampler options through `SamplingOptions`: its refusal becomes a 400 naming the field.
-    Without `steps`: a distilled student's `model_steps`, else one token a step."""
+    Without `steps`: a distilled student's `model_steps`, else one token a step; without `remasking`: its
+    `model_remasking`, else ancestral."""
 
     given = {
         name: getattr(request, name)
@@ -246,6 +249,8 @@ def _options(request: SamplerFields, length: int, model_steps: int | None = None
     }
     given = {name: value for name, value in given.items() if value is not None}
     given.setdefault("steps", length if model_steps is None else model_steps)
+    if model_remasking is not None:
+        given.setdefault("remasking", model_remasking)
     # OpenAI's default: the whole distribution (`dlm sample`'s own default cuts it at 0.9). A request
     # that leaves top_p out is sampled as an OpenAI client expects.
     if request.top_p is None:  # left out, or null as some clients send for "unset"
@@ -338,9 +343,10 @@ def check_generation(
     tokenizer: Tokenizer,
     limits: Limits,
     model_steps: int | None = None,
+    model_remasking: str | None = None,
 ) -> Generation:
-    """The request as a `Generation`, or the `ApiError` naming the first field at fault. `model_steps`:
-    the steps a distilled student samples in when the request names none."""
+    """The request as a `Generation`, or the `ApiError` naming the first field at fault. `model_steps` and
+    `model_remasking`: the steps and reveal order a distilled student samples in when the request names none."""
 
     _check_neutral(request)
     if request.model is not None and request.model != served:
@@ -358,7 +364,7 @@ def check_generation(
     counts = _prompt_tokens(prompts, prompt_param, tokenizer, config, limits)
     asked, param = _asked_length(request)
     length = _length(asked, param, max(counts), config, limits)
-    options = _options(request, length, model_steps)
+    options = _options(request, length, model_steps, model_remasking)
     seed = secrets.randbelow(2**62) if request.seed is None else request.seed
     try:  # the prompt checks of `dlm sample` (the mask token spelt out, invalid text)
         encode_prompts(

@@ -299,7 +299,7 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = 0.9,  # the defaults of dlm.sample
-        remasking: str = "random",
+        remasking: str | None = None,
         block_length: int | None = None,
         num_samples: int = 1,
         seed: int = 0,
@@ -313,12 +313,14 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         must sit in the same columns in every row. `forbidden_token_ids` (default: padding) are never
         generated. The default generator is seeded with `seed` on the model's device. `steps` defaults
         to the steps a distilled student was distilled for (`dlm distill`; its config's
-        `dlm.distillation.steps`), else 64, as in dlm.
+        `dlm.distillation.steps`), else 64, and `remasking` to its reveal order, else `random`, as in dlm.
         """
 
+        record = (getattr(self.config, "dlm", None) or {}).get("distillation") or {}
         if steps is None:
-            record = (getattr(self.config, "dlm", None) or {}).get("distillation") or {}
             steps = int(record.get("steps") or 64)
+        if remasking is None:
+            remasking = str(record.get("remasking") or "random")
         options = _Options(steps, temperature, top_k, top_p, remasking, block_length, reveal_split)
         device = self.model.embed_tokens.weight.device
         tokens = _starting_tokens(input_ids, max_new_tokens, num_samples, self.config.mask_token_id, device)
