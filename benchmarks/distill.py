@@ -32,7 +32,7 @@ class Entry:
     path: Path
     steps: int | None  # None: the model's own (a student's distilled steps, else one per token)
     threshold: float | None = None  # commit every position above this confidence (`--threshold`)
-    remasking: str = "random"  # which positions a step reveals (`--remasking`)
+    remasking: str | None = None  # which positions a step reveals (`--remasking`; None: the model's own)
     model: Any = None
     tokenizer: Any = None
 
@@ -70,7 +70,7 @@ def parse_entry(text: str) -> Entry:
         path=Path(path),
         steps=int(steps) if steps else None,
         threshold=float(threshold) if threshold else None,
-        remasking=settings.get("remasking", "random"),
+        remasking=settings.get("remasking"),
     )
 
 

@@ -609,6 +609,7 @@ def test_the_frontier_benchmark_measures_models_at_their_own_steps(
     assert entry.threshold == 0.01 and entry.steps is None and entry.path == teacher
     entry = frontier.parse_entry(f"{teacher}@steps=4,remasking=dilated")
     assert (entry.steps, entry.remasking, entry.threshold) == (4, "dilated", None)
+    assert frontier.parse_entry(str(teacher)).remasking is None  # the model's own order
     models = [str(teacher), f"{teacher}@4", str(student), f"{teacher}@threshold=0.01"]
     frontier.distill(models, judge=teacher, length=16, num_samples=2, seeds="0,1", repeats=1, results=tmp_path)
     result = harness.load("distill", tmp_path)
