@@ -7,6 +7,7 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -405,12 +406,18 @@ def test_the_cli_samples_and_serves_in_the_students_steps(student: Path, run_cli
     result = run_cli("sample", student, "--length", "16", "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["steps"] == 4
+    model, tokenizer = load_model(student)
+    assert _served_options(model, tokenizer, {}).steps == 4
+    assert _served_options(model, tokenizer, {"steps": 16}).steps == 16
+
+
+def _served_options(model: Any, tokenizer: Any, body: dict[str, Any]) -> Any:
+    """The sampler options `dlm serve` gives a completion request with `body`'s fields for this model."""
+
+    from dlm.diffusion.distillation import distilled_remasking, distilled_steps
     from dlm.serving.protocol import CompletionRequest, Limits, check_generation
 
-    model, tokenizer = load_model(student)
-    from dlm.diffusion.distillation import distilled_steps
-
-    request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16})
+    request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16} | body)
     generation = check_generation(
         request,
         ["ROMEO:"],
@@ -420,20 +427,9 @@ def test_the_cli_samples_and_serves_in_the_students_steps(student: Path, run_cli
         tokenizer=tokenizer,
         limits=Limits(),
         model_steps=distilled_steps(model),
+        model_remasking=distilled_remasking(model),
     )
-    assert generation.options.steps == 4
-    asked = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16, "steps": 16})
-    generation = check_generation(
-        asked,
-        ["ROMEO:"],
-        chat=False,
-        served="s",
-        config=model.config,
-        tokenizer=tokenizer,
-        limits=Limits(),
-        model_steps=distilled_steps(model),
-    )
-    assert generation.options.steps == 16
+    return generation.options
 
 
 def test_a_student_distilled_for_the_dilated_order_samples_in_it(
@@ -448,23 +444,8 @@ def test_a_student_distilled_for_the_dilated_order_samples_in_it(
     assert own.steps == 4 and own.forward_passes == 4
     assert own.token_ids == generate(model, tokenizer, length=16, seed=3, remasking="dilated").token_ids
     assert own.token_ids != generate(model, tokenizer, length=16, seed=3, remasking="random").token_ids
-    from dlm.diffusion.distillation import distilled_remasking, distilled_steps
-    from dlm.serving.protocol import CompletionRequest, Limits, check_generation
-
-    for body, expected in (({}, "dilated"), ({"remasking": "random"}, "random")):
-        request = CompletionRequest.model_validate({"prompt": "ROMEO:", "max_tokens": 16} | body)
-        generation = check_generation(
-            request,
-            ["ROMEO:"],
-            chat=False,
-            served="s",
-            config=model.config,
-            tokenizer=tokenizer,
-            limits=Limits(),
-            model_steps=distilled_steps(model),
-            model_remasking=distilled_remasking(model),
-        )
-        assert generation.options.remasking == expected
+    assert _served_options(model, tokenizer, {}).remasking == "dilated"
+    assert _served_options(model, tokenizer, {"remasking": "random"}).remasking == "random"
     with pytest.raises(UserError, match="remasking"):
         _experiment(teacher, tiny_data_dir, tmp_path / "cf", method="certainty", rounds=1, remasking="dilated")
 
