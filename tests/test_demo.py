@@ -511,6 +511,8 @@ def test_distill_minutes_distils_the_model_and_shows_both_samples(
     assert comparison is not None
     assert comparison["teacher"]["steps"] == result.sample_length and comparison["student"]["steps"] == 8
     assert comparison["student"]["forward_passes"] <= 8 < comparison["teacher"]["forward_passes"]
+    record = json.loads((output / "student" / "config.json").read_text())["distillation"]
+    assert record["remasking"] == "dilated"  # the order whose 8 passes keep the quality (docs/distill.md)
     assert [e for e in events if isinstance(e, dict) and e.get("event") == "demo_compare"] == [
         {"event": "demo_compare", **comparison}
     ]
