@@ -89,8 +89,8 @@ def _distill(model_dir: Path, data_dir: Path, run_dir: Path, minutes: float, emi
     timer = partial(run_benchmark, step_type=DistillStep)
     # The dilated order: on the demo's model 8 passes in it stay within 10% of one token a pass
     # (docs/distill.md), where ancestral 8-pass samples read far worse.
-    planned = {"remasking": "dilated"}
-    experiment, seconds_left = budgeted_experiment(model_dir, data_dir, run_dir, minutes, timer, planned)
+    fields = {"remasking": "dilated"}
+    experiment, seconds_left = budgeted_experiment(model_dir, data_dir, run_dir, minutes, timer, fields)
     assert experiment.distill is not None
     steps = experiment.distill.steps_per_round
     emit(

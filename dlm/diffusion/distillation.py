@@ -23,6 +23,7 @@ This module is the arithmetic; `dlm.distill` runs the teacher and the student.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -99,30 +100,37 @@ def planned_masks(
     step t -> s reveals the ranks of the teacher's two steps t -> u -> s, as a dilated sampler does."""
 
     size = block_size if 0 < block_size < length else length
-    column = torch.arange(length, device=times.t.device)
-    block_start = column // size * size
-    sizes = (length - block_start).clamp(max=size)  # each position's block's size
-    rank = torch.empty(length, dtype=torch.long, device=column.device)
-    thresholds: dict[str, Tensor] = {}
-    for width in sorted(set(sizes.tolist())):
-        order = dilated_order(width).to(column.device)
-        here = sizes == width
-        rank[here] = torch.argsort(order)[column[here] - block_start[here]]
-        # revealed[k] = positions revealed once k of the teacher's 2n half-steps are done (t = 1 - k / 2n).
-        done = [
-            width - schedule.masked_count(width, Fraction(2 * student_steps - k, 2 * student_steps))
-            for k in range(2 * student_steps + 1)
-        ]
-        thresholds[str(width)] = torch.tensor(done, device=column.device)
-    half_steps_done = (2 * student_steps * (1 - per_position(times.t, length, block_size))).round().long()
-    before = torch.zeros_like(half_steps_done)
-    after = torch.zeros_like(half_steps_done)
-    for width, table in thresholds.items():
-        here = (sizes == int(width))[None, :].expand_as(half_steps_done)
-        before = torch.where(here, table[half_steps_done], before)
-        after = torch.where(here, table[(half_steps_done + 1).clamp(max=2 * student_steps)], after)
-    masked = rank[None, :] >= before
-    return PlannedMasks(masked=masked, first=masked & (rank[None, :] < after))
+    half_steps = 2 * student_steps
+    widths, rank, width_index = _block_ranks(length, size)
+    # table[w][k]: positions of a block of widths[w] revealed once k of the 2n half-steps are done.
+    table = [
+        [w - schedule.masked_count(w, Fraction(half_steps - k, half_steps)) for k in range(half_steps + 1)]
+        for w in widths
+    ]
+    device = times.t.device
+    ranks, revealed = torch.tensor(rank, device=device), torch.tensor(table, device=device)
+    done = (half_steps * (1 - per_position(times.t, length, block_size))).round().long()  # [B, L]
+    block_width = torch.tensor(width_index, device=device)[None, :].expand_as(done)
+    before = revealed[block_width, done]
+    after = revealed[block_width, (done + 1).clamp(max=half_steps)]
+    masked = ranks[None, :] >= before
+    return PlannedMasks(masked=masked, first=masked & (ranks[None, :] < after))
+
+
+@functools.cache
+def _block_ranks(length: int, size: int) -> tuple[list[int], list[int], list[int]]:
+    """The block widths of a row of `length` in blocks of `size` (the last may be cut short) and, per
+    column, its rank in its block's dilated order and the index of its block's width: host-side ints,
+    built once per shape (no device sync in a distillation step)."""
+
+    widths = sorted({size, length % size or size})
+    rank: list[int] = []
+    width_index: list[int] = []
+    for start in range(0, length, size):
+        width = min(size, length - start)
+        rank += torch.argsort(dilated_order(width)).tolist()
+        width_index += [widths.index(width)] * width
+    return widths, rank, width_index
 
 
 def per_position(values: Tensor, length: int, block_size: int) -> Tensor:

@@ -155,8 +155,6 @@ class Reverse:
     def reveal_planned(self, tokens: torch.Tensor, block: torch.Tensor, chosen: torch.Tensor) -> int:
         """Planned step: reveal the masked positions among `block[chosen]` (`dilated` remasking)."""
 
-        if chosen.numel() == 0:
-            return 0
         reveal = torch.zeros(tokens.shape[0], block.numel(), dtype=torch.bool, device=tokens.device)
         reveal[:, chosen.to(tokens.device)] = True
         return self.reveal(tokens, block, reveal & (tokens[:, block] == self.mask_id))
