@@ -13,7 +13,7 @@ from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
 from dlm.evaluation.evaluate import evaluate_model
 from dlm.model.attention import AttentionMask, _bd3_bool
 from dlm.model.denoiser import masked_logits
-from dlm.model.transformer import DiffusionTransformer
+from dlm.model.transformer import DiffusionTransformer, head_tables
 
 MASK_ID = 1
 
@@ -39,7 +39,7 @@ def every_position_logits(model: DiffusionTransformer, noisy: Tensor, mask: Tens
     """The 2L pass as it was: every layer computes all 2L positions, then the noisy copy is read."""
 
     length, config = noisy.shape[1], model.config
-    cos, sin = (table[:length].float().repeat(2, 1) for table in (model.rope_cos, model.rope_sin))  # as forward
+    cos, sin = head_tables(*(table[:length].float().repeat(2, 1) for table in (model.rope_cos, model.rope_sin)))
     attention = AttentionMask("sdpa-mask", _bd3_bool(length, config.block_size, noisy.device))
     x = model.token_embedding(torch.cat((noisy, clean), 1))
     for block in model.blocks:

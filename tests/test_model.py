@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dlm.config.schema import ModelConfig
 from dlm.config.shapes import format_parameter_count
 from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
-from dlm.model.transformer import DiffusionTransformer, apply_rotary, rotary_tables
+from dlm.model.transformer import DiffusionTransformer, apply_rotary, head_tables, rotary_tables
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
@@ -162,14 +162,26 @@ def test_sdpa_attention_with_rotary_equals_naive_softmax_attention() -> None:
     model = tiny_model()
     attention = model.blocks[0].attention
     x = torch.randn(2, 16, 32)
-    got = attention(x, model.rope_cos, model.rope_sin)
+    got = attention(x, *head_tables(model.rope_cos, model.rope_sin))
     heads = naive_attention_with_complex_rotary(x, attention.qkv.weight, 4, 10000.0)
     expected = heads @ attention.out.weight.T.double()
     assert torch.allclose(got.double(), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_over_the_whole_head_equals_the_pairwise_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    cos, sin = rotary_tables(64, 16, 10000.0)
+    x = torch.randn(3, 64, 2, 16).to(dtype)
+    x1, x2 = x.float().split(8, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    pairwise = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
+    assert torch.equal(apply_rotary(x, *head_tables(cos, sin)), pairwise)
+    per_row = head_tables(cos.expand(3, -1, -1), sin.expand(3, -1, -1))  # padded batches: a table per row
+    assert torch.equal(apply_rotary(x, *per_row), pairwise)
+
+
 def test_rotary_scores_depend_only_on_relative_position_and_preserve_norms() -> None:
-    cos, sin = rotary_tables(64, 8, 10000.0)
+    cos, sin = head_tables(*rotary_tables(64, 8, 10000.0))
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
 
     def at(x: torch.Tensor, position: int) -> torch.Tensor:

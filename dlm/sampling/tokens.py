@@ -33,6 +33,7 @@ import torch.nn.functional as F
 _BLOCK = 64  # vocabulary entries per block of the two-level draw
 _MISS = 1e-3  # the largest chance that every rejection trial of a row fails
 _MAX_TRIALS = 16
+_LOG2_E = 1 / math.log(2)
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -145,7 +146,7 @@ def _draw(
         uniform = torch.rand((rows, width), dtype=torch.float64, device=scores.device, generator=generator)
     elif tuple(uniform.shape) != (rows, width):
         raise ValueError(f"uniform draws of shape {tuple(uniform.shape)} for {rows} rows of {width}")
-    weights = torch.sub(scores, scores.amax(dim=-1, keepdim=True)).exp_()
+    weights = _weights(scores)
     mass = _BlockMass.of(weights)
     total = mass.ends[:, -1]
     picks = mass.draw(uniform[:, 0])
@@ -161,9 +162,20 @@ def _draw(
         pending = pending[~(_mass_ahead(scores, weights, picks, pending) < enough[pending])]
     if pending.numel():  # every trial refused (at most 1 in 1,000): the sorted nucleus, its last uniform
         nucleus = filter_logits(scores[pending], top_p=top_p)
-        fallback = torch.sub(nucleus, nucleus.amax(dim=-1, keepdim=True)).exp_()
-        picks[pending] = _BlockMass.of(fallback).draw(uniform[pending, -1])
+        picks[pending] = _BlockMass.of(_weights(nucleus)).draw(uniform[pending, -1])
     return picks, weights, total
+
+
+def _weights(scores: torch.Tensor) -> torch.Tensor:
+    """exp(scores - each row's maximum) [N, V], a fresh buffer, computed as 2^((x - max) log2 e).
+
+    On a CPU torch's exp2 kernel is much cheaper than its exp, and this is one pass over every
+    revealed position's vocabulary. x - max is exact near the maximum, and rounding its product by
+    log2 e moves a weight by a relative 6e-8 x |x - max| at most: 1.2e-6 for a token e^20 times less
+    likely than the most likely.
+    """
+
+    return torch.sub(scores, scores.amax(dim=-1, keepdim=True)).mul_(_LOG2_E).exp2_()
 
 
 def _mass_ahead(

@@ -57,21 +57,23 @@ class DlmRMSNorm(nn.Module):
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and sin [seq_len, head_dim / 2] in float32; the angles are float64, whose precision
-    long contexts need (position x frequency reaches ~1e5 radians)."""
+    """cos and sin [seq_len, 1, head_dim] in float32 over a whole head: cos twice, sin negated then
+    as it is (`apply_rotary`). The angles are float64, whose precision long contexts need (position
+    x frequency reaches ~1e5 radians)."""
 
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i + D/2}) of x [B, L, H, D], in float32 whatever x's dtype."""
+    """Rotate pairs (x_i, x_{i + D/2}) of x [B, L, H, D], in float32 whatever x's dtype: x cos +
+    swap(x) sin over the whole head, which is x1 cos - x2 sin, x2 cos + x1 sin bit for bit."""
 
-    half = x.shape[-1] // 2
-    x1, x2 = x.float().split(half, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+    wide = x.float()
+    x1, x2 = wide.split(x.shape[-1] // 2, dim=-1)
+    return (wide * cos).add_(torch.cat((x2, x1), dim=-1).mul_(sin)).type_as(x)
 
 
 def subs_logits(logits: Tensor, inputs: Tensor, mask_token_id: int) -> Tensor:
@@ -451,6 +453,12 @@ def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     return (block * 64 + torch.minimum(entry, _last_positive(entries))).squeeze(-1)
 
 
+def _weights(scores: Tensor) -> Tensor:
+    """exp(scores - each row's maximum), as 2^((x - max) log2 e) like dlm's draw (exp2 is faster on CPUs)."""
+
+    return torch.sub(scores, scores.amax(dim=-1, keepdim=True)).mul_(1 / math.log(2)).exp2_()
+
+
 def sample_tokens(
     logits: Tensor, options: _Options, generator: torch.Generator, probabilities: bool = False
 ) -> tuple[Tensor, Tensor | None]:
@@ -465,7 +473,7 @@ def sample_tokens(
     drawn = filter_logits(drawn, options.top_k, None)
     top_p, width = options.top_p, draws_per_row(options.top_p)
     uniform = torch.rand((scores.shape[0], width), dtype=torch.float64, device=scores.device, generator=generator)
-    weights = (drawn - drawn.amax(dim=-1, keepdim=True)).exp()
+    weights = _weights(drawn)
     blocks = F.pad(weights, (0, -weights.shape[1] % 64)).view(weights.shape[0], -1, 64)
     total = blocks.sum(dim=-1).double().cumsum(dim=-1)[:, -1]  # the total as inverse_cdf sums it
     picks = inverse_cdf(weights, uniform[:, 0])
@@ -481,7 +489,7 @@ def sample_tokens(
             break
     if pending.numel() and width > 1:
         nucleus = filter_logits(drawn[pending], None, top_p)
-        picks[pending] = inverse_cdf((nucleus - nucleus.amax(dim=-1, keepdim=True)).exp(), uniform[pending, -1])
+        picks[pending] = inverse_cdf(_weights(nucleus), uniform[pending, -1])
     if not probabilities:
         return picks, None
     plain = options.temperature == 1 and (options.top_k is None or options.top_k >= scores.size(-1))
