@@ -163,10 +163,15 @@ class Reverse:
         """Write a sampled token at each position of `block` that `reveal` [B, len(block)] marks."""
 
         rows = reveal.any(dim=1)
-        if not bool(rows.any()):
+        revealing = int(rows.sum())  # one read from the device for both cases below
+        if revealing == 0:
             return 0
         positions = torch.zeros_like(tokens, dtype=torch.bool)
         positions[:, block] = reveal
+        if revealing == rows.numel():  # every row (a served request's one row, often): no sub-batch to cut out
+            new, _ = self.predict(tokens, positions, rows)
+            tokens[positions] = new
+            return 1
         # Only rows that reveal something need a prediction, and only at the revealed positions.
         sub_tokens, sub_positions = tokens[rows], positions[rows]
         new, _ = self.predict(sub_tokens, sub_positions, rows)

@@ -26,6 +26,7 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.model.transformer import DiffusionTransformer
 from dlm.serving.guard import Guard, RequestSink
+from dlm.serving.mailbox import LoopMailbox
 from dlm.serving.passes import OutOfMemory
 from dlm.serving.protocol import (
     ApiError,
@@ -365,10 +366,10 @@ def create_app(
         generation = await endpoints.read(request, shape)
         if generation.stream:
             texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-            loop = asyncio.get_running_loop()
+            mailbox = LoopMailbox.of_running_loop()
 
             def on_text(index: int, text: str) -> None:  # from the scheduler's thread
-                loop.call_soon_threadsafe(texts.put_nowait, (index, text))
+                mailbox.put(texts, (index, text))
 
             job = endpoints.submit(request_id, generation, on_text)
             return StreamingResponse(
