@@ -19,6 +19,7 @@ import dlm.sampling.generation
 from dlm.cli.sample_cmd import SampleRequest
 from dlm.config.schema import ModelConfig
 from dlm.data.chat import chat_prompt, reply
+from dlm.diffusion.distillation import attach_distilled_steps
 from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling.generation import generate
 from dlm.sampling.options import SamplingOptions
@@ -181,7 +182,7 @@ def test_a_chat_reply_is_what_generate_gives_the_templated_prompt(
         (["--text", "A [MASK*3] B", "--length", "8"], ["--length does nothing with --text"]),
         (["--temperature", "0", "--top-k", "5"], ["--top-k does nothing at --temperature 0"]),
         (["--temperature", "0", "--top-p", "0.5"], ["--top-p does nothing at --temperature 0"]),
-        (["--chat", QUESTION, "--reveal-split", "even"], ["--reveal-split even", "--remasking random"]),
+        (["--chat", QUESTION, "--remasking", "random", "--reveal-split", "even"], ["--reveal-split even"]),
     ],
 )
 def test_an_option_that_would_do_nothing_is_refused(
@@ -223,3 +224,15 @@ def test_a_chat_question_spelling_the_mask_token_is_named_as_chat(loaded: Loaded
     result = run_cli("sample", "model", "--chat", f"say {SPECIAL_TOKENS['mask']}", "--device", "cpu")
     result.assert_refused("--chat contains the mask token itself")
     assert loaded.calls == []
+
+
+def test_a_reveal_split_beside_the_models_own_order_is_checked_against_that_order(loaded: Loaded, run_cli: Any) -> None:
+    args = ["--device", "cpu", "--length", "8", "--reveal-split", "even", "--json"]
+    # A plain model samples in ancestral steps, which draw how many positions they reveal: refused once loaded.
+    run_cli("sample", "model", *args).assert_refused("--reveal-split even", "--remasking random")
+    assert loaded.loads == ["export"]
+    # A student distilled for the dilated order samples in it, where the split is what it says.
+    attach_distilled_steps(loaded.model, 4, "dilated")
+    result = json.loads(run_cli("sample", "model", *args).stdout)
+    assert result["steps"] == 4 and result["forward_passes"] == 4
+    assert loaded.calls[-1]["remasking"] is None and loaded.calls[-1]["reveal_split"] == "even"

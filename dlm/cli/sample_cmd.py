@@ -271,7 +271,8 @@ def sample_request(
     **values: Any,
 ) -> SampleRequest:
     """The checked request of `dlm sample`'s options: `values` are the `SamplingOptions` fields and
-    length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads."""
+    length, num_samples, seed, stop_at_end, batch_size. Every refusal happens here, before a model loads,
+    but that of a --reveal-split beside the model's own order, which only the model knows."""
 
     from dlm.runtime.device import resolve_device
     from dlm.sampling.options import DEFAULT_STEPS, SamplingOptions
@@ -283,7 +284,11 @@ def sample_request(
         values = {**values, "steps": DEFAULT_STEPS}  # checked as the default; the model may have its own
     model_remasking = values.get("remasking") is None
     if model_remasking:
-        values = {**values, "remasking": "random"}
+        # Checked as the default order. A --reveal-split, which the default (ancestral) order refuses, is
+        # checked with a planned order instead: the model may sample in its own (a student distilled for
+        # `dilated`), and `generate` refuses it once the model is loaded if its order is ancestral.
+        split = values.get("reveal_split", "schedule")
+        values = {**values, "remasking": "random" if split == "schedule" else "dilated"}
     options = SamplingOptions(**{name: value for name, value in values.items() if name in names})
     rest = {name: value for name, value in values.items() if name not in names}
     check_request(prompt=prompt, text=text, length=rest["length"], num_samples=rest["num_samples"], seed=rest["seed"])
