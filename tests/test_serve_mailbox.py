@@ -18,6 +18,9 @@ class CountingLoop:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.wakeups = loop, 0
 
+    def is_closed(self) -> bool:
+        return self.loop.is_closed()
+
     def call_soon_threadsafe(self, callback: Any, *args: Any) -> Any:
         self.wakeups += 1
         return self.loop.call_soon_threadsafe(callback, *args)
@@ -46,10 +49,9 @@ def test_items_put_from_another_thread_arrive_in_order_with_one_wakeup_per_batch
     assert wakeups == 1
 
 
-def test_a_put_after_delivery_wakes_the_loop_again_and_the_running_loop_has_one_mailbox() -> None:
+def test_a_put_after_delivery_wakes_the_loop_again() -> None:
     async def scenario() -> list[int]:
-        mailbox = LoopMailbox.of_running_loop()
-        assert LoopMailbox.of_running_loop() is mailbox
+        mailbox = LoopMailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[int] = asyncio.Queue()
         got = []
         for item in range(3):  # one at a time, each delivered before the next is put
@@ -60,11 +62,9 @@ def test_a_put_after_delivery_wakes_the_loop_again_and_the_running_loop_has_one_
     assert asyncio.run(scenario()) == [0, 1, 2]
 
 
-def test_a_closed_loop_refuses_and_leaves_nothing_behind() -> None:
-    loop = asyncio.new_event_loop()
-    mailbox = LoopMailbox(loop)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    loop.close()
+def refused_puts(mailbox: LoopMailbox, queue: asyncio.Queue[int], count: int) -> int:
+    """Puts of `count` items from another thread, each alone; how many raised RuntimeError."""
+
     errors: list[BaseException] = []
 
     def put() -> None:
@@ -73,10 +73,27 @@ def test_a_closed_loop_refuses_and_leaves_nothing_behind() -> None:
         except RuntimeError as error:
             errors.append(error)
 
-    for _ in range(2):  # the second put is refused too: the first left no pending batch to ride on
+    for _ in range(count):
         thread = threading.Thread(target=put)
         thread.start()
         thread.join(5)
-    assert len(errors) == 2
+    return len(errors)
+
+
+def test_a_closed_loop_refuses_and_leaves_nothing_behind() -> None:
+    loop = asyncio.new_event_loop()
+    mailbox = LoopMailbox(loop)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    loop.close()
+    assert refused_puts(mailbox, queue, 2) == 2  # the second too: the first left no batch to ride on
     with pytest.raises(asyncio.QueueEmpty):
         queue.get_nowait()
+
+
+def test_a_loop_closed_before_its_pending_wakeup_ran_refuses_the_items_after() -> None:
+    loop = asyncio.new_event_loop()
+    mailbox = LoopMailbox(loop)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    mailbox.put(queue, 0)  # a wake-up is scheduled, and the loop never runs it
+    loop.close()
+    assert refused_puts(mailbox, queue, 3) == 3  # not left to ride on a wake-up that will not come

@@ -133,7 +133,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     Computed in float32 (the tables' dtype) and cast back, so bf16 activations do not lose the
     phase information that distinguishes distant positions. x * cos + swap(x) * sin over the whole
     head is x1 cos - x2 sin, x2 cos + x1 sin bit for bit (adding -b is subtracting b), in two
-    contiguous products instead of four strided ones over the halves.
+    contiguous products instead of four strided ones over the halves (in eager mode; a compiler may
+    fuse either form into multiply-adds).
     """
 
     wide = x.float()

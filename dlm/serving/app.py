@@ -115,6 +115,15 @@ class Endpoints:
         self.served, self.scheduler, self.limits = served, scheduler, limits
         # A fixed pool: the server's threads do not grow with its connections.
         self.parsing = ThreadPoolExecutor(max_workers=PARSING_THREADS, thread_name_prefix="dlm-parse")
+        self._mailbox: LoopMailbox | None = None
+
+    def mailbox(self) -> LoopMailbox:
+        """The running event loop's mailbox for streamed text (made at its first stream)."""
+
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = LoopMailbox(loop)
+        return self._mailbox
 
     def models(self) -> Json:
         return {
@@ -366,7 +375,7 @@ def create_app(
         generation = await endpoints.read(request, shape)
         if generation.stream:
             texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-            mailbox = LoopMailbox.of_running_loop()
+            mailbox = endpoints.mailbox()
 
             def on_text(index: int, text: str) -> None:  # from the scheduler's thread
                 mailbox.put(texts, (index, text))

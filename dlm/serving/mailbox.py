@@ -11,40 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, ClassVar
-from weakref import WeakKeyDictionary
+from typing import Any
 
 
 class LoopMailbox:
     """Items for `asyncio.Queue`s of one event loop, put from any thread."""
 
-    _by_loop: ClassVar[WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox]] = WeakKeyDictionary()
-
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue[Any], Any]] = []
 
-    @classmethod
-    def of_running_loop(cls) -> LoopMailbox:
-        """The mailbox of the running event loop (made on first use)."""
-
-        loop = asyncio.get_running_loop()
-        mailbox = cls._by_loop.get(loop)
-        if mailbox is None:
-            mailbox = cls._by_loop[loop] = cls(loop)
-        return mailbox
-
     def put(self, queue: asyncio.Queue[Any], item: Any) -> None:
-        """`queue.put_nowait(item)` on the loop's thread, soon."""
+        """`queue.put_nowait(item)` on the loop's thread, soon; RuntimeError once the loop has closed
+        (as `call_soon_threadsafe` raises), also while an earlier wake-up it never ran is pending."""
 
         with self._lock:
+            if self.loop.is_closed():  # nothing will read these, and nothing must ride on them
+                self._items.clear()
+                raise RuntimeError("the event loop is closed")
             self._items.append((queue, item))
             if len(self._items) > 1:  # a wake-up is already on its way: this item rides with it
                 return
         try:
-            self._loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop has closed: nothing will read these, and later puts must not wait on them
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # closed since the check above
             with self._lock:
                 self._items.clear()
             raise
