@@ -311,3 +311,22 @@ def test_a_committing_pass_computes_the_last_layer_only_where_outputs_are(tokeni
         assert cache.length == 24
         for (k, v), (k0, v0) in zip(cache.layers, plain.layers, strict=True):  # type: ignore[misc]
             assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_a_pass_that_only_reads_a_cache_leaves_it_as_it_was(tokenizer: Tokenizer) -> None:
+    # A served request's cache is merged with others' by the layers it holds: a reading pass over an
+    # empty cache must not leave placeholder layers in it (a block model's first step reads one).
+    model = transformer(tokenizer.get_vocab_size(), dtype=torch.float32)
+    tokens = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(2))
+    reading = KVCache()
+    with torch.inference_mode():
+        model(tokens, output_positions=torch.ones_like(tokens, dtype=torch.bool), cache=reading)
+        assert reading.layers == [] and reading.length == 0
+        stored = KVCache(committing=True)
+        model(tokens, cache=stored)
+        kept = [(k.clone(), v.clone()) for k, v in stored.layers]  # type: ignore[misc]
+        stored.committing = False
+        model(tokens[:, :4], cache=stored)
+    assert stored.length == 8 and len(stored.layers) == len(kept)
+    for (k, v), (k0, v0) in zip(stored.layers, kept, strict=True):  # type: ignore[misc]
+        assert torch.equal(k, k0) and torch.equal(v, v0)

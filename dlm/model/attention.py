@@ -279,14 +279,14 @@ class KVCache:
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The layer's stored keys and values followed by `k`, `v`; stored if committing."""
 
-        while len(self.layers) <= layer:
-            self.layers.append(None)
-        stored = self.layers[layer]
+        stored = self.layers[layer] if layer < len(self.layers) else None
         end = k.shape[2] if self.keep is None else self.keep
         if stored is not None:
             end += stored[0].shape[2]
             k, v = torch.cat((stored[0], k), dim=2), torch.cat((stored[1], v), dim=2)
-        if self.committing:
+        if self.committing:  # a pass that only reads leaves the cache as it was, empty layers included
+            while len(self.layers) <= layer:
+                self.layers.append(None)
             self.layers[layer] = (k[:, :, :end], v[:, :, :end])
         return k, v
 

@@ -169,7 +169,7 @@ class Reverse:
         positions = torch.zeros_like(tokens, dtype=torch.bool)
         positions[:, block] = reveal
         if revealing == rows.numel():  # every row (a served request's one row, often): no sub-batch to cut out
-            new, _ = self.predict(tokens, positions, rows)
+            new, _ = self.predict(tokens, positions)
             tokens[positions] = new
             return 1
         # Only rows that reveal something need a prediction, and only at the revealed positions.
