@@ -19,9 +19,10 @@ import torch
 from test_batch_sampling import transformer
 from tokenizers import Tokenizer
 
+from dlm.model.attention import KVCache
 from dlm.sampling.generation import generate
 from dlm.sampling.options import SamplingOptions
-from dlm.serving.passes import Departed
+from dlm.serving.passes import Call, Departed, _merged_cache
 from dlm.serving.protocol import Generation
 from dlm.serving.rows import finish_row
 from dlm.serving.scheduler import Job, Scheduler
@@ -404,3 +405,16 @@ def test_requests_arriving_and_leaving_throughout_each_equal_their_solo_result(
             continue  # it left before it finished (a short request may finish first)
         assert outcomes[index] == alone(model, tokenizer, generation)[0], index
     assert sum(isinstance(outcome, Departed) for outcome in outcomes.values()) >= 1
+
+
+def test_merged_caches_take_each_layers_shape_from_any_call_that_holds_it() -> None:
+    held = KVCache([(torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4, 3))] * 2, length=4)
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    for empty in (KVCache(), KVCache([None, None])):  # a cache with no keys yet, listed first
+        merged, extras = _merged_cache([Call(tokens, None, empty, None), Call(tokens, None, held, None)], keep=0)
+        assert extras == [4, 0] and merged.length == 4 and len(merged.layers) == 2
+        for layer in merged.layers:
+            assert layer is not None
+            for part in layer:  # the empty row is padding only, the other keeps its keys
+                assert part.shape == (2, 2, 4, 3)
+                assert torch.equal(part[0], torch.zeros(2, 4, 3)) and torch.equal(part[1], torch.ones(2, 4, 3))

@@ -257,21 +257,23 @@ def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
     after = caches[0].stored - caches[0].length
     length = max(cache.stored for cache in caches) - after
     extras = [length - cache.length for cache in caches]
-    shaped = next((cache for cache in caches if cache.layers), None)
     layers: list[tuple[Tensor, Tensor] | None] = []
-    if shaped is not None:
-        for index, template in enumerate(shaped.layers):
-            assert template is not None
-            keys, values = [], []
-            for call, cache, extra in zip(calls, caches, extras, strict=True):
-                stored = cache.layers[index] if cache.layers else None
-                if stored is None:  # an empty cache: padding only
-                    heads, dim = template[0].shape[1], template[0].shape[3]
-                    empty = template[0].new_zeros(call.rows, heads, 0, dim)
-                    stored = (empty, empty)
-                keys.append(nn.functional.pad(stored[0], (0, 0, extra, 0)))
-                values.append(nn.functional.pad(stored[1], (0, 0, extra, 0)))
-            layers.append((torch.cat(keys), torch.cat(values)))
+    for index in range(max(len(cache.layers) for cache in caches)):
+        held = [cache.layers[index] for cache in caches if index < len(cache.layers)]
+        template = next((kv for kv in held if kv is not None), None)  # any call's: its heads and width
+        if template is None:  # no call holds this layer's keys yet
+            layers.append(None)
+            continue
+        keys, values = [], []
+        for call, cache, extra in zip(calls, caches, extras, strict=True):
+            stored = cache.layers[index] if index < len(cache.layers) else None
+            if stored is None:  # an empty cache: padding only
+                heads, dim = template[0].shape[1], template[0].shape[3]
+                empty = template[0].new_zeros(call.rows, heads, 0, dim)
+                stored = (empty, empty)
+            keys.append(nn.functional.pad(stored[0], (0, 0, extra, 0)))
+            values.append(nn.functional.pad(stored[1], (0, 0, extra, 0)))
+        layers.append((torch.cat(keys), torch.cat(values)))
     return KVCache(layers, length=length, committing=keep > 0, keep=keep or None), extras
 
 
