@@ -55,7 +55,7 @@ def _groups(config: Any, prompt_lengths: list[int]) -> list[list[int]]:
     return list(by_phase.values())
 
 
-def _offsets(config: Any, sizes: list[int]) -> list[int]:
+def prompt_offsets(config: Any, sizes: list[int]) -> list[int]:
     """Leading padding per prompt so that generation starts in the same column (whole blocks for a block model)."""
 
     block = block_size(config)
@@ -65,7 +65,7 @@ def _offsets(config: Any, sizes: list[int]) -> list[int]:
     return [(first - size // block) * block for size in sizes]
 
 
-def _padded_batch(
+def padded_batch(
     prompts: list[list[int]], offsets: list[int], num_samples: int, length: int, filler: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens [prompts x num_samples, W] (prompt i after `offsets[i]` fillers, then `length` to
@@ -110,10 +110,8 @@ def generate_prompts(
     start = time.perf_counter()
     groups = _groups(config, [len(ids) for ids in encoded])
     for group in groups:
-        offsets = _offsets(config, [len(encoded[i]) for i in group])
-        tokens, pad, fill_mask = _padded_batch(
-            [encoded[i] for i in group], offsets, num_samples, length, filler, device
-        )
+        offsets = prompt_offsets(config, [len(encoded[i]) for i in group])
+        tokens, pad, fill_mask = padded_batch([encoded[i] for i in group], offsets, num_samples, length, filler, device)
         generators = tuple(torch.Generator(device=noise_device(device)).manual_seed(seeds[i]) for i in group)
         noise = RowNoise(generators, (num_samples,) * len(group))
         with inference(model), counting_tokens(model) as fed:

@@ -146,10 +146,7 @@ class Reverse:
 
         masked = tokens[:, block] == self.mask_id
         draws = self.noise.per_row(tuple(masked.shape))
-        # draws < p, written as draws x (1 / p) < 1: the linear schedule's exact 1 / p is the number
-        # of steps left, so its draws compare exactly as they always have.
-        odds = float(1 / probability) if probability > 0 else math.inf
-        reveal = masked & (draws * odds < 1).to(tokens.device)
+        reveal = masked & (draws * ancestral_odds(probability) < 1).to(tokens.device)
         return self.reveal(tokens, block, reveal)
 
     def reveal_planned(self, tokens: torch.Tensor, block: torch.Tensor, chosen: torch.Tensor) -> int:
@@ -276,10 +273,25 @@ def reverse_step(reverse: Reverse, tokens: Tensor, block: Tensor, steps: int, in
         t, s = step_times(steps, index)
         return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
     if options.remasking == DILATED:
-        before = size if index == 0 else masked_after(size, steps, index - 1, schedule, split)
-        after = masked_after(size, steps, index, schedule, split)
-        return reverse.reveal_planned(tokens, block, dilated_order(size)[size - before : size - after])
+        return reverse.reveal_planned(tokens, block, planned_positions(size, steps, index, schedule, split))
     return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
+
+
+def ancestral_odds(probability: Time) -> float:
+    """1 / p for an ancestral step's reveal probability p: a masked position is revealed where its uniform
+    draw x (1 / p) < 1. The linear schedule's exact 1 / p is the number of steps left, so its draws
+    compare exactly as they always have."""
+
+    return float(1 / probability) if probability > 0 else math.inf
+
+
+def planned_positions(size: int, steps: int, index: int, schedule: Schedule, split: RevealSplit) -> Tensor:
+    """The positions of a block of `size` that step `index` (0-based) of `steps` reveals in the dilated
+    order: the next `reveal_count` of its planned ranks."""
+
+    before = size if index == 0 else masked_after(size, steps, index - 1, schedule, split)
+    after = masked_after(size, steps, index, schedule, split)
+    return dilated_order(size)[size - before : size - after]
 
 
 def never_predicted(mask_id: int, forbidden_token_ids: Sequence[int], device: torch.device) -> Tensor:

@@ -58,10 +58,10 @@ class RowNoise:
             raise ValueError(f"a draw for {shape[0]} rows from a batch of {sum(self.sizes)}")
         return self._draw(list(self.sizes), tuple(shape[1:]))
 
-    def stacked(self, counts: Tensor, width: int) -> Tensor:
+    def stacked(self, counts: Tensor | list[int], width: int) -> Tensor:
         """Uniform float64 draws [sum(counts), width]: `counts[r]` rows of `width` for batch row r, in row order."""
 
-        per_row = counts.tolist()
+        per_row = counts.tolist() if isinstance(counts, Tensor) else counts
         bounds = [0]
         for size in self.sizes:
             bounds.append(bounds[-1] + size)

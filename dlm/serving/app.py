@@ -26,6 +26,7 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.model.transformer import DiffusionTransformer
 from dlm.serving.guard import Guard, RequestSink
+from dlm.serving.jobs import Job, Outcome, TextSink
 from dlm.serving.mailbox import LoopMailbox
 from dlm.serving.passes import OutOfMemory
 from dlm.serving.protocol import (
@@ -36,7 +37,7 @@ from dlm.serving.protocol import (
     sampler_error,
     validation_error,
 )
-from dlm.serving.scheduler import Job, Outcome, QueueFull, Scheduler, ShuttingDown, TextSink
+from dlm.serving.scheduler import QueueFull, Scheduler, ShuttingDown
 from dlm.serving.shapes import CHAT, COMPLETION, Json, ResponseShape
 
 log = logging.getLogger("dlm.serving")

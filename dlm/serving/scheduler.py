@@ -2,7 +2,9 @@
 then runs those calls in shared forward passes.
 
 Requests wait in a bounded queue. The engine (one thread) starts queued requests, oldest first, as
-long as their rows (prompts x `n`) fit `max_batch_rows`. Each running request is a greenlet (a
+long as their rows (prompts x `n`) fit `max_batch_rows`. A whole-sequence model's ancestral and dilated
+requests join the cohort (`dlm.serving.cohort`), which advances them together as data and hands the
+round its model calls. Every other running request is a greenlet (a
 coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for it exactly as the
 request would run alone, on a `dlm.serving.passes.RequestModel`, whose model call hands the call to
 the engine and suspends the request until its logits are there. A round of the engine resumes every
@@ -35,9 +37,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +49,10 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
+from dlm.serving.cohort import Cohort, joins_cohort
+from dlm.serving.jobs import Answer, Job, Outcome
 from dlm.serving.passes import Call, Departed, Draw, RequestModel, run_calls, run_draws
 from dlm.serving.protocol import Generation
-from dlm.serving.rows import Choice, RowStream, finish_row
 from dlm.serving.stats import ServeStats
 
 if TYPE_CHECKING:
@@ -61,26 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlm.serving")
 GREENLET = Requirement("greenlet", "serve", "dlm serve")
-TextSink = Callable[[int, str], None]  # (choice index, text)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    choices: list[Choice]  # prompt by prompt, `n` each
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(eq=False)  # a job is itself: the queue finds it by identity
-class Job:
-    """One request in the queue; `future` gets its `Outcome` or the exception that ended its batch."""
-
-    request_id: str
-    generation: Generation
-    future: Future[Outcome] = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.perf_counter)
-    on_text: TextSink | None = None  # streaming: each choice's text as it becomes final, then the rest
-    cancelled: threading.Event = field(default_factory=threading.Event)  # its client has gone
 
 
 class QueueFull(Exception):
@@ -131,6 +112,8 @@ class Scheduler:
         self._greenlet = require(GREENLET)
         self._running: list[Job] = []
         self._samplers: list[_Running] = []  # the engine thread's alone: the running requests' samplers
+        self._cohort = Cohort(model, tokenizer, self.schedule, self.eos, self.answer)  # the engine thread's alone
+        self._joining: list[Job] = []  # started, to join the cohort at the engine's next round
         self._request_seconds = 1.0  # the last request's time: what a refused client is told to wait
         self._stopping = False
         self.failure: BaseException | None = None  # what stopped the scheduler, if anything did
@@ -243,7 +226,10 @@ class Scheduler:
             job = self._queue.popleft()
             rows, tokens = rows + job.generation.rows, tokens + job.generation.tokens
             self._running.append(job)
-            self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
+            if joins_cohort(self.model, job.generation):
+                self._joining.append(job)
+            else:
+                self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
         self._publish()
 
     def _fits(self, generation: Generation, rows: int, tokens: int) -> bool:
@@ -258,7 +244,7 @@ class Scheduler:
 
         while True:
             self._start_queued()
-            if self._samplers:
+            if self._samplers or self._joining or len(self._cohort):
                 return True
             if self._stopping and not self._queue:
                 return False
@@ -291,7 +277,46 @@ class Scheduler:
                     calls.append(made)
             run_draws(draws)
             resumed = drawing
-        return calls
+        return calls + self._cohort_calls()
+
+    def _cohort_calls(self) -> list[Call]:
+        """The cohort's round: the requests started since the last one join it, and every request in it is
+        taken to its next step that reveals something; their calls."""
+
+        with self._ready:
+            joining, self._joining = self._joining, []
+        for job in joining:
+            try:  # a request the cohort cannot take fails alone: the cohort is unchanged until it joins
+                self._cohort.join(job)
+            except Exception as exc:
+                self._conclude(job, exc)
+        try:
+            return self._cohort.calls()
+        except Exception as exc:  # a bug of the cohort's: its requests fail, the server goes on
+            log.exception("the cohort failed")
+            for finished in self._cohort.fail(exc):
+                self._conclude(*finished)
+            return []
+
+    def _settle_cohort(self) -> None:
+        try:
+            finished = self._cohort.settle()
+        except Exception as exc:  # a bug of the cohort's: its requests fail, the server goes on
+            log.exception("the cohort failed")
+            finished = self._cohort.fail(exc)
+        for job, outcome, tokens, seconds in finished:
+            self._conclude(job, outcome, tokens, seconds)
+
+    def _conclude(self, job: Job, outcome: Outcome | BaseException, tokens: int = 0, seconds: float = 0.0) -> None:
+        """A cohort request's end, counted and answered as a sampler's (`_sample`)."""
+
+        if isinstance(outcome, Outcome):
+            self._generated(tokens, seconds)
+        elif isinstance(outcome, Departed):
+            self.stats.count("left")
+        elif not isinstance(outcome, UserError):
+            log.error("request %s failed: %r", job.request_id, outcome)
+        self._finished(job, outcome)
 
     def _run(self) -> None:
         """The engine's thread: on an error of its own, it fails every request, queued or running, and every
@@ -313,6 +338,11 @@ class Scheduler:
         failed = SchedulerFailed(f"the server's scheduler has stopped: {exc!r}")
         for job in waiting:
             job.future.set_exception(failed)
+        for job in self._joining:
+            self._finished(job, failed)
+        self._joining = []
+        for job, outcome, _, _ in self._cohort.fail(failed):
+            self._finished(job, outcome)
         for running in self._samplers:  # each sampler ends on the error and answers its client
             if not running.sampler:  # never started: nothing to unwind
                 self._finished(running.job, failed)
@@ -328,8 +358,6 @@ class Scheduler:
             calls = self._next_calls()
             if calls is None:
                 return
-            if not calls:
-                continue
             try:
                 run_calls(self.model, calls, self.stats.pass_done)
             except Exception as exc:  # a bug outside any one pass: its requests fail, the server goes on
@@ -337,6 +365,7 @@ class Scheduler:
                 for call in calls:
                     if not call.done:
                         call.answer(error=exc)
+            self._settle_cohort()
 
     def _sample(self, job: Job) -> None:
         """A running request's greenlet: sample it, then answer it."""
@@ -369,14 +398,7 @@ class Scheduler:
         """Sample `job` as it would be sampled alone; its outcome (its streamed text sent to the end)."""
 
         generation = job.generation
-        streams: dict[int, tuple[int, RowStream]] = {}
-        sink = None if job.on_text is None else self._timed_sink(job, job.on_text)
-        if sink is not None:
-            for row in range(generation.rows):
-                streams[row] = (
-                    row,
-                    RowStream(self.tokenizer, self.model.config.mask_token_id, self.eos, generation.stop),
-                )
+        answer = self.answer(job)
         model = RequestModel(self.model, self._wait_for_pass, job.cancelled)
         start = time.perf_counter()
         result = generate(
@@ -388,52 +410,30 @@ class Scheduler:
             num_samples=generation.n,
             stop_at_end=True,
             schedule=self.schedule,
-            on_step=_step_watcher(job, streams, generation.length, sink),
+            on_step=_step_watcher(job, answer),
             **asdict(generation.options),
         )
-        seconds = time.perf_counter() - start
+        self._generated(sum(result.lengths), time.perf_counter() - start)
+        return answer.outcome(result.token_ids, result.prompt_tokens)
+
+    def answer(self, job: Job) -> Answer:
+        return Answer(job, self.tokenizer, self.model.config.mask_token_id, self.eos, self.stats.first_text)
+
+    def _generated(self, tokens: int, seconds: float) -> None:
         self._request_seconds = seconds
-        self.stats.generated(sum(result.lengths), seconds)
-        choices = []
-        for row in range(generation.rows):
-            choice = finish_row(
-                self.tokenizer, result.token_ids[row], result.prompt_tokens[row], self.eos, generation.stop
-            )
-            if row in streams and sink is not None:
-                sink(row, streams[row][1].finish(choice.text))
-            choices.append(choice)
-        completion_tokens = sum(choice.completion_tokens for choice in choices)
-        return Outcome(choices, sum(generation.prompt_tokens), completion_tokens)
-
-    def _timed_sink(self, job: Job, on_text: TextSink) -> TextSink:
-        """`on_text`, recording the time from the job's arrival to its first text (time to first text)."""
-
-        first = [True]
-
-        def sink(index: int, text: str) -> None:
-            if first[0] and text:
-                first[0] = False
-                self.stats.first_text(time.perf_counter() - job.enqueued)
-            on_text(index, text)
-
-        return sink
+        self.stats.generated(tokens, seconds)
 
 
-def _step_watcher(
-    job: Job, streams: dict[int, tuple[int, RowStream]], length: int, sink: TextSink | None
-) -> StepCallback:
-    """The sampler's step callback: it streams the rows in `streams` (row -> choice, stream), and ends the
-    request (`Departed`) once its client has gone."""
+def _step_watcher(job: Job, answer: Answer) -> StepCallback:
+    """The sampler's step callback: it streams the job's rows, and ends the request (`Departed`) once its
+    client has gone."""
+
+    length = job.generation.length
 
     def on_step(step: int, tokens: torch.Tensor) -> None:
         if job.cancelled.is_set():
             raise Departed
-        if not streams:
-            return
-        generated = tokens[:, tokens.shape[1] - length :].tolist()  # one copy to the host a step, not one a row
-        for row, (index, stream) in streams.items():
-            text = stream.update(generated[row])
-            if text and sink is not None:
-                sink(index, text)
+        if answer.streaming:  # one copy to the host a step, not one a row
+            answer.update(tokens[:, tokens.shape[1] - length :].tolist())
 
     return on_step

@@ -1,0 +1,438 @@
+"""The requests of the common kind, advanced together as data rather than each by its own sampler.
+
+Most served requests ask a whole-sequence model for ancestral (`random`) or `dilated` steps, without a
+threshold or a cache. For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
+cohort keeps every such request's rows in one token tensor, right-aligned (a row's leading padding is its
+`pad`, which no real position sees), with each request's step, block and random streams beside it, and
+makes each step's per-row work one tensor operation for all of them: which masked positions of each
+row's block are revealed, the float conversion of the logits, the writing of the drawn tokens, the end of
+document check. What stays per request is what must be its own: its random draws (each from its own
+generators, in the order its sampler draws them alone), its model call (so that an error or an
+out-of-memory retry concerns it alone, `dlm.serving.passes.run_calls`), its token draw (drawn with the
+others by `dlm.serving.passes.run_draws`), and its stream.
+
+A round of the cohort (`calls`) takes every request to its next step that reveals something, as its
+sampler alone would (a step that reveals nothing needs no pass), and returns those steps' model calls;
+once the engine has answered them, `settle` draws and writes the tokens and finishes the requests that
+are done. The steps are those of `dlm.sampling.fast.denoise_fast` (blocks of `block_length`, the
+schedule's reveal odds, `dlm.sampling.reverse.planned_positions` for `dilated`, the end of document),
+and every random number is drawn from the request's streams in the same order, so each request gets
+the tokens of `generate` alone, up to float rounding (the tests compare them token for token in float64).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from dlm.data.tokenizer import never_sampled_ids
+from dlm.model.denoiser import block_size
+from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
+from dlm.sampling.remasking import ANCESTRAL, DILATED
+from dlm.sampling.reverse import (
+    ancestral_odds,
+    cut_after_stop,
+    never_predicted,
+    planned_positions,
+    sequence_blocks,
+    step_times,
+    steps_per_block,
+)
+from dlm.sampling.row_noise import RowNoise, noise_device
+from dlm.sampling.tokens import draws_per_row
+from dlm.serving.jobs import Answer, Job, Outcome
+from dlm.serving.passes import Call, Departed, Draw, run_draws
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tokenizers import Tokenizer
+
+    from dlm.choices import RevealSplit
+    from dlm.diffusion.schedules import Schedule
+    from dlm.model.transformer import DiffusionTransformer
+    from dlm.serving.protocol import Generation
+
+Finished = tuple[Job, Outcome | BaseException, int, float]  # the job, its outcome, tokens kept, seconds
+
+
+def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
+    """Whether the cohort samples `generation`: a whole-sequence diffusion model's ancestral or dilated
+    steps without a threshold or a cache (every other request runs its own sampler)."""
+
+    config, options = model.config, generation.options
+    return (
+        not block_size(config)
+        and config.attention != "causal"
+        and options.threshold is None
+        and options.cache == "none"
+        and options.remasking in (ANCESTRAL, DILATED)
+    )
+
+
+@dataclass(eq=False)
+class _Member:
+    """One request of the cohort: its rows (`first` .. `first + rows`), its own sequence width and
+    blocks (columns of its own layout), where its steps are, and its random streams."""
+
+    job: Job
+    answer: Answer
+    noise: RowNoise
+    width: int  # its own sequence's columns: its longest prompt and its generated positions
+    offsets: list[int]  # each prompt's leading padding within its own layout
+    prompts: list[int]  # each prompt's tokens
+    blocks: list[tuple[int, int]]  # [start, end) columns of its own layout
+    block_steps: list[int]
+    started: float = field(default_factory=time.perf_counter)
+    first: int = 0  # its first row in the cohort
+    block: int = 0  # the block being denoised
+    index: int = 0  # the step of that block
+    call: Call | None = None  # this round's model call
+    counts: list[int] = field(default_factory=list)  # this round's revealed positions per row
+
+    @property
+    def rows(self) -> int:
+        return self.job.generation.rows
+
+    @property
+    def span(self) -> slice:
+        return slice(self.first, self.first + self.rows)
+
+    @property
+    def done(self) -> bool:
+        return self.block == len(self.blocks)
+
+    def advance(self) -> bool:
+        """One step on; whether its block changed."""
+
+        self.index += 1
+        if self.index < self.block_steps[self.block]:
+            return False
+        self.block, self.index = self.block + 1, 0
+        return True
+
+
+class Cohort:
+    """The cohort's rows and requests. Runs on the engine's thread only."""
+
+    def __init__(
+        self,
+        model: DiffusionTransformer,
+        tokenizer: Tokenizer,
+        schedule: Schedule,
+        eos: int,
+        answer: Callable[[Job], Answer],
+    ) -> None:
+        self.model, self.tokenizer, self.schedule, self.eos = model, tokenizer, schedule, eos
+        self._answer = answer
+        config = model.config
+        self.mask_id = config.mask_token_id
+        self.device = next(iter(model.parameters())).device
+        self.noise_device = noise_device(self.device)
+        forbidden = never_sampled_ids(tokenizer, config.vocab_size)
+        self.filler = forbidden[0] if forbidden else 0  # what padding holds does not matter: nothing sees it
+        self.forbidden = never_predicted(self.mask_id, forbidden, self.noise_device)
+        self.members: list[_Member] = []
+        self.tokens = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.pad = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.block_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's current block
+        self.generated = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's generated columns
+        self._chances: dict[tuple[int, int, int, str, str], tuple[float, Tensor | None]] = {}
+        self._finished: list[Finished] = []
+        self._revealed: Tensor | None = None  # what this round's calls reveal [rows, columns]
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def jobs(self) -> list[Job]:
+        return [member.job for member in self.members]
+
+    # -- rows in and out --------------------------------------------------------------------------
+
+    def join(self, job: Job) -> None:
+        """Add `job`'s rows, its prompts encoded and masked as `generate` does for a list of prompts."""
+
+        generation, config = job.generation, self.model.config
+        seeds = [generation.seed + index for index in range(len(generation.prompts))]
+        prompts = encode_prompts(
+            self.tokenizer, config, generation.prompts, length=generation.length, num_samples=generation.n, seeds=seeds
+        )
+        offsets = prompt_offsets(config, [len(ids) for ids in prompts])
+        tokens, pad, fill_mask = padded_batch(
+            prompts, offsets, generation.n, generation.length, self.filler, self.device
+        )
+        tokens, blocks = sequence_blocks(tokens, fill_mask, generation.options, self.mask_id)
+        generators = tuple(torch.Generator(device=self.noise_device).manual_seed(seed) for seed in seeds)
+        member = _Member(
+            job,
+            self._answer(job),
+            RowNoise(generators, (generation.n,) * len(prompts)),
+            int(tokens.shape[1]),
+            offsets,
+            [len(ids) for ids in prompts],
+            [(int(block[0]), int(block[-1]) + 1) for block in blocks],
+            steps_per_block(generation.options.steps, len(blocks)),
+        )
+        before = int(self.tokens.shape[1])
+        width = max(before, member.width)
+        self.tokens = torch.cat([self._widened(self.tokens, width), self._widened(tokens, width)])
+        self.pad = torch.cat([self.pad + (width - before), pad + (width - member.width)])
+        self.members.append(member)
+        self._relayout()
+
+    def _widened(self, tokens: Tensor, width: int) -> Tensor:
+        return nn.functional.pad(tokens, (width - tokens.shape[1], 0), value=self.filler)
+
+    def _leave(self, gone: list[_Member]) -> None:
+        """Take the rows of `gone` out; cut the leading columns no row needs any more."""
+
+        if not gone:
+            return
+        kept = [member for member in self.members if member not in gone]
+        rows = [row for member in kept for row in range(member.first, member.first + member.rows)]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        width = max((member.width for member in kept), default=0)
+        cut = self.tokens.shape[1] - width
+        self.tokens = self.tokens.index_select(0, index)[:, cut:]
+        self.pad = self.pad.index_select(0, index) - cut
+        self.members = kept
+        self._relayout()
+
+    def _relayout(self) -> None:
+        """Each member's first row, and the generated and block columns of every row."""
+
+        first = 0
+        for member in self.members:
+            member.first, first = first, first + member.rows
+        shape = tuple(self.tokens.shape)
+        self.generated = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        for member in self.members:
+            self.generated[member.span, shape[1] - member.job.generation.length :] = True
+        self._mark_blocks()
+
+    def _mark_blocks(self) -> None:
+        self.block_mask = torch.zeros(tuple(self.tokens.shape), dtype=torch.bool, device=self.device)
+        for member in self.members:
+            if not member.done:
+                start, end = member.blocks[member.block]
+                shift = self.tokens.shape[1] - member.width
+                self.block_mask[member.span, shift + start : shift + end] = True
+
+    # -- a round --------------------------------------------------------------------------------
+
+    def calls(self) -> list[Call]:
+        """Every request taken to its next step that reveals something (those whose client has gone, or
+        whose steps run out first, finish); the model calls of those steps."""
+
+        self._finished, self._revealed = [], None
+        departed = [member for member in self.members if member.job.cancelled.is_set()]
+        for member in departed:
+            self._finish(member, Departed())
+        self._leave(departed)
+        pending = [member for member in self.members if not member.done]
+        calls = []
+        while pending:
+            reveal = self._reveals(pending)
+            counts = reveal.sum(dim=1).tolist()  # one read from the device for all of them
+            still, moved = [], False
+            for member in pending:
+                member.counts = counts[member.span]
+                if any(member.counts):
+                    member.call = self._call(member, reveal)
+                    calls.append(member.call)
+                    continue
+                moved |= member.advance()  # a step that reveals nothing: no pass, the next step
+                if member.done:
+                    self._finish(member)  # its rows leave once the round is settled
+                else:
+                    still.append(member)
+            if moved:
+                self._mark_blocks()
+            if len(still) < len(pending):  # rows of other members reveal nothing: the round's reveals
+                self._revealed = reveal if self._revealed is None else self._revealed | reveal
+            pending = still
+        return calls
+
+    def settle(self) -> list[Finished]:
+        """After the engine has answered this round's calls: each request's tokens drawn (with the others'
+        draws of its kind) and written, its step taken; the requests done (their steps run out or every
+        row at its end of document), failed or gone, with their outcomes, their rows taken out."""
+
+        stepped = [member for member in self.members if member.call is not None]
+        for member in stepped:
+            assert member.call is not None
+            if member.job.cancelled.is_set():  # as a sampler's step callback ends a request whose client left
+                self._finish(member, Departed())
+            elif member.call.error is not None:
+                self._finish(member, member.call.error)
+        drawn = [member for member in stepped if not member.done]
+        if drawn:
+            self._draw(drawn, stepped)
+        drawn = [member for member in drawn if not member.done]
+        if drawn:
+            self._step(drawn)
+        for member in stepped:
+            member.call = None
+        finished, self._finished = self._finished, []
+        self._leave([member for member in self.members if member.done])
+        return finished
+
+    def _draw(self, members: list[_Member], stepped: list[_Member]) -> None:
+        """Each member's tokens at what it reveals, drawn from its logits as its sampler draws them
+        (`Reverse.scores`, `Reverse.uniform`, `sample_tokens`), and written."""
+
+        results = []
+        for member in members:
+            assert member.call is not None and member.call.result is not None
+            results.append(member.call.result)
+        logits = torch.cat(results) if len(results) > 1 else results[0]
+        logits = logits.to(self.noise_device, torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.forbidden] = float("-inf")
+        draws = []
+        for member, part in zip(members, logits.split([sum(member.counts) for member in members]), strict=True):
+            options = member.job.generation.options
+            uniform = (
+                None if options.temperature == 0 else member.noise.stacked(member.counts, draws_per_row(options.top_p))
+            )
+            draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, False))
+        run_draws(draws)  # each its own work, so that one too large for memory is retried alone
+        tokens = []
+        for member, draw in zip(members, draws, strict=True):
+            if draw.error is not None or draw.result is None:
+                self._finish(member, draw.error or RuntimeError("a token draw came back unanswered"))
+            else:
+                tokens.append(draw.result[0])
+        assert self._revealed is not None
+        written = self._revealed
+        failed = [member for member in stepped if member.done]
+        if failed:  # their rows keep their tokens: they are leaving
+            written = written.clone()
+            for member in failed:
+                written[member.span] = False
+        if tokens:  # in row order, as `written` holds them
+            self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
+
+    def _step(self, members: list[_Member]) -> None:
+        """The step taken: each member's next step, its new text streamed, and those done finished."""
+
+        ended = self._ended()
+        moved = False
+        for member in members:
+            moved |= member.advance()
+            if member.done or all(ended[member.span]):
+                self._finish(member)
+        streaming = [member for member in members if not member.done and member.answer.streaming]
+        if streaming:
+            host = self.tokens.tolist()  # one copy to the host for every stream
+            for member in streaming:
+                length = member.job.generation.length
+                member.answer.update([row[len(row) - length :] for row in host[member.span]])
+        if moved:
+            self._mark_blocks()
+
+    def _ended(self) -> list[bool]:
+        """Per row: whether it has a generated end-of-document token with no masked generated position
+        before it (`dlm.sampling.fast._finished`, each row on its own)."""
+
+        stops = (self.tokens == self.eos) & self.generated
+        found = stops.any(dim=1)
+        columns = torch.arange(self.tokens.shape[1], device=self.device)
+        first = stops.int().argmax(dim=1)
+        before = columns[None, :] < first[:, None]
+        masked = ((self.tokens == self.mask_id) & self.generated & before).any(dim=1)
+        ended: list[bool] = (found & ~masked).tolist()
+        return ended
+
+    def _finish(self, member: _Member, error: BaseException | None = None) -> None:
+        """`member` is done: its outcome (its rows cut after their end of document, as `generate` cuts
+        them), or `error`. Its rows leave when the round is settled."""
+
+        member.block, seconds = len(member.blocks), time.perf_counter() - member.started
+        if error is not None:
+            self._finished.append((member.job, error, 0, seconds))
+            return
+        generation = member.job.generation
+        rows = self.tokens[member.span].tolist()
+        shift = self.tokens.shape[1] - member.width
+        token_ids: list[list[int]] = []
+        prompt_tokens: list[int] = []
+        for slot, (offset, size) in enumerate(zip(member.offsets, member.prompts, strict=True)):
+            own = [row[shift + offset :] for row in rows[slot * generation.n : (slot + 1) * generation.n]]
+            token_ids += cut_after_stop(own, [False] * size + [True] * generation.length, self.eos)
+            prompt_tokens += [size] * generation.n
+        kept = sum(len(ids) - size for ids, size in zip(token_ids, prompt_tokens, strict=True))
+        self._finished.append((member.job, member.answer.outcome(token_ids, prompt_tokens), kept, seconds))
+
+    def fail(self, error: BaseException) -> list[Finished]:
+        """Every request ends with `error` (the cohort's own failure: nothing it holds can be trusted)."""
+
+        finished = self._finished + [
+            (member.job, error, 0, time.perf_counter() - member.started) for member in self.members if not member.done
+        ]
+        self.members, self._finished = [], []
+        self.tokens = self.tokens[:0]
+        self.pad = self.pad[:0]
+        self._relayout()
+        return finished
+
+    def _reveals(self, members: list[_Member]) -> Tensor:
+        """The positions each member's current step reveals [rows, columns] (none in other rows): its
+        block's masked positions whose uniform draw x odds < 1, the draws from its own streams. A planned
+        (dilated) step's chances are 0 where it reveals and 1 elsewhere, at odds 1."""
+
+        odds, pending = [1.0] * self.tokens.shape[0], [False] * self.tokens.shape[0]
+        chances = []
+        for member in members:
+            options = member.job.generation.options
+            start, end = member.blocks[member.block]
+            steps = member.block_steps[member.block]
+            member_odds, planned = self._chance(
+                end - start, steps, member.index, options.remasking, options.reveal_split
+            )
+            shape = (member.rows, end - start)
+            chances.append(member.noise.per_row(shape) if planned is None else planned.expand(shape))
+            odds[member.span], pending[member.span] = [member_odds] * member.rows, [True] * member.rows
+        where = self.block_mask
+        if len(members) < len(self.members):
+            where = where & torch.tensor(pending, device=self.device)[:, None]
+        draws = torch.ones(tuple(self.tokens.shape), dtype=torch.float64, device=self.noise_device)
+        draws[where.to(self.noise_device)] = torch.cat([chance.reshape(-1) for chance in chances])
+        hits = draws * torch.tensor(odds, dtype=torch.float64, device=self.noise_device)[:, None] < 1
+        return where & (self.tokens == self.mask_id) & hits.to(self.device)
+
+    def _chance(
+        self, size: int, steps: int, index: int, remasking: str, split: RevealSplit
+    ) -> tuple[float, Tensor | None]:
+        """A step's reveal odds, and for a planned step its chances (see `_reveals`), computed once."""
+
+        key = (size, steps, index, remasking, split)
+        known = self._chances.get(key)
+        if known is None:
+            if remasking == ANCESTRAL:
+                t, s = step_times(steps, index)
+                known = (ancestral_odds(self.schedule.reveal_probability(s, t)), None)
+            else:
+                chosen = planned_positions(size, steps, index, self.schedule, split)
+                planned = torch.ones(size, dtype=torch.float64, device=self.noise_device)
+                planned[chosen.to(self.noise_device)] = 0.0
+                known = (1.0, planned)
+            self._chances[key] = known
+        return known
+
+    def _call(self, member: _Member, reveal: Tensor) -> Call:
+        """The model call of `member`'s step: its rows that reveal something, logits at what they reveal."""
+
+        span = member.span
+        if all(member.counts):
+            return Call(self.tokens[span], reveal[span], None, self.pad[span])
+        rows = torch.tensor(
+            [member.first + row for row, count in enumerate(member.counts) if count], device=self.device
+        )
+        return Call(
+            self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad.index_select(0, rows)
+        )

@@ -1,0 +1,202 @@
+"""The cohort: a whole-sequence model's ancestral and dilated requests advanced together as data.
+
+Each request must still get exactly its solo `generate` result (the model runs in float64, as in
+tests/test_serve_passes.py), whatever joins, finishes or leaves around it, with no sampler of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import test_sampling
+import torch
+from test_batch_sampling import transformer
+from test_serve_passes import EOS, PROMPTS, WAIT, alone, request, served
+from tokenizers import Tokenizer
+
+from dlm.errors import UserError
+from dlm.sampling.generation import generate
+from dlm.serving import cohort
+from dlm.serving.passes import Departed
+from dlm.serving.scheduler import Job, Scheduler
+
+pytest.importorskip("greenlet", reason="greenlet is not installed (pip install -e '.[serve]')")
+pytestmark = pytest.mark.serve_extra
+tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
+
+OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"steps": 5},
+    {"temperature": 0.0},
+    {"top_k": 5, "top_p": None},
+    {"top_p": 1.0, "temperature": 0.7},
+    {"block_length": 4},
+    {"block_length": 3, "steps": 9},
+    {"remasking": "dilated", "steps": 4},
+    {"remasking": "dilated", "steps": 6, "reveal_split": "even"},  # 16 positions: 3, 3, 2, 3, 3, 2 by the schedule
+    {"remasking": "dilated", "block_length": 4, "steps": 6},
+]
+
+
+def no_samplers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test whose requests would run a sampler of their own (a greenlet) instead of the cohort."""
+
+    def refused(self: Scheduler, job: Job) -> None:
+        raise AssertionError(f"request {job.request_id} ran its own sampler")
+
+    monkeypatch.setattr(Scheduler, "_sample", refused)
+
+
+def test_requests_of_every_kind_it_takes_equal_each_alone(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [
+        request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 500 + i, **option)
+        for i, option in enumerate(OPTIONS)
+    ]
+    generations.append(request(tokenizer, ("", "JULIET: O Romeo, Romeo, wherefore"), 10, 7, n=2))
+    generations.append(request(tokenizer, ("To be",), 12, 8, n=3, remasking="dilated", steps=4))
+    assert all(cohort.joins_cohort(model, generation) for generation in generations)
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    no_samplers(monkeypatch)
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+    # The steps that reveal something share passes: far fewer than the requests' own.
+    assert scheduler.stats.snapshot().passes < 0.5 * sum(count for _, count in expected)
+
+
+def test_requests_that_arrive_finish_and_leave_throughout_equal_each_alone(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows join a cohort whose rows are narrower or wider than theirs, others finish or leave (so its
+    columns widen and narrow), and every request that stays gets its solo text."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    lengths = [6, 20, 9, 14, 30, 8, 12, 16, 10, 24]
+    prompts = ["ROMEO:", "To be", "JULIET: O Romeo, Romeo, wherefore", "", "HAMLET:"]
+    generations = [
+        request(tokenizer, (prompts[i % len(prompts)],), length, 700 + i, **OPTIONS[i % len(OPTIONS)])
+        for i, length in enumerate(lengths)
+    ]
+    arrivals = {2: [3, 4], 4: [5], 7: [6, 7], 9: [8, 9]}  # pass -> the requests submitted while it runs
+    leaving = {3: 1, 8: 4}  # pass -> the request whose client goes then
+    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
+    jobs = [Job(str(i), generation) for i, generation in enumerate(generations)]
+    count = [0]
+
+    def churn(module: Any, args: Any) -> None:
+        count[0] += 1
+        for index in arrivals.get(count[0], []):
+            scheduler.submit(jobs[index])
+        if count[0] in leaving:
+            scheduler.cancel(jobs[leaving[count[0]]])
+
+    no_samplers(monkeypatch)
+    hook = model.register_forward_pre_hook(churn)
+    try:
+        for job in jobs[:3]:
+            scheduler.submit(job)
+        scheduler.start()
+        outcomes = []
+        for job in jobs:
+            error = job.future.exception(WAIT)
+            outcomes.append(error if error is not None else [c.text for c in job.future.result().choices])
+    finally:
+        hook.remove()
+        scheduler.stop(WAIT)
+    for index, generation in enumerate(generations):
+        if index in leaving.values():
+            assert isinstance(outcomes[index], Departed), index
+            continue
+        assert outcomes[index] == alone(model, tokenizer, generation)[0], index
+    assert scheduler.stats.snapshot().left == 2
+
+
+def test_each_row_ends_at_its_end_of_document_and_the_request_when_all_its_rows_have(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that often writes the end of document: rows end early, each request when every row has,
+    its rows cut there as `generate` cuts them."""
+
+    model = transformer(tokenizer.get_vocab_size())
+
+    def likely_end(module: Any, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        return logits + torch.nn.functional.one_hot(torch.tensor(EOS), logits.shape[-1]) * 4.0
+
+    model.register_forward_hook(likely_end)
+    generations = [request(tokenizer, (PROMPTS[i],), 16, 900 + i, n=2) for i in range(4)]
+    lengths = [
+        generate(
+            model,
+            tokenizer,
+            prompts=list(generation.prompts),
+            length=16,
+            seeds=[generation.seed],
+            num_samples=2,
+            stop_at_end=True,
+            **asdict(generation.options),
+        ).lengths
+        for generation in generations
+    ]
+    assert any(max(rows) < 16 for rows in lengths)  # a request whose rows all end early
+    assert any(min(rows) < 16 == max(rows) for rows in lengths)  # one with a row that runs to its length
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    no_samplers(monkeypatch)
+    outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == [texts for texts, _ in expected]
+
+
+def test_a_failing_cohort_fails_its_requests_and_the_server_goes_on(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (PROMPTS[i],), 8, 950 + i) for i in range(2)]
+    drawn = cohort.Cohort._draw
+
+    def broken(self: cohort.Cohort, *members: Any) -> None:
+        raise RuntimeError("a bug of the cohort's (a stand-in)")
+
+    monkeypatch.setattr(cohort.Cohort, "_draw", broken)
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert all(isinstance(outcome, RuntimeError) for outcome in outcomes)
+    assert scheduler.failure is None
+    monkeypatch.setattr(cohort.Cohort, "_draw", drawn)
+    outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == [alone(model, tokenizer, generation)[0] for generation in generations]
+
+
+def test_other_requests_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [
+        request(tokenizer, ("ROMEO:",), 10, 1),
+        request(tokenizer, ("To be",), 10, 2, remasking="confidence"),
+        request(tokenizer, ("HAMLET:",), 10, 3, threshold=0.3),
+        request(tokenizer, ("JULIET:",), 10, 4, cache="prefix", block_length=5),
+        request(tokenizer, ("",), 12, 5, remasking="dilated", steps=4),
+    ]
+    assert [cohort.joins_cohort(model, generation) for generation in generations] == [True, False, False, False, True]
+    block_model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    assert not cohort.joins_cohort(block_model, generations[0])
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+    outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == expected
+
+
+def test_a_request_the_cohort_cannot_take_fails_alone(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (prompt,), 8, 960 + i) for i, prompt in enumerate(("ROMEO:", "HAMLET:", "To be"))]
+    encode = cohort.encode_prompts
+
+    def refusing(tokenizer: Tokenizer, config: Any, prompts: Any, **options: Any) -> Any:
+        if "HAMLET:" in prompts:
+            raise UserError("a prompt it refuses (a stand-in)")
+        return encode(tokenizer, config, prompts, **options)
+
+    monkeypatch.setattr(cohort, "encode_prompts", refusing)
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert isinstance(outcomes[1], UserError)
+    assert [outcomes[0], outcomes[2]] == [alone(model, tokenizer, generations[i])[0] for i in (0, 2)]
+    assert scheduler.failure is None
