@@ -7,7 +7,8 @@ largest client count) and times, for each client count C, two phases of the same
 - served: C clients (the `openai` client, each in its own thread) send them, each client its share
   one after another, so up to C requests wait together and share batches.
 Every request is `--tokens` new tokens after one of a few prompts of different lengths, with its own
-seed, the same sampler options (by default the sampler's, one token a step) and a stop at the end of
+seed, the same sampler options on both sides (by default the sampler's, one token a step, top-p 0.9:
+sent with every request, since a server left to choose takes OpenAI's 1.0) and a stop at the end of
 document. Tokens/s counts the generated tokens kept over the phase's wall time; latency is per
 request (one at a time: the call alone, no waiting for the calls before it). With `--stream` the
 served requests stream, and each one's time from sending to its first text is kept too. A phase's
@@ -238,6 +239,9 @@ def serve(
     cache: Cache = None,
     threshold: Annotated[float | None, typer.Option(help="The sampler's threshold.")] = None,
     remasking: Annotated[str | None, typer.Option(help="The sampler's remasking.")] = None,
+    top_p: Annotated[
+        float, typer.Option(help="The sampler's top-p, sent with every request (a server left to choose takes 1.0).")
+    ] = 0.9,
     stream: Annotated[bool, typer.Option(help="Served requests stream: time to first text too.")] = False,
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "serve",
     results: Results = harness.RESULTS,
@@ -248,7 +252,7 @@ def serve(
     threads = threads or os.cpu_count() or 1
     torch.set_num_threads(threads)  # before the stamp, which records it
     given: dict[str, Any] = {"steps": steps or tokens, "block_length": block_length, "cache": cache}
-    given |= {"threshold": threshold, "remasking": remasking}
+    given |= {"threshold": threshold, "remasking": remasking, "top_p": top_p}  # the same sampling on both sides
     options = {name: value for name, value in given.items() if value is not None}  # the rest: the sampler's defaults
     run = harness.start(
         name,
