@@ -32,6 +32,7 @@ predictions while the noisy sequence is unchanged). `SampleResult.forward_passes
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from dlm.choices import RevealSplit
 from dlm.diffusion.reveal_order import dilated_order
-from dlm.diffusion.schedules import LinearSchedule, Schedule, Time
+from dlm.diffusion.schedules import LinearSchedule, Schedule
 from dlm.errors import UserError
 from dlm.sampling.options import SamplingOptions, StepCallback
 from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
@@ -141,12 +142,12 @@ class Reverse:
             return sample_with_probabilities(logits, **keywords)
         return sample_tokens(logits, **keywords), None
 
-    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, probability: Time) -> int:
-        """Ancestral step: reveal each masked position of `block` with `probability`."""
+    def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, odds: float) -> int:
+        """Ancestral step: reveal each masked position of `block` with probability 1 / `odds` (`step_odds`)."""
 
         masked = tokens[:, block] == self.mask_id
         draws = self.noise.per_row(tuple(masked.shape))
-        reveal = masked & (draws * ancestral_odds(probability) < 1).to(tokens.device)
+        reveal = masked & (draws * odds < 1).to(tokens.device)
         return self.reveal(tokens, block, reveal)
 
     def reveal_planned(self, tokens: torch.Tensor, block: torch.Tensor, chosen: torch.Tensor) -> int:
@@ -270,18 +271,21 @@ def reverse_step(reverse: Reverse, tokens: Tensor, block: Tensor, steps: int, in
     if options.threshold is not None:
         return reveal_threshold(reverse, tokens, block, masked_after(size, steps, index, schedule, split))
     if options.remasking == ANCESTRAL:
-        t, s = step_times(steps, index)
-        return reverse.reveal_random(tokens, block, schedule.reveal_probability(s, t))
+        return reverse.reveal_random(tokens, block, step_odds(schedule, steps, index))
     if options.remasking == DILATED:
         return reverse.reveal_planned(tokens, block, planned_positions(size, steps, index, schedule, split))
     return reverse.reveal_confident(tokens, block, reveal_count(size, steps, index, schedule, split))
 
 
-def ancestral_odds(probability: Time) -> float:
-    """1 / p for an ancestral step's reveal probability p: a masked position is revealed where its uniform
-    draw x (1 / p) < 1. The linear schedule's exact 1 / p is the number of steps left, so its draws
-    compare exactly as they always have."""
+@functools.lru_cache(maxsize=4096)
+def step_odds(schedule: Schedule, steps: int, index: int) -> float:
+    """1 / p for the reveal probability p of ancestral step `index` (0-based) of `steps`: a masked position is
+    revealed where its uniform draw x (1 / p) < 1. The linear schedule's exact 1 / p is the number of steps
+    left, so its draws compare exactly as they always have. Computed once per step: the exact fractions
+    cost more than a step's own bookkeeping (schedules are stateless: they hash by their type)."""
 
+    t, s = step_times(steps, index)
+    probability = schedule.reveal_probability(s, t)
     return float(1 / probability) if probability > 0 else math.inf
 
 

@@ -34,12 +34,11 @@ from dlm.model.denoiser import block_size
 from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
 from dlm.sampling.remasking import ANCESTRAL, DILATED
 from dlm.sampling.reverse import (
-    ancestral_odds,
     cut_after_stop,
     never_predicted,
     planned_positions,
     sequence_blocks,
-    step_times,
+    step_odds,
     steps_per_block,
 )
 from dlm.sampling.row_noise import RowNoise, noise_device
@@ -414,8 +413,7 @@ class Cohort:
         known = self._chances.get(key)
         if known is None:
             if remasking == ANCESTRAL:
-                t, s = step_times(steps, index)
-                known = (ancestral_odds(self.schedule.reveal_probability(s, t)), None)
+                known = (step_odds(self.schedule, steps, index), None)
             else:
                 chosen = planned_positions(size, steps, index, self.schedule, split)
                 planned = torch.ones(size, dtype=torch.float64, device=self.noise_device)
