@@ -5,7 +5,10 @@ largest client count) and times, for each client count C, two phases of the same
 `--requests-per-client` requests:
 - one at a time: `dlm.sample` in this process, each call alone, as a program without a server would;
 - served: C clients (the `openai` client, each in its own thread) send them, each client its share
-  one after another, so up to C requests wait together and share batches.
+  one after another, so up to C requests wait together and share batches;
+- the engine: the same, with C threads of this process submitting the requests straight to the
+  server's scheduler (`dlm.serving.scheduler`, in this process, its batches as large): the engine's
+  own rate, without HTTP, the clients, or the server's event loop, which on a few cores share them with it.
 Every request is `--tokens` new tokens after one of a few prompts of different lengths, with its own
 seed, the same sampler options on both sides (by default the sampler's, one token a step, top-p 0.9:
 sent with every request, since a server left to choose takes OpenAI's 1.0) and a stop at the end of
@@ -173,6 +176,67 @@ def request(
     return first, count
 
 
+def in_engine(
+    scheduler: Any,
+    tokenizer: Any,
+    requests: list[tuple[str, int]],
+    clients: int,
+    tokens: int,
+    options: dict[str, Any],
+    stream: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The engine phase: `clients` threads submit their share to `scheduler` one after another; its summary
+    and its timing."""
+
+    from dlm.sampling.options import SamplingOptions, sampling_remasking
+    from dlm.serving.jobs import Job
+    from dlm.serving.protocol import Generation
+
+    sampling = SamplingOptions(**options | {"remasking": sampling_remasking(scheduler.model, options.get("remasking"))})
+
+    def phase() -> dict[str, Any]:
+        latencies: list[float] = []
+        first_texts: list[float] = []
+        generated = [0]
+        lock = threading.Lock()
+
+        def run(share: list[tuple[str, int]]) -> None:
+            for prompt, seed in share:
+                began, first = time.perf_counter(), list[float]()
+                counts = (len(tokenizer.encode(prompt).ids),)
+                generation = Generation((prompt,), counts, tokens, 1, seed, sampling, (), stream, False, False)
+
+                def heard(index: int, text: str, first: list[float] = first) -> None:
+                    if text and not first:
+                        first.append(time.perf_counter())
+
+                job = Job(str(seed), generation, on_text=heard if stream else None)
+                scheduler.submit(job)
+                outcome = job.future.result()
+                with lock:
+                    latencies.append(time.perf_counter() - began)
+                    generated[0] += outcome.completion_tokens
+                    first_texts.extend(moment - began for moment in first)
+
+        def all_clients() -> None:
+            threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        timing = timed(all_clients)
+        result = summary(generated[0], timing.wall_s, latencies) | {"timing": timing}
+        if first_texts:
+            result |= {
+                "first_text_p50": statistics.median(first_texts),
+                "first_text_p99": percentile(first_texts, 0.99),
+            }
+        return result
+
+    return phase
+
+
 def served(
     url: str,
     pid: int,
@@ -269,6 +333,10 @@ def serve(
     )
     loaded, tokenizer = dlm.load(model, device=device)
     process, url = start_server(model, max(counts), device, threads, batch_wait)
+    from dlm.serving.scheduler import Scheduler
+
+    engine = Scheduler(loaded, tokenizer, max_queue=4 * max(counts), max_batch_rows=max(counts))
+    engine.start()
     phases: dict[str, list[dict[str, Any]]] = {}
     candidates: dict[str, Callable[[], Timing]] = {}
     for count in counts:
@@ -276,6 +344,7 @@ def serve(
         for phase, measure in (
             ("alone", one_at_a_time(loaded, tokenizer, requests, tokens, options)),
             ("served", served(url, process.pid, requests, count, tokens, options, stream)),
+            ("engine", in_engine(engine, tokenizer, requests, count, tokens, options, stream)),
         ):
             name = f"{phase}_{count}"
             phases[name] = []
@@ -284,8 +353,10 @@ def serve(
         interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=harness.progress)
     finally:
         stop_server(process)
+        engine.stop(60)
     figures = {
-        f"clients_{count}": client_figures(phases[f"alone_{count}"], phases[f"served_{count}"]) for count in counts
+        f"clients_{count}": client_figures(*(phases[f"{phase}_{count}"] for phase in ("alone", "served", "engine")))
+        for count in counts
     }
     raw = {
         name: [without_timing(result) | {"cpu_s": result["timing"].cpu_s} for result in kept]
@@ -311,8 +382,10 @@ def without_timing(result: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in result.items() if key != "timing"}
 
 
-def client_figures(alone: list[dict[str, Any]], serving: list[dict[str, Any]]) -> dict[str, Any]:
-    """One client count's figures: each phase's best round, the ratio of the best, the per-round ratios."""
+def client_figures(
+    alone: list[dict[str, Any]], serving: list[dict[str, Any]], engine: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One client count's figures: each phase's best round, the ratios of the best, the per-round ratios."""
 
     def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         top = max(rounds, key=lambda result: result["tokens_per_second"])
@@ -324,11 +397,13 @@ def client_figures(alone: list[dict[str, Any]], serving: list[dict[str, Any]]) -
         name: [result["tokens_per_second"] for result in rounds]
         for name, rounds in (("alone", alone), ("served", serving))
     }
-    alone_best, served_best = best(alone), best(serving)
+    alone_best, served_best, engine_best = best(alone), best(serving), best(engine)
     return {
         "alone": alone_best,
         "served": served_best,
+        "engine": engine_best,
         "speedup": served_best["tokens_per_second"] / alone_best["tokens_per_second"],
+        "engine_speedup": engine_best["tokens_per_second"] / alone_best["tokens_per_second"],
         "round_speedup": spread(round_ratios(speeds["served"], speeds["alone"])),
     }
 
@@ -336,16 +411,17 @@ def client_figures(alone: list[dict[str, Any]], serving: list[dict[str, Any]]) -
 def table(figures: dict[str, Any], stream: bool) -> str:
     first = " | p50 first text served | p99 first text served" if stream else ""
     lines = [
-        "| clients | one at a time tok/s | served tok/s | served / one at a time | p50 alone | p99 alone "
-        f"| p50 served | p99 served{first} |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if stream else "") + "|",
+        "| clients | one at a time tok/s | served tok/s | served / one at a time | engine / one at a time "
+        f"| p50 alone | p99 alone | p50 served | p99 served{first} |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if stream else "") + "|",
     ]
     for key, row in figures.items():
         alone, server = row["alone"], row["served"]
         firsts = f" | {server['first_text_p50']:.3f} s | {server['first_text_p99']:.3f} s" if stream else ""
         lines.append(
             f"| {key.removeprefix('clients_')} | {alone['tokens_per_second']:.0f} | "
-            f"{server['tokens_per_second']:.0f} | {row['speedup']:.1f}x | {alone['p50']:.3f} s | "
+            f"{server['tokens_per_second']:.0f} | {row['speedup']:.1f}x | {row['engine_speedup']:.1f}x | "
+            f"{alone['p50']:.3f} s | "
             f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s{firsts} |"
         )
     return "\n".join(lines)

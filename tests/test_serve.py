@@ -957,5 +957,7 @@ def test_the_serving_benchmark_compares_served_with_one_at_a_time(model_dir: Pat
         row = result["figures"][f"clients_{count}"]
         assert row["alone"]["tokens_per_second"] > 0 and row["served"]["tokens_per_second"] > 0
         assert row["speedup"] == row["served"]["tokens_per_second"] / row["alone"]["tokens_per_second"]
+        assert row["engine_speedup"] == row["engine"]["tokens_per_second"] / row["alone"]["tokens_per_second"]
         assert 0 < row["served"]["first_text_p50"] <= row["served"]["p99"]
-        assert len(result["rounds"][f"served_{count}"]) == 1
+        assert 0 < row["engine"]["first_text_p50"] <= row["engine"]["p99"]
+        assert len(result["rounds"][f"served_{count}"]) == len(result["rounds"][f"engine_{count}"]) == 1
