@@ -1,4 +1,4 @@
-"""The cohort: a whole-sequence model's ancestral and dilated requests advanced together as data.
+"""The cohort: a whole-sequence model's requests without a threshold or a cache, advanced together as data.
 
 Each request must still get exactly its solo `generate` result (the model runs in float64, as in
 tests/test_serve_passes.py), whatever joins, finishes or leaves around it, with no sampler of its own.
@@ -37,6 +37,11 @@ OPTIONS: list[dict[str, Any]] = [
     {"remasking": "dilated", "steps": 4},
     {"remasking": "dilated", "steps": 6, "reveal_split": "even"},  # 16 positions: 3, 3, 2, 3, 3, 2 by the schedule
     {"remasking": "dilated", "block_length": 4, "steps": 6},
+    {"remasking": "confidence"},
+    {"remasking": "confidence", "temperature": 0.0, "reveal_split": "even", "steps": 5},
+    {"remasking": "margin", "steps": 6, "block_length": 4},
+    {"remasking": "confidence", "top_k": 3, "steps": 3},
+    {"remasking": "confidence", "steps": 24},  # more steps than positions: some reveal nothing, with no pass
 ]
 
 
@@ -59,6 +64,7 @@ def test_requests_of_every_kind_it_takes_equal_each_alone(
     ]
     generations.append(request(tokenizer, ("", "JULIET: O Romeo, Romeo, wherefore"), 10, 7, n=2))
     generations.append(request(tokenizer, ("To be",), 12, 8, n=3, remasking="dilated", steps=4))
+    generations.append(request(tokenizer, ("ROMEO:", "To be"), 12, 9, n=2, remasking="confidence", steps=4))
     assert all(cohort.joins_cohort(model, generation) for generation in generations)
     expected = [alone(model, tokenizer, generation) for generation in generations]
     no_samplers(monkeypatch)
@@ -168,7 +174,7 @@ def test_a_failing_cohort_fails_its_requests_and_the_server_goes_on(
     assert outcomes == [alone(model, tokenizer, generation)[0] for generation in generations]
 
 
-def test_other_requests_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
+def test_thresholds_caches_and_block_models_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
     model = transformer(tokenizer.get_vocab_size())
     generations = [
         request(tokenizer, ("ROMEO:",), 10, 1),
@@ -177,7 +183,7 @@ def test_other_requests_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -
         request(tokenizer, ("JULIET:",), 10, 4, cache="prefix", block_length=5),
         request(tokenizer, ("",), 12, 5, remasking="dilated", steps=4),
     ]
-    assert [cohort.joins_cohort(model, generation) for generation in generations] == [True, False, False, False, True]
+    assert [cohort.joins_cohort(model, generation) for generation in generations] == [True, True, False, False, True]
     block_model = transformer(tokenizer.get_vocab_size(), block_size=4)
     assert not cohort.joins_cohort(block_model, generations[0])
     expected = [alone(model, tokenizer, generation)[0] for generation in generations]

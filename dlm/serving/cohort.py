@@ -1,7 +1,8 @@
 """The requests of the common kind, advanced together as data rather than each by its own sampler.
 
-Most served requests ask a whole-sequence model for ancestral (`random`) or `dilated` steps, without a
-threshold or a cache. For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
+Most served requests ask a whole-sequence model for plain steps, without a threshold or a cache, in any
+order: ancestral (`random`), `dilated`, or ranked by a confidence (`confidence`, `margin`, any registered
+one). For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
 cohort keeps every such request's rows in one token tensor, right-aligned (a row's leading padding is its
 `pad`, which no real position sees), with each request's step, block and random streams beside it, and
 makes each step's per-row work one tensor operation for all of them: which masked positions of each
@@ -15,7 +16,8 @@ A round of the cohort (`calls`) takes every request to its next step that reveal
 sampler alone would (a step that reveals nothing needs no pass), and returns those steps' model calls;
 once the engine has answered them, `settle` draws and writes the tokens and finishes the requests that
 are done. The steps are those of `dlm.sampling.fast.denoise_fast` (blocks of `block_length`, the
-schedule's reveal odds, `dlm.sampling.reverse.planned_positions` for `dilated`, the end of document),
+schedule's reveal odds, `dlm.sampling.reverse.planned_positions` for `dilated`, `reveal_count` and the
+most confident candidates for a ranked order, the end of document),
 and every random number is drawn from the request's streams in the same order, so each request gets
 the tokens of `generate` alone, up to float rounding (the tests compare them token for token in float64).
 """
@@ -32,11 +34,12 @@ from torch import Tensor, nn
 from dlm.data.tokenizer import never_sampled_ids
 from dlm.model.denoiser import block_size
 from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
-from dlm.sampling.remasking import ANCESTRAL, DILATED
+from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
 from dlm.sampling.reverse import (
     cut_after_stop,
     never_predicted,
     planned_positions,
+    reveal_count,
     sequence_blocks,
     step_odds,
     steps_per_block,
@@ -60,8 +63,8 @@ Finished = tuple[Job, Outcome | BaseException, int, float]  # the job, its outco
 
 
 def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
-    """Whether the cohort samples `generation`: a whole-sequence diffusion model's ancestral or dilated
-    steps without a threshold or a cache (every other request runs its own sampler)."""
+    """Whether the cohort samples `generation`: a whole-sequence diffusion model's steps without a threshold
+    or a cache, in any order (every other request runs its own sampler)."""
 
     config, options = model.config, generation.options
     return (
@@ -69,7 +72,6 @@ def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
         and config.attention != "causal"
         and options.threshold is None
         and options.cache == "none"
-        and options.remasking in (ANCESTRAL, DILATED)
     )
 
 
@@ -91,7 +93,14 @@ class _Member:
     block: int = 0  # the block being denoised
     index: int = 0  # the step of that block
     call: Call | None = None  # this round's model call
-    counts: list[int] = field(default_factory=list)  # this round's revealed positions per row
+    counts: list[int] = field(default_factory=list)  # this round's revealed (ranked: candidate) positions per row
+    keep: int = 0  # a ranked step's positions to reveal per row (the most confident of its candidates)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether its steps rank the masked positions by a confidence (`confidence`, `margin`, ...)."""
+
+        return self.job.generation.options.remasking not in (ANCESTRAL, DILATED)
 
     @property
     def rows(self) -> int:
@@ -140,7 +149,7 @@ class Cohort:
         self.pad = torch.zeros(0, dtype=torch.long, device=self.device)
         self.block_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's current block
         self.generated = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's generated columns
-        self._chances: dict[tuple[int, int, int, str, str], tuple[float, Tensor | None]] = {}
+        self._chances: dict[tuple[int, int, int, str, str], tuple[float, Tensor | None, int]] = {}
         self._finished: list[Finished] = []
         self._revealed: Tensor | None = None  # what this round's calls reveal [rows, columns]
 
@@ -241,7 +250,7 @@ class Cohort:
             still, moved = [], False
             for member in pending:
                 member.counts = counts[member.span]
-                if any(member.counts):
+                if any(member.counts) and (member.keep or not member.ranked):
                     member.call = self._call(member, reveal)
                     calls.append(member.call)
                     continue
@@ -298,15 +307,17 @@ class Cohort:
             uniform = (
                 None if options.temperature == 0 else member.noise.stacked(member.counts, draws_per_row(options.top_p))
             )
-            draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, False))
+            draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, member.ranked))
         run_draws(draws)  # each its own work, so that one too large for memory is retried alone
+        assert self._revealed is not None
         tokens = []
         for member, draw in zip(members, draws, strict=True):
             if draw.error is not None or draw.result is None:
                 self._finish(member, draw.error or RuntimeError("a token draw came back unanswered"))
+            elif member.ranked:
+                tokens.append(self._most_confident(member, *draw.result))
             else:
                 tokens.append(draw.result[0])
-        assert self._revealed is not None
         written = self._revealed
         failed = [member for member in stepped if member.done]
         if failed:  # their rows keep their tokens: they are leaving
@@ -315,6 +326,19 @@ class Cohort:
                 written[member.span] = False
         if tokens:  # in row order, as `written` holds them
             self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
+
+    def _most_confident(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
+        """A ranked step's tokens at its candidates: the drawn token at the `keep` most confident of each row
+        (`Reverse.reveal_confident`, ranked in the member's own columns as it ranks them alone), the mask
+        at the others, which stay masked."""
+
+        assert probabilities is not None and self._revealed is not None
+        confidence = token_confidence(probabilities, new, member.job.generation.options.remasking)
+        candidates = self._revealed[member.span, self.tokens.shape[1] - member.width :].to(confidence.device)
+        scores = torch.full(tuple(candidates.shape), float("-inf"), dtype=confidence.dtype, device=confidence.device)
+        scores[candidates] = confidence
+        chosen = torch.zeros_like(candidates).scatter_(1, scores.topk(member.keep, dim=1).indices, True)
+        return torch.where(chosen[candidates], new, self.mask_id)
 
     def _step(self, members: list[_Member]) -> None:
         """The step taken: each member's next step, its new text streamed, and those done finished."""
@@ -382,7 +406,8 @@ class Cohort:
     def _reveals(self, members: list[_Member]) -> Tensor:
         """The positions each member's current step reveals [rows, columns] (none in other rows): its
         block's masked positions whose uniform draw x odds < 1, the draws from its own streams. A planned
-        (dilated) step's chances are 0 where it reveals and 1 elsewhere, at odds 1."""
+        (dilated) step's chances are 0 where it reveals and 1 elsewhere, at odds 1; a ranked step's are 0
+        (every masked position of its block is a candidate, `_most_confident` keeps its `keep`)."""
 
         odds, pending = [1.0] * self.tokens.shape[0], [False] * self.tokens.shape[0]
         chances = []
@@ -390,7 +415,7 @@ class Cohort:
             options = member.job.generation.options
             start, end = member.blocks[member.block]
             steps = member.block_steps[member.block]
-            member_odds, planned = self._chance(
+            member_odds, planned, member.keep = self._chance(
                 end - start, steps, member.index, options.remasking, options.reveal_split
             )
             shape = (member.rows, end - start)
@@ -406,19 +431,23 @@ class Cohort:
 
     def _chance(
         self, size: int, steps: int, index: int, remasking: str, split: RevealSplit
-    ) -> tuple[float, Tensor | None]:
-        """A step's reveal odds, and for a planned step its chances (see `_reveals`), computed once."""
+    ) -> tuple[float, Tensor | None, int]:
+        """A step's reveal odds, for a planned or ranked step its chances (see `_reveals`), and for a ranked
+        step the positions it keeps per row (`reveal_count`), computed once."""
 
         key = (size, steps, index, remasking, split)
         known = self._chances.get(key)
         if known is None:
             if remasking == ANCESTRAL:
-                known = (step_odds(self.schedule, steps, index), None)
+                known = (step_odds(self.schedule, steps, index), None, 0)
+            elif remasking != DILATED:  # ranked: every masked position of the block is a candidate
+                keep = reveal_count(size, steps, index, self.schedule, split)
+                known = (1.0, torch.zeros(size, dtype=torch.float64, device=self.noise_device), keep)
             else:
                 chosen = planned_positions(size, steps, index, self.schedule, split)
                 planned = torch.ones(size, dtype=torch.float64, device=self.noise_device)
                 planned[chosen.to(self.noise_device)] = 0.0
-                known = (1.0, planned)
+                known = (1.0, planned, 0)
             self._chances[key] = known
         return known
 
