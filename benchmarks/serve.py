@@ -335,7 +335,9 @@ def serve(
     process, url = start_server(model, max(counts), device, threads, batch_wait)
     from dlm.serving.scheduler import Scheduler
 
-    engine = Scheduler(loaded, tokenizer, max_queue=4 * max(counts), max_batch_rows=max(counts))
+    engine = Scheduler(
+        loaded, tokenizer, max_queue=4 * max(counts), max_batch_rows=max(counts), batch_wait=batch_wait / 1000
+    )
     engine.start()
     phases: dict[str, list[dict[str, Any]]] = {}
     candidates: dict[str, Callable[[], Timing]] = {}

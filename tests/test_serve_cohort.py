@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from dlm.errors import UserError
 from dlm.sampling.generation import generate
 from dlm.serving import cohort
-from dlm.serving.passes import Departed
+from dlm.serving.passes import Departed, OutOfMemory
 from dlm.serving.scheduler import Job, Scheduler
 
 pytest.importorskip("greenlet", reason="greenlet is not installed (pip install -e '.[serve]')")
@@ -153,6 +153,64 @@ def test_each_row_ends_at_its_end_of_document_and_the_request_when_all_its_rows_
     no_samplers(monkeypatch)
     outcomes, _ = served(model, tokenizer, generations)
     assert outcomes == [texts for texts, _ in expected]
+    # Where it stops: alone in the cohort, a request's passes are its own. In 8 dilated steps each of which
+    # reveals something, a request whose rows all end early makes fewer.
+    planned = [request(tokenizer, (PROMPTS[i],), 16, 900 + i, n=2, remasking="dilated", steps=8) for i in range(4)]
+    stops = [alone(model, tokenizer, generation) for generation in planned]
+    assert min(passes for _, passes in stops) < 8
+    for generation, (texts, passes) in zip(generations + planned, expected + stops, strict=True):
+        outcome, scheduler = served(model, tokenizer, [generation])
+        assert outcome == [texts] and scheduler.stats.snapshot().passes == passes  # it stopped where `generate` did
+
+
+def test_a_stream_that_cannot_take_its_text_fails_its_request_alone(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = transformer(tokenizer.get_vocab_size())
+    generations = [request(tokenizer, (PROMPTS[i],), 8, 970 + i) for i in range(3)]
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+
+    def closed(index: int, text: str) -> None:
+        raise RuntimeError("the event loop is closed (a stand-in)")
+
+    no_samplers(monkeypatch)
+    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
+    jobs = [Job(str(i), generation, on_text=closed if i == 1 else None) for i, generation in enumerate(generations)]
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        assert isinstance(jobs[1].future.exception(WAIT), RuntimeError)
+        assert [[c.text for c in jobs[i].future.result(WAIT).choices] for i in (0, 2)] == [expected[0], expected[2]]
+    finally:
+        scheduler.stop(WAIT)
+    assert scheduler.failure is None and scheduler.stats.snapshot().in_flight == 0
+
+
+def test_logits_too_large_together_are_scored_one_request_at_a_time(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converting the round's logits together runs out of memory: each request's are converted alone (as
+    its sampler converts them), and one that does not fit even alone fails with `OutOfMemory` (503)."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    # One position a step each (8 dilated steps for 8 tokens): a request's logits are one row, the round's three.
+    generations = [request(tokenizer, (PROMPTS[i],), 8, 980 + i, remasking="dilated", steps=8) for i in range(3)]
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+    converted = cohort.Cohort._converted
+
+    def small_only(self: cohort.Cohort, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return converted(self, logits)
+
+    no_samplers(monkeypatch)
+    monkeypatch.setattr(cohort.Cohort, "_converted", small_only)
+    outcomes, scheduler = served(model, tokenizer, generations)
+    assert outcomes == expected and scheduler.failure is None
+    monkeypatch.setattr(cohort.Cohort, "_converted", lambda self, logits: small_only(self, logits.repeat(3, 1)))
+    outcomes, scheduler = served(model, tokenizer, generations[:1])
+    assert isinstance(outcomes[0], OutOfMemory) and scheduler.failure is None
 
 
 def test_a_failing_cohort_fails_its_requests_and_the_server_goes_on(

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from dlm.data.tokenizer import never_sampled_ids
 from dlm.model.denoiser import block_size
+from dlm.runtime.memory import is_out_of_memory
 from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
 from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
 from dlm.sampling.reverse import (
@@ -47,7 +48,7 @@ from dlm.sampling.reverse import (
 from dlm.sampling.row_noise import RowNoise, noise_device
 from dlm.sampling.tokens import draws_per_row
 from dlm.serving.jobs import Answer, Job, Outcome
-from dlm.serving.passes import Call, Departed, Draw, run_draws
+from dlm.serving.passes import Call, Departed, Draw, OutOfMemory, run_draws
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from dlm.serving.protocol import Generation
 
 Finished = tuple[Job, Outcome | BaseException, int, float]  # the job, its outcome, tokens kept, seconds
+CHANCES_KEPT = 4096  # steps whose reveal odds, plans and counts the cohort keeps, recomputed when dropped
 
 
 def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
@@ -188,10 +190,18 @@ class Cohort:
         )
         before = int(self.tokens.shape[1])
         width = max(before, member.width)
-        self.tokens = torch.cat([self._widened(self.tokens, width), self._widened(tokens, width)])
-        self.pad = torch.cat([self.pad + (width - before), pad + (width - member.width)])
+        joined = torch.cat([self._widened(self.tokens, width), self._widened(tokens, width)])
+        joined_pad = torch.cat([self.pad + (width - before), pad + (width - member.width)])
+        kept = self.tokens, self.pad
+        self.tokens, self.pad = joined, joined_pad
         self.members.append(member)
-        self._relayout()
+        try:
+            self._relayout()
+        except BaseException:  # all or nothing: the request fails alone, the cohort is as it was
+            self.members.pop()
+            self.tokens, self.pad = kept
+            self._relayout()
+            raise
 
     def _widened(self, tokens: Tensor, width: int) -> Tensor:
         return nn.functional.pad(tokens, (width - tokens.shape[1], 0), value=self.filler)
@@ -286,28 +296,25 @@ class Cohort:
             self._step(drawn)
         for member in stepped:
             member.call = None
-        finished, self._finished = self._finished, []
         self._leave([member for member in self.members if member.done])
+        finished, self._finished = self._finished, []  # handed out last: `fail` answers them if anything raised
         return finished
 
     def _draw(self, members: list[_Member], stepped: list[_Member]) -> None:
         """Each member's tokens at what it reveals, drawn from its logits as its sampler draws them
         (`Reverse.scores`, `Reverse.uniform`, `sample_tokens`), and written."""
 
-        results = []
-        for member in members:
-            assert member.call is not None and member.call.result is not None
-            results.append(member.call.result)
-        logits = torch.cat(results) if len(results) > 1 else results[0]
-        logits = logits.to(self.noise_device, torch.promote_types(logits.dtype, torch.float32))
-        logits[:, self.forbidden] = float("-inf")
         draws = []
-        for member, part in zip(members, logits.split([sum(member.counts) for member in members]), strict=True):
+        for member, part in zip(members, self._scores(members), strict=True):
+            if isinstance(part, BaseException):
+                self._finish(member, part)
+                continue
             options = member.job.generation.options
             uniform = (
                 None if options.temperature == 0 else member.noise.stacked(member.counts, draws_per_row(options.top_p))
             )
             draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, member.ranked))
+        members = [member for member in members if not member.done]
         run_draws(draws)  # each its own work, so that one too large for memory is retried alone
         assert self._revealed is not None
         tokens = []
@@ -326,6 +333,36 @@ class Cohort:
                 written[member.span] = False
         if tokens:  # in row order, as `written` holds them
             self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
+
+    def _scores(self, members: list[_Member]) -> list[Tensor | BaseException]:
+        """Each member's logits as its sampler scores them (`Reverse.scores`: at least float32, on the noise
+        device, never-predicted tokens -inf): converted together, or one by one where together they do not
+        fit the device's memory (a member that does not fit alone gets `OutOfMemory`)."""
+
+        results = []
+        for member in members:
+            assert member.call is not None and member.call.result is not None
+            results.append(member.call.result)
+        try:
+            logits = self._converted(torch.cat(results) if len(results) > 1 else results[0])
+            return list(logits.split([sum(member.counts) for member in members]))
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        parts: list[Tensor | BaseException] = []
+        for result in results:
+            try:
+                parts.append(self._converted(result))
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                parts.append(OutOfMemory("the request's token draw does not fit the device's memory now; retry later"))
+        return parts
+
+    def _converted(self, logits: Tensor) -> Tensor:
+        logits = logits.to(self.noise_device, torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.forbidden] = float("-inf")
+        return logits
 
     def _most_confident(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
         """A ranked step's tokens at its candidates: the drawn token at the `keep` most confident of each row
@@ -354,7 +391,10 @@ class Cohort:
             host = self.tokens.tolist()  # one copy to the host for every stream
             for member in streaming:
                 length = member.job.generation.length
-                member.answer.update([row[len(row) - length :] for row in host[member.span]])
+                try:  # a stream that cannot take its text (its loop closed) fails its request alone
+                    member.answer.update([row[len(row) - length :] for row in host[member.span]])
+                except Exception as exc:
+                    self._finish(member, exc)
         if moved:
             self._mark_blocks()
 
@@ -389,7 +429,11 @@ class Cohort:
             token_ids += cut_after_stop(own, [False] * size + [True] * generation.length, self.eos)
             prompt_tokens += [size] * generation.n
         kept = sum(len(ids) - size for ids, size in zip(token_ids, prompt_tokens, strict=True))
-        self._finished.append((member.job, member.answer.outcome(token_ids, prompt_tokens), kept, seconds))
+        try:  # sends the rest of each stream: a stream that cannot take it fails its request alone
+            outcome: Outcome | BaseException = member.answer.outcome(token_ids, prompt_tokens)
+        except Exception as exc:
+            outcome, kept = exc, 0
+        self._finished.append((member.job, outcome, kept, seconds))
 
     def fail(self, error: BaseException) -> list[Finished]:
         """Every request ends with `error` (the cohort's own failure: nothing it holds can be trusted)."""
@@ -448,6 +492,8 @@ class Cohort:
                 planned = torch.ones(size, dtype=torch.float64, device=self.noise_device)
                 planned[chosen.to(self.noise_device)] = 0.0
                 known = (1.0, planned, 0)
+            if len(self._chances) >= CHANCES_KEPT:  # steps are the clients' to choose: keep the memory bounded
+                self._chances.clear()
             self._chances[key] = known
         return known
 

@@ -341,8 +341,8 @@ class Scheduler:
         for job in self._joining:
             self._finished(job, failed)
         self._joining = []
-        for job, outcome, _, _ in self._cohort.fail(failed):
-            self._finished(job, outcome)
+        for finished in self._cohort.fail(failed):
+            self._conclude(*finished)
         for running in self._samplers:  # each sampler ends on the error and answers its client
             if not running.sampler:  # never started: nothing to unwind
                 self._finished(running.job, failed)
