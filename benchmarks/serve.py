@@ -176,6 +176,50 @@ def request(
     return first, count
 
 
+def client_phase(
+    requests: list[tuple[str, int]],
+    clients: int,
+    send: Callable[[str, int], tuple[float | None, int]],
+    server_cpu: Callable[[], float] = lambda: 0.0,
+) -> dict[str, Any]:
+    """`clients` threads share the requests, each sending its share one after another with `send(prompt,
+    seed)` (the moment of its first text, None unstreamed, and the tokens it got); the summary and the
+    timing, with the CPU seconds `server_cpu()` adds (a server in another process)."""
+
+    latencies: list[float] = []
+    first_texts: list[float] = []
+    generated = [0]
+    lock = threading.Lock()
+
+    def run(share: list[tuple[str, int]]) -> None:
+        for prompt, seed in share:
+            began = time.perf_counter()
+            first, count = send(prompt, seed)
+            with lock:
+                latencies.append(time.perf_counter() - began)
+                generated[0] += count
+                if first is not None:
+                    first_texts.append(first - began)
+
+    def all_clients() -> None:
+        threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    server_before = server_cpu()
+    timing = timed(all_clients)
+    timing = Timing(cpu_s=timing.cpu_s + server_cpu() - server_before, wall_s=timing.wall_s)
+    result = summary(generated[0], timing.wall_s, latencies) | {"timing": timing}
+    if first_texts:
+        result |= {
+            "first_text_p50": statistics.median(first_texts),
+            "first_text_p99": percentile(first_texts, 0.99),
+        }
+    return result
+
+
 def in_engine(
     scheduler: Any,
     tokenizer: Any,
@@ -185,8 +229,8 @@ def in_engine(
     options: dict[str, Any],
     stream: bool,
 ) -> Callable[[], dict[str, Any]]:
-    """The engine phase: `clients` threads submit their share to `scheduler` one after another; its summary
-    and its timing."""
+    """The engine phase: `clients` threads submit their share to `scheduler` (in this process) one after
+    another; its summary and its timing."""
 
     from dlm.sampling.options import SamplingOptions, sampling_remasking
     from dlm.serving.jobs import Job
@@ -194,47 +238,21 @@ def in_engine(
 
     sampling = SamplingOptions(**options | {"remasking": sampling_remasking(scheduler.model, options.get("remasking"))})
 
-    def phase() -> dict[str, Any]:
-        latencies: list[float] = []
-        first_texts: list[float] = []
-        generated = [0]
-        lock = threading.Lock()
+    def send(prompt: str, seed: int) -> tuple[float | None, int]:
+        counts = (len(tokenizer.encode(prompt).ids),)
+        generation = Generation((prompt,), counts, tokens, 1, seed, sampling, (), stream, False, False)
+        heard: list[float] = []
 
-        def run(share: list[tuple[str, int]]) -> None:
-            for prompt, seed in share:
-                began, first = time.perf_counter(), list[float]()
-                counts = (len(tokenizer.encode(prompt).ids),)
-                generation = Generation((prompt,), counts, tokens, 1, seed, sampling, (), stream, False, False)
+        def on_text(index: int, text: str) -> None:
+            if text and not heard:
+                heard.append(time.perf_counter())
 
-                def heard(index: int, text: str, first: list[float] = first) -> None:
-                    if text and not first:
-                        first.append(time.perf_counter())
+        job = Job(str(seed), generation, on_text=on_text if stream else None)
+        scheduler.submit(job)
+        count = job.future.result().completion_tokens
+        return (heard[0] if heard else None), count
 
-                job = Job(str(seed), generation, on_text=heard if stream else None)
-                scheduler.submit(job)
-                outcome = job.future.result()
-                with lock:
-                    latencies.append(time.perf_counter() - began)
-                    generated[0] += outcome.completion_tokens
-                    first_texts.extend(moment - began for moment in first)
-
-        def all_clients() -> None:
-            threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-
-        timing = timed(all_clients)
-        result = summary(generated[0], timing.wall_s, latencies) | {"timing": timing}
-        if first_texts:
-            result |= {
-                "first_text_p50": statistics.median(first_texts),
-                "first_text_p99": percentile(first_texts, 0.99),
-            }
-        return result
-
-    return phase
+    return lambda: client_phase(requests, clients, send)
 
 
 def served(
@@ -246,47 +264,18 @@ def served(
     options: dict[str, Any],
     stream: bool,
 ) -> Callable[[], dict[str, Any]]:
-    """The served phase: `clients` threads share the requests; its summary and its timing (with the server's CPU)."""
+    """The served phase: `clients` threads of `openai` clients share the requests; its summary and its timing
+    (with the server's CPU)."""
 
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-    def phase() -> dict[str, Any]:
-        latencies: list[float] = []
-        first_texts: list[float] = []
-        generated = [0]
-        lock = threading.Lock()
-
-        def run(share: list[tuple[str, int]]) -> None:
-            for prompt, seed in share:
-                began = time.perf_counter()
-                first, count = request(client, prompt, seed, tokens, options, stream)
-                with lock:
-                    latencies.append(time.perf_counter() - began)
-                    generated[0] += count
-                    if first is not None:
-                        first_texts.append(first - began)
-
-        def all_clients() -> None:
-            threads = [threading.Thread(target=run, args=(requests[i::clients],)) for i in range(clients)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-
-        server_before = server_cpu_seconds(pid)
-        timing = timed(all_clients)
-        timing = Timing(cpu_s=timing.cpu_s + server_cpu_seconds(pid) - server_before, wall_s=timing.wall_s)
-        result = summary(generated[0], timing.wall_s, latencies) | {"timing": timing}
-        if first_texts:
-            result |= {
-                "first_text_p50": statistics.median(first_texts),
-                "first_text_p99": percentile(first_texts, 0.99),
-            }
-        return result
-
-    return phase
+    return lambda: client_phase(
+        requests,
+        clients,
+        lambda prompt, seed: request(client, prompt, seed, tokens, options, stream),
+        lambda: server_cpu_seconds(pid),
+    )
 
 
 def serve(
