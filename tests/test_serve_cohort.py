@@ -42,6 +42,10 @@ OPTIONS: list[dict[str, Any]] = [
     {"remasking": "margin", "steps": 6, "block_length": 4},
     {"remasking": "confidence", "top_k": 3, "steps": 3},
     {"remasking": "confidence", "steps": 24},  # more steps than positions: some reveal nothing, with no pass
+    {"threshold": 0.3},
+    {"threshold": 1e-4, "block_length": 4, "steps": 8},  # every candidate commits: blocks end before their steps
+    {"threshold": 0.2, "remasking": "margin", "temperature": 0.0, "steps": 6},
+    {"threshold": 0.9, "steps": 24},  # more steps than positions: still one commit a step at least
 ]
 
 
@@ -232,7 +236,7 @@ def test_a_failing_cohort_fails_its_requests_and_the_server_goes_on(
     assert outcomes == [alone(model, tokenizer, generation)[0] for generation in generations]
 
 
-def test_thresholds_caches_and_block_models_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
+def test_caches_and_block_models_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
     model = transformer(tokenizer.get_vocab_size())
     generations = [
         request(tokenizer, ("ROMEO:",), 10, 1),
@@ -240,8 +244,9 @@ def test_thresholds_caches_and_block_models_run_their_own_samplers_beside_it(tok
         request(tokenizer, ("HAMLET:",), 10, 3, threshold=0.3),
         request(tokenizer, ("JULIET:",), 10, 4, cache="prefix", block_length=5),
         request(tokenizer, ("",), 12, 5, remasking="dilated", steps=4),
+        request(tokenizer, ("ROMEO:",), 10, 6, threshold=0.3, cache="dual", block_length=5),
     ]
-    assert [cohort.joins_cohort(model, generation) for generation in generations] == [True, True, False, False, True]
+    assert [cohort.joins_cohort(model, generation) for generation in generations] == [True] * 3 + [False, True, False]
     block_model = transformer(tokenizer.get_vocab_size(), block_size=4)
     assert not cohort.joins_cohort(block_model, generations[0])
     expected = [alone(model, tokenizer, generation)[0] for generation in generations]

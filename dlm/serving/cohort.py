@@ -1,8 +1,8 @@
 """The requests of the common kind, advanced together as data rather than each by its own sampler.
 
-Most served requests ask a whole-sequence model for plain steps, without a threshold or a cache, in any
-order: ancestral (`random`), `dilated`, or ranked by a confidence (`confidence`, `margin`, any registered
-one). For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
+Most served requests ask a whole-sequence model for steps without a cache, in any order: ancestral
+(`random`), `dilated`, or ranked by a confidence (`confidence`, `margin`, any registered one), with or
+without a `threshold`. For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
 cohort keeps every such request's rows in one token tensor, right-aligned (a row's leading padding is its
 `pad`, which no real position sees), with each request's step, block and random streams beside it, and
 makes each step's per-row work one tensor operation for all of them: which masked positions of each
@@ -17,7 +17,8 @@ sampler alone would (a step that reveals nothing needs no pass), and returns tho
 once the engine has answered them, `settle` draws and writes the tokens and finishes the requests that
 are done. The steps are those of `dlm.sampling.fast.denoise_fast` (blocks of `block_length`, the
 schedule's reveal odds, `dlm.sampling.reverse.planned_positions` for `dilated`, `reveal_count` and the
-most confident candidates for a ranked order, the end of document),
+most confident candidates for a ranked order, `reveal_threshold`'s commits and early block ends for a
+threshold, the end of document),
 and every random number is drawn from the request's streams in the same order, so each request gets
 the tokens of `generate` alone, up to float rounding (the tests compare them token for token in float64).
 """
@@ -38,6 +39,7 @@ from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offse
 from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
 from dlm.sampling.reverse import (
     cut_after_stop,
+    masked_after,
     never_predicted,
     planned_positions,
     reveal_count,
@@ -65,16 +67,11 @@ CHANCES_KEPT = 4096  # steps whose reveal odds, plans and counts the cohort keep
 
 
 def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
-    """Whether the cohort samples `generation`: a whole-sequence diffusion model's steps without a threshold
-    or a cache, in any order (every other request runs its own sampler)."""
+    """Whether the cohort samples `generation`: a whole-sequence diffusion model's steps without a cache, in
+    any order, with or without a threshold (every other request runs its own sampler)."""
 
     config, options = model.config, generation.options
-    return (
-        not block_size(config)
-        and config.attention != "causal"
-        and options.threshold is None
-        and options.cache == "none"
-    )
+    return not block_size(config) and config.attention != "causal" and options.cache == "none"
 
 
 @dataclass(eq=False)
@@ -103,6 +100,12 @@ class _Member:
         """Whether its steps rank the masked positions by a confidence (`confidence`, `margin`, ...)."""
 
         return self.job.generation.options.remasking not in (ANCESTRAL, DILATED)
+
+    @property
+    def thresholded(self) -> bool:
+        """Whether its steps commit every candidate above a confidence (`threshold`, whatever its order)."""
+
+        return self.job.generation.options.threshold is not None
 
     @property
     def rows(self) -> int:
@@ -151,7 +154,7 @@ class Cohort:
         self.pad = torch.zeros(0, dtype=torch.long, device=self.device)
         self.block_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's current block
         self.generated = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's generated columns
-        self._chances: dict[tuple[int, int, int, str, str], tuple[float, Tensor | None, int]] = {}
+        self._chances: dict[tuple[int, int, int, str, str, bool], tuple[float, Tensor | None, int]] = {}
         self._finished: list[Finished] = []
         self._revealed: Tensor | None = None  # what this round's calls reveal [rows, columns]
 
@@ -260,11 +263,14 @@ class Cohort:
             still, moved = [], False
             for member in pending:
                 member.counts = counts[member.span]
-                if any(member.counts) and (member.keep or not member.ranked):
+                if member.thresholded and not any(member.counts):  # its block filled early: the next block
+                    member.block, member.index, moved = member.block + 1, 0, True
+                elif any(member.counts) and (member.thresholded or member.keep or not member.ranked):
                     member.call = self._call(member, reveal)
                     calls.append(member.call)
                     continue
-                moved |= member.advance()  # a step that reveals nothing: no pass, the next step
+                else:
+                    moved |= member.advance()  # a step that reveals nothing: no pass, the next step
                 if member.done:
                     self._finish(member)  # its rows leave once the round is settled
                 else:
@@ -313,7 +319,8 @@ class Cohort:
             uniform = (
                 None if options.temperature == 0 else member.noise.stacked(member.counts, draws_per_row(options.top_p))
             )
-            draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, member.ranked))
+            probabilities = member.ranked or member.thresholded  # what ranks its candidates
+            draws.append(Draw(part, uniform, options.temperature, options.top_k, options.top_p, probabilities))
         members = [member for member in members if not member.done]
         run_draws(draws)  # each its own work, so that one too large for memory is retried alone
         assert self._revealed is not None
@@ -321,6 +328,8 @@ class Cohort:
         for member, draw in zip(members, draws, strict=True):
             if draw.error is not None or draw.result is None:
                 self._finish(member, draw.error or RuntimeError("a token draw came back unanswered"))
+            elif member.thresholded:
+                tokens.append(self._committed(member, *draw.result))
             elif member.ranked:
                 tokens.append(self._most_confident(member, *draw.result))
             else:
@@ -363,6 +372,26 @@ class Cohort:
         logits = logits.to(self.noise_device, torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.forbidden] = float("-inf")
         return logits
+
+    def _committed(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
+        """A threshold step's tokens at its candidates (`dlm.sampling.reverse.reveal_threshold`): the drawn
+        token where its confidence is above the threshold, or among the most confident that leave at most
+        `keep` masked (at least one a row), the mask elsewhere."""
+
+        assert probabilities is not None and self._revealed is not None
+        options = member.job.generation.options
+        ranking = "confidence" if options.remasking in (ANCESTRAL, DILATED) else options.remasking
+        confidence = token_confidence(probabilities, new, ranking)
+        start, end = member.blocks[member.block]
+        shift = self.tokens.shape[1] - member.width
+        masked = self._revealed[member.span, shift + start : shift + end].to(confidence.device)
+        scores = torch.full(tuple(masked.shape), float("-inf"), dtype=confidence.dtype, device=confidence.device)
+        scores[masked] = confidence
+        need = (masked.sum(dim=1) - member.keep).clamp_min(1)
+        rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
+        assert options.threshold is not None
+        commit = ((scores > options.threshold) | (rank < need[:, None])) & masked
+        return torch.where(commit[masked], new, self.mask_id)
 
     def _most_confident(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
         """A ranked step's tokens at its candidates: the drawn token at the `keep` most confident of each row
@@ -460,7 +489,7 @@ class Cohort:
             start, end = member.blocks[member.block]
             steps = member.block_steps[member.block]
             member_odds, planned, member.keep = self._chance(
-                end - start, steps, member.index, options.remasking, options.reveal_split
+                end - start, steps, member.index, options.remasking, options.reveal_split, member.thresholded
             )
             shape = (member.rows, end - start)
             chances.append(member.noise.per_row(shape) if planned is None else planned.expand(shape))
@@ -474,15 +503,19 @@ class Cohort:
         return where & (self.tokens == self.mask_id) & hits.to(self.device)
 
     def _chance(
-        self, size: int, steps: int, index: int, remasking: str, split: RevealSplit
+        self, size: int, steps: int, index: int, remasking: str, split: RevealSplit, thresholded: bool
     ) -> tuple[float, Tensor | None, int]:
-        """A step's reveal odds, for a planned or ranked step its chances (see `_reveals`), and for a ranked
-        step the positions it keeps per row (`reveal_count`), computed once."""
+        """A step's reveal odds, for a planned, ranked or threshold step its chances (see `_reveals`), for a
+        ranked step the positions it reveals per row (`reveal_count`) and for a threshold step those it may
+        leave masked (`masked_after`), computed once."""
 
-        key = (size, steps, index, remasking, split)
+        key = (size, steps, index, remasking, split, thresholded)
         known = self._chances.get(key)
         if known is None:
-            if remasking == ANCESTRAL:
+            if thresholded:  # every masked position of the block is a candidate
+                keep = masked_after(size, steps, index, self.schedule, split)
+                known = (1.0, torch.zeros(size, dtype=torch.float64, device=self.noise_device), keep)
+            elif remasking == ANCESTRAL:
                 known = (step_odds(self.schedule, steps, index), None, 0)
             elif remasking != DILATED:  # ranked: every masked position of the block is a candidate
                 keep = reveal_count(size, steps, index, self.schedule, split)

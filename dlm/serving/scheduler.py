@@ -2,8 +2,8 @@
 then runs those calls in shared forward passes.
 
 Requests wait in a bounded queue. The engine (one thread) starts queued requests, oldest first, as
-long as their rows (prompts x `n`) fit `max_batch_rows`. A whole-sequence model's requests without a threshold
-or a cache join the cohort (`dlm.serving.cohort`), which advances them together as data and hands the
+long as their rows (prompts x `n`) fit `max_batch_rows`. A whole-sequence model's requests without a cache join
+the cohort (`dlm.serving.cohort`), which advances them together as data and hands the
 round its model calls. Every other running request is a greenlet (a
 coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for it exactly as the
 request would run alone, on a `dlm.serving.passes.RequestModel`, whose model call hands the call to
