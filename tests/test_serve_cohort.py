@@ -13,7 +13,7 @@ import pytest
 import test_sampling
 import torch
 from test_batch_sampling import transformer
-from test_serve_passes import EOS, PROMPTS, WAIT, alone, request, served
+from test_serve_passes import EOS, PROMPTS, WAIT, alone, churned, request, served
 from tokenizers import Tokenizer
 
 from dlm.errors import UserError
@@ -93,30 +93,8 @@ def test_requests_that_arrive_finish_and_leave_throughout_equal_each_alone(
     ]
     arrivals = {2: [3, 4], 4: [5], 7: [6, 7], 9: [8, 9]}  # pass -> the requests submitted while it runs
     leaving = {3: 1, 8: 4}  # pass -> the request whose client goes then
-    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
-    jobs = [Job(str(i), generation) for i, generation in enumerate(generations)]
-    count = [0]
-
-    def churn(module: Any, args: Any) -> None:
-        count[0] += 1
-        for index in arrivals.get(count[0], []):
-            scheduler.submit(jobs[index])
-        if count[0] in leaving:
-            scheduler.cancel(jobs[leaving[count[0]]])
-
     no_samplers(monkeypatch)
-    hook = model.register_forward_pre_hook(churn)
-    try:
-        for job in jobs[:3]:
-            scheduler.submit(job)
-        scheduler.start()
-        outcomes = []
-        for job in jobs:
-            error = job.future.exception(WAIT)
-            outcomes.append(error if error is not None else [c.text for c in job.future.result().choices])
-    finally:
-        hook.remove()
-        scheduler.stop(WAIT)
+    outcomes, scheduler = churned(model, tokenizer, generations, arrivals, leaving)
     for index, generation in enumerate(generations):
         if index in leaving.values():
             assert isinstance(outcomes[index], Departed), index

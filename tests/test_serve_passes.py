@@ -84,6 +84,44 @@ def served(
     return outcomes, scheduler
 
 
+def churned(
+    model: Any,
+    tokenizer: Tokenizer,
+    generations: list[Generation],
+    arrivals: dict[int, list[int]],
+    leaving: dict[int, int],
+) -> tuple[list[Any], Scheduler]:
+    """The first three requests submitted before the scheduler starts, then while pass p runs the requests
+    `arrivals[p]`, and the client of request `leaving[p]` goes; every request's texts (or the exception),
+    and the scheduler."""
+
+    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
+    jobs = [Job(str(i), generation) for i, generation in enumerate(generations)]
+    passes = [0]
+
+    def churn(module: Any, args: Any) -> None:
+        passes[0] += 1
+        for index in arrivals.get(passes[0], []):
+            scheduler.submit(jobs[index])
+        if passes[0] in leaving:
+            scheduler.cancel(jobs[leaving[passes[0]]])
+
+    hook = model.register_forward_pre_hook(churn)
+    try:
+        for job in jobs[:3]:
+            scheduler.submit(job)
+        scheduler.start()
+        outcomes: list[Any] = []
+        for job in jobs:
+            error = job.future.exception(WAIT)
+            outcomes.append(error if error is not None else [c.text for c in job.future.result().choices])
+    finally:
+        hook.remove()
+        scheduler.stop(WAIT)
+    assert scheduler.failure is None
+    return outcomes, scheduler
+
+
 PROMPTS = ("ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "ROMEO: But soft", "HAMLET:")
 
 
@@ -376,35 +414,13 @@ def test_requests_arriving_and_leaving_throughout_each_equal_their_solo_result(
     ]
     arrivals = {3: [3, 4], 6: [5], 10: [6, 7], 14: [8]}  # pass -> the requests submitted while it runs
     leaving = {5: 1, 12: 5}  # pass -> the request whose client goes then
-    scheduler = Scheduler(model, tokenizer, max_queue=16, max_batch_rows=16)
-    jobs = [Job(str(i), generation) for i, generation in enumerate(generations)]
-    passes = [0]
-
-    def churn(module: Any, args: Any) -> None:
-        passes[0] += 1
-        for index in arrivals.get(passes[0], []):
-            scheduler.submit(jobs[index])
-        if passes[0] in leaving:
-            scheduler.cancel(jobs[leaving[passes[0]]])
-
-    hook = model.register_forward_pre_hook(churn)
-    try:
-        for job in jobs[:3]:
-            scheduler.submit(job)
-        scheduler.start()
-        outcomes: dict[int, Any] = {}
-        for index, job in enumerate(jobs):
-            error = job.future.exception(WAIT)
-            outcomes[index] = error if error is not None else [c.text for c in job.future.result().choices]
-    finally:
-        hook.remove()
-        scheduler.stop(WAIT)
+    outcomes, _ = churned(model, tokenizer, generations, arrivals, leaving)
     left = set(leaving.values())
     for index, generation in enumerate(generations):
         if index in left and isinstance(outcomes[index], Departed):
             continue  # it left before it finished (a short request may finish first)
         assert outcomes[index] == alone(model, tokenizer, generation)[0], index
-    assert sum(isinstance(outcome, Departed) for outcome in outcomes.values()) >= 1
+    assert sum(isinstance(outcome, Departed) for outcome in outcomes) >= 1
 
 
 def test_merged_caches_take_each_layers_shape_from_any_call_that_holds_it() -> None:

@@ -106,16 +106,20 @@ class _FastReverse(Reverse):
         return logits
 
 
-def _finished(tokens: Tensor, positions: Tensor, stop_token_id: int, mask_id: int) -> bool:
-    """Whether every row has a generated stop token with no masked generated position before it."""
+def ended_rows(tokens: Tensor, generated: Tensor, stop_token_id: int, mask_id: int) -> Tensor:
+    """Per row of `tokens` [B, L]: whether it has a stop token at a generated position (`generated`, [L] or
+    [B, L]) with no masked generated position before it (what follows is cut off: the row is done)."""
 
-    generated = tokens[:, positions]
-    stops = generated == stop_token_id
-    if not bool(stops.any(dim=1).all()):
-        return False
-    first = stops.int().argmax(dim=1)
-    before = torch.arange(generated.shape[1], device=tokens.device)[None, :] < first[:, None]
-    return not bool(((generated == mask_id) & before).any())
+    stops = (tokens == stop_token_id) & generated
+    first = stops.int().argmax(dim=1)  # the first stop's column (0 where there is none: nothing is before)
+    before = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < first[:, None]
+    return stops.any(dim=1) & ~((tokens == mask_id) & generated & before).any(dim=1)
+
+
+def _finished(tokens: Tensor, fill_mask: Tensor, stop_token_id: int, mask_id: int) -> bool:
+    """Whether every row has ended (`ended_rows`)."""
+
+    return bool(ended_rows(tokens, fill_mask, stop_token_id, mask_id).all())
 
 
 def denoise_fast(
@@ -139,7 +143,6 @@ def denoise_fast(
     reverse = _FastReverse(
         model, options, noise, mask_id, never_predicted(mask_id, forbidden_token_ids, noise.device), pad=pad
     )
-    positions = fill_mask.nonzero().squeeze(-1)
     passes, step = 0, 0
     for block, block_steps in zip(blocks, steps_per_block(options.steps, len(blocks)), strict=True):
         window = reverse.window
@@ -151,7 +154,7 @@ def denoise_fast(
             step += 1
             if on_step is not None:
                 on_step(step, tokens.clone())
-            if stop_token_id is not None and _finished(tokens, positions, stop_token_id, mask_id):
+            if stop_token_id is not None and _finished(tokens, fill_mask, stop_token_id, mask_id):
                 return tokens, passes
     return tokens, passes
 

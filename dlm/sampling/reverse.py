@@ -186,13 +186,8 @@ class Reverse:
         candidates[:, block] = tokens[:, block] == self.mask_id
         new, confidence = self.predict(tokens, candidates)
         assert confidence is not None
-        scores = torch.full(tokens.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
-        scores[candidates.to(scores.device)] = confidence
-        # Every row has the same number of masked positions (>= count): top-k picks only candidates.
-        chosen = scores.topk(count, dim=1).indices.to(tokens.device)
-        proposal = tokens.clone()
-        proposal[candidates] = new
-        tokens.scatter_(1, chosen, proposal.gather(1, chosen))
+        chosen = most_confident(confidence, candidates, count).to(tokens.device)
+        tokens[chosen] = new[chosen[candidates]]
         return 1
 
 
@@ -243,23 +238,48 @@ def reveal_threshold(reverse: Reverse, tokens: Tensor, block: Tensor, keep_maske
     logits = reverse.scores(tokens, candidates, None)
     options = reverse.options
     new, probabilities = reverse.draw(logits, reverse.uniform(candidates, None), probabilities=True)
-    assert probabilities is not None
-    # The probability of the token each position would commit (Fast-dLLM's rule, and what
-    # `confidence` remasking ranks by), not the top-1 probability: at temperature > 0 the sample is
-    # often another token. `margin` keeps its own score, top-1 minus top-2, as its remasking does.
-    ranking = "confidence" if options.remasking in (ANCESTRAL, DILATED) else options.remasking
-    confidence = token_confidence(probabilities, new, ranking)
-    scores = torch.full(masked.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
-    scores[masked.to(scores.device)] = confidence
-    need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
-    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
-    assert options.threshold is not None
-    commit = (scores > options.threshold) | (rank < need[:, None])
-    commit = commit.to(tokens.device) & masked
+    assert probabilities is not None and options.threshold is not None
+    confidence = token_confidence(probabilities, new, threshold_ranking(options.remasking))
+    commit = threshold_commits(confidence, masked, keep_masked, options.threshold).to(tokens.device)
     proposal = tokens[:, block].clone()
     proposal[masked] = new.to(tokens.device)
     tokens[:, block] = torch.where(commit, proposal, tokens[:, block])
     return 1
+
+
+def threshold_ranking(remasking: str) -> str:
+    """What a threshold step ranks its candidates by: the probability of the token each position would
+    commit (Fast-dLLM's rule, and what `confidence` remasking ranks by), not the top-1 probability (at
+    temperature > 0 the sample is often another token); a ranked order (`margin`) keeps its own score."""
+
+    return "confidence" if remasking in (ANCESTRAL, DILATED) else remasking
+
+
+def _scores(confidence: Tensor, candidates: Tensor) -> Tensor:
+    """`confidence` [N] at the `candidates` [R, L] (row-major), -inf elsewhere."""
+
+    scores = torch.full(candidates.shape, float("-inf"), dtype=confidence.dtype, device=confidence.device)
+    scores[candidates.to(scores.device)] = confidence
+    return scores
+
+
+def most_confident(confidence: Tensor, candidates: Tensor, count: int) -> Tensor:
+    """The `count` candidates of each row [R, L] with the highest `confidence` (a remasking step's reveals);
+    every row holds at least `count` candidates, so top-k picks only candidates."""
+
+    scores = _scores(confidence, candidates)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    return chosen.scatter_(1, scores.topk(count, dim=1).indices, True)
+
+
+def threshold_commits(confidence: Tensor, masked: Tensor, keep_masked: int, threshold: float) -> Tensor:
+    """The candidates `masked` [R, L] a threshold step commits: those above `threshold`, and enough of the
+    most confident that at most `keep_masked` stay masked, at least one a row."""
+
+    scores = _scores(confidence, masked)
+    need = (masked.sum(dim=1) - keep_masked).clamp_min(1).to(scores.device)
+    rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
+    return ((scores > threshold) | (rank < need[:, None])) & masked.to(scores.device)
 
 
 def reverse_step(reverse: Reverse, tokens: Tensor, block: Tensor, steps: int, index: int, schedule: Schedule) -> int:

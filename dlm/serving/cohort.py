@@ -35,21 +35,25 @@ from torch import Tensor, nn
 from dlm.data.tokenizer import never_sampled_ids
 from dlm.model.denoiser import block_size
 from dlm.runtime.memory import is_out_of_memory
+from dlm.sampling.fast import ended_rows
 from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
 from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
 from dlm.sampling.reverse import (
     cut_after_stop,
     masked_after,
+    most_confident,
     never_predicted,
     planned_positions,
     reveal_count,
     sequence_blocks,
     step_odds,
     steps_per_block,
+    threshold_commits,
+    threshold_ranking,
 )
 from dlm.sampling.row_noise import RowNoise, noise_device
 from dlm.sampling.tokens import draws_per_row
-from dlm.serving.jobs import Answer, Job, Outcome
+from dlm.serving.jobs import Answer, Finished, Job, Outcome
 from dlm.serving.passes import Call, Departed, Draw, OutOfMemory, run_draws
 
 if TYPE_CHECKING:
@@ -62,7 +66,6 @@ if TYPE_CHECKING:
     from dlm.model.transformer import DiffusionTransformer
     from dlm.serving.protocol import Generation
 
-Finished = tuple[Job, Outcome | BaseException, int, float]  # the job, its outcome, tokens kept, seconds
 CHANCES_KEPT = 4096  # steps whose reveal odds, plans and counts the cohort keeps, recomputed when dropped
 
 
@@ -160,10 +163,6 @@ class Cohort:
 
     def __len__(self) -> int:
         return len(self.members)
-
-    @property
-    def jobs(self) -> list[Job]:
-        return [member.job for member in self.members]
 
     # -- rows in and out --------------------------------------------------------------------------
 
@@ -328,10 +327,8 @@ class Cohort:
         for member, draw in zip(members, draws, strict=True):
             if draw.error is not None or draw.result is None:
                 self._finish(member, draw.error or RuntimeError("a token draw came back unanswered"))
-            elif member.thresholded:
+            elif member.ranked or member.thresholded:
                 tokens.append(self._committed(member, *draw.result))
-            elif member.ranked:
-                tokens.append(self._most_confident(member, *draw.result))
             else:
                 tokens.append(draw.result[0])
         written = self._revealed
@@ -374,37 +371,23 @@ class Cohort:
         return logits
 
     def _committed(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
-        """A threshold step's tokens at its candidates (`dlm.sampling.reverse.reveal_threshold`): the drawn
-        token where its confidence is above the threshold, or among the most confident that leave at most
-        `keep` masked (at least one a row), the mask elsewhere."""
+        """A ranked or threshold step's tokens at its candidates: the drawn token where the step commits
+        (`Reverse.reveal_confident`, `reveal_threshold`: ranked in the member's own columns, as it ranks
+        them alone), the mask elsewhere, which stays masked."""
 
         assert probabilities is not None and self._revealed is not None
         options = member.job.generation.options
-        ranking = "confidence" if options.remasking in (ANCESTRAL, DILATED) else options.remasking
-        confidence = token_confidence(probabilities, new, ranking)
-        start, end = member.blocks[member.block]
-        shift = self.tokens.shape[1] - member.width
-        masked = self._revealed[member.span, shift + start : shift + end].to(confidence.device)
-        scores = torch.full(tuple(masked.shape), float("-inf"), dtype=confidence.dtype, device=confidence.device)
-        scores[masked] = confidence
-        need = (masked.sum(dim=1) - member.keep).clamp_min(1)
-        rank = scores.argsort(dim=1, descending=True).argsort(dim=1)
-        assert options.threshold is not None
-        commit = ((scores > options.threshold) | (rank < need[:, None])) & masked
-        return torch.where(commit[masked], new, self.mask_id)
-
-    def _most_confident(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
-        """A ranked step's tokens at its candidates: the drawn token at the `keep` most confident of each row
-        (`Reverse.reveal_confident`, ranked in the member's own columns as it ranks them alone), the mask
-        at the others, which stay masked."""
-
-        assert probabilities is not None and self._revealed is not None
-        confidence = token_confidence(probabilities, new, member.job.generation.options.remasking)
-        candidates = self._revealed[member.span, self.tokens.shape[1] - member.width :].to(confidence.device)
-        scores = torch.full(tuple(candidates.shape), float("-inf"), dtype=confidence.dtype, device=confidence.device)
-        scores[candidates] = confidence
-        chosen = torch.zeros_like(candidates).scatter_(1, scores.topk(member.keep, dim=1).indices, True)
-        return torch.where(chosen[candidates], new, self.mask_id)
+        own = self._revealed[member.span, self.tokens.shape[1] - member.width :].to(new.device)
+        if options.threshold is None:
+            candidates = own
+            confidence = token_confidence(probabilities, new, options.remasking)
+            commit = most_confident(confidence, candidates, member.keep)
+        else:
+            start, end = member.blocks[member.block]
+            candidates = own[:, start:end]
+            confidence = token_confidence(probabilities, new, threshold_ranking(options.remasking))
+            commit = threshold_commits(confidence, candidates, member.keep, options.threshold)
+        return torch.where(commit[candidates], new, self.mask_id)
 
     def _step(self, members: list[_Member]) -> None:
         """The step taken: each member's next step, its new text streamed, and those done finished."""
@@ -428,16 +411,9 @@ class Cohort:
             self._mark_blocks()
 
     def _ended(self) -> list[bool]:
-        """Per row: whether it has a generated end-of-document token with no masked generated position
-        before it (`dlm.sampling.fast._finished`, each row on its own)."""
+        """Per row: whether it has ended at its end of document (`dlm.sampling.fast.ended_rows`)."""
 
-        stops = (self.tokens == self.eos) & self.generated
-        found = stops.any(dim=1)
-        columns = torch.arange(self.tokens.shape[1], device=self.device)
-        first = stops.int().argmax(dim=1)
-        before = columns[None, :] < first[:, None]
-        masked = ((self.tokens == self.mask_id) & self.generated & before).any(dim=1)
-        ended: list[bool] = (found & ~masked).tolist()
+        ended: list[bool] = ended_rows(self.tokens, self.generated, self.eos, self.mask_id).tolist()
         return ended
 
     def _finish(self, member: _Member, error: BaseException | None = None) -> None:

@@ -43,6 +43,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)  # its client has gone
 
 
+Finished = tuple[Job, Outcome | BaseException, int, float]  # the job, its outcome, tokens kept, seconds
+
+
 class Answer:
     """A running job's answer: its rows' streams (when it streams) and, once sampled, its outcome.
     `first_text(seconds)` hears the time from the job's arrival to its first text."""

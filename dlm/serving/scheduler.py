@@ -50,7 +50,7 @@ from dlm.extras import Requirement, require
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
 from dlm.serving.cohort import Cohort, joins_cohort
-from dlm.serving.jobs import Answer, Job, Outcome
+from dlm.serving.jobs import Answer, Finished, Job, Outcome
 from dlm.serving.passes import Call, Departed, Draw, RequestModel, run_calls, run_draws
 from dlm.serving.protocol import Generation
 from dlm.serving.stats import ServeStats
@@ -308,14 +308,16 @@ class Scheduler:
             self._conclude(job, outcome, tokens, seconds)
 
     def _conclude(self, job: Job, outcome: Outcome | BaseException, tokens: int = 0, seconds: float = 0.0) -> None:
-        """A cohort request's end, counted and answered as a sampler's (`_sample`)."""
+        """A request's end, however it was sampled: counted, logged if it failed, and answered. A refusal of
+        the sampler's (`UserError`) is the client's to read, a departure is counted; any other error is a bug
+        or a device failure: this request fails, the server goes on."""
 
         if isinstance(outcome, Outcome):
             self._generated(tokens, seconds)
         elif isinstance(outcome, Departed):
             self.stats.count("left")
         elif not isinstance(outcome, UserError):
-            log.error("request %s failed: %r", job.request_id, outcome)
+            log.error("request %s failed", job.request_id, exc_info=outcome)
         self._finished(job, outcome)
 
     def _run(self) -> None:
@@ -370,19 +372,13 @@ class Scheduler:
     def _sample(self, job: Job) -> None:
         """A running request's greenlet: sample it, then answer it."""
 
-        outcome: Outcome | BaseException = RuntimeError(f"request {job.request_id} ended without an outcome")
+        ended: Finished = (job, RuntimeError(f"request {job.request_id} ended without an outcome"), 0, 0.0)
         try:
-            outcome = self._generate(job)
-        except Departed as exc:
-            self.stats.count("left")
-            outcome = exc
-        except UserError as exc:  # the sampler refused the request's options
-            outcome = exc
-        except Exception as exc:  # a bug or a device failure: this request fails, the server goes on
-            log.exception("request %s failed", job.request_id)
-            outcome = exc
+            ended = self._generate(job)
+        except Exception as exc:
+            ended = (job, exc, 0, 0.0)
         finally:  # whatever ended it: the passes must not wait for it
-            self._finished(job, outcome)
+            self._conclude(*ended)
 
     def _finished(self, job: Job, outcome: Outcome | BaseException) -> None:
         with self._ready:  # before the client hears: the figures must not count it as running
@@ -394,8 +390,9 @@ class Scheduler:
         else:
             job.future.set_result(outcome)
 
-    def _generate(self, job: Job) -> Outcome:
-        """Sample `job` as it would be sampled alone; its outcome (its streamed text sent to the end)."""
+    def _generate(self, job: Job) -> Finished:
+        """Sample `job` as it would be sampled alone: its outcome (its streamed text sent to the end), the
+        tokens it kept and the seconds it took."""
 
         generation = job.generation
         answer = self.answer(job)
@@ -413,8 +410,8 @@ class Scheduler:
             on_step=_step_watcher(job, answer),
             **asdict(generation.options),
         )
-        self._generated(sum(result.lengths), time.perf_counter() - start)
-        return answer.outcome(result.token_ids, result.prompt_tokens)
+        seconds = time.perf_counter() - start
+        return job, answer.outcome(result.token_ids, result.prompt_tokens), sum(result.lengths), seconds
 
     def answer(self, job: Job) -> Answer:
         return Answer(job, self.tokenizer, self.model.config.mask_token_id, self.eos, self.stats.first_text)
