@@ -58,17 +58,30 @@ def no_samplers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Scheduler, "_sample", refused)
 
 
+def options_of(block: int) -> list[dict[str, Any]]:
+    """The options a model of `block_size` `block` takes (a block model's blocks are its own)."""
+
+    return [option for option in OPTIONS if not block or option.get("block_length", block) == block]
+
+
+@pytest.mark.parametrize("block", [0, 4])
 def test_requests_of_every_kind_it_takes_equal_each_alone(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    model = transformer(tokenizer.get_vocab_size())
+    """A whole-sequence model's requests, and a block model's (each row's finished blocks in its slot of
+    the KV pool, `dlm.serving.pooled`)."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=block)
     generations = [
         request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8 + 4 * (i % 3), 500 + i, **option)
-        for i, option in enumerate(OPTIONS)
+        for i, option in enumerate(options_of(block))
     ]
-    generations.append(request(tokenizer, ("", "JULIET: O Romeo, Romeo, wherefore"), 10, 7, n=2))
+    # Several prompts: a block model's in one phase of its blocks (2 and 6 tokens; 0 and 4), as its sampler
+    # batches them.
+    pairs = (("ROMEO:", "HAMLET:"), ("", "To be")) if block else (("", PROMPTS[1]), ("ROMEO:", "To be"))
+    generations.append(request(tokenizer, pairs[0], 10, 7, n=2))
     generations.append(request(tokenizer, ("To be",), 12, 8, n=3, remasking="dilated", steps=4))
-    generations.append(request(tokenizer, ("ROMEO:", "To be"), 12, 9, n=2, remasking="confidence", steps=4))
+    generations.append(request(tokenizer, pairs[1], 12, 9, n=2, remasking="confidence", steps=4))
     assert all(cohort.joins_cohort(model, generation) for generation in generations)
     expected = [alone(model, tokenizer, generation) for generation in generations]
     no_samplers(monkeypatch)
@@ -78,17 +91,20 @@ def test_requests_of_every_kind_it_takes_equal_each_alone(
     assert scheduler.stats.snapshot().passes < 0.5 * sum(count for _, count in expected)
 
 
+@pytest.mark.parametrize("block", [0, 4])
 def test_requests_that_arrive_finish_and_leave_throughout_equal_each_alone(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
     """Rows join a cohort whose rows are narrower or wider than theirs, others finish or leave (so its
-    columns widen and narrow), and every request that stays gets its solo text."""
+    columns widen and narrow, and a block model's slots in the KV pool move up), and every request that
+    stays gets its solo text."""
 
-    model = transformer(tokenizer.get_vocab_size())
+    model = transformer(tokenizer.get_vocab_size(), block_size=block)
     lengths = [6, 20, 9, 14, 30, 8, 12, 16, 10, 24]
     prompts = ["ROMEO:", "To be", "JULIET: O Romeo, Romeo, wherefore", "", "HAMLET:"]
+    options = options_of(block)
     generations = [
-        request(tokenizer, (prompts[i % len(prompts)],), length, 700 + i, **OPTIONS[i % len(OPTIONS)])
+        request(tokenizer, (prompts[i % len(prompts)],), length, 700 + i, **options[i % len(options)])
         for i, length in enumerate(lengths)
     ]
     arrivals = {2: [3, 4], 4: [5], 7: [6, 7], 9: [8, 9]}  # pass -> the requests submitted while it runs
@@ -214,7 +230,7 @@ def test_a_failing_cohort_fails_its_requests_and_the_server_goes_on(
     assert outcomes == [alone(model, tokenizer, generation)[0] for generation in generations]
 
 
-def test_caches_and_block_models_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
+def test_caches_run_their_own_samplers_beside_it(tokenizer: Tokenizer) -> None:
     model = transformer(tokenizer.get_vocab_size())
     generations = [
         request(tokenizer, ("ROMEO:",), 10, 1),
@@ -225,8 +241,8 @@ def test_caches_and_block_models_run_their_own_samplers_beside_it(tokenizer: Tok
         request(tokenizer, ("ROMEO:",), 10, 6, threshold=0.3, cache="dual", block_length=5),
     ]
     assert [cohort.joins_cohort(model, generation) for generation in generations] == [True] * 3 + [False, True, False]
-    block_model = transformer(tokenizer.get_vocab_size(), block_size=4)
-    assert not cohort.joins_cohort(block_model, generations[0])
+    autoregressive = transformer(tokenizer.get_vocab_size(), block_size=1, attention="causal")
+    assert not cohort.joins_cohort(autoregressive, generations[0])
     expected = [alone(model, tokenizer, generation)[0] for generation in generations]
     outcomes, _ = served(model, tokenizer, generations)
     assert outcomes == expected
@@ -247,3 +263,55 @@ def test_a_request_the_cohort_cannot_take_fails_alone(tokenizer: Tokenizer, monk
     assert isinstance(outcomes[1], UserError)
     assert [outcomes[0], outcomes[2]] == [alone(model, tokenizer, generations[i])[0] for i in (0, 2)]
     assert scheduler.failure is None
+
+
+def test_a_block_models_requests_stop_at_their_end_of_document_and_never_pass_their_own_passes(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block model alone stops after the block that gives every row its end of document; in the cohort a
+    request ends as soon as every row has it with nothing masked before (what follows is cut either way):
+    the same text, in no more passes than its own."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+
+    def likely_end(module: Any, args: Any, logits: torch.Tensor) -> torch.Tensor:
+        return logits + torch.nn.functional.one_hot(torch.tensor(EOS), logits.shape[-1]) * 4.0
+
+    model.register_forward_hook(likely_end)
+    generations = [request(tokenizer, (PROMPTS[i],), 20, 900 + i, n=2) for i in range(4)]
+    expected = [alone(model, tokenizer, generation) for generation in generations]
+    no_samplers(monkeypatch)
+    for generation, (texts, passes) in zip(generations, expected, strict=True):
+        outcome, scheduler = served(model, tokenizer, [generation])
+        assert outcome == [texts] and scheduler.stats.snapshot().passes <= passes
+
+
+def test_a_block_models_requests_it_cannot_hold_run_their_own_samplers_beside_the_cohort(
+    tokenizer: Tokenizer,
+) -> None:
+    """Past the context a block model's sampler slides a window over its blocks, which a slot of the
+    context cannot hold; prompts in different phases of the blocks (2 and 4 tokens) it samples in separate
+    batches, each with blocks of its own. Those requests run their own samplers, the others share the
+    cohort's passes, and each equals its solo result."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    generations = [
+        request(tokenizer, ("ROMEO:",), 60, 1),
+        request(tokenizer, ("To be",), 12, 2),
+        request(tokenizer, ("HAMLET:",), 16, 3, remasking="confidence"),
+        request(tokenizer, ("ROMEO:", "To be"), 10, 4, n=2),
+    ]
+    assert all(cohort.joins_cohort(model, generation) for generation in generations)
+    samplers: list[str] = []
+    sample = Scheduler._sample
+
+    def counted(self: Scheduler, job: Job) -> None:
+        samplers.append(job.request_id)
+        sample(self, job)
+
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "_sample", counted)
+        outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == expected
+    assert sorted(samplers) == ["0", "3"]

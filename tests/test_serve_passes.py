@@ -20,6 +20,7 @@ from test_batch_sampling import transformer
 from tokenizers import Tokenizer
 
 from dlm.model.attention import KVCache
+from dlm.model.kv_pool import PoolPass
 from dlm.sampling.generation import generate
 from dlm.sampling.options import SamplingOptions
 from dlm.serving.passes import Call, Departed, _merged_cache
@@ -282,25 +283,27 @@ def test_a_request_that_arrives_starts_at_the_next_pass(tokenizer: Tokenizer) ->
     assert rows[:3] == [1, 1, 1] and rows[3] == 2  # it joined the fourth pass
 
 
-@pytest.mark.parametrize("arrival", [18, 22, 24])  # 22 and 24: the pass that would overflow
-def test_requests_far_apart_in_a_block_model_share_only_passes_that_fit_its_context(
+@pytest.mark.parametrize("arrival", [18, 22, 24])
+def test_requests_far_apart_in_a_block_model_share_passes_each_over_its_own_slot(
     tokenizer: Tokenizer, arrival: int
 ) -> None:
-    """One request near the end of the context, another starting its second block: their merged pass would
-    span the first's keys plus the second's two blocks, more than the context; they run apart and each
-    equals its solo result."""
+    """One request near the end of the context, another starting its second block: each row's keys sit in
+    its own slot of the KV pool (`dlm.model.kv_pool`), so their steps share passes however far apart they
+    are, no pass reads past the context, and each equals its solo result."""
 
     model = transformer(tokenizer.get_vocab_size(), block_size=4)
     context = model.config.max_seq_len
     first, late = request(tokenizer, ("",), context, 1), request(tokenizer, ("",), 12, 2)
     scheduler = Scheduler(model, tokenizer, max_queue=8, max_batch_rows=8)
     late_job, passes_seen = Job("late", late), [0]
-    widest = [0]
+    widest, shared = [0], [0]
 
     def arrive(module: Any, args: Any, keywords: dict[str, Any]) -> None:
         passes_seen[0] += 1
-        cache = keywords.get("cache")
-        widest[0] = max(widest[0], int(args[0].shape[1]) + (cache.stored if cache is not None else 0))
+        cache = keywords["cache"]
+        assert isinstance(cache, PoolPass)
+        widest[0] = max(widest[0], *cache.ends)
+        shared[0] += cache.rows == 2
         if passes_seen[0] == arrival:
             scheduler.submit(late_job)
 
@@ -315,6 +318,7 @@ def test_requests_far_apart_in_a_block_model_share_only_passes_that_fit_its_cont
         scheduler.stop(WAIT)
     assert outcomes == [alone(model, tokenizer, generation)[0][0] for generation in (first, late)]
     assert widest[0] <= context
+    assert shared[0] > 0
 
 
 def test_a_departed_request_leaves_before_its_next_pass(tokenizer: Tokenizer) -> None:

@@ -52,6 +52,7 @@ from dlm.model.attention import (
     training_kernel,
 )
 from dlm.model.denoiser import autoregressive_inputs
+from dlm.model.kv_pool import PoolPass
 
 
 class RMSNorm(nn.Module):
@@ -167,7 +168,7 @@ class Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: AttentionMask | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PoolPass | None = None,
         queries: slice | None = None,
     ) -> Tensor:
         """Attention output [B, L, W]; with `queries`, only for those positions (keys and values of all)."""
@@ -227,7 +228,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: AttentionMask | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PoolPass | None = None,
         queries: slice | None = None,
     ) -> Tensor:
         attended = self.attention(self.attention_norm(x), cos, sin, mask, cache, queries)
@@ -319,7 +320,7 @@ class DiffusionTransformer(nn.Module):
         output_positions: Tensor | None = None,
         *,
         clean_tokens: Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PoolPass | None = None,
         pad: Tensor | None = None,
         documents: Tensor | None = None,
         pad_after: Tensor | None = None,
@@ -340,6 +341,8 @@ class DiffusionTransformer(nn.Module):
         (`model.document_separator_id`); sampling feeds one document.
         """
 
+        if isinstance(cache, PoolPass):
+            return self._pool_pass(tokens, output_positions, cache)
         start = cache.length if cache is not None else 0
         length = tokens.shape[1]
         inputs = tokens  # the noisy tokens, before a block model appends its clean copy
@@ -403,6 +406,11 @@ class DiffusionTransformer(nn.Module):
         x = x[:, :length]  # the noisy copy only: the clean one is context
         if self.config.shift_logits:  # position i predicts from the output at i - 1 (the first from its own)
             x = torch.cat((x[:, :1], x[:, :-1]), dim=1)
+        return self._logits(x, inputs, output_positions)
+
+    def _logits(self, x: Tensor, inputs: Tensor, output_positions: Tensor | None) -> Tensor:
+        """The last blocks' outputs `x` [B, L, W] as logits, at `output_positions` if given (`forward`)."""
+
         x = self.norm(x)
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
@@ -418,6 +426,26 @@ class DiffusionTransformer(nn.Module):
         if self.config.mask_logit == "subs":
             return subs_logits(logits, inputs, self.config.mask_token_id)
         return logits
+
+    def _pool_pass(self, tokens: Tensor, output_positions: Tensor | None, cache: PoolPass) -> Tensor:
+        """A block model's pass over rows of a `KVPool` (`dlm.model.kv_pool`): each row's positions and
+        block-causal mask are its own, its keys written into and read from its slot."""
+
+        if not self.config.is_block_model or self.config.shift_logits:
+            raise ValueError("a KV pool serves block models, whose passes feed blocks over their cached prefix")
+        if max(cache.ends) > self.config.max_seq_len:
+            raise ValueError(f"sequence length {max(cache.ends)} exceeds max_seq_len {self.config.max_seq_len}")
+        width = tokens.shape[1]
+        positions = cache.positions(width, self.rope_cos.device)
+        cos, sin = head_tables(self.rope_cos[positions].float(), self.rope_sin[positions].float())
+        queries = None  # only the columns holding outputs need the last layer's attention and MLP
+        if output_positions is not None:
+            columns = output_positions.any(dim=0).nonzero()
+            queries = slice(int(columns[0]), int(columns[-1]) + 1) if len(columns) else slice(0, 0)
+        x = self._blocks(self.token_embedding(tokens), cos, sin, cache.mask(width, tokens.device), cache, queries, None)
+        if queries is not None and output_positions is not None:
+            output_positions, tokens = output_positions[:, queries], tokens[:, queries]
+        return self._logits(x, tokens, output_positions)
 
     def _two_copy_masks(
         self, length: int, pad: Tensor | None, device: torch.device
@@ -440,7 +468,7 @@ class DiffusionTransformer(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: AttentionMask | None,
-        cache: KVCache | None,
+        cache: KVCache | PoolPass | None,
         queries: slice | None,
         last_mask: AttentionMask | None,
     ) -> Tensor:

@@ -153,6 +153,30 @@ def _denoise_block(reverse: BlockReverse, tokens: Tensor, block: Tensor, steps: 
     return passes
 
 
+def model_blocks(
+    tokens: Tensor, fill_mask: Tensor, options: SamplingOptions, block_size: int, mask_id: int
+) -> tuple[Tensor, list[Tensor]]:
+    """A block model's start: a copy of `tokens` masked where `fill_mask` is, and the positions to generate
+    of each model block that holds any (blocks of `block_size` from column 0); refused with a
+    `block_length` of another size or fewer steps than blocks."""
+
+    if options.block_length not in (None, block_size):
+        raise UserError(
+            f"--block-length {options.block_length} differs from the model's block_size {block_size}",
+            fix="omit --block-length: a block model generates its own blocks",
+        )
+    tokens = tokens.clone()
+    tokens[:, fill_mask] = mask_id
+    positions = fill_mask.nonzero().squeeze(-1)
+    blocks = [positions[positions // block_size == b] for b in sorted(set((positions // block_size).tolist()))]
+    if len(blocks) > options.steps:
+        raise UserError(
+            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
+            fix=f"use at least {len(blocks)} steps",
+        )
+    return tokens, blocks
+
+
 def denoise_blocks(
     model: Denoiser,
     tokens: Tensor,
@@ -172,20 +196,8 @@ def denoise_blocks(
     `reverse_type` computes the logits (`dlm.sampling.autoregressive` feeds its model a shifted row)."""
 
     block_size, mask_id = model.config.block_size, model.config.mask_token_id
-    if options.block_length not in (None, block_size):
-        raise UserError(
-            f"--block-length {options.block_length} differs from the model's block_size {block_size}",
-            fix="omit --block-length: a block model generates its own blocks",
-        )
-    tokens = tokens.clone()
-    tokens[:, fill_mask] = mask_id
+    tokens, blocks = model_blocks(tokens, fill_mask, options, block_size, mask_id)
     positions = fill_mask.nonzero().squeeze(-1)
-    blocks = [positions[positions // block_size == b] for b in sorted(set((positions // block_size).tolist()))]
-    if len(blocks) > options.steps:
-        raise UserError(
-            f"--steps ({options.steps}) is fewer than the {len(blocks)} blocks to generate",
-            fix=f"use at least {len(blocks)} steps",
-        )
     noise = RowNoise.of(generator, tokens.shape[0])
     never = never_predicted(mask_id, forbidden_token_ids, noise.device)
     reverse = reverse_type(model, options, noise, mask_id, never, pad=pad)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from dlm.data.tokenizer import never_sampled_ids
 from dlm.model.denoiser import block_size
 from dlm.runtime.memory import is_out_of_memory
+from dlm.sampling.block_model import check_block_model_options, model_blocks
 from dlm.sampling.fast import ended_rows
 from dlm.sampling.prompt_batch import encode_prompts, padded_batch, prompt_offsets
 from dlm.sampling.remasking import ANCESTRAL, DILATED, token_confidence
@@ -55,6 +56,7 @@ from dlm.sampling.row_noise import RowNoise, noise_device
 from dlm.sampling.tokens import draws_per_row
 from dlm.serving.jobs import Answer, Finished, Job, Outcome
 from dlm.serving.passes import Call, Departed, Draw, OutOfMemory, run_draws
+from dlm.serving.pooled import PooledRows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,12 +71,20 @@ if TYPE_CHECKING:
 CHANCES_KEPT = 4096  # steps whose reveal odds, plans and counts the cohort keeps, recomputed when dropped
 
 
+class OwnSampler(Exception):
+    """A block model's request the cohort leaves to a sampler of its own: one longer than the model's
+    context (the sampler slides a window over it), or with prompts of different lengths modulo the block
+    size (the sampler takes them in separate batches, each with blocks of its own)."""
+
+
 def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
-    """Whether the cohort samples `generation`: a whole-sequence diffusion model's steps without a cache, in
-    any order, with or without a threshold (every other request runs its own sampler)."""
+    """Whether the cohort samples `generation`: a diffusion model's steps in any order, with or without a
+    threshold, a whole-sequence model's without a cache, a block model's over its exact cache of finished
+    blocks (`dlm.serving.pooled`; some raise `OwnSampler` as they join). Every
+    other request (an autoregressive model's, a `cache` option's) runs its own sampler."""
 
     config, options = model.config, generation.options
-    return not block_size(config) and config.attention != "causal" and options.cache == "none"
+    return config.attention != "causal" and (bool(block_size(config)) or options.cache == "none")
 
 
 @dataclass(eq=False)
@@ -160,6 +170,8 @@ class Cohort:
         self._chances: dict[tuple[int, int, int, str, str, bool], tuple[float, Tensor | None, int]] = {}
         self._finished: list[Finished] = []
         self._revealed: Tensor | None = None  # what this round's calls reveal [rows, columns]
+        block = block_size(config)  # a block model's rows hold their finished blocks' keys in a pool
+        self.pooled = PooledRows(config.max_seq_len, block) if block else None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -178,7 +190,15 @@ class Cohort:
         tokens, pad, fill_mask = padded_batch(
             prompts, offsets, generation.n, generation.length, self.filler, self.device
         )
-        tokens, blocks = sequence_blocks(tokens, fill_mask, generation.options, self.mask_id)
+        if self.pooled is None:
+            tokens, blocks = sequence_blocks(tokens, fill_mask, generation.options, self.mask_id)
+        else:
+            check_block_model_options(generation.options)
+            tokens, blocks = model_blocks(tokens, fill_mask, generation.options, self.pooled.block_size, self.mask_id)
+            if tokens.shape[1] > config.max_seq_len:
+                raise OwnSampler(f"{tokens.shape[1]} positions, past the model's {config.max_seq_len}")
+            if len({len(ids) % self.pooled.block_size for ids in prompts}) > 1:
+                raise OwnSampler("prompts in different phases of the model's blocks")
         generators = tuple(torch.Generator(device=self.noise_device).manual_seed(seed) for seed in seeds)
         member = _Member(
             job,
@@ -199,6 +219,8 @@ class Cohort:
         self.members.append(member)
         try:
             self._relayout()
+            if self.pooled is not None:
+                self.pooled.join(member.rows)
         except BaseException:  # all or nothing: the request fails alone, the cohort is as it was
             self.members.pop()
             self.tokens, self.pad = kept
@@ -221,6 +243,8 @@ class Cohort:
         self.tokens = self.tokens.index_select(0, index)[:, cut:]
         self.pad = self.pad.index_select(0, index) - cut
         self.members = kept
+        if self.pooled is not None:
+            self.pooled.keep(rows)
         self._relayout()
 
     def _relayout(self) -> None:
@@ -301,6 +325,8 @@ class Cohort:
             self._step(drawn)
         for member in stepped:
             member.call = None
+        if self.pooled is not None:
+            self.pooled.settled()
         self._leave([member for member in self.members if member.done])
         finished, self._finished = self._finished, []  # handed out last: `fail` answers them if anything raised
         return finished
@@ -447,6 +473,8 @@ class Cohort:
             (member.job, error, 0, time.perf_counter() - member.started) for member in self.members if not member.done
         ]
         self.members, self._finished = [], []
+        if self.pooled is not None:
+            self.pooled.clear()
         self.tokens = self.tokens[:0]
         self.pad = self.pad[:0]
         self._relayout()
@@ -510,6 +538,8 @@ class Cohort:
         """The model call of `member`'s step: its rows that reveal something, logits at what they reveal."""
 
         span = member.span
+        if self.pooled is not None:
+            return self._pooled_call(member, reveal)
         if all(member.counts):
             return Call(self.tokens[span], reveal[span], None, self.pad[span])
         rows = torch.tensor(
@@ -518,3 +548,19 @@ class Cohort:
         return Call(
             self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad.index_select(0, rows)
         )
+
+    def _pooled_call(self, member: _Member, reveal: Tensor) -> Call:
+        """A block model member's call: its rows that reveal something, each fed over its slot of the pool
+        from its held positions to its block's end (`dlm.serving.pooled`)."""
+
+        assert self.pooled is not None
+        end = member.blocks[member.block][1]
+        shift, rows, origins, ends = self.tokens.shape[1] - member.width, [], [], []
+        n = member.job.generation.n
+        for row, count in enumerate(member.counts):
+            if count:
+                offset = member.offsets[row // n]  # whole blocks: the row's own positions start there
+                rows.append(member.first + row)
+                origins.append(shift + offset)
+                ends.append(end - offset)
+        return self.pooled.call(self.tokens, reveal, rows, origins, ends)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from dlm.model.attention import KVCache
 from dlm.model.denoiser import block_size
+from dlm.model.kv_pool import PoolPass
 from dlm.runtime.memory import is_out_of_memory
 from dlm.sampling.tokens import sample_tokens, sample_with_probabilities
 
@@ -62,7 +63,7 @@ class Call:
 
     tokens: Tensor
     output_positions: Tensor | None
-    cache: KVCache | None
+    cache: KVCache | PoolPass | None
     pad: Tensor | None
     others: dict[str, Any] = field(default_factory=dict)  # keywords sampling never passes: the call runs alone
     done: bool = False  # answered: the engine answers every call before it resumes the request
@@ -79,6 +80,8 @@ class Call:
         if self.others or self.output_positions is None or self.output_positions.dtype != torch.bool:
             return None
         cache, width = self.cache, int(self.tokens.shape[1])
+        if isinstance(cache, PoolPass):  # rows of one pool: any together (first passes wider than two blocks apart)
+            return ("pool", id(cache.pool), width <= 2 * block)
         if cache is None:
             # A block model's rows keep their block columns only when padded by whole blocks.
             return ("whole", width % block if block else 0)
@@ -94,10 +97,16 @@ class Call:
         return ("cached", width, cache.committing, cache.keep, after)
 
     @property
+    def kv(self) -> KVCache | None:
+        """The call's own `KVCache` (None: no cache, or rows of a KV pool)."""
+
+        return self.cache if isinstance(self.cache, KVCache) else None
+
+    @property
     def stores(self) -> int:
         """Positions of the fed tokens this call stores in its cache (0: it stores none)."""
 
-        if self.cache is None or not self.cache.committing:
+        if not isinstance(self.cache, KVCache) or not self.cache.committing:
             return 0
         return int(self.tokens.shape[1]) if self.cache.keep is None else self.cache.keep
 
@@ -235,13 +244,13 @@ def _whole_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> 
     )
     start = 0
     for call in calls:
-        if fresh is not None and call.cache is not None:
+        if fresh is not None and call.kv is not None:
             rows, extra = slice(start, start + call.rows), width - int(call.tokens.shape[1])
-            call.cache.layers = [
+            call.kv.layers = [
                 None if kv is None else (kv[0][rows, :, extra:].contiguous(), kv[1][rows, :, extra:].contiguous())
                 for kv in fresh.layers
             ]
-            call.cache.length = int(call.tokens.shape[1])
+            call.kv.length = int(call.tokens.shape[1])
         start += call.rows
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
@@ -250,7 +259,7 @@ def _merged_cache(calls: list[Call], keep: int) -> tuple[KVCache, list[int]]:
     """One cache for the calls' rows, each left-padded with zero keys to the longest, storing the first
     `keep` fed positions (0: none); the padding of each."""
 
-    caches = [call.cache for call in calls if call.cache is not None]
+    caches = [call.kv for call in calls if call.kv is not None]
     # Every cache holds as many keys after its fed positions (none but `cache dual`'s, which attends
     # without a mask, in any key order): left-padding all to the most keys keeps each row's rotary
     # positions (counted from its padding) and hides the padding keys.
@@ -296,15 +305,31 @@ def _cached_pass(model: DiffusionTransformer, calls: list[Call], filler: int) ->
     logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad, pad_after=pad_after)
     start = 0
     for call, extra in zip(calls, extras, strict=True):
-        assert call.cache is not None
-        rows, end = slice(start, start + call.rows), extra + call.cache.length + call.stores
+        assert call.kv is not None
+        rows, end = slice(start, start + call.rows), extra + call.kv.length + call.stores
         if call.stores:
-            call.cache.layers = [
+            call.kv.layers = [
                 None if kv is None else (kv[0][rows, :, extra:end].contiguous(), kv[1][rows, :, extra:end].contiguous())
                 for kv in merged.layers
             ]
-            call.cache.length += call.stores
+            call.kv.length += call.stores
         start += call.rows
+    return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
+
+
+def _pool_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
+    """Calls over rows of one `KVPool` as one pass: their fed tokens right-padded to the widest (padding
+    whose keys no real position reads, `dlm.model.kv_pool`)."""
+
+    width = max(int(call.tokens.shape[1]) for call in calls)
+    tokens, positions, passes = [], [], []
+    for call in calls:
+        assert call.output_positions is not None and isinstance(call.cache, PoolPass)
+        extra = width - int(call.tokens.shape[1])
+        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
+        positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
+        passes.append(call.cache)
+    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=PoolPass.together(passes))
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
@@ -324,7 +349,8 @@ def run_calls(
         (alone if key is None else groups.setdefault(key, [])).append(call)
     batches = [[call] for call in alone]
     for group in groups.values():
-        batches += _within_context(group, config.max_seq_len)
+        pooled = isinstance(group[0].cache, PoolPass)  # each row within the context in its own slot
+        batches += [group] if pooled else _within_context(group, config.max_seq_len)
     _answer_in_batches(
         batches,
         lambda batch: _run_batch(model, batch, config),
@@ -341,7 +367,7 @@ def _within_context(calls: list[Call], context: int) -> list[list[Call]]:
     (one near its end, another starting its second block): those run in separate passes."""
 
     def span(batch: list[Call]) -> int:
-        return max(call.cache.stored if call.cache is not None else 0 for call in batch) + max(
+        return max(call.kv.stored if call.kv is not None else 0 for call in batch) + max(
             int(call.tokens.shape[1]) for call in batch
         )
 
@@ -373,6 +399,8 @@ def _run_batch(model: DiffusionTransformer, batch: list[Call], config: ModelConf
         if call.pad is not None:
             keywords["pad"] = call.pad
         return [model(call.tokens, output_positions=call.output_positions, **keywords)]
+    if isinstance(batch[0].cache, PoolPass):
+        return _pool_pass(model, batch, config.mask_token_id)
     if batch[0].cache is None or batch[0].group(block_size(config)) == ("fresh",):
         return _whole_pass(model, batch, config.mask_token_id)
     return _cached_pass(model, batch, config.mask_token_id)

@@ -49,7 +49,7 @@ from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.sampling.generation import generate
 from dlm.sampling.options import StepCallback
-from dlm.serving.cohort import Cohort, joins_cohort
+from dlm.serving.cohort import Cohort, OwnSampler, joins_cohort
 from dlm.serving.jobs import Answer, Finished, Job, Outcome
 from dlm.serving.passes import Call, Departed, Draw, RequestModel, run_calls, run_draws
 from dlm.serving.protocol import Generation
@@ -288,6 +288,8 @@ class Scheduler:
         for job in joining:
             try:  # a request the cohort cannot take fails alone: the cohort is unchanged until it joins
                 self._cohort.join(job)
+            except OwnSampler:  # it starts its own sampler at the next round
+                self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
             except Exception as exc:
                 self._conclude(job, exc)
         try:

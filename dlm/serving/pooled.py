@@ -1,0 +1,82 @@
+"""The cohort's block-model rows: each row's keys in its own slot of a `KVPool`, each step a `PoolPass`.
+
+A block model's sampler alone keeps a `KVCache` of its finished blocks and feeds the block it denoises
+(`dlm.sampling.block_model`). In the cohort (`dlm.serving.cohort`) every row's keys stay in place in a
+preallocated pool instead (`dlm.model.kv_pool`), slot = the row's place in the cohort: rows join at the
+end, and when some leave the rest move up (a copy once per request that ends, not once per pass). Each
+row knows how many of its own positions its slot holds (`stored`); a step's call feeds each of its rows
+from there to the end of the row's block, and once that pass has run, the positions before the block
+are final and held (the block's own keys are overwritten by the row's next pass, which feeds it again).
+
+A row's own positions count from its first token, as the model numbered them in training and as a
+padded batch numbers them alone (`DiffusionTransformer.forward(pad=...)`). A block model's prompts are
+left-padded by whole blocks (`dlm.sampling.prompt_batch.prompt_offsets`), so a row's blocks are the
+model's blocks of its own positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dlm.model.kv_pool import KVPool, PoolPass
+from dlm.serving.passes import Call
+
+
+class PooledRows:
+    """The pool and every cohort row's held positions. Runs on the engine's thread only."""
+
+    def __init__(self, context: int, block_size: int) -> None:
+        self.pool = KVPool(context)
+        self.block_size = block_size
+        self.stored: list[int] = []  # per cohort row: its own positions its slot holds
+        self._fed: list[tuple[Call, list[int], list[int]]] = []  # this round's calls, their rows, what each then holds
+
+    def join(self, rows: int) -> None:
+        """`rows` new rows at the end, their slots empty."""
+
+        self.stored += [0] * rows
+        self.pool.reserve(len(self.stored))
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep the cohort rows `rows` (in that order) as rows 0, 1, ...: the others have left."""
+
+        if len(rows) == len(self.stored) and rows == list(range(len(rows))):
+            return
+        self.stored = [self.stored[row] for row in rows]
+        self.pool.keep(torch.tensor(rows, dtype=torch.long))
+
+    def clear(self) -> None:
+        self.stored, self._fed = [], []
+
+    def call(self, tokens: Tensor, reveal: Tensor, rows: list[int], origins: list[int], ends: list[int]) -> Call:
+        """The call of a step of the cohort rows `rows`: each fed from its held positions to `ends` (its block's
+        end, in its own positions; `origins` are the cohort columns of its position 0), with logits at what
+        `reveal` [cohort rows, columns] marks. The positions before each row's block are held once it has run."""
+
+        starts = [self.stored[row] for row in rows]
+        width = max(end - start for start, end in zip(starts, ends, strict=True))
+        device = tokens.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        first = torch.tensor([origin + start for origin, start in zip(origins, starts, strict=True)], device=device)
+        columns = first[:, None] + torch.arange(width, device=device)
+        real = (
+            columns
+            < torch.tensor([origin + end for origin, end in zip(origins, ends, strict=True)], device=device)[:, None]
+        )
+        columns = columns.clamp_max(tokens.shape[1] - 1)  # a row shorter than the widest: padding
+        fed = tokens.index_select(0, index).gather(1, columns)
+        outputs = reveal.index_select(0, index).gather(1, columns) & real
+        call = Call(fed, outputs, PoolPass(self.pool, rows, starts, ends, self.block_size), None)
+        block = self.block_size
+        self._fed.append((call, rows, [(end - 1) // block * block for end in ends]))
+        return call
+
+    def settled(self) -> None:
+        """After the round's passes: each row whose pass ran holds the positions before its block."""
+
+        for call, rows, held in self._fed:
+            if call.done and call.error is None:
+                for row, positions in zip(rows, held, strict=True):
+                    self.stored[row] = positions
+        self._fed = []

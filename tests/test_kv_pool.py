@@ -1,0 +1,103 @@
+"""The KV pool: a pass over rows of the pool gives each row the logits of the model over its own prefix.
+
+The model runs in float64; the reference is the block model's plain pass over each row's whole prefix
+under the block-causal mask (no cache at all), the pass `dlm.sampling.block_model` checks its own cache
+against.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlm.config.schema import ModelConfig
+from dlm.model.kv_pool import KVPool, PoolPass
+from dlm.model.transformer import DiffusionTransformer
+
+BLOCK, CONTEXT = 8, 48
+
+
+@pytest.fixture(scope="module")
+def model() -> DiffusionTransformer:
+    config = ModelConfig(
+        vocab_size=100, max_seq_len=CONTEXT, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64, block_size=BLOCK
+    )  # type: ignore[call-arg]
+    torch.manual_seed(0)
+    return DiffusionTransformer(config).to(torch.float64).eval()
+
+
+def sequences(*lengths: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 100, (length,), generator=generator) for length in lengths]
+
+
+def prefix_logits(model: DiffusionTransformer, sequence: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The model's logits at positions [start, end) of `sequence`, from a pass over its first `end` tokens."""
+
+    outputs = torch.zeros(1, end, dtype=torch.bool)
+    outputs[0, start:end] = True
+    return model(sequence[None, :end], output_positions=outputs)
+
+
+def pooled_logits(
+    model: DiffusionTransformer, pool: KVPool, slots: list[int], rows: list[torch.Tensor], spans: list[tuple[int, int]]
+) -> torch.Tensor:
+    """One pass over the pool: row i (slot `slots[i]`) feeds positions `spans[i]` of `rows[i]`, right-padded."""
+
+    width = max(end - start for start, end in spans)
+    tokens = torch.zeros(len(spans), width, dtype=torch.long)
+    outputs = torch.zeros(len(spans), width, dtype=torch.bool)
+    for row, (start, end) in enumerate(spans):
+        tokens[row, : end - start] = rows[row][start:end]
+        outputs[row, : end - start] = True
+    step = PoolPass(pool, slots, [start for start, _ in spans], [end for _, end in spans], BLOCK)
+    return model(tokens, output_positions=outputs, cache=step)
+
+
+@torch.inference_mode()
+def test_rows_at_different_places_in_their_sequences_get_the_logits_of_their_own_prefix(
+    model: DiffusionTransformer,
+) -> None:
+    """Three sequences in slots out of order, fed a block at a time with different amounts held: a first
+    pass of two blocks, a block re-fed (its first pass held nothing), a last block cut short mid-block."""
+
+    rows = sequences(30, 44, 17)
+    pool = KVPool(CONTEXT)
+    pool.reserve(5)
+    slots = [3, 0, 1]
+    rounds = [
+        [(0, 16), (0, 24), (0, 8)],
+        [(8, 24), (16, 32), (0, 16)],  # the third row feeds its first block again with its second
+        [(16, 30), (24, 40), (8, 17)],  # the first and third end mid-block
+        [(24, 30), (32, 44), (16, 17)],
+    ]
+    for spans in rounds:
+        got = pooled_logits(model, pool, slots, rows, spans)
+        want = torch.cat([prefix_logits(model, rows[i], start, end) for i, (start, end) in enumerate(spans)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@torch.inference_mode()
+def test_slots_keep_their_keys_when_the_pool_grows_and_when_others_leave(model: DiffusionTransformer) -> None:
+    rows = sequences(24, 20, 32)
+    pool = KVPool(CONTEXT)
+    pool.reserve(3)
+    pooled_logits(model, pool, [0, 1, 2], rows, [(0, 16), (0, 16), (0, 16)])
+    pool.reserve(7)  # grown: slots 0-2 hold what they held
+    assert pool.slots >= 7
+    pool.keep(torch.tensor([2, 0]))  # the second sequence leaves: the third moves to slot 0, the first to 1
+    got = pooled_logits(model, pool, [0, 1], [rows[2], rows[0]], [(16, 32), (16, 24)])
+    want = torch.cat([prefix_logits(model, rows[2], 16, 32), prefix_logits(model, rows[0], 16, 24)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@torch.inference_mode()
+def test_a_pool_pass_refuses_what_it_cannot_hold(model: DiffusionTransformer) -> None:
+    pool = KVPool(CONTEXT)
+    pool.reserve(1)
+    tokens = torch.ones(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model(tokens, cache=PoolPass(pool, [0], [CONTEXT - 4], [CONTEXT + 4], BLOCK))
+    whole = DiffusionTransformer(model.config.model_copy(update={"block_size": 0})).to(torch.float64)
+    with pytest.raises(ValueError, match="serves block models"):
+        whole(tokens, cache=PoolPass(pool, [0], [0], [8], BLOCK))
