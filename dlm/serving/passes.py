@@ -80,8 +80,8 @@ class Call:
         if self.others or self.output_positions is None or self.output_positions.dtype != torch.bool:
             return None
         cache, width = self.cache, int(self.tokens.shape[1])
-        if isinstance(cache, PoolPass):  # rows of one pool: any together (first passes wider than two blocks apart)
-            return ("pool", id(cache.pool), width <= 2 * block)
+        if isinstance(cache, PoolPass):  # rows of one pool (a block wide each): any together
+            return ("pool", id(cache.pool))
         if cache is None:
             # A block model's rows keep their block columns only when padded by whole blocks.
             return ("whole", width % block if block else 0)

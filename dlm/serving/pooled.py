@@ -52,23 +52,31 @@ class PooledRows:
     def call(self, tokens: Tensor, reveal: Tensor, rows: list[int], origins: list[int], ends: list[int]) -> Call:
         """The call of a step of the cohort rows `rows`: each fed from its held positions to `ends` (its block's
         end, in its own positions; `origins` are the cohort columns of its position 0), with logits at what
-        `reveal` [cohort rows, columns] marks. The positions before each row's block are held once it has run."""
+        `reveal` [cohort rows, columns] marks. The positions before each row's block are held once it has run.
 
-        starts = [self.stored[row] for row in rows]
-        width = max(end - start for start, end in zip(starts, ends, strict=True))
+        A row that feeds more than its block (the block just finished, or its prompt at its first step) feeds
+        it as several rows of one block each over the same slot: a pass writes every row's keys into the pool
+        before any row reads them, so its block sees the finished ones of the same pass, and the pass is one
+        block wide instead of padded to its widest row."""
+
+        block = self.block_size
+        slots, starts, row_ends, first_columns, last_columns = [], [], [], [], []
+        for row, origin, end in zip(rows, origins, ends, strict=True):
+            for start in range(self.stored[row], end, block):
+                slots.append(row)
+                starts.append(start)
+                row_ends.append(end)
+                first_columns.append(origin + start)
+                last_columns.append(origin + end)
+        width = max(min(block, end - start) for start, end in zip(starts, row_ends, strict=True))
         device = tokens.device
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        first = torch.tensor([origin + start for origin, start in zip(origins, starts, strict=True)], device=device)
-        columns = first[:, None] + torch.arange(width, device=device)
-        real = (
-            columns
-            < torch.tensor([origin + end for origin, end in zip(origins, ends, strict=True)], device=device)[:, None]
-        )
-        columns = columns.clamp_max(tokens.shape[1] - 1)  # a row shorter than the widest: padding
+        columns = torch.tensor(first_columns, device=device)[:, None] + torch.arange(width, device=device)
+        real = columns < torch.tensor(last_columns, device=device)[:, None]
+        columns = columns.clamp_max(tokens.shape[1] - 1)  # a row's block cut short where its sequence ends
+        index = torch.tensor(slots, dtype=torch.long, device=device)
         fed = tokens.index_select(0, index).gather(1, columns)
         outputs = reveal.index_select(0, index).gather(1, columns) & real
-        call = Call(fed, outputs, PoolPass(self.pool, rows, starts, ends, self.block_size), None)
-        block = self.block_size
+        call = Call(fed, outputs, PoolPass(self.pool, slots, starts, row_ends, block), None)
         self._fed.append((call, rows, [(end - 1) // block * block for end in ends]))
         return call
 
