@@ -63,7 +63,7 @@ def test_rows_at_different_places_in_their_sequences_get_the_logits_of_their_own
 
     rows = sequences(30, 44, 17)
     pool = KVPool(CONTEXT)
-    pool.reserve(5)
+    pool.reserve(5, CONTEXT)
     slots = [3, 0, 1]
     rounds = [
         [(0, 16), (0, 24), (0, 8)],
@@ -81,10 +81,10 @@ def test_rows_at_different_places_in_their_sequences_get_the_logits_of_their_own
 def test_slots_keep_their_keys_when_the_pool_grows_and_when_others_leave(model: DiffusionTransformer) -> None:
     rows = sequences(24, 20, 32)
     pool = KVPool(CONTEXT)
-    pool.reserve(3)
+    pool.reserve(3, 32)
     pooled_logits(model, pool, [0, 1, 2], rows, [(0, 16), (0, 16), (0, 16)])
-    pool.reserve(7)  # grown: slots 0-2 hold what they held
-    assert pool.slots >= 7
+    pool.reserve(7, CONTEXT)  # grown: slots 0-2 hold what they held, with room for longer sequences
+    assert pool.slots >= 7 and pool.positions == CONTEXT
     pool.keep(torch.tensor([2, 0]))  # the second sequence leaves: the third moves to slot 0, the first to 1
     got = pooled_logits(model, pool, [0, 1], [rows[2], rows[0]], [(16, 32), (16, 24)])
     want = torch.cat([prefix_logits(model, rows[2], 16, 32), prefix_logits(model, rows[0], 16, 24)])
@@ -94,10 +94,25 @@ def test_slots_keep_their_keys_when_the_pool_grows_and_when_others_leave(model: 
 @torch.inference_mode()
 def test_a_pool_pass_refuses_what_it_cannot_hold(model: DiffusionTransformer) -> None:
     pool = KVPool(CONTEXT)
-    pool.reserve(1)
+    pool.reserve(1, CONTEXT)
     tokens = torch.ones(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         model(tokens, cache=PoolPass(pool, [0], [CONTEXT - 4], [CONTEXT + 4], BLOCK))
     whole = DiffusionTransformer(model.config.model_copy(update={"block_size": 0})).to(torch.float64)
     with pytest.raises(ValueError, match="serves block models"):
         whole(tokens, cache=PoolPass(pool, [0], [0], [8], BLOCK))
+
+
+@torch.inference_mode()
+def test_a_pool_holds_only_the_positions_reserved_and_never_more_than_its_context(
+    model: DiffusionTransformer,
+) -> None:
+    pool = KVPool(CONTEXT)
+    pool.reserve(2, 16)
+    assert (pool.slots, pool.positions) == (2, 16)
+    with pytest.raises(ValueError, match="past the pool's 16"):
+        model(torch.ones(1, 8, dtype=torch.long), cache=PoolPass(pool, [0], [16], [24], BLOCK))
+    with pytest.raises(ValueError, match="exceed the pool's context"):
+        pool.reserve(2, CONTEXT + 1)
+    pool.reserve(3, 20)  # doubled, within the context
+    assert (pool.slots, pool.positions) == (4, 32)

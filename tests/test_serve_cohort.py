@@ -17,6 +17,7 @@ from test_serve_passes import EOS, PROMPTS, WAIT, alone, churned, request, serve
 from tokenizers import Tokenizer
 
 from dlm.errors import UserError
+from dlm.model.kv_pool import KVPool
 from dlm.sampling.generation import generate
 from dlm.serving import cohort
 from dlm.serving.passes import Departed, OutOfMemory
@@ -315,3 +316,28 @@ def test_a_block_models_requests_it_cannot_hold_run_their_own_samplers_beside_th
         outcomes, _ = served(model, tokenizer, generations)
     assert outcomes == expected
     assert sorted(samplers) == ["0", "3"]
+
+
+def test_a_block_models_request_whose_keys_do_not_fit_fails_alone_with_out_of_memory(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV pool cannot grow for a request that joins (the device's memory is full): that request fails
+    with `OutOfMemory` (503, worth a retry) and the pool is as it was; the others are served."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    generations = [
+        request(tokenizer, (prompt,), 12, 980 + i) for i, prompt in enumerate(("ROMEO:", "HAMLET:", "To be"))
+    ]
+    reserve = KVPool.reserve
+
+    def full(self: KVPool, slots: int, positions: int) -> None:
+        if slots > 2:  # the third request's rows
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        reserve(self, slots, positions)
+
+    monkeypatch.setattr(KVPool, "reserve", full)
+    no_samplers(monkeypatch)
+    outcomes, scheduler = served(model, tokenizer, generations, max_batch_rows=3)
+    assert isinstance(outcomes[2], OutOfMemory)
+    assert outcomes[:2] == [alone(model, tokenizer, generation)[0] for generation in generations[:2]]
+    assert scheduler.failure is None

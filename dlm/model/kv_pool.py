@@ -4,14 +4,14 @@ A block model's sampler keeps the keys and values of a sequence's finished block
 only the block being denoised. A server advancing many sequences at once would, with one `KVCache`
 each, pad and concatenate all of them into one cache for every shared pass and cut them back after
 it: two copies of every live key per step. The pool instead holds every sequence's keys in place, in
-its own slot (a row of one tensor per layer, `[slots, kv_heads, context + 1, head_dim]`), and a pass
+its own slot (a row of one tensor per layer, `[slots, positions + 1, kv_heads, head_dim]`), and a pass
 (`PoolPass`) writes the keys of the positions it feeds straight into their slots' columns and attends
 over the slots as they stand: no key is copied but the fed ones.
 
 In a pass each row feeds the positions [start, end) of its own sequence (numbered from its first
 token, as the model numbered them in training): the finished blocks not yet in its slot, then the
 block being denoised. Rows of different widths share the pass right-padded; the padding's keys go to
-a scratch column past the context that no query reads. A query at position p sees the keys of its
+a scratch column past the positions that no query reads. A query at position p sees the keys of its
 row's positions c < end with block(c) <= block(p): the block-causal pattern of
 `dlm.model.attention.block_causal_mask`, per row. The keys written for the block being denoised are
 overwritten by the row's next pass, which feeds that block again; the caller says which positions
@@ -30,30 +30,44 @@ from dlm.model.attention import AttentionMask
 
 @dataclass
 class KVPool:
-    """Keys and values of `slots` sequences of up to `context` positions each, for every layer.
+    """Keys and values of `slots` sequences of up to `positions` positions each (at most the model's
+    `context`), for every layer.
 
-    The tensors are made at a layer's first write (then the keys' dtype and device are known) and grow
-    by doubling as sequences join (`reserve`); sequences that leave give their slots back (`keep`).
+    A layer's tensors are made at its first write (then the keys' dtype and device are known); both sizes
+    grow by doubling as sequences join (`reserve`: the longest held sets the positions, not the context),
+    and sequences that leave give their slots back (`keep`). Nothing shrinks: the pool holds its peak.
     """
 
     context: int
     slots: int = 0
+    positions: int = 0
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
 
     @property
     def scratch(self) -> int:
         """The column the padding's keys are written to: past every position, read by no query."""
 
-        return self.context
+        return self.positions
 
-    def reserve(self, slots: int) -> None:
-        """Room for at least `slots` sequences; the slots held keep their keys."""
+    def reserve(self, slots: int, positions: int) -> None:
+        """Room for at least `slots` sequences of `positions` positions; the slots held keep their keys. All
+        or nothing: where the memory runs out the pool is as it was."""
 
-        if slots <= self.slots:
+        if slots <= self.slots and positions <= self.positions:
             return
-        grown = max(slots, 2 * self.slots)
-        self.layers = [None if kv is None else (_grown(kv[0], grown), _grown(kv[1], grown)) for kv in self.layers]
-        self.slots = grown
+        if positions > self.context:
+            raise ValueError(f"{positions} positions exceed the pool's context of {self.context}")
+        slots = max(slots, self.slots if slots <= self.slots else 2 * self.slots)
+        positions = max(
+            positions, self.positions if positions <= self.positions else min(self.context, 2 * self.positions)
+        )
+        self.layers = [
+            None
+            if kv is None
+            else (_grown(kv[0], slots, positions, self.positions), _grown(kv[1], slots, positions, self.positions))
+            for kv in self.layers
+        ]
+        self.slots, self.positions = slots, positions
 
     def keep(self, slots: Tensor) -> None:
         """Keep the sequences of `slots` (in that order) as slots 0, 1, ...: those that left give theirs back."""
@@ -65,21 +79,25 @@ class KVPool:
                     tensor[:count] = tensor.index_select(0, slots.to(tensor.device))
 
     def layer(self, index: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys and values of layer `index`, made like `like` ([rows, kv_heads, width, head_dim]) if new."""
+        """The keys and values of layer `index` [slots, positions + 1, kv_heads, head_dim], made like `like`
+        ([rows, kv_heads, width, head_dim]) if new. Positions before heads: a pass's keys are written as
+        whole rows of the flattened (slot, position) index, one `index_copy_` a tensor."""
 
         while len(self.layers) <= index:
             self.layers.append(None)
         held = self.layers[index]
         if held is None:
-            shape = (self.slots, like.shape[1], self.context + 1, like.shape[3])
+            shape = (self.slots, self.positions + 1, like.shape[1], like.shape[3])
             held = (like.new_zeros(shape), like.new_zeros(shape))
             self.layers[index] = held
         return held
 
 
-def _grown(tensor: Tensor, slots: int) -> Tensor:
-    grown = tensor.new_zeros((slots, *tensor.shape[1:]))
-    grown[: tensor.shape[0]] = tensor
+def _grown(tensor: Tensor, slots: int, positions: int, held: int) -> Tensor:
+    """`tensor` [slots, held + 1, ...] with room for `slots` x (`positions` + 1): its `held` positions kept."""
+
+    grown = tensor.new_zeros((slots, positions + 1, *tensor.shape[2:]))
+    grown[: tensor.shape[0], :held] = tensor[:, :held]
     return grown
 
 
@@ -122,45 +140,61 @@ class PoolPass:
             first.block_size,
         )
 
-    def _tensors(self, width: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """Each fed column's position [rows, width], each row's end [rows, 1] and slot [rows], on `device`."""
+    def _tensors(self, width: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Each fed column's position [rows, width], each row's end [rows, 1], its slot [rows], and where each
+        fed column's key goes in a layer's flattened (slot, position) index [rows x width], on `device`."""
 
         if "positions" not in self._index or self._index["positions"].shape[1] != width:
             starts = torch.tensor(self.starts, device=device)
-            self._index["positions"] = starts[:, None] + torch.arange(width, device=device)
-            self._index["ends"] = torch.tensor(self.ends, device=device)[:, None]
-            self._index["slots"] = torch.tensor(self.slots, device=device)
-        return self._index["positions"], self._index["ends"], self._index["slots"]
+            positions = starts[:, None] + torch.arange(width, device=device)
+            ends = torch.tensor(self.ends, device=device)[:, None]
+            slots = torch.tensor(self.slots, device=device)
+            columns = torch.where(positions < ends, positions, self.pool.scratch)
+            self._index.update(
+                positions=positions, ends=ends, slots=slots, flat=(slots[:, None] * (self.pool.positions + 1) + columns)
+            )
+        index = self._index
+        return index["positions"], index["ends"], index["slots"], index["flat"].reshape(-1)
 
     def positions(self, width: int, device: torch.device) -> Tensor:
         """The position of every fed column [rows, width]; the padding's are clamped into the context."""
 
-        positions, _, _ = self._tensors(width, device)
+        positions = self._tensors(width, device)[0]
         return positions.clamp_max(self.pool.context - 1)
 
     def mask(self, width: int, device: torch.device) -> AttentionMask:
         """Which of the slots' first max(ends) keys each fed column sees [rows, 1, width, keys]: its row's
-        keys before the row's end, from its own block back (padding columns see all of those)."""
+        keys before the row's end, from its own block back (padding columns see all of those). No mask
+        where every row ends alike and feeds only its last block (a lone request's steps, requests in step):
+        each query then sees every key read."""
 
-        positions, ends, _ = self._tensors(width, device)
-        keys = torch.arange(max(self.ends), device=device)
-        block = self.block_size
-        seen = (keys[None, None, :] < ends[:, :, None]) & (
-            keys[None, None, :] // block <= positions[:, :, None] // block
-        )
+        block, keys = self.block_size, max(self.ends)
+        if min(self.ends) == keys and min(self.starts) // block == (keys - 1) // block:
+            return AttentionMask("sdpa")
+        positions, ends, _, _ = self._tensors(width, device)
+        key = torch.arange(keys, device=device)
+        seen = (key[None, None, :] < ends[:, :, None]) & (key[None, None, :] // block <= positions[:, :, None] // block)
         return AttentionMask("sdpa-mask", seen[:, None])
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the fed keys and values [rows, kv_heads, width, head_dim] of layer `layer` into their
-        slots' columns (the padding's into the scratch column); the slots' first max(ends) keys and values."""
+        slots' positions (the padding's into the scratch column); the slots' first max(ends) keys and values."""
 
         pool_k, pool_v = self.pool.layer(layer, k)
-        positions, ends, slots = self._tensors(k.shape[2], k.device)
-        columns = torch.where(positions < ends, positions, self.pool.scratch)
-        rows = slots[:, None]
-        pool_k[rows, :, columns] = k.transpose(1, 2).to(pool_k.dtype)
-        pool_v[rows, :, columns] = v.transpose(1, 2).to(pool_v.dtype)
-        keys, first = max(self.ends), self.slots[0]
+        keys, first, start, width = max(self.ends), self.slots[0], self.starts[0], k.shape[2]
+        block = None  # the rows' keys as one block of the pool: consecutive slots, one start, no padding
+        if self._consecutive and min(self.starts) == start and min(self.ends) == start + width == keys:
+            block = (slice(first, first + self.rows), slice(start, start + width))
+        for pooled, fed in ((pool_k, k), (pool_v, v)):
+            if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
+                pooled[block].copy_(fed.transpose(1, 2))
+                continue
+            rows = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
+            flat = self._tensors(width, k.device)[3]
+            pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, rows.to(pooled.dtype))
         if self._consecutive:  # a view of the pool, no copy
-            return pool_k[first : first + self.rows, :, :keys], pool_v[first : first + self.rows, :, :keys]
-        return pool_k[:, :, :keys].index_select(0, slots), pool_v[:, :, :keys].index_select(0, slots)
+            pool_k, pool_v = pool_k[first : first + self.rows, :keys], pool_v[first : first + self.rows, :keys]
+        else:
+            slots = self._tensors(width, k.device)[2]
+            pool_k, pool_v = pool_k[:, :keys].index_select(0, slots), pool_v[:, :keys].index_select(0, slots)
+        return pool_k.transpose(1, 2), pool_v.transpose(1, 2)

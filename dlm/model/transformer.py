@@ -435,9 +435,15 @@ class DiffusionTransformer(nn.Module):
             raise ValueError("a KV pool serves block models, whose passes feed blocks over their cached prefix")
         if max(cache.ends) > self.config.max_seq_len:
             raise ValueError(f"sequence length {max(cache.ends)} exceeds max_seq_len {self.config.max_seq_len}")
-        width = tokens.shape[1]
-        positions = cache.positions(width, self.rope_cos.device)
-        cos, sin = head_tables(self.rope_cos[positions].float(), self.rope_sin[positions].float())
+        if max(cache.ends) > cache.pool.positions:
+            raise ValueError(f"position {max(cache.ends)} is past the pool's {cache.pool.positions} (reserve them)")
+        width, start = tokens.shape[1], min(cache.starts)
+        if start == max(cache.starts):  # every row's columns at the same positions: one table for all
+            cos, sin = self.rope_cos[start : start + width].float(), self.rope_sin[start : start + width].float()
+        else:
+            positions = cache.positions(width, self.rope_cos.device)
+            cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        cos, sin = head_tables(cos, sin)
         queries = None  # only the columns holding outputs need the last layer's attention and MLP
         if output_positions is not None:
             columns = output_positions.any(dim=0).nonzero()

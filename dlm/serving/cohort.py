@@ -219,8 +219,8 @@ class Cohort:
         self.members.append(member)
         try:
             self._relayout()
-            if self.pooled is not None:
-                self.pooled.join(member.rows)
+            if self.pooled is not None:  # its rows' own positions: the widest from column 0 of its layout
+                self.pooled.join(member.rows, member.width)
         except BaseException:  # all or nothing: the request fails alone, the cohort is as it was
             self.members.pop()
             self.tokens, self.pad = kept

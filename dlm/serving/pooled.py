@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from dlm.model.kv_pool import KVPool, PoolPass
-from dlm.serving.passes import Call
+from dlm.runtime.memory import is_out_of_memory
+from dlm.serving.passes import Call, OutOfMemory
 
 
 class PooledRows:
@@ -32,11 +33,17 @@ class PooledRows:
         self.stored: list[int] = []  # per cohort row: its own positions its slot holds
         self._fed: list[tuple[Call, list[int], list[int]]] = []  # this round's calls, their rows, what each then holds
 
-    def join(self, rows: int) -> None:
-        """`rows` new rows at the end, their slots empty."""
+    def join(self, rows: int, positions: int) -> None:
+        """`rows` new rows at the end, their slots empty, with room for `positions` positions each; where the
+        pool cannot grow that far, `OutOfMemory` and nothing changed."""
 
+        try:
+            self.pool.reserve(len(self.stored) + rows, positions)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise OutOfMemory("the request's keys do not fit the device's memory now; retry later") from exc
         self.stored += [0] * rows
-        self.pool.reserve(len(self.stored))
 
     def keep(self, rows: list[int]) -> None:
         """Keep the cohort rows `rows` (in that order) as rows 0, 1, ...: the others have left."""
