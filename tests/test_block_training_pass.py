@@ -13,7 +13,8 @@ from dlm.diffusion.objective import corrupt_tokens, diffusion_cross_entropy
 from dlm.evaluation.evaluate import evaluate_model
 from dlm.model.attention import AttentionMask, _bd3_bool
 from dlm.model.denoiser import masked_logits
-from dlm.model.transformer import DiffusionTransformer, head_tables
+from dlm.model.rotary import head_tables
+from dlm.model.transformer import DiffusionTransformer
 
 MASK_ID = 1
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dlm.config.schema import ModelConfig
 from dlm.config.shapes import format_parameter_count
 from dlm.diffusion.objective import accumulation_mask_probabilities, corrupt_tokens, diffusion_cross_entropy
-from dlm.model.transformer import DiffusionTransformer, apply_rotary, head_tables, rotary_tables
+from dlm.model.rotary import apply_rotary, head_tables, rotary_tables
+from dlm.model.transformer import DiffusionTransformer
 
 
 def tiny_config(**overrides: object) -> ModelConfig:

@@ -17,7 +17,7 @@ RopeScalingKind = Literal["linear", "llama3"]
 
 
 class RopeScaling(BaseModel):
-    """Rotary frequency scaling; `dlm.model.transformer.rotary_frequencies` applies it."""
+    """Rotary frequency scaling; `dlm.model.rotary.rotary_frequencies` applies it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -26,7 +26,6 @@ the tokens of `generate` alone, up to float rounding (the tests compare them tok
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +54,7 @@ from dlm.sampling.reverse import (
 from dlm.sampling.row_noise import RowNoise, noise_device
 from dlm.sampling.tokens import draws_per_row
 from dlm.serving.jobs import Answer, Finished, Job, Outcome
+from dlm.serving.member import Member
 from dlm.serving.passes import Call, Departed, Draw, OutOfMemory, run_draws
 from dlm.serving.pooled import PooledRows
 
@@ -87,61 +87,6 @@ def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
     return config.attention != "causal" and (bool(block_size(config)) or options.cache == "none")
 
 
-@dataclass(eq=False)
-class _Member:
-    """One request of the cohort: its rows (`first` .. `first + rows`), its own sequence width and
-    blocks (columns of its own layout), where its steps are, and its random streams."""
-
-    job: Job
-    answer: Answer
-    noise: RowNoise
-    width: int  # its own sequence's columns: its longest prompt and its generated positions
-    offsets: list[int]  # each prompt's leading padding within its own layout
-    prompts: list[int]  # each prompt's tokens
-    blocks: list[tuple[int, int]]  # [start, end) columns of its own layout
-    block_steps: list[int]
-    started: float = field(default_factory=time.perf_counter)
-    first: int = 0  # its first row in the cohort
-    block: int = 0  # the block being denoised
-    index: int = 0  # the step of that block
-    call: Call | None = None  # this round's model call
-    counts: list[int] = field(default_factory=list)  # this round's revealed (ranked: candidate) positions per row
-    keep: int = 0  # a ranked step's positions to reveal per row (the most confident of its candidates)
-
-    @property
-    def ranked(self) -> bool:
-        """Whether its steps rank the masked positions by a confidence (`confidence`, `margin`, ...)."""
-
-        return self.job.generation.options.remasking not in (ANCESTRAL, DILATED)
-
-    @property
-    def thresholded(self) -> bool:
-        """Whether its steps commit every candidate above a confidence (`threshold`, whatever its order)."""
-
-        return self.job.generation.options.threshold is not None
-
-    @property
-    def rows(self) -> int:
-        return self.job.generation.rows
-
-    @property
-    def span(self) -> slice:
-        return slice(self.first, self.first + self.rows)
-
-    @property
-    def done(self) -> bool:
-        return self.block == len(self.blocks)
-
-    def advance(self) -> bool:
-        """One step on; whether its block changed."""
-
-        self.index += 1
-        if self.index < self.block_steps[self.block]:
-            return False
-        self.block, self.index = self.block + 1, 0
-        return True
-
-
 class Cohort:
     """The cohort's rows and requests. Runs on the engine's thread only."""
 
@@ -162,7 +107,7 @@ class Cohort:
         forbidden = never_sampled_ids(tokenizer, config.vocab_size)
         self.filler = forbidden[0] if forbidden else 0  # what padding holds does not matter: nothing sees it
         self.forbidden = never_predicted(self.mask_id, forbidden, self.noise_device)
-        self.members: list[_Member] = []
+        self.members: list[Member] = []
         self.tokens = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.pad = torch.zeros(0, dtype=torch.long, device=self.device)
         self.block_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # each row's current block
@@ -200,7 +145,7 @@ class Cohort:
             if len({len(ids) % self.pooled.block_size for ids in prompts}) > 1:
                 raise OwnSampler("prompts in different phases of the model's blocks")
         generators = tuple(torch.Generator(device=self.noise_device).manual_seed(seed) for seed in seeds)
-        member = _Member(
+        member = Member(
             job,
             self._answer(job),
             RowNoise(generators, (generation.n,) * len(prompts)),
@@ -230,7 +175,7 @@ class Cohort:
     def _widened(self, tokens: Tensor, width: int) -> Tensor:
         return nn.functional.pad(tokens, (width - tokens.shape[1], 0), value=self.filler)
 
-    def _leave(self, gone: list[_Member]) -> None:
+    def _leave(self, gone: list[Member]) -> None:
         """Take the rows of `gone` out; cut the leading columns no row needs any more."""
 
         if not gone:
@@ -331,7 +276,7 @@ class Cohort:
         finished, self._finished = self._finished, []  # handed out last: `fail` answers them if anything raised
         return finished
 
-    def _draw(self, members: list[_Member], stepped: list[_Member]) -> None:
+    def _draw(self, members: list[Member], stepped: list[Member]) -> None:
         """Each member's tokens at what it reveals, drawn from its logits as its sampler draws them
         (`Reverse.scores`, `Reverse.uniform`, `sample_tokens`), and written."""
 
@@ -366,7 +311,7 @@ class Cohort:
         if tokens:  # in row order, as `written` holds them
             self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
 
-    def _scores(self, members: list[_Member]) -> list[Tensor | BaseException]:
+    def _scores(self, members: list[Member]) -> list[Tensor | BaseException]:
         """Each member's logits as its sampler scores them (`Reverse.scores`: at least float32, on the noise
         device, never-predicted tokens -inf): converted together, or one by one where together they do not
         fit the device's memory (a member that does not fit alone gets `OutOfMemory`)."""
@@ -396,7 +341,7 @@ class Cohort:
         logits[:, self.forbidden] = float("-inf")
         return logits
 
-    def _committed(self, member: _Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
+    def _committed(self, member: Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
         """A ranked or threshold step's tokens at its candidates: the drawn token where the step commits
         (`Reverse.reveal_confident`, `reveal_threshold`: ranked in the member's own columns, as it ranks
         them alone), the mask elsewhere, which stays masked."""
@@ -415,7 +360,7 @@ class Cohort:
             commit = threshold_commits(confidence, candidates, member.keep, options.threshold)
         return torch.where(commit[candidates], new, self.mask_id)
 
-    def _step(self, members: list[_Member]) -> None:
+    def _step(self, members: list[Member]) -> None:
         """The step taken: each member's next step, its new text streamed, and those done finished."""
 
         ended = self._ended()
@@ -442,7 +387,7 @@ class Cohort:
         ended: list[bool] = ended_rows(self.tokens, self.generated, self.eos, self.mask_id).tolist()
         return ended
 
-    def _finish(self, member: _Member, error: BaseException | None = None) -> None:
+    def _finish(self, member: Member, error: BaseException | None = None) -> None:
         """`member` is done: its outcome (its rows cut after their end of document, as `generate` cuts
         them), or `error`. Its rows leave when the round is settled."""
 
@@ -480,7 +425,7 @@ class Cohort:
         self._relayout()
         return finished
 
-    def _reveals(self, members: list[_Member]) -> Tensor:
+    def _reveals(self, members: list[Member]) -> Tensor:
         """The positions each member's current step reveals [rows, columns] (none in other rows): its
         block's masked positions whose uniform draw x odds < 1, the draws from its own streams. A planned
         (dilated) step's chances are 0 where it reveals and 1 elsewhere, at odds 1; a ranked step's are 0
@@ -534,7 +479,7 @@ class Cohort:
             self._chances[key] = known
         return known
 
-    def _call(self, member: _Member, reveal: Tensor) -> Call:
+    def _call(self, member: Member, reveal: Tensor) -> Call:
         """The model call of `member`'s step: its rows that reveal something, logits at what they reveal."""
 
         span = member.span
@@ -549,7 +494,7 @@ class Cohort:
             self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad.index_select(0, rows)
         )
 
-    def _pooled_call(self, member: _Member, reveal: Tensor) -> Call:
+    def _pooled_call(self, member: Member, reveal: Tensor) -> Call:
         """A block model member's call: its rows that reveal something, each fed over its slot of the pool
         from its held positions to its block's end (`dlm.serving.pooled`)."""
 
