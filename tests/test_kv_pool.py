@@ -116,3 +116,22 @@ def test_a_pool_holds_only_the_positions_reserved_and_never_more_than_its_contex
         pool.reserve(2, CONTEXT + 1)
     pool.reserve(3, 20)  # doubled, within the context
     assert (pool.slots, pool.positions) == (4, 32)
+
+
+def test_each_fed_key_lands_at_its_rows_position_and_padding_in_the_scratch_column() -> None:
+    """Rows that start apart and end alike (the second's last columns are padding): each key is written
+    at its own row's position, whatever shortcut the write takes, and the keys read are the slots'."""
+
+    pool = KVPool(CONTEXT)
+    pool.reserve(2, CONTEXT)
+    heads, width, dim = 2, 8, 4
+    keys = torch.arange(2 * heads * width * dim, dtype=torch.float64).view(2, heads, width, dim)
+    step = PoolPass(pool, [0, 1], [40, 44], [48, 48], BLOCK)
+    read_k, _ = step.extend(0, keys, -keys)
+    held_k, held_v = pool.layers[0] or (None, None)
+    assert held_k is not None and held_v is not None
+    assert torch.equal(held_k[0, 40:48].transpose(0, 1), keys[0])
+    assert torch.equal(held_k[1, 44:48].transpose(0, 1), keys[1, :, :4])  # its padding went to the scratch column
+    assert torch.equal(held_v[1, 44:48].transpose(0, 1), -keys[1, :, :4])
+    assert torch.equal(read_k, held_k[:2, :48].transpose(1, 2))
+    assert not held_k[1, 40:44].any()  # nothing written before the row's start

@@ -183,7 +183,7 @@ class PoolPass:
         pool_k, pool_v = self.pool.layer(layer, k)
         keys, first, start, width = max(self.ends), self.slots[0], self.starts[0], k.shape[2]
         block = None  # the rows' keys as one block of the pool: consecutive slots, one start, no padding
-        if self._consecutive and min(self.starts) == start and min(self.ends) == start + width == keys:
+        if self._consecutive and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
             block = (slice(first, first + self.rows), slice(start, start + width))
         for pooled, fed in ((pool_k, k), (pool_v, v)):
             if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
