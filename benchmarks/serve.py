@@ -296,6 +296,9 @@ def serve(
         float, typer.Option(help="The sampler's top-p, sent with every request (a server left to choose takes 1.0).")
     ] = 0.9,
     stream: Annotated[bool, typer.Option(help="Served requests stream: time to first text too.")] = False,
+    own_samplers: Annotated[
+        bool, typer.Option(help="One more phase: the engine with every request on its own sampler (no cohort).")
+    ] = False,
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "serve",
     results: Results = harness.RESULTS,
 ) -> None:
@@ -319,6 +322,7 @@ def serve(
         batch_wait=batch_wait,
         options=options,
         stream=stream,
+        own_samplers=own_samplers,
     )
     loaded, tokenizer = dlm.load(model, device=device)
     process, url = start_server(model, max(counts), device, threads, batch_wait)
@@ -328,15 +332,31 @@ def serve(
         loaded, tokenizer, max_queue=4 * max(counts), max_batch_rows=max(counts), batch_wait=batch_wait / 1000
     )
     engine.start()
+    engines = [engine]
+    if own_samplers:
+        engines.append(
+            Scheduler(
+                loaded,
+                tokenizer,
+                max_queue=4 * max(counts),
+                max_batch_rows=max(counts),
+                batch_wait=batch_wait / 1000,
+                own_samplers=True,
+            )
+        )
+        engines[-1].start()
     phases: dict[str, list[dict[str, Any]]] = {}
     candidates: dict[str, Callable[[], Timing]] = {}
     for count in counts:
         requests = requests_for(count, requests_per_client)
-        for phase, measure in (
+        measures = [
             ("alone", one_at_a_time(loaded, tokenizer, requests, tokens, options)),
             ("served", served(url, process.pid, requests, count, tokens, options, stream)),
             ("engine", in_engine(engine, tokenizer, requests, count, tokens, options, stream)),
-        ):
+        ]
+        if own_samplers:
+            measures.append(("samplers", in_engine(engines[-1], tokenizer, requests, count, tokens, options, stream)))
+        for phase, measure in measures:
             name = f"{phase}_{count}"
             phases[name] = []
             candidates[name] = recording(measure, phases[name])
@@ -344,9 +364,15 @@ def serve(
         interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=harness.progress)
     finally:
         stop_server(process)
-        engine.stop(60)
+        for each in engines:
+            each.stop(60)
     figures = {
-        f"clients_{count}": client_figures(*(phases[f"{phase}_{count}"] for phase in ("alone", "served", "engine")))
+        f"clients_{count}": client_figures(
+            phases[f"alone_{count}"],
+            phases[f"served_{count}"],
+            phases[f"engine_{count}"],
+            samplers=phases.get(f"samplers_{count}"),
+        )
         for count in counts
     }
     raw = {
@@ -374,9 +400,13 @@ def without_timing(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def client_figures(
-    alone: list[dict[str, Any]], serving: list[dict[str, Any]], engine: list[dict[str, Any]]
+    alone: list[dict[str, Any]],
+    serving: list[dict[str, Any]],
+    engine: list[dict[str, Any]],
+    samplers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One client count's figures: each phase's best round, the ratios of the best, the per-round ratios."""
+    """One client count's figures: each phase's best round, the ratios of the best, the per-round ratios
+    (and the engine's over the engine with every request on its own sampler, given `samplers`)."""
 
     def best(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         top = max(rounds, key=lambda result: result["tokens_per_second"])
@@ -389,7 +419,7 @@ def client_figures(
         for name, rounds in (("alone", alone), ("served", serving))
     }
     alone_best, served_best, engine_best = best(alone), best(serving), best(engine)
-    return {
+    figures = {
         "alone": alone_best,
         "served": served_best,
         "engine": engine_best,
@@ -397,6 +427,19 @@ def client_figures(
         "engine_speedup": engine_best["tokens_per_second"] / alone_best["tokens_per_second"],
         "round_speedup": spread(round_ratios(speeds["served"], speeds["alone"])),
     }
+    if samplers:
+        samplers_best = best(samplers)
+        figures |= {
+            "samplers": samplers_best,
+            "samplers_speedup": samplers_best["tokens_per_second"] / alone_best["tokens_per_second"],
+            "engine_over_samplers": spread(
+                round_ratios(
+                    [result["tokens_per_second"] for result in engine],
+                    [result["tokens_per_second"] for result in samplers],
+                )
+            ),
+        }
+    return figures
 
 
 def table(figures: dict[str, Any], stream: bool) -> str:
@@ -409,6 +452,8 @@ def table(figures: dict[str, Any], stream: bool) -> str:
     for key, row in figures.items():
         alone, server = row["alone"], row["served"]
         firsts = f" | {server['first_text_p50']:.3f} s | {server['first_text_p99']:.3f} s" if stream else ""
+        if "samplers" in row:
+            firsts += f" | own samplers {row['samplers_speedup']:.1f}x"
         lines.append(
             f"| {key.removeprefix('clients_')} | {alone['tokens_per_second']:.0f} | "
             f"{server['tokens_per_second']:.0f} | {row['speedup']:.1f}x | {row['engine_speedup']:.1f}x | "

@@ -950,7 +950,16 @@ def test_the_load_benchmark_bursts_and_counts_statuses(model_dir: Path, tmp_path
 def test_the_serving_benchmark_compares_served_with_one_at_a_time(model_dir: Path, tmp_path: Path) -> None:
     from benchmarks.serve import serve
 
-    serve(model_dir, clients="1,2", tokens=4, requests_per_client=1, rounds=1, stream=True, results=tmp_path)
+    serve(
+        model_dir,
+        clients="1,2",
+        tokens=4,
+        requests_per_client=1,
+        rounds=1,
+        stream=True,
+        own_samplers=True,
+        results=tmp_path,
+    )
     result = json.loads((tmp_path / "serve.json").read_text())
     assert set(result["figures"]) == {"clients_1", "clients_2"}
     for count in (1, 2):
@@ -961,3 +970,6 @@ def test_the_serving_benchmark_compares_served_with_one_at_a_time(model_dir: Pat
         assert 0 < row["served"]["first_text_p50"] <= row["served"]["p99"]
         assert 0 < row["engine"]["first_text_p50"] <= row["engine"]["p99"]
         assert len(result["rounds"][f"served_{count}"]) == len(result["rounds"][f"engine_{count}"]) == 1
+        # The engine with every request on its own sampler, in the same rounds.
+        assert row["samplers_speedup"] == row["samplers"]["tokens_per_second"] / row["alone"]["tokens_per_second"]
+        assert len(result["rounds"][f"samplers_{count}"]) == 1 and row["engine_over_samplers"]["median"] > 0

@@ -99,7 +99,12 @@ class Scheduler:
         max_batch_rows: int,
         max_batch_tokens: int | None = None,
         batch_wait: float = 0.0,
+        own_samplers: bool = False,
     ) -> None:
+        """`own_samplers`: every request runs its own sampler and none joins the cohort (the reference the
+        cohort equals, kept for comparisons: `python -m benchmarks serve --own-samplers`)."""
+
+        self.own_samplers = own_samplers
         self.model, self.tokenizer = model, tokenizer
         self.max_queue, self.max_batch_rows, self.batch_wait = max_queue, max_batch_rows, batch_wait
         # The running requests' positions (rows x (prompt + generated)): what their caches and passes hold.
@@ -226,7 +231,7 @@ class Scheduler:
             job = self._queue.popleft()
             rows, tokens = rows + job.generation.rows, tokens + job.generation.tokens
             self._running.append(job)
-            if joins_cohort(self.model, job.generation):
+            if not self.own_samplers and joins_cohort(self.model, job.generation):
                 self._joining.append(job)
             else:
                 self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
