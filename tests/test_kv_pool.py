@@ -78,6 +78,36 @@ def test_rows_at_different_places_in_their_sequences_get_the_logits_of_their_own
 
 
 @torch.inference_mode()
+def test_an_imported_models_variants_read_their_pool_as_their_own_prefix() -> None:
+    """Grouped-query attention (the pool holds the key heads, not the query heads), q/k norms, q/k/v biases,
+    an untied head and the SUBS logits, which read the fed tokens at the output positions."""
+
+    config = ModelConfig(
+        vocab_size=100,
+        max_seq_len=CONTEXT,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        qk_norm=True,
+        qkv_bias=True,
+        tie_embeddings=False,
+        mask_logit="subs",
+        pad_vocab_multiple=64,
+        block_size=BLOCK,
+    )  # type: ignore[call-arg]
+    torch.manual_seed(0)
+    variant = DiffusionTransformer(config).to(torch.float64).eval()
+    rows = sequences(30, 20)
+    pool = KVPool(CONTEXT)
+    pool.reserve(2, CONTEXT)
+    for spans in ([(0, 16), (0, 8)], [(8, 24), (8, 20)], [(16, 30), (16, 20)]):
+        got = pooled_logits(variant, pool, [1, 0], rows, spans)
+        want = torch.cat([prefix_logits(variant, rows[i], start, end) for i, (start, end) in enumerate(spans)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@torch.inference_mode()
 def test_slots_keep_their_keys_when_the_pool_grows_and_when_others_leave(model: DiffusionTransformer) -> None:
     rows = sequences(24, 20, 32)
     pool = KVPool(CONTEXT)

@@ -84,7 +84,11 @@ def joins_cohort(model: DiffusionTransformer, generation: Generation) -> bool:
     other request (an autoregressive model's, a `cache` option's) runs its own sampler."""
 
     config, options = model.config, generation.options
-    return config.attention != "causal" and (bool(block_size(config)) or options.cache == "none")
+    if config.attention == "causal":
+        return False
+    if block_size(config):  # a model whose logits are shifted cannot step over a cache: whole passes only
+        return not config.shift_logits
+    return options.cache == "none"
 
 
 class Cohort:
