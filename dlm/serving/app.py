@@ -306,11 +306,11 @@ class Endpoints:
                     if text:
                         yield chunk([shape.piece(index, text)])
             self.scheduler.stats.answered(time.perf_counter() - job.enqueued)
-            for index, choice in enumerate(outcome.choices):
-                yield chunk([shape.ending(index, choice.finish_reason)])
+            # The last events in one write (one send and system call, not one an event).
+            tail = [chunk([shape.ending(index, choice.finish_reason)]) for index, choice in enumerate(outcome.choices)]
             if job.generation.include_usage:
-                yield chunk([], usage=_usage(outcome))
-            yield _event("[DONE]")
+                tail.append(chunk([], usage=_usage(outcome)))
+            yield "".join([*tail, _event("[DONE]")])
         except ClientGone:
             return
         except ApiError as exc:

@@ -1,26 +1,30 @@
 """The requests of the common kind, advanced together as data rather than each by its own sampler.
 
-Most served requests ask a whole-sequence model for steps without a cache, in any order: ancestral
-(`random`), `dilated`, or ranked by a confidence (`confidence`, `margin`, any registered one), with or
-without a `threshold`. For those the engine (`dlm.serving.scheduler`) needs no sampler per request: the
-cohort keeps every such request's rows in one token tensor, right-aligned (a row's leading padding is its
-`pad`, which no real position sees), with each request's step, block and random streams beside it, and
-makes each step's per-row work one tensor operation for all of them: which masked positions of each
-row's block are revealed, the float conversion of the logits, the writing of the drawn tokens, the end of
-document check. What stays per request is what must be its own: its random draws (each from its own
-generators, in the order its sampler draws them alone), its model call (so that an error or an
-out-of-memory retry concerns it alone, `dlm.serving.passes.run_calls`), its token draw (drawn with the
-others by `dlm.serving.passes.run_draws`), and its stream.
+Most served requests ask a diffusion model for steps in any order: ancestral (`random`), `dilated`, or
+ranked by a confidence (`confidence`, `margin`, any registered one), with or without a `threshold`; a
+whole-sequence model's without a cache, a block model's over the exact cache of its finished blocks
+(each row's keys in its own slot of a KV pool, `dlm.serving.pooled`). For those the engine
+(`dlm.serving.scheduler`) needs no sampler per request: the cohort keeps every such request's rows in
+one token tensor, right-aligned (a row's leading padding is its `pad`, which no real position sees),
+with each request's step, block and random streams beside it, and makes each step's per-row work one
+tensor operation for all of them: which masked positions of each row's block are revealed, the float
+conversion of the logits, the writing of the drawn tokens, the end of document check. What stays per
+request is what must be its own: its random draws (each from its own generators, in the order its
+sampler draws them alone), its model call (so that an error or an out-of-memory retry concerns it alone,
+`dlm.serving.passes.run_calls`), its token draw (drawn with the others by
+`dlm.serving.passes.run_draws`), and its stream.
 
 A round of the cohort (`calls`) takes every request to its next step that reveals something, as its
 sampler alone would (a step that reveals nothing needs no pass), and returns those steps' model calls;
 once the engine has answered them, `settle` draws and writes the tokens and finishes the requests that
-are done. The steps are those of `dlm.sampling.fast.denoise_fast` (blocks of `block_length`, the
-schedule's reveal odds, `dlm.sampling.reverse.planned_positions` for `dilated`, `reveal_count` and the
-most confident candidates for a ranked order, `reveal_threshold`'s commits and early block ends for a
-threshold, the end of document),
-and every random number is drawn from the request's streams in the same order, so each request gets
-the tokens of `generate` alone, up to float rounding (the tests compare them token for token in float64).
+are done. The steps are those of `dlm.sampling.fast.denoise_fast` and of `dlm.sampling.block_model`
+(blocks of `block_length` or the model's own, the schedule's reveal odds,
+`dlm.sampling.reverse.planned_positions` for `dilated`, `reveal_count` and the most confident candidates
+for a ranked order, `reveal_threshold`'s commits and early block ends for a threshold, the end of
+document: a block model's request ends as soon as every row has it with nothing masked before, where its
+sampler alone finishes the block first, which adds nothing to its text), and every random number is
+drawn from the request's streams in the same order, so each request gets the tokens of `generate` alone,
+up to float rounding (the tests compare them token for token in float64).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Forward passes shared by requests that each run the sampler as they would alone.
 
-Every running request samples with `dlm.sampling.generation.generate`, the very call that answers
+The cohort's requests (`dlm.serving.cohort`) hand the engine their calls as data; every other running
+request samples with `dlm.sampling.generation.generate`, the very call that answers
 it alone (in a greenlet of the engine thread), on a `RequestModel`: a stand-in for the served model
 whose call is handed to the engine and waits for its logits. So a request draws its own random numbers in its
 own order, keeps its own length, steps, blocks and options, and stops when it alone is done; only
@@ -25,6 +26,8 @@ Which calls share a pass (`Call.group`):
   right-padded to the widest (`forward(pad_after=...)`: no real position sees that padding either).
   What each storing call stores is cut back into its own cache. A group runs in as few passes as fit
   the model's context (`_within_context`).
+- calls over rows of one KV pool (`dlm.model.kv_pool.PoolPass`: the cohort's block-model requests,
+  `dlm.serving.pooled`): all of them, one block wide, each row over its own slot.
 Any other call runs alone, as the model's own call.
 
 A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may

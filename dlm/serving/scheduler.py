@@ -2,10 +2,10 @@
 then runs those calls in shared forward passes.
 
 Requests wait in a bounded queue. The engine (one thread) starts queued requests, oldest first, as
-long as their rows (prompts x `n`) fit `max_batch_rows`. A whole-sequence model's requests without a cache join
-the cohort (`dlm.serving.cohort`), which advances them together as data and hands the
-round its model calls. Every other running request is a greenlet (a
-coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for it exactly as the
+long as their rows (prompts x `n`) fit `max_batch_rows`. A diffusion model's requests (a whole-sequence
+model's without a cache, a block model's within its context) join the cohort (`dlm.serving.cohort`),
+which advances them together as data and hands the round its model calls. Every other running request
+is a greenlet (a coroutine of the `greenlet` package, the `serve` extra) that runs `generate` for it exactly as the
 request would run alone, on a `dlm.serving.passes.RequestModel`, whose model call hands the call to
 the engine and suspends the request until its logits are there. A round of the engine resumes every
 running request until each has made its next call (or finished), then runs the calls in as few
