@@ -113,6 +113,7 @@ class PoolPass:
     block_size: int
     _index: dict[str, Tensor] = field(default_factory=dict, repr=False)  # the pass's index tensors, made once
     _in_order: bool | None = field(default=None, repr=False)
+    _slices: tuple[int, slice | None, tuple[slice, slice] | None] | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -176,24 +177,35 @@ class PoolPass:
         seen = (key[None, None, :] < ends[:, :, None]) & (key[None, None, :] // block <= positions[:, :, None] // block)
         return AttentionMask("sdpa-mask", seen[:, None])
 
+    def _layout(self, width: int) -> tuple[int, slice | None, tuple[slice, slice] | None]:
+        """The keys read (max(ends)); the rows' slots as one slice, if consecutive; and the rows' fed keys as
+        one block of the pool (consecutive slots, one start, no padding), if they are. The same every layer."""
+
+        if self._slices is None:
+            keys, first, start = max(self.ends), self.slots[0], self.starts[0]
+            rows = slice(first, first + self.rows) if self._consecutive else None
+            block = None
+            if rows is not None and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
+                block = (rows, slice(start, start + width))
+            self._slices = (keys, rows, block)
+        return self._slices
+
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the fed keys and values [rows, kv_heads, width, head_dim] of layer `layer` into their
         slots' positions (the padding's into the scratch column); the slots' first max(ends) keys and values."""
 
         pool_k, pool_v = self.pool.layer(layer, k)
-        keys, first, start, width = max(self.ends), self.slots[0], self.starts[0], k.shape[2]
-        block = None  # the rows' keys as one block of the pool: consecutive slots, one start, no padding
-        if self._consecutive and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
-            block = (slice(first, first + self.rows), slice(start, start + width))
+        width = k.shape[2]
+        keys, rows, block = self._layout(width)
         for pooled, fed in ((pool_k, k), (pool_v, v)):
             if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
                 pooled[block].copy_(fed.transpose(1, 2))
                 continue
-            rows = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
+            keyed = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
             flat = self._tensors(width, k.device)[3]
-            pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, rows.to(pooled.dtype))
-        if self._consecutive:  # a view of the pool, no copy
-            pool_k, pool_v = pool_k[first : first + self.rows, :keys], pool_v[first : first + self.rows, :keys]
+            pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, keyed.to(pooled.dtype))
+        if rows is not None:  # consecutive slots: a view of the pool, no copy
+            pool_k, pool_v = pool_k[rows, :keys], pool_v[rows, :keys]
         else:
             slots = self._tensors(width, k.device)[2]
             pool_k, pool_v = pool_k[:, :keys].index_select(0, slots), pool_v[:, :keys].index_select(0, slots)
