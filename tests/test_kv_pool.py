@@ -115,7 +115,7 @@ def test_slots_keep_their_keys_when_the_pool_grows_and_when_others_leave(model: 
     pooled_logits(model, pool, [0, 1, 2], rows, [(0, 16), (0, 16), (0, 16)])
     pool.reserve(7, CONTEXT)  # grown: slots 0-2 hold what they held, with room for longer sequences
     assert pool.slots >= 7 and pool.positions == CONTEXT
-    pool.keep(torch.tensor([2, 0]))  # the second sequence leaves: the third moves to slot 0, the first to 1
+    pool.keep([2, 0])  # the second sequence leaves: the third moves to slot 0, the first to 1
     got = pooled_logits(model, pool, [0, 1], [rows[2], rows[0]], [(16, 32), (16, 24)])
     want = torch.cat([prefix_logits(model, rows[2], 16, 32), prefix_logits(model, rows[0], 16, 24)])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -165,3 +165,14 @@ def test_each_fed_key_lands_at_its_rows_position_and_padding_in_the_scratch_colu
     assert torch.equal(held_v[1, 44:48].transpose(0, 1), -keys[1, :, :4])
     assert torch.equal(read_k, held_k[:2, :48].transpose(1, 2))
     assert not held_k[1, 40:44].any()  # nothing written before the row's start
+
+
+def test_sequences_that_stay_keep_their_slots_and_those_that_move_take_the_places_given_back() -> None:
+    pool = KVPool(CONTEXT)
+    pool.reserve(4, 8)
+    keys, values = pool.layer(0, torch.zeros(1, 2, 1, 4))
+    for slot in range(4):
+        keys[slot], values[slot] = slot, -slot
+    pool.keep([0, 3, 2])  # the second leaves, the last takes its place
+    assert [int(keys[slot, 0, 0, 0]) for slot in range(3)] == [0, 3, 2]
+    assert [int(values[slot, 0, 0, 0]) for slot in range(3)] == [0, -3, -2]

@@ -69,14 +69,18 @@ class KVPool:
         ]
         self.slots, self.positions = slots, positions
 
-    def keep(self, slots: Tensor) -> None:
-        """Keep the sequences of `slots` (in that order) as slots 0, 1, ...: those that left give theirs back."""
+    def keep(self, slots: list[int]) -> None:
+        """Keep the sequences of `slots` (in that order) as slots 0, 1, ...: those that left give theirs back.
+        Only the sequences that change slots are copied."""
 
-        count = int(slots.numel())
+        moved = [(slot, held) for slot, held in enumerate(slots) if held != slot]
+        if not moved:
+            return
         for kv in self.layers:
-            if kv is not None and count:
-                for tensor in kv:
-                    tensor[:count] = tensor.index_select(0, slots.to(tensor.device))
+            for tensor in kv or ():
+                into = torch.tensor([slot for slot, _ in moved], device=tensor.device)
+                held = torch.tensor([held for _, held in moved], device=tensor.device)
+                tensor.index_copy_(0, into, tensor.index_select(0, held))  # read first: moves may overlap
 
     def layer(self, index: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of layer `index` [slots, positions + 1, kv_heads, head_dim], made like `like`

@@ -184,11 +184,25 @@ class Cohort:
         return nn.functional.pad(tokens, (width - tokens.shape[1], 0), value=self.filler)
 
     def _leave(self, gone: list[Member]) -> None:
-        """Take the rows of `gone` out; cut the leading columns no row needs any more."""
+        """Take the rows of `gone` out; cut the leading columns no row needs any more. A member that leaves
+        gives its place to the last member where their rows are as many, so that only that member's rows
+        move (a block model's keys in the pool are copied once a request ends, and only where they move)."""
 
         if not gone:
             return
-        kept = [member for member in self.members if member not in gone]
+        kept = list(self.members)
+        place = 0
+        while place < len(kept):
+            if kept[place] not in gone:
+                place += 1
+                continue
+            while kept[-1] in gone and len(kept) - 1 > place:  # the members gone at the end simply drop
+                kept.pop()
+            if kept[-1] is not kept[place] and kept[-1].rows == kept[place].rows:
+                kept[place] = kept.pop()
+                place += 1
+            else:
+                kept.pop(place)
         rows = [row for member in kept for row in range(member.first, member.first + member.rows)]
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         width = max((member.width for member in kept), default=0)

@@ -48,10 +48,8 @@ class PooledRows:
     def keep(self, rows: list[int]) -> None:
         """Keep the cohort rows `rows` (in that order) as rows 0, 1, ...: the others have left."""
 
-        if len(rows) == len(self.stored) and rows == list(range(len(rows))):
-            return
         self.stored = [self.stored[row] for row in rows]
-        self.pool.keep(torch.tensor(rows, dtype=torch.long))
+        self.pool.keep(rows)
 
     def clear(self) -> None:
         self.stored, self._fed = [], []
