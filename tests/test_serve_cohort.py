@@ -341,3 +341,28 @@ def test_a_block_models_request_whose_keys_do_not_fit_fails_alone_with_out_of_me
     assert isinstance(outcomes[2], OutOfMemory)
     assert outcomes[:2] == [alone(model, tokenizer, generation)[0] for generation in generations[:2]]
     assert scheduler.failure is None
+
+
+def test_a_block_models_long_prompt_is_fed_whole_and_its_steps_a_block_wide(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of 13 tokens at block size 4: its first pass feeds it whole, one row (rows of a block each
+    would each read the whole prompt's keys); every later pass is a block wide, the finished block fed as
+    a row of its own beside the next; the text is the request's alone."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=4)
+    generation = request(tokenizer, (PROMPTS[1],), 12, 31)
+    passes: list[tuple[int, int, list[int]]] = []
+
+    def seen(module: Any, args: Any, keywords: dict[str, Any]) -> None:
+        step = keywords["cache"]
+        passes.append((step.rows, int(args[0].shape[1]), list(step.starts)))
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    no_samplers(monkeypatch)
+    outcome, _ = served(model, tokenizer, [generation])
+    hook.remove()
+    assert passes[0] == (1, 16, [0])  # 13 prompt tokens and 3 to generate: the first block that holds any
+    assert all(width <= 4 for _, width, _ in passes[1:])
+    assert any(rows == 2 for rows, _, _ in passes[1:])  # a finished block fed beside the next
+    assert outcome == [alone(model, tokenizer, generation)[0]]

@@ -27,7 +27,8 @@ Which calls share a pass (`Call.group`):
   What each storing call stores is cut back into its own cache. A group runs in as few passes as fit
   the model's context (`_within_context`).
 - calls over rows of one KV pool (`dlm.model.kv_pool.PoolPass`: the cohort's block-model requests,
-  `dlm.serving.pooled`): all of them, one block wide, each row over its own slot.
+  `dlm.serving.pooled`): all of them, one block wide, each row over its own slot; the first calls of
+  requests whose prompts span more than a block, fed whole, in a pass of their own.
 Any other call runs alone, as the model's own call.
 
 A shared pass gives each row the logits of its pass alone up to float rounding (a wider batch may
@@ -83,8 +84,8 @@ class Call:
         if self.others or self.output_positions is None or self.output_positions.dtype != torch.bool:
             return None
         cache, width = self.cache, int(self.tokens.shape[1])
-        if isinstance(cache, PoolPass):  # rows of one pool (a block wide each): any together
-            return ("pool", id(cache.pool))
+        if isinstance(cache, PoolPass):  # rows of one pool: a block wide each, or prompts fed whole
+            return ("pool", id(cache.pool), width <= block)
         if cache is None:
             # A block model's rows keep their block columns only when padded by whole blocks.
             return ("whole", width % block if block else 0)

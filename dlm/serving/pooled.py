@@ -59,21 +59,25 @@ class PooledRows:
         end, in its own positions; `origins` are the cohort columns of its position 0), with logits at what
         `reveal` [cohort rows, columns] marks. The positions before each row's block are held once it has run.
 
-        A row that feeds more than its block (the block just finished, or its prompt at its first step) feeds
-        it as several rows of one block each over the same slot: a pass writes every row's keys into the pool
-        before any row reads them, so its block sees the finished ones of the same pass, and the pass is one
-        block wide instead of padded to its widest row."""
+        A row that feeds its block after the one just finished (or a prompt of at most a block) feeds them as
+        two rows of one block each over the same slot: a pass writes every row's keys into the pool before
+        any row reads them, so the block sees the finished one's keys of the same pass, and the pass is one
+        block wide instead of padded to its widest row. A longer prompt is fed whole, as one row (as many
+        rows of a block each would each read the whole prompt's keys): such calls share a pass of their
+        own (`Call.group`)."""
 
         block = self.block_size
+        spans = [end - self.stored[row] for row, end in zip(rows, ends, strict=True)]
+        step = block if max(spans) <= 2 * block else max(spans)
         slots, starts, row_ends, first_columns, last_columns = [], [], [], [], []
         for row, origin, end in zip(rows, origins, ends, strict=True):
-            for start in range(self.stored[row], end, block):
+            for start in range(self.stored[row], end, step):
                 slots.append(row)
                 starts.append(start)
                 row_ends.append(end)
                 first_columns.append(origin + start)
                 last_columns.append(origin + end)
-        width = max(min(block, end - start) for start, end in zip(starts, row_ends, strict=True))
+        width = max(min(step, end - start) for start, end in zip(starts, row_ends, strict=True))
         device = tokens.device
         columns = torch.tensor(first_columns, device=device)[:, None] + torch.arange(width, device=device)
         real = columns < torch.tensor(last_columns, device=device)[:, None]
