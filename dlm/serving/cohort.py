@@ -250,14 +250,13 @@ class Cohort:
         while pending:
             reveal = self._reveals(pending)
             counts = reveal.sum(dim=1).tolist()  # one read from the device for all of them
-            still, moved = [], False
+            still, moved, stepping = [], False, []
             for member in pending:
                 member.counts = counts[member.span]
                 if member.thresholded and not any(member.counts):  # its block filled early: the next block
                     member.block, member.index, moved = member.block + 1, 0, True
                 elif any(member.counts) and (member.thresholded or member.keep or not member.ranked):
-                    member.call = self._call(member, reveal)
-                    calls.append(member.call)
+                    stepping.append(member)
                     continue
                 else:
                     moved |= member.advance()  # a step that reveals nothing: no pass, the next step
@@ -265,6 +264,9 @@ class Cohort:
                     self._finish(member)  # its rows leave once the round is settled
                 else:
                     still.append(member)
+            for member, call in zip(stepping, self._calls(stepping, reveal), strict=True):
+                member.call = call
+                calls.append(call)
             if moved:
                 self._mark_blocks()
             if len(still) < len(pending):  # rows of other members reveal nothing: the round's reveals
@@ -501,26 +503,35 @@ class Cohort:
             self._chances[key] = known
         return known
 
-    def _call(self, member: Member, reveal: Tensor) -> Call:
-        """The model call of `member`'s step: its rows that reveal something, logits at what they reveal."""
+    def _calls(self, members: list[Member], reveal: Tensor) -> list[Call]:
+        """The model call of each member's step: its rows that reveal something, logits at what they reveal
+        (a block model's over its rows' slots of the KV pool, `dlm.serving.pooled`)."""
 
-        span = member.span
         if self.pooled is not None:
-            return self._pooled_call(member, reveal)
-        if all(member.counts):
-            return Call(self.tokens[span], reveal[span], None, self.pad[span])
-        rows = torch.tensor(
-            [member.first + row for row, count in enumerate(member.counts) if count], device=self.device
-        )
-        return Call(
-            self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad.index_select(0, rows)
-        )
+            return self.pooled.calls(self.tokens, reveal, [self._pooled_step(member) for member in members])
+        calls = []
+        for member in members:
+            span = member.span
+            if all(member.counts):
+                calls.append(Call(self.tokens[span], reveal[span], None, self.pad[span]))
+                continue
+            rows = torch.tensor(
+                [member.first + row for row, count in enumerate(member.counts) if count], device=self.device
+            )
+            calls.append(
+                Call(
+                    self.tokens.index_select(0, rows),
+                    reveal.index_select(0, rows),
+                    None,
+                    self.pad.index_select(0, rows),
+                )
+            )
+        return calls
 
-    def _pooled_call(self, member: Member, reveal: Tensor) -> Call:
-        """A block model member's call: its rows that reveal something, each fed over its slot of the pool
-        from its held positions to its block's end (`dlm.serving.pooled`)."""
+    def _pooled_step(self, member: Member) -> tuple[list[int], list[int], list[int]]:
+        """A block model member's step as `PooledRows.calls` takes it: its rows that reveal something, the
+        cohort column of each one's position 0 and its block's end in its own positions."""
 
-        assert self.pooled is not None
         end = member.blocks[member.block][1]
         shift, rows, origins, ends = self.tokens.shape[1] - member.width, [], [], []
         n = member.job.generation.n
@@ -530,4 +541,4 @@ class Cohort:
                 rows.append(member.first + row)
                 origins.append(shift + offset)
                 ends.append(end - offset)
-        return self.pooled.call(self.tokens, reveal, rows, origins, ends)
+        return rows, origins, ends

@@ -330,8 +330,10 @@ def _pool_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> l
     for call in calls:
         assert call.output_positions is not None and isinstance(call.cache, PoolPass)
         extra = width - int(call.tokens.shape[1])
-        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
-        positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
+        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler) if extra else call.tokens)
+        positions.append(
+            nn.functional.pad(call.output_positions, (0, extra), value=False) if extra else call.output_positions
+        )
         passes.append(call.cache)
     logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=PoolPass.together(passes))
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))

@@ -16,12 +16,27 @@ model's blocks of its own positions.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from dlm.model.kv_pool import KVPool, PoolPass
 from dlm.runtime.memory import is_out_of_memory
 from dlm.serving.passes import Call, OutOfMemory
+
+
+class _Feed(NamedTuple):
+    """A step's rows as fed: its cohort rows and what each holds once the call has run; each fed row's slot,
+    start and end (its own positions), first and last cohort column; how far a fed row reaches."""
+
+    rows: list[int]
+    held: list[int]
+    slots: list[int]
+    starts: list[int]
+    ends: list[int]
+    columns: list[tuple[int, int]]
+    reach: int
 
 
 class PooledRows:
@@ -54,10 +69,12 @@ class PooledRows:
     def clear(self) -> None:
         self.stored, self._fed = [], []
 
-    def call(self, tokens: Tensor, reveal: Tensor, rows: list[int], origins: list[int], ends: list[int]) -> Call:
-        """The call of a step of the cohort rows `rows`: each fed from its held positions to `ends` (its block's
-        end, in its own positions; `origins` are the cohort columns of its position 0), with logits at what
-        `reveal` [cohort rows, columns] marks. The positions before each row's block are held once it has run.
+    def calls(self, tokens: Tensor, reveal: Tensor, steps: list[tuple[list[int], list[int], list[int]]]) -> list[Call]:
+        """The call of each step of `steps`, a step being a request's cohort rows that reveal something, the
+        cohort column of each row's position 0, and each row's block end (in its own positions): each row fed
+        from its held positions to its end, with logits at what `reveal` [cohort rows, columns] marks; the
+        positions before each row's block are held once its call has run. All calls' tokens are gathered
+        with one index.
 
         A row that feeds its block after the one just finished (or a prompt of at most a block) feeds them as
         two rows of one block each over the same slot: a pass writes every row's keys into the pool before
@@ -66,28 +83,48 @@ class PooledRows:
         rows of a block each would each read the whole prompt's keys): such calls share a pass of their
         own (`Call.group`)."""
 
+        feeds = [self._feed(*step) for step in steps]
+        calls: dict[int, Call] = {}
+        for whole in (False, True):  # the calls a block wide, then those of prompts fed whole
+            chosen = [index for index, feed in enumerate(feeds) if (feed.reach > self.block_size) == whole]
+            if chosen:
+                gathered = self._gathered(tokens, reveal, [feeds[index] for index in chosen])
+                calls.update(zip(chosen, gathered, strict=True))
+        return [calls[index] for index in range(len(feeds))]
+
+    def _feed(self, rows: list[int], origins: list[int], ends: list[int]) -> _Feed:
         block = self.block_size
         spans = [end - self.stored[row] for row, end in zip(rows, ends, strict=True)]
-        step = block if max(spans) <= 2 * block else max(spans)
-        slots, starts, row_ends, first_columns, last_columns = [], [], [], [], []
+        reach = block if max(spans) <= 2 * block else max(spans)
+        feed = _Feed(rows, [(end - 1) // block * block for end in ends], [], [], [], [], reach)
         for row, origin, end in zip(rows, origins, ends, strict=True):
-            for start in range(self.stored[row], end, step):
-                slots.append(row)
-                starts.append(start)
-                row_ends.append(end)
-                first_columns.append(origin + start)
-                last_columns.append(origin + end)
-        width = max(min(step, end - start) for start, end in zip(starts, row_ends, strict=True))
+            for start in range(self.stored[row], end, reach):
+                feed.slots.append(row)
+                feed.starts.append(start)
+                feed.ends.append(end)
+                feed.columns.append((origin + start, origin + end))
+        return feed
+
+    def _gathered(self, tokens: Tensor, reveal: Tensor, feeds: list[_Feed]) -> list[Call]:
+        """The calls of `feeds`, their tokens and output positions gathered together, as wide as the widest."""
+
+        width = max(
+            min(feed.reach, end - start) for feed in feeds for start, end in zip(feed.starts, feed.ends, strict=True)
+        )
         device = tokens.device
-        columns = torch.tensor(first_columns, device=device)[:, None] + torch.arange(width, device=device)
-        real = columns < torch.tensor(last_columns, device=device)[:, None]
+        bounds = torch.tensor([bound for feed in feeds for bound in feed.columns], device=device)
+        columns = bounds[:, :1] + torch.arange(width, device=device)
+        real = columns < bounds[:, 1:]
         columns = columns.clamp_max(tokens.shape[1] - 1)  # a row's block cut short where its sequence ends
-        index = torch.tensor(slots, dtype=torch.long, device=device)
-        fed = tokens.index_select(0, index).gather(1, columns)
-        outputs = reveal.index_select(0, index).gather(1, columns) & real
-        call = Call(fed, outputs, PoolPass(self.pool, slots, starts, row_ends, block), None)
-        self._fed.append((call, rows, [(end - 1) // block * block for end in ends]))
-        return call
+        rows = torch.tensor([slot for feed in feeds for slot in feed.slots], device=device)[:, None]
+        fed, outputs = tokens[rows, columns], reveal[rows, columns] & real
+        calls = []
+        sizes = [len(feed.slots) for feed in feeds]
+        for feed, own_fed, own_outputs in zip(feeds, fed.split(sizes), outputs.split(sizes), strict=True):
+            step = PoolPass(self.pool, feed.slots, feed.starts, feed.ends, self.block_size)
+            calls.append(Call(own_fed, own_outputs, step, None))
+            self._fed.append((calls[-1], feed.rows, feed.held))
+        return calls
 
     def settled(self) -> None:
         """After the round's passes: each row whose pass ran holds the positions before its block."""
