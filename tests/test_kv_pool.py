@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dlm.config.schema import ModelConfig
+from dlm.model.attention import attend
 from dlm.model.kv_pool import KVPool, PoolPass
 from dlm.model.transformer import DiffusionTransformer
 
@@ -150,21 +151,24 @@ def test_a_pool_holds_only_the_positions_reserved_and_never_more_than_its_contex
 
 def test_each_fed_key_lands_at_its_rows_position_and_padding_in_the_scratch_column() -> None:
     """Rows that start apart and end alike (the second's last columns are padding): each key is written
-    at its own row's position, whatever shortcut the write takes, and the keys read are the slots'."""
+    at its own row's position, whatever shortcut the write takes, and the rows attend over their slots."""
 
     pool = KVPool(CONTEXT)
     pool.reserve(2, CONTEXT)
     heads, width, dim = 2, 8, 4
-    keys = torch.arange(2 * heads * width * dim, dtype=torch.float64).view(2, heads, width, dim)
+    keys = torch.arange(2 * heads * width * dim, dtype=torch.float64).view(2, heads, width, dim) / 1000
+    queries = torch.randn(2, heads, width, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     step = PoolPass(pool, [0, 1], [40, 44], [48, 48], BLOCK)
-    read_k, _ = step.extend(0, keys, -keys)
+    mask = step.mask(width, torch.device("cpu"))
+    attended = step.attend(0, queries, keys, -keys, mask, 1)
     held_k, held_v = pool.layers[0] or (None, None)
     assert held_k is not None and held_v is not None
     assert torch.equal(held_k[0, 40:48].transpose(0, 1), keys[0])
     assert torch.equal(held_k[1, 44:48].transpose(0, 1), keys[1, :, :4])  # its padding went to the scratch column
     assert torch.equal(held_v[1, 44:48].transpose(0, 1), -keys[1, :, :4])
-    assert torch.equal(read_k, held_k[:2, :48].transpose(1, 2))
     assert not held_k[1, 40:44].any()  # nothing written before the row's start
+    want = attend(queries, held_k[:2, :48].transpose(1, 2), held_v[:2, :48].transpose(1, 2), mask)
+    torch.testing.assert_close(attended, want, rtol=0, atol=0)
 
 
 def test_sequences_that_stay_keep_their_slots_and_those_that_move_take_the_places_given_back() -> None:
@@ -176,3 +180,31 @@ def test_sequences_that_stay_keep_their_slots_and_those_that_move_take_the_place
     pool.keep([0, 3, 2])  # the second leaves, the last takes its place
     assert [int(keys[slot, 0, 0, 0]) for slot in range(3)] == [0, 3, 2]
     assert [int(values[slot, 0, 0, 0]) for slot in range(3)] == [0, -3, -2]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@torch.inference_mode()
+def test_a_finished_block_fed_beside_the_next_as_a_row_of_its_own_over_the_same_slot(
+    model: DiffusionTransformer, in_place: bool
+) -> None:
+    """A pass in which the first sequence feeds its finished second block and its third as two rows over one
+    slot, beside another sequence's block: the third block sees the second's keys of the same pass, and
+    every row gets the logits of its own prefix, whether the keys are gathered or read in place."""
+
+    rows = sequences(30, 40)
+    pool = KVPool(CONTEXT, read_in_place=in_place)
+    pool.reserve(2, CONTEXT)
+    pooled_logits(model, pool, [0, 1], rows, [(0, 16), (0, 24)])  # the first holds 8, the second 16
+    tokens = torch.zeros(3, BLOCK, dtype=torch.long)
+    tokens[0], tokens[1], tokens[2] = rows[0][8:16], rows[1][16:24], rows[0][16:24]
+    outputs = torch.ones(3, BLOCK, dtype=torch.bool)
+    step = PoolPass(pool, [0, 1, 0], [8, 16, 16], [24, 24, 24], BLOCK)
+    got = model(tokens, output_positions=outputs, cache=step)
+    want = torch.cat(
+        [
+            prefix_logits(model, rows[0], 8, 16),
+            prefix_logits(model, rows[1], 16, 24),
+            prefix_logits(model, rows[0], 16, 24),
+        ]
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dlm.model.attention import AttentionMask
+from dlm.model.attention import AttentionMask, attend
 
 
 @dataclass
@@ -42,6 +42,13 @@ class KVPool:
     slots: int = 0
     positions: int = 0
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    # Whether a pass in which some slots feed two rows reads the others' keys in place, with a second
+    # attention call for those rows (None: on an accelerator, where a copy of every row's keys is what
+    # the pool is for avoiding; on a CPU the copy of a CPU-sized model's keys costs less than the call).
+    read_in_place: bool | None = None
+
+    def in_place(self, held: Tensor) -> bool:
+        return held.device.type != "cpu" if self.read_in_place is None else self.read_in_place
 
     @property
     def scratch(self) -> int:
@@ -117,7 +124,8 @@ class PoolPass:
     block_size: int
     _index: dict[str, Tensor] = field(default_factory=dict, repr=False)  # the pass's index tensors, made once
     _in_order: bool | None = field(default=None, repr=False)
-    _slices: tuple[int, slice | None, tuple[slice, slice] | None] | None = field(default=None, repr=False)
+    _slices: tuple[tuple[slice, slice] | None] | None = field(default=None, repr=False)
+    _split: list[tuple[list[int], Tensor]] | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -181,26 +189,45 @@ class PoolPass:
         seen = (key[None, None, :] < ends[:, :, None]) & (key[None, None, :] // block <= positions[:, :, None] // block)
         return AttentionMask("sdpa-mask", seen[:, None])
 
-    def _layout(self, width: int) -> tuple[int, slice | None, tuple[slice, slice] | None]:
-        """The keys read (max(ends)); the rows' slots as one slice, if consecutive; and the rows' fed keys as
-        one block of the pool (consecutive slots, one start, no padding), if they are. The same every layer."""
+    def _write_block(self, width: int) -> tuple[slice, slice] | None:
+        """The rows' fed keys as one block of the pool, if they are one (consecutive slots, one start, no
+        padding): written as a slice. The same every layer."""
 
         if self._slices is None:
-            keys, first, start = max(self.ends), self.slots[0], self.starts[0]
-            rows = slice(first, first + self.rows) if self._consecutive else None
+            start, keys = self.starts[0], max(self.ends)
             block = None
-            if rows is not None and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
-                block = (rows, slice(start, start + width))
-            self._slices = (keys, rows, block)
-        return self._slices
+            if self._consecutive and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
+                block = (slice(self.slots[0], self.slots[0] + self.rows), slice(start, start + width))
+            self._slices = (block,)
+        return self._slices[0]
 
-    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the fed keys and values [rows, kv_heads, width, head_dim] of layer `layer` into their
-        slots' positions (the padding's into the scratch column); the slots' first max(ends) keys and values."""
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, groups: int) -> Tensor:
+        """Write the fed keys and values [rows, kv_heads, width, head_dim] of layer `layer` into their slots'
+        positions (the padding's into the scratch column), then each row's queries [rows, heads, queries,
+        head_dim] attend over its slot's first max(ends) keys under `mask`; `groups` query heads share a key
+        head. Where the pool reads in place (`KVPool.in_place`), the rows that feed a finished block beside
+        their block's row (two rows of one slot) attend in a call of their own over their slots' keys,
+        gathered, so that the others read the pool where it is; elsewhere all rows' keys are gathered."""
+
+        pool_k, pool_v = self._written(layer, k, v)
+        if q.shape[2] == 0:  # keys and values only
+            return q
+        parts = self._parts(q.device) if self.pool.in_place(pool_k) else None
+        if parts is None:  # a row per slot, or all gathered
+            return _attend(q, *self._read(pool_k, pool_v, self.slots, self._index.get("slots")), mask, groups)
+        attended = torch.empty_like(q)
+        for rows, index in parts:
+            part_mask = mask if mask.mask is None else AttentionMask(mask.kernel, mask.mask.index_select(0, index))
+            keys = self._read(pool_k, pool_v, [self.slots[row] for row in rows], None)
+            attended.index_copy_(0, index, _attend(q.index_select(0, index), *keys, part_mask, groups))
+        return attended
+
+    def _written(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The pool's keys and values of layer `layer`, with the fed ones written."""
 
         pool_k, pool_v = self.pool.layer(layer, k)
         width = k.shape[2]
-        keys, rows, block = self._layout(width)
+        block = self._write_block(width)
         for pooled, fed in ((pool_k, k), (pool_v, v)):
             if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
                 pooled[block].copy_(fed.transpose(1, 2))
@@ -208,9 +235,39 @@ class PoolPass:
             keyed = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
             flat = self._tensors(width, k.device)[3]
             pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, keyed.to(pooled.dtype))
-        if rows is not None:  # consecutive slots: a view of the pool, no copy
-            pool_k, pool_v = pool_k[rows, :keys], pool_v[rows, :keys]
+        return pool_k, pool_v
+
+    def _read(self, pool_k: Tensor, pool_v: Tensor, slots: list[int], index: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The first max(ends) keys and values of `slots` [len(slots), kv_heads, keys, head_dim]: a view of the
+        pool where the slots are consecutive, else gathered (with `index`, the slots as a tensor, if made)."""
+
+        keys, first = max(self.ends), slots[0]
+        if slots == list(range(first, first + len(slots))):
+            read_k, read_v = pool_k[first : first + len(slots), :keys], pool_v[first : first + len(slots), :keys]
         else:
-            slots = self._tensors(width, k.device)[2]
-            pool_k, pool_v = pool_k[:, :keys].index_select(0, slots), pool_v[:, :keys].index_select(0, slots)
-        return pool_k.transpose(1, 2), pool_v.transpose(1, 2)
+            index = torch.tensor(slots, device=pool_k.device) if index is None else index
+            read_k, read_v = pool_k[:, :keys].index_select(0, index), pool_v[:, :keys].index_select(0, index)
+        return read_k.transpose(1, 2), read_v.transpose(1, 2)
+
+    def _parts(self, device: torch.device) -> list[tuple[list[int], Tensor]] | None:
+        """None where every row has a slot of its own; else the rows of each slot's block (its last row) and
+        those of the finished blocks fed beside them, each with its index tensor."""
+
+        if self._split is None:
+            last: dict[int, int] = {}
+            for row, slot in enumerate(self.slots):
+                if slot not in last or self.starts[row] > self.starts[last[slot]]:
+                    last[slot] = row
+            if len(last) == self.rows:
+                self._split = []
+            else:
+                blocks = sorted(last.values())
+                finished = sorted(set(range(self.rows)) - set(blocks))
+                self._split = [(rows, torch.tensor(rows, device=device)) for rows in (blocks, finished)]
+        return self._split or None
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, groups: int) -> Tensor:
+    if groups > 1:  # each key / value head serves a group of query heads
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    return attend(q, k, v, mask)

@@ -116,6 +116,10 @@ class Attention(nn.Module):
             if mask is not None and isinstance(mask.mask, Tensor) and mask.mask.shape[-2] == length:
                 mask = AttentionMask(mask.kernel, mask.mask[..., queries, :])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
+        if isinstance(cache, PoolPass):  # rows over slots of a KV pool: it writes and reads them in place
+            assert mask is not None
+            y = cache.attend(self.layer, q, k, v, mask, self.n_heads // self.kv_heads)
+            return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], self.n_heads * self.head_dim))
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
         if q.shape[2] == 0:  # keys and values only (a cache commit)
