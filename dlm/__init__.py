@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch loads only when a function is called
     from dlm.model.transformer import DiffusionTransformer
     from dlm.sampling.options import SampleResult
 
-__version__ = "0.16.0"
+__version__ = "0.17.0"
 __all__ = ["__version__", "load", "sample"]
 
 
