@@ -58,7 +58,7 @@ from dlm.sampling.reverse import (
 from dlm.sampling.row_noise import RowNoise, noise_device
 from dlm.sampling.tokens import draws_per_row
 from dlm.serving.jobs import Answer, Finished, Job, Outcome
-from dlm.serving.member import Member
+from dlm.serving.member import Member, staying
 from dlm.serving.passes import Call, Departed, Draw, OutOfMemory, run_draws
 from dlm.serving.pooled import PooledRows
 
@@ -190,19 +190,7 @@ class Cohort:
 
         if not gone:
             return
-        kept = list(self.members)
-        place = 0
-        while place < len(kept):
-            if kept[place] not in gone:
-                place += 1
-                continue
-            while kept[-1] in gone and len(kept) - 1 > place:  # the members gone at the end simply drop
-                kept.pop()
-            if kept[-1] is not kept[place] and kept[-1].rows == kept[place].rows:
-                kept[place] = kept.pop()
-                place += 1
-            else:
-                kept.pop(place)
+        kept = staying(self.members, gone)
         rows = [row for member in kept for row in range(member.first, member.first + member.rows)]
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         width = max((member.width for member in kept), default=0)
@@ -508,37 +496,15 @@ class Cohort:
         (a block model's over its rows' slots of the KV pool, `dlm.serving.pooled`)."""
 
         if self.pooled is not None:
-            return self.pooled.calls(self.tokens, reveal, [self._pooled_step(member) for member in members])
+            width = int(self.tokens.shape[1])
+            return self.pooled.calls(self.tokens, reveal, [self.pooled.step(member, width) for member in members])
         calls = []
         for member in members:
             span = member.span
             if all(member.counts):
                 calls.append(Call(self.tokens[span], reveal[span], None, self.pad[span]))
                 continue
-            rows = torch.tensor(
-                [member.first + row for row, count in enumerate(member.counts) if count], device=self.device
-            )
-            calls.append(
-                Call(
-                    self.tokens.index_select(0, rows),
-                    reveal.index_select(0, rows),
-                    None,
-                    self.pad.index_select(0, rows),
-                )
-            )
+            rows = torch.tensor([member.first + row for row, count in enumerate(member.counts) if count])
+            rows = rows.to(self.device)
+            calls.append(Call(self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad[rows]))
         return calls
-
-    def _pooled_step(self, member: Member) -> tuple[list[int], list[int], list[int]]:
-        """A block model member's step as `PooledRows.calls` takes it: its rows that reveal something, the
-        cohort column of each one's position 0 and its block's end in its own positions."""
-
-        end = member.blocks[member.block][1]
-        shift, rows, origins, ends = self.tokens.shape[1] - member.width, [], [], []
-        n = member.job.generation.n
-        for row, count in enumerate(member.counts):
-            if count:
-                offset = member.offsets[row // n]  # whole blocks: the row's own positions start there
-                rows.append(member.first + row)
-                origins.append(shift + offset)
-                ends.append(end - offset)
-        return rows, origins, ends

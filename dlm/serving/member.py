@@ -64,3 +64,23 @@ class Member:
             return False
         self.block, self.index = self.block + 1, 0
         return True
+
+
+def staying(members: list[Member], gone: list[Member]) -> list[Member]:
+    """`members` without `gone`, each member gone giving its place to the last member of as many rows (so
+    that only that member's rows move), or else closing up."""
+
+    kept = list(members)
+    place = 0
+    while place < len(kept):
+        if kept[place] not in gone:
+            place += 1
+            continue
+        while kept[-1] in gone and len(kept) - 1 > place:  # the members gone at the end simply drop
+            kept.pop()
+        if kept[-1] is not kept[place] and kept[-1].rows == kept[place].rows:
+            kept[place] = kept.pop()
+            place += 1
+        else:
+            kept.pop(place)
+    return kept

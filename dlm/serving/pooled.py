@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dlm.model.kv_pool import KVPool, PoolPass
 from dlm.runtime.memory import is_out_of_memory
+from dlm.serving.member import Member
 from dlm.serving.passes import Call, OutOfMemory
 
 
@@ -68,6 +69,21 @@ class PooledRows:
 
     def clear(self) -> None:
         self.stored, self._fed = [], []
+
+    def step(self, member: Member, width: int) -> tuple[list[int], list[int], list[int]]:
+        """`member`'s step as `calls` takes it, in a cohort `width` columns wide: its rows that reveal
+        something, the cohort column of each one's position 0, and its block's end in its own positions."""
+
+        end = member.blocks[member.block][1]
+        shift, rows, origins, ends = width - member.width, [], [], []
+        n = member.job.generation.n
+        for row, count in enumerate(member.counts):
+            if count:
+                offset = member.offsets[row // n]  # whole blocks: the row's own positions start there
+                rows.append(member.first + row)
+                origins.append(shift + offset)
+                ends.append(end - offset)
+        return rows, origins, ends
 
     def calls(self, tokens: Tensor, reveal: Tensor, steps: list[tuple[list[int], list[int], list[int]]]) -> list[Call]:
         """The call of each step of `steps`, a step being a request's cohort rows that reveal something, the
