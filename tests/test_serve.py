@@ -684,6 +684,9 @@ def test_running_requests_hold_no_thread_of_their_own(model_dir: Path) -> None:
             for thread in threads:
                 thread.start()
             handle.until(lambda: handle.stats.in_flight + handle.stats.queued == len(requests), "all arrive")
+            # The engine may not have reached the gate yet with the requests it started first: its pass held
+            # is what the gate opens for.
+            handle.until(handle.gate.holding.is_set, "the first pass is held")
             handle.gate.open()
             handle.gate.close()  # the first pass (of the requests started then) is released, the next held
             handle.until(handle.gate.holding.is_set, "a shared pass is held")
