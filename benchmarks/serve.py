@@ -328,23 +328,20 @@ def serve(
     process, url = start_server(model, max(counts), device, threads, batch_wait)
     from dlm.serving.scheduler import Scheduler
 
-    engine = Scheduler(
-        loaded, tokenizer, max_queue=4 * max(counts), max_batch_rows=max(counts), batch_wait=batch_wait / 1000
-    )
-    engine.start()
-    engines = [engine]
-    if own_samplers:
-        engines.append(
-            Scheduler(
-                loaded,
-                tokenizer,
-                max_queue=4 * max(counts),
-                max_batch_rows=max(counts),
-                batch_wait=batch_wait / 1000,
-                own_samplers=True,
-            )
+    engines = [
+        Scheduler(
+            loaded,
+            tokenizer,
+            max_queue=4 * max(counts),
+            max_batch_rows=max(counts),
+            batch_wait=batch_wait / 1000,
+            own_samplers=own,
         )
-        engines[-1].start()
+        for own in ((False, True) if own_samplers else (False,))
+    ]
+    engine = engines[0]
+    for each in engines:
+        each.start()
     phases: dict[str, list[dict[str, Any]]] = {}
     candidates: dict[str, Callable[[], Timing]] = {}
     for count in counts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch_sampling import transformer
 
 from dlm.config.schema import ModelConfig
 from dlm.model.attention import attend
@@ -20,11 +21,7 @@ BLOCK, CONTEXT = 8, 48
 
 @pytest.fixture(scope="module")
 def model() -> DiffusionTransformer:
-    config = ModelConfig(
-        vocab_size=100, max_seq_len=CONTEXT, d_model=32, n_layers=2, n_heads=2, pad_vocab_multiple=64, block_size=BLOCK
-    )  # type: ignore[call-arg]
-    torch.manual_seed(0)
-    return DiffusionTransformer(config).to(torch.float64).eval()
+    return transformer(100, max_seq_len=CONTEXT, block_size=BLOCK)  # the sampler tests' tiny float64 model
 
 
 def sequences(*lengths: int) -> list[torch.Tensor]:

@@ -225,9 +225,12 @@ def padded_mask(
     return AttentionMask("sdpa-mask", allowed[:, None])  # [B, 1 (heads), queries, keys]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v over the keys `mask` allows; q, k, v are [B, H, L, D]."""
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None, groups: int = 1) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v over the keys `mask` allows; q, k, v are [B, H, L, D], or with `groups`
+    query heads to each key / value head (grouped-query attention), k and v [B, H / groups, L, D]."""
 
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     if mask is not None and mask.kernel == "sdpa-causal" and q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if mask is None or mask.mask is None:

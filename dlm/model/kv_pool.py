@@ -83,10 +83,10 @@ class KVPool:
         moved = [(slot, held) for slot, held in enumerate(slots) if held != slot]
         if not moved:
             return
+        into, held = (torch.tensor(side) for side in zip(*moved, strict=True))
         for kv in self.layers:
             for tensor in kv or ():
-                into = torch.tensor([slot for slot, _ in moved], device=tensor.device)
-                held = torch.tensor([held for _, held in moved], device=tensor.device)
+                into, held = into.to(tensor.device), held.to(tensor.device)
                 tensor.index_copy_(0, into, tensor.index_select(0, held))  # read first: moves may overlap
 
     def layer(self, index: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,22 +123,16 @@ class PoolPass:
     ends: list[int]
     block_size: int
     _index: dict[str, Tensor] = field(default_factory=dict, repr=False)  # the pass's index tensors, made once
-    _in_order: bool | None = field(default=None, repr=False)
-    _slices: tuple[tuple[slice, slice] | None] | None = field(default=None, repr=False)
     _split: list[tuple[list[int], Tensor]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Every row's keys as one block of the pool (consecutive slots, one start, one end): written as a slice.
+        in_step = min(self.starts) == max(self.starts) and min(self.ends) == max(self.ends)
+        self._block = _run(self.slots) if in_step else None
 
     @property
     def rows(self) -> int:
         return len(self.slots)
-
-    @property
-    def _consecutive(self) -> bool:
-        """Whether the rows are consecutive slots (the common case: every live sequence steps)."""
-
-        if self._in_order is None:
-            first = self.slots[0]
-            self._in_order = self.slots == list(range(first, first + self.rows))
-        return self._in_order
 
     @classmethod
     def together(cls, passes: list[PoolPass]) -> PoolPass:
@@ -169,12 +163,6 @@ class PoolPass:
         index = self._index
         return index["positions"], index["ends"], index["slots"], index["flat"].reshape(-1)
 
-    def positions(self, width: int, device: torch.device) -> Tensor:
-        """The position of every fed column [rows, width]; the padding's are clamped into the context."""
-
-        positions = self._tensors(width, device)[0]
-        return positions.clamp_max(self.pool.context - 1)
-
     def mask(self, width: int, device: torch.device) -> AttentionMask:
         """Which of the slots' first max(ends) keys each fed column sees [rows, 1, width, keys]: its row's
         keys before the row's end, from its own block back (padding columns see all of those). No mask
@@ -189,18 +177,6 @@ class PoolPass:
         seen = (key[None, None, :] < ends[:, :, None]) & (key[None, None, :] // block <= positions[:, :, None] // block)
         return AttentionMask("sdpa-mask", seen[:, None])
 
-    def _write_block(self, width: int) -> tuple[slice, slice] | None:
-        """The rows' fed keys as one block of the pool, if they are one (consecutive slots, one start, no
-        padding): written as a slice. The same every layer."""
-
-        if self._slices is None:
-            start, keys = self.starts[0], max(self.ends)
-            block = None
-            if self._consecutive and min(self.starts) == max(self.starts) and min(self.ends) == start + width == keys:
-                block = (slice(self.slots[0], self.slots[0] + self.rows), slice(start, start + width))
-            self._slices = (block,)
-        return self._slices[0]
-
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, groups: int) -> Tensor:
         """Write the fed keys and values [rows, kv_heads, width, head_dim] of layer `layer` into their slots'
         positions (the padding's into the scratch column), then each row's queries [rows, heads, queries,
@@ -214,23 +190,23 @@ class PoolPass:
             return q
         parts = self._parts(q.device) if self.pool.in_place(pool_k) else None
         if parts is None:  # a row per slot, or all gathered
-            return _attend(q, *self._read(pool_k, pool_v, self.slots, self._index.get("slots")), mask, groups)
+            return attend(q, *self._read(pool_k, pool_v, self.slots, self._index.get("slots")), mask, groups)
         attended = torch.empty_like(q)
         for rows, index in parts:
             part_mask = mask if mask.mask is None else AttentionMask(mask.kernel, mask.mask.index_select(0, index))
             keys = self._read(pool_k, pool_v, [self.slots[row] for row in rows], None)
-            attended.index_copy_(0, index, _attend(q.index_select(0, index), *keys, part_mask, groups))
+            attended.index_copy_(0, index, attend(q.index_select(0, index), *keys, part_mask, groups))
         return attended
 
     def _written(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The pool's keys and values of layer `layer`, with the fed ones written."""
 
         pool_k, pool_v = self.pool.layer(layer, k)
-        width = k.shape[2]
-        block = self._write_block(width)
+        width, start = k.shape[2], self.starts[0]
+        block = self._block if start + width == self.ends[0] else None  # no padding either
         for pooled, fed in ((pool_k, k), (pool_v, v)):
             if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
-                pooled[block].copy_(fed.transpose(1, 2))
+                pooled[block, start : start + width].copy_(fed.transpose(1, 2))
                 continue
             keyed = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
             flat = self._tensors(width, k.device)[3]
@@ -241,9 +217,9 @@ class PoolPass:
         """The first max(ends) keys and values of `slots` [len(slots), kv_heads, keys, head_dim]: a view of the
         pool where the slots are consecutive, else gathered (with `index`, the slots as a tensor, if made)."""
 
-        keys, first = max(self.ends), slots[0]
-        if slots == list(range(first, first + len(slots))):
-            read_k, read_v = pool_k[first : first + len(slots), :keys], pool_v[first : first + len(slots), :keys]
+        keys, run = max(self.ends), _run(slots)
+        if run is not None:
+            read_k, read_v = pool_k[run, :keys], pool_v[run, :keys]
         else:
             index = torch.tensor(slots, device=pool_k.device) if index is None else index
             read_k, read_v = pool_k[:, :keys].index_select(0, index), pool_v[:, :keys].index_select(0, index)
@@ -267,7 +243,8 @@ class PoolPass:
         return self._split or None
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, groups: int) -> Tensor:
-    if groups > 1:  # each key / value head serves a group of query heads
-        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    return attend(q, k, v, mask)
+def _run(slots: list[int]) -> slice | None:
+    """`slots` as a slice of the pool where they are consecutive (the common case: every live sequence steps)."""
+
+    first = slots[0]
+    return slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None

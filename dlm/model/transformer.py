@@ -116,17 +116,16 @@ class Attention(nn.Module):
             if mask is not None and isinstance(mask.mask, Tensor) and mask.mask.shape[-2] == length:
                 mask = AttentionMask(mask.kernel, mask.mask[..., queries, :])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D] views
+        groups = self.n_heads // self.kv_heads  # query heads to each key / value head
         if isinstance(cache, PoolPass):  # rows over slots of a KV pool: it writes and reads them in place
             assert mask is not None
-            y = cache.attend(self.layer, q, k, v, mask, self.n_heads // self.kv_heads)
-            return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], self.n_heads * self.head_dim))
-        if cache is not None:
-            k, v = cache.extend(self.layer, k, v)
-        if q.shape[2] == 0:  # keys and values only (a cache commit)
-            return x.new_zeros(batch, 0, width)
-        if self.kv_heads != self.n_heads:  # each key / value head serves a group of query heads
-            k, v = (t.repeat_interleave(self.n_heads // self.kv_heads, dim=1) for t in (k, v))
-        y = attend(q, k, v, mask)
+            y = cache.attend(self.layer, q, k, v, mask, groups)
+        else:
+            if cache is not None:
+                k, v = cache.extend(self.layer, k, v)
+            if q.shape[2] == 0:  # keys and values only (a cache commit)
+                return x.new_zeros(batch, 0, width)
+            y = attend(q, k, v, mask, groups)
         return self.out(y.transpose(1, 2).reshape(batch, q.shape[2], self.n_heads * self.head_dim))
 
 
@@ -368,13 +367,10 @@ class DiffusionTransformer(nn.Module):
             raise ValueError(f"sequence length {max(cache.ends)} exceeds max_seq_len {self.config.max_seq_len}")
         if max(cache.ends) > cache.pool.positions:
             raise ValueError(f"position {max(cache.ends)} is past the pool's {cache.pool.positions} (reserve them)")
-        width, start = tokens.shape[1], min(cache.starts)
-        if start == max(cache.starts):  # every row's columns at the same positions: one table for all
-            cos, sin = self.rope_cos[start : start + width].float(), self.rope_sin[start : start + width].float()
-        else:
-            positions = cache.positions(width, self.rope_cos.device)
-            cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()
-        cos, sin = head_tables(cos, sin)
+        width, start = tokens.shape[1], max(cache.starts)
+        # Each row's positions from its own start: as a padded batch's, counted back from the latest start.
+        behind = None if start == min(cache.starts) else torch.tensor([start - s for s in cache.starts])
+        cos, sin = head_tables(*self._rotary(start, width, behind))
         queries = None  # only the columns holding outputs need the last layer's attention and MLP
         if output_positions is not None:
             columns = output_positions.any(dim=0).nonzero()

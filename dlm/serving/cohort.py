@@ -496,15 +496,18 @@ class Cohort:
         (a block model's over its rows' slots of the KV pool, `dlm.serving.pooled`)."""
 
         if self.pooled is not None:
-            width = int(self.tokens.shape[1])
-            return self.pooled.calls(self.tokens, reveal, [self.pooled.step(member, width) for member in members])
-        calls = []
-        for member in members:
-            span = member.span
-            if all(member.counts):
-                calls.append(Call(self.tokens[span], reveal[span], None, self.pad[span]))
-                continue
-            rows = torch.tensor([member.first + row for row, count in enumerate(member.counts) if count])
-            rows = rows.to(self.device)
-            calls.append(Call(self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad[rows]))
-        return calls
+            return self.pooled.calls(self.tokens, reveal, members)
+        return [self._call(member, reveal) for member in members]
+
+    def _call(self, member: Member, reveal: Tensor) -> Call:
+        """The model call of a whole-sequence model's member: its rows that reveal something."""
+
+        span = member.span
+        if all(member.counts):
+            return Call(self.tokens[span], reveal[span], None, self.pad[span])
+        rows = torch.tensor(
+            [member.first + row for row, count in enumerate(member.counts) if count], device=self.device
+        )
+        return Call(
+            self.tokens.index_select(0, rows), reveal.index_select(0, rows), None, self.pad.index_select(0, rows)
+        )

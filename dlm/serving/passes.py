@@ -296,17 +296,11 @@ def _cached_pass(model: DiffusionTransformer, calls: list[Call], filler: int) ->
     position sees); what each storing call stores is cut back into its own cache."""
 
     merged, extras = _merged_cache(calls, max(call.stores for call in calls))
-    width = max(int(call.tokens.shape[1]) for call in calls)
-    tokens, positions, after = [], [], []
-    for call in calls:
-        assert call.output_positions is not None
-        extra = width - int(call.tokens.shape[1])
-        tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler))
-        positions.append(nn.functional.pad(call.output_positions, (0, extra), value=False))
-        after += [extra] * call.rows
+    tokens, positions, widened = _right_padded(calls, filler)
+    after = [extra for call, extra in zip(calls, widened, strict=True) for _ in range(call.rows)]
     pad = torch.cat([_leading_pad(call, extra) for call, extra in zip(calls, extras, strict=True)])
     pad_after = torch.tensor(after, device=pad.device) if any(after) else None
-    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=merged, pad=pad, pad_after=pad_after)
+    logits = model(tokens, output_positions=positions, cache=merged, pad=pad, pad_after=pad_after)
     start = 0
     for call, extra in zip(calls, extras, strict=True):
         assert call.kv is not None
@@ -321,21 +315,30 @@ def _cached_pass(model: DiffusionTransformer, calls: list[Call], filler: int) ->
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 
-def _pool_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
-    """Calls over rows of one `KVPool` as one pass: their fed tokens right-padded to the widest (padding
-    whose keys no real position reads, `dlm.model.kv_pool`)."""
+def _right_padded(calls: list[Call], filler: int) -> tuple[Tensor, Tensor, list[int]]:
+    """The calls' fed tokens and output positions as one batch, each right-padded to the widest (with
+    `filler`, and no output there); the padding of each."""
 
     width = max(int(call.tokens.shape[1]) for call in calls)
-    tokens, positions, passes = [], [], []
+    tokens, positions, extras = [], [], []
     for call in calls:
-        assert call.output_positions is not None and isinstance(call.cache, PoolPass)
+        assert call.output_positions is not None
         extra = width - int(call.tokens.shape[1])
         tokens.append(nn.functional.pad(call.tokens, (0, extra), value=filler) if extra else call.tokens)
         positions.append(
             nn.functional.pad(call.output_positions, (0, extra), value=False) if extra else call.output_positions
         )
-        passes.append(call.cache)
-    logits = model(torch.cat(tokens), output_positions=torch.cat(positions), cache=PoolPass.together(passes))
+        extras.append(extra)
+    return torch.cat(tokens), torch.cat(positions), extras
+
+
+def _pool_pass(model: DiffusionTransformer, calls: list[Call], filler: int) -> list[Tensor]:
+    """Calls over rows of one `KVPool` as one pass: their fed tokens right-padded to the widest (padding
+    whose keys no real position reads, `dlm.model.kv_pool`)."""
+
+    tokens, positions, _ = _right_padded(calls, filler)
+    passes = [call.cache for call in calls if isinstance(call.cache, PoolPass)]
+    logits = model(tokens, output_positions=positions, cache=PoolPass.together(passes))
     return list(logits.split([int(call.output_positions.sum()) for call in calls if call.output_positions is not None]))
 
 

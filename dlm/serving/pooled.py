@@ -70,27 +70,11 @@ class PooledRows:
     def clear(self) -> None:
         self.stored, self._fed = [], []
 
-    def step(self, member: Member, width: int) -> tuple[list[int], list[int], list[int]]:
-        """`member`'s step as `calls` takes it, in a cohort `width` columns wide: its rows that reveal
-        something, the cohort column of each one's position 0, and its block's end in its own positions."""
-
-        end = member.blocks[member.block][1]
-        shift, rows, origins, ends = width - member.width, [], [], []
-        n = member.job.generation.n
-        for row, count in enumerate(member.counts):
-            if count:
-                offset = member.offsets[row // n]  # whole blocks: the row's own positions start there
-                rows.append(member.first + row)
-                origins.append(shift + offset)
-                ends.append(end - offset)
-        return rows, origins, ends
-
-    def calls(self, tokens: Tensor, reveal: Tensor, steps: list[tuple[list[int], list[int], list[int]]]) -> list[Call]:
-        """The call of each step of `steps`, a step being a request's cohort rows that reveal something, the
-        cohort column of each row's position 0, and each row's block end (in its own positions): each row fed
-        from its held positions to its end, with logits at what `reveal` [cohort rows, columns] marks; the
-        positions before each row's block are held once its call has run. All calls' tokens are gathered
-        with one index.
+    def calls(self, tokens: Tensor, reveal: Tensor, members: list[Member]) -> list[Call]:
+        """The call of each member's step in the cohort's `tokens`: its rows that reveal something, each fed
+        from its held positions to its block's end, with logits at what `reveal` [cohort rows, columns]
+        marks; the positions before each row's block are held once its call has run. All calls' tokens are
+        gathered with one index.
 
         A row that feeds its block after the one just finished (or a prompt of at most a block) feeds them as
         two rows of one block each over the same slot: a pass writes every row's keys into the pool before
@@ -99,7 +83,7 @@ class PooledRows:
         rows of a block each would each read the whole prompt's keys): such calls share a pass of their
         own (`Call.group`)."""
 
-        feeds = [self._feed(*step) for step in steps]
+        feeds = [self._feed(member, int(tokens.shape[1])) for member in members]
         calls: dict[int, Call] = {}
         for whole in (False, True):  # the calls a block wide, then those of prompts fed whole
             chosen = [index for index, feed in enumerate(feeds) if (feed.reach > self.block_size) == whole]
@@ -108,17 +92,25 @@ class PooledRows:
                 calls.update(zip(chosen, gathered, strict=True))
         return [calls[index] for index in range(len(feeds))]
 
-    def _feed(self, rows: list[int], origins: list[int], ends: list[int]) -> _Feed:
-        block = self.block_size
+    def _feed(self, member: Member, width: int) -> _Feed:
+        """`member`'s step as fed, in a cohort `width` columns wide: each of its rows that reveal something from
+        its held positions to its block's end (its own positions count from its prompt's leading padding,
+        whole blocks)."""
+
+        block, n = self.block_size, member.job.generation.n
+        shift, block_end = width - member.width, member.blocks[member.block][1]
+        rows = [member.first + row for row, count in enumerate(member.counts) if count]
+        offsets = [member.offsets[row // n] for row, count in enumerate(member.counts) if count]
+        ends = [block_end - offset for offset in offsets]
         spans = [end - self.stored[row] for row, end in zip(rows, ends, strict=True)]
         reach = block if max(spans) <= 2 * block else max(spans)
         feed = _Feed(rows, [(end - 1) // block * block for end in ends], [], [], [], [], reach)
-        for row, origin, end in zip(rows, origins, ends, strict=True):
+        for row, offset, end in zip(rows, offsets, ends, strict=True):
             for start in range(self.stored[row], end, reach):
                 feed.slots.append(row)
                 feed.starts.append(start)
                 feed.ends.append(end)
-                feed.columns.append((origin + start, origin + end))
+                feed.columns.append((shift + offset + start, shift + offset + end))
         return feed
 
     def _gathered(self, tokens: Tensor, reveal: Tensor, feeds: list[_Feed]) -> list[Call]:

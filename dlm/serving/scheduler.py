@@ -234,8 +234,13 @@ class Scheduler:
             if not self.own_samplers and joins_cohort(self.model, job.generation):
                 self._joining.append(job)
             else:
-                self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
+                self._start_sampler(job)
         self._publish()
+
+    def _start_sampler(self, job: Job) -> None:
+        """`job` runs its own sampler, a greenlet of the engine, from the next round on."""
+
+        self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
 
     def _fits(self, generation: Generation, rows: int, tokens: int) -> bool:
         """Whether `generation` joins running requests of `rows` rows and `tokens` positions: admission by
@@ -294,7 +299,7 @@ class Scheduler:
             try:  # a request the cohort cannot take fails alone: the cohort is unchanged until it joins
                 self._cohort.join(job)
             except OwnSampler:  # it starts its own sampler at the next round
-                self._samplers.append(_Running(job, self._greenlet.greenlet(partial(self._sample, job))))
+                self._start_sampler(job)
             except Exception as exc:
                 self._conclude(job, exc)
         try:
