@@ -76,6 +76,38 @@ def test_rows_at_different_places_in_their_sequences_get_the_logits_of_their_own
 
 
 @torch.inference_mode()
+def test_rows_in_a_few_phases_written_as_slices_and_in_many_as_one_index_read_their_own_prefix(
+    model: DiffusionTransformer,
+) -> None:
+    """Six sequences, each feeding only its last block: in step (one run of slots), in two and three phases
+    (runs written as slices, one ending mid-block, so padded), then in six phases (one indexed write)."""
+
+    rows = sequences(40, 40, 40, 40, 37, 40)
+    pool = KVPool(CONTEXT)
+    pool.reserve(6, CONTEXT)
+    slots = list(range(6))
+    rounds = [
+        [(0, 8)] * 6,
+        [(8, 16)] * 3 + [(0, 8)] * 3,  # two runs; the last three re-feed their first block
+        [(16, 24)] * 3 + [(8, 16)] * 3,
+        [(24, 32), (24, 32), (16, 24), (16, 24), (8, 16), (8, 16)],  # three runs
+        [(32, 40), (32, 40), (24, 32), (24, 32), (16, 24), (16, 24)],
+        [(32, 40)] * 4 + [(24, 32)] * 2,
+        [(32, 40)] * 4 + [(32, 37), (32, 40)],  # three runs, one row cut short
+        [(32, 40), (24, 32), (32, 40), (24, 32), (32, 37), (32, 40)],  # six runs: past the slice writes
+    ]
+    for spans in rounds:
+        got = pooled_logits(model, pool, slots, rows, spans)
+        want = torch.cat([prefix_logits(model, rows[i], start, end) for i, (start, end) in enumerate(spans)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    runs = [
+        len(PoolPass(pool, slots, [start for start, _ in spans], [end for _, end in spans], BLOCK)._runs or ())
+        for spans in rounds
+    ]
+    assert runs == [1, 2, 2, 3, 3, 2, 3, 0]
+
+
+@torch.inference_mode()
 def test_an_imported_models_variants_read_their_pool_as_their_own_prefix() -> None:
     """Grouped-query attention (the pool holds the key heads, not the query heads), q/k norms, q/k/v biases,
     an untied head and the SUBS logits, which read the fed tokens at the output positions."""

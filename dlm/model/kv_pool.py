@@ -27,6 +27,9 @@ from torch import Tensor
 
 from dlm.model.attention import AttentionMask, attend
 
+# Rows in at most this many phases write their keys as slices; more, with one indexed copy.
+MOST_SLICE_WRITES = 4
+
 
 @dataclass
 class KVPool:
@@ -126,9 +129,9 @@ class PoolPass:
     _split: list[tuple[list[int], Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        # Every row's keys as one block of the pool (consecutive slots, one start, one end): written as a slice.
-        in_step = min(self.starts) == max(self.starts) and min(self.ends) == max(self.ends)
-        self._block = _run(self.slots) if in_step else None
+        # Rows in step (consecutive slots, one start, one end) write their keys as a slice of the pool: a
+        # few slice copies cost less than one indexed copy of as many keys (rows in two or three phases).
+        self._runs = _runs_in_step(self.slots, self.starts, self.ends)
 
     @property
     def rows(self) -> int:
@@ -165,15 +168,19 @@ class PoolPass:
 
     def mask(self, width: int, device: torch.device) -> AttentionMask:
         """Which of the slots' first max(ends) keys each fed column sees [rows, 1, width, keys]: its row's
-        keys before the row's end, from its own block back (padding columns see all of those). No mask
-        where every row ends alike and feeds only its last block (a lone request's steps, requests in step):
-        each query then sees every key read."""
+        keys before the row's end, from its own block back (padding columns see all of those). Where every
+        row feeds only its last block, a query sees all of its row's keys: [rows, 1, 1, keys]; and no mask
+        where they also end alike (a lone request's steps, requests in step)."""
 
         block, keys = self.block_size, max(self.ends)
         if min(self.ends) == keys and min(self.starts) // block == (keys - 1) // block:
             return AttentionMask("sdpa")
         positions, ends, _, _ = self._tensors(width, device)
         key = torch.arange(keys, device=device)
+        if all(start // block == (end - 1) // block for start, end in zip(self.starts, self.ends, strict=True)):
+            # Every row feeds its last block only, so each query sees every key of its row before the row's
+            # end: one mask row per row [rows, 1, 1, keys], cheaper to build and to apply than a mask per query.
+            return AttentionMask("sdpa-mask", (key[None, :] < ends)[:, None, None])
         seen = (key[None, None, :] < ends[:, :, None]) & (key[None, None, :] // block <= positions[:, :, None] // block)
         return AttentionMask("sdpa-mask", seen[:, None])
 
@@ -202,14 +209,14 @@ class PoolPass:
         """The pool's keys and values of layer `layer`, with the fed ones written."""
 
         pool_k, pool_v = self.pool.layer(layer, k)
-        width, start = k.shape[2], self.starts[0]
-        block = self._block if start + width == self.ends[0] else None  # no padding either
         for pooled, fed in ((pool_k, k), (pool_v, v)):
-            if block is not None:  # a copy into a slice: cheaper than an indexed copy of as many keys
-                pooled[block, start : start + width].copy_(fed.transpose(1, 2))
+            if self._runs is not None:  # copies into slices, each row's padding left out
+                for rows, slots, start, end in self._runs:
+                    fed_end = min(end, start + k.shape[2])  # a row of a finished block feeds one block's width
+                    pooled[slots, start:fed_end].copy_(fed[rows, :, : fed_end - start].transpose(1, 2))
                 continue
             keyed = fed.transpose(1, 2).reshape(-1, *pooled.shape[2:])  # [rows x width, kv_heads, head_dim]
-            flat = self._tensors(width, k.device)[3]
+            flat = self._tensors(k.shape[2], k.device)[3]
             pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, keyed.to(pooled.dtype))
         return pool_k, pool_v
 
@@ -241,6 +248,25 @@ class PoolPass:
                 finished = sorted(set(range(self.rows)) - set(blocks))
                 self._split = [(rows, torch.tensor(rows, device=device)) for rows in (blocks, finished)]
         return self._split or None
+
+
+def _runs_in_step(
+    slots: list[int], starts: list[int], ends: list[int], most: int = MOST_SLICE_WRITES
+) -> list[tuple[slice, slice, int, int]] | None:
+    """The rows as runs of consecutive rows over consecutive slots that feed the same positions, each as
+    (its rows, its slots, start, end); None where that takes more than `most` runs."""
+
+    runs: list[tuple[slice, slice, int, int]] = []
+    first = 0
+    for row in range(1, len(slots) + 1):
+        same = row < len(slots) and (starts[row], ends[row]) == (starts[first], ends[first])
+        if same and slots[row] == slots[row - 1] + 1:
+            continue
+        if len(runs) == most:
+            return None
+        runs.append((slice(first, row), slice(slots[first], slots[row - 1] + 1), starts[first], ends[first]))
+        first = row
+    return runs
 
 
 def _run(slots: list[int]) -> slice | None:
