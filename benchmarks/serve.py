@@ -461,10 +461,17 @@ def table(figures: dict[str, Any], stream: bool) -> str:
 
 
 def step_pass(
-    model: Any, rows: int, tokens: int, cache_mode: str | None, block_length: int | None, device: str
+    model: Any,
+    rows: int,
+    tokens: int,
+    cache_mode: str | None,
+    block_length: int | None,
+    device: str,
+    scored: int | None = None,
 ) -> Callable[[], object]:
     """The forward pass of one denoising step halfway through `tokens` after a 16-token prompt, for `rows`
-    rows, as a function to time: its cache, if any, is filled beforehand."""
+    rows, as a function to time: its cache, if any, is filled beforehand. It scores `scored` positions a
+    row (None: every position it could reveal, as a ranked step does)."""
 
     from dlm.model.attention import KVCache
     from dlm.model.denoiser import block_size
@@ -473,9 +480,9 @@ def step_pass(
     width = min(model.config.max_seq_len, tokens + 16)  # the benchmark's shape: a short prompt, then the tokens
     sequence = torch.randint(3, model.config.vocab_size, (rows, width), device=device)
     if block is None:  # the whole sequence, the tokens to generate scored
-        scored = torch.zeros_like(sequence, dtype=torch.bool)
-        scored[:, width - tokens :] = True
-        return lambda: model(sequence, scored)
+        outputs = torch.zeros_like(sequence, dtype=torch.bool)
+        outputs[:, width - tokens : width - tokens + (tokens if scored is None else scored)] = True
+        return lambda: model(sequence, outputs)
     start = (width - tokens // 2) // block * block  # the current block, halfway through
     end = min(start + block, width)
     fed_end = width if cache_mode == "prefix" else end
@@ -485,9 +492,9 @@ def step_pass(
         model(kept, torch.zeros_like(kept, dtype=torch.bool), cache=cache)
     cache.committing, cache.length = False, start  # the fed block's rotary positions start at the block
     fed = sequence[:, start:fed_end]
-    scored = torch.zeros_like(fed, dtype=torch.bool)
-    scored[:, : end - start] = True
-    return lambda: model(fed, scored, cache=cache)
+    outputs = torch.zeros_like(fed, dtype=torch.bool)
+    outputs[:, : end - start if scored is None else scored] = True
+    return lambda: model(fed, outputs, cache=cache)
 
 
 def serve_pass_cost(
@@ -499,6 +506,14 @@ def serve_pass_cost(
     device: Device = "cpu",
     block_length: BlockLength = None,
     cache: Cache = None,
+    scored: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Positions a row scores (default: 2, as many as a step at one token a pass reveals in a row "
+            "that reveals any, 1.58 on average; 0: every position of the block, as a ranked step scores).",
+        ),
+    ] = 2,
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "serve-pass-cost",
     results: Results = harness.RESULTS,
 ) -> None:
@@ -517,6 +532,7 @@ def serve_pass_cost(
         device=device,
         block_length=block_length,
         cache=cache,
+        scored=scored,
     )
     loaded, _ = dlm.load(model, device=device)
     on_cuda = torch.device(device).type == "cuda"
@@ -530,7 +546,8 @@ def serve_pass_cost(
         return go
 
     passes = {
-        f"rows_{count}": synchronized(step_pass(loaded, count, tokens, cache, block_length, device)) for count in counts
+        f"rows_{count}": synchronized(step_pass(loaded, count, tokens, cache, block_length, device, scored or None))
+        for count in counts
     }
     with torch.inference_mode():
         timings = interleaved(passes, rounds, warmup=1, progress=harness.progress)
