@@ -239,6 +239,8 @@ def test_a_block_models_requests_share_every_pass_where_their_sequences_end_mid_
     outcomes, scheduler = served(model, tokenizer, generations)
     assert outcomes == [texts for texts, _ in expected]
     assert scheduler.stats.snapshot().passes == max(count for _, count in expected)
+    # Each first pass fed a prompt beside its block, two rows of one slot: the stats count request rows.
+    assert scheduler.stats.pass_rows == sum(count for _, count in expected)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

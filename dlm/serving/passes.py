@@ -78,6 +78,13 @@ class Call:
     def rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def sequences(self) -> int:
+        """The request rows it advances: its rows, but one per slot of a pool pass, whose finished block or
+        prompt may be fed as a row of its own beside the block of the same slot."""
+
+        return len(set(self.cache.slots)) if isinstance(self.cache, PoolPass) else self.rows
+
     def group(self, block: int) -> tuple[Any, ...] | None:
         """Calls of equal groups share a pass; None: this one runs alone."""
 
@@ -346,7 +353,7 @@ def run_calls(
     model: DiffusionTransformer, calls: list[Call], on_pass: Callable[[int, float], None] = lambda rows, seconds: None
 ) -> None:
     """Answer every call: those of one group in one pass, the others alone; `on_pass(rows, seconds)` after
-    each pass.
+    each pass, with the request rows it advanced (`Call.sequences`).
     Call it under `torch.inference_mode()` with the model in eval mode."""
 
     config = model.config
@@ -365,7 +372,7 @@ def run_calls(
         lambda batch: _run_batch(model, batch, config),
         next(iter(model.parameters())).device,
         "forward pass",
-        lambda batch, seconds: on_pass(sum(call.rows for call in batch), seconds),
+        lambda batch, seconds: on_pass(sum(call.sequences for call in batch), seconds),
     )
 
 

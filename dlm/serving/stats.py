@@ -62,6 +62,7 @@ class ServeStats:
         self.admitted_tokens = 0
         self.in_flight = self.queued = self.requests = self.rejected = self.dropped = self.left = self.errors = 0
         self.passes = self.timed_out = 0
+        self.pass_rows, self.pass_seconds = 0, 0.0  # over every pass so far (the snapshot's are the window's)
 
     def queue_changed(self, queued: int, in_flight: int, admitted_tokens: int) -> None:
         with self._lock:
@@ -73,6 +74,8 @@ class ServeStats:
         with self._lock:
             self._passes.append((time.monotonic(), rows, seconds))
             self.passes += 1
+            self.pass_rows += rows
+            self.pass_seconds += seconds
 
     def first_text(self, seconds: float) -> None:
         """A streaming request sent its first text `seconds` after it arrived."""
