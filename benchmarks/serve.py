@@ -134,10 +134,10 @@ def one_at_a_time(
 
     def phase() -> dict[str, Any]:
         latencies: list[float] = []
-        generated = 0
+        generated = passes = 0
 
         def calls() -> None:
-            nonlocal generated
+            nonlocal generated, passes
             for prompt, seed in requests:
                 began = time.perf_counter()
                 result = dlm.sample(
@@ -145,9 +145,10 @@ def one_at_a_time(
                 )
                 latencies.append(time.perf_counter() - began)
                 generated += sum(result.lengths)
+                passes += result.forward_passes
 
         timing = timed(calls)
-        return summary(generated, timing.wall_s, latencies) | {"timing": timing}
+        return summary(generated, timing.wall_s, latencies) | {"timing": timing, "tokens_per_pass": generated / passes}
 
     return phase
 
@@ -252,7 +253,20 @@ def in_engine(
         count = job.future.result().completion_tokens
         return (heard[0] if heard else None), count
 
-    return lambda: client_phase(requests, clients, send)
+    def phase() -> dict[str, Any]:
+        stats = scheduler.stats
+        before = stats.passes, stats.pass_rows, stats.pass_seconds
+        result = client_phase(requests, clients, send)
+        passes, rows, seconds = (
+            now - then for now, then in zip((stats.passes, stats.pass_rows, stats.pass_seconds), before, strict=True)
+        )
+        return result | {
+            "tokens_per_pass": result["tokens"] / max(passes, 1),
+            "rows_per_pass": rows / max(passes, 1),  # request rows a pass advanced
+            "pass_share": seconds / result["timing"].wall_s,  # of the phase's wall time, in forward passes
+        }
+
+    return phase
 
 
 def served(
