@@ -28,6 +28,7 @@ from dlm.errors import UserError
 from dlm.model.attention import KVCache
 from dlm.model.transformer import DiffusionTransformer
 from dlm.sampling.generation import generate
+from dlm.sampling.reverse import Reverse
 from dlm.sampling.row_noise import RowNoise
 
 tokenizer = pytest.fixture(scope="module")(test_sampling.tokenizer.__wrapped__)  # the sampler tests' tokenizer
@@ -96,6 +97,33 @@ def test_a_batch_of_prompts_equals_one_by_one_sampling(
     assert batch.lengths == [n for result in single for n in result.lengths]
     assert batch.prompt_tokens == [len(tokenizer.encode(p).ids) for p in prompts for _ in range(2)]
     assert batch.seeds == [5 + i for i in range(len(prompts)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("remasking", ["random", "dilated", "confidence"])
+@pytest.mark.parametrize("prompt", ["ROMEO:", ""])
+def test_samples_of_one_prompt_share_the_passes_where_they_are_alike(
+    tokenizer: Tokenizer, remasking: str, prompt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Samples of one prompt are alike until a step writes their tokens: such a step (every row's first)
+    runs the model on one row, and the samples are those of every row through the model."""
+
+    model = transformer(tokenizer.get_vocab_size())
+    rows: list[int] = []
+    forward = model.forward
+
+    def counted(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows.append(int(tokens.shape[0]))
+        return forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    options = {"length": 12, "steps": 4, "num_samples": 4, "remasking": remasking}
+    shared = generate(model, tokenizer, prompt=prompt, seed=5, **options)
+    assert rows[0] == 1 and max(rows[1:]) > 1
+    rows.clear()
+    monkeypatch.setattr(Reverse, "_alike", lambda *_: False)
+    each = generate(model, tokenizer, prompt=prompt, seed=5, **options)
+    assert rows[0] > 1  # the rows that reveal something at the first step (ancestral: not always all)
+    assert shared.token_ids == each.token_ids
 
 
 @pytest.mark.parametrize(

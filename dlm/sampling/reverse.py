@@ -72,8 +72,31 @@ class Reverse:
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
     ) -> torch.Tensor:
-        """The model on `tokens` of the batch rows `rows` (None: all), with their padding if any."""
+        """The model on `tokens` of the batch rows `rows` (None: all), with their padding if any. Rows that
+        are all alike (samples of one prompt before any of them differs: a few-step sampler's first step
+        is a whole pass of them) go through the model as one row, scored at every position any of them
+        asks for, and each row gets the logits at its own."""
 
+        if cache is None and tokens.shape[0] > 1 and self._alike(tokens, rows):
+            first = torch.zeros(1, dtype=torch.long, device=tokens.device) if rows is None else rows.nonzero()[:1, 0]
+            asked = positions.any(dim=0, keepdim=True)
+            logits = self._forward(tokens[:1], asked, first, None)  # at the positions asked, in order
+            order = asked[0].cumsum(0) - 1  # each position's row in those logits
+            return logits[order.expand_as(positions)[positions]]
+        return self._forward(tokens, positions, rows, cache)
+
+    def _alike(self, tokens: torch.Tensor, rows: torch.Tensor | None) -> bool:
+        """Whether every row of the step holds the same tokens and padding as the first."""
+
+        same = (tokens == tokens[:1]).all()
+        if self.pad is not None:
+            pad = self.pad if rows is None else self.pad[rows]
+            same &= (pad == pad[:1]).all()
+        return bool(same)  # one read from the device for all of it
+
+    def _forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None
+    ) -> torch.Tensor:
         if self.pad is None:
             if cache is None:
                 return self.model(tokens, output_positions=positions)
