@@ -190,6 +190,7 @@ def distill(
     num_samples: Annotated[int, typer.Option(help="Samples per model and seed (one batch).")] = 16,
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1,2",
     repeats: Annotated[int, typer.Option(help="Interleaved rounds per seed.")] = 2,
+    name: Annotated[str, typer.Option(help="Name of the result file.")] = "distill",
     results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
 ) -> None:
     """Tokens per CPU second over the first model's, judge perplexity and diversity of models at their own steps."""
@@ -198,7 +199,7 @@ def distill(
 
     seed_list = [int(seed) for seed in seeds.split(",")]
     run = harness.start(
-        "distill",
+        name,
         models=models,
         judge=str(judge),
         length=length,
