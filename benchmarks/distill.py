@@ -44,6 +44,7 @@ class Figures:
     passes_per_token: float
     tokens_per_cpu_second: float
     speedup: float  # tokens per CPU second over the first model's
+    over_last: float  # tokens per CPU second over the last model's (an autoregressive twin, listed last)
     judge_perplexity: float
     unigram_entropy_bits: float
     distinct_2: float
@@ -149,11 +150,12 @@ def measure(
                 "distinct_2": distinct_ngrams(tokens[label], 2),
             }
         )
-    first = rows[0]
+    first, last = rows[0], rows[-1]
     figures = [
         Figures(
             **row,
             speedup=row["tokens_per_cpu_second"] / first["tokens_per_cpu_second"],
+            over_last=row["tokens_per_cpu_second"] / last["tokens_per_cpu_second"],
             perplexity_change=row["judge_perplexity"] / first["judge_perplexity"] - 1,
             entropy_change=row["unigram_entropy_bits"] / first["unigram_entropy_bits"] - 1,
             distinct_2_change=row["distinct_2"] / first["distinct_2"] - 1,

@@ -597,6 +597,7 @@ def test_the_frontier_benchmark_measures_models_at_their_own_steps(
     rows = result["figures"]["models"]
     assert [row["steps"] for row in rows] == [16, 4, 4, 16]  # one a token, as asked, the student's own
     assert rows[0]["speedup"] == 1.0 and [row["passes_per_token"] for row in rows][1:3] == [0.25, 0.25]
+    assert rows[-1]["over_last"] == 1.0 and rows[0]["over_last"] == pytest.approx(1 / rows[-1]["speedup"])
     assert rows[3]["passes_per_token"] < 1  # a threshold low enough commits several positions a pass
     assert all(math.isfinite(row["judge_perplexity"]) and 0 < row["distinct_2"] <= 1 for row in rows)
     assert set(result["rounds"]) == {"seed_0", "seed_1"} and set(result["rounds"]["seed_0"]) == set(models)
