@@ -116,9 +116,13 @@ def test_samples_of_one_prompt_share_the_passes_where_they_are_alike(
         return forward(tokens, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", counted)
+    checks: list[bool] = []
+    alike = Reverse._alike
+    monkeypatch.setattr(Reverse, "_alike", lambda *args: checks.append(alike(*args)) or checks[-1])
     options = {"length": 12, "steps": 4, "num_samples": 4, "remasking": remasking}
     shared = generate(model, tokenizer, prompt=prompt, seed=5, **options)
     assert rows[0] == 1 and max(rows[1:]) > 1
+    assert checks[-1] is False and len(checks) < len(rows)  # once apart, never checked again
     rows.clear()
     monkeypatch.setattr(Reverse, "_alike", lambda *_: False)
     each = generate(model, tokenizer, prompt=prompt, seed=5, **options)

@@ -68,6 +68,9 @@ class Reverse:
     mask_id: int
     forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
     pad: torch.Tensor | None = field(default=None, kw_only=True)  # leading padding per row of a batch of prompts
+    # Whether the rows were seen to differ: a revealed token stays, so they never become alike again and
+    # `forward` stops checking (a read from the device) from there.
+    apart: list[bool] = field(default_factory=lambda: [False], kw_only=True, repr=False, compare=False)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
@@ -77,7 +80,7 @@ class Reverse:
         is a whole pass of them) go through the model as one row, scored at every position any of them
         asks for, and each row gets the logits at its own."""
 
-        if cache is None and tokens.shape[0] > 1 and self._alike(tokens, rows):
+        if cache is None and tokens.shape[0] > 1 and not self.apart[0] and self._alike(tokens, rows):
             first = torch.zeros(1, dtype=torch.long, device=tokens.device) if rows is None else rows.nonzero()[:1, 0]
             asked = positions.any(dim=0, keepdim=True)
             logits = self._forward(tokens[:1], asked, first, None)  # at the positions asked, in order
@@ -92,7 +95,9 @@ class Reverse:
         if self.pad is not None:
             pad = self.pad if rows is None else self.pad[rows]
             same &= (pad == pad[:1]).all()
-        return bool(same)  # one read from the device for all of it
+        alike = bool(same)  # one read from the device for all of it
+        self.apart[0] = not alike
+        return alike
 
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None
