@@ -148,7 +148,10 @@ def one_at_a_time(
                 passes += result.forward_passes
 
         timing = timed(calls)
-        return summary(generated, timing.wall_s, latencies) | {"timing": timing, "tokens_per_pass": generated / passes}
+        return summary(generated, timing.wall_s, latencies) | {
+            "timing": timing,
+            "tokens_per_pass": generated / max(passes, 1),
+        }
 
     return phase
 
@@ -507,7 +510,7 @@ def step_pass(
     cache.committing, cache.length = False, start  # the fed block's rotary positions start at the block
     fed = sequence[:, start:fed_end]
     outputs = torch.zeros_like(fed, dtype=torch.bool)
-    outputs[:, : end - start if scored is None else scored] = True
+    outputs[:, : end - start if scored is None else min(scored, end - start)] = True
     return lambda: model(fed, outputs, cache=cache)
 
 
