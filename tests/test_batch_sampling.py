@@ -100,12 +100,14 @@ def test_a_batch_of_prompts_equals_one_by_one_sampling(
 
 
 @pytest.mark.parametrize("remasking", ["random", "dilated", "confidence"])
-@pytest.mark.parametrize("prompt", ["ROMEO:", ""])
-def test_samples_of_one_prompt_share_the_passes_where_they_are_alike(
-    tokenizer: Tokenizer, remasking: str, prompt: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("prompts", [["ROMEO:"], [""], ["To be", "ROMEO: But soft", "To be"]])
+def test_samples_of_one_prompt_share_the_passes_where_they_repeat_each_other(
+    tokenizer: Tokenizer, remasking: str, prompts: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Samples of one prompt are alike until a step writes their tokens: such a step (every row's first)
-    runs the model on one row, and the samples are those of every row through the model."""
+    """The samples of a prompt repeat each other until a step writes their tokens: such a step (every row's
+    first) runs the model on each distinct row once (one a prompt: the batch of three holds a prompt
+    twice, padded alike), and the samples are those of every row through the model. Once every row of a
+    step is distinct, no later step looks."""
 
     model = transformer(tokenizer.get_vocab_size())
     rows: list[int] = []
@@ -116,18 +118,24 @@ def test_samples_of_one_prompt_share_the_passes_where_they_are_alike(
         return forward(tokens, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", counted)
-    checks: list[bool] = []
-    alike = Reverse._alike
-    monkeypatch.setattr(Reverse, "_alike", lambda *args: checks.append(alike(*args)) or checks[-1])
+    looks: list[bool] = []
+    shared = Reverse._shared
+
+    def looking(*args: Any) -> torch.Tensor | None:
+        logits = shared(*args)
+        looks.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(Reverse, "_shared", looking)
     options = {"length": 12, "steps": 4, "num_samples": 4, "remasking": remasking}
-    shared = generate(model, tokenizer, prompt=prompt, seed=5, **options)
-    assert rows[0] == 1 and max(rows[1:]) > 1
-    assert checks[-1] is False and len(checks) < len(rows)  # once apart, never checked again
+    together = generate(model, tokenizer, prompts=prompts, seed=5, **options)
+    assert rows[0] == len(set(prompts)) and max(rows[1:]) > len(set(prompts))
+    assert looks[0] and not looks[-1] and len(looks) < len(rows)
     rows.clear()
-    monkeypatch.setattr(Reverse, "_alike", lambda *_: False)
-    each = generate(model, tokenizer, prompt=prompt, seed=5, **options)
-    assert rows[0] > 1  # the rows that reveal something at the first step (ancestral: not always all)
-    assert shared.token_ids == each.token_ids
+    monkeypatch.setattr(Reverse, "_shared", lambda *_: None)
+    each = generate(model, tokenizer, prompts=prompts, seed=5, **options)  # every row through the model
+    assert rows[0] > len(set(prompts))
+    assert together.token_ids == each.token_ids
 
 
 @pytest.mark.parametrize(

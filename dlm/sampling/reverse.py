@@ -68,36 +68,44 @@ class Reverse:
     mask_id: int
     forbidden: torch.Tensor  # token ids never predicted (mask first), on the noise device
     pad: torch.Tensor | None = field(default=None, kw_only=True)  # leading padding per row of a batch of prompts
-    # Whether the rows were seen to differ: a revealed token stays, so they never become alike again and
-    # `forward` stops checking (a read from the device) from there.
+    # Whether the rows were seen all distinct: a revealed token stays, so they never repeat again and
+    # `forward` stops looking (a read from the device) from there.
     apart: list[bool] = field(default_factory=lambda: [False], kw_only=True, repr=False, compare=False)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
     ) -> torch.Tensor:
         """The model on `tokens` of the batch rows `rows` (None: all), with their padding if any. Rows that
-        are all alike (samples of one prompt before any of them differs: a few-step sampler's first step
-        is a whole pass of them) go through the model as one row, scored at every position any of them
-        asks for, and each row gets the logits at its own."""
+        repeat each other (the samples of one prompt before a step writes their tokens: a few-step
+        sampler's first step is a whole pass of them) go through the model once."""
 
-        if cache is None and tokens.shape[0] > 1 and not self.apart[0] and self._alike(tokens, rows):
-            first = torch.zeros(1, dtype=torch.long, device=tokens.device) if rows is None else rows.nonzero()[:1, 0]
-            asked = positions.any(dim=0, keepdim=True)
-            logits = self._forward(tokens[:1], asked, first, None)  # at the positions asked, in order
-            order = asked[0].cumsum(0) - 1  # each position's row in those logits
-            return logits[order.expand_as(positions)[positions]]
+        if cache is None and tokens.shape[0] > 1 and not self.apart[0]:
+            shared = self._shared(tokens, positions, rows)
+            if shared is not None:
+                return shared
         return self._forward(tokens, positions, rows, cache)
 
-    def _alike(self, tokens: torch.Tensor, rows: torch.Tensor | None) -> bool:
-        """Whether every row of the step holds the same tokens and padding as the first."""
+    def _shared(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The logits of a step whose rows repeat each other (the same tokens and padding): each distinct row
+        once through the model, scored at every position any of its copies asks for, and each row's own
+        positions gathered from it; None where every row is distinct, and from then on (`apart`)."""
 
-        same = (tokens == tokens[:1]).all()
-        if self.pad is not None:
-            pad = self.pad if rows is None else self.pad[rows]
-            same &= (pad == pad[:1]).all()
-        alike = bool(same)  # one read from the device for all of it
-        self.apart[0] = not alike
-        return alike
+        device, count = tokens.device, tokens.shape[0]
+        batch_rows = torch.arange(count, device=device) if rows is None else rows.nonzero()[:, 0]
+        key = tokens if self.pad is None else torch.cat((tokens, self.pad[batch_rows][:, None]), dim=1)
+        distinct, copy_of = torch.unique(key, dim=0, return_inverse=True)
+        if len(distinct) == count:
+            self.apart[0] = True
+            return None
+        first = torch.full((len(distinct),), count, device=device).scatter_reduce_(
+            0, copy_of, torch.arange(count, device=device), "amin"
+        )  # each distinct row's first copy
+        asked = torch.zeros(len(distinct), tokens.shape[1], dtype=torch.long, device=device)
+        asked = asked.index_add_(0, copy_of, positions.long()) > 0
+        logits = self._forward(tokens[first], asked, batch_rows[first], None)  # row-major over `asked`
+        counts = asked.sum(dim=1)
+        order = asked.cumsum(dim=1) - 1 + (counts.cumsum(dim=0) - counts)[:, None]  # each position's logits row
+        return logits[order[copy_of][positions]]
 
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None
