@@ -126,12 +126,14 @@ class PoolPass:
     ends: list[int]
     block_size: int
     _index: dict[str, Tensor] = field(default_factory=dict, repr=False)  # the pass's index tensors, made once
-    _split: list[tuple[list[int], Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.keys = max(self.ends)  # the keys of its slot each row reads: up to the furthest end
         # Rows in step (consecutive slots, one start, one end) write their keys as a slice of the pool: a
         # few slice copies cost less than one indexed copy of as many keys (rows in two or three phases).
         self._runs = _runs_in_step(self.slots, self.starts, self.ends)
+        self._slot_run = _run(self.slots)  # every row's slot read as one slice of the pool
+        self._parts = _shared_slot_parts(self.slots, self.starts)
 
     @property
     def rows(self) -> int:
@@ -172,7 +174,7 @@ class PoolPass:
         row feeds only its last block, a query sees all of its row's keys: [rows, 1, 1, keys]; and no mask
         where they also end alike (a lone request's steps, requests in step)."""
 
-        block, keys = self.block_size, max(self.ends)
+        block, keys = self.block_size, self.keys
         if min(self.ends) == keys and min(self.starts) // block == (keys - 1) // block:
             return AttentionMask("sdpa")
         positions, ends, _, _ = self._tensors(width, device)
@@ -195,13 +197,17 @@ class PoolPass:
         pool_k, pool_v = self._written(layer, k, v)
         if q.shape[2] == 0:  # keys and values only
             return q
-        parts = self._parts(q.device) if self.pool.in_place(pool_k) else None
-        if parts is None:  # a row per slot, or all gathered
-            return attend(q, *self._read(pool_k, pool_v, self.slots, self._index.get("slots")), mask, groups)
+        if self._parts is None or not self.pool.in_place(pool_k):  # a row per slot, or all gathered
+            keys = self._read(pool_k, pool_v, self.slots, self._slot_run, self._index.get("slots"))
+            return attend(q, *keys, mask, groups)
         attended = torch.empty_like(q)
-        for rows, index in parts:
+        for part, rows in enumerate(self._parts):
+            index = self._index.get(f"part_{part}")
+            if index is None:
+                index = self._index[f"part_{part}"] = torch.tensor(rows, device=q.device)
             part_mask = mask if mask.mask is None else AttentionMask(mask.kernel, mask.mask.index_select(0, index))
-            keys = self._read(pool_k, pool_v, [self.slots[row] for row in rows], None)
+            slots = [self.slots[row] for row in rows]
+            keys = self._read(pool_k, pool_v, slots, _run(slots), None)
             attended.index_copy_(0, index, attend(q.index_select(0, index), *keys, part_mask, groups))
         return attended
 
@@ -220,11 +226,14 @@ class PoolPass:
             pooled.view(-1, *pooled.shape[2:]).index_copy_(0, flat, keyed.to(pooled.dtype))
         return pool_k, pool_v
 
-    def _read(self, pool_k: Tensor, pool_v: Tensor, slots: list[int], index: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _read(
+        self, pool_k: Tensor, pool_v: Tensor, slots: list[int], run: slice | None, index: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """The first max(ends) keys and values of `slots` [len(slots), kv_heads, keys, head_dim]: a view of the
-        pool where the slots are consecutive, else gathered (with `index`, the slots as a tensor, if made)."""
+        pool where the slots are consecutive (`run`, their slice), else gathered (with `index`, the slots as a
+        tensor, if made)."""
 
-        keys, run = max(self.ends), _run(slots)
+        keys = self.keys
         if run is not None:
             read_k, read_v = pool_k[run, :keys], pool_v[run, :keys]
         else:
@@ -232,22 +241,19 @@ class PoolPass:
             read_k, read_v = pool_k[:, :keys].index_select(0, index), pool_v[:, :keys].index_select(0, index)
         return read_k.transpose(1, 2), read_v.transpose(1, 2)
 
-    def _parts(self, device: torch.device) -> list[tuple[list[int], Tensor]] | None:
-        """None where every row has a slot of its own; else the rows of each slot's block (its last row) and
-        those of the finished blocks fed beside them, each with its index tensor."""
 
-        if self._split is None:
-            last: dict[int, int] = {}
-            for row, slot in enumerate(self.slots):
-                if slot not in last or self.starts[row] > self.starts[last[slot]]:
-                    last[slot] = row
-            if len(last) == self.rows:
-                self._split = []
-            else:
-                blocks = sorted(last.values())
-                finished = sorted(set(range(self.rows)) - set(blocks))
-                self._split = [(rows, torch.tensor(rows, device=device)) for rows in (blocks, finished)]
-        return self._split or None
+def _shared_slot_parts(slots: list[int], starts: list[int]) -> tuple[list[int], list[int]] | None:
+    """None where every row has a slot of its own; else the rows of each slot's block (its last row) and
+    those of the finished blocks fed beside them."""
+
+    last: dict[int, int] = {}
+    for row, slot in enumerate(slots):
+        if slot not in last or starts[row] > starts[last[slot]]:
+            last[slot] = row
+    if len(last) == len(slots):
+        return None
+    blocks = sorted(last.values())
+    return blocks, sorted(set(range(len(slots))) - set(blocks))
 
 
 def _runs_in_step(

@@ -363,10 +363,10 @@ class DiffusionTransformer(nn.Module):
 
         if not self.config.is_block_model or self.config.shift_logits:
             raise ValueError("a KV pool serves block models, whose passes feed blocks over their cached prefix")
-        if max(cache.ends) > self.config.max_seq_len:
-            raise ValueError(f"sequence length {max(cache.ends)} exceeds max_seq_len {self.config.max_seq_len}")
-        if max(cache.ends) > cache.pool.positions:
-            raise ValueError(f"position {max(cache.ends)} is past the pool's {cache.pool.positions} (reserve them)")
+        if cache.keys > self.config.max_seq_len:
+            raise ValueError(f"sequence length {cache.keys} exceeds max_seq_len {self.config.max_seq_len}")
+        if cache.keys > cache.pool.positions:
+            raise ValueError(f"position {cache.keys} is past the pool's {cache.pool.positions} (reserve them)")
         width, start = tokens.shape[1], max(cache.starts)
         # Each row's positions from its own start: as a padded batch's, counted back from the latest start.
         behind = None if start == min(cache.starts) else torch.tensor([start - s for s in cache.starts])

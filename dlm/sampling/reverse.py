@@ -70,7 +70,7 @@ class Reverse:
     pad: torch.Tensor | None = field(default=None, kw_only=True)  # leading padding per row of a batch of prompts
     # Whether the rows were seen all distinct: a revealed token stays, so they never repeat again and
     # `forward` stops looking (a read from the device) from there.
-    apart: list[bool] = field(default_factory=lambda: [False], kw_only=True, repr=False, compare=False)
+    apart: list[bool] = field(default_factory=lambda: [False], init=False, repr=False, compare=False)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None, cache: KVCache | None = None
