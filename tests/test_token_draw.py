@@ -19,9 +19,19 @@ import torch
 
 from dlm.config.schema import ModelConfig
 from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling import tokens as token_draw
 from dlm.sampling.dispatch import denoise
 from dlm.sampling.options import SamplingOptions
-from dlm.sampling.tokens import _MAX_TRIALS, draws_per_row, filter_logits, inverse_cdf, sample_tokens, trials
+from dlm.sampling.tokens import (
+    _MAX_TRIALS,
+    _nucleus,
+    draws_per_row,
+    filter_logits,
+    inverse_cdf,
+    sample_tokens,
+    sample_with_probabilities,
+    trials,
+)
 
 THRESHOLD_EXPECTATION = Path(__file__).parent / "data" / "threshold_expectation.json"
 # Vocabulary 2048: an untrained model gives ~1/2048 to a token, so 0.0006 commits some by threshold.
@@ -75,6 +85,9 @@ def test_the_nucleus_is_every_token_whose_more_likely_tokens_hold_less_than_top_
     kept = torch.isfinite(filter_logits(logits, top_p=top_p))
     assert torch.equal(kept, nucleus_reference(logits, top_p))
     assert kept.sum(dim=-1).min() >= 1
+    # The draw's own cut (its fallback) works on the weights, exp(x - max): the same tokens.
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    assert torch.equal(_nucleus(weights, top_p) > 0, kept)
 
 
 def test_tokens_tied_at_the_cut_are_all_kept() -> None:
@@ -161,6 +174,60 @@ def test_float64_logits_are_sampled_in_float64() -> None:
     split = 0.5 - 2.5e-13  # the first token's probability
     for u, token in ((split - 1e-14, 0), (split + 1e-14, 1)):
         assert sample_tokens(logits, uniform=torch.tensor([[u]], dtype=torch.float64)).item() == token
+
+
+def test_only_picks_light_enough_to_be_cut_are_tested_against_the_nucleus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows whose first token holds 0.95 of the mass: a pick of it is in the 0.9 nucleus by itself
+    # (the tokens heavier than it hold nothing), so only the rows that drew another token are tested.
+    logits = torch.tensor([[5.0, 1.0, 0.5, 0.0, -1.0]]).expand(40, -1).contiguous()
+    assert float(logits[0].softmax(dim=-1)[0]) > 0.95
+    uniform = torch.rand(40, draws_per_row(0.9), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    uniform[:, 0] = torch.linspace(0, 0.999, 40, dtype=torch.float64)  # the last few pass the first token
+    tested: list[int] = []
+    real = token_draw._mass_ahead
+
+    def counted(weights: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        tested.append(weights.shape[0])
+        return real(weights, picks)
+
+    monkeypatch.setattr(token_draw, "_mass_ahead", counted)
+    tokens = sample_tokens(logits, top_p=0.9, uniform=uniform)
+    light = int((uniform[:, 0] * float(logits[0].exp().sum()) >= float(logits[0, 0].exp())).sum())
+    assert 0 < light < 40 and tested[0] == light
+    assert set(tokens.tolist()) == {0}  # the nucleus here is the first token alone
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, None])
+def test_each_row_draws_the_same_token_in_any_batch_and_with_its_buffer_overwritten(top_p: float | None) -> None:
+    # Rows of every kind (confident, flat, cut by -inf) in one batch, alone, and with `overwrite`:
+    # whether the nucleus test runs on all rows or a copy of some, each row's arithmetic is its own.
+    logits = bfloat16_logits(48, 300, seed=8)
+    logits[:16, 7] += 12  # confident rows, whose picks need no test
+    logits[40:, ::2] = -math.inf
+    uniform = torch.rand(48, draws_per_row(top_p), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    batch = sample_tokens(logits, top_p=top_p, uniform=uniform)
+    alone = [int(sample_tokens(logits[i : i + 1], top_p=top_p, uniform=uniform[i : i + 1])) for i in range(48)]
+    assert batch.tolist() == alone
+    for subset in (slice(0, 16), slice(8, 48)):  # mostly confident rows, then mostly doubtful ones
+        assert sample_tokens(logits[subset], top_p=top_p, uniform=uniform[subset]).tolist() == alone[subset]
+    buffer = logits.clone()
+    assert torch.equal(sample_tokens(buffer, top_p=top_p, uniform=uniform, overwrite=True), batch)
+    assert not torch.equal(buffer, logits)  # the weights were made in it
+
+
+def test_overwriting_draws_leave_logits_they_cannot_reuse_alone_and_rank_by_the_untempered_model() -> None:
+    logits = bfloat16_logits(6, 130)
+    uniform = torch.rand(6, draws_per_row(0.9), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = sample_tokens(logits, top_p=0.9, uniform=uniform)
+    for other in (logits.bfloat16(), torch.cat((logits, logits), dim=1)[:, :130]):  # another dtype, strided
+        before = other.clone()
+        assert torch.equal(sample_tokens(other, top_p=0.9, uniform=uniform, overwrite=True), expected)
+        assert torch.equal(other, before)
+    buffer = logits.clone()
+    options: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "uniform": uniform}
+    tokens, probabilities = sample_with_probabilities(buffer, overwrite=True, **options)
+    assert torch.equal(tokens, sample_tokens(logits, **options))
+    assert torch.allclose(probabilities, logits.softmax(dim=-1))  # the model's own, before the buffer was reused
 
 
 if __name__ == "__main__":

@@ -174,9 +174,10 @@ class Reverse:
         if shared is not None:
             drawn: tuple[torch.Tensor, torch.Tensor | None] = shared(logits, probabilities=probabilities, **keywords)
             return drawn
+        # `logits` are this step's own buffer (`scores`): the draw may make its weights in it.
         if probabilities:
-            return sample_with_probabilities(logits, **keywords)
-        return sample_tokens(logits, **keywords), None
+            return sample_with_probabilities(logits, overwrite=True, **keywords)
+        return sample_tokens(logits, overwrite=True, **keywords), None
 
     def reveal_random(self, tokens: torch.Tensor, block: torch.Tensor, odds: float) -> int:
         """Ancestral step: reveal each masked position of `block` with probability 1 / `odds` (`step_odds`)."""

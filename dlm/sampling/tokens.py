@@ -10,16 +10,20 @@ passes, with no sort and no noise per vocabulary entry:
   precision within its block; a block's own mass is a float32 sum (relative error ~1e-7), so no
   token with a positive weight is ever out of reach, however small (the failure of Gumbel noise in
   16 or 32 bits, whose truncated tails lose the rare tokens).
-- **The top-p nucleus** is every token whose strictly more likely tokens hold less than `top_p` of
-  the mass (tokens tied at the cut are all kept, as top-k keeps ties). It is sampled by rejection:
-  a token drawn from the whole distribution is kept when it is in the nucleus, which one pass over
-  the row decides, else another is drawn. The nucleus holds at least `top_p` of the mass, so a
-  draw is kept with probability >= top_p; after `trials(top_p)` refusals (a chance of at most 1 in
-  1,000) the row is drawn from the explicitly filtered nucleus (`filter_logits`, a sort), with one
-  more uniform. Either way the token follows the nucleus distribution exactly.
+- **The top-p nucleus** is every token whose strictly heavier tokens (by weight, that is by
+  probability) hold less than `top_p` of the mass (tokens tied at the cut are all kept, as top-k
+  keeps ties). It is sampled by rejection: a token drawn from the whole distribution is kept when it
+  is in the nucleus, else another is drawn. A pick holding more than 1 - `top_p` of the mass is in
+  the nucleus by itself; any other is decided by one pass over its row. The nucleus holds at least
+  `top_p` of the mass, so a draw is kept with probability >= top_p; after `trials(top_p)` refusals
+  (a chance of at most 1 in 1,000) the row is drawn from the explicitly cut nucleus (a sort), with
+  one more uniform. Either way the token follows the nucleus distribution exactly.
 
 The weights are float32 for a 16- or 32-bit model and float64 for a float64 one, so that a float64
-model's batched and one-by-one samples agree as its logits do (docs/reproducibility.md).
+model's batched and one-by-one samples agree as its logits do (docs/reproducibility.md). Every pass
+over the vocabulary counts (a fast sampler's step draws at many positions): the weights are made in
+one buffer, in place (the caller's own with `overwrite`), and the nucleus test is a comparison, a
+product and a sum.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import torch.nn.functional as F
 _BLOCK = 64  # vocabulary entries per block of the two-level draw
 _MISS = 1e-3  # the largest chance that every rejection trial of a row fails
 _MAX_TRIALS = 16
-_LOG2_E = 1 / math.log(2)
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -89,13 +92,16 @@ def sample_tokens(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """One token per row of `logits` [N, V] (the most likely at temperature 0), as described above.
 
     `uniform` [N, draws_per_row(top_p)] (float64) gives the uniform draws instead of `generator`.
+    With `overwrite` the draw may make its weights in `logits` itself (a buffer of the caller's that
+    it no longer needs): a pass over [N, V] and a buffer of that size saved.
     """
 
-    return _draw(_widened(logits), temperature, top_k, top_p, generator, uniform)[0]
+    return _draw(logits, temperature, top_k, top_p, generator, uniform, overwrite)[0]
 
 
 def sample_with_probabilities(
@@ -106,16 +112,19 @@ def sample_with_probabilities(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     uniform: torch.Tensor | None = None,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_tokens`, and the model's own distribution [N, V] (untempered and unfiltered), which
     confidence remasking and thresholds rank by. At temperature 1 without top-k these are the draw's
     weights over their total, normalised in place: no second pass of exponentials."""
 
-    scores = _widened(logits)
-    tokens, weights, total = _draw(scores, temperature, top_k, top_p, generator, uniform)
-    plain = temperature == 1 and (top_k is None or top_k >= scores.size(-1))
-    if weights is None or total is None or not plain:
-        return tokens, scores.softmax(dim=-1)
+    plain = temperature == 1 and (top_k is None or top_k >= logits.size(-1))
+    own = None if plain else _widened(logits).softmax(dim=-1)  # before `overwrite` lets the draw reuse them
+    tokens, weights, total = _draw(logits, temperature, top_k, top_p, generator, uniform, overwrite)
+    if own is not None:
+        return tokens, own
+    if weights is None or total is None:  # temperature 0 is not plain
+        raise AssertionError("a plain draw has weights")
     return tokens, weights.div_(total[:, None].to(weights.dtype))
 
 
@@ -125,28 +134,25 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(
-    scores: torch.Tensor,
+    logits: torch.Tensor,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
     generator: torch.Generator | None,
     uniform: torch.Tensor | None,
+    overwrite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The tokens, and the weights [N, V] (exp of the filtered scores less their maximum, a fresh
-    buffer) with their total [N] (None at temperature 0, which draws nothing)."""
+    """The tokens, and the weights [N, V] (exp of the tempered, top-k filtered scores less their
+    maximum, a fresh buffer) with their total [N] (None at temperature 0, which draws nothing)."""
 
     if temperature == 0:
-        return scores.argmax(dim=-1), None, None
-    if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
-        scores = scores / temperature
-    if top_k is not None and top_k < scores.size(-1):
-        scores = filter_logits(scores, top_k=top_k)
-    rows, width = scores.shape[0], draws_per_row(top_p)
+        return logits.detach().argmax(dim=-1), None, None
+    rows, width = logits.shape[0], draws_per_row(top_p)
     if uniform is None:
-        uniform = torch.rand((rows, width), dtype=torch.float64, device=scores.device, generator=generator)
+        uniform = torch.rand((rows, width), dtype=torch.float64, device=logits.device, generator=generator)
     elif tuple(uniform.shape) != (rows, width):
         raise ValueError(f"uniform draws of shape {tuple(uniform.shape)} for {rows} rows of {width}")
-    weights = _weights(scores)
+    weights = _weights(logits, temperature, top_k, overwrite)
     mass = _BlockMass.of(weights)
     total = mass.ends[:, -1]
     picks = mass.draw(uniform[:, 0])
@@ -154,43 +160,73 @@ def _draw(
         return picks, weights, total
     assert top_p is not None
     enough = top_p * total
-    pending = (~(_mass_ahead(scores, weights, picks, None) < enough)).nonzero().squeeze(-1)  # not in the nucleus
+    pending = _outside(weights, picks, total, top_p)
     for trial in range(1, width - 1):
         if pending.numel() == 0:
             break
         picks[pending] = mass.select(pending).draw(uniform[pending, trial])
-        pending = pending[~(_mass_ahead(scores, weights, picks, pending) < enough[pending])]
+        pending = pending[~(_mass_ahead(weights[pending], picks[pending]) < enough[pending])]
     if pending.numel():  # every trial refused (at most 1 in 1,000): the sorted nucleus, its last uniform
-        nucleus = filter_logits(scores[pending], top_p=top_p)
-        picks[pending] = _BlockMass.of(_weights(nucleus)).draw(uniform[pending, -1])
+        picks[pending] = _BlockMass.of(_nucleus(weights[pending], top_p)).draw(uniform[pending, -1])
     return picks, weights, total
 
 
-def _weights(scores: torch.Tensor) -> torch.Tensor:
-    """exp(scores - each row's maximum) [N, V], a fresh buffer, computed as 2^((x - max) log2 e).
+def _weights(logits: torch.Tensor, temperature: float, top_k: int | None, overwrite: bool) -> torch.Tensor:
+    """exp(x - each row's maximum) [N, V] of the scores x (the logits over `temperature`, cut to the
+    top k), made in place in one buffer of the draw's dtype: a fresh one, or with `overwrite` the
+    logits themselves where they are contiguous and of that dtype.
 
-    On a CPU torch's exp2 kernel is much cheaper than its exp, and this is one pass over every
-    revealed position's vocabulary. x - max is exact near the maximum, and rounding its product by
-    log2 e moves a weight by a relative 6e-8 x |x - max| at most: 1.2e-6 for a token e^20 times less
-    likely than the most likely.
+    x - max is exact near the maximum and exp rounds once. Torch's CPU exp kernel is also cheaper
+    than its exp2 (2^((x - max) log2 e), a multiplication more, what dlm drew with up to 0.17).
     """
 
-    return torch.sub(scores, scores.amax(dim=-1, keepdim=True)).mul_(_LOG2_E).exp2_()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    reuse = overwrite and logits.dtype == dtype and logits.is_contiguous()
+    scores = logits.detach() if reuse else logits.detach().to(dtype, copy=True)
+    if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
+        scores.div_(temperature)
+    if top_k is not None and top_k < scores.size(-1):
+        scores = filter_logits(scores, top_k=top_k)
+    return scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
 
 
-def _mass_ahead(
-    scores: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, rows: torch.Tensor | None
-) -> torch.Tensor:
-    """The weight of the tokens strictly more likely than each row's pick (of `rows`; None: all).
+def _outside(weights: torch.Tensor, picks: torch.Tensor, total: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rows [P] whose pick is outside the nucleus: the tokens strictly heavier than it hold
+    top_p x `total` or more.
 
-    sign(x - x_pick) clamped at 0 is the indicator x > x_pick, in place in one buffer: a third of
-    the time of a comparison, a where and a sum.
+    A pick holding more than (1 - top_p) x total is in the nucleus with no pass over its row: the
+    tokens heavier than it hold at most the total less its weight. The others are tested all at
+    once, or as a copy of their rows where they are under two thirds of them (a copy is one pass,
+    the test two).
     """
 
-    if rows is not None:
-        scores, weights, picks = scores[rows], weights[rows], picks[rows]
-    chosen = scores.gather(-1, picks[:, None])
-    return torch.sub(scores, chosen).sign_().clamp_(min=0).mul_(weights).sum(dim=-1)
+    enough = top_p * total
+    chosen = weights.gather(-1, picks[:, None]).squeeze(-1)
+    doubtful = (chosen <= (1 - top_p) * total).nonzero().squeeze(-1)
+    if doubtful.numel() * 3 >= weights.shape[0] * 2:
+        return (~(_mass_ahead(weights, picks) < enough)).nonzero().squeeze(-1)
+    return doubtful[~(_mass_ahead(weights[doubtful], picks[doubtful]) < enough[doubtful])]
+
+
+def _mass_ahead(weights: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """The weight [N] of the tokens strictly heavier than each row's pick: the indicator of
+    w > w_pick, written in the weights' dtype, times the weights in place, summed."""
+
+    chosen = weights.gather(-1, picks[:, None])
+    heavier = torch.gt(weights, chosen, out=torch.empty_like(weights))
+    return heavier.mul_(weights).sum(dim=-1)
+
+
+def _nucleus(weights: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`weights` [N, V] with 0 outside each row's top-p nucleus: every token whose strictly heavier
+    tokens hold less than `top_p` of the row's mass (ties at the cut all kept; a row whose mass is
+    not finite keeps its heaviest). Sorted from the heaviest, with a float64 running sum."""
+
+    values = weights.sort(dim=-1, descending=True).values
+    running = values.double().cumsum(dim=-1)
+    ahead = running - values.double()
+    kept = (ahead < top_p * running[:, -1:]).sum(dim=-1, keepdim=True).clamp_min(1)
+    return weights.masked_fill(weights < values.gather(-1, kept - 1), 0)
 
 
 def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

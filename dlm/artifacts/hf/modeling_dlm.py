@@ -454,9 +454,26 @@ def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
 
 
 def _weights(scores: Tensor) -> Tensor:
-    """exp(scores - each row's maximum), as 2^((x - max) log2 e) like dlm's draw (exp2 is faster on CPUs)."""
+    """exp(scores - each row's maximum), in a fresh buffer, as dlm's draw makes them."""
 
-    return torch.sub(scores, scores.amax(dim=-1, keepdim=True)).mul_(1 / math.log(2)).exp2_()
+    return torch.sub(scores, scores.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _mass_ahead(weights: Tensor, picks: Tensor) -> Tensor:
+    """The weight of the tokens strictly heavier than each row's pick, summed as dlm's draw sums it."""
+
+    heavier = torch.gt(weights, weights.gather(-1, picks[:, None]), out=torch.empty_like(weights))
+    return heavier.mul_(weights).sum(dim=-1)
+
+
+def _nucleus(weights: Tensor, top_p: float) -> Tensor:
+    """0 outside the top-p nucleus by weight: the tokens whose strictly heavier tokens hold less than
+    top_p of the row's mass (ties at the cut kept), with a float64 running sum."""
+
+    values = weights.sort(dim=-1, descending=True).values
+    running = values.double().cumsum(dim=-1)
+    kept = (running - values.double() < top_p * running[:, -1:]).sum(dim=-1, keepdim=True).clamp_min(1)
+    return weights.masked_fill(weights < values.gather(-1, kept - 1), 0)
 
 
 def sample_tokens(
@@ -478,18 +495,19 @@ def sample_tokens(
     total = blocks.sum(dim=-1).double().cumsum(dim=-1)[:, -1]  # the total as inverse_cdf sums it
     picks = inverse_cdf(weights, uniform[:, 0])
     pending = torch.arange(scores.shape[0], device=scores.device)
+    if width > 1:  # a pick holding more than 1 - top_p of the mass is in the nucleus without a test
+        assert top_p is not None
+        pending = (weights.gather(-1, picks[:, None]).squeeze(-1) <= (1 - top_p) * total).nonzero().squeeze(-1)
     for trial in range(width - 1):
         if trial:
             picks[pending] = inverse_cdf(weights[pending], uniform[pending, trial])
-        rows = drawn[pending]
-        ahead = torch.where(rows > rows.gather(-1, picks[pending, None]), weights[pending], 0).sum(dim=-1)
         assert top_p is not None
-        pending = pending[~(ahead < top_p * total[pending])]
+        pending = pending[~(_mass_ahead(weights[pending], picks[pending]) < top_p * total[pending])]
         if pending.numel() == 0:
             break
     if pending.numel() and width > 1:
-        nucleus = filter_logits(drawn[pending], None, top_p)
-        picks[pending] = inverse_cdf(_weights(nucleus), uniform[pending, -1])
+        assert top_p is not None
+        picks[pending] = inverse_cdf(_nucleus(weights[pending], top_p), uniform[pending, -1])
     if not probabilities:
         return picks, None
     plain = options.temperature == 1 and (options.top_k is None or options.top_k >= scores.size(-1))
