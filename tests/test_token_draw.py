@@ -24,6 +24,7 @@ from dlm.sampling.dispatch import denoise
 from dlm.sampling.options import SamplingOptions
 from dlm.sampling.tokens import (
     _MAX_TRIALS,
+    _BlockMass,
     _nucleus,
     draws_per_row,
     filter_logits,
@@ -126,6 +127,18 @@ def test_no_draw_lands_on_a_token_without_weight() -> None:
     uniform[8:16] = 0.0
     tokens = sample_tokens(logits, top_p=0.9, uniform=uniform)
     assert bool(torch.isfinite(logits.gather(1, tokens[:, None])).all())
+
+
+def test_a_target_past_its_block_by_rounding_still_lands_on_a_token_with_weight() -> None:
+    # The blocks' float64 cumulative masses can round past a block's own (float32-summed) mass, so
+    # the target inside the block can reach its whole mass: the draw then takes the block's last
+    # token with weight, never the zero-weight entries after it.
+    entries = torch.zeros(1, 2, 64)
+    entries[0, 0, 0] = entries[0, 1, :3] = 1.0
+    mass = torch.tensor([[1.0, 3.0]], dtype=torch.float64)
+    ends = torch.tensor([[1.0, 4.5]], dtype=torch.float64)  # rounded up past 1 + 3
+    for u in (0.95, 0.99, 1 - 2**-53):
+        assert _BlockMass(entries, mass, ends).draw(torch.tensor([u], dtype=torch.float64)).item() == 64 + 2
 
 
 @pytest.mark.parametrize(

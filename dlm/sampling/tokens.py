@@ -258,23 +258,25 @@ class _BlockMass:
 
     def draw(self, uniform: torch.Tensor) -> torch.Tensor:
         """Two levels: the block whose cumulative mass passes u x total, then the entry inside it
-        whose float64 cumulative weight passes the rest."""
+        whose float64 cumulative weight passes the rest.
+
+        Each target is kept below its total (u x total may round up to it): the first cumulative
+        sum past it is then always an entry, or a block, of positive weight.
+        """
 
         ends, mass = self.ends, self.mass
-        target = uniform.to(ends) * ends[:, -1]
-        block = torch.searchsorted(ends, target[:, None], right=True)
-        block = torch.minimum(block, _last_positive(mass))  # u x total rounded up to the total
+        target = _below(uniform.to(ends)[:, None] * ends[:, -1:], ends[:, -1:])
+        block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)  # the cap: NaN rows
         start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
-        within = (target[:, None] - start) / mass.gather(-1, block)  # uniform in [0, 1) inside the block
+        within = (target - start) / mass.gather(-1, block)  # uniform in [0, 1) inside the block
         entries = self.blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).double()
         cumulative = entries.cumsum(dim=-1)
-        entry = torch.searchsorted(cumulative, within.clamp(0, 1) * cumulative[:, -1:], right=True)
-        entry = torch.minimum(entry, _last_positive(entries))
+        inside = _below(within.clamp(0, 1) * cumulative[:, -1:], cumulative[:, -1:])
+        entry = torch.searchsorted(cumulative, inside, right=True).clamp_(max=_BLOCK - 1)
         return (block * _BLOCK + entry).squeeze(-1)
 
 
-def _last_positive(weights: torch.Tensor) -> torch.Tensor:
-    """The index [N, 1] of the last positive entry of each row of `weights` [N, W]."""
+def _below(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """`values` capped at the largest float below `totals`."""
 
-    width = weights.shape[-1]
-    return (width - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)).to(torch.long)
+    return torch.minimum(values, torch.nextafter(totals, torch.zeros_like(totals)))

@@ -431,8 +431,10 @@ def draws_per_row(top_p: float | None) -> int:
     return max(1, min(16, math.ceil(math.log(1e-3) / math.log1p(-top_p)))) + 1
 
 
-def _last_positive(weights: Tensor) -> Tensor:
-    return (weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1, keepdim=True)).long()
+def _below(values: Tensor, totals: Tensor) -> Tensor:
+    """`values` capped at the largest float below `totals`: the first cumulative sum past it has weight."""
+
+    return torch.minimum(values, torch.nextafter(totals, torch.zeros_like(totals)))
 
 
 def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
@@ -443,14 +445,14 @@ def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     blocks = F.pad(weights, (0, -vocab % 64)).view(rows, -1, 64)
     mass = blocks.sum(dim=-1).double()
     ends = mass.cumsum(dim=-1)
-    target = uniform.to(ends) * ends[:, -1]
-    block = torch.minimum(torch.searchsorted(ends, target[:, None], right=True), _last_positive(mass))
+    target = _below(uniform.to(ends)[:, None] * ends[:, -1:], ends[:, -1:])
+    block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)
     start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
-    within = (target[:, None] - start) / mass.gather(-1, block)
+    within = (target - start) / mass.gather(-1, block)
     entries = blocks.gather(1, block[:, :, None].expand(-1, -1, 64)).squeeze(1).double()
     cumulative = entries.cumsum(dim=-1)
-    entry = torch.searchsorted(cumulative, within.clamp(0, 1) * cumulative[:, -1:], right=True)
-    return (block * 64 + torch.minimum(entry, _last_positive(entries))).squeeze(-1)
+    inside = _below(within.clamp(0, 1) * cumulative[:, -1:], cumulative[:, -1:])
+    return (block * 64 + torch.searchsorted(cumulative, inside, right=True).clamp_(max=63)).squeeze(-1)
 
 
 def _weights(scores: Tensor) -> Tensor:
