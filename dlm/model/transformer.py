@@ -341,15 +341,15 @@ class DiffusionTransformer(nn.Module):
     def _logits(self, x: Tensor, inputs: Tensor, output_positions: Tensor | None) -> Tensor:
         """The last blocks' outputs `x` [B, L, W] as logits, at `output_positions` if given (`forward`)."""
 
-        x = self.norm(x)
         if output_positions is not None:
             if output_positions.dtype != torch.bool:
                 raise TypeError(f"output_positions must be a boolean mask, got {output_positions.dtype}")
-            # Gather before the head: the vocabulary matmul, the largest of a small model, is
-            # then paid only at masked positions. The gather's size depends on the data, so it
-            # sits after every block, outside the part torch.compile wants as one graph.
+            # Gather before the norm and the head: the vocabulary matmul, the largest of a small
+            # model, is then paid only at masked positions. The gather's size depends on the data,
+            # so it sits after every block, outside the part torch.compile wants as one graph.
             x = x[output_positions]
             inputs = inputs[output_positions]
+        x = self.norm(x)
         # The matmul runs against all padded rows (aligned shapes), then the padding is dropped.
         head = self.token_embedding.weight if self.head is None else self.head.weight
         logits = F.linear(x, head)[..., : self.config.vocab_size]
