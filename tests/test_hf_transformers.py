@@ -49,6 +49,41 @@ def sample_tokens(masked: bool) -> torch.Tensor:
     return tokens
 
 
+@pytest.mark.parametrize(
+    ("dtype", "temperature", "top_k", "top_p"),
+    [
+        (torch.float32, 1.0, None, 0.9),
+        (torch.bfloat16, 1.0, None, 0.5),
+        (torch.float64, 0.7, None, 0.95),
+        (torch.float32, 1.3, 20, 0.8),
+        (torch.float32, 1.0, None, None),
+        (torch.float32, 0.0, None, 0.9),
+    ],
+)
+def test_the_bundled_draw_gives_dlm_s_tokens_and_probabilities(
+    dtype: torch.dtype, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    # Hard rows for the draw: confident, flat, tied (bfloat16-like), cut by -inf, one finite token,
+    # over a vocabulary that is not a multiple of the draw's blocks of 64.
+    from dlm.artifacts.hf import modeling_dlm
+    from dlm.sampling.tokens import sample_with_probabilities
+
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(64, 300, generator=generator) * 3).bfloat16().float()
+    logits[:8, 5] += 15
+    logits[8:16] = 0.0
+    logits[16:24, ::2] = float("-inf")
+    logits[24:28] = float("-inf")
+    logits[24:28, 7] = 1.0
+    logits = logits.to(dtype)
+    options = modeling_dlm._Options(1, temperature, top_k, top_p, "random", None)
+    bundled, probabilities = modeling_dlm.sample_tokens(logits, options, torch.Generator().manual_seed(3), True)
+    expected = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    tokens, own = sample_with_probabilities(logits, generator=torch.Generator().manual_seed(3), **expected)
+    assert torch.equal(bundled, tokens)
+    assert probabilities is not None and torch.equal(probabilities, own)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_logits_equal_dlm_s(hf_model: torch.nn.Module, run_dir: Path, masked: bool) -> None:
     model, _ = dlm.load(run_dir)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dlm.config.schema import ModelConfig
 from dlm.model.transformer import DiffusionTransformer
@@ -138,7 +139,7 @@ def test_a_target_past_its_block_by_rounding_still_lands_on_a_token_with_weight(
     mass = torch.tensor([[1.0, 3.0]], dtype=torch.float64)
     ends = torch.tensor([[1.0, 4.5]], dtype=torch.float64)  # rounded up past 1 + 3
     for u in (0.95, 0.99, 1 - 2**-53):
-        assert _BlockMass(entries, mass, ends).draw(torch.tensor([u], dtype=torch.float64)).item() == 64 + 2
+        assert _BlockMass(entries, mass, ends, 128).draw(torch.tensor([u], dtype=torch.float64)).item() == 64 + 2
 
 
 @pytest.mark.parametrize(
@@ -208,6 +209,21 @@ def test_only_picks_light_enough_to_be_cut_are_tested_against_the_nucleus(monkey
     light = int((uniform[:, 0] * float(logits[0].exp().sum()) >= float(logits[0, 0].exp())).sum())
     assert 0 < light < 40 and tested[0] == light
     assert set(tokens.tolist()) == {0}  # the nucleus here is the first token alone
+
+
+def test_a_pick_holding_more_than_one_less_top_p_stays_whatever_the_test_would_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Token 1 holds 0.15 of the mass, so it is in the 0.9 nucleus (0.6 ahead of it) on its own; a
+    # test whose float sum rounds up to top_p x total must not take it out, whether the batch tests
+    # every row (two flat rows besides: two thirds doubtful) or copies the doubtful ones (alone).
+    heavy = F.pad(torch.tensor([[0.6, 0.15, 0.1, 0.05, 0.05, 0.05]]), (0, 14)).log()
+    batch = torch.cat((heavy, torch.zeros(2, 20)))  # flat: every pick holds 0.05, all doubtful
+    uniform = torch.full((3, draws_per_row(0.9)), 0.99, dtype=torch.float64)
+    uniform[:, 0], uniform[:, -1] = 0.65, 0.0  # token 1 first; the sorted fallback would give token 0
+    monkeypatch.setattr(token_draw, "_mass_ahead", lambda weights, picks: weights.sum(dim=-1))  # refuse all
+    assert sample_tokens(batch, top_p=0.9, uniform=uniform)[0] == 1
+    assert sample_tokens(heavy, top_p=0.9, uniform=uniform[:1])[0] == 1
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, None])

@@ -159,7 +159,8 @@ class Reverse:
         self, logits: torch.Tensor, uniform: torch.Tensor | None, *, probabilities: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row of `logits` with this process's options (`sample_tokens`), and with
-        `probabilities` the model's own distribution (`sample_with_probabilities`). A served request's
+        `probabilities` the model's own distribution (`sample_with_probabilities`), made in `logits`,
+        which this uses up (`scores` made them for this step alone). A served request's
         model stand-in draws them in one batch with the other requests' draws (`draw_tokens`): the same
         tokens."""
 

@@ -116,7 +116,8 @@ def sample_with_probabilities(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_tokens`, and the model's own distribution [N, V] (untempered and unfiltered), which
     confidence remasking and thresholds rank by. At temperature 1 without top-k these are the draw's
-    weights over their total, normalised in place: no second pass of exponentials."""
+    weights over their total, normalised in place: no second pass of exponentials (with `overwrite`,
+    possibly in `logits` itself)."""
 
     plain = temperature == 1 and (top_k is None or top_k >= logits.size(-1))
     own = None if plain else _widened(logits).softmax(dim=-1)  # before `overwrite` lets the draw reuse them
@@ -143,7 +144,8 @@ def _draw(
     overwrite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The tokens, and the weights [N, V] (exp of the tempered, top-k filtered scores less their
-    maximum, a fresh buffer) with their total [N] (None at temperature 0, which draws nothing)."""
+    maximum: a fresh buffer, or with `overwrite` possibly `logits` itself) with their total [N]
+    (None at temperature 0, which draws nothing)."""
 
     if temperature == 0:
         return logits.detach().argmax(dim=-1), None, None
@@ -202,9 +204,10 @@ def _outside(weights: torch.Tensor, picks: torch.Tensor, total: torch.Tensor, to
 
     enough = top_p * total
     chosen = weights.gather(-1, picks[:, None]).squeeze(-1)
-    doubtful = (chosen <= (1 - top_p) * total).nonzero().squeeze(-1)
-    if doubtful.numel() * 3 >= weights.shape[0] * 2:
-        return (~(_mass_ahead(weights, picks) < enough)).nonzero().squeeze(-1)
+    light = chosen <= (1 - top_p) * total
+    doubtful = light.nonzero().squeeze(-1)
+    if doubtful.numel() * 3 >= weights.shape[0] * 2:  # a heavy pick stays in, whatever its rounded sum says
+        return (light & ~(_mass_ahead(weights, picks) < enough)).nonzero().squeeze(-1)
     return doubtful[~(_mass_ahead(weights[doubtful], picks[doubtful]) < enough[doubtful])]
 
 
@@ -219,8 +222,8 @@ def _mass_ahead(weights: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
 
 def _nucleus(weights: torch.Tensor, top_p: float) -> torch.Tensor:
     """`weights` [N, V] with 0 outside each row's top-p nucleus: every token whose strictly heavier
-    tokens hold less than `top_p` of the row's mass (ties at the cut all kept; a row whose mass is
-    not finite keeps its heaviest). Sorted from the heaviest, with a float64 running sum."""
+    tokens hold less than `top_p` of the row's mass (ties at the cut all kept). Sorted from the
+    heaviest, with a float64 running sum."""
 
     values = weights.sort(dim=-1, descending=True).values
     running = values.double().cumsum(dim=-1)
@@ -244,6 +247,7 @@ class _BlockMass:
     blocks: torch.Tensor
     mass: torch.Tensor
     ends: torch.Tensor
+    vocab: int
 
     @classmethod
     def of(cls, weights: torch.Tensor) -> _BlockMass:
@@ -251,29 +255,30 @@ class _BlockMass:
         padded = F.pad(weights, (0, -vocab % _BLOCK)) if vocab % _BLOCK else weights
         blocks = padded.view(rows, -1, _BLOCK)
         mass = blocks.sum(dim=-1).double()
-        return cls(blocks, mass, mass.cumsum(dim=-1))
+        return cls(blocks, mass, mass.cumsum(dim=-1), vocab)
 
     def select(self, rows: torch.Tensor) -> _BlockMass:
-        return _BlockMass(self.blocks[rows], self.mass[rows], self.ends[rows])
+        return _BlockMass(self.blocks[rows], self.mass[rows], self.ends[rows], self.vocab)
 
     def draw(self, uniform: torch.Tensor) -> torch.Tensor:
         """Two levels: the block whose cumulative mass passes u x total, then the entry inside it
         whose float64 cumulative weight passes the rest.
 
         Each target is kept below its total (u x total may round up to it): the first cumulative
-        sum past it is then always an entry, or a block, of positive weight.
+        sum past it is then always an entry, or a block, of positive weight. A row with no
+        distribution (NaN weights, from NaN or all -inf logits) draws some token of the vocabulary.
         """
 
         ends, mass = self.ends, self.mass
         target = _below(uniform.to(ends)[:, None] * ends[:, -1:], ends[:, -1:])
-        block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)  # the cap: NaN rows
+        block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)
         start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
         within = (target - start) / mass.gather(-1, block)  # uniform in [0, 1) inside the block
         entries = self.blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).double()
         cumulative = entries.cumsum(dim=-1)
         inside = _below(within.clamp(0, 1) * cumulative[:, -1:], cumulative[:, -1:])
         entry = torch.searchsorted(cumulative, inside, right=True).clamp_(max=_BLOCK - 1)
-        return (block * _BLOCK + entry).squeeze(-1)
+        return (block * _BLOCK + entry).squeeze(-1).clamp_(max=self.vocab - 1)
 
 
 def _below(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:

@@ -212,8 +212,14 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         return cos[:length], sin[:length]
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        normed: bool = True,
     ) -> Tensor:
+        """The hidden states [B, L, hidden_size] after the final norm (before it, `normed=False`)."""
+
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds {self.config.max_position_embeddings} positions")
@@ -230,7 +236,7 @@ class DlmDiffusionModel(DlmDiffusionPreTrainedModel):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, key_mask)
-        return self.norm(x)
+        return self.norm(x) if normed else x
 
 
 class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
@@ -259,10 +265,11 @@ class DlmDiffusionForMaskedLM(DlmDiffusionPreTrainedModel):
         A model trained with SUBS (`config.mask_logit`) gives the mask token logit -inf and an
         unmasked position logit 0 for its own token, -inf for every other (probability 1)."""
 
-        x = self.model(input_ids, attention_mask, document_ids)
+        x = self.model(input_ids, attention_mask, document_ids, normed=False)
         inputs = input_ids
-        if positions is not None:
-            x, inputs = x[positions], input_ids[positions]  # gathered before the head, as dlm does
+        if positions is not None:  # gathered before the final norm and the head, as dlm does
+            x, inputs = x[positions], input_ids[positions]
+        x = self.model.norm(x)
         # The padded rows take part in the matmul (dlm's shapes) and are dropped from the logits.
         logits = F.linear(x, self.model.embed_tokens.weight)[..., : self.config.vocab_size]
         if getattr(self.config, "mask_logit", "plain") == "subs":  # absent from exports made before SUBS
@@ -452,7 +459,8 @@ def inverse_cdf(weights: Tensor, uniform: Tensor) -> Tensor:
     entries = blocks.gather(1, block[:, :, None].expand(-1, -1, 64)).squeeze(1).double()
     cumulative = entries.cumsum(dim=-1)
     inside = _below(within.clamp(0, 1) * cumulative[:, -1:], cumulative[:, -1:])
-    return (block * 64 + torch.searchsorted(cumulative, inside, right=True).clamp_(max=63)).squeeze(-1)
+    entry = torch.searchsorted(cumulative, inside, right=True).clamp_(max=63)
+    return (block * 64 + entry).squeeze(-1).clamp_(max=vocab - 1)  # NaN rows: still a token
 
 
 def _weights(scores: Tensor) -> Tensor:
