@@ -124,8 +124,7 @@ def sample_with_probabilities(
     tokens, weights, total = _draw(logits, temperature, top_k, top_p, generator, uniform, overwrite)
     if own is not None:
         return tokens, own
-    if weights is None or total is None:  # temperature 0 is not plain
-        raise AssertionError("a plain draw has weights")
+    assert weights is not None and total is not None  # temperature 0 is not plain
     return tokens, weights.div_(total[:, None].to(weights.dtype))
 
 
@@ -199,7 +198,7 @@ def _outside(weights: torch.Tensor, picks: torch.Tensor, total: torch.Tensor, to
     A pick holding more than (1 - top_p) x total is in the nucleus with no pass over its row: the
     tokens heavier than it hold at most the total less its weight. The others are tested all at
     once, or as a copy of their rows where they are under two thirds of them (a copy is one pass,
-    the test two).
+    the test two). Counting them is a read from the device, beside the one for the refused rows.
     """
 
     enough = top_p * total

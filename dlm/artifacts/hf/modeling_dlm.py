@@ -504,20 +504,18 @@ def sample_tokens(
     blocks = F.pad(weights, (0, -weights.shape[1] % 64)).view(weights.shape[0], -1, 64)
     total = blocks.sum(dim=-1).double().cumsum(dim=-1)[:, -1]  # the total as inverse_cdf sums it
     picks = inverse_cdf(weights, uniform[:, 0])
-    pending = torch.arange(scores.shape[0], device=scores.device)
-    if width > 1:  # a pick holding more than 1 - top_p of the mass is in the nucleus without a test
+    if width > 1:
         assert top_p is not None
+        # A pick holding more than 1 - top_p of the mass is in the nucleus without a test.
         pending = (weights.gather(-1, picks[:, None]).squeeze(-1) <= (1 - top_p) * total).nonzero().squeeze(-1)
-    for trial in range(width - 1):
-        if trial:
-            picks[pending] = inverse_cdf(weights[pending], uniform[pending, trial])
-        assert top_p is not None
-        pending = pending[~(_mass_ahead(weights[pending], picks[pending]) < top_p * total[pending])]
-        if pending.numel() == 0:
-            break
-    if pending.numel() and width > 1:
-        assert top_p is not None
-        picks[pending] = inverse_cdf(_nucleus(weights[pending], top_p), uniform[pending, -1])
+        for trial in range(width - 1):
+            if trial:
+                picks[pending] = inverse_cdf(weights[pending], uniform[pending, trial])
+            pending = pending[~(_mass_ahead(weights[pending], picks[pending]) < top_p * total[pending])]
+            if pending.numel() == 0:
+                break
+        if pending.numel():
+            picks[pending] = inverse_cdf(_nucleus(weights[pending], top_p), uniform[pending, -1])
     if not probabilities:
         return picks, None
     plain = options.temperature == 1 and (options.top_k is None or options.top_k >= scores.size(-1))
