@@ -9,6 +9,7 @@ along the way is a tie within float64 rounding).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -139,7 +140,9 @@ def test_a_target_past_its_block_by_rounding_still_lands_on_a_token_with_weight(
     mass = torch.tensor([[1.0, 3.0]], dtype=torch.float64)
     ends = torch.tensor([[1.0, 4.5]], dtype=torch.float64)  # rounded up past 1 + 3
     for u in (0.95, 0.99, 1 - 2**-53):
-        assert _BlockMass(entries, mass, ends, 128).draw(torch.tensor([u], dtype=torch.float64)).item() == 64 + 2
+        assert (
+            _BlockMass(entries.view(1, 128), mass, ends).draw(torch.tensor([u], dtype=torch.float64)).item() == 64 + 2
+        )
 
 
 @pytest.mark.parametrize(
@@ -257,6 +260,40 @@ def test_overwriting_draws_leave_logits_they_cannot_reuse_alone_and_rank_by_the_
     tokens, probabilities = sample_with_probabilities(buffer, overwrite=True, **options)
     assert torch.equal(tokens, sample_tokens(logits, **options))
     assert torch.allclose(probabilities, logits.softmax(dim=-1))  # the model's own, before the buffer was reused
+
+
+@pytest.mark.parametrize("vocab", [300, 320])  # a ragged last block of 64, and none
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, None, 0.9), (1.0, None, None), (0.7, 40, 0.8), (1.3, None, 0.5)]
+)
+def test_a_draw_split_into_parts_of_rows_gives_the_tokens_and_probabilities_of_one_whole_pass(
+    monkeypatch: pytest.MonkeyPatch, vocab: int, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    # On a CPU the draw goes through its rows a few at a time (the cache holds them); each row's
+    # arithmetic is its own, so the split changes nothing: not the tokens, nor the probabilities.
+    logits = bfloat16_logits(45, vocab, seed=9)
+    logits[:9, 3] += 12  # confident rows, whose picks need no test
+    logits[30:, ::2] = -math.inf
+    logits = logits.bfloat16().float()  # 12 more is not always a bfloat16: the widened copy below must be exact
+    uniform = torch.rand(45, draws_per_row(top_p), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    options: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "uniform": uniform}
+    whole = sample_with_probabilities(logits, **options)
+    monkeypatch.setattr(token_draw, "_CACHED_BYTES", 4 * vocab * 4)  # 4 rows of float32 weights a part
+    assert len(token_draw._row_parts(logits.shape, 4, logits.device)) == 12  # 45 rows: 12 parts of 3 or 4
+    for source in (logits, logits.bfloat16(), logits.clone()):  # widened a part at a time; overwritten
+        tokens, probabilities = sample_with_probabilities(source, overwrite=source is not logits, **options)
+        assert torch.equal(tokens, whole[0]) and torch.equal(probabilities, whole[1])
+
+
+def test_rows_are_split_into_nearly_equal_parts_within_the_cached_bytes_on_a_cpu_only() -> None:
+    cpu, size = torch.device("cpu"), torch.Size((130, 8192))
+    parts = token_draw._row_parts(size, 4, cpu)  # 130 rows of 32 KiB: 9 parts of 14 or 15 rows
+    assert [part.stop - part.start for part in parts] == [14, 14, 15, 14, 15, 14, 15, 14, 15]
+    assert parts[0].start == 0 and parts[-1].stop == 130
+    assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
+    assert token_draw._row_parts(torch.Size((32, 8192)), 4, cpu) == [slice(0, 32)]  # 1 MiB: one part is cheaper
+    assert token_draw._row_parts(torch.Size((3, 1 << 20)), 4, cpu) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert token_draw._row_parts(size, 4, torch.device("meta")) == [slice(0, 130)]  # another device: whole
 
 
 if __name__ == "__main__":

@@ -133,10 +133,11 @@ class Reverse:
         return self.noise.stacked(counts, draws_per_row(self.options.top_p))
 
     def scores(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The logits at `positions`, on the noise device, at least float32, forbidden tokens -inf."""
+        """The logits at `positions`, on the noise device, forbidden tokens -inf. A 16-bit model's stay
+        16-bit: the draw widens them to float32 a few rows at a time (`dlm.sampling.tokens`), which is
+        cheaper than a float32 copy of them all."""
 
-        logits = self.logits(tokens, positions, rows)
-        logits = logits.to(self.noise.device, torch.promote_types(logits.dtype, torch.float32))
+        logits = self.logits(tokens, positions, rows).to(self.noise.device)
         logits[:, self.forbidden] = float("-inf")
         return logits
 

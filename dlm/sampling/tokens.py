@@ -23,11 +23,14 @@ The weights are float32 for a 16- or 32-bit model and float64 for a float64 one,
 model's batched and one-by-one samples agree as its logits do (docs/reproducibility.md). Every pass
 over the vocabulary counts (a fast sampler's step draws at many positions): the weights are made in
 one buffer, in place (the caller's own with `overwrite`), and the nucleus test is a comparison, a
-product and a sum.
+product and a sum. On a CPU the rows go through these passes a few at a time, so that each pass
+reads what the last one wrote from the core's cache rather than from memory: the same arithmetic
+row by row, several times faster at a fast sampler's 128 rows of 8,192 tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 _BLOCK = 64  # vocabulary entries per block of the two-level draw
 _MISS = 1e-3  # the largest chance that every rejection trial of a row fails
 _MAX_TRIALS = 16
+_CACHED_BYTES = 1 << 19  # a CPU draw's rows at a time: their weights and one buffer of that size fit an L2 cache
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -153,8 +157,7 @@ def _draw(
         uniform = torch.rand((rows, width), dtype=torch.float64, device=logits.device, generator=generator)
     elif tuple(uniform.shape) != (rows, width):
         raise ValueError(f"uniform draws of shape {tuple(uniform.shape)} for {rows} rows of {width}")
-    weights = _weights(logits, temperature, top_k, overwrite)
-    mass = _BlockMass.of(weights)
+    weights, mass = _weighed(logits, temperature, top_k, overwrite)
     total = mass.ends[:, -1]
     picks = mass.draw(uniform[:, 0])
     if width == 1:
@@ -165,30 +168,73 @@ def _draw(
     for trial in range(1, width - 1):
         if pending.numel() == 0:
             break
-        picks[pending] = mass.select(pending).draw(uniform[pending, trial])
-        pending = pending[~(_mass_ahead(weights[pending], picks[pending]) < enough[pending])]
+        again = mass.select(pending)
+        picks[pending] = again.draw(uniform[pending, trial])
+        pending = pending[~(_mass_ahead(again.weights, picks[pending]) < enough[pending])]
     if pending.numel():  # every trial refused (at most 1 in 1,000): the sorted nucleus, its last uniform
         picks[pending] = _BlockMass.of(_nucleus(weights[pending], top_p)).draw(uniform[pending, -1])
     return picks, weights, total
 
 
-def _weights(logits: torch.Tensor, temperature: float, top_k: int | None, overwrite: bool) -> torch.Tensor:
+def _weighed(
+    logits: torch.Tensor, temperature: float, top_k: int | None, overwrite: bool
+) -> tuple[torch.Tensor, _BlockMass]:
+    """The weights [N, V] (`_weights`) in one buffer of the draw's dtype (a fresh one, or with
+    `overwrite` the logits themselves where they are contiguous and of that dtype), and their block
+    masses, made a few rows at a time (`_row_parts`)."""
+
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    source = logits.detach()
+    reuse = overwrite and source.dtype == dtype and source.is_contiguous()
+    parts = _row_parts(source.shape, source.element_size() if reuse else dtype.itemsize, source.device)
+    if len(parts) == 1:  # the fewest calls: a small draw's time is mostly their overhead
+        weights = _weights(source if reuse else source.to(dtype, copy=True), temperature, top_k)
+        return weights, _BlockMass.of(weights)
+    weights = source if reuse else torch.empty(source.shape, dtype=dtype, device=source.device)
+    sums = torch.empty(source.shape[0], -(-source.shape[1] // _BLOCK), dtype=dtype, device=source.device)
+    for part in parts:
+        made = weights[part]
+        if not reuse:
+            made.copy_(source[part])
+        torch.sum(_blocks(_weights(made, temperature, top_k)), dim=-1, out=sums[part])
+    return weights, _BlockMass.of(weights, sums)
+
+
+def _row_parts(shape: torch.Size, element_size: int, device: torch.device) -> list[slice]:
+    """Slices of nearly equal numbers of rows of an [N, V] buffer of `element_size`-byte entries,
+    each within `_CACHED_BYTES` on a CPU; one slice of all rows where they are few enough that a
+    split would cost more calls than it saves, and on other devices (a GPU's kernels want the whole
+    batch)."""
+
+    rows, size = shape[0], shape[1] * element_size
+    split = device.type == "cpu" and rows * size > 2 * _CACHED_BYTES
+    parts = min(rows, -(-rows * size // _CACHED_BYTES)) if split else 1
+    bounds = [rows * index // parts for index in range(parts + 1)]
+    return [slice(start, end) for start, end in itertools.pairwise(bounds)]
+
+
+def _weights(scores: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """exp(x - each row's maximum) [N, V] of the scores x (the logits over `temperature`, cut to the
-    top k), made in place in one buffer of the draw's dtype: a fresh one, or with `overwrite` the
-    logits themselves where they are contiguous and of that dtype.
+    top k), made in place in `scores`.
 
     x - max is exact near the maximum and exp rounds once. Torch's CPU exp kernel is also cheaper
     than its exp2 (2^((x - max) log2 e), a multiplication more, what dlm drew with up to 0.17).
     """
 
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    reuse = overwrite and logits.dtype == dtype and logits.is_contiguous()
-    scores = logits.detach() if reuse else logits.detach().to(dtype, copy=True)
     if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
         scores.div_(temperature)
     if top_k is not None and top_k < scores.size(-1):
-        scores = filter_logits(scores, top_k=top_k)
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # as `filter_logits`: ties with the k-th kept
+        scores.masked_fill_(scores < kth, float("-inf"))
     return scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _blocks(weights: torch.Tensor) -> torch.Tensor:
+    """`weights` [N, V] as blocks of 64 [N, ceil(V / 64), 64], zero-padded (a copy) where V is not a multiple."""
+
+    rows, vocab = weights.shape
+    padded = F.pad(weights, (0, -vocab % _BLOCK)) if vocab % _BLOCK else weights
+    return padded.view(rows, -1, _BLOCK)
 
 
 def _outside(weights: torch.Tensor, picks: torch.Tensor, total: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -212,11 +258,19 @@ def _outside(weights: torch.Tensor, picks: torch.Tensor, total: torch.Tensor, to
 
 def _mass_ahead(weights: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     """The weight [N] of the tokens strictly heavier than each row's pick: the indicator of
-    w > w_pick, written in the weights' dtype, times the weights in place, summed."""
+    w > w_pick, written in the weights' dtype, times the weights in place, summed (a few rows at a
+    time, in one buffer, on a CPU)."""
 
     chosen = weights.gather(-1, picks[:, None])
-    heavier = torch.gt(weights, chosen, out=torch.empty_like(weights))
-    return heavier.mul_(weights).sum(dim=-1)
+    parts = _row_parts(weights.shape, weights.element_size(), weights.device)
+    if len(parts) == 1:
+        return torch.gt(weights, chosen, out=torch.empty_like(weights)).mul_(weights).sum(dim=-1)
+    ahead = torch.empty(weights.shape[0], dtype=weights.dtype, device=weights.device)
+    room = torch.empty((max(part.stop - part.start for part in parts), weights.shape[1]), dtype=weights.dtype)
+    for part in parts:
+        heavier = torch.gt(weights[part], chosen[part], out=room[: part.stop - part.start])
+        torch.sum(heavier.mul_(weights[part]), dim=-1, out=ahead[part])
+    return ahead
 
 
 def _nucleus(weights: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -240,24 +294,22 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _BlockMass:
-    """Weights [N, V] as blocks of 64 [N, V / 64, 64] (zero-padded), with each block's mass and the
-    float64 cumulative masses of the blocks."""
+    """Weights [N, V] with the masses of their blocks of 64 [N, ceil(V / 64)] (the last block
+    zero-padded) and the float64 cumulative masses of the blocks."""
 
-    blocks: torch.Tensor
+    weights: torch.Tensor
     mass: torch.Tensor
     ends: torch.Tensor
-    vocab: int
 
     @classmethod
-    def of(cls, weights: torch.Tensor) -> _BlockMass:
-        rows, vocab = weights.shape
-        padded = F.pad(weights, (0, -vocab % _BLOCK)) if vocab % _BLOCK else weights
-        blocks = padded.view(rows, -1, _BLOCK)
-        mass = blocks.sum(dim=-1).double()
-        return cls(blocks, mass, mass.cumsum(dim=-1), vocab)
+    def of(cls, weights: torch.Tensor, sums: torch.Tensor | None = None) -> _BlockMass:
+        """The block masses of `weights`: their `sums` in the weights' dtype, summed here if not given."""
+
+        mass = (_blocks(weights).sum(dim=-1) if sums is None else sums).double()
+        return cls(weights, mass, mass.cumsum(dim=-1))
 
     def select(self, rows: torch.Tensor) -> _BlockMass:
-        return _BlockMass(self.blocks[rows], self.mass[rows], self.ends[rows], self.vocab)
+        return _BlockMass(self.weights[rows], self.mass[rows], self.ends[rows])
 
     def draw(self, uniform: torch.Tensor) -> torch.Tensor:
         """Two levels: the block whose cumulative mass passes u x total, then the entry inside it
@@ -268,16 +320,20 @@ class _BlockMass:
         distribution (NaN weights, from NaN or all -inf logits) draws some token of the vocabulary.
         """
 
-        ends, mass = self.ends, self.mass
+        ends, mass, vocab = self.ends, self.mass, self.weights.shape[1]
         target = _below(uniform.to(ends)[:, None] * ends[:, -1:], ends[:, -1:])
         block = torch.searchsorted(ends, target, right=True).clamp_(max=ends.shape[-1] - 1)
         start = torch.where(block > 0, ends.gather(-1, (block - 1).clamp_min(0)), 0)
         within = (target - start) / mass.gather(-1, block)  # uniform in [0, 1) inside the block
-        entries = self.blocks.gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).double()
+        if vocab % _BLOCK:  # the last block's padding weighs nothing
+            index = block * _BLOCK + torch.arange(_BLOCK, device=block.device)  # the block's entries [N, 64]
+            entries = self.weights.gather(1, index.clamp(max=vocab - 1)).double().masked_fill_(index >= vocab, 0)
+        else:
+            entries = _blocks(self.weights).gather(1, block[:, :, None].expand(-1, -1, _BLOCK)).squeeze(1).double()
         cumulative = entries.cumsum(dim=-1)
         inside = _below(within.clamp(0, 1) * cumulative[:, -1:], cumulative[:, -1:])
         entry = torch.searchsorted(cumulative, inside, right=True).clamp_(max=_BLOCK - 1)
-        return (block * _BLOCK + entry).squeeze(-1).clamp_(max=self.vocab - 1)
+        return (block * _BLOCK + entry).squeeze(-1).clamp_(max=vocab - 1)
 
 
 def _below(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
