@@ -25,7 +25,7 @@ over the vocabulary counts (a fast sampler's step draws at many positions): the 
 one buffer, in place (the caller's own with `overwrite`), and the nucleus test is a comparison, a
 product and a sum. On a CPU the rows go through these passes a few at a time, so that each pass
 reads what the last one wrote from the core's cache rather than from memory: the same arithmetic
-row by row, several times faster at a fast sampler's 128 rows of 8,192 tokens.
+row by row, with far less memory traffic at a fast sampler's 128 rows of 8,192 tokens.
 """
 
 from __future__ import annotations
@@ -266,7 +266,8 @@ def _mass_ahead(weights: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     if len(parts) == 1:
         return torch.gt(weights, chosen, out=torch.empty_like(weights)).mul_(weights).sum(dim=-1)
     ahead = torch.empty(weights.shape[0], dtype=weights.dtype, device=weights.device)
-    room = torch.empty((max(part.stop - part.start for part in parts), weights.shape[1]), dtype=weights.dtype)
+    rows = max(part.stop - part.start for part in parts)
+    room = torch.empty((rows, weights.shape[1]), dtype=weights.dtype, device=weights.device)
     for part in parts:
         heavier = torch.gt(weights[part], chosen[part], out=room[: part.stop - part.start])
         torch.sum(heavier.mul_(weights[part]), dim=-1, out=ahead[part])

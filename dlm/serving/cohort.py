@@ -324,8 +324,8 @@ class Cohort:
             self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
 
     def _scores(self, members: list[Member]) -> list[Tensor | BaseException]:
-        """Each member's logits as its sampler scores them (`Reverse.scores`: at least float32, on the noise
-        device, never-predicted tokens -inf): converted together, or one by one where together they do not
+        """Each member's logits as its sampler scores them (`Reverse.scores`: on the noise device, in the
+        model's dtype, never-predicted tokens -inf): moved together, or one by one where together they do not
         fit the device's memory (a member that does not fit alone gets `OutOfMemory`)."""
 
         results = []
@@ -349,7 +349,7 @@ class Cohort:
         return parts
 
     def _converted(self, logits: Tensor) -> Tensor:
-        logits = logits.to(self.noise_device, torch.promote_types(logits.dtype, torch.float32))
+        logits = logits.to(self.noise_device)  # a 16-bit model's stay 16-bit: the draw widens them in parts
         logits[:, self.forbidden] = float("-inf")
         return logits
 
