@@ -189,25 +189,25 @@ def test_a_stream_that_cannot_take_its_text_fails_its_request_alone(
 def test_logits_too_large_together_are_scored_one_request_at_a_time(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Converting the round's logits together runs out of memory: each request's are converted alone (as
-    its sampler converts them), and one that does not fit even alone fails with `OutOfMemory` (503)."""
+    """Scoring the round's logits together (`scored`) runs out of memory: each request's are scored alone
+    (as its sampler scores them), and one that does not fit even alone fails with `OutOfMemory` (503)."""
 
     model = transformer(tokenizer.get_vocab_size())
     # One position a step each (8 dilated steps for 8 tokens): a request's logits are one row, the round's three.
     generations = [request(tokenizer, (PROMPTS[i],), 8, 980 + i, remasking="dilated", steps=8) for i in range(3)]
     expected = [alone(model, tokenizer, generation)[0] for generation in generations]
-    converted = cohort.Cohort._converted
+    scored = cohort.scored
 
-    def small_only(self: cohort.Cohort, logits: torch.Tensor) -> torch.Tensor:
+    def small_only(logits: torch.Tensor, device: torch.device, forbidden: torch.Tensor) -> torch.Tensor:
         if logits.shape[0] > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
-        return converted(self, logits)
+        return scored(logits, device, forbidden)
 
     no_samplers(monkeypatch)
-    monkeypatch.setattr(cohort.Cohort, "_converted", small_only)
+    monkeypatch.setattr(cohort, "scored", small_only)
     outcomes, scheduler = served(model, tokenizer, generations)
     assert outcomes == expected and scheduler.failure is None
-    monkeypatch.setattr(cohort.Cohort, "_converted", lambda self, logits: small_only(self, logits.repeat(3, 1)))
+    monkeypatch.setattr(cohort, "scored", lambda logits, *where: small_only(logits.repeat(3, 1), *where))
     outcomes, scheduler = served(model, tokenizer, generations[:1])
     assert isinstance(outcomes[0], OutOfMemory) and scheduler.failure is None
 

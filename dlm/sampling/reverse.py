@@ -133,13 +133,9 @@ class Reverse:
         return self.noise.stacked(counts, draws_per_row(self.options.top_p))
 
     def scores(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The logits at `positions`, on the noise device, forbidden tokens -inf. A 16-bit model's stay
-        16-bit: the draw widens them to float32 a few rows at a time (`dlm.sampling.tokens`), which is
-        cheaper than a float32 copy of them all."""
+        """The logits at `positions` as the draw takes them (`scored`)."""
 
-        logits = self.logits(tokens, positions, rows).to(self.noise.device)
-        logits[:, self.forbidden] = float("-inf")
-        return logits
+        return scored(self.logits(tokens, positions, rows), self.noise.device, self.forbidden)
 
     def predict(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
@@ -361,6 +357,16 @@ def never_predicted(mask_id: int, forbidden_token_ids: Sequence[int], device: to
     """The token ids a reverse process never writes (`Reverse.forbidden`): the mask first, then the rest."""
 
     return torch.tensor([mask_id, *(t for t in forbidden_token_ids if t != mask_id)], device=device)
+
+
+def scored(logits: Tensor, device: torch.device, forbidden: Tensor) -> Tensor:
+    """`logits` as a sampler draws from them: on the noise `device`, the `forbidden` tokens
+    (`never_predicted`) -inf. A 16-bit model's stay 16-bit: the draw widens them to float32 a few
+    rows at a time (`dlm.sampling.tokens`), which is cheaper than a float32 copy of them all."""
+
+    logits = logits.to(device)
+    logits[:, forbidden] = float("-inf")
+    return logits
 
 
 def cut_after_stop(token_ids: list[list[int]], fill: Sequence[bool], stop_token_id: int) -> list[list[int]]:

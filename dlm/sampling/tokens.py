@@ -52,11 +52,16 @@ def filter_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: floa
     """
 
     if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < _top_k_floor(logits, top_k), float("-inf"))
     if top_p is not None and top_p < 1:
         logits = logits.masked_fill(logits < _nucleus_floor(logits, top_p), float("-inf"))
     return logits
+
+
+def _top_k_floor(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The k-th largest logit [..., 1] of each row: the least that top-k keeps (ties with it kept)."""
+
+    return torch.topk(logits, top_k, dim=-1).values[..., -1:]
 
 
 def _nucleus_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -224,8 +229,7 @@ def _weights(scores: torch.Tensor, temperature: float, top_k: int | None) -> tor
     if temperature != 1:  # x / 1 is x: a pass over [N, V] saved
         scores.div_(temperature)
     if top_k is not None and top_k < scores.size(-1):
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # as `filter_logits`: ties with the k-th kept
-        scores.masked_fill_(scores < kth, float("-inf"))
+        scores.masked_fill_(scores < _top_k_floor(scores, top_k), float("-inf"))  # `filter_logits`, in place
     return scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
 
 

@@ -49,6 +49,7 @@ from dlm.sampling.reverse import (
     never_predicted,
     planned_positions,
     reveal_count,
+    scored,
     sequence_blocks,
     step_odds,
     steps_per_block,
@@ -324,16 +325,16 @@ class Cohort:
             self.tokens[written] = (torch.cat(tokens) if len(tokens) > 1 else tokens[0]).to(self.device)
 
     def _scores(self, members: list[Member]) -> list[Tensor | BaseException]:
-        """Each member's logits as its sampler scores them (`Reverse.scores`: on the noise device, in the
-        model's dtype, never-predicted tokens -inf): moved together, or one by one where together they do not
-        fit the device's memory (a member that does not fit alone gets `OutOfMemory`)."""
+        """Each member's logits as its sampler scores them (`scored`, as `Reverse.scores` does): moved
+        together, or one by one where together they do not fit the device's memory (a member that does
+        not fit alone gets `OutOfMemory`)."""
 
         results = []
         for member in members:
             assert member.call is not None and member.call.result is not None
             results.append(member.call.result)
         try:
-            logits = self._converted(torch.cat(results) if len(results) > 1 else results[0])
+            logits = scored(torch.cat(results) if len(results) > 1 else results[0], self.noise_device, self.forbidden)
             return list(logits.split([sum(member.counts) for member in members]))
         except Exception as exc:
             if not is_out_of_memory(exc):
@@ -341,17 +342,12 @@ class Cohort:
         parts: list[Tensor | BaseException] = []
         for result in results:
             try:
-                parts.append(self._converted(result))
+                parts.append(scored(result, self.noise_device, self.forbidden))
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
                 parts.append(OutOfMemory("the request's token draw does not fit the device's memory now; retry later"))
         return parts
-
-    def _converted(self, logits: Tensor) -> Tensor:
-        logits = logits.to(self.noise_device)  # a 16-bit model's stay 16-bit: the draw widens them in parts
-        logits[:, self.forbidden] = float("-inf")
-        return logits
 
     def _committed(self, member: Member, new: Tensor, probabilities: Tensor | None) -> Tensor:
         """A ranked or threshold step's tokens at its candidates: the drawn token where the step commits
