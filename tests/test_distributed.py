@@ -120,8 +120,12 @@ def _worker(rank: int, world_size: int, data_dir: Path, root: Path) -> None:
     after the same step (a rank stopping alone would hang the other in a collective).
     """
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
-    torch.set_num_threads(1)  # as torchrun's default OMP_NUM_THREADS=1 for the CLI run it is compared to
+    # One thread, as the CLI run it is compared to: dlm's thread plan follows OMP_NUM_THREADS, so a
+    # caller's own (inherited here) would change the float sums and not the CLI run's.
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    )
+    torch.set_num_threads(1)
     # The ranks meet through a file in this test's directory, not a TCP port: a port probed free
     # can be taken (by another test run on the machine) before rank 0 listens on it, and then the
     # store fails with EADDRINUSE or, worse, rank 1 joins a stranger's store. The timeout bounds
