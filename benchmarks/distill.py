@@ -51,6 +51,9 @@ class Figures:
     perplexity_change: float  # each as a relative change from the first model's
     entropy_change: float
     distinct_2_change: float
+    # The perplexity change's 95% interval over the samples: what the samples drawn leave uncertain.
+    perplexity_change_low: float
+    perplexity_change_high: float
 
 
 def parse_entry(text: str) -> Entry:
@@ -98,12 +101,30 @@ def _sampler(entry: Entry, length: int, num_samples: int, seed: int, produced: d
     return sample
 
 
+def change_interval(reference: list[tuple[float, int]], other: list[tuple[float, int]]) -> tuple[float, float]:
+    """The 95% interval of the relative change in perplexity from `reference` to `other`, each a list of
+    (row NLL per token, tokens): the token-weighted mean NLL's standard error over the rows of each,
+    independent samples, under the normal approximation. A model against itself gives (0, 0)."""
+
+    if other is reference:
+        return 0.0, 0.0
+
+    def mean_and_variance(rows: list[tuple[float, int]]) -> tuple[float, float]:
+        total = sum(count for _, count in rows)
+        mean = sum(nll * count for nll, count in rows) / total
+        return mean, sum((count * (nll - mean)) ** 2 for nll, count in rows) / total**2
+
+    (first, first_var), (second, second_var) = mean_and_variance(reference), mean_and_variance(other)
+    half = 1.96 * math.sqrt(first_var + second_var)
+    return math.expm1(second - first - half), math.expm1(second - first + half)
+
+
 def measure(
     entries: list[Entry], judge: Any, *, length: int, num_samples: int, seeds: list[int], repeats: int
 ) -> tuple[list[Figures], dict[str, Any]]:
     """Every model's figures over the seeds, and the raw rounds (CPU and wall seconds by seed and model)."""
 
-    from dlm.bench.generation import distinct_ngrams, judge_nll, unigram_entropy
+    from dlm.bench.generation import distinct_ngrams, judge_row_nlls, unigram_entropy
     from dlm.sampling.generation import generate
 
     torch.set_num_threads(1)
@@ -137,15 +158,17 @@ def measure(
             cpu[label] += min(t.cpu_s for t in timings[label])
             passes[label] += result.forward_passes / length / len(seeds)
     rows: list[dict[str, Any]] = []
+    scored = {label: judge_row_nlls(judge, tokens[label]) for label in labels}
     for label in labels:
         rate = sum(len(row) for row in tokens[label]) / cpu[label]
+        nll = sum(value * count for value, count in scored[label]) / sum(count for _, count in scored[label])
         rows.append(
             {
                 "label": label,
                 "steps": steps[label],
                 "passes_per_token": passes[label],
                 "tokens_per_cpu_second": rate,
-                "judge_perplexity": math.exp(judge_nll(judge, tokens[label])),
+                "judge_perplexity": math.exp(nll),
                 "unigram_entropy_bits": unigram_entropy(tokens[label]),
                 "distinct_2": distinct_ngrams(tokens[label], 2),
             }
@@ -159,8 +182,11 @@ def measure(
             perplexity_change=row["judge_perplexity"] / first["judge_perplexity"] - 1,
             entropy_change=row["unigram_entropy_bits"] / first["unigram_entropy_bits"] - 1,
             distinct_2_change=row["distinct_2"] / first["distinct_2"] - 1,
+            **dict(zip(("perplexity_change_low", "perplexity_change_high"), interval, strict=True)),
         )
-        for row in rows
+        for row, interval in zip(
+            rows, (change_interval(scored[labels[0]], scored[label]) for label in labels), strict=True
+        )
     ]
     return figures, raw
 
@@ -173,7 +199,8 @@ def table(figures: list[Figures]) -> str:
     for row in figures:
         lines.append(
             f"| {row.label} | {row.steps} | {row.passes_per_token:.3f} | {row.tokens_per_cpu_second:.0f} | "
-            f"{row.speedup:.2f} | {row.judge_perplexity:.1f} ({row.perplexity_change:+.1%}) | "
+            f"{row.speedup:.2f} | {row.judge_perplexity:.1f} ({row.perplexity_change:+.1%}, "
+            f"{row.perplexity_change_low:+.1%} to {row.perplexity_change_high:+.1%}) | "
             f"{row.unigram_entropy_bits:.3f} ({row.entropy_change:+.1%}) | "
             f"{row.distinct_2:.3f} ({row.distinct_2_change:+.1%}) |"
         )

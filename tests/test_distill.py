@@ -600,10 +600,27 @@ def test_the_frontier_benchmark_measures_models_at_their_own_steps(
     assert rows[-1]["over_last"] == 1.0 and rows[0]["over_last"] == pytest.approx(1 / rows[-1]["speedup"])
     assert rows[3]["passes_per_token"] < 1  # a threshold low enough commits several positions a pass
     assert all(math.isfinite(row["judge_perplexity"]) and 0 < row["distinct_2"] <= 1 for row in rows)
+    assert (rows[0]["perplexity_change_low"], rows[0]["perplexity_change_high"]) == (0.0, 0.0)
+    for row in rows[1:]:  # the interval is around the change itself
+        assert row["perplexity_change_low"] < row["perplexity_change"] < row["perplexity_change_high"]
     assert set(result["rounds"]) == {"seed_0", "seed_1"} and set(result["rounds"]["seed_0"]) == set(models)
     table = frontier.table([frontier.Figures(**row) for row in rows])
     assert table.count("\n") == len(rows) + 1 and "(+0.0%)" in table.splitlines()[2]
     assert table in capsys.readouterr().out
+
+
+def test_the_frontier_benchmarks_interval_is_the_normal_one_of_the_mean_nll() -> None:
+    import math
+
+    from benchmarks import distill as frontier
+
+    reference = [(1.0, 4), (3.0, 4)]  # mean 2, variance of the mean (16 + 16) / 64 = 0.5
+    other = [(2.5, 2), (2.5, 6)]  # mean 2.5, no spread
+    low, high = frontier.change_interval(reference, other)
+    half = 1.96 * math.sqrt(0.5)
+    assert low == pytest.approx(math.exp(0.5 - half) - 1) and high == pytest.approx(math.exp(0.5 + half) - 1)
+    assert frontier.change_interval(reference, reference) == (0.0, 0.0)
+    assert frontier.change_interval(other, list(other)) == (0.0, 0.0)  # the same rows: no spread, no change
 
 
 def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]

@@ -226,20 +226,30 @@ def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: t
 
 @torch.inference_mode()
 def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 16, seed: int = 0) -> float:
-    """The judge's negative log-likelihood per token (nats) over all rows, token-weighted.
+    """The judge's negative log-likelihood per token (nats) over all rows, token-weighted."""
 
-    Rows are scored one by one (they may differ in length), cut to the judge's context.
+    scored = judge_row_nlls(judge, token_ids, mc_samples=mc_samples, seed=seed)
+    return sum(nll * count for nll, count in scored) / max(sum(count for _, count in scored), 1)
+
+
+@torch.inference_mode()
+def judge_row_nlls(
+    judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 16, seed: int = 0
+) -> list[tuple[float, int]]:
+    """Each row's negative log-likelihood per token (nats) under the judge, with the tokens scored.
+
+    Rows are scored one by one (they may differ in length), cut to the judge's context, drawing from one
+    generator in row order: a row's figure depends on the rows before it only through a Monte Carlo judge.
     """
 
     config = judge.config
     device = next(iter(judge.parameters())).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    total, count = 0.0, 0
+    scored: list[tuple[float, int]] = []
     for row in token_ids:
         clean = torch.tensor([row[: config.max_seq_len]], device=device)
-        total += _row_nll(judge, clean, mc_samples, generator) * clean.shape[1]
-        count += clean.shape[1]
-    return total / max(count, 1)
+        scored.append((_row_nll(judge, clean, mc_samples, generator), clean.shape[1]))
+    return scored
 
 
 def _measure(
