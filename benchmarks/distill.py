@@ -182,9 +182,10 @@ def measure(
             perplexity_change=row["judge_perplexity"] / first["judge_perplexity"] - 1,
             entropy_change=row["unigram_entropy_bits"] / first["unigram_entropy_bits"] - 1,
             distinct_2_change=row["distinct_2"] / first["distinct_2"] - 1,
-            **dict(zip(("perplexity_change_low", "perplexity_change_high"), interval, strict=True)),
+            perplexity_change_low=low,
+            perplexity_change_high=high,
         )
-        for row, interval in zip(
+        for row, (low, high) in zip(
             rows, (change_interval(scored[labels[0]], scored[label]) for label in labels), strict=True
         )
     ]

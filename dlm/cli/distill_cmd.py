@@ -61,7 +61,7 @@ def distill_command(
     ] = 3,
     steps_per_round: Annotated[
         int, typer.Option("--steps-per-round", min=1, help="Optimizer steps of each round.")
-    ] = 200,
+    ] = 100,
     divergence: Annotated[
         str,
         typer.Option("--divergence", help="kl, reverse-kl or tvd: what each round minimises (docs/distill.md)."),

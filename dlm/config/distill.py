@@ -53,7 +53,7 @@ class DistillConfig(BaseModel):
     rounds: int = Field(
         3, ge=1, le=10, description="Rounds of halving: the student samples in teacher_steps / 2^rounds."
     )
-    steps_per_round: int = Field(200, ge=1, description="Optimizer steps of each round.")
+    steps_per_round: int = Field(100, ge=1, description="Optimizer steps of each round.")
     teacher_sha256: str | None = Field(
         None, description="sha256 of the teacher's weights, recorded when the run starts (and checked on resume)."
     )
