@@ -674,3 +674,17 @@ def test_transformers_generates_in_the_students_steps(student: Path, tmp_path: P
     ids = hf_model.generate(None, max_new_tokens=16, num_samples=2, seed=5)
     assert expected.steps == 4 and ids.tolist() == expected.token_ids
     assert hf_model.generate(None, max_new_tokens=16, num_samples=2, seed=5, steps=16).tolist() != ids.tolist()
+
+
+def test_dlm_distills_options_default_to_the_distill_sections_defaults() -> None:
+    import inspect
+
+    from dlm.cli.distill_cmd import distill_command
+    from dlm.config.distill import DistillConfig
+
+    parameters = inspect.signature(distill_command).parameters
+    fields = DistillConfig.model_fields
+    shared = [name for name, field in fields.items() if name in parameters and not field.is_required()]
+    assert {"teacher_steps", "rounds", "steps_per_round", "divergence", "remasking", "method"} <= set(shared)
+    for name in shared:  # the [distill] section owns each default; the command repeats it for its --help
+        assert parameters[name].default == fields[name].default, name
