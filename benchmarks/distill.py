@@ -124,7 +124,7 @@ def measure(
 ) -> tuple[list[Figures], dict[str, Any]]:
     """Every model's figures over the seeds, and the raw rounds (CPU and wall seconds by seed and model)."""
 
-    from dlm.bench.generation import distinct_ngrams, judge_row_nlls, unigram_entropy
+    from dlm.bench.generation import distinct_ngrams, judge_row_nlls, token_weighted, unigram_entropy
     from dlm.sampling.generation import generate
 
     torch.set_num_threads(1)
@@ -161,14 +161,13 @@ def measure(
     scored = {label: judge_row_nlls(judge, tokens[label]) for label in labels}
     for label in labels:
         rate = sum(len(row) for row in tokens[label]) / cpu[label]
-        nll = sum(value * count for value, count in scored[label]) / sum(count for _, count in scored[label])
         rows.append(
             {
                 "label": label,
                 "steps": steps[label],
                 "passes_per_token": passes[label],
                 "tokens_per_cpu_second": rate,
-                "judge_perplexity": math.exp(nll),
+                "judge_perplexity": math.exp(token_weighted(scored[label])),
                 "unigram_entropy_bits": unigram_entropy(tokens[label]),
                 "distinct_2": distinct_ngrams(tokens[label], 2),
             }

@@ -228,7 +228,12 @@ def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: t
 def judge_nll(judge: Denoiser, token_ids: list[list[int]], *, mc_samples: int = 16, seed: int = 0) -> float:
     """The judge's negative log-likelihood per token (nats) over all rows, token-weighted."""
 
-    scored = judge_row_nlls(judge, token_ids, mc_samples=mc_samples, seed=seed)
+    return token_weighted(judge_row_nlls(judge, token_ids, mc_samples=mc_samples, seed=seed))
+
+
+def token_weighted(scored: list[tuple[float, int]]) -> float:
+    """The NLL per token over rows scored by `judge_row_nlls`, each row weighted by its tokens."""
+
     return sum(nll * count for nll, count in scored) / max(sum(count for _, count in scored), 1)
 
 
