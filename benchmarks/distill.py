@@ -106,12 +106,13 @@ def change_interval(reference: list[tuple[float, int]], other: list[tuple[float,
     (row NLL per token, tokens): the token-weighted mean NLL's standard error over the rows of each,
     independent samples, under the normal approximation. A model against itself gives (0, 0)."""
 
+    from dlm.bench.generation import token_weighted
+
     if other is reference:
         return 0.0, 0.0
 
     def mean_and_variance(rows: list[tuple[float, int]]) -> tuple[float, float]:
-        total = sum(count for _, count in rows)
-        mean = sum(nll * count for nll, count in rows) / total
+        mean, total = token_weighted(rows), sum(count for _, count in rows)
         return mean, sum((count * (nll - mean)) ** 2 for nll, count in rows) / total**2
 
     (first, first_var), (second, second_var) = mean_and_variance(reference), mean_and_variance(other)
