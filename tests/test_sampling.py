@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -561,3 +563,37 @@ def test_a_remasking_strategy_registered_outside_the_library_ranks_the_reveals(t
         unregister_remasking("least_confident")
     with pytest.raises(UserError, match="--remasking must be one of random, dilated, confidence, margin"):
         generate(model, tokenizer, length=12, steps=4, seed=5, remasking="least_confident")
+
+
+def test_sampling_leaves_fsdp_unimported_and_a_sharded_model_runs_without_grad(tmp_path: Path) -> None:
+    """A fresh process that samples never imports FSDP (its import alone costs a noticeable part of
+    a second); a model FSDP shards is still told apart, and runs under no_grad, since its
+    parameters cannot be inference tensors."""
+
+    script = """
+import sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from dlm.config.schema import ModelConfig
+from dlm.model.transformer import DiffusionTransformer
+from dlm.sampling.dispatch import inference
+
+config = ModelConfig(vocab_size=64, max_seq_len=16, d_model=16, n_layers=1, n_heads=2, pad_vocab_multiple=1)
+model = DiffusionTransformer(config)
+with inference(model):
+    mode = torch.is_inference_mode_enabled()
+print("plain", mode, "torch.distributed.fsdp" in sys.modules)
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1, timeout=timedelta(seconds=60))
+from torch.distributed.fsdp import fully_shard
+fully_shard(model)
+with inference(model):
+    print("sharded", torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+dist.destroy_process_group()
+"""
+    rendezvous = (tmp_path / "rendezvous").as_uri()
+    done = subprocess.run(
+        [sys.executable, "-c", script, rendezvous], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["plain True False", "sharded False False"]
