@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from typer.main import get_command
 from typer.testing import CliRunner
 
 from dlm import __version__
@@ -110,3 +114,27 @@ def test_flags_show_no_value_type_in_help() -> None:
         assert result.exit_code == 0, result.output
         assert "<bool>" not in result.output, command
     assert "<path>" in runner.invoke(app, ["pack", "--help"], env={"COLUMNS": "80"}).output  # values keep theirs
+
+
+def _commands(command: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, [*path, name])
+
+
+def test_every_bracketed_word_of_the_help_reaches_the_screen() -> None:
+    """The help is rich markup: an unescaped `[rl]` or `[model]` (a config section) would be read as a
+    style tag and vanish (escaped, `\\[rl]`, it shows). Every command's page, and its group's list of
+    commands, shows them all."""
+
+    bracketed = re.compile(r"\[[A-Za-z_/][A-Za-z0-9_.\- =]*\]")
+    checked = 0
+    for path, command in _commands(get_command(app), []):
+        texts = [command.help or ""] + [param.help or "" for param in command.params if hasattr(param, "help")]
+        texts += [(sub.help or "").split("\n\n")[0] for sub in getattr(command, "commands", {}).values()]
+        wanted = {match.group(0) for text in texts for match in bracketed.finditer(text)}
+        if wanted:
+            shown = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "250"}).output
+            assert not [word for word in wanted if word not in shown], path
+            checked += len(wanted)
+    assert checked >= 3  # the config sections named in `dlm rl`'s and `dlm train`'s help

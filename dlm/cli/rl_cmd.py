@@ -40,7 +40,7 @@ def rl_command(
     allow_data_change: AllowDataChangeOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Improve a trained model with GRPO on verifiable rewards ([rl] in the config; docs/rl.md).
+    """Improve a trained model with GRPO on verifiable rewards (\\[rl] in the config; docs/rl.md).
 
     Each step samples rl.group_size completions of rl.prompts_per_step prompts with dlm's sampler, scores
     them with the rewards, and updates the model on the group-normalised advantages. Ctrl-C saves a

@@ -252,7 +252,7 @@ def train_command(
             "--init-from",
             metavar="MODEL",
             help="Start from this trained model's weights (an export directory, a checkpoint, or a Hugging Face "
-            "directory, whose [model] shape and tokenizer it takes) with a new optimizer and schedule "
+            "directory, whose \\[model] shape and tokenizer it takes) with a new optimizer and schedule "
             "(sets training.init_from).",
         ),
     ] = None,
