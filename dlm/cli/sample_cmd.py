@@ -89,7 +89,7 @@ StepsOption = Annotated[
     typer.Option(
         "--steps",
         show_default=False,
-        help="Denoising steps (time from 1 to 0) [default: a distilled student's own steps, else 64]; an "
+        help="Denoising steps (time from 1 to 0) \\[default: a distilled student's own steps, else 64]; an "
         "autoregressive model: one per token.",
     ),
 ]
