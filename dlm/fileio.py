@@ -30,6 +30,13 @@ def temporary_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
 
+def is_within(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies under it, symbolic links followed."""
+
+    inner, outer = Path(path).resolve(), Path(directory).resolve()
+    return inner == outer or outer in inner.parents
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` exists (signal 0 checks without sending anything)."""
 

@@ -363,6 +363,35 @@ def test_distillation_rules_are_checked_up_front(teacher: Path, tiny_data_dir: P
         _experiment(teacher, tiny_data_dir, tmp_path / "run", divergence="wasserstein")
     with pytest.raises(UserError, match="autoregressive"):
         _experiment(teacher, tiny_data_dir, tmp_path / "run", "model.block_size=1", "model.attention=causal")
+    for output in (teacher, teacher.parent):  # started over, the run would delete the teacher
+        with pytest.raises(UserError, match=r"init_from: .* is in the run's own output_dir"):
+            _experiment(teacher, tiny_data_dir, output)
+
+
+def test_the_cli_refuses_what_its_method_ignores_and_too_few_samples(teacher: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
+    run_cli("distill", teacher, "--teacher-samples", "2", "--output", tmp_path / "a").assert_refused(
+        "--teacher-samples must be at least 16"
+    )
+    run_cli("distill", teacher, "--teacher-samples", "16", "--output", teacher.parent).assert_refused(
+        "is in the run's own directory"
+    )
+    options = ("--teacher-samples", "16", "--output", tmp_path / "b")
+    run_cli("distill", teacher, *options, "--certainty-weight", "2").assert_refused(
+        "--certainty-weight does not apply to --method sdtt"
+    )
+    run_cli("distill", teacher, *options, "--method", "certainty", "--divergence", "tvd").assert_refused(
+        "--divergence does not apply to --method certainty"
+    )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any sampling
+
+
+def test_a_student_distilled_further_teaches_from_its_own_steps(
+    student: Path, tiny_data_dir: Path, tmp_path: Path
+) -> None:
+    further = distillation_experiment(student, tiny_data_dir, tmp_path / "run", {"rounds": 1})
+    assert further.distill is not None and further.distill.teacher_steps == 4
+    chosen = distillation_experiment(student, tiny_data_dir, tmp_path / "run", {"rounds": 1, "teacher_steps": 8})
+    assert chosen.distill is not None and chosen.distill.teacher_steps == 8
 
 
 # ------------------------------------------------------------------------------ the student
@@ -386,6 +415,8 @@ def test_the_student_records_its_steps_and_teacher(student: Path, teacher: Path)
     assert record["teacher_sha256"] == weights_sha256(teacher_weights)
     card = (student / "README.md").read_text()
     assert "**4 sampling steps**" in card
+    learning_rate = json.loads((student / "config.json").read_text())["training"]["learning_rate"]
+    assert f"lr {learning_rate:.6g} " in card and "00000000" not in card  # as written, not a division's tail
     teacher_config = json.loads((teacher / "config.json").read_text())
     assert teacher_config["distillation"] is None
 
@@ -490,6 +521,8 @@ def test_dlm_distill_runs_and_resumes_from_the_cli(teacher: Path, tiny_data_dir:
     assert resumed.exit_code == 0, resumed.stderr
     events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
     assert events[-1]["event"] == "complete" and events[-1]["step"] == 4
+    # Done: the way on is an export, or a further distillation from the 4 steps the student samples in.
+    run_cli("resume", run).assert_refused(f"dlm export {run}", "from the 4 steps it samples in")
 
 
 def test_dlm_distill_refuses_data_packed_with_another_tokenizer(teacher: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
@@ -686,5 +719,6 @@ def test_dlm_distills_options_default_to_the_distill_sections_defaults() -> None
     fields = DistillConfig.model_fields
     shared = [name for name, field in fields.items() if name in parameters and not field.is_required()]
     assert {"teacher_steps", "rounds", "steps_per_round", "divergence", "remasking", "method"} <= set(shared)
-    for name in shared:  # the [distill] section owns each default; the command repeats it for its --help
+    assert parameters["teacher_steps"].default is None  # the teacher's own steps where it is a student
+    for name in set(shared) - {"teacher_steps"}:  # the [distill] section owns each default; --help repeats it
         assert parameters[name].default == fields[name].default, name

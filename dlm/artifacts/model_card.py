@@ -120,9 +120,10 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
     ]
     if training:
         lines.append(
-            f"- {training.get('optimizer')} lr {training.get('learning_rate')} (warmup {training.get('warmup_steps')}, "
-            f"cosine to {training.get('min_learning_rate')}), batch {training.get('batch_size')} x "
-            f"{training.get('gradient_accumulation_steps')} accumulation, {training.get('precision')} precision, "
+            f"- {training.get('optimizer')} lr {_rounded(training.get('learning_rate'))} (warmup "
+            f"{training.get('warmup_steps')}, cosine to {_rounded(training.get('min_learning_rate'))}), batch "
+            f"{training.get('batch_size')} x {training.get('gradient_accumulation_steps')} accumulation, "
+            f"{training.get('precision')} precision, "
             f"seed {training.get('seed')}"
         )
     lines.append(f"- {info.diffusion.schedule} noise schedule, diffusion times in [{info.diffusion.mask_eps}, 1]")
@@ -147,6 +148,12 @@ def model_card(info: SourceInfo, config: dict[str, Any], figures: list[str]) -> 
         "",
     ]
     return "\n".join(lines)
+
+
+def _rounded(value: Any) -> str:
+    """A rate as a person writes it: 7.5e-05, not the 7.500000000000001e-05 a division leaves."""
+
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _distillation_lines(record: dict[str, Any] | None) -> list[str]:

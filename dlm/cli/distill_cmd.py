@@ -51,8 +51,15 @@ def distill_command(
         "runs/distill"
     ),
     teacher_steps: Annotated[
-        int, typer.Option("--teacher-steps", min=2, help="Sampling steps of the first round's teacher.")
-    ] = 64,
+        int | None,
+        typer.Option(
+            "--teacher-steps",
+            min=2,
+            help="Sampling steps of the first round's teacher \\[default: the steps a distilled teacher was "
+            "distilled for, else 64].",
+            show_default=False,
+        ),
+    ] = None,
     rounds: Annotated[
         int,
         typer.Option(
@@ -121,7 +128,7 @@ def distill_command(
     from dlm.distill.run import distillation_experiment
 
     distill = {
-        "teacher_steps": teacher_steps,
+        **({} if teacher_steps is None else {"teacher_steps": teacher_steps}),
         "rounds": rounds,
         "steps_per_round": steps_per_round,
         "divergence": divergence,
@@ -130,9 +137,14 @@ def distill_command(
         "certainty_weight": certainty_weight,
     }
     settings = _overrides(overrides, device, precision)
+    given = given_options(ctx)
+    if method == "certainty":  # it trains toward the data, with no teacher's two steps to match
+        refuse_other_mode(given, ("divergence", "remasking"), "to --method certainty")
+    else:
+        refuse_other_mode(given, ("certainty_weight",), f"to --method {method}", fix=", or add --method certainty")
     if minutes is not None:
         refuse_other_mode(
-            given_options(ctx),
+            given,
             ("steps_per_round", "max_run_minutes"),
             "with --minutes, which sets the steps of each round and stops the run in time",
         )

@@ -32,7 +32,10 @@ class DistillConfig(BaseModel):
         "own samples) plus certainty_weight x the student's entropy where it already predicts the data's token.",
     )
     certainty_weight: float = Field(
-        1.0, ge=0, description="method = certainty: the weight of the entropy term (0 is plain fine-tuning)."
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="method = certainty: the weight of the entropy term (0 is plain fine-tuning).",
     )
     divergence: str = Field(
         "kl",

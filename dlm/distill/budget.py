@@ -9,6 +9,7 @@ happens ("paused"; `dlm resume` finishes it), never later.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +44,7 @@ def planned_steps_per_round(experiment: ExperimentConfig, minutes: float, timer:
         raise UserError(
             f"--minutes {minutes:g} leaves no step for each of {distill.rounds} rounds at the measured "
             f"{measured.step_time_s:.2f} s per step",
-            fix=f"give at least --minutes {needed:.1f}, or fewer --rounds",
+            fix=f"give at least --minutes {math.ceil(needed * 10) / 10:.1f}, or fewer --rounds",
         )
     return steps, seconds_left
 

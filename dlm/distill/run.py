@@ -57,7 +57,8 @@ def distillation_experiment(
 
     The student has the teacher's `[model]`, `[diffusion]` and tokenizer, and trains with its optimizer
     and batch at a quarter of its learning rate; `distill` sets `[distill]` fields (rounds,
-    teacher_steps, steps_per_round, divergence) and `overrides` are `--set` items applied last.
+    teacher_steps, steps_per_round, divergence) and `overrides` are `--set` items applied last. Without
+    teacher_steps, a distilled teacher teaches from the steps it was distilled for.
     """
 
     teacher, data = Path(teacher), Path(data)
@@ -72,11 +73,15 @@ def distillation_experiment(
     # `--set distill.*` first: the round count and length decide the training steps below.
     own = [item for item in overrides or [] if item.partition("=")[0].strip().startswith("distill.")]
     others = [item for item in overrides or [] if item not in own]
-    fields = apply_overrides({"distill": {"teacher": str(teacher), **(distill or {})}}, own, "--set")["distill"]
+    given = {"teacher": str(teacher), **(distill or {})}
+    recorded = (info.distillation or {}).get("steps")
+    if "teacher_steps" not in given and isinstance(recorded, int):  # a student teaches from the steps it samples in
+        given["teacher_steps"] = recorded
+    fields = apply_overrides({"distill": given}, own, "--set")["distill"]
     try:
         section = DistillConfig.model_validate(fields)
-    except ValidationError as exc:
-        raise UserError(format_validation_error(exc), path="--set") from None
+    except ValidationError as exc:  # `dlm distill`'s own options name the fields they set
+        raise UserError(format_validation_error(exc), path="--set" if own else None) from None
     defaults = TrainingConfig()
     inherited = {name: info.training[name] for name in INHERITED_TRAINING if name in info.training}
     learning_rate = float(info.training.get("learning_rate", defaults.learning_rate)) / LEARNING_RATE_DIVISOR
@@ -98,14 +103,17 @@ def distillation_experiment(
         "save_interval": interval,
         "budget_minutes": 0,
     }
-    experiment = ExperimentConfig.model_validate(
-        {
-            "model": info.model.model_dump(),
-            "diffusion": info.diffusion.model_dump(),
-            "training": training,
-            "distill": section.model_dump(),
-        }
-    )
+    try:
+        experiment = ExperimentConfig.model_validate(
+            {
+                "model": info.model.model_dump(),
+                "diffusion": info.diffusion.model_dump(),
+                "training": training,
+                "distill": section.model_dump(),
+            }
+        )
+    except ValidationError as exc:  # a rule across the fields: the output directory holding the teacher
+        raise UserError(format_validation_error(exc)) from None
     return with_overrides(experiment, others, "--set")
 
 

@@ -4,9 +4,9 @@ A student sees masked text at every step of its training; distilled on the teach
 text like what it will sample from, rather than the corpus. The teacher writes N unconditional
 samples of its context length in its default steps (batches of BATCH rows, batch i seeded `seed + i`,
 so the same call writes the same samples), they are written as JSON lines and packed with the
-teacher's tokenizer (`dlm.data.pack.pack_corpus`, VAL_FRACTION held out for validation) into
-`RUN/teacher-samples/`. A complete directory there, of the same teacher and count, is reused: a second
-call (or a resume after a stop) does not sample again.
+teacher's tokenizer (`dlm.data.pack.pack_corpus`, VAL_FRACTION of them held out for validation, and
+at least about VAL_SAMPLES) into `RUN/teacher-samples/`. A complete directory there, of the same
+teacher and count, is reused: a second call (or a resume after a stop) does not sample again.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from dlm.artifacts.loading import load_model_with_info
 from dlm.artifacts.run_dir import check_run_target, metadata_sha256
 from dlm.data.pack import pack_corpus
 from dlm.errors import UserError
-from dlm.fileio import atomic_path, atomic_write_json
+from dlm.fileio import atomic_path, atomic_write_json, is_within
 from dlm.sampling.generation import generate
 
 SAMPLES_DIR = "teacher-samples"
 SAMPLES_NAME, RECORD_NAME = "samples.jsonl", "samples.json"
 BATCH = 64
 VAL_FRACTION = 0.05
+VAL_SAMPLES = 3  # and at least about this many samples' text: one sample may re-encode a little under a block
+MIN_SAMPLES = 16
 Progress = Callable[[int, int], None]  # (samples written, samples asked for)
 
 
@@ -43,8 +45,17 @@ def teacher_samples(
     already in `run_dir` is refused first (unless `overwrite`: the run then starts over), not after
     minutes of sampling."""
 
-    if count < 2:
-        raise UserError(f"--teacher-samples must be at least 2 (got {count})", fix="for example --teacher-samples 2048")
+    if count < MIN_SAMPLES:
+        raise UserError(
+            f"--teacher-samples must be at least {MIN_SAMPLES} (got {count}): a few of them are held out for "
+            "validation",
+            fix="for example --teacher-samples 2048",
+        )
+    if is_within(Path(teacher), Path(run_dir)):  # checked again with the config; here before minutes of sampling
+        raise UserError(
+            f"the teacher {teacher} is in the run's own directory {run_dir}",
+            fix="choose another --output for the student's run",
+        )
     check_run_target(Path(run_dir), None, overwrite)
     output = Path(run_dir) / SAMPLES_DIR
     loaded = load_model_with_info(teacher)
@@ -71,7 +82,7 @@ def teacher_samples(
         loaded.info.tokenizer_path,
         length,
         output,
-        val_fraction=VAL_FRACTION,
+        val_fraction=max(VAL_FRACTION, VAL_SAMPLES / count),
         seed=seed,
         overwrite=True,
     )

@@ -419,11 +419,19 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- run
     def check_can_continue(self, end_step: int) -> None:
-        if self.counters.step >= end_step:
-            raise UserError(
-                f"the checkpoint is already at step {self.counters.step} of max_steps {self.config.max_steps}",
-                fix="raise training.max_steps to continue training",
+        if self.counters.step < end_step:
+            return
+        fix = "raise training.max_steps to continue training"
+        if self.experiment.distill is not None:  # its steps are its rounds': a further round is a new run
+            output = self.config.output_dir
+            fix = (
+                f"export the student (dlm export {output} --output DIR), or distil it further in a new run, from "
+                f"the {self.experiment.distill.steps_after(self.counters.step)} steps it samples in: "
+                f"dlm distill {output} --data DATA --output NEW"
             )
+        raise UserError(
+            f"the checkpoint is already at step {self.counters.step} of max_steps {self.config.max_steps}", fix=fix
+        )
 
     def run(self, end_step: int, deadline: float | None, stop: StopSignals, pacer: Pacer | None = None) -> TrainResult:
         """Train to `end_step` (max_steps, or fewer for a run limited to some steps), stopping early on
