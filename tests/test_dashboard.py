@@ -137,9 +137,10 @@ def test_json_sinks_write_one_object_per_event(real_run: RealRun, tmp_path: Path
     assert json.loads(stream.getvalue().splitlines()[-1]) == {"event": "demo_note", "message": "hello"}
 
 
-def render(events: list[Event]) -> str:
+def render(events: list[Event], title: str = "dlm train") -> str:
     output = io.StringIO()
-    with TrainingDashboard(Console(file=output, force_terminal=True, width=160, color_system=None)) as dashboard:
+    console = Console(file=output, force_terminal=True, width=160, color_system=None)
+    with TrainingDashboard(console, title=title) as dashboard:
         for event in events:
             dashboard(event)
     return output.getvalue()
@@ -176,6 +177,12 @@ def test_dashboard_shows_progress_metrics_validation_and_checkpoint(real_run: Re
     )
     for shown in (start.run_dir, start.parameters_human, *expected):
         assert shown in text, shown
+
+
+def test_the_dashboard_is_titled_by_its_workflow(real_run: RealRun) -> None:
+    assert "dlm train" in render(list(real_run.events))
+    distilling = render(list(real_run.events), title="dlm distill")
+    assert "dlm distill" in distilling and "dlm train" not in distilling
 
 
 def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(real_run: RealRun) -> None:

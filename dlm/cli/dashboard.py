@@ -109,8 +109,9 @@ class TrainingDashboard:
         *,
         budget: Budget | None = None,
         clock: Callable[[], float] = time.monotonic,
+        title: str = "dlm train",
     ):
-        self.console = console or Console()
+        self.console, self.title = console or Console(), title
         self.budget, self.clock = budget, clock
         self.opened = clock()
         self.planned_seconds_per_step = None if budget is None else budget.seconds_per_step
@@ -336,4 +337,4 @@ class TrainingDashboard:
             )
         if checkpoint is not None:
             rows.append(Text(f"checkpoint @ {checkpoint.step}: {checkpoint.path}", style="dim"))
-        return Panel(Group(*rows), title="dlm train", border_style="blue")
+        return Panel(Group(*rows), title=self.title, border_style="blue")

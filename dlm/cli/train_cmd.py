@@ -148,7 +148,8 @@ def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
     if wants_json(as_json):
         result = train(experiment, sink=JsonLinesSink(), **options)
     else:
-        with TrainingDashboard(console) as dashboard:
+        workflow = "distill" if experiment.distill is not None else "rl" if experiment.rl is not None else "train"
+        with TrainingDashboard(console, title=f"dlm {workflow}") as dashboard:
             result = train(experiment, sink=dashboard, **options)
         # soft_wrap: the checkpoint path and the resume command are copied, so they never break.
         console.print(
