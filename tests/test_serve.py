@@ -159,6 +159,14 @@ def live(model_dir: Path) -> Iterator[Running]:
 
 def test_models_completions_and_chat(live: Running, model_dir: Path) -> None:
     assert [model.id for model in live.client.models.list().data] == ["model"]
+    assert live.client.models.retrieve("model").id == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        live.client.models.retrieve("other")
+    assert missing.value.response.json()["error"]["code"] == "model_not_found"
+    # No such route, or not with that method: OpenAI's error body all the same.
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        answer = httpx.request(method, f"{live.url}{path}", timeout=WAIT)
+        assert answer.status_code == status and answer.json()["error"]["message"].startswith(f"{method} {path}")
     answer = live.complete(prompt="ROMEO:", max_tokens=12, seed=3)
     (choice,) = answer.choices
     served = load_served(model_dir)
@@ -284,6 +292,11 @@ def test_a_row_streams_only_final_text(model_dir: Path) -> None:
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),
         ({"prompt": "x <|mask|> y"}, "prompt", 400),
         ({"model": "../../etc/passwd"}, "model", 404),
+        ({"max_tokens": 2, "extra_body": {"steps": 10**8}}, "steps", 400),  # it would hold the engine for hours
+        ({"extra_body": {"max_tokens": "8"}}, "max_tokens", 400),  # strict types, as OpenAI's
+        ({"extra_body": {"max_tokens": True}}, "max_tokens", 400),
+        ({"extra_body": {"temperature": "0.5"}}, "temperature", 400),
+        ({"extra_body": {"stream": "yes"}}, "stream", 400),
     ],
 )
 def test_refusals_name_the_field(live: Running, request_fields: dict[str, Any], param: str, status: int) -> None:
@@ -307,6 +320,8 @@ def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: 
         "extra_body": {"service_tier": "auto", "store": False, "metadata": {}},
     }
     assert live.complete(seed=9, **neutral).choices[0].text == live.complete(seed=9).choices[0].text
+    nulls = {"extra_body": {"n": None, "stream": None, "echo": None}}  # null: unset, as clients send it
+    assert live.complete(seed=9, **nulls).choices[0].text == live.complete(seed=9).choices[0].text
     parts = [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]
     messages = [{"role": "developer", "content": "Speak as a player."}, {"role": "user", "content": parts}]
     chat = live.client.chat.completions.create(
@@ -326,6 +341,20 @@ def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: 
     assert chat.choices[0].message.content == again.choices[0].message.content
     assert chat.usage is not None and again.usage is not None
     assert chat.usage.prompt_tokens == again.usage.prompt_tokens
+    # The SDK's own assistant message sent back as it returned it, with a part carrying a client's key.
+    sent_back = chat.choices[0].message.model_dump()
+    assert "refusal" in sent_back  # the SDK's fields beside the content
+    replied = [{"role": "user", "content": "Who?"}, sent_back, {"role": "user", "content": [parts[1] | {"x": 1}]}]
+    turn = live.client.chat.completions.create(model="model", messages=replied, max_tokens=4, seed=4)  # type: ignore[arg-type]
+    assert turn.choices[0].message.content is not None
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    with pytest.raises(openai.BadRequestError) as refused:  # named by its own part, not "a valid string"
+        live.client.chat.completions.create(
+            model="model",
+            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+            max_tokens=4,
+        )
+    assert refused.value.response.json()["error"]["param"] == "messages.0.content.0.type"
 
 
 @pytest.mark.parametrize(
@@ -609,6 +638,56 @@ def test_a_request_may_set_a_tighter_deadline_of_its_own(model_dir: Path) -> Non
                 handle.complete(extra_body={"timeout": bad})
             assert refused.value.response.json()["error"]["param"] == "timeout"
         assert handle.complete(seed=2, extra_body={"timeout": 60}).choices[0].text is not None
+
+
+def test_a_stream_whose_text_keeps_coming_still_ends_at_its_deadline() -> None:
+    """The deadline is looked at after every wait, not only when nothing arrived: a stream fed text every
+    millisecond, whose request never ends, is answered 504 (and its job cancelled) all the same."""
+
+    from dlm.sampling.options import SamplingOptions
+    from dlm.serving.app import Endpoints
+    from dlm.serving.jobs import Job
+    from dlm.serving.protocol import ApiError, Generation
+
+    cancelled: list[Job] = []
+
+    class Stats:
+        def count(self, name: str) -> None:
+            pass
+
+    class Scheduler:
+        stats = Stats()
+
+        def cancel(self, job: Job) -> None:
+            cancelled.append(job)
+            job.cancelled.set()
+
+    class Request:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    generation = Generation(("ROMEO:",), (2,), 8, 1, 0, SamplingOptions(), (), True, False, False, timeout=0.05)
+    job = Job("stream", generation)
+    endpoints = Endpoints(None, Scheduler(), Limits())  # type: ignore[arg-type]
+
+    async def stream() -> None:
+        texts: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+
+        async def feed() -> None:
+            while True:
+                texts.put_nowait((0, "x"))
+                await asyncio.sleep(0.001)
+
+        feeder = asyncio.ensure_future(feed())
+        try:
+            async for _ in endpoints.wait(Request(), job, texts):  # type: ignore[arg-type]
+                pass
+        finally:
+            feeder.cancel()
+
+    with pytest.raises(ApiError) as late:
+        asyncio.run(asyncio.wait_for(stream(), WAIT))
+    assert late.value.status == 504 and cancelled == [job]
 
 
 def test_a_shared_pass_out_of_memory_runs_its_calls_one_by_one(

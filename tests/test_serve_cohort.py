@@ -93,6 +93,35 @@ def test_requests_of_every_kind_it_takes_equal_each_alone(
 
 
 @pytest.mark.parametrize("block", [0, 4])
+def test_a_round_cut_short_of_a_reveal_goes_on_next_round_with_the_same_tokens(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    """A round takes each request through at most `STEPS_PER_ROUND` steps that reveal nothing (so that a
+    request of very many steps does not hold the others): cut at 2, requests of many more steps than
+    tokens, beside ordinary ones, still get their solo tokens, over more rounds."""
+
+    model = transformer(tokenizer.get_vocab_size(), block_size=block)
+    kinds: list[dict[str, Any]] = [{"steps": 48}, {}, {"remasking": "confidence", "steps": 40}]
+    kinds += [{"threshold": 0.5, "steps": 32, **({"block_length": 4} if block else {})}]
+    generations = [request(tokenizer, (PROMPTS[i % len(PROMPTS)],), 8, 40 + i, **kind) for i, kind in enumerate(kinds)]
+    expected = [alone(model, tokenizer, generation)[0] for generation in generations]
+    rounds = 0
+    original = cohort.Cohort.calls
+
+    def counted(self: cohort.Cohort) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return original(self)
+
+    monkeypatch.setattr(cohort, "STEPS_PER_ROUND", 2)
+    monkeypatch.setattr(cohort.Cohort, "calls", counted)
+    no_samplers(monkeypatch)
+    outcomes, _ = served(model, tokenizer, generations)
+    assert outcomes == expected
+    assert rounds >= 48 // 2  # the 48 steps of the first took at least a round for every two
+
+
+@pytest.mark.parametrize("block", [0, 4])
 def test_requests_that_arrive_finish_and_leave_throughout_equal_each_alone(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:

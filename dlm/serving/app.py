@@ -127,10 +127,16 @@ class Endpoints:
         return self._mailbox
 
     def models(self) -> Json:
-        return {
-            "object": "list",
-            "data": [{"id": self.served.name, "object": "model", "created": self.served.created, "owned_by": "dlm"}],
-        }
+        return {"object": "list", "data": [self.model(self.served.name)]}
+
+    def model(self, name: str) -> Json:
+        """The model object of `name` (`GET /v1/models/{name}`): this server's one model, else 404."""
+
+        if name != self.served.name:
+            served = self.served.name
+            message = f"the model {name!r} does not exist; this server serves {served!r}"
+            raise ApiError(404, message, param="model", code="model_not_found")
+        return {"id": name, "object": "model", "created": self.served.created, "owned_by": "dlm"}
 
     async def read(self, request: HttpRequest, shape: ResponseShape) -> Generation:
         """The request's generation, parsed, rendered and tokenized off the event loop (in the small
@@ -208,7 +214,9 @@ class Endpoints:
                 if texts is not None and getter is None:
                     getter = asyncio.ensure_future(texts.get())
                 waiting: set[asyncio.Future[Any]] = {waiter} if getter is None else {waiter, getter}
-                await asyncio.wait(waiting, timeout=DISCONNECT_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=self._poll_seconds(job), return_when=asyncio.FIRST_COMPLETED)
+                if self._past_deadline(job) and not waiter.done():  # a stream's texts do not keep it going
+                    raise self._timed_out(job)
                 if getter is not None and getter.done():
                     yield getter.result()
                     getter = None
@@ -219,8 +227,6 @@ class Endpoints:
                     return
                 elif await request.is_disconnected():
                     raise ClientGone
-                elif self._past_deadline(job):
-                    raise self._timed_out(job)
         except (ShuttingDown, OutOfMemory) as exc:
             raise self._unavailable(f"the request did not run: {exc}") from None
         except UserError as exc:  # the sampler's own checks (steps for the blocks, a block model's options)
@@ -243,6 +249,15 @@ class Endpoints:
     def _past_deadline(self, job: Job) -> bool:
         timeout = job.generation.timeout
         return timeout is not None and time.perf_counter() - job.enqueued > timeout
+
+    def _poll_seconds(self, job: Job) -> float:
+        """How long to wait for the job before looking at its client again: no later than its deadline."""
+
+        timeout = job.generation.timeout
+        if timeout is None:
+            return DISCONNECT_POLL_SECONDS
+        left = job.enqueued + timeout - time.perf_counter()
+        return min(DISCONNECT_POLL_SECONDS, max(left, 0.0) + 1e-3)  # just past it, where it is due
 
     def _timed_out(self, job: Job) -> ApiError:
         """Past its deadline: the request leaves the queue or its batch (before its next pass), and 504."""
@@ -329,6 +344,7 @@ def create_app(
     fastapi = require(FASTAPI)
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     endpoints = Endpoints(served, scheduler, limits)
 
@@ -346,6 +362,12 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Any, exc: ApiError) -> Any:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Any, exc: StarletteHTTPException) -> Any:  # no such route or method
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Any, exc: Exception) -> Any:  # the traceback goes to the log (Guard)
@@ -369,6 +391,10 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> Any:
         return endpoints.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Any:
+        return endpoints.model(name)
 
     async def complete(request: HttpRequest, shape: ResponseShape) -> Any:
         request_id = request.scope["state"]["request_id"]

@@ -74,6 +74,10 @@ if TYPE_CHECKING:
     from dlm.serving.protocol import Generation
 
 CHANCES_KEPT = 4096  # steps whose reveal odds, plans and counts the cohort keeps, recomputed when dropped
+# Steps a round takes a request through, at most, on the way to one that reveals something: a request of
+# many steps that reveal nothing goes on next round, and the others' passes, departures and deadlines wait
+# for it no longer than that.
+STEPS_PER_ROUND = 256
 
 
 class OwnSampler(Exception):
@@ -236,7 +240,9 @@ class Cohort:
         self._leave(departed)
         pending = [member for member in self.members if not member.done]
         calls = []
-        while pending:
+        for _ in range(STEPS_PER_ROUND):  # those still pending after as many steps go on next round
+            if not pending:
+                break
             reveal = self._reveals(pending)
             counts = reveal.sum(dim=1).tolist()  # one read from the device for all of them
             still, moved, stepping = [], False, []
@@ -261,6 +267,10 @@ class Cohort:
             if len(still) < len(pending):  # rows of other members reveal nothing: the round's reveals
                 self._revealed = reveal if self._revealed is None else self._revealed | reveal
             pending = still
+        if pending and self._revealed is not None:  # those going on next round draw nothing in this one
+            self._revealed = self._revealed.clone()
+            for member in pending:
+                self._revealed[member.span] = False
         return calls
 
     def settle(self) -> list[Finished]:

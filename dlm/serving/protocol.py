@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from dlm.data.chat import ChatTemplate, Turn
 from dlm.errors import UserError
@@ -27,6 +27,21 @@ if TYPE_CHECKING:
     from dlm.config.schema import ModelConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The most steps a request may take: a step that reveals nothing costs no pass, but still the engine's
+# time (its random draws), and a request of 10**8 steps would hold the engine for hours.
+MIN_STEPS_CAP, STEPS_PER_TOKEN_CAP = 1024, 16
+
+
+def steps_cap(length: int) -> int:
+    """The most steps a request generating `length` tokens may ask for."""
+
+    return max(MIN_STEPS_CAP, STEPS_PER_TOKEN_CAP * length)
+
+
+def _null_is(default: Any) -> BeforeValidator:
+    """A field an OpenAI client sends as null, meaning unset: its default."""
+
+    return BeforeValidator(lambda value: default if value is None else value)
 
 
 class ApiError(Exception):
@@ -53,16 +68,17 @@ class ApiError(Exception):
 class SamplerFields(BaseModel):
     """The fields both endpoints share: OpenAI's, then dlm's sampler options as extra body fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict, as OpenAI's API: "8" for a number, or 1 for true, is a 400, not quietly converted.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Annotated[int, _null_is(1)] = 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: dict[str, bool] | None = None  # {"include_usage": true}
     user: str | None = None  # accepted for compatibility; not used
     # OpenAI fields that clients send with their neutral values: accepted as such, refused (naming the
@@ -89,32 +105,49 @@ class SamplerFields(BaseModel):
 class CompletionRequest(SamplerFields):
     prompt: str | list[str]
     logprobs: int | None = None  # neutral: None or 0
-    echo: bool = False
+    echo: Annotated[bool, _null_is(False)] = False
     best_of: int | None = None  # neutral: None or 1
     suffix: str | None = None
 
 
 class TextPart(BaseModel):
-    """One part of a message's content as current OpenAI clients send it: text only."""
+    """One part of a message's content as current OpenAI clients send it: text only (a client's own keys
+    beside it, such as a cache hint, are of no effect here and ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # "developer" is OpenAI's newer name for the system message: rendered as one.
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # null: an assistant's turn sent back as the SDK holds it
     name: str | None = None  # accepted for compatibility; the template does not render it
+    # An assistant message as the SDK returns it (`message.model_dump()`), sent back in the conversation:
+    # these fields come along, empty; dlm's models send no refusals, tool calls or audio.
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _text_alone(self) -> Message:
+        for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported: dlm's models send back text alone")
+        return self
 
     @property
     def text(self) -> str:
         """The content as one text: the parts joined by newlines, as OpenAI-compatible servers do."""
 
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
     @property
@@ -210,9 +243,10 @@ class Generation:
 
 
 def validation_error(exc: ValidationError) -> ApiError:
-    """The first problem pydantic found, as a 400 naming its field (`messages.0.role`)."""
+    """The most specific problem pydantic found (the deepest; of those the first), as a 400 naming its field
+    (`messages.0.role`): for a union, the member that got furthest (`messages.0.content.0.type`)."""
 
-    first = exc.errors()[0]
+    first = max(exc.errors(), key=lambda error: len(error["loc"]))
     param = ".".join(str(part) for part in first["loc"] if not _UNION_TAG.match(str(part))) or None
     if first["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field {param!r}", param=param)
@@ -249,6 +283,10 @@ def _options(
     }
     given = {name: value for name, value in given.items() if value is not None}
     given.setdefault("steps", length if model_steps is None else model_steps)
+    if given["steps"] > steps_cap(length):
+        raise ApiError(
+            400, f"steps: at most {steps_cap(length)} for {length} tokens (got {given['steps']})", param="steps"
+        )
     if model_remasking is not None:
         given.setdefault("remasking", model_remasking)
     # OpenAI's default: the whole distribution (`dlm sample`'s own default cuts it at 0.9). A request
