@@ -115,6 +115,60 @@ def test_export_init_from_and_resume_refuse_nan_weights_and_write_nothing(
     assert tree(nan_run) == before
 
 
+@pytest.mark.parametrize("export_format", ["dlm", "hf"])
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
+def test_export_refuses_weights_that_do_not_fit_the_config_and_writes_nothing(
+    run_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult], damage: str, export_format: str
+) -> None:
+    """A sound file (its checksum right) whose weights no model of its config takes: the export would be
+    one that nothing can load, so it is refused, as loading it is."""
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    path = copy / "inference-latest.pt"
+    checkpoint = load_checkpoint(path)
+    weights = checkpoint["model"]
+    if damage == "missing":
+        del weights["norm.weight"]
+    elif damage == "unexpected":
+        weights["extra.weight"] = torch.zeros(2)
+    else:
+        weights["norm.weight"] = weights["norm.weight"][:-1].clone()
+    checkpoint.pop("payload_sha256", None)
+    torch.save(with_checksum(checkpoint), path)
+    run_cli("export", path, "--output", tmp_path / "out", "--format", export_format).assert_refused(
+        "the weights do not fit the model config", damage if damage != "shape" else "wrong shape ['norm.weight']"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_whose_model_is_no_weights_or_that_was_cut_short_is_one_error(
+    run_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    path = copy / "inference-latest.pt"
+    checkpoint = load_checkpoint(path)
+    checkpoint["model"] = "weights"
+    checkpoint.pop("payload_sha256", None)
+    torch.save(with_checksum(checkpoint), path)
+    for command in ("export", "sample"):
+        arguments = ("--output", tmp_path / "out") if command == "export" else ("--length", "4")
+        run_cli(command, path, *arguments).assert_refused("its model field is not a map of tensor names to tensors")
+    # The newest numbered checkpoint cut short, as a crash or a full disk leaves it: the one before it is named.
+    newest = sorted(copy.glob("step-*.pt"))[-1]
+    shutil.copy(newest, copy / "step-00000001.pt")  # an older one kept beside it (the run keeps one)
+    numbered = sorted(copy.glob("step-*.pt"))
+    (copy / "latest.pt").unlink()
+    cut = numbered[-1].read_bytes()
+    numbered[-1].unlink()
+    numbered[-1].write_bytes(cut[: len(cut) // 2])
+    (copy / "latest.pt").hardlink_to(numbered[-1])
+    run_cli("resume", copy).assert_refused(
+        "not a dlm checkpoint", f"go on from {numbered[-2]}", f"--checkpoint {numbered[-2].name}"
+    )
+
+
 def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
     from dlm.artifacts.checkpoint import save_training_checkpoint
 

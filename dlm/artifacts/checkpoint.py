@@ -271,7 +271,10 @@ def load_checkpoint(path: str | Path, expected_format: str | None = None) -> dic
     except OSError as exc:
         raise UserError(f"cannot read the checkpoint: {exc.strerror or exc}", path=path) from None
     except Exception as exc:  # torch.load raises many types on foreign bytes (KeyError, EOFError...)
-        raise UserError(f"not a dlm checkpoint: {_refusal(exc)}", path=path) from None
+        # A file cut short (a crash, a full disk) beside older checkpoints: say which one to go on from.
+        older = older_checkpoint(path) if path.suffix == ".pt" else None
+        fix = None if older is None else f"if it was cut short, go on from {older}: " + _resume_from(path, older)
+        raise UserError(f"not a dlm checkpoint: {_refusal(exc)}", path=path, fix=fix) from None
     if not isinstance(data, dict):
         raise UserError(f"not a dlm checkpoint: it holds a {type(data).__name__}, not a dict", path=path)
     fmt = data.get("format")
@@ -290,11 +293,28 @@ def load_checkpoint(path: str | Path, expected_format: str | None = None) -> dic
             fix="use latest.pt or step-*.pt to resume training, inference-latest.pt or an exported model to sample",
         )
     _verify_checksum(data, path)
-    check_finite_weights(data.get("model"), path, step=data.get("step"))
+    if "model" in data:
+        _check_tensor_map(data["model"], path, "model")
     ema = data.get("ema")
+    if ema is not None:
+        _check_tensor_map(ema.get("shadow") if isinstance(ema, dict) else None, path, "ema.shadow")
+    check_finite_weights(data.get("model"), path, step=data.get("step"))
     if isinstance(ema, dict):
         check_finite_weights(ema.get("shadow"), path, "EMA weights", step=data.get("step"))
     return data
+
+
+def _check_tensor_map(weights: object, path: Path, field: str) -> None:
+    """Refuse a checkpoint whose `field` is not weights: a map of tensor names to tensors."""
+
+    if not isinstance(weights, Mapping) or not all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in weights.items()
+    ):
+        raise UserError(
+            f"not a dlm checkpoint: its {field} field is not a map of tensor names to tensors",
+            path=path,
+            fix="dlm reads the checkpoints dlm writes; export the model again from its run",
+        )
 
 
 def check_finite_weights(
@@ -352,8 +372,12 @@ def _verify_checksum(data: dict[str, Any], path: Path) -> None:
     elif older is None:
         fix = f"no older checkpoint is left in {path.parent}; start the run over with: dlm train --overwrite"
     else:
-        fix = f"use the next-older checkpoint {older}: dlm resume {path.parent} --checkpoint {older.name}"
+        fix = f"use the next-older checkpoint {older}: " + _resume_from(path, older)
     raise UserError("the checkpoint is damaged: its contents do not match the sha256 saved in it", path=path, fix=fix)
+
+
+def _resume_from(path: Path, older: Path) -> str:
+    return f"dlm resume {path.parent} --checkpoint {older.name}"
 
 
 def older_checkpoint(path: Path, step: object = None) -> Path | None:

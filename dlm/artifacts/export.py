@@ -44,7 +44,7 @@ from dlm.artifacts.export_layout import (
     read_export_config,
 )
 from dlm.artifacts.hf.dlm_format import is_hf_export
-from dlm.artifacts.loading import read_model_source, sharded_model_source
+from dlm.artifacts.loading import check_weight_shapes, read_model_source, sharded_model_source
 from dlm.artifacts.model_card import eval_figures, model_card
 from dlm.artifacts.run_dir import run_files
 from dlm.choices import ExportDtype
@@ -241,11 +241,13 @@ def _weights_writer(source: str | Path, use_ema: bool, dtype: torch.dtype) -> tu
     sharded = sharded_model_source(source, use_ema)
     if sharded is not None:
         info, lazy = sharded
+        check_weight_shapes(info.model, {name: lazy.shape(name) for name in lazy.names}, info.path)
         parameters = sum(math.prod(lazy.shape(name)) for name in lazy.names)
         return (lambda path: _stream_safetensors(path, lazy, dtype), parameters, {}), info
     info, weights = read_model_source(source, use_ema)
     if info.kind in ("export", "adapters"):
         raise UserError("this is already an exported model", path=info.path, fix="copy the directory instead")
+    check_weight_shapes(info.model, {name: tensor.shape for name, tensor in weights.items()}, info.path)
     return _stored_writer(weights, dtype), info
 
 

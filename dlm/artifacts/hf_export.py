@@ -46,7 +46,7 @@ from dlm.artifacts.export_layout import (
 )
 from dlm.artifacts.hf.dlm_format import MODEL_TYPE, is_hf_export
 from dlm.artifacts.hf.names import to_hf_names
-from dlm.artifacts.loading import read_model_source
+from dlm.artifacts.loading import check_weight_shapes, read_model_source
 from dlm.config.schema import DiffusionConfig, ModelConfig
 from dlm.data.chat import ChatTemplate, Turn, read_config, special_tokens_of
 from dlm.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_token_id
@@ -232,6 +232,7 @@ def export_hf(
     # A dlm export or an HF one may be replaced.
     check_export_output(output, overwrite, lambda path: is_hf_export(path) or is_dlm_export(path), "an export")
     info, weights = read_model_source(source, use_ema)
+    check_weight_shapes(info.model, {name: tensor.shape for name, tensor in weights.items()}, info.path)
     check_hf_exportable(info.model, info.diffusion)
     tokenizer = checked_tokenizer(info)
     settings_path, chat_template = export_tokenizer_config(info)

@@ -13,7 +13,10 @@ writes it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,8 @@ def _training_settings(experiment: ExperimentConfig) -> dict[str, Any]:
 def _checkpoint_weights(checkpoint: dict[str, Any], path: Path, use_ema: bool) -> tuple[dict[str, Tensor], str]:
     """The model weights of a checkpoint: EMA when present and wanted, else the live ones."""
 
+    if "model" not in checkpoint:
+        raise UserError("this checkpoint holds no model weights", path=path, fix="pass a checkpoint a dlm run saved")
     weights = dict(checkpoint["model"])
     if checkpoint["format"] == INFERENCE_FORMAT:
         stored = str(checkpoint.get("weights", "live"))
@@ -315,11 +320,29 @@ def read_model_source(
 # ------------------------------------------------------------------------------------ building
 
 
+def check_weight_shapes(config: ModelConfig, shapes: Mapping[str, Sequence[int]], source: Path) -> None:
+    """Refuse weights, by their names and `shapes`, that do not fit `config`, as loading them would: what an
+    export checks before it writes them, so that it never writes a model nothing can load."""
+
+    small = sum(math.prod(shape) for shape in shapes.values()) < _META_BUILD_MIN_PARAMETERS
+    with contextlib.nullcontext() if small else torch.device("meta"):  # see _META_BUILD_MIN_PARAMETERS
+        expected = DiffusionTransformer(config).state_dict()
+    _check_shapes({name: tuple(tensor.shape) for name, tensor in expected.items()}, shapes, source)
+
+
 def _check_weights(expected: dict[str, Tensor], weights: dict[str, Tensor], source: Path) -> None:
     """Refuse weights whose names or shapes do not fit the model config, naming a few of each."""
 
-    missing, extra = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
-    wrong = [n for n in expected.keys() & weights.keys() if tuple(expected[n].shape) != tuple(weights[n].shape)]
+    _check_shapes(
+        {name: tuple(tensor.shape) for name, tensor in expected.items()},
+        {name: tuple(tensor.shape) for name, tensor in weights.items()},
+        source,
+    )
+
+
+def _check_shapes(expected: Mapping[str, Sequence[int]], given: Mapping[str, Sequence[int]], source: Path) -> None:
+    missing, extra = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    wrong = [name for name in expected.keys() & given.keys() if tuple(expected[name]) != tuple(given[name])]
     if missing or extra or wrong:
         raise UserError(
             f"the weights do not fit the model config (missing {missing[:3]}, unexpected {extra[:3]}, "
