@@ -169,6 +169,35 @@ def test_a_checkpoint_whose_model_is_no_weights_or_that_was_cut_short_is_one_err
     )
 
 
+def test_a_tokenizer_that_is_not_the_models_is_refused_where_no_checksum_catches_it(
+    run_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    """A Hugging Face export records no tokenizer sha256 (a transformers re-save may reformat the file): a
+    tokenizer of another vocabulary put beside it is refused by its size; a config whose mask token is
+    not the tokenizer's, by the mask id."""
+
+    import json
+
+    from tokenizers import Tokenizer
+
+    hf = tmp_path / "hf"
+    assert run_cli("export", run_dir, "--output", hf, "--format", "hf").exit_code == 0
+    tokenizer = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer.add_tokens(["zounds"])
+    tokenizer.save(str(hf / "tokenizer.json"))
+    wanted = f"the tokenizer has {size + 1} tokens, the model {size}"
+    run_cli("sample", hf, "--length", "4").assert_refused(wanted)
+    run_cli("export", hf, "--output", tmp_path / "again").assert_refused(wanted)
+    assert not (tmp_path / "again").exists()
+    export = tmp_path / "export"
+    assert run_cli("export", run_dir, "--output", export).exit_code == 0
+    config = json.loads((export / "config.json").read_text())
+    config["model"]["mask_token_id"] = 5
+    (export / "config.json").write_text(json.dumps(config))
+    run_cli("sample", export, "--length", "4").assert_refused("mask token is id 1, the model's mask_token_id is 5")
+
+
 def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
     from dlm.artifacts.checkpoint import save_training_checkpoint
 

@@ -12,13 +12,16 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig
 from dlm.data.chat import TOKENIZER_CONFIG_NAME, read_chat_template
-from dlm.data.tokenizer import tokenizer_sha256
+from dlm.data.tokenizer import has_dlm_special_tokens, load_tokenizer, optional_token_id, tokenizer_sha256
 from dlm.errors import UserError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 EXPORT_FORMAT = "dlm-export-v1"
 WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME = "model.safetensors", "config.json", "tokenizer.json"
@@ -182,8 +185,38 @@ def check_config_fields(
 
 
 def checked_tokenizer(info: SourceInfo) -> Path:
-    """The tokenizer file the model was trained with, refused when missing or changed."""
+    """The tokenizer file the model was trained with, refused when missing, changed or of another shape."""
 
+    load_checked_tokenizer(info)
+    return info.tokenizer_path
+
+
+def load_checked_tokenizer(info: SourceInfo) -> Tokenizer:
+    """The tokenizer the model was trained with, loaded: refused when missing, changed since training (the
+    sha256 its source records), or of a vocabulary or mask token the model does not have (a Hugging Face
+    export records no sha256: a transformers re-save may reformat the file)."""
+
+    path = _unchanged_tokenizer(info)
+    tokenizer = load_tokenizer(path)
+    vocab, model = tokenizer.get_vocab_size(with_added_tokens=True), info.model
+    # An imported model's embedding may have rows past its tokenizer (padding); dlm's own has none.
+    if vocab > model.vocab_size or (has_dlm_special_tokens(tokenizer) and vocab != model.vocab_size):
+        raise UserError(
+            f"the tokenizer has {vocab} tokens, the model {model.vocab_size}: it is not the model's",
+            path=path,
+            fix="put the tokenizer the model was trained with beside it",
+        )
+    mask = optional_token_id(tokenizer, "mask")
+    if mask is not None and mask != model.mask_token_id:
+        raise UserError(
+            f"the tokenizer's mask token is id {mask}, the model's mask_token_id is {model.mask_token_id}",
+            path=path,
+            fix="put the tokenizer the model was trained with beside it",
+        )
+    return tokenizer
+
+
+def _unchanged_tokenizer(info: SourceInfo) -> Path:
     path = info.tokenizer_path
     if not path.is_file():
         raise UserError(

@@ -40,7 +40,7 @@ from dlm.artifacts.export_layout import (
     FieldTypes,
     SourceInfo,
     check_config_fields,
-    checked_tokenizer,
+    load_checked_tokenizer,
     read_distillation,
     read_export_config,
 )
@@ -50,7 +50,6 @@ from dlm.artifacts.run_dir import RunDir
 from dlm.artifacts.sharded_checkpoint import ShardedWeights, is_sharded_checkpoint, open_sharded_weights
 from dlm.config.lora import LoraConfig
 from dlm.config.schema import DiffusionConfig, ExperimentConfig, ModelConfig, format_validation_error
-from dlm.data.tokenizer import load_tokenizer
 from dlm.diffusion.distillation import attach_distilled_steps
 from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
@@ -414,7 +413,7 @@ def load_model_with_info(
         return tensor.to(device, dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype)
 
     info, weights = read_model_source(path, use_ema, place=place)
-    tokenizer = load_tokenizer(checked_tokenizer(info))
+    tokenizer = load_checked_tokenizer(info)
     model = build_model(info.model, weights, device, dtype, source=info.path)
     attach_schedule(model, info.diffusion.schedule)
     if info.distillation is not None:
