@@ -157,6 +157,10 @@ def test_cli_export_format_hf_and_back(run_dir: Path, tmp_path: Path, run_cli) -
     assert human.exit_code == 0, human.stderr
     assert json.loads((tmp_path / "back" / "config.json").read_text())["format"] == "dlm-export-v1"
     assert run_cli("export", run_dir, "-o", tmp_path / "bad", "--format", "onnx").exit_code == 2
+    # Imported, it would be a foreign family: `dlm import` says what to do with dlm's own instead.
+    run_cli("import", tmp_path / "hf", "--output", tmp_path / "imported").assert_refused(
+        "dlm's own Hugging Face export: it needs no import", f"dlm export {tmp_path / 'hf'} --output DIR"
+    )
 
 
 @pytest.mark.parametrize("record", ["null", "empty", "absent"])

@@ -93,6 +93,19 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda source: edit_json(source / "tokenizer.json", add_tokens),
         r"tokenizer\.json has 516 tokens but the model's embedding only 512 rows",
     ),
+    # A field of the wrong type: "no" read as a truth value would tie the embeddings and drop lm_head.
+    "boolean": (
+        lambda source: edit_json(source / "config.json", lambda c: c.update(tie_word_embeddings="no")),
+        r"the field tie_word_embeddings is 'no', not true or false",
+    ),
+    "number": (
+        lambda source: edit_json(source / "config.json", lambda c: c.update(rms_norm_eps="tiny")),
+        r"the field rms_norm_eps is 'tiny', not a number",
+    ),
+    "rope": (
+        lambda source: edit_json(source / "config.json", lambda c: c.update(rope_parameters=[1])),
+        r"rope_parameters is \[1\], not an object",
+    ),
     "truncated": (
         lambda source: truncate(shard_of(source, "model.norm.weight"), 64),
         r"damaged weights: tensor .* lies outside the file or has the wrong size",

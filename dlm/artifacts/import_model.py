@@ -22,6 +22,7 @@ from torch import Tensor
 from dlm.artifacts.export import check_import_output, write_streamed_export
 from dlm.artifacts.export_layout import TOKENIZER_NAME, SourceInfo
 from dlm.artifacts.hf.conversion import Transform
+from dlm.artifacts.hf.dlm_format import is_hf_export
 from dlm.artifacts.hf.foreign import IMPORT_KIND, MASK_TOKEN, SOURCE_KIND, check_tokenizer_fits, read_source
 from dlm.choices import ExportDtype
 from dlm.config.schema import DiffusionConfig, ModelConfig
@@ -67,6 +68,12 @@ def import_model(
 
     directory, output = Path(source), Path(output)
     check_import_output(output, overwrite)
+    if is_hf_export(directory):
+        raise UserError(
+            "this is dlm's own Hugging Face export: it needs no import",
+            path=directory,
+            fix=f"use it as it is (dlm sample {directory}), or write dlm's format: dlm export {directory} --output DIR",
+        )
     hf = read_source(directory)
     if hf.has_mask_token and add_mask_token:
         raise UserError(

@@ -51,49 +51,81 @@ def _field(config: dict[str, Any], name: str, path: Path) -> int:
     return value
 
 
+_KINDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _optional(config: dict[str, Any], name: str, kind: type, default: Any, path: Path) -> Any:
+    """An optional field of config.json: `default` where it is absent or null, else a value of `kind` (a
+    number may be written as an integer), refused otherwise: "no" is not false, and read as a truth value
+    it would import another model."""
+
+    value = config.get(name)
+    if value is None:
+        return default
+    numbers = (int, float) if kind is float else kind
+    fits = kind is bool if isinstance(value, bool) else isinstance(value, numbers)  # a bool is no number in JSON
+    if not fits:
+        problem = f"the field {name} is {value!r}, not {_KINDS[kind]}"
+        raise _refuse(path, problem, "restore the config.json the model was saved with")
+    return float(value) if kind is float else value
+
+
+def _required_number(config: dict[str, Any], name: str, path: Path) -> float:
+    value = _optional(config, name, float, None, path)
+    if value is None:
+        raise _refuse(path, f"the field {name} is missing", "restore the config.json the model was saved with")
+    return float(value)
+
+
 def rope_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """rope_theta and rope_scaling from `rope_parameters` (transformers 5) or `rope_theta` and
     `rope_scaling` (earlier files); scalings other than linear and llama3 are refused."""
 
-    parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(parameters, dict):
+        raise _refuse(path, f"rope_parameters is {parameters!r}, not an object", "restore the config.json")
+    theta = _optional(parameters, "rope_theta", float, None, path)
+    theta = _optional(config, "rope_theta", float, 10000.0, path) if theta is None else theta
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": float(theta), "rope_scaling": None}
+        return {"rope_theta": theta, "rope_scaling": None}
     if kind not in ("linear", "llama3"):
         raise _refuse(
             path,
             f"rope scaling {kind!r} is not supported (dlm has linear and llama3)",
             "use a checkpoint without it, or one with linear or llama3 scaling",
         )
-    scaling: dict[str, Any] = {"type": kind, "factor": float(parameters["factor"])}
+    scaling: dict[str, Any] = {"type": kind, "factor": _required_number(parameters, "factor", path)}
     if kind == "llama3":
+        original = _optional(parameters, "original_max_position_embeddings", int, None, path)
+        if original is None:
+            raise _refuse(path, "the field original_max_position_embeddings is missing", "restore the config.json")
         scaling.update(
-            low_freq_factor=float(parameters["low_freq_factor"]),
-            high_freq_factor=float(parameters["high_freq_factor"]),
-            original_max_seq_len=int(parameters["original_max_position_embeddings"]),
+            low_freq_factor=_required_number(parameters, "low_freq_factor", path),
+            high_freq_factor=_required_number(parameters, "high_freq_factor", path),
+            original_max_seq_len=original,
         )
-    return {"rope_theta": float(theta), "rope_scaling": scaling}
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def _causal_fields(config: dict[str, Any], path: Path, family: str) -> dict[str, Any]:
     """The fields of the transformers-style families (llama, mistral, qwen2, qwen3, dream)."""
 
-    if config.get("hidden_act", "silu") != "silu":
+    if _optional(config, "hidden_act", str, "silu", path) != "silu":
         raise _refuse(
             path,
             f"hidden_act {config.get('hidden_act')!r}: dlm's MLP is SwiGLU (silu)",
             "import a model with hidden_act silu",
         )
-    if config.get("mlp_bias"):
+    if _optional(config, "mlp_bias", bool, False, path):
         raise _refuse(path, "mlp_bias is true: dlm's MLP has no biases", "import a model without MLP biases")
     width, heads = _field(config, "hidden_size", path), _field(config, "num_attention_heads", path)
-    head_dim = config.get("head_dim") or width // heads
-    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = _optional(config, "head_dim", int, None, path) or width // heads
+    kv_heads = _optional(config, "num_key_value_heads", int, None, path) or heads
     max_len = _field(config, "max_position_embeddings", path)
-    window = config.get("sliding_window")
-    if window and (family == "mistral" or config.get("use_sliding_window")):
-        max_len = min(max_len, int(window))  # within the window, sliding attention is full attention
+    window = _optional(config, "sliding_window", int, None, path)
+    if window and (family == "mistral" or _optional(config, "use_sliding_window", bool, False, path)):
+        max_len = min(max_len, window)  # within the window, sliding attention is full attention
     return {
         "vocab_size": _field(config, "vocab_size", path),
         "d_model": width,
@@ -102,11 +134,11 @@ def _causal_fields(config: dict[str, Any], path: Path, family: str) -> dict[str,
         "n_kv_heads": None if kv_heads == heads else kv_heads,
         "attention_head_dim": None if head_dim * heads == width else head_dim,
         "ffn_hidden_size": _field(config, "intermediate_size", path),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "norm_eps": _optional(config, "rms_norm_eps", float, 1e-6, path),
         "max_seq_len": min(max_len, _MAX_SEQ_LEN),
-        "qkv_bias": family in ("qwen2", "dream") or bool(config.get("attention_bias", False)),
+        "qkv_bias": family in ("qwen2", "dream") or _optional(config, "attention_bias", bool, False, path),
         "qk_norm": family == "qwen3",
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_embeddings": _optional(config, "tie_word_embeddings", bool, False, path),
         "attention": "bidirectional" if family == "dream" else "causal",
         "shift_logits": family == "dream",
         "pad_vocab_multiple": 1,
@@ -135,9 +167,11 @@ def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
                 "import a LLaDA checkpoint of the published layout",
             )
     width, heads = _field(config, "d_model", path), _field(config, "n_heads", path)
-    kv_heads = config.get("n_kv_heads") or heads
-    hidden = config.get("mlp_hidden_size") or int(config.get("mlp_ratio", 4) * width)
-    rows = config.get("embedding_size") or _field(config, "vocab_size", path)
+    kv_heads = _optional(config, "n_kv_heads", int, None, path) or heads
+    hidden = _optional(config, "mlp_hidden_size", int, None, path) or int(
+        _optional(config, "mlp_ratio", float, 4.0, path) * width
+    )
+    rows = _optional(config, "embedding_size", int, None, path) or _field(config, "vocab_size", path)
     return {
         "vocab_size": rows,
         "d_model": width,
@@ -145,12 +179,12 @@ def _llada_fields(config: dict[str, Any], path: Path) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": None if kv_heads == heads else kv_heads,
         "ffn_hidden_size": hidden,
-        "norm_eps": float(config.get("rms_norm_eps", 1e-5)),
-        "max_seq_len": min(int(config.get("max_sequence_length", 4096)), _MAX_SEQ_LEN),
-        "qkv_bias": bool(config.get("include_qkv_bias", False)),
-        "tie_embeddings": bool(config.get("weight_tying", False)),
-        "mask_token_id": int(config.get("mask_token_id", LLADA_MASK_ID)),
-        "rope_theta": float(config.get("rope_theta", 10000.0)),
+        "norm_eps": _optional(config, "rms_norm_eps", float, 1e-5, path),
+        "max_seq_len": min(_optional(config, "max_sequence_length", int, 4096, path), _MAX_SEQ_LEN),
+        "qkv_bias": _optional(config, "include_qkv_bias", bool, False, path),
+        "tie_embeddings": _optional(config, "weight_tying", bool, False, path),
+        "mask_token_id": _optional(config, "mask_token_id", int, LLADA_MASK_ID, path),
+        "rope_theta": _optional(config, "rope_theta", float, 10000.0, path),
         "pad_vocab_multiple": 1,
     }
 
