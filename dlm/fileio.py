@@ -181,13 +181,25 @@ def probe_writable(directory: Path) -> None:
     probe.unlink()
 
 
+def format_bytes(count: float) -> str:
+    """1.5 KiB, 20.0 MiB, 3.2 GiB, 384.5 TiB (TiB is the largest unit)."""
+
+    if abs(count) < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1024:.1f} TiB"
+
+
 def check_free_space(directory: Path, bytes_needed: int, what: str, fix: str) -> None:
     """Refuse to start a write of about `bytes_needed` bytes that the disk of `directory` cannot hold."""
 
     free = shutil.disk_usage(directory).free
     if free < bytes_needed:
         raise UserError(
-            f"only {free / GIB:.2f} GiB free on its disk, {what} needs about {bytes_needed / GIB:.2f} GiB",
+            f"only {format_bytes(free)} free on its disk, {what} needs about {format_bytes(bytes_needed)}",
             path=directory,
             fix=fix,
         )

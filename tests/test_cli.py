@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
@@ -83,6 +84,23 @@ def test_config_show_json_applies_overrides() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["training"]["seed"] == 7 and data["model"]["d_model"] == 64
+
+
+@pytest.mark.parametrize("config", ["tiny.toml", "distill"])
+def test_config_show_prints_every_section_a_config_has_for_people(config: str, tmp_path: Path) -> None:
+    """Tables per section (optional ones only where present), a nested table's fields dotted as `--set`
+    names them, and brackets shown, not read as markup."""
+
+    path = ROOT / "configs" / "tiny.toml"
+    arguments = ["config", "show", str(path), "--set", "training.seed=7"]
+    if config == "distill":
+        arguments += ["--set", "training.init_from=model", "--set", "training.max_steps=300"]
+        arguments += ["--set", "training.warmup_steps=10", "--set", "distill.teacher=model"]
+    result = runner.invoke(app, arguments, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    for shown in ("[model]", "[training]", "[diffusion]", "seed", "7", "lora.rank", "'float32'"):
+        assert shown in result.output, shown
+    assert ("[distill]" in result.output) == (config == "distill") and "[rl]" not in result.output
 
 
 def test_train_human_output_keeps_paths_to_copy_whole(

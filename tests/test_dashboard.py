@@ -97,6 +97,14 @@ def test_lines_of_the_existing_format_read_into_the_types_and_write_back_identic
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join([*EXISTING_LINES, '{"event": "demo_note", "message": "x"}', '{"event": "trai']) + "\n")
     assert [type(event) for event in read_events(path)] == [ValidationEvent, CheckpointEvent, EndEvent, TrainEvent]
+    # A resumed run appends after a last line cut short (no newline): its events start a line of their own.
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(EXISTING_LINES[0] + "\n" + EXISTING_LINES[1][:20])
+    sink = JsonLinesFileSink(cut)
+    sink(json.loads(EXISTING_LINES[2]))
+    sink.close()
+    assert [type(event) for event in read_events(cut)] == [ValidationEvent, EndEvent]
+    assert cut.read_text().splitlines()[1] == EXISTING_LINES[1][:20]  # the fragment kept, apart
 
 
 def test_unknown_kinds_and_changed_fields_are_refused() -> None:

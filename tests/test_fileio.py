@@ -78,9 +78,15 @@ def test_free_space_and_writability_are_checked_before_a_write(tmp_path: Path, m
     check_free_space(tmp_path, 1, "a checkpoint", "free some space")
     fileio.probe_writable(tmp_path)
     assert temporaries(tmp_path) == []
-    with pytest.raises(UserError, match=r"GiB free on its disk, a checkpoint needs about 1024\.00 GiB") as info:
+    with pytest.raises(UserError, match=r"free on its disk, a checkpoint needs about 1\.0 TiB") as info:
         check_free_space(tmp_path, 1 << 40, "a checkpoint", "free some space")
     assert info.value.fix == "free some space"
+    # A nearly full disk in units a person reads, not 0.00 GiB.
+    usage = fileio.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(fileio.shutil, "disk_usage", lambda path: usage._replace(free=3 << 20))
+    with pytest.raises(UserError, match=r"only 3\.0 MiB free on its disk, a checkpoint needs about 5\.0 MiB"):
+        check_free_space(tmp_path, 5 << 20, "a checkpoint", "free some space")
+    monkeypatch.undo()
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(UserError, match="is not a directory"):

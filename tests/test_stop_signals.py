@@ -104,6 +104,38 @@ def test_two_signals_during_a_checkpoint_write_leave_it_whole(tiny_data_dir: Pat
     assert not temporaries(run_dir)
 
 
+# Runs the CLI with two signals as the trainer is built: before the run has saved anything.
+SIGNALS_BEFORE_ANY_SAVE = """
+import os, sys
+from dlm.train import trainer
+real_init = trainer.Trainer.__init__
+def init(self, *args, **kwargs):
+    os.kill(os.getpid(), int(sys.argv[1]))
+    os.kill(os.getpid(), int(sys.argv[1]))
+    real_init(self, *args, **kwargs)
+trainer.Trainer.__init__ = init
+from dlm.cli import main
+main(sys.argv[2:])
+"""
+
+
+def test_two_signals_before_the_first_save_do_not_point_to_a_resume(tiny_data_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = tiny_train_command(tiny_data_dir, run_dir)
+    number = int(signal.SIGINT)
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNALS_BEFORE_ANY_SAVE, str(number), *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert result.returncode == 128 + number, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no checkpoint was saved yet: start the run again" in lines[0], result.stderr
+    assert "dlm resume" not in result.stderr
+
+
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
 def test_two_signals_20_ms_apart_exit_with_the_signals_code(tiny_data_dir: Path, tmp_path: Path, number: int) -> None:
     run_dir = tmp_path / "run"

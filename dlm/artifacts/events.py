@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -281,12 +282,28 @@ class JsonLinesSink:
         self.stream.flush()
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file at `path` holds text after its last newline."""
+
+    try:
+        with path.open("rb") as handle:
+            if handle.seek(0, os.SEEK_END) == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
 class JsonLinesFileSink:
     """Appends every event to a file (the run's metrics.jsonl), flushed per line."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        cut_short = _ends_mid_line(path)
         self.handle = path.open("a", encoding="utf-8")
+        if cut_short:  # a last line a crash or a full disk cut short stays apart (unreadable), not glued on
+            self.handle.write("\n")
 
     def __call__(self, event: RunEvent | Mapping[str, Any]) -> None:
         self.handle.write(_json_line(event) + "\n")

@@ -82,6 +82,11 @@ class RunDir:
         names = (BUDGET_PLAN_NAME, *EARLIER_BUDGET_PLAN_NAMES)
         return [self.path / name for name in names if (self.path / name).exists()]
 
+    def has_checkpoint(self) -> bool:
+        """Whether the run saved a checkpoint to continue from (`latest.pt`, or a complete sharded one)."""
+
+        return self.latest.exists() or latest_sharded(self.path) is not None
+
     def step_checkpoint(self, step: int) -> Path:
         return self.path / step_checkpoint_name(step)
 
@@ -185,7 +190,7 @@ def check_run_target(directory: Path, resume: Path | None, overwrite: bool) -> N
         return
     names = ", ".join(sorted({path.name for path in existing}))
     if resume is None:
-        has_checkpoint = (directory / LATEST_NAME).exists() or latest_sharded(directory) is not None
+        has_checkpoint = RunDir(directory).has_checkpoint()
         fix = f"continue it with: dlm resume {directory}; or" if has_checkpoint else "it saved no checkpoint:"
         raise UserError(
             f"already holds a run ({names}); training here would overwrite it",

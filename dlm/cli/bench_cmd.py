@@ -212,7 +212,8 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
 def _estimate_command(experiment: ExperimentConfig, device_memory: float | None, as_json: bool) -> None:
     """`dlm bench --estimate`: the memory of one training process, part by part, from the config alone."""
 
-    from dlm.train.memory import format_bytes, plan_memory
+    from dlm.fileio import format_bytes
+    from dlm.train.memory import plan_memory
 
     plan = plan_memory(experiment, device_memory)
     if wants_json(as_json):

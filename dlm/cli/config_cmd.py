@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from dlm.cli.common import JsonOption, SetOption, console, print_json
@@ -30,10 +32,22 @@ def show(
         return
 
     for section, values in experiment.to_dict().items():
-        table = Table(title=f"[{section}]", title_justify="left", show_header=False, box=None)
-        for key, value in values.items():
-            table.add_row(f"[cyan]{key}[/]", repr(value) if isinstance(value, str) else str(value))
+        if values is None:  # an optional section ([distill], [rl]) this config does not have
+            continue
+        table = Table(title=escape(f"[{section}]"), title_justify="left", show_header=False, box=None)
+        for key, value in _fields(values):
+            table.add_row(f"[cyan]{escape(key)}[/]", escape(repr(value) if isinstance(value, str) else str(value)))
         console.print(table)
+
+
+def _fields(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A section's fields, a table within it (`training.lora`) as its dotted fields, as `--set` names them."""
+
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _fields(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 @config_app.command("docs")

@@ -107,12 +107,14 @@ def _under_signals(experiment: ExperimentConfig, work: Callable[[StopSignals], N
         with StopSignals(restore=False) as signals:
             work(signals)
     except SignalStop as stop:
-        again = again or f"dlm resume {escape(str(experiment.training.output_dir))}"
-        err_console.print(
-            f"{stop}: stopped without saving; continue from the last checkpoint with: {again}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        from dlm.artifacts.run_dir import RunDir
+
+        if RunDir(experiment.training.output_dir).has_checkpoint():
+            again = again or f"dlm resume {escape(str(experiment.training.output_dir))}"
+            advice = f"continue from the last checkpoint with: {again}"
+        else:  # stopped before its first save: there is nothing to resume
+            advice = "no checkpoint was saved yet: start the run again with the same command"
+        err_console.print(f"{stop}: stopped without saving; {advice}", highlight=False, soft_wrap=True)
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C in the instant before the handlers are installed
         sys.exit(130)

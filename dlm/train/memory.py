@@ -40,7 +40,7 @@ import torch
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, ModelConfig, TrainingConfig
 from dlm.config.shapes import count_parameters, format_parameter_count, parameter_shapes
-from dlm.fileio import GIB
+from dlm.fileio import GIB, format_bytes
 from dlm.model.denoiser import block_size, pass_copies
 from dlm.model.lora import add_adapters
 from dlm.model.transformer import DiffusionTransformer
@@ -292,18 +292,6 @@ def _cgroup_headroom() -> int | None:
     if limit == "max":
         return None
     return max(0, int(limit) - used)
-
-
-def format_bytes(count: float) -> str:
-    """1.5 KiB, 20.0 MiB, 3.2 GiB, 384.5 TiB (TiB is the largest unit)."""
-
-    if abs(count) < 1024:
-        return f"{count:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        count /= 1024
-        if abs(count) < 1024:
-            return f"{count:.1f} {unit}"
-    return f"{count / 1024:.1f} TiB"
 
 
 @dataclass(frozen=True)
