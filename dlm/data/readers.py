@@ -14,7 +14,7 @@ of the fields it asks for, named with its file and line or row.
 The bytes under every reader (decompression, hashing, the UTF-8 policy) are `dlm.data.read_context`'s;
 the Arrow-backed readers live in `dlm.data.arrow_readers`, registered here with the others.
 
-Every reader streams: memory is bounded by a piece of text (`piece_bytes`), a JSON line, a Parquet
+Every reader streams: memory is bounded by a piece of text (`piece_bytes` of whole lines), a JSON line, a Parquet
 row group's text column, or an Arrow record batch, never by the size of the input. Readers decode
 bytes with `ReadContext.decode`, so invalid UTF-8 is refused (with where it is) or replaced the same
 way in every format, and they name the file and the line or row of anything they cannot use.
