@@ -198,6 +198,20 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_where_no_checksum_catches
     run_cli("sample", export, "--length", "4").assert_refused("mask token is id 1, the model's mask_token_id is 5")
 
 
+def test_an_export_missing_its_weights_or_tokenizer_says_which_file(
+    run_dir: Path, tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., CliResult]
+) -> None:
+    export = tmp_path / "export"
+    assert run_cli("export", run_dir, "--output", export).exit_code == 0
+    (export / "model.safetensors").rename(export / "pytorch_model.bin")  # as if only pickled weights were there
+    for arguments in (("sample", export), ("export", export, "--output", tmp_path / "again")):
+        run_cli(*arguments).assert_refused("the export's model.safetensors is missing", "pytorch_model.bin is pickle")
+    hf = tmp_path / "hf"
+    assert run_cli("export", run_dir, "--output", hf, "--format", "hf").exit_code == 0
+    (hf / "tokenizer.json").unlink()
+    run_cli("eval", hf, "--data", tiny_data_dir).assert_refused("tokenizer.json", "is missing")
+
+
 def test_nan_in_the_ema_weights_alone_is_refused_too(tmp_path: Path) -> None:
     from dlm.artifacts.checkpoint import save_training_checkpoint
 

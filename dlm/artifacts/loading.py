@@ -40,6 +40,7 @@ from dlm.artifacts.export_layout import (
     FieldTypes,
     SourceInfo,
     check_config_fields,
+    is_dlm_export,
     load_checked_tokenizer,
     read_distillation,
     read_export_config,
@@ -313,6 +314,14 @@ def read_model_source(
         info, weights = read_hf_export(path) if is_hf_export(path) else _read_export(path)
         check_finite_weights(weights, path / WEIGHTS_NAME)  # a checkpoint's are checked as it loads
         return info, weights
+    if path.is_dir() and (is_hf_export(path) or is_dlm_export(path)):  # an export without its weights
+        pickled = [found.name for found in path.glob("*.bin")]
+        raise UserError(
+            f"the export's {WEIGHTS_NAME} is missing"
+            + (f" ({', '.join(pickled)} is pickle: dlm refuses it)" if pickled else ""),
+            path=path,
+            fix="export the model again (dlm export RUN --output DIR)",
+        )
     return _read_checkpoint(path, use_ema, merge_adapters)
 
 

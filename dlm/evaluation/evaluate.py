@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from dlm.artifacts.eval_report import check_report_path
+from dlm.artifacts.export_layout import checked_tokenizer
 from dlm.artifacts.loading import build_model, read_model_source
 from dlm.data.dataset import load_packed_dataset
 from dlm.diffusion.objective import (
@@ -472,6 +473,7 @@ def evaluate_source(
     scores the whole split; the context's `data_sequences` is the split's size."""
 
     info, weights = read_model_source(source, use_ema)
+    checked_tokenizer(info)  # the model's own, present and fitting it, before the data is compared with it
     dataset = _evaluation_dataset(data, info)
     training = info.experiment.training if info.experiment is not None else None
     batches = batches if batches is not None else (training.eval_batches if training else 8)
