@@ -47,7 +47,7 @@ def export_command(
         Path,
         typer.Argument(
             help="A training or inference checkpoint (a sharded step-N directory too), a run directory (its latest "
-            "checkpoint), or an export to convert."
+            "checkpoint), or an export to convert (a Hugging Face one to dlm's format, dlm's to --format hf)."
         ),
     ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to create.", show_default=False)],
