@@ -1,7 +1,7 @@
 """Write the Hugging Face transformers format (`dlm export --format hf`).
 
 An HF export is a directory that `AutoModelForMaskedLM.from_pretrained(dir, trust_remote_code=True)`
-and `AutoTokenizer.from_pretrained(dir)` load without dlm:
+and `AutoTokenizer.from_pretrained(dir, trust_remote_code=True)` load without dlm:
 
     config.json              model_type "dlm_diffusion", auto_map, the shapes; dlm's own settings under "dlm"
     configuration_dlm.py     the config class       } copied from `dlm/artifacts/hf/`: they import
@@ -170,7 +170,8 @@ def hf_card(name: str) -> str:
             "from transformers import AutoModelForMaskedLM, AutoTokenizer",
             "",
             f'model = AutoModelForMaskedLM.from_pretrained("{name}", trust_remote_code=True)',
-            f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+            # The config's auto_map names dlm's code: without the flag transformers asks before using it.
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
             'prompt = tokenizer("ROMEO:", return_tensors="pt").input_ids',
             "ids = model.generate(prompt, max_new_tokens=32, steps=32, seed=0)",
             "print(tokenizer.decode(ids[0]))",
