@@ -57,6 +57,28 @@ def test_the_cli_runs_with_a_typer_that_shows_flags_plainly() -> None:
     assert completed.returncode == 0, completed.stderr
 
 
+@pytest.mark.parametrize(
+    ("arguments", "wanted"),
+    [
+        (("pack", "--errors", "bogus", "x"), "Invalid value for '--errors'"),
+        (("pack", "x"), "Missing option '--tokenizer'"),
+        (("sampl",), "No such command 'sampl'"),
+        (("train", "--no-such-flag"), "No such option: --no-such-flag"),
+    ],
+)
+def test_a_usage_error_is_one_error_line_naming_the_help(arguments: tuple[str, ...], wanted: str) -> None:
+    result = run_dlm(*arguments)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and wanted in lines[0], result.stderr
+    assert lines[0].endswith("--help)") and "Traceback" not in result.stderr
+
+
+def test_a_group_without_its_command_shows_its_help_and_exits_2() -> None:
+    result = run_dlm("config")
+    assert result.returncode == 2 and "show" in result.stdout and "error" not in result.stderr
+
+
 def test_version() -> None:
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and __version__ in result.output

@@ -131,9 +131,34 @@ def _exit_code(stop: SystemExit) -> int:
 def _main(argv: list[str] | None) -> None:
     warnings.showwarning = _show_note
     try:
-        app(args=argv, prog_name="dlm", standalone_mode=True)
+        # Not standalone: click's usage errors come here, to be one `error:` line like every other.
+        code = app(args=argv, prog_name="dlm", standalone_mode=False)
     except UserError as exc:
         if _state["debug"]:
             raise
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        sys.exit(1)
+    except Exception as exc:
+        usage = _usage_error(exc)
+        if usage is None:
+            raise
+        if usage:  # a group called with no command has shown its help already, and says nothing more
+            err_console.print(f"[bold red]error:[/] {escape(usage)}", highlight=False, soft_wrap=True)
+        sys.exit(getattr(exc, "exit_code", 2))
+    if isinstance(code, int) and code:  # `typer.Exit(code)`, or 130 for a Ctrl-C typer caught
+        sys.exit(code)
+
+
+def _usage_error(exc: Exception) -> str | None:
+    """A command-line usage error's line (a bad option value, a missing argument), with where to read
+    more; None for any other exception. Click's exceptions, however typer ships click."""
+
+    if not type(exc).__module__.endswith("click.exceptions") or not hasattr(exc, "format_message"):
+        return None
+    message = exc.format_message()
+    if not message:
+        return ""
+    command = getattr(getattr(exc, "ctx", None), "command_path", "dlm")
+    return f"{message} (see {command} --help)"
