@@ -79,6 +79,33 @@ def test_a_group_without_its_command_shows_its_help_and_exits_2() -> None:
     assert result.returncode == 2 and "show" in result.stdout and "error" not in result.stderr
 
 
+def test_under_torchrun_every_end_of_a_command_goes_through_end_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process in a process group must not tear down the interpreter under gloo's threads: a command
+    that returns, one that exits with a code, and a user error all end through `end_process`."""
+
+    import types
+
+    from dlm.cli import main
+
+    class Ended(Exception):
+        pass
+
+    ended: list[int] = []
+
+    def end_process(code: int) -> None:
+        ended.append(code)
+        raise Ended
+
+    fake = types.SimpleNamespace(joined_process_group=lambda: True, end_process=end_process)
+    monkeypatch.setitem(sys.modules, "dlm.train.distributed", fake)
+    for argv in (["config", "docs", "-o", str(tmp_path / "reference.md")], ["--version"], ["pack", "x"]):
+        with pytest.raises(Ended):
+            main(argv)
+    assert ended == [0, 0, 2]
+
+
 def test_version() -> None:
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and __version__ in result.output

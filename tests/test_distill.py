@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -363,17 +364,35 @@ def test_distillation_rules_are_checked_up_front(teacher: Path, tiny_data_dir: P
         _experiment(teacher, tiny_data_dir, tmp_path / "run", divergence="wasserstein")
     with pytest.raises(UserError, match="autoregressive"):
         _experiment(teacher, tiny_data_dir, tmp_path / "run", "model.block_size=1", "model.attention=causal")
-    for output in (teacher, teacher.parent):  # started over, the run would delete the teacher
-        with pytest.raises(UserError, match=r"init_from: .* is in the run's own output_dir"):
-            _experiment(teacher, tiny_data_dir, output)
+
+
+def test_a_run_never_starts_over_where_its_teacher_lies(teacher: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
+    """Started over (`--overwrite`) in the teacher's own directory, or in a run whose checkpoint is the
+    teacher, the run would delete it: refused before anything is written. A teacher in a directory of
+    its own inside the run's (`RUN/model`) is not the run's, and is kept."""
+
+    copy = tmp_path / "teacher"
+    shutil.copytree(teacher, copy)
+    before = sorted((path.name, path.read_bytes()) for path in copy.iterdir())
+    with pytest.raises(UserError, match=r"which starting over in .* deletes"):
+        distill(_experiment(copy, tiny_data_dir, copy), overwrite=True)
+    assert sorted((path.name, path.read_bytes()) for path in copy.iterdir()) == before
+    run = tmp_path / "run"
+    distill(_experiment(copy, tiny_data_dir, run, rounds=1, steps_per_round=1))
+    with pytest.raises(UserError, match=r"which starting over in .* deletes"):
+        distill(_experiment(run / "latest.pt", tiny_data_dir, run, rounds=1, steps_per_round=1), overwrite=True)
+    inside = run / "model"
+    shutil.copytree(teacher, inside)
+    distill(_experiment(inside, tiny_data_dir, run, rounds=1, steps_per_round=1), overwrite=True)
+    assert (inside / "model.safetensors").is_file()
 
 
 def test_the_cli_refuses_what_its_method_ignores_and_too_few_samples(teacher: Path, tmp_path: Path, run_cli) -> None:  # type: ignore[no-untyped-def]
     run_cli("distill", teacher, "--teacher-samples", "2", "--output", tmp_path / "a").assert_refused(
         "--teacher-samples must be at least 16"
     )
-    run_cli("distill", teacher, "--teacher-samples", "16", "--output", teacher.parent).assert_refused(
-        "is in the run's own directory"
+    run_cli("distill", teacher, "--teacher-samples", "16", "--output", teacher, "--overwrite").assert_refused(
+        "which starting over in"
     )
     options = ("--teacher-samples", "16", "--output", tmp_path / "b")
     run_cli("distill", teacher, *options, "--certainty-weight", "2").assert_refused(
@@ -392,6 +411,9 @@ def test_a_student_distilled_further_teaches_from_its_own_steps(
     assert further.distill is not None and further.distill.teacher_steps == 4
     chosen = distillation_experiment(student, tiny_data_dir, tmp_path / "run", {"rounds": 1, "teacher_steps": 8})
     assert chosen.distill is not None and chosen.distill.teacher_steps == 8
+    with pytest.raises(UserError, match="samples in the 4 steps it was distilled for") as refused:
+        distillation_experiment(student, tiny_data_dir, tmp_path / "run", {"rounds": 3})
+    assert refused.value.fix is not None and "--rounds" in refused.value.fix
 
 
 # ------------------------------------------------------------------------------ the student

@@ -320,7 +320,7 @@ def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: 
         "extra_body": {"service_tier": "auto", "store": False, "metadata": {}},
     }
     assert live.complete(seed=9, **neutral).choices[0].text == live.complete(seed=9).choices[0].text
-    nulls = {"extra_body": {"n": None, "stream": None, "echo": None}}  # null: unset, as clients send it
+    nulls = {"extra_body": {"n": None, "stream": None, "echo": None, "logprobs": False}}  # unset, as clients say it
     assert live.complete(seed=9, **nulls).choices[0].text == live.complete(seed=9).choices[0].text
     parts = [{"type": "text", "text": "Who art"}, {"type": "text", "text": "thou?"}]
     messages = [{"role": "developer", "content": "Speak as a player."}, {"role": "user", "content": parts}]
@@ -355,6 +355,9 @@ def test_the_fields_common_clients_send_are_taken_at_their_neutral_values(live: 
             max_tokens=4,
         )
     assert refused.value.response.json()["error"]["param"] == "messages.0.content.0.type"
+    with pytest.raises(openai.BadRequestError) as empty:  # only an assistant's turn may come back without content
+        live.client.chat.completions.create(model="model", messages=[{"role": "user"}], max_tokens=4)  # type: ignore[list-item, typeddict-item]
+    assert "needs its content" in empty.value.response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from dlm.artifacts.sharded_checkpoint import (
 from dlm.config.optimizer_registry import optimizer_spec
 from dlm.config.schema import ExperimentConfig, load_config
 from dlm.errors import UserError
-from dlm.fileio import atomic_write_json, temporaries
+from dlm.fileio import atomic_write_json, is_within, temporaries
 
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.jsonl"
@@ -204,6 +204,22 @@ def check_run_target(directory: Path, resume: Path | None, overwrite: bool) -> N
             f"already holds a run ({names}); continuing {resume} here would mix two runs",
             path=directory,
             fix=f"choose an empty training.output_dir, or continue the run that is there: dlm resume {directory}",
+        )
+
+
+def check_source_kept(source: Path | None, directory: Path) -> None:
+    """Refuse to start a run over `directory` when starting over would delete `source`, the model it
+    starts from: the directory itself (an export or a run there), or one of the run's files there (a
+    checkpoint). A model elsewhere in the directory (`RUN/model/`) is not the run's, and stays."""
+
+    if source is None:
+        return
+    doomed = run_files(directory) if directory.is_dir() else []
+    if Path(source).resolve() == directory.resolve() or any(is_within(source, path) for path in doomed):
+        raise UserError(
+            f"the run would start from {source}, which starting over in {directory} deletes",
+            path=directory,
+            fix="choose another output directory for the new run (dlm distill --output, training.output_dir)",
         )
 
 

@@ -113,13 +113,25 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
     except SystemExit as stop:
-        # Only modules that are loaded can have joined a group (`dlm pack` never imports torch).
-        distributed = sys.modules.get("dlm.train.distributed")
-        if distributed is not None and distributed.joined_process_group():
-            if isinstance(stop.code, str):
-                print(stop.code, file=sys.stderr)  # as the interpreter would
-            distributed.end_process(_exit_code(stop))
+        if isinstance(stop.code, str) and _joined_process_group():
+            print(stop.code, file=sys.stderr)  # as the interpreter would
+        _end_distributed(_exit_code(stop))
         raise
+    _end_distributed(0)  # a command that returned: its work is done
+
+
+def _joined_process_group() -> bool:
+    # Only modules that are loaded can have joined a group (`dlm pack` never imports torch).
+    distributed = sys.modules.get("dlm.train.distributed")
+    return distributed is not None and bool(distributed.joined_process_group())
+
+
+def _end_distributed(code: int) -> None:
+    """A process that joined a process group (under torchrun) ends through `end_process`, whatever ended
+    its command; any other returns, to exit as usual."""
+
+    if _joined_process_group():
+        sys.modules["dlm.train.distributed"].end_process(code)
 
 
 def _exit_code(stop: SystemExit) -> int:
@@ -139,6 +151,7 @@ def _main(argv: list[str] | None) -> None:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Abort:  # end of input at a prompt
+        err_console.print("[bold red]error:[/] aborted: the input ended", highlight=False)
         sys.exit(1)
     except Exception as exc:
         usage = _usage_error(exc)

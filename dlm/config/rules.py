@@ -12,7 +12,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dlm.fileio import is_within
 from dlm.runtime.support import FLOAT16_CPU_FIX, fused_attention_problem, precision_problem
 
 
@@ -124,17 +123,6 @@ MODEL_RULES = (
 )
 
 TRAINING_RULES = (
-    Rule(
-        "init_from",
-        "`training.init_from` is neither `training.output_dir` nor inside it (a run started over there would "
-        "delete the model it starts from)",
-        lambda t: (
-            f"{t.init_from} is in the run's own output_dir {t.output_dir}"
-            if t.init_from is not None and is_within(t.init_from, t.output_dir)
-            else None
-        ),
-        "choose another training.output_dir (`dlm distill --output`) for the new run",
-    ),
     Rule(
         "warmup_steps",
         "`training.warmup_steps` < `training.max_steps`",

@@ -75,13 +75,21 @@ def distillation_experiment(
     others = [item for item in overrides or [] if item not in own]
     given = {"teacher": str(teacher), **(distill or {})}
     recorded = (info.distillation or {}).get("steps")
-    if "teacher_steps" not in given and isinstance(recorded, int):  # a student teaches from the steps it samples in
+    steps_inherited = "teacher_steps" not in given and isinstance(recorded, int)
+    if steps_inherited:  # a student teaches from the steps it samples in
         given["teacher_steps"] = recorded
     fields = apply_overrides({"distill": given}, own, "--set")["distill"]
     try:
         section = DistillConfig.model_validate(fields)
     except ValidationError as exc:  # `dlm distill`'s own options name the fields they set
-        raise UserError(format_validation_error(exc), path="--set" if own else None) from None
+        problem = format_validation_error(exc)
+        if steps_inherited and "teacher_steps" in problem:
+            raise UserError(
+                f"the teacher samples in the {recorded} steps it was distilled for: {problem}",
+                path=teacher,
+                fix="pass fewer --rounds (each halves the steps), or --teacher-steps",
+            ) from None
+        raise UserError(problem, path="--set" if own else None) from None
     defaults = TrainingConfig()
     inherited = {name: info.training[name] for name in INHERITED_TRAINING if name in info.training}
     learning_rate = float(info.training.get("learning_rate", defaults.learning_rate)) / LEARNING_RATE_DIVISOR

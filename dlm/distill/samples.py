@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from dlm.artifacts.loading import load_model_with_info
-from dlm.artifacts.run_dir import check_run_target, metadata_sha256
+from dlm.artifacts.run_dir import check_run_target, check_source_kept, metadata_sha256
 from dlm.data.pack import pack_corpus
 from dlm.errors import UserError
-from dlm.fileio import atomic_path, atomic_write_json, is_within
+from dlm.fileio import atomic_path, atomic_write_json
 from dlm.sampling.generation import generate
 
 SAMPLES_DIR = "teacher-samples"
@@ -51,12 +51,8 @@ def teacher_samples(
             "validation",
             fix="for example --teacher-samples 2048",
         )
-    if is_within(Path(teacher), Path(run_dir)):  # checked again with the config; here before minutes of sampling
-        raise UserError(
-            f"the teacher {teacher} is in the run's own directory {run_dir}",
-            fix="choose another --output for the student's run",
-        )
     check_run_target(Path(run_dir), None, overwrite)
+    check_source_kept(Path(teacher), Path(run_dir))  # as the run will check it, before minutes of sampling
     output = Path(run_dir) / SAMPLES_DIR
     loaded = load_model_with_info(teacher)
     wanted = {

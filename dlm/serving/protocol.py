@@ -79,7 +79,7 @@ class SamplerFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: Annotated[bool, _null_is(False)] = False
-    stream_options: dict[str, bool] | None = None  # {"include_usage": true}
+    stream_options: dict[str, bool | None] | None = None  # {"include_usage": true}
     user: str | None = None  # accepted for compatibility; not used
     # OpenAI fields that clients send with their neutral values: accepted as such, refused (naming the
     # field) where a value asks for what dlm's sampler does not do, never silently ignored.
@@ -104,7 +104,7 @@ class SamplerFields(BaseModel):
 
 class CompletionRequest(SamplerFields):
     prompt: str | list[str]
-    logprobs: int | None = None  # neutral: None or 0
+    logprobs: int | bool | None = None  # neutral: None, 0 or false (some clients send chat's false)
     echo: Annotated[bool, _null_is(False)] = False
     best_of: int | None = None  # neutral: None or 1
     suffix: str | None = None
@@ -137,6 +137,8 @@ class Message(BaseModel):
 
     @model_validator(mode="after")
     def _text_alone(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
         for name in ("refusal", "tool_calls", "function_call", "audio", "annotations"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported: dlm's models send back text alone")

@@ -39,6 +39,7 @@ from dlm.artifacts.run_dir import (
     MetricsFile,
     check_run_file_kinds,
     check_run_target,
+    check_source_kept,
     remove_run_files,
 )
 from dlm.artifacts.sharded_checkpoint import remove_incomplete_checkpoints
@@ -158,6 +159,8 @@ def _train(
         initial = initial_weights(config.init_from, experiment.model, tokenizer_sha256(config.tokenizer))
     if world.is_main:  # only rank 0 logs, so only it needs the loggers' packages
         check_loggers(experiment.logging)
+        if resume is None:  # before the directory is touched (its lock)
+            check_source_kept(config.init_from, run_dir)
         check_output_dir(run_dir, _checkpoint_bytes(trainable_parameter_count(experiment.model, config)))
     world.barrier()
     lock = RunLock(run_dir) if world.is_main else contextlib.nullcontext()
