@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> None:
             print(stop.code, file=sys.stderr)  # as the interpreter would
         _end_distributed(_exit_code(stop))
         raise
-    _end_distributed(0)  # a command that returned: its work is done
 
 
 def _joined_process_group() -> bool:
@@ -160,8 +159,9 @@ def _main(argv: list[str] | None) -> None:
         if usage:  # a group called with no command has shown its help already, and says nothing more
             err_console.print(f"[bold red]error:[/] {escape(usage)}", highlight=False, soft_wrap=True)
         sys.exit(getattr(exc, "exit_code", 2))
-    if isinstance(code, int) and code:  # `typer.Exit(code)`, or 130 for a Ctrl-C typer caught
-        sys.exit(code)
+    # As a standalone click app does: every command ends in SystemExit (callers of `main` rely on it),
+    # with `typer.Exit`'s code, or 130 for a Ctrl-C typer caught.
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _usage_error(exc: Exception) -> str | None:
