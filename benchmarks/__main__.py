@@ -35,6 +35,7 @@ BENCHMARKS = {
     "threshold-cost": "sampling_cost:threshold_cost",
     "forward-share": "sampling_cost:forward_share",
     "cpu-precision": "cpu_precision:cpu_precision",
+    "cpu-inference": "cpu_inference:cpu_inference",
     "elbo-variance": "elbo_variance:elbo_variance",
     "rl-estimators": "rl:rl_estimators",
     "rl-learning": "rl:rl_learning",

@@ -31,8 +31,10 @@ def load(
 ) -> tuple[DiffusionTransformer, Tokenizer]:
     """Load an exported model directory (or checkpoint): returns (model, tokenizer).
 
-    `dtype` None keeps the stored dtype (e.g. bfloat16 weights stay bfloat16). The model records the
-    noise schedule it was trained with, which `sample` then follows.
+    `dtype` None keeps the stored dtype (bfloat16 weights stay bfloat16), except on a CPU without
+    native bfloat16 (no AVX512-BF16 or AMX), where a model of up to 2^30 parameters computes in
+    float32, which is faster there; pass `dtype=torch.bfloat16` to keep it. The model records the noise
+    schedule it was trained with, which `sample` then follows.
     """
 
     from dlm.artifacts.loading import load_model

@@ -1,4 +1,5 @@
-"""The micro-benchmarks of `python -m benchmarks` (checkpoint, token-draw, threshold-cost, cpu-precision) at
+"""The micro-benchmarks of `python -m benchmarks` (checkpoint, token-draw, threshold-cost, cpu-precision,
+cpu-inference) at
 tiny settings: each writes its result file where it is told, with figures that make sense.
 elbo-variance is run in tests/test_estimators.py, on the tiny trained model there."""
 
@@ -12,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from benchmarks import checkpoint, cpu_precision, elbo_variance, sampling_cost
+from benchmarks import checkpoint, cpu_inference, cpu_precision, elbo_variance, sampling_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
@@ -20,6 +21,7 @@ COMMANDS = {
     "token-draw": sampling_cost.token_draw,
     "threshold-cost": sampling_cost.threshold_cost,
     "cpu-precision": cpu_precision.cpu_precision,
+    "cpu-inference": cpu_inference.cpu_inference,
     "elbo-variance": elbo_variance.elbo_variance,
 }
 
@@ -92,3 +94,20 @@ def test_checkpoint(tmp_path: Path) -> None:
     assert kinds["single"]["written_mib_per_rank"][1] == 0  # the whole state through rank 0
     assert all(mib > 0 for kind in ("dcp", "dcp_async") for mib in kinds[kind]["written_mib_per_rank"])
     assert [path.name for path in tmp_path.iterdir()] == ["checkpoint.json"]  # the checkpoints are gone
+
+
+def test_cpu_inference(tiny_data_dir: Path, tmp_path: Path) -> None:
+    from helpers import train_tiny_run
+
+    from dlm.artifacts.export import export_model
+
+    model = export_model(train_tiny_run(tiny_data_dir, tmp_path / "run"), tmp_path / "model")
+    arguments = [str(model), "--length", "4", "--rows", "2", "--rounds", "2"]
+    figures = invoke("cpu-inference", tmp_path, *arguments)
+    assert figures["threads"] == 1 and isinstance(figures["native_bfloat16"], bool)
+    assert figures["load_dtype"] == ("bfloat16" if figures["native_bfloat16"] else "float32")
+    for batch in ("one_row", "batch"):
+        seconds = figures[batch]["median_cpu_s"]
+        assert set(seconds) == {"bfloat16", "float32"} and all(value > 0 for value in seconds.values())
+        assert figures[batch]["bfloat16_over_float32"] == pytest.approx(seconds["bfloat16"] / seconds["float32"])
+        assert figures[batch]["rounds"]["median"] > 0

@@ -25,6 +25,7 @@ from dlm.data.dataset import load_packed_dataset
 from dlm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from dlm.errors import UserError
 from dlm.model.transformer import DiffusionTransformer
+from dlm.runtime import device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +70,27 @@ def test_bfloat16_export_is_two_bytes_per_parameter_and_close(run_dir: Path, tmp
     assert 2 * parameters < size < 2 * parameters + 16_384  # the tied head is not stored twice
     expected = logits(reference)
     upcast, _ = load_model(output, dtype=torch.float32)
-    native, _ = load_model(output)  # keeps bf16 weights; the rotary tables stay float32
+    native, _ = load_model(output, dtype=torch.bfloat16)  # bf16 weights; the rotary tables stay float32
     assert native.token_embedding.weight.dtype == torch.bfloat16 and native.rope_cos.dtype == torch.float32
     scale = expected.abs().max()
     assert (logits(upcast) - expected).abs().max() < 0.01 * scale
     assert (logits(native) - expected).abs().max() < 0.025 * scale
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bfloat16_export_loads_in_float32_where_the_cpu_emulates_bfloat16(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """dtype None: the stored bfloat16 on a CPU with native bfloat16, float32 on one that emulates it
+    (faster there), and an explicit dtype always wins."""
+
+    output = export_model(run_dir, tmp_path / "model")
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
+    model, _ = dlm.load(output)
+    expected = torch.bfloat16 if native else torch.float32
+    assert {parameter.dtype for parameter in model.parameters()} == {expected}
+    kept, _ = dlm.load(output, dtype=torch.bfloat16)
+    assert {parameter.dtype for parameter in kept.parameters()} == {torch.bfloat16}
 
 
 def test_export_files_config_and_model_card(run_dir: Path, tiny_data_dir: Path, tmp_path: Path) -> None:
@@ -136,6 +153,7 @@ def test_every_source_kind_loads_without_pickle(run_dir: Path, tmp_path: Path, m
         for path in (run_dir, run_dir / "step-00000004.pt", run_dir / "inference-latest.pt")
     }
     assert list(kinds.values()) == ["training", "training", "inference"]
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: True)  # the stored dtype, kept
     inference, _ = load_model(run_dir / "inference-latest.pt")
     assert inference.token_embedding.weight.dtype == torch.bfloat16
 

@@ -412,6 +412,25 @@ def test_cpu_bfloat16_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert device.cpu_has_native_bfloat16() is True
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_inference_dtype_upcasts_bfloat16_only_where_the_cpu_emulates_it(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """A bfloat16 model computes in float32 on a CPU without native bfloat16, up to the size cap; every
+    other dtype, device and size keeps what was stored."""
+
+    monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
+    cpu, cap = torch.device("cpu"), device.CPU_FLOAT32_MAX_PARAMETERS
+    expected = torch.bfloat16 if native else torch.float32
+    assert device.inference_dtype(torch.bfloat16, cpu, 1000) == expected
+    assert device.inference_dtype(torch.bfloat16, cpu, cap) == expected
+    assert device.inference_dtype(torch.bfloat16, cpu, cap + 1) == torch.bfloat16  # its float32 copy: too big
+    for kept in (torch.float32, torch.float16, torch.float64):
+        assert device.inference_dtype(kept, cpu, 1000) == kept
+    for other in ("cuda", "mps", "meta"):
+        assert device.inference_dtype(torch.bfloat16, torch.device(other), 1000) == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("caps", "native"),
     [

@@ -56,6 +56,7 @@ from dlm.diffusion.schedules import attach_schedule
 from dlm.errors import UserError
 from dlm.model.lora import from_peft_names, merged_weights
 from dlm.model.transformer import DiffusionTransformer
+from dlm.runtime.device import inference_dtype
 
 # Machine-specific paths stay out of an export (they mean nothing elsewhere and leak home dirs).
 _PATH_FIELDS = ("tokenizer", "train_data", "val_data", "output_dir", "init_from")
@@ -367,11 +368,13 @@ def build_model(
     dtype: torch.dtype | None = None,
     source: Path = Path("<weights>"),
 ) -> DiffusionTransformer:
-    """A model in eval mode on `device` holding `weights`; `dtype` None keeps the stored float dtype."""
+    """A model in eval mode on `device` holding `weights`; `dtype` None keeps the stored float dtype,
+    except where the device only emulates it (`dlm.runtime.device.inference_dtype`)."""
 
-    if dtype is None:
-        dtype = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
     device = torch.device(device)
+    if dtype is None:
+        stored = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
+        dtype = inference_dtype(stored, device, sum(t.numel() for t in weights.values()))
     if device.type == "cpu" and sum(t.numel() for t in weights.values()) < _META_BUILD_MIN_PARAMETERS:
         model = _built_and_copied(config, weights, dtype, source)
     else:

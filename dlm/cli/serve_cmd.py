@@ -35,7 +35,14 @@ ApiKeyOption = Annotated[
         help="Require 'Authorization: Bearer KEY' on every request but /health.",
     ),
 ]
-DtypeOption = Annotated[ServeDtype, typer.Option("--dtype", help="The dtype the model computes in (auto: as stored).")]
+DtypeOption = Annotated[
+    ServeDtype,
+    typer.Option(
+        "--dtype",
+        help="The dtype the model computes in (auto: as stored, but float32 for bfloat16 weights on a CPU "
+        "without native bfloat16, where it is faster).",
+    ),
+]
 NameOption = Annotated[
     str | None, typer.Option("--name", help="The model's id in requests (default: MODEL's name).", show_default=False)
 ]

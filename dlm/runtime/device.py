@@ -146,6 +146,23 @@ def cpu_has_native_bfloat16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
+# The largest model a CPU without native bfloat16 upcasts to float32 on load (`inference_dtype`): 4 GiB
+# of float32 weights. Past it the memory matters more than the speed, and the model keeps its dtype. A
+# fixed count, not the free memory of the moment, so that the same command computes in the same dtype.
+CPU_FLOAT32_MAX_PARAMETERS = 1 << 30
+
+
+def inference_dtype(stored: torch.dtype, device: torch.device, parameters: int) -> torch.dtype:
+    """The dtype a model stored in `stored` computes in on `device` when none is asked for: its own,
+    except bfloat16 on a CPU that only emulates it (`cpu_has_native_bfloat16`), where a model of up to
+    `CPU_FLOAT32_MAX_PARAMETERS` computes in float32. There emulated bfloat16 matrix products cost
+    more than float32's (`python -m benchmarks cpu-inference` measures by how much)."""
+
+    if stored != torch.bfloat16 or device.type != "cpu" or parameters > CPU_FLOAT32_MAX_PARAMETERS:
+        return stored
+    return stored if cpu_has_native_bfloat16() else torch.float32
+
+
 def cpu_precision_note(device: torch.device, precision: str) -> str | None:
     """A warning for a CPU run in bfloat16 on a CPU that only emulates it; None otherwise."""
 
