@@ -337,3 +337,24 @@ def test_run_dir_owns_the_layout_and_what_a_resume_continues(tiny_data_dir: Path
         load_run(Path(moved), overrides=[f"training.output_dir = {tmp_path}"])
     with pytest.raises(UserError, match=r"missing config\.json"):
         load_run(tmp_path)
+
+
+def test_a_resume_cannot_change_what_the_run_started_with(
+    tiny_data_dir: Path, tmp_path: Path, run_cli, narrow_console: int
+) -> None:
+    """The seed and init_from: the checkpoint's random streams and weights go on, so a new value would
+    only be written into config.json. Refused, naming the field, with nothing changed."""
+
+    from dlm.artifacts.run_dir import load_run
+
+    run_dir = tiny_run(tiny_data_dir, tmp_path / LONG / "run", "training.max_steps=6", steps=4)
+    before = snapshot(run_dir)
+    run_cli("resume", run_dir, "--set", "training.seed=7", "--json").assert_refused(
+        "dlm resume cannot change training.seed", "start a new run with `dlm train`"
+    )
+    with pytest.raises(UserError, match=r"cannot change training\.init_from"):
+        load_run(run_dir, overrides=[f"training.init_from={run_dir / 'latest.pt'}"])
+    assert snapshot(run_dir) == before
+    seed = json.loads((run_dir / "config.json").read_text())["training"]["seed"]
+    experiment, _ = load_run(run_dir, overrides=[f"training.seed={seed}", "training.max_steps=8"])
+    assert experiment.training.seed == seed and experiment.training.max_steps == 8  # the same value is no change

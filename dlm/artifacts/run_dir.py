@@ -268,8 +268,28 @@ def load_run(
             fix="copy the run directory to where it should continue and resume the copy",
         )
     experiment = load_config(run.config, list(overrides))
+    if overrides:
+        _check_fixed_at_start(load_config(run.config), experiment, run.config)
     here = experiment.training.model_copy(update={"output_dir": directory.absolute()})
     return experiment.model_copy(update={"training": here}), source
+
+
+# What a run's start decided for good: a resume continues the checkpoint's random streams and weights,
+# so a new value would be recorded in config.json and do nothing.
+_FIXED_AT_START = {
+    "seed": "the run's random streams continue from its checkpoint",
+    "init_from": "the run's weights continue from its checkpoint",
+}
+
+
+def _check_fixed_at_start(saved: ExperimentConfig, resumed: ExperimentConfig, path: Path) -> None:
+    for name, why in _FIXED_AT_START.items():
+        if getattr(saved.training, name) != getattr(resumed.training, name):
+            raise UserError(
+                f"dlm resume cannot change training.{name}: {why}",
+                path=path,
+                fix=f"drop the --set of training.{name}, or start a new run with `dlm train`",
+            )
 
 
 # ---------------------------------------------------------------------------------------------
