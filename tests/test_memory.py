@@ -319,3 +319,26 @@ def test_a_refused_resume_leaves_the_run_as_it_was(
     with_free_memory(monkeypatch, 1 << 20)
     run_cli("resume", run_dir, "--json").assert_refused("error: memory:", "only 1.0 MiB of RAM available")
     assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == before
+
+
+def test_train_warns_when_the_activations_may_not_fit(
+    tiny_data_dir: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch, narrow_console: int
+) -> None:
+    """A run that may not fit is not refused (the activation figure is approximate), but said so before it
+    starts: on the CPU the system would otherwise end it without a word."""
+
+    from dlm.config.schema import load_config
+
+    steps = ("training.max_steps=1", "training.warmup_steps=0")
+    arguments = tiny_args(tiny_data_dir, tmp_path / "run", *steps)
+    overrides = [value for flag, value in zip(arguments[2::2], arguments[3::2], strict=True) if flag == "--set"]
+    state = estimate_training_memory(load_config(TINY, overrides), "float32").model_state
+    with_free_memory(monkeypatch, state)
+    result = run_cli("train", *arguments, "--json")
+    assert result.exit_code == 0, result.stderr
+    warned = " ".join(result.stderr.split())
+    assert "warning: memory: needs ~" in warned and "the activations may not fit" in warned
+    assert "lower training.batch_size" in warned
+    with_free_memory(monkeypatch, 1 << 50)
+    result = run_cli("train", *tiny_args(tiny_data_dir, tmp_path / "roomy", *steps), "--json")
+    assert result.exit_code == 0 and "warning: memory" not in result.stderr

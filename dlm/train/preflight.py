@@ -12,6 +12,7 @@ or the number of epochs is large for the training data. Warnings never fail `dlm
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from dlm.data.tokenizer import (
     special_token_id,
     tokenizer_sha256,
 )
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.fileio import check_writable_directory
 from dlm.runtime.device import resolve_device, resolve_training_precision
 from dlm.train.init_from import adopt_source_model
@@ -409,9 +410,15 @@ def validate_config_file(
     return experiment, [schema, *results]
 
 
-def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:
-    """Raise the first failed check as a UserError (the training loop's pre-flight)."""
+def ensure_valid(
+    experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1, warn: bool = True
+) -> None:
+    """Raise the first failed check as a UserError (the training loop's pre-flight). With `warn`, a
+    memory estimate past the free memory, which does not refuse (its activations are approximate), is
+    a `UserNote`: on the CPU the system would otherwise end the run without a word once it runs out."""
 
     for result in validate_experiment(experiment, device, world_size):
         if not result.passed:
             raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)
+        if warn and result.name == "memory" and result.fix:
+            warnings.warn(f"memory: {result.detail} ({result.fix})", UserNote, stacklevel=2)
