@@ -206,3 +206,24 @@ def test_every_bracketed_word_of_the_help_reaches_the_screen() -> None:
             assert not [word for word in wanted if " ".join(word.split()) not in shown], path
             checked += len(wanted)
     assert checked >= 3  # the config sections named in `dlm rl`'s and `dlm train`'s help
+
+
+def test_every_help_paragraph_flows_at_80_columns() -> None:
+    """A docstring's line breaks are the source's, not the screen's: at 80 columns every paragraph of a
+    command's help wraps at the screen's width, with no short line in its middle (typer's rich mode
+    kept them, so a source line longer than the screen left one)."""
+
+    checked = 0
+    for path, command in _commands(get_command(app), []):
+        page = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"}).output
+        description = page.split("╭─")[0].split("Usage:", 1)[1].split("\n")[1:]
+        paragraph: list[str] = []
+        for line in [*description, ""]:
+            if line.strip():
+                paragraph.append(line.strip())
+                continue
+            short = [text for text in paragraph[:-1] if len(text) < 50]
+            assert not short, (path, short)
+            checked += len(paragraph) > 1
+            paragraph = []
+    assert checked >= 10

@@ -7,6 +7,7 @@ the user (`UserNote` warnings) become one yellow `warning: ...` line.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from typing import Annotated, Any
@@ -95,6 +96,35 @@ _COMMANDS = (
 )
 for _module in _COMMANDS:
     _module.register(app)
+
+
+def _reflowed(doc: str) -> str:
+    """A docstring as a command's help: each paragraph's lines joined for the terminal to wrap. Typer's
+    rich mode keeps a docstring's line breaks, so at 80 columns a source line longer than the screen
+    left a short line in the middle of a paragraph. A list item (`- `) or an indented line keeps its own."""
+
+    def joined(paragraph: str) -> str:
+        lines = paragraph.split("\n")
+        kept = lines[:1]
+        for line in lines[1:]:
+            kept.append(("\n" if line.startswith(("- ", "* ", " ")) else " ") + line)
+        return "".join(kept)
+
+    return "\n\n".join(joined(paragraph) for paragraph in doc.split("\n\n"))
+
+
+def _help_from_docstrings(commands: typer.Typer) -> None:
+    """Every command's help, from its function's docstring (litgpt's way: the docstring is the help), reflowed."""
+
+    for info in commands.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            info.help = _reflowed(inspect.getdoc(info.callback) or "")
+    for group in commands.registered_groups:
+        if group.typer_instance is not None:
+            _help_from_docstrings(group.typer_instance)
+
+
+_help_from_docstrings(app)
 
 
 _show_warning = warnings.showwarning

@@ -347,14 +347,11 @@ def sample(
     Masked positions are drawn as dim blocks while they wait to be revealed. Without a terminal
     the final texts are printed, or with --json the texts, steps, forward passes and seconds.
 
-    Faster: --steps half of --length (two tokens a step) kept the judge
-    perplexity of the d_model 256 CPU demo model within 10% at 1.5x; on
-    today's demo model (d_model 96, Muon) it gained 1.1-1.3x at 0.7 and cost
-    7-50% judge perplexity, so keep the defaults there; --block-length 8
-    --cache dual adds speed at some quality; --threshold pays only on a
-    confident model (0.11 lab notes, "Fast generation": git show
-    cece22c:docs/benchmarks.md; today's figures: docs/benchmarks.md,
-    "Generation: tokens per pass against quality").
+    Faster: --steps 8 --remasking dilated writes 8 tokens a pass; on the ten-minute demo model it ran
+    about 5x the default's tokens per CPU second at +10% judge perplexity, and a student distilled for
+    it (`dlm distill --remasking dilated`, which then samples so by default) at +5%. Fewer steps in the
+    default order cost far more (+87% at 8). --threshold pays only on a confident model (docs/distill.md;
+    docs/benchmarks.md, "Few-step generation: the dilated order").
 
     An option that the others would make do nothing is refused with one error line.
     """
