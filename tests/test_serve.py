@@ -849,7 +849,8 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(model_dir: Path, tm
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.05)
         start = json.loads(log.read_text().splitlines()[0])
-        assert start["event"] == "start"
+        assert start["event"] == "start" and " parameters in " in start["computes"]
+        assert start["computes"].endswith(" on cpu")
         url = start["url"]
         # Three requests at once, SIGTERM while one at least is still held and the others have reached the
         # server (answered ones count). Their max_tokens differ, so they run one after another; a wave that
@@ -960,6 +961,7 @@ def test_the_console_shows_the_figures() -> None:
         url="http://127.0.0.1:1",
         model="m",
         console=Console(file=output, force_terminal=True, color_system=None, width=100),
+        computes="1.2M parameters in float32 on cpu",
     )
     view.start()
     view.request({"id": "abc", "method": "POST", "path": "/v1/completions", "status": 429, "seconds": 0.001})
@@ -969,6 +971,7 @@ def test_the_console_shows_the_figures() -> None:
     assert "0.250 s / 0.250 s" in text and "0.125 s / 0.125 s" in text and "12.0 ms (mean over 30 s)" in text
     assert "2 / 1  (1,234 positions admitted)" in text
     assert "429 POST /v1/completions request abc" in text
+    assert "model" in text and "1.2M parameters in float32 on cpu" in text
 
 
 def test_a_taken_port_is_one_error_line(model_dir: Path, run_cli: Any) -> None:

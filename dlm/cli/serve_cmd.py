@@ -5,12 +5,15 @@ from __future__ import annotations
 import ipaddress
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from dlm.choices import ServeDtype
 from dlm.cli.common import DeviceOption, JsonOption, console, err_console, wants_json
+
+if TYPE_CHECKING:
+    from dlm.model.transformer import DiffusionTransformer
 
 DEFAULT_BODY_BYTES = 1 << 20
 
@@ -169,7 +172,12 @@ def serve_command(
     server = Server(served, settings, on_request=request)
     live = not wants_json(json_output) and sys.stderr.isatty()
     view = ServeConsole(
-        server.scheduler.stats, live=live, url=f"http://{host}:{port}", model=served.name, console=console
+        server.scheduler.stats,
+        live=live,
+        url=f"http://{host}:{port}",
+        model=served.name,
+        console=console,
+        computes=_computes(served.model),
     )
 
     def started() -> None:
@@ -185,6 +193,17 @@ def serve_command(
         server.run(on_started=started)
     finally:
         view.close()
+
+
+def _computes(model: DiffusionTransformer) -> str:
+    """What the served model computes in, where: a bfloat16 export served in float32 on a CPU without
+    native bfloat16 says so."""
+
+    from dlm.config.shapes import format_parameter_count
+
+    weight = next(iter(model.parameters()))
+    dtype = str(weight.dtype).removeprefix("torch.")
+    return f"{format_parameter_count(model.num_parameters)} parameters in {dtype} on {weight.device}"
 
 
 def register(app: typer.Typer) -> None:

@@ -32,8 +32,13 @@ def _seconds(value: float | None) -> str:
 class ServeConsole:
     """Starts with the server (`start`), renders until `close`; `request` is the server's request sink."""
 
-    def __init__(self, stats: ServeStats, *, live: bool, url: str, model: str, console: Console) -> None:
+    def __init__(
+        self, stats: ServeStats, *, live: bool, url: str, model: str, console: Console, computes: str = ""
+    ) -> None:
+        """`computes`: what the model computes in and where (its parameters, dtype and device)."""
+
         self.stats, self.live_view, self.url, self.model, self.console = stats, live, url, model, console
+        self.computes = computes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dlm-serve-console", daemon=True)
         self._live: Live | None = None
@@ -60,7 +65,7 @@ class ServeConsole:
             self._live = Live(self._render(self.stats.snapshot()), console=self.console, refresh_per_second=2)
             self._live.start()
         else:
-            self._emit({"event": "start", "url": self.url, "model": self.model})
+            self._emit({"event": "start", "url": self.url, "model": self.model, "computes": self.computes})
         self._thread.start()
 
     def _render(self, snapshot: StatsSnapshot) -> Panel:
@@ -68,6 +73,7 @@ class ServeConsole:
         table.add_column(style="dim")
         table.add_column()
         rows = [
+            ("model", self.computes),
             (
                 "in flight / queued",
                 f"{snapshot.in_flight} / {snapshot.queued}  ({snapshot.admitted_tokens:,} positions admitted)",
