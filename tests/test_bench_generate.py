@@ -129,14 +129,17 @@ def test_block_and_autoregressive_models_bench_with_their_defaults(tokenizer: To
     assert row.passes_per_token == 1.0 if block_size == 1 else 1.0 < row.passes_per_token <= 1.5
 
 
-def test_cli_bench_generate_json_and_table(exports: list[int]) -> None:
+def test_cli_bench_generate_json_and_table(exports: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     args = ["bench", "--generate", "m", "--length", "8", "--num-samples", "1", "--compare", "threshold=none,0.5"]
     result = CliRunner().invoke(app, [*args, "--repeats", "2", "--seed", "3", "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert [row["setting"] for row in payload["rows"]] == [{"threshold": None}, {"threshold": 0.5}]
     assert payload["judge"] == "the model itself" and payload["length"] == 8 and payload["repeats"] == 2
-    assert payload["seed"] == 3
+    assert payload["seed"] == 3 and payload["dtype"] == "float32"  # the stand-in's, as it computed
+    monkeypatch.setattr("dlm.cli.bench_cmd.wants_json", lambda flag: flag)  # the table, as on a terminal
+    table = CliRunner().invoke(app, [*args, "--repeats", "1"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "the model in float32; judge: the model itself" in table.output
     missing = CliRunner().invoke(app, ["bench"])
     assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)
 

@@ -214,7 +214,7 @@ def test_every_help_paragraph_flows_at_80_columns() -> None:
     kept them, so a source line longer than the screen left one)."""
 
     checked = 0
-    for path, command in _commands(get_command(app), []):
+    for path, _command in _commands(get_command(app), []):
         page = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"}).output
         description = page.split("╭─")[0].split("Usage:", 1)[1].split("\n")[1:]
         paragraph: list[str] = []

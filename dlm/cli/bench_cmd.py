@@ -185,9 +185,11 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
         check_judge_tokenizer((loaded.info.tokenizer_path, tokenizer), (judged.info.tokenizer_path, judged.tokenizer))
         judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
+    # What the rates hang on besides the machine (a bfloat16 export computes in float32 on a CPU without it).
+    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     if wants_json(as_json):
         report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options)
-        print_json(report.to_dict() | {"machine": machine_stamp().to_dict()})
+        print_json(report.to_dict() | {"dtype": dtype, "machine": machine_stamp().to_dict()})
         return
     with console.status("benchmarking generation") as status:
         report = benchmark_generation(
@@ -200,7 +202,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
         )
     console.print(
         f"{report.num_samples} samples of {report.length} tokens per setting, fastest of {report.repeats} "
-        f"runs; judge: {escape(judge_name)}"
+        f"runs; the model in {dtype}; judge: {escape(judge_name)}"
     )
     headers, rows = report_table(report)
     table = Table(*headers)
