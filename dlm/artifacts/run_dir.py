@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ from dlm.artifacts.sharded_checkpoint import (
     sharded_step,
 )
 from dlm.config.optimizer_registry import optimizer_spec
-from dlm.config.schema import ExperimentConfig, load_config
-from dlm.errors import UserError
+from dlm.config.schema import ExperimentConfig, TrainingConfig, load_config
+from dlm.errors import UserError, UserNote
 from dlm.fileio import atomic_write_json, is_within, temporaries
 
 CONFIG_NAME = "config.json"
@@ -268,28 +269,8 @@ def load_run(
             fix="copy the run directory to where it should continue and resume the copy",
         )
     experiment = load_config(run.config, list(overrides))
-    if overrides:
-        _check_fixed_at_start(load_config(run.config), experiment, run.config)
     here = experiment.training.model_copy(update={"output_dir": directory.absolute()})
     return experiment.model_copy(update={"training": here}), source
-
-
-# What a run's start decided for good: a resume continues the checkpoint's random streams and weights,
-# so a new value would be recorded in config.json and do nothing.
-_FIXED_AT_START = {
-    "seed": "the run's random streams continue from its checkpoint",
-    "init_from": "the run's weights continue from its checkpoint",
-}
-
-
-def _check_fixed_at_start(saved: ExperimentConfig, resumed: ExperimentConfig, path: Path) -> None:
-    for name, why in _FIXED_AT_START.items():
-        if getattr(saved.training, name) != getattr(resumed.training, name):
-            raise UserError(
-                f"dlm resume cannot change training.{name}: {why}",
-                path=path,
-                fix=f"drop the --set of training.{name}, or start a new run with `dlm train`",
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,8 +284,12 @@ def metadata_sha256(metadata: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, tokenizer_hash: str, path: Path) -> None:
-    """Refuse to continue a run with a different model, optimizer or tokenizer (reference rules)."""
+def check_resumable(
+    checkpoint: dict[str, Any], experiment: ExperimentConfig, tokenizer_hash: str, path: Path, warn: bool = True
+) -> None:
+    """Refuse to continue a run with a different model, optimizer or tokenizer (reference rules), or
+    with another `init_from` than it started from where only the start reads it. With `warn`, a changed
+    seed is a `UserNote`: it is allowed (a way past a loss spike), but the run no longer repeats."""
 
     saved = ExperimentConfig.from_dict(checkpoint["config"], source=path)
     if saved.model != experiment.model:
@@ -326,12 +311,37 @@ def check_resumable(checkpoint: dict[str, Any], experiment: ExperimentConfig, to
                 path=path,
                 fix="keep the optimizer settings of the run you resume",
             )
+    _check_init_from(now, then, path)
+    if warn and now.seed != then.seed:
+        warnings.warn(
+            f"training.seed is {now.seed} but the run was trained with {then.seed}: from this step on its "
+            "masking noise, times and data order follow the new seed, and it no longer resumes bit for bit",
+            UserNote,
+            stacklevel=2,
+        )
     if checkpoint.get("tokenizer_sha256") != tokenizer_hash:
         raise UserError(
             "the checkpoint was trained with a different tokenizer file",
             path=path,
             fix=f"use the tokenizer the run was trained with ({then.tokenizer})",
         )
+
+
+def _check_init_from(now: TrainingConfig, then: TrainingConfig, path: Path) -> None:
+    """A resumed run's weights come from its checkpoint: `init_from` is read at its start only, except by a
+    LoRA run, which reads its frozen base there again (and checks it by hash)."""
+
+    def where(source: Path | None) -> Path | None:
+        return None if source is None else source.expanduser().resolve()
+
+    if now.lora.enabled or where(now.init_from) == where(then.init_from):
+        return
+    raise UserError(
+        f"training.init_from is {now.init_from} but the run started from {then.init_from}: a resumed run's "
+        "weights come from its checkpoint",
+        path=path,
+        fix="resume without changing training.init_from, or start a new run from it with `dlm train`",
+    )
 
 
 def check_same_data(checkpoint: dict[str, Any], data: dict[str, str | None], path: Path, allow_change: bool) -> bool:

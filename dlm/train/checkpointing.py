@@ -460,7 +460,7 @@ def load_trainer(trainer: Trainer, directory: Path, allow_data_change: bool, all
 
     directory = directory.resolve()  # `latest` is a link
     record = verify_checkpoint(directory, trainer.world)
-    check_resumable(record, trainer.experiment, trainer.tokenizer_sha256, directory)
+    check_resumable(record, trainer.experiment, trainer.tokenizer_sha256, directory, warn=trainer.world.is_main)
     trainer.data_changed = check_same_data(record, trainer.data_sha256, directory, allow_data_change)
     check_world_size(record, trainer.world.world_size, directory)
     trainer.keep_global_batch(record, directory, allow_batch_change)

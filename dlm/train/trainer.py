@@ -160,7 +160,7 @@ class Trainer:
             self.checkpoint_path = path.resolve()
             return
         checkpoint = load_checkpoint(path, expected_format=TRAINING_FORMAT)
-        check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path)
+        check_resumable(checkpoint, self.experiment, self.tokenizer_sha256, path, warn=self.world.is_main)
         self.data_changed = check_same_data(checkpoint, self.data_sha256, path, allow_data_change)
         check_world_size(checkpoint, self.world.world_size, path)
         self.keep_global_batch(checkpoint, path, allow_batch_change)
