@@ -33,13 +33,35 @@ def stored_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def test_the_meta_build_equals_the_plain_build_and_shares_the_weights(dtype: torch.dtype) -> None:
     weights = stored_weights(dtype)
     plain = loading._built_and_copied(CONFIG, weights, dtype, Path("w"))
+    stored = dict(weights)
     meta = loading._built_on_meta(CONFIG, weights, torch.device("cpu"), dtype, Path("w"))
+    assert weights == {}  # taken over: the build holds the only references
     # Every parameter is the stored tensor itself: no float32 model beside the weights, no copy.
-    assert all(parameter.data_ptr() == weights[name].data_ptr() for name, parameter in meta.named_parameters())
+    assert all(parameter.data_ptr() == stored[name].data_ptr() for name, parameter in meta.named_parameters())
     assert all(parameter.dtype == dtype and parameter.device.type == "cpu" for parameter in meta.parameters())
     # The rotary tables, not stored, are rebuilt from the config (float32, as in a plain build).
     assert torch.equal(meta.rope_cos, plain.rope_cos) and torch.equal(meta.rope_sin, plain.rope_sin)
     assert meta.rope_cos.dtype == torch.float32
+    tokens = torch.randint(2, CONFIG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(meta.eval()(tokens), plain.eval()(tokens))
+
+
+def test_an_upcast_meta_build_converts_each_stored_tensor_once() -> None:
+    """A bfloat16 source built in float32 on the meta path: the plain build's model, the source emptied as
+    it is placed (no converted weight beside the whole source), and a tensor stored under two names
+    converted once and shared, as it was stored."""
+
+    weights = stored_weights(torch.bfloat16)
+    weights["blocks.0.mlp_norm.weight"] = weights["blocks.0.attention_norm.weight"]  # one tensor, two names
+    plain = loading._built_and_copied(CONFIG, dict(weights), torch.float32, Path("w"))
+    meta = loading._built_on_meta(CONFIG, weights, torch.device("cpu"), torch.float32, Path("w"))
+    assert weights == {}
+    parameters = dict(meta.named_parameters())
+    assert all(parameter.dtype == torch.float32 for parameter in parameters.values())
+    shared = parameters["blocks.0.attention_norm.weight"], parameters["blocks.0.mlp_norm.weight"]
+    assert shared[0].data_ptr() == shared[1].data_ptr()
+    assert parameters["blocks.1.attention_norm.weight"].data_ptr() != parameters["blocks.1.mlp_norm.weight"].data_ptr()
     tokens = torch.randint(2, CONFIG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(meta.eval()(tokens), plain.eval()(tokens))

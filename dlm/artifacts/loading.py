@@ -369,12 +369,14 @@ def build_model(
     source: Path = Path("<weights>"),
 ) -> DiffusionTransformer:
     """A model in eval mode on `device` holding `weights`; `dtype` None keeps the stored float dtype,
-    except where the device only emulates it (`dlm.runtime.device.inference_dtype`)."""
+    except where the device only emulates it (`dlm.runtime.device.inference_dtype`). A large model (or one
+    on an accelerator) takes `weights` over: the dict is emptied as they are placed."""
 
     device = torch.device(device)
     if dtype is None:
         stored = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-        dtype = inference_dtype(stored, device, sum(t.numel() for t in weights.values()))
+        distinct = {id(tensor): tensor for tensor in weights.values()}.values()  # a tied head counts once
+        dtype = inference_dtype(stored, device, sum(tensor.numel() for tensor in distinct))
     if device.type == "cpu" and sum(t.numel() for t in weights.values()) < _META_BUILD_MIN_PARAMETERS:
         model = _built_and_copied(config, weights, dtype, source)
     else:
@@ -405,14 +407,23 @@ def _built_on_meta(
     config: ModelConfig, weights: dict[str, Tensor], device: torch.device, dtype: torch.dtype, source: Path
 ) -> DiffusionTransformer:
     """Each weight moved to `device` in `dtype` and taken as the parameter itself
-    (`DiffusionTransformer.from_weights`): peak memory is the weights' own bytes."""
+    (`DiffusionTransformer.from_weights`). `weights` is emptied as they are placed, so that a converted
+    weight never lies beside the whole source (a bfloat16 source upcast to float32 peaks near the float32
+    model, not half again above it); a tensor stored under two names (a tied head) is placed once."""
 
     with torch.device("meta"):
         _check_weights(DiffusionTransformer(config).state_dict(), weights, source)
-    placed = {
-        name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
-        for name, tensor in weights.items()
-    }
+    names_of: dict[int, list[str]] = {}  # by identity, while every source tensor is alive
+    for name, tensor in weights.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    placed: dict[str, Tensor] = {}
+    for names in names_of.values():
+        tensor = weights[names[0]]
+        converted = tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+        for name in names:
+            placed[name] = converted
+            del weights[name]
+        del tensor
     return DiffusionTransformer.from_weights(config, placed)
 
 
