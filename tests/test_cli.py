@@ -222,8 +222,18 @@ def test_every_help_paragraph_flows_at_80_columns() -> None:
             if line.strip():
                 paragraph.append(line.strip())
                 continue
-            short = [text for text in paragraph[:-1] if len(text) < 50]
+            short = [text for text in paragraph[:-1] if len(text) < 50 and not text.startswith(("- ", "* "))]
             assert not short, (path, short)
             checked += len(paragraph) > 1
             paragraph = []
     assert checked >= 10
+
+
+def test_a_docstring_is_reflowed_by_paragraph_keeping_lists_and_kept_paragraphs() -> None:
+    from dlm.cli import _reflowed
+
+    doc = "Summary line\nwrapped.\n\nA paragraph\nin two lines:\n- one item\n- another\n  its tail"
+    doc += "\n\n\bkept\nas written"
+    assert _reflowed(doc) == (
+        "Summary line wrapped.\n\nA paragraph in two lines:\n- one item\n- another\n  its tail\n\n\bkept\nas written"
+    )

@@ -101,9 +101,12 @@ for _module in _COMMANDS:
 def _reflowed(doc: str) -> str:
     """A docstring as a command's help: each paragraph's lines joined for the terminal to wrap. Typer's
     rich mode keeps a docstring's line breaks, so at 80 columns a source line longer than the screen
-    left a short line in the middle of a paragraph. A list item (`- `) or an indented line keeps its own."""
+    left a short line in the middle of a paragraph. A list item (`- `, `* `) or an indented line keeps
+    its own, and a paragraph marked `\\b` (click's "keep as written") is left whole."""
 
     def joined(paragraph: str) -> str:
+        if paragraph.startswith("\b"):
+            return paragraph
         lines = paragraph.split("\n")
         kept = lines[:1]
         for line in lines[1:]:
