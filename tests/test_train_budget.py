@@ -430,3 +430,27 @@ def test_the_same_budget_again_finishes_an_interrupted_run(tiny_data_dir: Path, 
     assert start.start_step == step and start.resumed_from is not None
     assert result is not None and result.status in ("complete", "paused") and final > step
     assert [event.step for event in again if isinstance(event, EndEvent)][-1] == final
+
+
+def test_a_budgeted_run_warns_of_memory_before_its_calibration_once(
+    tiny_data_dir: Path, tmp_path: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calibration trains full steps before the loop's own check: a run whose activations may not fit the
+    free memory hears it first (a note, before `calibrate`), and once."""
+
+    from dlm.train import memory
+    from dlm.train.memory import AvailableMemory, estimate_training_memory
+
+    run_dir = tmp_path / "run"
+    state = estimate_training_memory(tiny_experiment(tiny_data_dir, run_dir), "float32").model_state
+    monkeypatch.setattr(memory, "available_memory", lambda device: AvailableMemory(state, "of RAM available"))
+    monkeypatch.setattr("dlm.bench.throughput.run_benchmark", fake_calibrator(0.3))
+    command = ("train", "--config", TINY_CONFIG, *data_overrides(tiny_data_dir, run_dir), "--minutes", "0.05", "--json")
+    cli = run_cli(*command)
+    assert cli.exit_code == 0, cli.stderr
+    events = [json.loads(line) for line in cli.stdout.splitlines()]
+    kinds = [event["event"] for event in events]
+    (note,) = budget_events(events, "budget_note")
+    assert note["message"].startswith("memory: needs ~") and "the activations may not fit" in note["message"]
+    assert kinds.index("budget_note") < kinds.index("budget_stage")  # before the calibration's first step
+    assert "warning: memory" not in cli.stderr  # the loop does not say it again

@@ -45,9 +45,11 @@ from dlm.config.schema import ExperimentConfig, with_overrides
 from dlm.data.dataset import load_packed_dataset
 from dlm.data.sizing import budget_advice
 from dlm.errors import UserError
+from dlm.runtime.device import resolve_device
 from dlm.train.loop import TrainResult, train
 from dlm.train.optimizer import decay_progress, learning_rate
 from dlm.train.plan import TrainingPlan
+from dlm.train.preflight import memory_warning
 
 if TYPE_CHECKING:
     from dlm.train.stop import StopSignals
@@ -271,6 +273,9 @@ class BudgetedTraining:
         starts: a refused or killed start then leaves the directory as it was."""
 
         device = self.experiment.training.device
+        warning = memory_warning(self.experiment, resolve_device(device))  # the loop's own check comes later
+        if warning is not None:
+            self.note(warning)
         self.stage("calibrate", "running", detail=f"timing {CALIBRATION_STEPS} training steps on {device}")
         started = time.perf_counter()
         bench = self.calibrator(self.experiment, steps=CALIBRATION_STEPS, warmup=1)

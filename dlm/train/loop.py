@@ -149,7 +149,8 @@ def _train(
     configure_cuda_backends(device, config.require_fused_attention)
     threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
     keep_freed_memory(device)  # on the CPU each step reuses the last one's memory: no page faults
-    ensure_valid(experiment, device, world.world_size, warn=world.is_main)  # memory too: before any allocation
+    # Memory too, before any allocation; a run on a time budget heard the warning before its calibration.
+    ensure_valid(experiment, device, world.world_size, warn=world.is_main and pacer is None)
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)

@@ -421,4 +421,17 @@ def ensure_valid(
         if not result.passed:
             raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)
         if warn and result.name == "memory" and result.fix:
-            warnings.warn(f"memory: {result.detail} ({result.fix})", UserNote, stacklevel=2)
+            warnings.warn(_memory_warning(result), UserNote, stacklevel=2)
+
+
+def memory_warning(experiment: ExperimentConfig, device: torch.device) -> str | None:
+    """The warning `ensure_valid` gives when the activations may not fit the free memory (None: they fit,
+    or the model state does not, which the run itself refuses): for a run that trains steps before its
+    loop starts, as a time budget's calibration does."""
+
+    result = _memory_check(experiment, device, 1, None)
+    return _memory_warning(result) if result.passed and result.fix else None
+
+
+def _memory_warning(result: CheckResult) -> str:
+    return f"memory: {result.detail} ({result.fix})"
