@@ -78,7 +78,9 @@ def test_a_run_gives_back_the_process_settings_it_changed(
         experiment = tiny_experiment(tiny_data_dir, tmp_path / "run", "training.max_steps=2", "training.warmup_steps=1")
         monkeypatch.setattr(
             "dlm.train.loop.ensure_valid",
-            lambda *args: seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled())),
+            lambda *args, **kwargs: seen.append(
+                (torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.math_sdp_enabled())
+            ),
         )
         assert train(experiment).status == "complete"
         assert seen == [(True, False)]  # changed for the run
