@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import sys
@@ -85,11 +86,23 @@ def start(name: str, **parameters: Any) -> Run:
     return Run(name=name, parameters=parameters, stamp=machine_stamp(ROOT))
 
 
+# The environment that changes what a benchmark measures: the thread count, and the caps that run another
+# CPU's kernels (docs/reproducibility.md). Set, they lead the recorded command, as a person would type them.
+SETTINGS = (
+    "OMP_NUM_THREADS",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
+
+
 def command_line() -> str:
     """The command that reproduces this run, as a person would type it from the repository root."""
 
     arguments = sys.argv[1:] if Path(sys.argv[0]).name in ("__main__.py", "-m") else sys.argv
-    return shlex.join(["python", "-m", "benchmarks", *portable(arguments)])
+    settings = [f"{name}={os.environ[name]}" for name in SETTINGS if os.environ.get(name)]
+    return " ".join([*map(shlex.quote, settings), shlex.join(["python", "-m", "benchmarks", *portable(arguments)])])
 
 
 def load(name: str, results: Path = RESULTS) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,9 @@ def test_every_result_file_is_stamped_and_names_the_command_that_wrote_it() -> N
     for path in files:
         result = json.loads(path.read_text(encoding="utf-8"))
         assert result["benchmark"] == path.stem
-        command = result["command"].split()
+        words = result["command"].split()
+        settings = [word for word in words if word.split("=")[0] in harness.SETTINGS]  # as the run had them
+        command = words[len(settings) :]
         assert command[:3] == ["python", "-m", "benchmarks"] and command[3] in BENCHMARKS
         assert command[3] == path.stem or f"--name {path.stem}" in result["command"]  # a run named apart
         stamp = MachineStamp(**result["machine"])  # every field present, none unknown
@@ -93,3 +96,18 @@ def test_links_into_the_page_name_sections_it_has() -> None:
     }
     assert linked, "no page links into docs/benchmarks.md"
     assert [(page, anchor) for page, anchor in sorted(linked) if anchor not in anchors] == []
+
+
+def test_the_recorded_command_carries_the_settings_that_change_the_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result measured under another CPU's kernels, or one thread, is reproduced with them: they lead its
+    command, as a person would type them."""
+
+    monkeypatch.setattr(sys, "argv", ["__main__.py", "cpu-inference", "runs/demo/model", "--name", "x y"])
+    for name in harness.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert harness.command_line() == "python -m benchmarks cpu-inference runs/demo/model --name 'x y'"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert harness.command_line() == (
+        "OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2 python -m benchmarks cpu-inference runs/demo/model --name 'x y'"
+    )
