@@ -23,6 +23,6 @@ ExportDtype = Literal["bfloat16", "float32"]
 ExportFormat = Literal["dlm", "hf"]
 # `dlm.diffusion.objective.elbo_nll`: how a Monte Carlo sample of the ELBO masks a sequence (`ESTIMATORS` there).
 ElboEstimator = Literal["bernoulli", "exact-count"]
-# `dlm.serving.server.load_served`: the dtype a served model computes in (`SERVE_DTYPES`;
-# auto: as stored, or as `dlm.runtime.device.inference_dtype` upcasts it).
-ServeDtype = Literal["auto", "float32", "float64", "bfloat16"]
+# `dlm.runtime.device.COMPUTE_DTYPES`: the dtype a loaded model computes in (`dlm serve`, `dlm sample`,
+# `dlm bench --generate`; auto: as stored, or as `dlm.runtime.device.inference_dtype` upcasts it).
+ComputeDtype = Literal["auto", "float32", "float64", "bfloat16"]

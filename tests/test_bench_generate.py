@@ -140,6 +140,8 @@ def test_cli_bench_generate_json_and_table(exports: list[int], monkeypatch: pyte
     monkeypatch.setattr("dlm.cli.bench_cmd.wants_json", lambda flag: flag)  # the table, as on a terminal
     table = CliRunner().invoke(app, [*args, "--repeats", "1"])
     assert table.exit_code == 0 and "the model in float32; judge: the model itself" in " ".join(table.output.split())
+    asked = CliRunner().invoke(app, [*args, "--repeats", "1", "--dtype", "bfloat16", "--json"])
+    assert asked.exit_code == 0 and json.loads(asked.output)["dtype"] == "bfloat16", asked.output
     missing = CliRunner().invoke(app, ["bench"])
     assert isinstance(missing.exception, UserError) and "--generate" in str(missing.exception)
 
@@ -174,17 +176,18 @@ def exports(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> list[int]:
     }
     assert tokenizers["small"].get_vocab_size() < tokenizer.get_vocab_size() < big.get_vocab_size()
 
-    def load_model_with_info(path: object, device: str = "cpu") -> SimpleNamespace:
+    def load_model_with_info(path: object, device: str = "cpu", dtype: torch.dtype | None = None) -> SimpleNamespace:
         tok = tokenizers[str(path)]
         config = ModelConfig(
             vocab_size=tok.get_vocab_size(), max_seq_len=16, d_model=32, n_layers=1, n_heads=2, pad_vocab_multiple=1
         )
         torch.manual_seed(0)
         info = SimpleNamespace(tokenizer_path=Path(f"{path}/tokenizer.json"))
-        return SimpleNamespace(model=DiffusionTransformer(config).eval(), tokenizer=tok, info=info)
+        model = DiffusionTransformer(config).to(dtype or torch.float32).eval()  # float32: as stored
+        return SimpleNamespace(model=model, tokenizer=tok, info=info)
 
-    def load_model(path: object, device: str = "cpu") -> tuple[object, Tokenizer]:
-        loaded = load_model_with_info(path, device)
+    def load_model(path: object, device: str = "cpu", dtype: torch.dtype | None = None) -> tuple[object, Tokenizer]:
+        loaded = load_model_with_info(path, device, dtype)
         return loaded.model, loaded.tokenizer
 
     calls: list[int] = []
@@ -243,6 +246,7 @@ GENERATION_ONLY = {
     "num_samples": ["--num-samples", "2"],
     "repeats": ["--repeats", "2"],
     "seed": ["--seed", "0"],
+    "dtype": ["--dtype", "float32"],
 }
 
 

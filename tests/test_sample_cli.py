@@ -82,6 +82,7 @@ class Loaded:
     model: DiffusionTransformer
     calls: list[dict[str, Any]]  # the keyword arguments of every `generate` call
     loads: list[str]  # the loader of every model load
+    dtypes: list[torch.dtype | None]  # the dtype every load asked for (None: the model's own choice)
 
 
 @pytest.fixture()
@@ -95,19 +96,26 @@ def loaded(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, tmp_path: Path
     model = DiffusionTransformer(config).double().eval()  # float64: equal to a direct call on any CPU
     info = SimpleNamespace(tokenizer_path=tmp_path / "tokenizer.json")  # no tokenizer_config.json: default template
     loads: list[str] = []
-    monkeypatch.setattr(
-        "dlm.artifacts.loading.load_model", lambda path, device: loads.append("export") or (model, tokenizer)
-    )
-    monkeypatch.setattr(
-        "dlm.artifacts.loading.load_model_with_info",
-        lambda path, device: loads.append("chat") or SimpleNamespace(model=model, tokenizer=tokenizer, info=info),
-    )
+    dtypes: list[torch.dtype | None] = []
+
+    def load_model(path: object, device: str, dtype: torch.dtype | None) -> tuple[DiffusionTransformer, Tokenizer]:
+        loads.append("export")
+        dtypes.append(dtype)
+        return model, tokenizer
+
+    def load_model_with_info(path: object, device: str, dtype: torch.dtype | None) -> SimpleNamespace:
+        loads.append("chat")
+        dtypes.append(dtype)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, info=info)
+
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", load_model)
+    monkeypatch.setattr("dlm.artifacts.loading.load_model_with_info", load_model_with_info)
     calls: list[dict[str, Any]] = []
     real = dlm.sampling.generation.generate
     monkeypatch.setattr(
         dlm.sampling.generation, "generate", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs)
     )
-    return Loaded(model, calls, loads)
+    return Loaded(model, calls, loads, dtypes)
 
 
 def sampled_options(kwargs: dict[str, Any]) -> SamplingOptions:
@@ -125,6 +133,17 @@ def test_every_mode_hands_the_sampler_every_option(mode: str, loaded: Loaded, ru
     assert sampled_options(call) == OPTIONS
     settings = {name: call[name] for name in ("length", "num_samples", "seed", "stop_at_end", "device")}
     assert settings == {"length": 8, "num_samples": 2, "seed": 3, "stop_at_end": True, "device": "cpu"}
+
+
+@pytest.mark.parametrize("mode", ["plain", "chat", "prompt-file"])
+def test_dtype_reaches_the_load_in_every_mode(mode: str, loaded: Loaded, run_cli: Any, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ROMEO:\n", encoding="utf-8")
+    extra = {"plain": ["--prompt", "ROMEO:"], "chat": ["--chat", QUESTION], "prompt-file": ["--prompt-file", prompts]}
+    assert run_cli("sample", "model", *SETTINGS, "--json", *extra[mode]).exit_code == 0
+    assert run_cli("sample", "model", *SETTINGS, "--json", "--dtype", "bfloat16", *extra[mode]).exit_code == 0
+    assert loaded.dtypes == [None, torch.bfloat16]  # auto: the load decides (`inference_dtype`)
+    run_cli("sample", "model", "--dtype", "float16", *extra[mode]).assert_refused("--dtype")
 
 
 def test_the_request_carries_every_field() -> None:

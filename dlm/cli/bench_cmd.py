@@ -14,6 +14,7 @@ from rich.table import Column, Table
 
 from dlm.cli.common import (
     DeviceMemoryOption,
+    DtypeOption,
     JsonOption,
     SetOption,
     TrainingDeviceOption,
@@ -150,7 +151,7 @@ MODE_OPTIONS: dict[str, tuple[str, ...]] = {
         "estimate",
         "device_memory",
     ),
-    "generation": ("judge", "length", "num_samples", "repeats", "seed"),
+    "generation": ("judge", "length", "num_samples", "repeats", "seed", "dtype"),
 }
 
 
@@ -175,13 +176,14 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
     from dlm.artifacts.loading import load_model_with_info
     from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
     from dlm.bench.measure import machine_stamp
+    from dlm.runtime.device import compute_dtype
 
-    device = options.pop("device")
-    loaded = load_model_with_info(model_path, device=device)
+    device, wanted = options.pop("device"), compute_dtype(options.pop("dtype"))
+    loaded = load_model_with_info(model_path, device=device, dtype=wanted)
     model, tokenizer = loaded.model, loaded.tokenizer
     judge = None
     if judge_path is not None:
-        judged = load_model_with_info(judge_path, device=device)
+        judged = load_model_with_info(judge_path, device=device)  # the judge's figures: its auto dtype
         check_judge_tokenizer((loaded.info.tokenizer_path, tokenizer), (judged.info.tokenizer_path, judged.tokenizer))
         judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
@@ -267,6 +269,7 @@ def bench_command(
     num_samples: SamplesOption = 4,
     repeats: RepeatsOption = 1,
     seed: BenchSeedOption = 0,
+    dtype: DtypeOption = "auto",
 ) -> None:
     """Time the full training step on synthetic tokens: tokens/s, model FLOP/s, MFU and peak memory.
 
@@ -277,7 +280,7 @@ def bench_command(
     if generate is not None:
         sampling: dict[str, Any] = {"compare": compare, "length": length, "num_samples": num_samples}
         sampling |= {"repeats": repeats, "seed": seed}
-        return _generate_command(generate, judge, sampling | {"device": device or "cpu"}, as_json)
+        return _generate_command(generate, judge, sampling | {"device": device or "cpu", "dtype": dtype}, as_json)
     if config is None:
         raise UserError("dlm bench needs --config (time training) or --generate MODEL (time sampling)")
 

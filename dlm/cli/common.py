@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dlm.choices import ComputeDtype
 from dlm.errors import UserError
 
 console = Console()
@@ -29,6 +30,14 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable
 # `--device` takes what `dlm.runtime.device.resolve_device` accepts; left out, training and the demo use the config's.
 _DEVICES = "auto, cpu, mps, cuda or cuda:N"
 DeviceOption = Annotated[str, typer.Option("--device", help=f"{_DEVICES}.")]
+DtypeOption = Annotated[
+    ComputeDtype,
+    typer.Option(
+        "--dtype",
+        help="The dtype the model computes in (auto: as stored, but float32 for bfloat16 weights on a CPU "
+        "without native bfloat16, where it is faster).",
+    ),
+]
 DemoDeviceOption = Annotated[str | None, typer.Option("--device", help=f"{_DEVICES} (default: the config's).")]
 TrainingDeviceOption = Annotated[
     str | None,

@@ -16,7 +16,7 @@ from rich.console import Group
 from rich.text import Text
 
 from dlm.choices import CacheMode, Remasking, RevealSplit
-from dlm.cli.common import DeviceOption, JsonOption, console, given_options, print_json
+from dlm.cli.common import DeviceOption, DtypeOption, JsonOption, console, given_options, print_json
 from dlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -339,6 +339,7 @@ def sample(
     prompt_file: PromptFileOption = None,
     batch_size: BatchSizeOption = 16,
     device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     chat: ChatOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -378,11 +379,14 @@ def sample(
         reveal_split=reveal_split,
         batch_size=batch_size,
     )
+    from dlm.runtime.device import compute_dtype
+
+    wanted = compute_dtype(dtype)
     if chat is not None:
         from dlm.artifacts.loading import load_model_with_info
         from dlm.sampling.chat import chat_sample
 
-        loaded = load_model_with_info(model_path, device=request.device)
+        loaded = load_model_with_info(model_path, device=request.device, dtype=wanted)
         replies, result = chat_sample(
             loaded.model, loaded.tokenizer, loaded.info.tokenizer_path, chat, **request.generate_kwargs()
         )
@@ -394,7 +398,7 @@ def sample(
     prompts = None if prompt_file is None else read_prompt_file(prompt_file)
     from dlm.artifacts.loading import load_model
 
-    model, tokenizer = load_model(model_path, device=request.device)
+    model, tokenizer = load_model(model_path, device=request.device, dtype=wanted)
     if prompts is not None:
         _sample_prompts(model, tokenizer, prompts, request)
         return

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dlm.choices import ServeDtype
-from dlm.cli.common import DeviceOption, JsonOption, console, err_console, wants_json
+from dlm.cli.common import DeviceOption, DtypeOption, JsonOption, console, err_console, wants_json
 
 if TYPE_CHECKING:
     from dlm.model.transformer import DiffusionTransformer
@@ -36,14 +35,6 @@ ApiKeyOption = Annotated[
         show_envvar=True,
         show_default=False,
         help="Require 'Authorization: Bearer KEY' on every request but /health.",
-    ),
-]
-DtypeOption = Annotated[
-    ServeDtype,
-    typer.Option(
-        "--dtype",
-        help="The dtype the model computes in (auto: as stored, but float32 for bfloat16 weights on a CPU "
-        "without native bfloat16, where it is faster).",
     ),
 ]
 NameOption = Annotated[

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from dlm.choices import ComputeDtype
 from dlm.errors import UserError
 from dlm.runtime.support import FLOAT16_CPU_FIX, precision_problem
 
@@ -150,6 +151,23 @@ def cpu_has_native_bfloat16() -> bool:
 # of float32 weights. Past it the memory matters more than the speed, and the model keeps its dtype. A
 # fixed count, not the free memory of the moment, so that the same command computes in the same dtype.
 CPU_FLOAT32_MAX_PARAMETERS = 1 << 30
+
+
+# What `--dtype` asks a loaded model to compute in; "auto" (None) leaves it to `inference_dtype`.
+COMPUTE_DTYPES: dict[ComputeDtype, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def compute_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype `--dtype NAME` asks for (None: auto), or a UserError naming the choices."""
+
+    if name not in COMPUTE_DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {name!r})")
+    return COMPUTE_DTYPES[name]
 
 
 def inference_dtype(stored: torch.dtype, device: torch.device, parameters: int) -> torch.dtype:

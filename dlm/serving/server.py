@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dlm.artifacts.loading import load_model_with_info
-from dlm.choices import ServeDtype
+from dlm.choices import ComputeDtype
 from dlm.data.chat import ChatTemplate
 from dlm.errors import UserError
 from dlm.extras import Requirement, require
 from dlm.runtime.allocator import keep_freed_memory
-from dlm.runtime.device import resolve_device
+from dlm.runtime.device import compute_dtype, resolve_device
 from dlm.runtime.threads import configure_cpu_threads
 from dlm.sampling.dispatch import check_samplable
 from dlm.sampling.options import SamplingOptions
@@ -35,12 +33,6 @@ from dlm.serving.protocol import Limits
 from dlm.serving.scheduler import GREENLET, Scheduler
 
 UVICORN = Requirement("uvicorn", "serve", "dlm serve")
-SERVE_DTYPES: dict[ServeDtype, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-}
 
 
 @dataclass(frozen=True)
@@ -99,16 +91,15 @@ def check_requirements() -> None:
 
 
 def load_served(
-    path: str | Path, *, device: str = "cpu", dtype: ServeDtype = "auto", name: str | None = None
+    path: str | Path, *, device: str = "cpu", dtype: ComputeDtype = "auto", name: str | None = None
 ) -> ServedModel:
     """The model at `path` (any source `dlm.load` reads) with its chat template, as a `ServedModel`."""
 
-    if dtype not in SERVE_DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(SERVE_DTYPES)} (got {dtype!r})")
+    wanted = compute_dtype(dtype)
     resolved = resolve_device(device)
     configure_cpu_threads(resolved)  # one thread per free core: more would spin against other work
     keep_freed_memory(resolved)  # on the CPU each request's steps reuse the memory of the last
-    loaded = load_model_with_info(path, resolved, SERVE_DTYPES[dtype])
+    loaded = load_model_with_info(path, resolved, wanted)
     # A model no request could sample (a causal import not yet adapted) stops here, not at every request.
     check_samplable(loaded.model.config, SamplingOptions())
     template = ChatTemplate.for_tokenizer(loaded.info.tokenizer_path)
