@@ -145,10 +145,10 @@ def test_json_sinks_write_one_object_per_event(real_run: RealRun, tmp_path: Path
     assert json.loads(stream.getvalue().splitlines()[-1]) == {"event": "demo_note", "message": "hello"}
 
 
-def render(events: list[Event], title: str = "dlm train") -> str:
+def render(events: list[Event], title: str = "dlm train", accuracy: str = "masked acc") -> str:
     output = io.StringIO()
     console = Console(file=output, force_terminal=True, width=160, color_system=None)
-    with TrainingDashboard(console, title=title) as dashboard:
+    with TrainingDashboard(console, title=title, accuracy=accuracy) as dashboard:
         for event in events:
             dashboard(event)
     return output.getvalue()
@@ -189,8 +189,10 @@ def test_dashboard_shows_progress_metrics_validation_and_checkpoint(real_run: Re
 
 def test_the_dashboard_is_titled_by_its_workflow(real_run: RealRun) -> None:
     assert "dlm train" in render(list(real_run.events))
-    distilling = render(list(real_run.events), title="dlm distill")
+    distilling = render(list(real_run.events), title="dlm distill", accuracy="agreement")
     assert "dlm distill" in distilling and "dlm train" not in distilling
+    # A distillation's training figure is the agreement with its teacher's target; validation's is accuracy.
+    assert "agreement" in distilling and "masked acc" in distilling.split("agreement", 1)[1]
 
 
 def test_dashboard_and_json_sink_show_the_memory_of_a_real_run(real_run: RealRun) -> None:

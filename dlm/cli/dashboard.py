@@ -110,8 +110,12 @@ class TrainingDashboard:
         budget: Budget | None = None,
         clock: Callable[[], float] = time.monotonic,
         title: str = "dlm train",
+        accuracy: str = "masked acc",
     ):
-        self.console, self.title = console or Console(), title
+        """`accuracy`: the name of the training figure `masked_accuracy` (a distillation's is the student's
+        agreement with its two-step teacher's favourite token, not with the data)."""
+
+        self.console, self.title, self.accuracy = console or Console(), title, accuracy
         self.budget, self.clock = budget, clock
         self.opened = clock()
         self.planned_seconds_per_step = None if budget is None else budget.seconds_per_step
@@ -252,7 +256,7 @@ class TrainingDashboard:
     def _metrics(self) -> Table:
         event = self.latest
         table = Table(box=None, show_header=True, header_style="bold cyan", expand=True)
-        for name in ("loss", "masked acc", "lr", "grad norm", "tokens/s", "MFU", "mem GiB (peak)"):
+        for name in ("loss", self.accuracy, "lr", "grad norm", "tokens/s", "MFU", "mem GiB (peak)"):
             table.add_column(name, justify="right")
         if event is None:
             table.add_row(*["-"] * 5, "n/a", "-")

@@ -142,7 +142,7 @@ class DemoView:
             budget = Budget(event["budget_seconds"], event["trained_seconds"], event["seconds_per_step"])
             self.dashboard = TrainingDashboard(console, budget=budget).__enter__()
         elif status == "running" and stage == "distill":  # `--distill-minutes`: its own training run
-            self.dashboard = TrainingDashboard(console).__enter__()
+            self.dashboard = TrainingDashboard(console, title="dlm distill", accuracy="agreement").__enter__()
         elif status == "running":
             self.progress = Progress(
                 SpinnerColumn(),

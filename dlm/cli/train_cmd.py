@@ -151,7 +151,9 @@ def _train(experiment: ExperimentConfig, as_json: bool, **options: Any) -> None:
         result = train(experiment, sink=JsonLinesSink(), **options)
     else:
         workflow = "distill" if experiment.distill is not None else "rl" if experiment.rl is not None else "train"
-        with TrainingDashboard(console, title=f"dlm {workflow}") as dashboard:
+        halving = experiment.distill is not None and experiment.distill.halving  # its figure is the agreement
+        accuracy = "agreement" if halving else "masked acc"
+        with TrainingDashboard(console, title=f"dlm {workflow}", accuracy=accuracy) as dashboard:
             result = train(experiment, sink=dashboard, **options)
         # soft_wrap: the checkpoint path and the resume command are copied, so they never break.
         console.print(
