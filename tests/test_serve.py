@@ -287,6 +287,7 @@ def test_a_row_streams_only_final_text(model_dir: Path) -> None:
         ({"extra_body": {"cache": "all"}}, "cache", 400),
         ({"extra_body": {"stpes": 3}}, "stpes", 400),
         ({"temperature": -1.0}, "temperature", 400),
+        ({"temperature": 2.5}, "temperature", 400),  # past OpenAI's range, as OpenAI refuses it
         ({"top_p": 0.0}, "top_p", 400),
         ({"n": 5}, "n", 400),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", 400),

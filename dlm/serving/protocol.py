@@ -73,7 +73,7 @@ class SamplerFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, le=2)  # OpenAI's range is [0, 2]; the sampler checks the rest
     top_p: float | None = None
     n: Annotated[int, _null_is(1)] = 1
     seed: int | None = None
