@@ -1,12 +1,12 @@
-"""Sampling time of a bfloat16 model computing in bfloat16 against float32 on this CPU, interleaved.
+"""Sampling time of a model computing in bfloat16 and float16 against float32 on this CPU, interleaved.
 
-`dlm.load` upcasts a bfloat16 model to float32 on a CPU without native bfloat16
+`dlm.load` upcasts a 16-bit model to float32 on a CPU that only emulates its dtype
 (`dlm.runtime.device.inference_dtype`); this measures what that buys, or what it would cost on a CPU
-with it. The same exported model is loaded twice, in each dtype, and `dlm.sample` generates the same
-request with each (one row, and `--rows` samples of one prompt as a batch), the four alternating round
-by round (`dlm.bench.measure.interleaved`), so other work on shared cores slows them alike. A figure is a
-generation's CPU seconds (every thread of this process); the ratio bfloat16 / float32 of the medians is
-how many times faster float32 samples (below one: bfloat16 is faster).
+that has it. The same exported model is loaded once in each dtype, and `dlm.sample` generates the same
+request with each (one row, and `--rows` samples of one prompt as a batch), all of them alternating
+round by round (`dlm.bench.measure.interleaved`), so other work on shared cores slows them alike. A
+figure is a generation's CPU seconds (every thread of this process); the ratio of a 16-bit dtype's
+median to float32's is how many times faster float32 samples (below one: the 16-bit dtype is faster).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -22,9 +22,10 @@ import typer
 import dlm
 from benchmarks import harness
 from dlm.bench.measure import interleaved, round_ratios, spread
-from dlm.runtime.device import cpu_has_native_bfloat16, inference_dtype
+from dlm.runtime.device import cpu_has_native_bfloat16, cpu_has_native_float16, inference_dtype
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HALVES = ("bfloat16", "float16")  # each compared with float32
 
 
 def cpu_inference(
@@ -36,39 +37,46 @@ def cpu_inference(
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "cpu-inference",
     results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
 ) -> None:
-    """CPU seconds of sampling in bfloat16 over float32 on this CPU, one row and a batch, interleaved."""
+    """CPU seconds of sampling in bfloat16 and float16 over float32 on this CPU, one row and a batch."""
 
     if threads:
         torch.set_num_threads(threads)
     run = harness.start(name, model=str(model), length=length, rows=rows, rounds=rounds, threads=threads)
-    loaded = {name: dlm.load(model, dtype=dtype) for name, dtype in DTYPES.items()}
+    loaded = {dtype: dlm.load(model, dtype=torch_dtype) for dtype, torch_dtype in DTYPES.items()}
     parameters = loaded["float32"][0].num_parameters
 
-    def generation(name: str, samples: int) -> Callable[[], object]:
-        network, tokenizer = loaded[name]
+    def generation(dtype: str, samples: int) -> Callable[[], object]:
+        network, tokenizer = loaded[dtype]
         return lambda: dlm.sample(network, tokenizer, prompts=["ROMEO:"], length=length, num_samples=samples, seed=1)
 
     batches = {"one_row": 1, "batch": rows}
-    candidates = {f"{name}_{batch}": generation(name, samples) for batch, samples in batches.items() for name in DTYPES}
+    candidates = {
+        f"{dtype}_{batch}": generation(dtype, samples) for batch, samples in batches.items() for dtype in DTYPES
+    }
     timings = interleaved(candidates, rounds, progress=harness.progress)
-    seconds = {name: [timing.cpu_s for timing in kept] for name, kept in timings.items()}
-    figures: dict[str, object] = {
+    seconds = {candidate: [timing.cpu_s for timing in kept] for candidate, kept in timings.items()}
+    cpu = torch.device("cpu")
+    figures: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "native_bfloat16": cpu_has_native_bfloat16(),
+        "native_float16": cpu_has_native_float16(),
         "kernels": torch.backends.cpu.get_cpu_capability(),  # what ATEN_CPU_CAPABILITY left of the CPU's
-        "load_dtype": str(inference_dtype(torch.bfloat16, torch.device("cpu"), parameters)).removeprefix("torch."),
+        "load_dtype": {
+            half: str(inference_dtype(DTYPES[half], cpu, parameters)).removeprefix("torch.") for half in HALVES
+        },
         "parameters": parameters,
     }
     for batch in batches:
-        bf16, f32 = seconds[f"bfloat16_{batch}"], seconds[f"float32_{batch}"]
-        figures[batch] = {
-            "median_cpu_s": {"bfloat16": statistics.median(bf16), "float32": statistics.median(f32)},
-            "bfloat16_over_float32": statistics.median(bf16) / statistics.median(f32),
-            "rounds": spread(round_ratios(bf16, f32)),
-        }
+        single = seconds[f"float32_{batch}"]
+        figures[batch] = {"median_cpu_s": {dtype: statistics.median(seconds[f"{dtype}_{batch}"]) for dtype in DTYPES}}
+        for half in HALVES:
+            halved = seconds[f"{half}_{batch}"]
+            figures[batch][f"{half}_over_float32"] = statistics.median(halved) / statistics.median(single)
+            figures[batch][f"{half}_rounds"] = spread(round_ratios(halved, single))
     path = run.save(figures, {"cpu_s": seconds}, results=results)
     for batch, samples in batches.items():
-        ratio = figures[batch]["bfloat16_over_float32"]  # type: ignore[index]
-        typer.echo(f"{samples} row(s): bfloat16 takes {ratio:.2f}x float32's CPU time")
-    typer.echo(f"native bfloat16: {figures['native_bfloat16']}, dlm.load computes in {figures['load_dtype']}")
+        ratios = ", ".join(f"{half} {figures[batch][f'{half}_over_float32']:.2f}x" for half in HALVES)
+        typer.echo(f"{samples} row(s), CPU time over float32's: {ratios}")
+    loads = ", ".join(f"{half} as {dtype}" for half, dtype in figures["load_dtype"].items())
+    typer.echo(f"native bfloat16 {figures['native_bfloat16']}, float16 {figures['native_float16']}; dlm.load: {loads}")
     typer.echo(f"wrote {path}")

@@ -105,9 +105,14 @@ def test_cpu_inference(tiny_data_dir: Path, tmp_path: Path) -> None:
     arguments = [str(model), "--length", "4", "--rows", "2", "--rounds", "2"]
     figures = invoke("cpu-inference", tmp_path, *arguments)
     assert figures["threads"] == 1 and isinstance(figures["native_bfloat16"], bool)
-    assert figures["load_dtype"] == ("bfloat16" if figures["native_bfloat16"] else "float32")
+    assert figures["load_dtype"] == {
+        "bfloat16": "bfloat16" if figures["native_bfloat16"] else "float32",
+        "float16": "float16" if figures["native_float16"] else "float32",
+    }
     for batch in ("one_row", "batch"):
         seconds = figures[batch]["median_cpu_s"]
-        assert set(seconds) == {"bfloat16", "float32"} and all(value > 0 for value in seconds.values())
-        assert figures[batch]["bfloat16_over_float32"] == pytest.approx(seconds["bfloat16"] / seconds["float32"])
-        assert figures[batch]["rounds"]["median"] > 0
+        assert set(seconds) == {"bfloat16", "float16", "float32"} and all(value > 0 for value in seconds.values())
+        for half in ("bfloat16", "float16"):
+            ratio = figures[batch][f"{half}_over_float32"]
+            assert ratio == pytest.approx(seconds[half] / seconds["float32"])
+            assert figures[batch][f"{half}_rounds"]["median"] > 0

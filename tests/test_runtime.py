@@ -420,15 +420,30 @@ def test_inference_dtype_upcasts_bfloat16_only_where_the_cpu_emulates_it(
     other dtype, device and size keeps what was stored."""
 
     monkeypatch.setattr(device, "cpu_has_native_bfloat16", lambda: native)
+    monkeypatch.setattr(device, "cpu_has_native_float16", lambda: not native)  # each alone
     cpu, cap = torch.device("cpu"), device.CPU_FLOAT32_MAX_PARAMETERS
     expected = torch.bfloat16 if native else torch.float32
     assert device.inference_dtype(torch.bfloat16, cpu, 1000) == expected
     assert device.inference_dtype(torch.bfloat16, cpu, cap) == expected
     assert device.inference_dtype(torch.bfloat16, cpu, cap + 1) == torch.bfloat16  # its float32 copy: too big
-    for kept in (torch.float32, torch.float16, torch.float64):
+    assert device.inference_dtype(torch.float16, cpu, 1000) == (torch.float32 if native else torch.float16)
+    assert device.inference_dtype(torch.float16, cpu, cap + 1) == torch.float16
+    for kept in (torch.float32, torch.float64):
         assert device.inference_dtype(kept, cpu, 1000) == kept
     for other in ("cuda", "mps", "meta"):
         assert device.inference_dtype(torch.bfloat16, torch.device(other), 1000) == torch.bfloat16
+        assert device.inference_dtype(torch.float16, torch.device(other), 1000) == torch.float16
+
+
+def test_the_float16_probe_is_amx_fp16_and_never_under_a_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_fp16_supported", raising=False)
+    assert device.cpu_has_native_float16() is False  # a torch without the probe
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True, raising=False)
+    assert device.cpu_has_native_float16() is True
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert device.cpu_has_native_float16() is False
 
 
 @pytest.mark.parametrize(

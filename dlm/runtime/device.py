@@ -172,13 +172,27 @@ def compute_dtype(name: str) -> torch.dtype | None:
 
 def inference_dtype(stored: torch.dtype, device: torch.device, parameters: int) -> torch.dtype:
     """The dtype a model stored in `stored` computes in on `device` when none is asked for: its own,
-    except bfloat16 on a CPU that only emulates it (`cpu_has_native_bfloat16`), where a model of up to
-    `CPU_FLOAT32_MAX_PARAMETERS` computes in float32. There emulated bfloat16 matrix products cost
-    more than float32's (`python -m benchmarks cpu-inference` measures by how much)."""
+    except a 16-bit dtype on a CPU that only emulates it (bfloat16 without `cpu_has_native_bfloat16`,
+    float16 without `cpu_has_native_float16`), where a model of up to `CPU_FLOAT32_MAX_PARAMETERS`
+    computes in float32. There emulated 16-bit matrix products cost more than float32's (`python -m
+    benchmarks cpu-inference` measures bfloat16's; float16's is larger still)."""
 
-    if stored != torch.bfloat16 or device.type != "cpu" or parameters > CPU_FLOAT32_MAX_PARAMETERS:
+    if device.type != "cpu" or parameters > CPU_FLOAT32_MAX_PARAMETERS:
         return stored
-    return stored if cpu_has_native_bfloat16() else torch.float32
+    if stored == torch.bfloat16 and not cpu_has_native_bfloat16():
+        return torch.float32
+    if stored == torch.float16 and not cpu_has_native_float16():
+        return torch.float32
+    return stored
+
+
+def cpu_has_native_float16() -> bool:
+    """Whether this CPU multiplies float16 in hardware (AMX-FP16 tiles) and the kernels may: never under
+    an instruction-set cap (the caps of docs/reproducibility.md run an older CPU's kernels). A torch
+    without the private probe answers False."""
+
+    capped = any(os.environ.get(name) for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"))
+    return not capped and bool(getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)())
 
 
 def cpu_precision_note(device: torch.device, precision: str) -> str | None:
