@@ -243,7 +243,7 @@ def test_threshold_decoding_of_a_block_model_saves_passes(tokenizer: Tokenizer) 
 
 def test_cli_prompt_file_writes_one_record_per_prompt(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> None:
     model = transformer(tokenizer.get_vocab_size())
-    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device: (model, tokenizer))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device, dtype: (model, tokenizer))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO:\n\nTo be\n", encoding="utf-8")
     args = ["sample", "model", "--prompt-file", str(prompts), "--length", "8", "--steps", "8", "--seed", "3"]
@@ -263,7 +263,7 @@ def prompt_file(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: Any) -> Path:
     """Five prompts of different lengths, and a float64 model behind `dlm sample`."""
 
     model = transformer(tokenizer.get_vocab_size())
-    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device: (model, tokenizer))
+    monkeypatch.setattr("dlm.artifacts.loading.load_model", lambda path, device, dtype: (model, tokenizer))
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join([*RANKED, "Two households, both alike"]) + "\n", encoding="utf-8")
     return path

@@ -420,7 +420,7 @@ def fake_export(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> Iterat
 
     loaded: list[object] = []
 
-    def load_model(path: object, device: str = "cpu") -> tuple[nn.Module, Tokenizer]:
+    def load_model(path: object, device: str = "cpu", dtype: torch.dtype | None = None) -> tuple[nn.Module, Tokenizer]:
         loaded.append((path, device))
         return random_model(tokenizer), tokenizer
 
