@@ -33,8 +33,8 @@ def load(
 
     `dtype` None keeps the stored dtype (bfloat16 weights stay bfloat16), except on a CPU without
     native bfloat16 (no AVX512-BF16 or AMX), or for float16 weights without AMX-FP16, where a model
-    of up to 2^30 parameters computes in float32, which is faster there; pass `dtype=` to choose. The model records the noise
-    schedule it was trained with, which `sample` then follows.
+    of up to 2^30 parameters computes in float32, which is faster there; pass `dtype=` to choose. The
+    model records the noise schedule it was trained with, which `sample` then follows.
     """
 
     from dlm.artifacts.loading import load_model
