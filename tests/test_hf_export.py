@@ -63,6 +63,7 @@ def test_hf_export_files_config_and_tokenizer(hf_dir: Path, tiny_data_dir: Path)
     assert special.items() <= tokenizer_config.items()
     readme = (hf_dir / "README.md").read_text()  # both loads: transformers would otherwise ask first
     assert readme.count("trust_remote_code=True") == 2 and "from_pretrained" in readme
+    assert "add dtype=torch.float32" in readme  # where the CPU emulates the stored bfloat16
 
 
 def test_hf_weights_are_the_checkpoint_s_under_hf_names(hf_dir: Path, run_dir: Path) -> None:

@@ -169,6 +169,9 @@ def hf_card(name: str) -> str:
             "```python",
             "from transformers import AutoModelForMaskedLM, AutoTokenizer",
             "",
+            # transformers 5 loads the stored bfloat16, which a CPU without it emulates (docs/index.md, CPU notes).
+            "# On a CPU without native bfloat16 (no AVX512-BF16 or AMX), add dtype=torch.float32, which is",
+            "# faster there (torch_dtype= in older transformers).",
             f'model = AutoModelForMaskedLM.from_pretrained("{name}", trust_remote_code=True)',
             # The config's auto_map names dlm's code: without the flag transformers asks before using it.
             f'tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)',
