@@ -22,7 +22,7 @@ import typer
 import dlm
 from benchmarks import harness
 from dlm.bench.measure import interleaved, round_ratios, spread
-from dlm.runtime.device import cpu_has_native_bfloat16, cpu_has_native_float16, inference_dtype
+from dlm.runtime.device import cpu_has_native_bfloat16, cpu_has_native_float16, dtype_name, inference_dtype
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HALVES = ("bfloat16", "float16")  # each compared with float32
@@ -61,9 +61,7 @@ def cpu_inference(
         "native_bfloat16": cpu_has_native_bfloat16(),
         "native_float16": cpu_has_native_float16(),
         "kernels": torch.backends.cpu.get_cpu_capability(),  # what ATEN_CPU_CAPABILITY left of the CPU's
-        "load_dtype": {
-            half: str(inference_dtype(DTYPES[half], cpu, parameters)).removeprefix("torch.") for half in HALVES
-        },
+        "load_dtype": {half: dtype_name(inference_dtype(DTYPES[half], cpu, parameters)) for half in HALVES},
         "parameters": parameters,
     }
     for batch in batches:

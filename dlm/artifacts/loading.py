@@ -373,11 +373,11 @@ def build_model(
     on an accelerator) takes `weights` over: the dict is emptied as they are placed."""
 
     device = torch.device(device)
+    parameters = sum(tensor.numel() for tensor in {id(t): t for t in weights.values()}.values())  # tied: once
     if dtype is None:
         stored = next((t.dtype for t in weights.values() if t.is_floating_point()), torch.float32)
-        distinct = {id(tensor): tensor for tensor in weights.values()}.values()  # a tied head counts once
-        dtype = inference_dtype(stored, device, sum(tensor.numel() for tensor in distinct))
-    if device.type == "cpu" and sum(t.numel() for t in weights.values()) < _META_BUILD_MIN_PARAMETERS:
+        dtype = inference_dtype(stored, device, parameters)
+    if device.type == "cpu" and parameters < _META_BUILD_MIN_PARAMETERS:
         model = _built_and_copied(config, weights, dtype, source)
     else:
         model = _built_on_meta(config, weights, device, dtype, source)

@@ -176,7 +176,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
     from dlm.artifacts.loading import load_model_with_info
     from dlm.bench.generation import benchmark_generation, check_judge_tokenizer, report_table
     from dlm.bench.measure import machine_stamp
-    from dlm.runtime.device import compute_dtype
+    from dlm.runtime.device import compute_dtype, dtype_name
 
     device, wanted = options.pop("device"), compute_dtype(options.pop("dtype"))
     loaded = load_model_with_info(model_path, device=device, dtype=wanted)
@@ -188,7 +188,7 @@ def _generate_command(model_path: Path, judge_path: Path | None, options: dict[s
         judge = judged.model
     judge_name = "the model itself" if judge_path is None else str(judge_path)
     # What the rates hang on besides the machine (a bfloat16 export computes in float32 on a CPU without it).
-    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
+    dtype = dtype_name(next(iter(model.parameters())).dtype)
     if wants_json(as_json):
         report = benchmark_generation(model, tokenizer, judge=judge, judge_name=judge_name, **options)
         print_json(report.to_dict() | {"dtype": dtype, "machine": machine_stamp().to_dict()})

@@ -191,10 +191,10 @@ def _computes(model: DiffusionTransformer) -> str:
     native bfloat16 says so."""
 
     from dlm.config.shapes import format_parameter_count
+    from dlm.runtime.device import dtype_name
 
     weight = next(iter(model.parameters()))
-    dtype = str(weight.dtype).removeprefix("torch.")
-    return f"{format_parameter_count(model.num_parameters)} parameters in {dtype} on {weight.device}"
+    return f"{format_parameter_count(model.num_parameters)} parameters in {dtype_name(weight.dtype)} on {weight.device}"
 
 
 def register(app: typer.Typer) -> None:

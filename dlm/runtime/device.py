@@ -162,6 +162,12 @@ COMPUTE_DTYPES: dict[ComputeDtype, torch.dtype | None] = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as `--dtype` and the result files name it (`bfloat16`, not `torch.bfloat16`)."""
+
+    return str(dtype).removeprefix("torch.")
+
+
 def compute_dtype(name: str) -> torch.dtype | None:
     """The torch dtype `--dtype NAME` asks for (None: auto), or a UserError naming the choices."""
 
@@ -191,7 +197,8 @@ def cpu_has_native_float16() -> bool:
     an instruction-set cap (the caps of docs/reproducibility.md run an older CPU's kernels). A torch
     without the private probe answers False."""
 
-    capped = any(os.environ.get(name) for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"))
+    onednn = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    capped = onednn != "ALL" or os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
     return not capped and bool(getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)())
 
 

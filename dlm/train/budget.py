@@ -273,7 +273,7 @@ class BudgetedTraining:
         starts: a refused or killed start then leaves the directory as it was."""
 
         device = self.experiment.training.device
-        warning = memory_warning(self.experiment, resolve_device(device))  # the loop's own check comes later
+        warning = memory_warning(self.experiment, resolve_device(device))  # its steps come before the loop's
         if warning is not None:
             self.note(warning)
         self.stage("calibrate", "running", detail=f"timing {CALIBRATION_STEPS} training steps on {device}")

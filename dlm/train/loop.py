@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from pathlib import Path
 
 from dlm import __version__
@@ -46,7 +47,7 @@ from dlm.artifacts.sharded_checkpoint import remove_incomplete_checkpoints
 from dlm.config.schema import ExperimentConfig
 from dlm.config.shapes import format_parameter_count
 from dlm.data.tokenizer import tokenizer_sha256
-from dlm.errors import UserError
+from dlm.errors import UserError, UserNote
 from dlm.runtime.allocator import keep_freed_memory
 from dlm.runtime.device import cpu_precision_note, resolve_compile, resolve_device, resolve_training_precision
 from dlm.runtime.kernels import configure_cuda_backends, process_settings_restored
@@ -58,7 +59,7 @@ from dlm.train.distributed import (
 from dlm.train.init_from import initial_weights
 from dlm.train.loggers import check_loggers, open_loggers
 from dlm.train.memory import trainable_parameter_count
-from dlm.train.preflight import ensure_valid
+from dlm.train.preflight import ensure_valid, memory_warning
 from dlm.train.step import TrainingStep
 from dlm.train.stop import StopSignals
 from dlm.train.trainer import Pacer, Trainer, TrainResult
@@ -149,8 +150,10 @@ def _train(
     configure_cuda_backends(device, config.require_fused_attention)
     threads = configure_cpu_threads(device, world.world_size)  # threads for the free cores, not all of them
     keep_freed_memory(device)  # on the CPU each step reuses the last one's memory: no page faults
-    # Memory too, before any allocation; a run on a time budget heard the warning before its calibration.
-    ensure_valid(experiment, device, world.world_size, warn=world.is_main and pacer is None)
+    ensure_valid(experiment, device, world.world_size)  # memory included: before any allocation or write
+    # A run on a time budget heard this before its calibration (`dlm.train.budget`), which trains steps too.
+    if world.is_main and pacer is None and (note := memory_warning(experiment, device)) is not None:
+        warnings.warn(note, UserNote, stacklevel=2)
     check_parallelism(config)
     run_dir = config.output_dir
     resume = None if resume is None else Path(resume)

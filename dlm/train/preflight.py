@@ -12,7 +12,6 @@ or the number of epochs is large for the training data. Warnings never fail `dlm
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from dlm.data.tokenizer import (
     special_token_id,
     tokenizer_sha256,
 )
-from dlm.errors import UserError, UserNote
+from dlm.errors import UserError
 from dlm.fileio import check_writable_directory
 from dlm.runtime.device import resolve_device, resolve_training_precision
 from dlm.train.init_from import adopt_source_model
@@ -410,28 +409,18 @@ def validate_config_file(
     return experiment, [schema, *results]
 
 
-def ensure_valid(
-    experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1, warn: bool = True
-) -> None:
-    """Raise the first failed check as a UserError (the training loop's pre-flight). With `warn`, a
-    memory estimate past the free memory, which does not refuse (its activations are approximate), is
-    a `UserNote`: on the CPU the system would otherwise end the run without a word once it runs out."""
+def ensure_valid(experiment: ExperimentConfig, device: torch.device | None = None, world_size: int = 1) -> None:
+    """Raise the first failed check as a UserError (the training loop's pre-flight)."""
 
     for result in validate_experiment(experiment, device, world_size):
         if not result.passed:
             raise UserError(f"{result.name}: {result.detail}", fix=result.fix or None)
-        if warn and result.name == "memory" and result.fix:
-            warnings.warn(_memory_warning(result), UserNote, stacklevel=2)
 
 
 def memory_warning(experiment: ExperimentConfig, device: torch.device) -> str | None:
-    """The warning `ensure_valid` gives when the activations may not fit the free memory (None: they fit,
-    or the model state does not, which the run itself refuses): for a run that trains steps before its
-    loop starts, as a time budget's calibration does."""
+    """What to tell a run whose activations may not fit the free memory, before its first step (None:
+    they fit, or the model state does not, which `ensure_valid` refuses). It is no refusal (the activation
+    figure is an estimate), but on the CPU the system would otherwise end the run without a word."""
 
     result = _memory_check(experiment, device, 1, None)
-    return _memory_warning(result) if result.passed and result.fix else None
-
-
-def _memory_warning(result: CheckResult) -> str:
-    return f"memory: {result.detail} ({result.fix})"
+    return f"memory: {result.detail} ({result.fix})" if result.passed and result.fix else None
