@@ -7,10 +7,14 @@ request with each (one row, and `--rows` samples of one prompt as a batch), all 
 round by round (`dlm.bench.measure.interleaved`), so other work on shared cores slows them alike. A
 figure is a generation's CPU seconds (every thread of this process); the ratio of a 16-bit dtype's
 median to float32's is how many times faster float32 samples (below one: the 16-bit dtype is faster).
+Beside the speed, in the same run, the quality of each dtype's samples (`--quality-seeds` batches of
+`--rows` samples): judge perplexity under the model itself in float32 (its Monte Carlo ELBO), unigram
+entropy and distinct bigrams, each as a change against float32's samples.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +25,7 @@ import typer
 
 import dlm
 from benchmarks import harness
+from dlm.bench.generation import distinct_ngrams, judge_nll, unigram_entropy
 from dlm.bench.measure import interleaved, round_ratios, spread
 from dlm.runtime.device import cpu_has_native_bfloat16, cpu_has_native_float16, dtype_name, inference_dtype
 
@@ -34,6 +39,7 @@ def cpu_inference(
     rows: Annotated[int, typer.Option(help="Samples of the batched generation.")] = 16,
     rounds: Annotated[int, typer.Option(min=1, help="Timed generations of each kind, alternating.")] = 8,
     threads: Annotated[int, typer.Option(help="torch threads (0: torch's own).")] = 1,
+    quality_seeds: Annotated[int, typer.Option(min=1, help="Batches of --rows samples judged per dtype.")] = 4,
     name: Annotated[str, typer.Option(help="Name of the result file.")] = "cpu-inference",
     results: Annotated[Path, typer.Option(help="Directory of the result file.")] = harness.RESULTS,
 ) -> None:
@@ -41,7 +47,9 @@ def cpu_inference(
 
     if threads:
         torch.set_num_threads(threads)
-    run = harness.start(name, model=str(model), length=length, rows=rows, rounds=rounds, threads=threads)
+    run = harness.start(
+        name, model=str(model), length=length, rows=rows, rounds=rounds, threads=threads, quality_seeds=quality_seeds
+    )
     loaded = {dtype: dlm.load(model, dtype=torch_dtype) for dtype, torch_dtype in DTYPES.items()}
     parameters = loaded["float32"][0].num_parameters
 
@@ -71,10 +79,43 @@ def cpu_inference(
             halved = seconds[f"{half}_{batch}"]
             figures[batch][f"{half}_over_float32"] = statistics.median(halved) / statistics.median(single)
             figures[batch][f"{half}_rounds"] = spread(round_ratios(halved, single))
+    figures["quality"] = _quality(loaded, length, rows, quality_seeds)
     path = run.save(figures, {"cpu_s": seconds}, results=results)
     for batch, samples in batches.items():
         ratios = ", ".join(f"{half} {figures[batch][f'{half}_over_float32']:.2f}x" for half in HALVES)
         typer.echo(f"{samples} row(s), CPU time over float32's: {ratios}")
     loads = ", ".join(f"{half} as {dtype}" for half, dtype in figures["load_dtype"].items())
+    quality = figures["quality"]
+    for half in HALVES:
+        change = quality[half]
+        typer.echo(
+            f"{half} samples against float32's: judge perplexity {change['perplexity_change']:+.1%}, "
+            f"entropy {change['entropy_change']:+.1%}, distinct-2 {change['distinct_2_change']:+.1%}"
+        )
     typer.echo(f"native bfloat16 {figures['native_bfloat16']}, float16 {figures['native_float16']}; dlm.load: {loads}")
     typer.echo(f"wrote {path}")
+
+
+def _quality(loaded: dict[str, Any], length: int, rows: int, seeds: int) -> dict[str, dict[str, float]]:
+    """Each dtype's samples (`seeds` batches of `rows`, seeds 0, 1, ...) judged by the model in float32:
+    judge perplexity, unigram entropy and distinct-2, and for a 16-bit dtype their changes against float32's."""
+
+    judge = loaded["float32"][0]
+    figures: dict[str, dict[str, float]] = {}
+    for dtype, (network, tokenizer) in loaded.items():
+        generated: list[list[int]] = []
+        for seed in range(seeds):
+            result = dlm.sample(network, tokenizer, prompts=["ROMEO:"], length=length, num_samples=rows, seed=seed)
+            generated += [ids[start:] for ids, start in zip(result.token_ids, result.prompt_tokens, strict=True)]
+        figures[dtype] = {
+            "judge_perplexity": math.exp(judge_nll(judge, generated)),
+            "unigram_entropy_bits": unigram_entropy(generated),
+            "distinct_2": distinct_ngrams(generated),
+        }
+    reference = figures["float32"]
+    for half in HALVES:
+        own = figures[half]
+        own["perplexity_change"] = own["judge_perplexity"] / reference["judge_perplexity"] - 1
+        own["entropy_change"] = own["unigram_entropy_bits"] / reference["unigram_entropy_bits"] - 1
+        own["distinct_2_change"] = own["distinct_2"] / reference["distinct_2"] - 1
+    return figures

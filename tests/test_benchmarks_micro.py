@@ -102,7 +102,7 @@ def test_cpu_inference(tiny_data_dir: Path, tmp_path: Path) -> None:
     from dlm.artifacts.export import export_model
 
     model = export_model(train_tiny_run(tiny_data_dir, tmp_path / "run"), tmp_path / "model")
-    arguments = [str(model), "--length", "4", "--rows", "2", "--rounds", "2"]
+    arguments = [str(model), "--length", "4", "--rows", "2", "--rounds", "2", "--quality-seeds", "1"]
     figures = invoke("cpu-inference", tmp_path, *arguments)
     assert figures["threads"] == 1 and isinstance(figures["native_bfloat16"], bool)
     assert figures["load_dtype"] == {
@@ -116,3 +116,9 @@ def test_cpu_inference(tiny_data_dir: Path, tmp_path: Path) -> None:
             ratio = figures[batch][f"{half}_over_float32"]
             assert ratio == pytest.approx(seconds[half] / seconds["float32"])
             assert figures[batch][f"{half}_rounds"]["median"] > 0
+    quality = figures["quality"]  # beside the speed, from the same run
+    assert set(quality) == {"bfloat16", "float16", "float32"}
+    assert all(row["judge_perplexity"] > 1 and row["unigram_entropy_bits"] > 0 for row in quality.values())
+    for half in ("bfloat16", "float16"):
+        expected = quality[half]["judge_perplexity"] / quality["float32"]["judge_perplexity"] - 1
+        assert quality[half]["perplexity_change"] == pytest.approx(expected)
