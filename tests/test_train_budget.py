@@ -323,7 +323,7 @@ def test_a_late_slowdown_is_caught_on_the_clock_and_the_schedule_still_reaches_i
 
     def busy_machine(event: StreamEvent) -> None:
         events.append(event)
-        if isinstance(event, TrainEvent) and time.perf_counter() - started > 6.0:
+        if isinstance(event, TrainEvent) and time.perf_counter() - started > 8.0:
             time.sleep(0.08)
         if isinstance(event, CheckpointEvent):
             plan = TrainingPlan.load(tmp_path / "run")
@@ -335,7 +335,9 @@ def test_a_late_slowdown_is_caught_on_the_clock_and_the_schedule_still_reaches_i
             assert {name: getattr(plan, name) for name in fields} == {name: trained_with[name] for name in fields}
             assert {name: on_disk[name] for name in fields} == {name: trained_with[name] for name in fields}
 
-    training = BudgetedTraining(experiment, 0.15, calibrate=fake_calibrator(0.02), emit=busy_machine)
+    # 12 s, 4 of them after the slowdown: room for several re-fits, so that a slower or busy machine,
+    # whose steps also vary by themselves, still ends complete (at 9 s it ended paused once in a while).
+    training = BudgetedTraining(experiment, 0.2, calibrate=fake_calibrator(0.02), emit=busy_machine)
     plan, step, result = training.run()
     # Complete: the deadline (the budget) never had to stop it.
     assert result is not None and result.status == "complete" and step == plan.max_steps
