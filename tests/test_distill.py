@@ -717,6 +717,22 @@ def test_dlm_distill_on_the_teachers_own_samples(teacher: Path, tiny_data_dir: P
     neither.assert_refused("give one of --data")
 
 
+def test_teacher_samples_are_reused_only_in_the_dtype_they_were_drawn_in(teacher: Path, tmp_path: Path) -> None:
+    from dlm.distill.samples import RECORD_NAME, SAMPLES_NAME, teacher_samples
+
+    output = teacher_samples(teacher, 16, tmp_path / "run")
+    record = json.loads((output / RECORD_NAME).read_text())
+    assert record["compute_dtype"] == "float32"  # the test teacher is stored in float32
+    written = (output / SAMPLES_NAME).stat().st_mtime_ns
+    assert teacher_samples(teacher, 16, tmp_path / "run") == output  # the same call: reused
+    assert (output / SAMPLES_NAME).stat().st_mtime_ns == written
+    # Samples a machine drew in bfloat16 are not this machine's: drawn again, and recorded as such.
+    (output / RECORD_NAME).write_text(json.dumps(record | {"compute_dtype": "bfloat16"}))
+    teacher_samples(teacher, 16, tmp_path / "run")
+    assert (output / SAMPLES_NAME).stat().st_mtime_ns != written
+    assert json.loads((output / RECORD_NAME).read_text())["compute_dtype"] == "float32"
+
+
 @pytest.mark.hf_extra
 def test_transformers_generates_in_the_students_steps(student: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")

@@ -6,7 +6,10 @@ samples of its context length in its default steps (batches of BATCH rows, batch
 so the same call writes the same samples), they are written as JSON lines and packed with the
 teacher's tokenizer (`dlm.data.pack.pack_corpus`, VAL_FRACTION of them held out for validation, and
 at least about VAL_SAMPLES) into `RUN/teacher-samples/`. A complete directory there, of the same
-teacher and count, is reused: a second call (or a resume after a stop) does not sample again.
+teacher, count, seed and compute dtype, is reused: a second call (or a resume after a stop) does not
+sample again. The dtype is part of it because the teacher computes in the one this CPU computes best
+(`dlm.runtime.device.inference_dtype`): samples drawn in bfloat16 elsewhere are not the ones this
+machine draws.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dlm.artifacts.run_dir import check_run_target, check_source_kept, metadata_
 from dlm.data.pack import pack_corpus
 from dlm.errors import UserError
 from dlm.fileio import atomic_path, atomic_write_json
+from dlm.runtime.device import dtype_name
 from dlm.sampling.generation import generate
 
 SAMPLES_DIR = "teacher-samples"
@@ -61,6 +65,7 @@ def teacher_samples(
         "seed": seed,
         "teacher_step": loaded.info.step,
         "teacher_tokenizer_sha256": loaded.info.tokenizer_sha256,
+        "compute_dtype": dtype_name(next(loaded.model.parameters()).dtype),
     }
     if _complete(output) == wanted:
         return output
@@ -99,4 +104,5 @@ def _complete(output: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or not (output / "train.bin").is_file():
         return None
-    return {key: record.get(key) for key in ("teacher", "count", "seed", "teacher_step", "teacher_tokenizer_sha256")}
+    keys = ("teacher", "count", "seed", "teacher_step", "teacher_tokenizer_sha256", "compute_dtype")
+    return {key: record.get(key) for key in keys}
