@@ -28,6 +28,12 @@ cost over the others'. The step is the one the options make halfway through the 
 current block on over the cached prefix (`--cache prefix`), the block alone over the cached rest
 (`--cache dual`), or one model block over the cached prefix (a block model's exact cache).
 
+`serve` times that pass too, in the same rounds as the clients (`PASSES_A_PHASE` passes of one row and of
+C rows each round, scoring 2 positions a row as a served step does): each client count's `pass_saving`
+(one row's cost per row over C rows', round medians) and the served and engine rates over it
+(`served_over_saving`, `engine_over_saving`), so that what batching gets and the most it could get are
+read from one run on one machine, whatever else the machine is doing meanwhile.
+
 Both the server and this process run `--threads` intra-op threads (default 1: on shared cores,
 threads beyond the free ones spin against other work and can make a pass several times slower;
 0: one a core, torch's own default).
@@ -71,6 +77,8 @@ Device = Annotated[str, typer.Option(help="Where the model runs, on both sides."
 BlockLength = Annotated[int | None, typer.Option(help="The sampler's block_length.")]
 Cache = Annotated[Literal["prefix", "dual"] | None, typer.Option(help="The sampler's cache.")]
 Results = Annotated[Path, typer.Option(help="Directory of the result file.")]
+PASSES_A_PHASE = 50  # passes a pass phase times: a pass alone is a few milliseconds, too short to time
+SCORED = 2  # positions a row of a pass phase scores: a served step at one token a pass reveals 1.58 on average
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -374,6 +382,9 @@ def serve(
             name = f"{phase}_{count}"
             phases[name] = []
             candidates[name] = recording(measure, phases[name])
+    per_row_ms: dict[int, list[float]] = {count: [] for count in sorted({1, *counts})}
+    for count, kept in per_row_ms.items():
+        candidates[f"pass_{count}"] = pass_phase(loaded, count, tokens, cache, block_length, device, kept)
     try:
         interleaved(candidates, rounds, warmup=0, timer=self_timed, progress=harness.progress)
     finally:
@@ -381,11 +392,15 @@ def serve(
         for each in engines:
             each.stop(60)
     figures = {
-        f"clients_{count}": client_figures(
-            phases[f"alone_{count}"],
-            phases[f"served_{count}"],
-            phases[f"engine_{count}"],
-            samplers=phases.get(f"samplers_{count}"),
+        f"clients_{count}": with_pass_saving(
+            client_figures(
+                phases[f"alone_{count}"],
+                phases[f"served_{count}"],
+                phases[f"engine_{count}"],
+                samplers=phases.get(f"samplers_{count}"),
+            ),
+            per_row_ms,
+            count,
         )
         for count in counts
     }
@@ -393,6 +408,7 @@ def serve(
         name: [without_timing(result) | {"cpu_s": result["timing"].cpu_s} for result in kept]
         for name, kept in phases.items()
     }
+    raw |= {f"pass_{count}": [{"ms_per_row": ms} for ms in kept] for count, kept in per_row_ms.items()}
     path = run.save(figures, raw, results=results)
     typer.echo(table(figures, stream))
     typer.echo(f"wrote {path}")
@@ -411,6 +427,42 @@ def recording(measure: Callable[[], dict[str, Any]], into: list[dict[str, Any]])
 
 def without_timing(result: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in result.items() if key != "timing"}
+
+
+def pass_phase(
+    model: Any, rows: int, tokens: int, cache: str | None, block_length: int | None, device: str, into: list[float]
+) -> Callable[[], Timing]:
+    """A self-timed candidate: `PASSES_A_PHASE` forward passes of one denoising step over `rows` rows
+    (`step_pass`), each round's milliseconds per row kept in `into`."""
+
+    step = step_pass(model, rows, tokens, cache, block_length, device, SCORED)
+    on_cuda = torch.device(device).type == "cuda"
+
+    def candidate() -> Timing:
+        def passes() -> None:
+            with torch.inference_mode():
+                for _ in range(PASSES_A_PHASE):
+                    step()
+            if on_cuda:
+                torch.cuda.synchronize()  # time the passes, not their launch
+
+        timing = timed(passes)
+        into.append(1000 * timing.wall_s / PASSES_A_PHASE / rows)
+        return timing
+
+    return candidate
+
+
+def with_pass_saving(figures: dict[str, Any], per_row_ms: dict[int, list[float]], count: int) -> dict[str, Any]:
+    """`figures` with the shared pass's saving per row at `count` rows (one row's cost over its, the rounds'
+    medians) and the served and engine rates over one at a time against that saving."""
+
+    saving = statistics.median(per_row_ms[1]) / statistics.median(per_row_ms[count])
+    return figures | {
+        "pass_saving": saving,
+        "served_over_saving": figures["speedup"] / saving,
+        "engine_over_saving": figures["engine_speedup"] / saving,
+    }
 
 
 def client_figures(
@@ -457,23 +509,28 @@ def client_figures(
 
 
 def table(figures: dict[str, Any], stream: bool) -> str:
-    first = " | p50 first text served | p99 first text served" if stream else ""
-    lines = [
-        "| clients | one at a time tok/s | served tok/s | served / one at a time | engine / one at a time "
-        f"| p50 alone | p99 alone | p50 served | p99 served{first} |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if stream else "") + "|",
+    """The figures as a Markdown table, a row per client count (the columns each row has)."""
+
+    sample: dict[str, Any] = next(iter(figures.values()), {})
+    extra = [
+        ("p50 first text served", lambda row: f"{row['served']['first_text_p50']:.3f} s", stream),
+        ("p99 first text served", lambda row: f"{row['served']['first_text_p99']:.3f} s", stream),
+        ("own samplers / one at a time", lambda row: f"{row['samplers_speedup']:.1f}x", "samplers" in sample),
+        ("pass saving per row", lambda row: f"{row['pass_saving']:.2f}x", "pass_saving" in sample),
+        ("served / pass saving", lambda row: f"{row['served_over_saving']:.2f}", "pass_saving" in sample),
     ]
+    extra = [column for column in extra if column[2]]
+    names = "| clients | one at a time tok/s | served tok/s | served / one at a time | engine / one at a time "
+    names += "| p50 alone | p99 alone | p50 served | p99 served |"
+    lines = [names + "".join(f" {name} |" for name, _, _ in extra), "|" + "---:|" * (9 + len(extra))]
     for key, row in figures.items():
         alone, server = row["alone"], row["served"]
-        firsts = f" | {server['first_text_p50']:.3f} s | {server['first_text_p99']:.3f} s" if stream else ""
-        if "samplers" in row:
-            firsts += f" | own samplers {row['samplers_speedup']:.1f}x"
-        lines.append(
-            f"| {key.removeprefix('clients_')} | {alone['tokens_per_second']:.0f} | "
-            f"{server['tokens_per_second']:.0f} | {row['speedup']:.1f}x | {row['engine_speedup']:.1f}x | "
-            f"{alone['p50']:.3f} s | "
-            f"{alone['p99']:.3f} s | {server['p50']:.3f} s | {server['p99']:.3f} s{firsts} |"
-        )
+        cells = [key.removeprefix("clients_")]
+        cells += [f"{alone['tokens_per_second']:.0f}", f"{server['tokens_per_second']:.0f}", f"{row['speedup']:.1f}x"]
+        cells += [f"{row['engine_speedup']:.1f}x"]
+        cells += [f"{figure:.3f} s" for figure in (alone["p50"], alone["p99"], server["p50"], server["p99"])]
+        cells += [cell(row) for _, cell, _ in extra]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -1062,3 +1063,8 @@ def test_the_serving_benchmark_compares_served_with_one_at_a_time(model_dir: Pat
         # The engine with every request on its own sampler, in the same rounds.
         assert row["samplers_speedup"] == row["samplers"]["tokens_per_second"] / row["alone"]["tokens_per_second"]
         assert len(result["rounds"][f"samplers_{count}"]) == 1 and row["engine_over_samplers"]["median"] > 0
+        # The shared pass's saving per row, timed in the same rounds, and the rates against it.
+        one, own = (statistics.median(r["ms_per_row"] for r in result["rounds"][f"pass_{n}"]) for n in (1, count))
+        assert row["pass_saving"] == one / own and (count > 1 or row["pass_saving"] == 1)
+        assert row["served_over_saving"] == row["speedup"] / row["pass_saving"]
+        assert row["engine_over_saving"] == row["engine_speedup"] / row["pass_saving"]
