@@ -25,7 +25,7 @@ import typer
 
 import dlm
 from benchmarks import harness
-from dlm.bench.generation import distinct_ngrams, judge_nll, unigram_entropy
+from dlm.bench.generation import distinct_ngrams, judge_nll, quality_changes, unigram_entropy
 from dlm.bench.measure import interleaved, round_ratios, spread
 from dlm.runtime.device import cpu_has_native_bfloat16, cpu_has_native_float16, dtype_name, inference_dtype
 
@@ -112,10 +112,6 @@ def _quality(loaded: dict[str, Any], length: int, rows: int, seeds: int) -> dict
             "unigram_entropy_bits": unigram_entropy(generated),
             "distinct_2": distinct_ngrams(generated),
         }
-    reference = figures["float32"]
     for half in HALVES:
-        own = figures[half]
-        own["perplexity_change"] = own["judge_perplexity"] / reference["judge_perplexity"] - 1
-        own["entropy_change"] = own["unigram_entropy_bits"] / reference["unigram_entropy_bits"] - 1
-        own["distinct_2_change"] = own["distinct_2"] / reference["distinct_2"] - 1
+        figures[half] |= quality_changes(figures[half], figures["float32"])
     return figures

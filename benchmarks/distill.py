@@ -125,7 +125,13 @@ def measure(
 ) -> tuple[list[Figures], dict[str, Any]]:
     """Every model's figures over the seeds, and the raw rounds (CPU and wall seconds by seed and model)."""
 
-    from dlm.bench.generation import distinct_ngrams, judge_row_nlls, token_weighted, unigram_entropy
+    from dlm.bench.generation import (
+        distinct_ngrams,
+        judge_row_nlls,
+        quality_changes,
+        token_weighted,
+        unigram_entropy,
+    )
     from dlm.sampling.generation import generate
 
     torch.set_num_threads(1)
@@ -176,12 +182,9 @@ def measure(
     first, last = rows[0], rows[-1]
     figures = [
         Figures(
-            **row,
+            **(row | quality_changes(row, first)),
             speedup=row["tokens_per_cpu_second"] / first["tokens_per_cpu_second"],
             over_last=row["tokens_per_cpu_second"] / last["tokens_per_cpu_second"],
-            perplexity_change=row["judge_perplexity"] / first["judge_perplexity"] - 1,
-            entropy_change=row["unigram_entropy_bits"] / first["unigram_entropy_bits"] - 1,
-            distinct_2_change=row["distinct_2"] / first["distinct_2"] - 1,
             perplexity_change_low=low,
             perplexity_change_high=high,
         )

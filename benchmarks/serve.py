@@ -435,16 +435,13 @@ def pass_phase(
     """A self-timed candidate: `PASSES_A_PHASE` forward passes of one denoising step over `rows` rows
     (`step_pass`), each round's milliseconds per row kept in `into`."""
 
-    step = step_pass(model, rows, tokens, cache, block_length, device, SCORED)
-    on_cuda = torch.device(device).type == "cuda"
+    step = synchronized(step_pass(model, rows, tokens, cache, block_length, device, SCORED), device)
 
     def candidate() -> Timing:
         def passes() -> None:
             with torch.inference_mode():
                 for _ in range(PASSES_A_PHASE):
                     step()
-            if on_cuda:
-                torch.cuda.synchronize()  # time the passes, not their launch
 
         timing = timed(passes)
         into.append(1000 * timing.wall_s / PASSES_A_PHASE / rows)
@@ -534,6 +531,19 @@ def table(figures: dict[str, Any], stream: bool) -> str:
     return "\n".join(lines)
 
 
+def synchronized(step: Callable[[], object], device: str) -> Callable[[], object]:
+    """`step`, waiting on CUDA for its kernels to finish: a timer then times the pass, not its launch."""
+
+    if torch.device(device).type != "cuda":
+        return step
+
+    def go() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return go
+
+
 def step_pass(
     model: Any,
     rows: int,
@@ -609,18 +619,10 @@ def serve_pass_cost(
         scored=scored,
     )
     loaded, _ = dlm.load(model, device=device)
-    on_cuda = torch.device(device).type == "cuda"
-
-    def synchronized(step: Callable[[], object]) -> Callable[[], None]:
-        def go() -> None:
-            step()
-            if on_cuda:
-                torch.cuda.synchronize()  # time the pass, not its launch
-
-        return go
-
     passes = {
-        f"rows_{count}": synchronized(step_pass(loaded, count, tokens, cache, block_length, device, scored or None))
+        f"rows_{count}": synchronized(
+            step_pass(loaded, count, tokens, cache, block_length, device, scored or None), device
+        )
         for count in counts
     }
     with torch.inference_mode():

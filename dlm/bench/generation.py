@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,6 +197,17 @@ def distinct_ngrams(token_ids: list[list[int]], n: int = 2) -> float:
 
     grams = [tuple(row[i : i + n]) for row in token_ids for i in range(len(row) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def quality_changes(figures: Mapping[str, float], reference: Mapping[str, float]) -> dict[str, float]:
+    """Samples' judge perplexity, unigram entropy and distinct-2 (`judge_perplexity`, `unigram_entropy_bits`,
+    `distinct_2`) as changes against a reference's from the same run: value / reference - 1."""
+
+    return {
+        "perplexity_change": figures["judge_perplexity"] / reference["judge_perplexity"] - 1,
+        "entropy_change": figures["unigram_entropy_bits"] / reference["unigram_entropy_bits"] - 1,
+        "distinct_2_change": figures["distinct_2"] / reference["distinct_2"] - 1,
+    }
 
 
 def _row_nll(judge: Denoiser, clean: torch.Tensor, mc_samples: int, generator: torch.Generator) -> float:

@@ -34,8 +34,8 @@ DtypeOption = Annotated[
     ComputeDtype,
     typer.Option(
         "--dtype",
-        help="The dtype the model computes in (auto: as stored, but float32 for bfloat16 weights on a CPU "
-        "without native bfloat16, where it is faster).",
+        help="The dtype the model computes in (auto: as stored, but float32 for bfloat16 or float16 weights "
+        "on a CPU that only emulates them, where it is faster).",
     ),
 ]
 DemoDeviceOption = Annotated[str | None, typer.Option("--device", help=f"{_DEVICES} (default: the config's).")]

@@ -126,9 +126,16 @@ def cpu_kernels_capped_below_bfloat16() -> bool:
     docs/reproducibility.md uses them to run the kernels of another CPU.
     """
 
+    onednn, aten_capped = _kernel_caps()
+    return onednn in _ONEDNN_BELOW_BFLOAT16 or aten_capped
+
+
+def _kernel_caps() -> tuple[str, bool]:
+    """oneDNN's instruction-set cap as set (upper case; "" unset) and whether ATen's kernels are capped
+    below AVX-512 (`default` or `avx2`, case-sensitive as ATen reads it)."""
+
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    aten_capped = os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
-    return onednn.strip().upper() in _ONEDNN_BELOW_BFLOAT16 or aten_capped
+    return onednn.strip().upper(), os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
 
 
 def cpu_has_native_bfloat16() -> bool:
@@ -197,8 +204,8 @@ def cpu_has_native_float16() -> bool:
     an instruction-set cap (the caps of docs/reproducibility.md run an older CPU's kernels). A torch
     without the private probe answers False."""
 
-    onednn = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
-    capped = onednn != "ALL" or os.environ.get("ATEN_CPU_CAPABILITY") in ("default", "avx2")
+    onednn, aten_capped = _kernel_caps()
+    capped = onednn not in ("", "ALL") or aten_capped  # AMX-FP16 is oneDNN's top set: any other cap is below it
     return not capped and bool(getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)())
 
 
